@@ -1,0 +1,47 @@
+"""The ``appliance`` command. Commands parse options and call library functions; nothing else.
+
+User-facing errors are :class:`appliance.errors.ApplianceError`; they print as one line and exit
+with the error's code. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .. import __version__
+from ..errors import ApplianceError
+from .demo import demo
+from .devmodel import devmodel
+from .local import local
+from .profiles import profiles
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class ApplianceGroup(click.Group):
+    """Turns an ApplianceError anywhere below into ``Error: ...`` and its exit code."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except ApplianceError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+
+@click.group(cls=ApplianceGroup, context_settings=CONTEXT)
+@click.version_option(__version__, prog_name="appliance")
+def cli() -> None:
+    """Serve Gemma 4 on vLLM with Gemma 4 MTP speculative decoding."""
+
+
+cli.add_command(devmodel)
+cli.add_command(local)
+cli.add_command(profiles)
+cli.add_command(demo)
+
+
+def main() -> None:
+    cli()

@@ -1,0 +1,26 @@
+"""``appliance demo``: the main job on a fresh machine."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from .. import demo as demo_lib
+from ..engine import local as engine
+from .local import progress_printer
+
+
+@click.command()
+@click.option("--calls", type=click.IntRange(1, 100), default=4, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1, 400), default=64, show_default=True)
+@click.option("json_", "--json", is_flag=True, help="Print the records as JSON.")
+def demo(calls: int, max_tokens: int, json_: bool) -> None:
+    """Start the real CPU engine (cpu-tiny-mtp, copy drafter), send CALLS chat completions,
+    print per-call MTP figures, stop the engine."""
+    with engine.serve("cpu-tiny-mtp", progress=progress_printer("cpu-tiny-mtp")) as eng:
+        report = demo_lib.run(eng.url, calls=calls, max_tokens=max_tokens)
+    if json_:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        click.echo(demo_lib.format_table(report))

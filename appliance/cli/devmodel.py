@@ -1,0 +1,33 @@
+"""``appliance devmodel``: the tiny Gemma 4 models the CPU engine serves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .. import devmodel as dm
+
+
+@click.group()
+def devmodel() -> None:
+    """Tiny Gemma 4 target + MTP drafter, generated offline."""
+
+
+@devmodel.command(name="build")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--drafter", type=click.Choice(dm.DRAFTER_KINDS), default="copy", show_default=True,
+              help="copy: accepted almost always; random: accepted almost never.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same weights.")
+def devmodel_build(directory: Path, drafter: str, seed: int) -> None:
+    """Write a tiny target and drafter into DIRECTORY (new or empty).
+
+    \b
+    Example:
+      appliance devmodel build ./tiny --drafter copy --seed 0
+      vllm serve ./tiny/target --speculative-config \\
+        '{"method":"mtp","model":"./tiny/drafter","num_speculative_tokens":2}'
+    """
+    model = dm.build(directory, drafter=drafter, seed=seed)
+    click.echo(f"target:  {model.target}")
+    click.echo(f"drafter: {model.drafter} ({drafter}, seed {seed})")

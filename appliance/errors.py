@@ -1,0 +1,35 @@
+"""The one exception family for user-facing errors.
+
+The CLI prints an ``ApplianceError`` as a single line (``Error: ...``), with the fix when one is
+known, and exits with ``exit_code``; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ApplianceError(Exception):
+    """An error the operator can act on."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, fix: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.fix})" if self.fix else self.message
+
+
+class UsageError(ApplianceError):
+    """Bad input from the operator: a wrong name, path or value."""
+
+    exit_code = 2
+
+
+class EngineError(ApplianceError):
+    """The vLLM engine could not be started, reached or understood."""
+
+
+class NotVLLMError(EngineError):
+    """Something answered, but it is not a vLLM OpenAI-compatible server."""

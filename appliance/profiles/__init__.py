@@ -1,0 +1,185 @@
+"""Serving profiles: named, typed records that turn into the exact ``vllm serve`` arguments.
+
+Profiles ship as TOML files in ``appliance/profiles/data``. A profile never guesses: every flag
+it passes is a field here, so ``appliance profiles show NAME`` prints the whole command and a
+reviewer can diff two hosts' profiles field by field.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+
+from ..errors import UsageError
+
+# Placeholder for the tiny dev model directory in CPU profiles; filled in at serve time.
+DEVMODEL = "{devmodel}"
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """The ``--speculative-config`` of a profile."""
+
+    method: str = "mtp"
+    model: str = ""
+    num_speculative_tokens: int = 2
+
+    def to_json(self, devmodel: str | None = None) -> str:
+        body = {
+            "method": self.method,
+            "model": _fill(self.model, devmodel),
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+        return json.dumps(body, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the host must have for this profile."""
+
+    device: str = "cuda"  # "cuda" or "cpu"
+    gpus: int = 0
+    gpu_name: str = ""
+    gpu_memory_gib: float = 0.0
+    compute_capability: str = ""  # e.g. "8.9" for the L4
+    mig: bool = False
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One serving configuration of Gemma 4 on vLLM."""
+
+    name: str
+    description: str
+    model: str
+    served_model_name: str
+    drafter_matches: str = ""  # target the drafter was trained for, when not ``model``
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_dtype: str | None = None
+    quantization: str | None = None
+    enforce_eager: bool = False
+    language_model_only: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8000
+    speculative: Speculative | None = None
+    per_request_spec_decode_metrics: str | None = None  # none|summary|detailed (vLLM >= 0.32)
+    min_vllm: str = "0.19.0"
+    hardware: Hardware = field(default_factory=Hardware)
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def mtp(self) -> bool:
+        """True when the profile asks for Gemma 4 MTP speculative decoding."""
+        return self.speculative is not None and self.speculative.method == "mtp"
+
+    @property
+    def uses_devmodel(self) -> bool:
+        return DEVMODEL in self.model
+
+    def serve_args(
+        self,
+        *,
+        devmodel: str | Path | None = None,
+        host: str | None = None,
+        port: int | None = None,
+        speculative: bool = True,
+    ) -> list[str]:
+        """The argument list after ``vllm serve`` (model first, then flags, in fixed order).
+
+        ``speculative=False`` drops the MTP flags: what the serve script does on an image whose
+        labels say it cannot run Gemma 4 MTP.
+        """
+        dm = str(devmodel) if devmodel is not None else None
+        if self.uses_devmodel and dm is None:
+            raise UsageError(f"profile {self.name} needs the tiny dev model directory")
+        args = [_fill(self.model, dm), "--served-model-name", self.served_model_name]
+        args += ["--host", host or self.host, "--port", str(port or self.port)]
+        args += ["--dtype", self.dtype]
+        if self.tensor_parallel_size != 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        for flag, value in (
+            ("--max-model-len", self.max_model_len),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+            ("--max-num-seqs", self.max_num_seqs),
+            ("--gpu-memory-utilization", self.gpu_memory_utilization),
+            ("--kv-cache-dtype", self.kv_cache_dtype),
+            ("--quantization", self.quantization),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        if self.language_model_only:
+            args.append("--language-model-only")
+        if speculative and self.speculative is not None:
+            args += ["--speculative-config", self.speculative.to_json(dm)]
+            if self.per_request_spec_decode_metrics:
+                args += ["--per-request-spec-decode-metrics", self.per_request_spec_decode_metrics]
+        args += list(self.extra_args)
+        return args
+
+
+def _fill(value: str, devmodel: str | None) -> str:
+    return value.replace(DEVMODEL, devmodel) if devmodel is not None else value
+
+
+def _build(cls, data: dict, where: str):
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UsageError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    return cls(**data)
+
+
+def from_dict(data: dict, where: str = "profile") -> Profile:
+    """Build a :class:`Profile` from parsed TOML, rejecting unknown fields."""
+    data = dict(data)
+    try:
+        if "speculative" in data:
+            data["speculative"] = _build(Speculative, data["speculative"], f"{where} [speculative]")
+        if "hardware" in data:
+            data["hardware"] = _build(Hardware, data["hardware"], f"{where} [hardware]")
+        if "extra_args" in data:
+            data["extra_args"] = tuple(data["extra_args"])
+        return _build(Profile, data, where)
+    except TypeError as exc:
+        raise UsageError(f"{where}: {exc}") from exc
+
+
+def load_file(path: Path | str) -> Profile:
+    """Load one profile from a TOML file."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"cannot read profile {path}: {exc}") from exc
+    return from_dict(data, where=str(path.name))
+
+
+def all_profiles() -> dict[str, Profile]:
+    """Every shipped profile, by name."""
+    out: dict[str, Profile] = {}
+    for entry in sorted(resources.files(__package__).joinpath("data").iterdir(), key=str):
+        if entry.name.endswith(".toml"):
+            prof = from_dict(tomllib.loads(entry.read_text()), where=entry.name)
+            out[prof.name] = prof
+    return out
+
+
+def get(name: str) -> Profile:
+    """A shipped profile by name; an unknown name is a usage error listing the known ones."""
+    profiles = all_profiles()
+    if name not in profiles:
+        raise UsageError(
+            f"unknown profile {name!r}", fix=f"known profiles: {', '.join(sorted(profiles))}"
+        )
+    return profiles[name]

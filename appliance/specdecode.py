@@ -1,0 +1,221 @@
+"""Speculative-decoding counters: parsing vLLM's ``/metrics`` and the arithmetic on them.
+
+Every ratio, delta and reset rule the appliance uses lives here, so the agent, the demo, doctor
+and bench all agree. vLLM's own definitions (vllm/v1/spec_decode/metrics.py):
+
+- draft acceptance rate = accepted / draft_tokens
+- mean tokens per step (acceptance length) = 1 + accepted / drafts  (counts the bonus token)
+- per-position acceptance = accepted_per_pos[i] / drafts
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIX = "vllm:spec_decode_num_"
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+RUNNING = "vllm:num_requests_running"
+
+# Counter family names as prometheus_client reports them (it drops ``_total``).
+SPEC_FAMILIES = (DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS)
+
+
+class MetricsParseError(ValueError):
+    """The text is not a Prometheus exposition we can read."""
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Cumulative speculative-decoding counters of one engine (or a sum of engines)."""
+
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    accepted_per_pos: tuple[float, ...] = ()
+    # ``*_created`` of the drafts counter: changes when the server restarts.
+    created: float | None = None
+
+    def __add__(self, other: Counters) -> Counters:
+        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pos = tuple(
+            _at(self.accepted_per_pos, i) + _at(other.accepted_per_pos, i) for i in range(width)
+        )
+        created = max((c for c in (self.created, other.created) if c is not None), default=None)
+        return Counters(
+            self.drafts + other.drafts,
+            self.draft_tokens + other.draft_tokens,
+            self.accepted + other.accepted,
+            pos,
+            created,
+        )
+
+
+def _at(values: tuple[float, ...], i: int) -> float:
+    return values[i] if i < len(values) else 0.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one read of ``/metrics`` says about speculative decoding.
+
+    ``series`` maps ``(model_name, engine)`` to that engine's counters. It is empty when the
+    server has no speculative decoding (a pre-MTP image or a baseline profile): vLLM then exposes
+    none of the series, which is not the same as zero acceptance.
+    """
+
+    series: dict[tuple[str, str], Counters] = field(default_factory=dict)
+    running: float | None = None
+
+    @property
+    def speculative(self) -> bool:
+        """True when the server exposes speculative-decoding counters."""
+        return bool(self.series)
+
+    def total(self, model_name: str | None = None) -> Counters | None:
+        """Counters summed over engines (and over models unless ``model_name`` is given)."""
+        picked = [c for (m, _), c in sorted(self.series.items()) if model_name in (None, m)]
+        if not picked:
+            return None
+        out = picked[0]
+        for c in picked[1:]:
+            out = out + c
+        return out
+
+
+DeltaStatus = Literal["ok", "absent", "reset"]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Counter movement between two snapshots.
+
+    ``status`` is ``ok`` when the figures are usable, ``absent`` when the server has no
+    speculative decoding, and ``reset`` when a counter went backwards or the server restarted
+    between the reads: the movement is then unknown and every figure is ``None``.
+    """
+
+    status: DeltaStatus
+    drafts: int | None = None
+    draft_tokens: int | None = None
+    accepted: int | None = None
+    accepted_per_pos: tuple[int, ...] | None = None
+
+    @property
+    def acceptance(self) -> float | None:
+        return acceptance(self.accepted, self.draft_tokens)
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return tokens_per_step(self.accepted, self.drafts)
+
+    @property
+    def per_position(self) -> tuple[float, ...] | None:
+        return per_position(self.accepted_per_pos, self.drafts)
+
+
+def acceptance(accepted: float | None, draft_tokens: float | None) -> float | None:
+    """Draft acceptance rate, vLLM's definition; ``None`` when nothing was drafted."""
+    if accepted is None or not draft_tokens:
+        return None
+    return accepted / draft_tokens
+
+
+def tokens_per_step(accepted: float | None, drafts: float | None) -> float | None:
+    """Mean tokens per engine step, ``1 + accepted / drafts`` (the bonus token included)."""
+    if accepted is None or not drafts:
+        return None
+    return 1.0 + accepted / drafts
+
+
+def per_position(
+    accepted_per_pos: tuple[float, ...] | None, drafts: float | None
+) -> tuple[float, ...] | None:
+    """Acceptance at each draft position, ``accepted_per_pos[i] / drafts``."""
+    if accepted_per_pos is None or not drafts:
+        return None
+    return tuple(a / drafts for a in accepted_per_pos)
+
+
+def delta(before: Snapshot, after: Snapshot, model_name: str | None = None) -> Delta:
+    """The counters' movement from ``before`` to ``after``, safe across restarts."""
+    b, a = before.total(model_name), after.total(model_name)
+    if b is None and a is None:
+        return Delta("absent")
+    if b is None or a is None:
+        # Series appeared or vanished: the server was replaced in between.
+        return Delta("reset")
+    return counters_delta(b, a)
+
+
+def counters_delta(b: Counters, a: Counters) -> Delta:
+    """Movement between two readings of the same counters; ``reset`` if they went backwards."""
+    if b.created is not None and a.created is not None and a.created != b.created:
+        return Delta("reset")
+    width = max(len(a.accepted_per_pos), len(b.accepted_per_pos))
+    pos = tuple(_at(a.accepted_per_pos, i) - _at(b.accepted_per_pos, i) for i in range(width))
+    moves = (a.drafts - b.drafts, a.draft_tokens - b.draft_tokens, a.accepted - b.accepted, *pos)
+    if any(m < 0 for m in moves):
+        return Delta("reset")
+    return Delta(
+        "ok",
+        drafts=round(moves[0]),
+        draft_tokens=round(moves[1]),
+        accepted=round(moves[2]),
+        accepted_per_pos=tuple(round(p) for p in pos),
+    )
+
+
+def parse(text: str) -> Snapshot:
+    """Parse a Prometheus exposition into a :class:`Snapshot`.
+
+    Only the lines we need are handed to the parser: vLLM's page is ~64 KB and the agent reads it
+    around calls, so parsing all of it would be most of the agent's overhead.
+    """
+    wanted = "\n".join(
+        line
+        for line in text.splitlines()
+        if line.startswith((PREFIX, RUNNING, "# TYPE " + PREFIX, "# TYPE " + RUNNING))
+    )
+    if RUNNING not in wanted:
+        # Every vLLM exposes its running-requests gauge; without it this is not vLLM's page.
+        raise MetricsParseError("no vLLM series in /metrics")
+    raw: dict[tuple[str, str], dict] = {}
+    running: float | None = None
+    try:
+        families = list(text_string_to_metric_families(wanted + "\n"))
+    except Exception as exc:  # the parser raises bare ValueErrors and worse on garbage
+        raise MetricsParseError(f"unparsable /metrics: {exc}") from exc
+    for fam in families:
+        for s in fam.samples:
+            if fam.name == RUNNING and s.name == RUNNING:
+                running = (running or 0.0) + s.value
+                continue
+            if fam.name not in SPEC_FAMILIES:
+                continue
+            key = (s.labels.get("model_name", ""), s.labels.get("engine", "0"))
+            slot = raw.setdefault(key, {"pos": {}})
+            if s.name.endswith("_created"):
+                if fam.name == DRAFTS:
+                    slot["created"] = s.value
+            elif fam.name == ACCEPTED_PER_POS:
+                slot["pos"][int(s.labels.get("position", "0"))] = s.value
+            else:
+                slot[fam.name] = s.value
+    series = {}
+    for key, slot in raw.items():
+        pos = slot["pos"]
+        series[key] = Counters(
+            drafts=slot.get(DRAFTS, 0.0),
+            draft_tokens=slot.get(DRAFT_TOKENS, 0.0),
+            accepted=slot.get(ACCEPTED, 0.0),
+            accepted_per_pos=tuple(pos.get(i, 0.0) for i in range(max(pos) + 1)) if pos else (),
+            created=slot.get("created"),
+        )
+    return Snapshot(series=series, running=running)
+

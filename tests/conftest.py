@@ -1,0 +1,66 @@
+"""Shared fixtures: real engines, started once per session and shared by every test.
+
+Each area of the suite keeps its own fixtures in ``tests/plugins/<area>.py``; they are listed in
+``pytest_plugins`` below. A skipped test fails the run when ``APPLIANCE_NO_SKIP`` is set (CI):
+the suite must never go green by skipping the real-engine tiers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from appliance import profiles
+from appliance.engine import local
+
+pytest_plugins: list[str] = []
+
+
+def pytest_report_header(config) -> list[str]:
+    import vllm
+
+    return [f"vllm {vllm.__version__} (CPU build)"]
+
+
+def _engine(profile, **kwargs) -> Iterator[local.LocalEngine]:
+    with local.serve(profile, timeout=900, **kwargs) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="session")
+def mtp_engine() -> Iterator[local.LocalEngine]:
+    """cpu-tiny-mtp with the copy drafter (acceptance ~1), per-request metrics on."""
+    yield from _engine("cpu-tiny-mtp", drafter="copy")
+
+
+@pytest.fixture(scope="session")
+def mtp_random_engine() -> Iterator[local.LocalEngine]:
+    """cpu-tiny-mtp with the random drafter (acceptance ~0)."""
+    yield from _engine("cpu-tiny-mtp", drafter="random")
+
+
+@pytest.fixture(scope="session")
+def mtp_counters_engine() -> Iterator[local.LocalEngine]:
+    """cpu-tiny-mtp, copy drafter, per-request metrics OFF: only /metrics counters (0.21-style)."""
+    prof = dataclasses.replace(profiles.get("cpu-tiny-mtp"), per_request_spec_decode_metrics=None)
+    yield from _engine(prof, drafter="copy")
+
+
+@pytest.fixture(scope="session")
+def baseline_engine() -> Iterator[local.LocalEngine]:
+    """cpu-tiny: the same target, no speculative decoding."""
+    yield from _engine("cpu-tiny")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if not os.environ.get("APPLIANCE_NO_SKIP"):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = len(reporter.stats.get("skipped", [])) if reporter else 0
+    if skipped:
+        reporter.write_line(f"APPLIANCE_NO_SKIP: {skipped} test(s) skipped; failing the run", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
