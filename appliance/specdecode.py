@@ -219,3 +219,29 @@ def parse(text: str) -> Snapshot:
         )
     return Snapshot(series=series, running=running)
 
+
+
+def from_response_metrics(body: dict | None) -> Delta | None:
+    """Per-request figures from a response's ``metrics.speculative_decoding`` block.
+
+    vLLM >= 0.32 with ``--per-request-spec-decode-metrics`` adds that block to a non-streamed
+    response and to the final usage chunk of a stream. ``None`` when it is not there.
+    """
+    if not isinstance(body, dict):
+        return None
+    spec = (body.get("metrics") or {}).get("speculative_decoding")
+    if not isinstance(spec, dict):
+        return None
+    try:
+        steps = int(spec["num_spec_steps"])
+        drafted = int(spec["num_draft_tokens"])
+        accepted = int(spec["num_accepted_draft_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    per_step = spec.get("per_step_accepted")
+    pos: tuple[int, ...] | None = None
+    k = spec.get("num_spec_tokens")
+    if isinstance(per_step, list) and isinstance(k, int):
+        # Position i was accepted in every step that accepted more than i tokens.
+        pos = tuple(sum(1 for a in per_step if a > i) for i in range(k))
+    return Delta("ok", drafts=steps, draft_tokens=drafted, accepted=accepted, accepted_per_pos=pos)
