@@ -196,13 +196,15 @@ def parse(text: str) -> Snapshot:
             if fam.name == RUNNING and s.name == RUNNING:
                 running = (running or 0.0) + s.value
                 continue
-            if fam.name not in SPEC_FAMILIES:
+            created = s.name == DRAFTS + "_created"  # its own gauge family in vLLM's page
+            if fam.name not in SPEC_FAMILIES and not created:
                 continue
             key = (s.labels.get("model_name", ""), s.labels.get("engine", "0"))
             slot = raw.setdefault(key, {"pos": {}})
-            if s.name.endswith("_created"):
-                if fam.name == DRAFTS:
-                    slot["created"] = s.value
+            if created:
+                slot["created"] = s.value
+            elif s.name.endswith("_created"):
+                continue
             elif fam.name == ACCEPTED_PER_POS:
                 slot["pos"][int(s.labels.get("position", "0"))] = s.value
             else:
