@@ -1,0 +1,42 @@
+"""The OCI labels an appliance image carries, and what they mean.
+
+One contract shared by the image builder (which writes them), the serve script (which reads them
+with ``docker image inspect`` at every start) and the cutover checks. The serve script adds the
+Gemma 4 MTP speculative config only when ``MTP`` is ``"true"``, so pointing ``VLLM_IMAGE`` at a
+``pre-mtp`` image is a safe rollback: the same unit serves it without speculative decoding.
+
+The image's ENTRYPOINT is ``vllm serve`` (as in the official ``vllm/vllm-openai`` image): the
+serve script passes the model and flags as the container's arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# The image's own version (the appliance tag scheme: "<vllm>-mtp", "pre-mtp", ...).
+VERSION = "org.opencontainers.image.version"
+# The vLLM version inside the image, e.g. "0.21.0".
+VLLM_VERSION = "io.gemma4-appliance.vllm.version"
+# "true" when the image's vLLM serves Gemma 4 MTP (vLLM >= 0.21, PR #41745), else "false".
+MTP = "io.gemma4-appliance.mtp"
+# Set on containers (not images) by the serve script: which unit instance runs the container.
+INSTANCE = "io.gemma4-appliance.instance"
+
+TRUE = "true"
+FALSE = "false"
+
+# The first vLLM release with the ``mtp`` speculative method for Gemma 4 (PR #41745).
+MTP_MIN_VLLM = "0.21.0"
+# The first vLLM release with ``--per-request-spec-decode-metrics``.
+PER_REQUEST_METRICS_MIN_VLLM = "0.32.0"
+
+
+def supports_mtp(labels: Mapping[str, str] | None) -> bool:
+    """True only when the image says outright that it serves Gemma 4 MTP (absent means no)."""
+    return (labels or {}).get(MTP, "").strip().lower() == TRUE
+
+
+def vllm_version(labels: Mapping[str, str] | None) -> str | None:
+    """The labelled vLLM version, or None when the image does not say."""
+    value = (labels or {}).get(VLLM_VERSION, "").strip()
+    return value or None
