@@ -1,0 +1,71 @@
+"""`appliance devmodel build`: deterministic, offline, and loud about bad directories."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from appliance import devmodel
+from appliance.cli import cli
+
+
+def run(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        result = run("devmodel", "build", str(tmp_path / name), "--seed", str(seed))
+        assert result.exit_code == 0, result.output
+    digest = {n: devmodel.weight_digest(tmp_path / n) for n in "abc"}
+    assert digest["a"] == digest["b"]
+    assert digest["a"] != digest["c"]
+
+
+def test_pair_layout_is_what_vllm_mtp_expects(tmp_path):
+    model = devmodel.build(tmp_path / "m", drafter="random", seed=1)
+    target = json.loads((model.target / "config.json").read_text())
+    drafter = json.loads((model.drafter / "config.json").read_text())
+    assert target["model_type"] == "gemma4_text" and target["global_head_dim"] == 32
+    assert drafter["model_type"] == "gemma4_assistant"
+    assert drafter["text_config"]["global_head_dim"] == 32
+    assert drafter["backbone_hidden_size"] == target["hidden_size"]
+    assert drafter["text_config"]["num_kv_shared_layers"] == drafter["text_config"]["num_hidden_layers"]
+    for d in (model.target, model.drafter):
+        assert (d / "tokenizer.json").exists() and (d / "model.safetensors").stat().st_mode & 0o044
+    assert "chat_template" in (model.target / "tokenizer_config.json").read_text() or (
+        model.target / "chat_template.jinja").exists()
+
+
+def test_copy_and_random_drafters_differ_but_share_the_target(tmp_path):
+    copy = devmodel.build(tmp_path / "copy", drafter="copy", seed=3)
+    rand = devmodel.build(tmp_path / "rand", drafter="random", seed=3)
+    assert (copy.target / "model.safetensors").read_bytes() == (
+        rand.target / "model.safetensors").read_bytes()
+    assert (copy.drafter / "model.safetensors").read_bytes() != (
+        rand.drafter / "model.safetensors").read_bytes()
+
+
+def test_non_empty_directory_is_refused_with_one_line_and_exit_2(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    result = CliRunner().invoke(cli, ["devmodel", "build", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.strip().count("\n") == 0
+    assert result.output.startswith("Error: ") and "not empty" in result.output
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_unwritable_directory_is_refused_with_one_line_and_exit_2(tmp_path):
+    # /proc refuses new directories even to root: a real unwritable place.
+    result = CliRunner().invoke(cli, ["devmodel", "build", "/proc/appliance-test/tiny"])
+    assert result.exit_code == 2
+    assert result.output.startswith("Error: cannot write to /proc/appliance-test")
+    assert result.output.strip().count("\n") == 0
+
+
+def test_unknown_drafter_kind_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(cli, ["devmodel", "build", str(tmp_path / "x"), "--drafter", "eh"])
+    assert result.exit_code == 2
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,58 @@
+"""`appliance local serve` in the foreground: serves, and SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from appliance.engine.local import _alive, _descendants, free_port
+
+pytestmark = pytest.mark.engine
+
+APPLIANCE = str(Path(sys.executable).with_name("appliance"))
+
+
+def test_sigterm_stops_every_engine_process(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [APPLIANCE, "local", "serve", "--profile", "cpu-tiny-mtp", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()  # printed once /health answers
+        assert f"http://127.0.0.1:{port}/v1" in line, proc.stderr.read() if not line else line
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        engine_pids = _descendants(proc.pid)
+        assert len(engine_pids) >= 2  # the API server and the engine core at least
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while _alive(engine_pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _alive(engine_pids) == set(), f"orphaned engine processes: {_alive(engine_pids)}"
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_unknown_profile_is_one_line_and_exit_2():
+    result = subprocess.run([APPLIANCE, "local", "serve", "--profile", "nope"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("Error: unknown profile 'nope'")
+    assert "cpu-tiny-mtp" in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_gpu_profile_is_refused_locally_with_the_fix():
+    result = subprocess.run([APPLIANCE, "local", "serve", "--profile", "l4x4-31b-mtp"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "needs 4x NVIDIA L4" in result.stderr and "cpu-tiny-mtp" in result.stderr

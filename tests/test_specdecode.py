@@ -1,0 +1,140 @@
+"""Counter arithmetic: properties (hypothesis) and real captures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance import specdecode as sd
+
+CAPTURE = Path(__file__).parent / "data" / "metrics-vllm-0.32-mtp.txt"
+
+counts = st.integers(min_value=0, max_value=10**9)
+
+
+@st.composite
+def counters(draw, k: int = 2):
+    drafts = draw(counts)
+    per_pos = tuple(draw(st.integers(0, drafts)) for _ in range(k))
+    accepted = sum(per_pos)
+    draft_tokens = drafts * k
+    return sd.Counters(drafts, draft_tokens, accepted, per_pos, created=1.0)
+
+
+@st.composite
+def growth(draw, k: int = 2):
+    """A reading and a later reading of the same, unrestarted counters."""
+    before = draw(counters(k))
+    steps = draw(st.integers(0, 10**6))
+    pos_inc = tuple(draw(st.integers(0, steps)) for _ in range(k))
+    after = sd.Counters(
+        before.drafts + steps,
+        before.draft_tokens + steps * k,
+        before.accepted + sum(pos_inc),
+        tuple(b + i for b, i in zip(before.accepted_per_pos, pos_inc)),
+        created=1.0,
+    )
+    return before, after
+
+
+@given(growth())
+def test_delta_of_growing_counters_is_never_negative_and_in_range(pair):
+    before, after = pair
+    d = sd.counters_delta(before, after)
+    assert d.status == "ok"
+    assert min(d.drafts, d.draft_tokens, d.accepted, *d.accepted_per_pos) >= 0
+    if d.draft_tokens:
+        assert 0.0 <= d.acceptance <= 1.0
+        assert 1.0 <= d.tokens_per_step <= 1.0 + len(d.accepted_per_pos)
+        assert all(0.0 <= p <= 1.0 for p in d.per_position)
+    else:
+        assert d.acceptance is None and d.tokens_per_step is None
+
+
+@given(counters(), counters())
+def test_any_counter_going_backwards_is_a_reset_with_no_figures(a, b):
+    d = sd.counters_delta(a, b)
+    went_back = (
+        b.drafts < a.drafts
+        or b.draft_tokens < a.draft_tokens
+        or b.accepted < a.accepted
+        or any(y < x for x, y in zip(a.accepted_per_pos, b.accepted_per_pos))
+    )
+    if went_back:
+        assert d.status == "reset"
+        assert (d.drafts, d.draft_tokens, d.accepted, d.acceptance, d.tokens_per_step) == (
+            None, None, None, None, None)
+    else:
+        assert d.status == "ok"
+
+
+@given(growth())
+def test_restart_detected_by_creation_time_even_when_counters_grew(pair):
+    before, after = pair
+    restarted = sd.Counters(after.drafts, after.draft_tokens, after.accepted,
+                            after.accepted_per_pos, created=2.0)
+    assert sd.counters_delta(before, restarted).status == "reset"
+
+
+@given(growth(), growth())
+def test_deltas_add_up_over_engines(p1, p2):
+    """Summing two engines then taking the delta equals the sum of per-engine deltas."""
+    d_sum = sd.counters_delta(p1[0] + p2[0], p1[1] + p2[1])
+    d1, d2 = sd.counters_delta(*p1), sd.counters_delta(*p2)
+    assert d_sum.accepted == d1.accepted + d2.accepted
+    assert d_sum.draft_tokens == d1.draft_tokens + d2.draft_tokens
+
+
+def test_real_capture_parses_to_the_counters_it_shows():
+    snap = sd.parse(CAPTURE.read_text())
+    assert snap.speculative
+    total = snap.total("gemma4-tiny")
+    assert (total.drafts, total.draft_tokens, total.accepted) == (21, 42, 42)
+    assert total.accepted_per_pos == (21, 21)
+    assert total.created is not None
+    assert snap.running == 0
+
+
+def test_snapshot_without_speculative_series_gives_absent_not_zero():
+    # The real capture with every spec_decode line removed is what a baseline server shows.
+    text = "\n".join(ln for ln in CAPTURE.read_text().splitlines() if "spec_decode" not in ln)
+    snap = sd.parse(text)
+    assert not snap.speculative
+    d = sd.delta(snap, snap)
+    assert d.status == "absent"
+    assert d.acceptance is None
+
+
+def test_series_vanishing_between_reads_is_a_reset():
+    with_spec = sd.parse(CAPTURE.read_text())
+    without = sd.parse("\n".join(ln for ln in CAPTURE.read_text().splitlines()
+                                 if "spec_decode" not in ln))
+    assert sd.delta(with_spec, without).status == "reset"
+    assert sd.delta(without, with_spec).status == "reset"
+
+
+@pytest.mark.parametrize("garbage", ["<html>hello</html>", "}}}{{{", "vllm:num_requests_running x y z"])
+def test_garbage_raises_parse_error(garbage):
+    with pytest.raises(sd.MetricsParseError):
+        sd.parse(garbage)
+
+
+def test_ratios_follow_vllm_definitions():
+    assert sd.acceptance(73, 113) == pytest.approx(0.646, abs=1e-3)
+    assert sd.tokens_per_step(73, 40) == pytest.approx(2.825)
+    assert sd.per_position((29, 24, 20), 40) == (0.725, 0.6, 0.5)
+    assert sd.acceptance(0, 0) is None and sd.tokens_per_step(5, 0) is None
+
+
+def test_per_request_block_maps_to_a_delta():
+    body = {"metrics": {"speculative_decoding": {
+        "num_spec_steps": 3, "num_draft_tokens": 6, "num_accepted_draft_tokens": 4,
+        "num_spec_tokens": 2, "per_step_accepted": [2, 1, 1], "per_step_drafted": [2, 2, 2]}}}
+    d = sd.from_response_metrics(body)
+    assert (d.drafts, d.draft_tokens, d.accepted, d.accepted_per_pos) == (3, 6, 4, (3, 1))
+    assert d.tokens_per_step == pytest.approx(1 + 4 / 3)
+    assert sd.from_response_metrics({"metrics": None}) is None
+    assert sd.from_response_metrics({"usage": {}}) is None
