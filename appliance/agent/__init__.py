@@ -1,0 +1,84 @@
+"""The MTP telemetry agent: per-call Gemma 4 MTP figures on OpenTelemetry spans and Prometheus.
+
+Adopt it with one line::
+
+    client = appliance.agent.instrument(openai.OpenAI(base_url=..., api_key=...), role="worker")
+    with appliance.agent.role("architect"):      # optional, per call or per block
+        client.chat.completions.create(...)
+
+Sync and async clients, streamed and plain ``chat.completions.create`` / ``completions.create``
+are traced; results, exceptions and streams are the bare client's own. Each call gets one CLIENT
+span (OpenTelemetry GenAI conventions, see :mod:`.spans`) with ``gen_ai.vllm.mtp.*`` figures
+attributed per :mod:`.attribution`, and the Prometheus metrics of :mod:`.metrics`.
+
+Settings: :class:`AgentConfig` (``APPLIANCE_AGENT_*``) and the standard ``OTEL_*`` variables
+(:func:`setup_tracing`). Prompt and completion text are recorded only when
+``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
+
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
+
+from .. import __version__
+from ..vllm_client import normalise_base_url
+from . import attribution, metrics, spans
+from .attribution import Figures
+from .calls import CallRecord, Settings, _role
+from .config import AgentConfig
+from .metrics import build_registry
+from .metrics import serve as serve_metrics
+from .patch import InstrumentedClient
+from .tracing import exporting, setup_tracing
+
+__all__ = [
+    "AgentConfig", "CallRecord", "Figures", "InstrumentedClient", "build_registry", "exporting",
+    "instrument", "role", "serve_metrics", "setup_tracing",
+]
+
+
+def instrument(
+    client,
+    *,
+    role: str = "default",
+    config: AgentConfig | None = None,
+    tracer_provider: trace.TracerProvider | None = None,
+    registry: CollectorRegistry | None = None,
+    on_call: Callable[[CallRecord], None] | None = None,
+) -> InstrumentedClient:
+    """Wrap an ``openai.OpenAI`` or ``openai.AsyncOpenAI`` client; use the result instead.
+
+    ``tracer_provider`` defaults to the global one; ``registry`` to the agent's own (serve it
+    with :func:`serve_metrics`); ``on_call`` receives a :class:`CallRecord` after each call.
+    """
+    cfg = config or AgentConfig.from_env()
+    provider = tracer_provider or trace.get_tracer_provider()
+    base = str(client.base_url)
+    parts = urlsplit(base)
+    metrics_base = cfg.metrics_url or normalise_base_url(base)
+    settings = Settings(
+        config=cfg,
+        tracer=provider.get_tracer("appliance.agent", __version__, schema_url=spans.SCHEMA_URL),
+        metrics=metrics.for_registry(registry),
+        server=attribution.server_for(normalise_base_url(metrics_base) + "/metrics"),
+        address=parts.hostname,
+        port=parts.port or (443 if parts.scheme == "https" else 80),
+        role=role,
+        on_call=on_call,
+    )
+    return InstrumentedClient(client, settings)
+
+
+@contextlib.contextmanager
+def role(name: str) -> Iterator[None]:
+    """Tag every call made inside the block (in this thread or task) with role ``name``."""
+    token = _role.set(name)
+    try:
+        yield
+    finally:
+        _role.reset(token)

@@ -1,0 +1,126 @@
+"""Client proxies: ``instrument(client)`` returns the same client with its ``create`` calls traced.
+
+Only ``chat.completions.create`` and ``completions.create`` are intercepted; every other
+attribute passes through to the real client untouched (``wrapt.ObjectProxy``), so the result,
+the exceptions and the streaming behaviour are the bare client's own.
+"""
+
+from __future__ import annotations
+
+import openai
+import wrapt
+
+from .calls import Call, Settings
+from .streams import AsyncStream, SyncStream
+
+
+class _Create(wrapt.ObjectProxy):
+    """Proxy for a ``Completions`` resource whose ``create`` goes through the agent."""
+
+    def __init__(self, resource, settings: Settings, operation: str, is_async: bool) -> None:
+        super().__init__(resource)
+        self._self_settings = settings
+        self._self_operation = operation
+        self._self_async = is_async
+
+    def create(self, *args, **kwargs):
+        if self._self_async:
+            return self._acreate(*args, **kwargs)
+        call = _new_call(self._self_settings, self._self_operation, kwargs)
+        if call is None:
+            return self.__wrapped__.create(*args, **kwargs)
+        send = call.start()
+        try:
+            result = self.__wrapped__.create(*args, **send)
+        except BaseException as exc:
+            call.finish(error=exc)
+            raise
+        if isinstance(result, openai.Stream):
+            return SyncStream(result, call)
+        call.on_response(result)
+        call.finish()
+        return result
+
+    async def _acreate(self, *args, **kwargs):
+        call = _new_call(self._self_settings, self._self_operation, kwargs)
+        if call is None:
+            return await self.__wrapped__.create(*args, **kwargs)
+        send = await call.astart()
+        try:
+            result = await self.__wrapped__.create(*args, **send)
+        except BaseException as exc:
+            await call.afinish(error=exc)
+            raise
+        if isinstance(result, openai.AsyncStream):
+            return AsyncStream(result, call)
+        call.on_response(result)
+        await call.afinish()
+        return result
+
+
+def _new_call(settings: Settings, operation: str, kwargs: dict) -> Call | None:
+    try:
+        return Call(settings, operation, kwargs)
+    except Exception:
+        settings.metrics.error("internal")
+        return None
+
+
+class _Chat(wrapt.ObjectProxy):
+    def __init__(self, chat, settings: Settings, is_async: bool) -> None:
+        super().__init__(chat)
+        self._self_completions = _Create(chat.completions, settings, "chat", is_async)
+
+    @property
+    def completions(self):
+        return self._self_completions
+
+
+class InstrumentedClient(wrapt.ObjectProxy):
+    """An ``openai.OpenAI`` / ``openai.AsyncOpenAI`` whose completions are traced by the agent."""
+
+    def __init__(self, client, settings: Settings) -> None:
+        super().__init__(client)
+        is_async = isinstance(client, openai.AsyncOpenAI)
+        self._self_settings = settings
+        self._self_chat = _Chat(client.chat, settings, is_async)
+        self._self_completions = _Create(client.completions, settings, "text_completion", is_async)
+
+    @property
+    def chat(self):
+        return self._self_chat
+
+    @property
+    def completions(self):
+        return self._self_completions
+
+    @property
+    def agent_settings(self) -> Settings:
+        return self._self_settings
+
+    def with_role(self, role: str) -> InstrumentedClient:
+        """The same client, with ``role`` as its default role."""
+        from dataclasses import replace
+
+        return InstrumentedClient(self.__wrapped__, replace(self._self_settings, role=role))
+
+    def with_options(self, *args, **kwargs) -> InstrumentedClient:
+        """The SDK's ``with_options``, still instrumented (a new base URL is honoured)."""
+        from . import instrument
+
+        s = self._self_settings
+        new = self.__wrapped__.with_options(*args, **kwargs)
+        return instrument(new, role=s.role, config=s.config, on_call=s.on_call,
+                          tracer_provider=_ProviderOf(s.tracer), registry=s.metrics.registry)
+
+    copy = with_options
+
+
+class _ProviderOf:
+    """A provider that hands out one existing tracer (for ``with_options`` copies)."""
+
+    def __init__(self, tracer) -> None:
+        self._tracer = tracer
+
+    def get_tracer(self, *args, **kwargs):
+        return self._tracer

@@ -1,0 +1,101 @@
+"""Span names and attributes, per the OpenTelemetry GenAI semantic conventions.
+
+Pinned: the GenAI attribute names as shipped in ``opentelemetry-semantic-conventions`` 0.66b2
+(schema https://opentelemetry.io/schemas/1.44.0). The names are spelled out here rather than
+imported, because that package marks the GenAI module incubating/moved; a test checks that each
+constant still equals the package's. The MTP attributes are ours, under ``gen_ai.vllm.mtp.``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from opentelemetry.trace import Span, Status, StatusCode
+
+SCHEMA_URL = "https://opentelemetry.io/schemas/1.44.0"
+
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
+GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+ERROR_TYPE = "error.type"
+
+# No well-known provider value covers vLLM; the conventions allow a custom one.
+PROVIDER = "vllm"
+ROLE = "appliance.agent.role"
+
+MTP = "gen_ai.vllm.mtp."
+MTP_DRAFTS = MTP + "drafts"
+MTP_DRAFTED = MTP + "drafted"
+MTP_ACCEPTED = MTP + "accepted"
+MTP_ACCEPTANCE = MTP + "acceptance"
+MTP_TOKENS_PER_STEP = MTP + "tokens_per_step"
+MTP_PER_POSITION = MTP + "per_position_acceptance"
+MTP_SOURCE = MTP + "source"
+MTP_SHARED = MTP + "shared"
+MTP_STATUS = MTP + "status"
+
+
+def span_name(operation: str, model: str | None) -> str:
+    return f"{operation} {model}" if model else operation
+
+
+def request_attributes(
+    operation: str, kwargs: dict, address: str | None, port: int | None, role: str,
+    capture_content: bool,
+) -> dict[str, Any]:
+    """The attributes known before the call; unset values are left out."""
+    attrs: dict[str, Any] = {
+        GEN_AI_OPERATION_NAME: operation,
+        GEN_AI_PROVIDER_NAME: PROVIDER,
+        GEN_AI_REQUEST_MODEL: kwargs.get("model"),
+        GEN_AI_REQUEST_MAX_TOKENS: kwargs.get("max_tokens") or kwargs.get("max_completion_tokens"),
+        GEN_AI_REQUEST_TEMPERATURE: kwargs.get("temperature"),
+        GEN_AI_REQUEST_TOP_P: kwargs.get("top_p"),
+        GEN_AI_REQUEST_STREAM: bool(kwargs.get("stream")),
+        SERVER_ADDRESS: address,
+        SERVER_PORT: port,
+        ROLE: role,
+    }
+    if capture_content:
+        payload = kwargs.get("messages", kwargs.get("prompt"))
+        attrs[GEN_AI_INPUT_MESSAGES] = json.dumps(payload, default=str)
+    return {k: v for k, v in attrs.items() if _is_set(v)}
+
+
+def _is_set(v: Any) -> bool:
+    # The SDK's NOT_GIVEN / Omit sentinels are falsy-ish objects that are not attribute values.
+    return isinstance(v, (str, bool, int, float)) and not (isinstance(v, str) and v == "")
+
+
+def figures_attributes(fig) -> dict[str, Any]:
+    """The ``gen_ai.vllm.mtp.*`` attributes of a :class:`~.attribution.Figures`."""
+    attrs: dict[str, Any] = {MTP_SOURCE: fig.source, MTP_SHARED: fig.shared, MTP_STATUS: fig.status}
+    for key, value in (
+        (MTP_DRAFTS, fig.drafts), (MTP_DRAFTED, fig.drafted), (MTP_ACCEPTED, fig.accepted),
+        (MTP_ACCEPTANCE, fig.acceptance), (MTP_TOKENS_PER_STEP, fig.tokens_per_step),
+    ):
+        if value is not None:
+            attrs[key] = value
+    if fig.per_position is not None:
+        attrs[MTP_PER_POSITION] = list(fig.per_position)
+    return attrs
+
+
+def set_error(span: Span, exc: BaseException) -> None:
+    span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
+    span.set_attribute(ERROR_TYPE, type(exc).__qualname__)
