@@ -1,7 +1,9 @@
-"""The demo: real chat completions against the real engine, with per-call MTP figures.
+"""The demo: real chat completions against the real engine, through the telemetry agent.
 
-Calls run one after another, so a counter snapshot before and after each call is that call's
-exact figure (nothing overlaps it).
+Every call goes through :func:`appliance.agent.instrument`, so the figures are the agent's: the
+response's per-request block when the server sends it (source ``request``), else counter
+snapshots around the call (``counters``; the calls run one after another, so nothing overlaps).
+Spans go to the OTLP endpoint when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import openai
 
-from . import specdecode
+from . import agent, specdecode
 from .vllm_client import VLLMClient
 
 PROMPTS = (
@@ -34,7 +36,9 @@ class CallRecord:
     accepted: int | None
     acceptance: float | None
     tokens_per_step: float | None
-    source: str  # "counters", "absent" (no speculative decoding) or "reset"
+    source: str  # the agent's: request | counters | shared | absent | unknown
+    shared: bool = False
+    role: str = "demo"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,59 +70,64 @@ class DemoReport:
                 "calls": [c.to_dict() for c in self.calls], "totals": self.totals}
 
 
-def run(url: str, calls: int = 4, max_tokens: int = 64) -> DemoReport:
-    """Send ``calls`` chat completions (every other one streamed) and measure each."""
-    observer = VLLMClient(url)
-    model = observer.models()[0].id
-    client = openai.OpenAI(base_url=observer.base_url + "/v1", api_key="unused")
+def run(url: str, calls: int = 4, max_tokens: int = 64, *, role: str = "demo") -> DemoReport:
+    """Send ``calls`` chat completions (every other one streamed) through the agent."""
+    with VLLMClient(url) as observer:
+        model = observer.models()[0].id
+        base = observer.base_url
+    provider = agent.setup_tracing() if agent.exporting() else None
+    seen: list[agent.CallRecord] = []
+    client = agent.instrument(
+        openai.OpenAI(base_url=base + "/v1", api_key="unused"),
+        role=role, tracer_provider=provider, on_call=seen.append,
+    )
     records = []
-    for i in range(calls):
-        stream = i % 2 == 1
-        before = observer.snapshot()
-        tokens, chunks = _call(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, stream)
-        d = specdecode.delta(before, observer.snapshot())
-        records.append(
-            CallRecord(
-                call=i + 1, stream=stream, output_tokens=tokens, chunks=chunks,
-                drafts=d.drafts, drafted=d.draft_tokens, accepted=d.accepted,
-                acceptance=d.acceptance, tokens_per_step=d.tokens_per_step,
-                source={"ok": "counters"}.get(d.status, d.status),
+    try:
+        for i in range(calls):
+            stream = i % 2 == 1
+            _call(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, stream)
+            rec = seen[-1]
+            f = rec.figures
+            records.append(
+                CallRecord(
+                    call=i + 1, stream=stream, output_tokens=rec.output_tokens or 0,
+                    chunks=rec.chunks, drafts=f.drafts, drafted=f.drafted, accepted=f.accepted,
+                    acceptance=f.acceptance, tokens_per_step=f.tokens_per_step,
+                    source=f.source, shared=f.shared, role=rec.role,
+                )
             )
-        )
-    observer.close()
-    return DemoReport(url, model, records)
+    finally:
+        client.close()
+        if provider is not None:
+            provider.shutdown()  # flushes the batch of spans to the exporter
+    return DemoReport(base, model, records)
 
 
-def _call(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, stream: bool):
+def _call(client, model: str, prompt: str, max_tokens: int, stream: bool) -> None:
     messages = [{"role": "user", "content": prompt}]
     if not stream:
-        resp = client.chat.completions.create(
+        client.chat.completions.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=0
         )
-        return resp.usage.completion_tokens, None
-    chunks, tokens = 0, 0
-    for chunk in client.chat.completions.create(
+        return
+    for _chunk in client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0,
         stream=True, stream_options={"include_usage": True},
     ):
-        if chunk.choices:
-            chunks += 1
-        if chunk.usage is not None:
-            # Under MTP one chunk carries 1 + accepted tokens: count from usage, never chunks.
-            tokens = chunk.usage.completion_tokens
-    return tokens, chunks
+        pass  # the agent counts output tokens from usage: under MTP a chunk holds several
 
 
 def format_table(report: DemoReport) -> str:
     """The per-call table and totals, as printed by ``appliance demo``."""
     head = f"{'call':>4} {'mode':<6} {'out_tok':>7} {'drafts':>6} {'drafted':>7} " \
-           f"{'accepted':>8} {'accept':>7} {'tok/step':>8}"
+           f"{'accepted':>8} {'accept':>7} {'tok/step':>8} {'source':<8}"
     lines = [f"model {report.model} at {report.url}", head]
     for c in report.calls:
         lines.append(
             f"{c.call:>4} {'stream' if c.stream else 'plain':<6} {c.output_tokens:>7} "
             f"{_n(c.drafts):>6} {_n(c.drafted):>7} {_n(c.accepted):>8} "
-            f"{_f(c.acceptance):>7} {_f(c.tokens_per_step):>8}"
+            f"{_f(c.acceptance):>7} {_f(c.tokens_per_step):>8} "
+            f"{c.source + ('*' if c.shared else ''):<8}"
         )
     t = report.totals
     lines.append(

@@ -14,12 +14,15 @@ from .local import progress_printer
 @click.command()
 @click.option("--calls", type=click.IntRange(1, 100), default=4, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(1, 400), default=64, show_default=True)
+@click.option("--role", default="demo", show_default=True, help="The agent role of the calls.")
 @click.option("json_", "--json", is_flag=True, help="Print the records as JSON.")
-def demo(calls: int, max_tokens: int, json_: bool) -> None:
-    """Start the real CPU engine (cpu-tiny-mtp, copy drafter), send CALLS chat completions,
-    print per-call MTP figures, stop the engine."""
+def demo(calls: int, max_tokens: int, role: str, json_: bool) -> None:
+    """Start the real CPU engine (cpu-tiny-mtp, copy drafter), send CALLS chat completions
+    through the telemetry agent, print per-call MTP figures, stop the engine.
+
+    Spans go over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set."""
     with engine.serve("cpu-tiny-mtp", progress=progress_printer("cpu-tiny-mtp")) as eng:
-        report = demo_lib.run(eng.url, calls=calls, max_tokens=max_tokens)
+        report = demo_lib.run(eng.url, calls=calls, max_tokens=max_tokens, role=role)
     if json_:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
