@@ -1,4 +1,4 @@
-"""``appliance profiles``: the shipped serving profiles."""
+"""``appliance profiles``: the shipped serving profiles and their validation."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import shlex
 import click
 
 from .. import profiles as prof
+from ..profiles import validate as pv
 
 
 @click.group()
@@ -14,18 +15,59 @@ def profiles() -> None:
     """Serving profiles per host."""
 
 
+def _status(findings: list[pv.Finding]) -> str:
+    n_err, n_warn = len(pv.errors(findings)), len(findings) - len(pv.errors(findings))
+    if n_err:
+        return f"{n_err} error(s)"
+    return f"{n_warn} warning(s)" if n_warn else "ok"
+
+
 @profiles.command(name="list")
 def profiles_list() -> None:
-    """List the shipped profiles."""
-    for name, p in sorted(prof.all_profiles().items()):
+    """List the shipped profiles with their validation status."""
+    shipped = sorted(prof.all_profiles().items())
+    width = max(len(name) for name, _ in shipped)
+    for name, p in shipped:
         mtp = f"mtp k={p.speculative.num_speculative_tokens}" if p.mtp else "no-spec"
-        click.echo(f"{name:<20} {mtp:<10} {p.description}")
+        status = _status(pv.check(p))
+        click.echo(f"{name:<{width}}  {mtp:<9}  {status:<12}  {p.description}")
 
 
 @profiles.command(name="show")
 @click.argument("name")
 def profiles_show(name: str) -> None:
-    """Print the exact `vllm serve` command of profile NAME."""
+    """Print the exact `vllm serve` command of profile NAME (findings go to stderr)."""
     p = prof.get(name)
     model_dir = "$DEVMODEL" if p.uses_devmodel else None
     click.echo(shlex.join(["vllm", "serve", *p.serve_args(devmodel=model_dir)]))
+    for finding in pv.check(p):
+        click.echo(str(finding), err=True)
+
+
+@profiles.command(name="validate")
+@click.argument("names", nargs=-1)
+@click.option(
+    "files",
+    "--file",
+    "-f",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="A profile TOML file to validate (repeatable).",
+)
+@click.option("--vllm-version", help="Also check against this vLLM version (e.g. an image's).")
+def profiles_validate(
+    names: tuple[str, ...], files: tuple[str, ...], vllm_version: str | None
+) -> None:
+    """Validate profiles NAMES and --file TOMLs (default: every shipped one); exit 1 on errors."""
+    selected = [prof.get(n) for n in names] + [prof.load_file(f) for f in files]
+    if not selected:
+        selected = list(prof.all_profiles().values())
+    failed = 0
+    for p in selected:
+        findings = pv.check(p, vllm_version=vllm_version)
+        failed += bool(pv.errors(findings))
+        click.echo(f"{p.name}: {_status(findings)}")
+        for finding in findings:
+            click.echo(f"  {finding}")
+    if failed:
+        raise click.exceptions.Exit(1)

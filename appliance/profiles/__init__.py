@@ -45,7 +45,8 @@ class Hardware:
     gpu_name: str = ""
     gpu_memory_gib: float = 0.0
     compute_capability: str = ""  # e.g. "8.9" for the L4
-    mig: bool = False
+    mig: bool = False  # one unit instance per MIG slice, each given its own device
+    mig_profile: str = ""  # e.g. "1g.24gb"
 
 
 @dataclass(frozen=True)
@@ -120,12 +121,24 @@ class Profile:
             args.append("--enforce-eager")
         if self.language_model_only:
             args.append("--language-model-only")
-        if speculative and self.speculative is not None:
-            args += ["--speculative-config", self.speculative.to_json(dm)]
-            if self.per_request_spec_decode_metrics:
-                args += ["--per-request-spec-decode-metrics", self.per_request_spec_decode_metrics]
+        if speculative:
+            args += self.speculative_args(devmodel=dm)
+            args += self.per_request_metrics_args()
         args += list(self.extra_args)
         return args
+
+    def speculative_args(self, *, devmodel: str | Path | None = None) -> list[str]:
+        """The ``--speculative-config`` flag alone (empty without speculative decoding)."""
+        if self.speculative is None:
+            return []
+        dm = str(devmodel) if devmodel is not None else None
+        return ["--speculative-config", self.speculative.to_json(dm)]
+
+    def per_request_metrics_args(self) -> list[str]:
+        """``--per-request-spec-decode-metrics`` (vLLM >= 0.32), only with speculative decoding."""
+        if self.speculative is None or not self.per_request_spec_decode_metrics:
+            return []
+        return ["--per-request-spec-decode-metrics", self.per_request_spec_decode_metrics]
 
 
 def _fill(value: str, devmodel: str | None) -> str:

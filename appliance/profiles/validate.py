@@ -1,0 +1,294 @@
+"""Profile validation: the known Gemma 4 / vLLM pitfalls as errors and warnings naming the fix.
+
+Each rule is one function returning findings; :func:`check` runs them all. An error is a
+profile that would fail at start-up (or crash later) on its stated hardware; a warning is one
+that runs but is risky. ``appliance render``/``install`` refuse a profile with errors, so a
+broken combination is caught on the operator's terminal, not after a 471 s model load.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from .. import labels
+from ..errors import UsageError
+from . import DEVMODEL, Profile
+
+# Gemma 4's largest multimodal item, in tokens (vLLM's max_tokens_per_mm_item for Gemma 4).
+GEMMA4_MM_ITEM_TOKENS = 2496
+# vLLM picks max_num_batched_tokens automatically from GPU memory; under ~70 GB it is 2048.
+AUTO_BATCHED_TOKENS_SMALL_GPU = 2048
+SMALL_GPU_GIB = 70
+# The L4 (Ada, SM 8.9): FP8 KV-cache kernels with the MTP drafter are SM90-only there.
+SM_ADA = "8.9"
+MIN_K, MAX_K = 1, 8
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+Level = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem in a profile: its level, a stable code, what is wrong, and the fix."""
+
+    level: Level
+    code: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.level}: [{self.code}] {self.message} (fix: {self.fix})"
+
+
+class ProfileError(UsageError):
+    """A profile with validation errors."""
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"0.21.0"`` -> ``(0, 21, 0)``; suffixes such as ``+cpu`` or ``rc1`` are ignored."""
+    parts = []
+    for piece in version.split("+", 1)[0].split("."):
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    if not parts:
+        raise UsageError(f"not a version: {version!r}", fix="expected e.g. 0.21.0")
+    return tuple(parts)
+
+
+def older(version: str, than: str) -> bool:
+    """True when ``version`` sorts before ``than``."""
+    return version_tuple(version) < version_tuple(than)
+
+
+def _batched_tokens(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    # The tiny dev model is a text-only gemma4_text: it has no multimodal item to fit.
+    if p.language_model_only or p.uses_devmodel:
+        return
+    value, origin = p.max_num_batched_tokens, "max_num_batched_tokens"
+    if value is None and p.hardware.device == "cuda" and p.hardware.gpu_memory_gib < SMALL_GPU_GIB:
+        value = AUTO_BATCHED_TOKENS_SMALL_GPU
+        origin = (
+            f"vLLM's automatic max_num_batched_tokens on a {p.hardware.gpu_memory_gib:g} GB GPU"
+        )
+    if value is not None and value < GEMMA4_MM_ITEM_TOKENS:
+        yield Finding(
+            "error",
+            "max-num-batched-tokens",
+            f"{origin} ({value}) is below Gemma 4's {GEMMA4_MM_ITEM_TOKENS}-token multimodal "
+            "item: vLLM fails at start-up (vllm#42687)",
+            "set max_num_batched_tokens = 4096, or language_model_only = true to serve text only",
+        )
+
+
+def _fp8_kv_on_ada(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    fp8_kv = (p.kv_cache_dtype or "").startswith("fp8")
+    if fp8_kv and p.mtp and p.hardware.compute_capability == SM_ADA:
+        yield Finding(
+            "error",
+            "fp8-kv-mtp-sm89",
+            f"FP8 KV cache with Gemma 4 MTP on SM {SM_ADA} ({p.hardware.gpu_name or 'L4'}) "
+            "crashes: the kernels it needs are SM90-only (vllm#44879)",
+            "drop kv_cache_dtype (keep the bf16 KV cache), or serve without [speculative]",
+        )
+    if fp8_kv and p.mtp and vllm_version is not None and vllm_version.startswith("0.25.1"):
+        yield Finding(
+            "error",
+            "fp8-kv-mtp-0.25.1",
+            "vLLM 0.25.1 gives the MTP drafter FlashInfer with an FP8 KV cache and crashes at "
+            "init (vllm#48848)",
+            "use another vLLM version or drop kv_cache_dtype",
+        )
+
+
+def _mtp_version(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    if not p.mtp:
+        return
+    if older(p.min_vllm, labels.MTP_MIN_VLLM):
+        yield Finding(
+            "error",
+            "mtp-min-vllm",
+            f'method "mtp" needs vLLM >= {labels.MTP_MIN_VLLM} (PR #41745), but min_vllm is '
+            f"{p.min_vllm}: an older engine fails with \"Unsupported speculative method: 'mtp'\"",
+            f'set min_vllm = "{labels.MTP_MIN_VLLM}" or remove [speculative]',
+        )
+    if vllm_version is not None and older(vllm_version, labels.MTP_MIN_VLLM):
+        yield Finding(
+            "error",
+            "mtp-old-vllm",
+            f"vLLM {vllm_version} has no Gemma 4 MTP (needs >= {labels.MTP_MIN_VLLM})",
+            "use an image labelled io.gemma4-appliance.mtp=true, or the profile without MTP",
+        )
+    if p.per_request_spec_decode_metrics and older(
+        vllm_version or p.min_vllm, labels.PER_REQUEST_METRICS_MIN_VLLM
+    ):
+        yield Finding(
+            "warning",
+            "per-request-metrics",
+            "--per-request-spec-decode-metrics needs vLLM >= "
+            f"{labels.PER_REQUEST_METRICS_MIN_VLLM}; on an older image the serve script leaves "
+            "it out and only the /metrics counters report MTP",
+            f'set min_vllm = "{labels.PER_REQUEST_METRICS_MIN_VLLM}" if you rely on it',
+        )
+
+
+def _k(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    if p.speculative is None:
+        return
+    k = p.speculative.num_speculative_tokens
+    if not MIN_K <= k <= MAX_K:
+        yield Finding(
+            "error",
+            "num-speculative-tokens",
+            f"num_speculative_tokens = {k} is outside {MIN_K}..{MAX_K}",
+            "use 2-4: acceptance falls with every position (seeds: 2.46 tokens/step at k=2)",
+        )
+    elif k == MAX_K:
+        yield Finding(
+            "warning",
+            "num-speculative-tokens",
+            f"num_speculative_tokens = {k}: 31B on H200 at k=8 hit device-side asserts after "
+            "hours (vllm#42261), and late positions are rarely accepted",
+            "use 2-4 unless you have measured otherwise",
+        )
+
+
+def _parallelism(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    tp, hw = p.tensor_parallel_size, p.hardware
+    if tp < 1:
+        yield Finding("error", "tensor-parallel", f"tensor_parallel_size = {tp}", "use >= 1")
+        return
+    if hw.device == "cpu":
+        if tp != 1:
+            yield Finding(
+                "error",
+                "tensor-parallel",
+                f"tensor_parallel_size = {tp} on the CPU engine",
+                "use tensor_parallel_size = 1 for CPU profiles",
+            )
+        return
+    if hw.gpus < 1:
+        yield Finding(
+            "error",
+            "gpus",
+            f"[hardware] gpus = {hw.gpus} for a {hw.device} profile",
+            "state how many GPUs the host has",
+        )
+    elif hw.gpus % tp != 0:
+        yield Finding(
+            "error",
+            "tensor-parallel",
+            f"tensor_parallel_size = {tp} does not divide the host's {hw.gpus} GPUs",
+            f"use a divisor of {hw.gpus} (e.g. {hw.gpus})",
+        )
+    if hw.mig and (hw.gpus != 1 or tp != 1):
+        yield Finding(
+            "error",
+            "mig",
+            "a MIG profile runs one instance per slice: one device, no tensor parallelism "
+            f"(gpus = {hw.gpus}, tensor_parallel_size = {tp})",
+            "set gpus = 1 and tensor_parallel_size = 1; start one unit instance per slice",
+        )
+
+
+_SIZE = re.compile(r"gemma-4-(e2b|e4b|26b-a4b|31b)", re.IGNORECASE)
+
+
+def _basename(model: str) -> str:
+    return model.rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def _drafter(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    if not p.mtp:
+        return
+    assert p.speculative is not None
+    drafter = p.speculative.model
+    if not drafter:
+        yield Finding(
+            "error",
+            "drafter",
+            '[speculative] method = "mtp" without a drafter model',
+            "set [speculative] model to the target's assistant, e.g. "
+            "google/gemma-4-31B-it-assistant",
+        )
+        return
+    if p.uses_devmodel or DEVMODEL in drafter:
+        # The tiny pair is generated together: both must come from the same dev model dir.
+        if not (p.uses_devmodel and drafter.startswith(DEVMODEL)):
+            yield Finding(
+                "error",
+                "drafter",
+                f"drafter {drafter} and target {p.model} are not one tiny dev model pair",
+                f"use {DEVMODEL}/target with {DEVMODEL}/drafter",
+            )
+        return
+    target = p.drafter_matches or p.model
+    expected = _basename(target) + "-assistant"
+    if _basename(drafter) != expected:
+        yield Finding(
+            "error",
+            "drafter",
+            f"drafter {drafter} does not match target {target}: Gemma 4 MTP drafters share "
+            "the target's KV cache and layer sizes, so each target has its own assistant",
+            f"use the target's assistant ({expected}), or set drafter_matches to the model "
+            "the drafter was trained for",
+        )
+    sizes = {m.group(1).lower() for name in (p.model, target) if (m := _SIZE.search(name))}
+    if len(sizes) > 1:
+        yield Finding(
+            "error",
+            "drafter",
+            f"drafter_matches {target} is a different Gemma 4 size than the model {p.model}",
+            "point drafter_matches at the checkpoint this model was derived from",
+        )
+
+
+def _exposure(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    if p.host not in LOOPBACK:
+        yield Finding(
+            "warning",
+            "bind",
+            f"vLLM binds {p.host}: raw vLLM has no rate limiting or CORS, only the API key",
+            "keep host = 127.0.0.1 and put a gateway in front, or accept it knowingly",
+        )
+
+
+RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
+    _batched_tokens,
+    _fp8_kv_on_ada,
+    _mtp_version,
+    _k,
+    _parallelism,
+    _drafter,
+    _exposure,
+)
+
+
+def check(profile: Profile, *, vllm_version: str | None = None) -> list[Finding]:
+    """Every finding for ``profile`` (errors first), optionally for a given vLLM version."""
+    if vllm_version is not None:
+        version_tuple(vllm_version)  # a malformed version is a usage error, not a finding
+    found = [f for rule in RULES for f in rule(profile, vllm_version)]
+    return sorted(found, key=lambda f: f.level != "error")
+
+
+def errors(findings: Iterable[Finding]) -> list[Finding]:
+    return [f for f in findings if f.level == "error"]
+
+
+def require_valid(profile: Profile, *, vllm_version: str | None = None) -> list[Finding]:
+    """Raise :class:`ProfileError` naming the first error; return the warnings otherwise."""
+    found = check(profile, vllm_version=vllm_version)
+    bad = errors(found)
+    if bad:
+        more = f" (and {len(bad) - 1} more: appliance profiles validate {profile.name})"
+        first = bad[0]
+        raise ProfileError(
+            f"profile {profile.name}: {first.message}" + (more if len(bad) > 1 else ""),
+            fix=first.fix,
+        )
+    return found
