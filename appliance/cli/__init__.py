@@ -12,7 +12,11 @@ import click
 
 from .. import __version__
 from ..errors import ApplianceError
+from .dashboards import observability
+from .cutover import cutover, history_, rollback, status
+from .bench import bench
 from .demo import demo
+from .doctor import doctor
 from .devmodel import devmodel
 from .local import local
 from .profiles import profiles
@@ -41,6 +45,13 @@ cli.add_command(devmodel)
 cli.add_command(local)
 cli.add_command(profiles)
 cli.add_command(demo)
+cli.add_command(doctor)
+cli.add_command(bench)
+cli.add_command(cutover)
+cli.add_command(rollback)
+cli.add_command(status)
+cli.add_command(history_)
+cli.add_command(observability)
 
 
 def main() -> None:

@@ -1,0 +1,47 @@
+"""The source series the dashboards and rules read, by name, in one place.
+
+vLLM names come from a real vLLM 0.32 ``/metrics`` page (tests/data/metrics-vllm-0.32-mtp.txt);
+the agent's come from the metric contract (appliance/agent/metrics.py registers them); the
+appliance state metrics from :mod:`appliance.state_metrics`. The tests check each one exists.
+"""
+
+from __future__ import annotations
+
+from .promql import Selector
+
+# vLLM engine (labels: engine, model_name; instance/job added by the scrape).
+DRAFTS = Selector("vllm:spec_decode_num_drafts_total")
+DRAFT_TOKENS = Selector("vllm:spec_decode_num_draft_tokens_total")
+ACCEPTED = Selector("vllm:spec_decode_num_accepted_tokens_total")
+ACCEPTED_PER_POS = Selector("vllm:spec_decode_num_accepted_tokens_per_pos_total")
+GENERATION_TOKENS = Selector("vllm:generation_tokens_total")
+TTFT = Selector("vllm:time_to_first_token_seconds")
+TPOT = Selector("vllm:request_time_per_output_token_seconds")
+ITL = Selector("vllm:inter_token_latency_seconds")
+E2E = Selector("vllm:e2e_request_latency_seconds")
+RUNNING = Selector("vllm:num_requests_running")
+WAITING = Selector("vllm:num_requests_waiting")
+KV_CACHE = Selector("vllm:kv_cache_usage_perc")  # a fraction 0..1 despite the name
+
+# The MTP telemetry agent (labels: role, model; calls also source, outcome; errors kind).
+AGENT_ACCEPTANCE = Selector("gemma4_agent_call_acceptance")
+AGENT_TOKENS_PER_STEP = Selector("gemma4_agent_call_tokens_per_step")
+AGENT_DRAFTED = Selector("gemma4_agent_drafted_tokens_total")
+AGENT_ACCEPTED = Selector("gemma4_agent_accepted_tokens_total")
+AGENT_CALLS = Selector("gemma4_agent_calls_total")
+AGENT_DURATION = Selector("gemma4_agent_call_duration_seconds")
+AGENT_ERRORS = Selector("gemma4_agent_errors_total")
+
+# Appliance state (textfile collector; labels as in appliance.state_metrics).
+IMAGE_INFO = Selector("gemma4_appliance_image_info")
+CUTOVER_EVENTS = Selector("gemma4_appliance_cutover_events_total")
+LAST_CUTOVER = Selector("gemma4_appliance_last_cutover_timestamp_seconds")
+
+# Series Prometheus makes itself for every target.
+UP = Selector("up")
+SYNTHETIC = frozenset({"up"})
+
+# Scrape job names, shared by the scrape config and the alerts that select on them.
+JOB_ENGINE = "vllm"
+JOB_AGENT = "gemma4-agent"
+JOB_STATE = "gemma4-appliance-state"
