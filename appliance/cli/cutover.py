@@ -1,0 +1,160 @@
+"""``appliance cutover|rollback|status|history``: move an instance between images, safely.
+
+Thin: each command builds a :class:`appliance.cutover.flow.Context` and calls the library.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import click
+
+from ..cutover import flow, history
+from ..cutover import lock as locks
+from ..cutover.paths import Layout
+from ..cutover.status import status as get_status
+
+root_option = click.option(
+    "--root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("/"),
+    show_default=True,
+    envvar="APPLIANCE_ROOT",
+    help="Prefix of /etc and /var/lib (for an image build or a test tree).",
+)
+
+
+def _progress(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def _context(root: Path, progress: bool = True) -> flow.Context:
+    return flow.Context(layout=Layout(root), progress=_progress if progress else (lambda _m: None))
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _entry_line(e: history.Entry) -> str:
+    took = f"{e.finished - e.started:.0f}s" if e.finished else "-"
+    line = f"{_when(e.started)}  {e.kind:<8} {e.outcome:<11} {e.from_image or '-'} -> {e.to_image}  ({took})"
+    if e.error:
+        line += f"\n    {e.error}"
+    return line
+
+
+@click.command(name="cutover")
+@click.argument("instance")
+@click.argument("image")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=flow.DEFAULT_TIMEOUT,
+    show_default=True,
+    help="Seconds for the new image to pass every gate.",
+)
+@click.option("--no-rollback", is_flag=True, help="On failure, leave the new image in place.")
+@click.option(
+    "--allow-no-mtp",
+    is_flag=True,
+    help="Accept an image without Gemma 4 MTP for a profile that requests it.",
+)
+@root_option
+def cutover(
+    instance: str, image: str, timeout: float, no_rollback: bool, allow_no_mtp: bool, root: Path
+) -> None:
+    """Move INSTANCE to IMAGE: restart, gate, and roll back automatically on failure.
+
+    \b
+    Example:
+      appliance cutover 31b gemma4-vllm:0.21.0-mtp
+    """
+    entry = flow.cutover(
+        _context(root),
+        instance,
+        image,
+        timeout=timeout,
+        rollback=not no_rollback,
+        allow_no_mtp=allow_no_mtp,
+    )
+    click.echo(f"{instance}: now on {entry.to_image} (was {entry.from_image}); gates passed")
+
+
+@click.command(name="rollback")
+@click.argument("instance")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=flow.DEFAULT_TIMEOUT,
+    show_default=True,
+    help="Seconds for the previous image to pass every gate.",
+)
+@root_option
+def rollback(instance: str, timeout: float, root: Path) -> None:
+    """Return INSTANCE to its previous image, through the same gates."""
+    entry = flow.rollback(_context(root), instance, timeout=timeout)
+    click.echo(
+        f"{instance}: rolled back to {entry.to_image} (was {entry.from_image}); gates passed"
+    )
+
+
+@click.command(name="status")
+@click.argument("instance", required=False)
+@root_option
+def status(instance: str | None, root: Path) -> None:
+    """Image, labels, unit state, health, MTP and recent history of INSTANCE (or of all)."""
+    layout = Layout(root)
+    names = [instance] if instance else sorted(p.stem for p in layout.env_dir.glob("*.env"))
+    if not names:
+        click.echo(f"no instances under {layout.env_dir}")
+    ctx = _context(root, progress=False)
+    for name in names:
+        st = get_status(ctx, name)
+        click.echo(f"{st.instance}  ({st.unit}: {st.unit_state})")
+        click.echo(f"  image:      {st.image or '-'}")
+        if st.image_info:
+            i = st.image_info
+            click.echo(
+                f"  labels:     vLLM {i.vllm_version or '?'}, mtp={'yes' if i.mtp else 'no'}"
+            )
+        elif st.image_error:
+            click.echo(f"  labels:     {st.image_error}")
+        health = {True: "200", False: "not answering", None: "-"}[st.healthy]
+        click.echo(f"  health:     {health}" + (f" ({st.url})" if st.url else ""))
+        spec = {True: "on", False: "off", None: "-"}[st.speculative]
+        click.echo(f"  MTP:        {spec}")
+        click.echo(f"  rollback:   {st.rollback_image or '-'}")
+        if st.in_progress:
+            click.echo(f"  busy:       pid {st.in_progress.pid}: {st.in_progress.action}")
+        if st.interrupted:
+            click.echo(f"  INTERRUPTED cutover; env file is the {st.interrupted}")
+        for e in st.entries:
+            click.echo("  " + _entry_line(e).replace("\n", "\n  "))
+
+
+@click.command(name="history")
+@click.argument("instance")
+@click.option("--json", "json_", is_flag=True, help="One JSON object per line, as stored.")
+@root_option
+def history_(instance: str, json_: bool, root: Path) -> None:
+    """Every cutover and rollback of INSTANCE, oldest first, with gate timings."""
+    layout = Layout(root)
+    holder = locks.current_holder(layout.lock_file(instance))
+    live = frozenset({holder.entry_id} if holder and holder.entry_id else ())
+    for e in history.entries(layout.history_file(instance), live_ids=live):
+        if json_:
+            click.echo(e.to_json())
+            continue
+        click.echo(_entry_line(e))
+        for label, gs in (("gates", e.gates), ("rollback gates", e.rollback_gates)):
+            if gs:
+                click.echo(
+                    f"    {label}: "
+                    + ", ".join(
+                        f"{g.name} {'ok' if g.ok else 'FAILED'} {g.seconds:.1f}s" for g in gs
+                    )
+                )

@@ -1,0 +1,208 @@
+"""The gates a restarted instance must pass before a cutover counts as done.
+
+In order, against one deadline: the unit is active; ``/health`` answers 200; the expected model
+is served (and, when the image's labels name a vLLM version, ``/version`` says that version, so
+an old engine still answering cannot pass for the new one); one real generation returns tokens;
+and for an image that runs Gemma 4 MTP, the speculative-decoding counters moved on that
+generation. While waiting, a unit that fails or restarts (the engine exited) fails the gates at
+once instead of at the deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from .. import specdecode
+from ..errors import ApplianceError, EngineError
+from ..vllm_client import VLLMClient
+from .history import Gate
+from .systemd import Systemd
+
+Progress = Callable[[str], None]
+POLL = 0.5
+GENERATION_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the instance must show once restarted."""
+
+    unit: str
+    base_url: str
+    served_model: str
+    vllm_version: str | None = None
+    mtp: bool = False
+    api_key: str | None = None
+
+
+class GateFailed(ApplianceError):
+    """A gate failed or timed out; ``gates`` holds every gate up to and including it."""
+
+    def __init__(self, gate: str, detail: str, gates: list[Gate]) -> None:
+        super().__init__(f"gate {gate!r} failed: {detail}")
+        self.gate = gate
+        self.detail = detail
+        self.gates = gates
+
+
+@dataclass
+class _Run:
+    expect: Expect
+    systemd: Systemd
+    deadline: float
+    progress: Progress
+    t0: float = field(default_factory=time.monotonic)
+    gates: list[Gate] = field(default_factory=list)
+    restarts0: int = 0
+
+    def elapsed(self) -> float:
+        return round(time.monotonic() - self.t0, 2)
+
+    def passed(self, name: str, detail: str) -> None:
+        self.gates.append(Gate(name, True, self.elapsed(), detail))
+        self.progress(f"[{self.elapsed():6.1f}s] {name}: ok ({detail})")
+
+    def fail(self, name: str, detail: str) -> GateFailed:
+        self.gates.append(Gate(name, False, self.elapsed(), detail))
+        self.progress(f"[{self.elapsed():6.1f}s] {name}: FAILED ({detail})")
+        return GateFailed(name, detail, self.gates)
+
+    def unit_alive(self, name: str) -> None:
+        """Fail ``name`` now if the unit failed, stopped, or was restarted since we began."""
+        state = self.systemd.active_state(self.expect.unit)
+        if state in ("failed", "inactive"):
+            raise self.fail(name, f"unit {self.expect.unit} is {state}")
+        restarts = self.systemd.restarts(self.expect.unit)
+        if restarts > self.restarts0:
+            raise self.fail(name, f"the engine exited and systemd restarted it ({restarts}x)")
+
+    def wait(self, name: str, probe: Callable[[], str | None], what: str) -> str:
+        """Poll ``probe`` (returns a detail when passed, None to keep waiting) until the deadline."""
+        last_note = self.t0
+        last_err = ""
+        while True:
+            try:
+                got = probe()
+            except EngineError as exc:
+                got, last_err = None, str(exc)
+            if got is not None:
+                return got
+            self.unit_alive(name)
+            if time.monotonic() >= self.deadline:
+                raise self.fail(
+                    name, f"timed out waiting for {what}" + (f": {last_err}" if last_err else "")
+                )
+            if time.monotonic() - last_note >= 10:
+                last_note = time.monotonic()
+                self.progress(f"[{self.elapsed():6.1f}s] waiting for {what} ...")
+            time.sleep(POLL)
+
+
+def wait(
+    systemd: Systemd,
+    expect: Expect,
+    *,
+    timeout: float,
+    progress: Progress = lambda _msg: None,
+) -> list[Gate]:
+    """Wait for every gate; returns them, or raises :class:`GateFailed` at the first failure."""
+    run = _Run(expect, systemd, time.monotonic() + timeout, progress)
+    run.restarts0 = systemd.restarts(expect.unit)
+    with VLLMClient(expect.base_url, timeout=10.0, api_key=expect.api_key) as client:
+        _unit_active(run)
+        run.passed(
+            "health",
+            run.wait(
+                "health", lambda: "200" if client.health() else None, f"{expect.base_url}/health"
+            ),
+        )
+        _served(run, client)
+        _generation_and_mtp(run, client)
+    return run.gates
+
+
+def _unit_active(run: _Run) -> None:
+    unit = run.expect.unit
+
+    def probe() -> str | None:
+        state = run.systemd.active_state(unit)
+        return "active" if state == "active" else None
+
+    run.passed("unit", run.wait("unit", probe, f"{unit} to be active"))
+
+
+def _served(run: _Run, client: VLLMClient) -> None:
+    want = run.expect.served_model
+    try:
+        ids = [m.id for m in client.models()]
+        version = client.version() if run.expect.vllm_version else None
+    except EngineError as exc:
+        raise run.fail("model", str(exc)) from exc
+    if want not in ids:
+        raise run.fail("model", f"serves {ids}, expected {want!r}")
+    detail = want
+    if version is not None:
+        if version != run.expect.vllm_version:
+            raise run.fail(
+                "model", f"engine is vLLM {version}, the image says {run.expect.vllm_version}"
+            )
+        detail += f", vLLM {version}"
+    run.passed("model", detail)
+
+
+def _generation_and_mtp(run: _Run, client: VLLMClient) -> None:
+    try:
+        before = client.snapshot()
+    except EngineError as exc:
+        raise run.fail("generation", f"cannot read /metrics: {exc}") from exc
+    body = {
+        "model": run.expect.served_model,
+        "prompt": "The appliance cutover gate says hello",
+        "max_tokens": GENERATION_TOKENS,
+        "temperature": 0,
+    }
+    headers = {"Authorization": f"Bearer {run.expect.api_key}"} if run.expect.api_key else {}
+    try:
+        resp = httpx.post(
+            f"{client.base_url}/v1/completions",
+            json=body,
+            headers=headers,
+            timeout=max(5.0, run.deadline - time.monotonic()),
+        )
+    except httpx.HTTPError as exc:
+        raise run.fail("generation", f"request failed: {exc}") from exc
+    if resp.status_code != 200:
+        raise run.fail("generation", f"answered {resp.status_code}: {resp.text[:200]}")
+    try:
+        tokens = int(resp.json()["usage"]["completion_tokens"])
+    except (ValueError, KeyError, TypeError):
+        raise run.fail("generation", "no usage.completion_tokens in the answer") from None
+    if tokens <= 0:
+        raise run.fail("generation", "returned no tokens")
+    run.passed("generation", f"{tokens} tokens")
+
+    try:
+        after = client.snapshot()
+    except EngineError as exc:
+        raise run.fail("mtp", f"cannot read /metrics: {exc}") from exc
+    d = specdecode.delta(before, after, run.expect.served_model)
+    if not run.expect.mtp:
+        spec = "on" if after.speculative else "off"
+        run.passed("mtp", f"not expected for this image (speculative decoding {spec})")
+        return
+    if d.status != "ok" or not d.drafts:
+        why = {
+            "absent": "the engine exposes no speculative-decoding counters",
+            "reset": "the counters reset during the generation",
+        }.get(d.status, "no drafts")
+        raise run.fail("mtp", f"counters did not move: {why}")
+    acc = d.acceptance
+    run.passed(
+        "mtp",
+        f"drafts +{d.drafts}, draft tokens +{d.draft_tokens}, accepted +{d.accepted}"
+        + (f" (acceptance {acc:.2f})" if acc is not None else ""),
+    )

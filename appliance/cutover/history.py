@@ -1,0 +1,130 @@
+"""The append-only history of cutovers and rollbacks, one JSON object per line.
+
+A cutover writes two lines with the same ``id``: one when it starts (``outcome: started``,
+before anything is touched) and one when it ends. A ``started`` line without an end means the
+process died in the middle; :func:`entries` reports it as ``interrupted``. Lines are appended
+with ``O_APPEND`` and fsynced; a line cut short by a crash is skipped on reading, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+Kind = Literal["cutover", "rollback"]
+# ok: the new image passed the gates. rolled_back: it failed them and the previous image is
+# serving again. failed: it failed and so did the way back (or --no-rollback was given).
+# started: the begin line. interrupted: a begin line whose process never wrote the end.
+Outcome = Literal["started", "ok", "rolled_back", "failed", "interrupted"]
+FINAL = ("ok", "rolled_back", "failed")
+
+
+@dataclass
+class Gate:
+    """One gate as it went: passed or not, seconds since the restart, what it saw."""
+
+    name: str
+    ok: bool
+    seconds: float
+    detail: str = ""
+
+
+@dataclass
+class Entry:
+    """One cutover or rollback."""
+
+    id: str
+    instance: str
+    kind: Kind
+    from_image: str | None
+    to_image: str
+    outcome: Outcome
+    started: float
+    finished: float | None = None
+    pid: int | None = None
+    gates: list[Gate] = field(default_factory=list)
+    rollback_gates: list[Gate] = field(default_factory=list)
+    error: str | None = None
+
+    @classmethod
+    def begin(cls, instance: str, kind: Kind, from_image: str | None, to_image: str) -> Entry:
+        return cls(
+            id=uuid.uuid4().hex[:12],
+            instance=instance,
+            kind=kind,
+            from_image=from_image,
+            to_image=to_image,
+            outcome="started",
+            started=time.time(),
+            pid=os.getpid(),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Entry:
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
+        data["gates"] = [Gate(**g) for g in data.get("gates") or []]
+        data["rollback_gates"] = [Gate(**g) for g in data.get("rollback_gates") or []]
+        return cls(**data)
+
+
+def append(path: Path, entry: Entry) -> None:
+    """Append ``entry`` as one line, durably."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (entry.to_json() + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        # A line cut short by a crash has no newline; start ours on a fresh line.
+        if os.fstat(fd).st_size and _last_byte(path) != b"\n":
+            line = b"\n" + line
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
+def lines(path: Path) -> list[Entry]:
+    """Every readable line of the history, in file order."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    out = []
+    for raw in text.splitlines():
+        try:
+            out.append(Entry.from_dict(json.loads(raw)))
+        except (ValueError, TypeError):
+            continue  # a line a crash cut short
+    return out
+
+
+def entries(path: Path, *, live_ids: frozenset[str] = frozenset()) -> list[Entry]:
+    """One entry per cutover, oldest first: its end line, or its begin line marked interrupted.
+
+    ``live_ids`` are cutovers known to be still running (their lock is held); those stay
+    ``started``.
+    """
+    merged: dict[str, Entry] = {}
+    for e in lines(path):
+        if e.id in merged and e.outcome == "started":
+            continue
+        merged[e.id] = e
+    out = list(merged.values())
+    for e in out:
+        if e.outcome == "started" and e.id not in live_ids:
+            e.outcome = "interrupted"
+    return out

@@ -1,0 +1,100 @@
+"""One cutover at a time per instance: an exclusive ``flock(2)`` on the instance's lock file.
+
+The kernel drops the lock when its holder dies, however it dies, so a killed cutover never
+leaves a stale lock behind. The holder writes its PID and what it is doing into the file, so a
+second cutover's error can say who holds it. The file is never unlinked: removing a lock file
+while another process waits on it would let two holders in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ApplianceError
+
+
+class LockBusy(ApplianceError):
+    """Another cutover or rollback of the same instance is in progress."""
+
+    exit_code = 3
+
+
+@dataclass
+class Holder:
+    """What the lock file says about the process holding it."""
+
+    pid: int | None = None
+    action: str = ""
+    since: float | None = None
+    entry_id: str | None = None
+
+
+class InstanceLock:
+    """The held lock; :meth:`note` records what the holder is doing (e.g. the history id)."""
+
+    def __init__(self, fd: int, instance: str, action: str) -> None:
+        self._fd = fd
+        self.holder = Holder(os.getpid(), action, time.time())
+        self.instance = instance
+        self._write()
+
+    def note(self, entry_id: str) -> None:
+        self.holder.entry_id = entry_id
+        self._write()
+
+    def _write(self) -> None:
+        data = json.dumps(self.holder.__dict__).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+
+
+@contextlib.contextmanager
+def hold(path: Path, instance: str, action: str) -> Iterator[InstanceLock]:
+    """Hold the instance's lock for the block, or raise :class:`LockBusy` at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            h = read_holder(path)
+            who = f"pid {h.pid}, {h.action}" if h.pid else "another process"
+            raise LockBusy(
+                f"instance {instance} is busy: a cutover or rollback is in progress ({who})",
+                fix="wait for it to finish, then check `appliance status`",
+            ) from None
+        yield InstanceLock(fd, instance, action)
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def read_holder(path: Path) -> Holder:
+    """What the lock file says (whoever held it last); empty if unreadable."""
+    try:
+        data = json.loads(path.read_text() or "{}")
+        return Holder(**{k: data.get(k) for k in Holder.__dataclass_fields__})
+    except (OSError, ValueError, TypeError):
+        return Holder()
+
+
+def current_holder(path: Path) -> Holder | None:
+    """The live holder of the lock, or ``None`` when nobody holds it now."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return read_holder(path)
+        return None
+    finally:
+        os.close(fd)

@@ -1,0 +1,52 @@
+"""Cutovers as Prometheus state metrics: the textfile node_exporter's textfile collector reads.
+
+Rebuilt from scratch after every cutover or rollback from the env files (the image each instance
+runs) and the histories (event counts, last time): counters derived from an append-only history
+never go backwards, and a lost textfile is rebuilt exactly by the next cutover.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from .. import labels, state_metrics
+from . import envfile, history
+from .paths import Layout
+
+
+def states(layout: Layout, docker_client=None) -> list[state_metrics.InstanceState]:
+    """One :class:`state_metrics.InstanceState` per installed instance."""
+    out = []
+    for env_path in sorted(layout.env_dir.glob("*.env")):
+        instance = env_path.stem
+        image = envfile.read(env_path).get(envfile.IMAGE_KEY) or ""
+        found: dict[str, str] = {}
+        if docker_client is not None and image:
+            import docker
+
+            try:
+                found = dict(docker_client.images.get(image).labels or {})
+            except docker.errors.DockerException:
+                found = {}  # a missing image still has a state: its version is unknown
+        done = [
+            e
+            for e in history.entries(layout.history_file(instance))
+            if e.outcome in state_metrics.OUTCOMES
+        ]
+        out.append(
+            state_metrics.InstanceState(
+                instance=instance,
+                image=image,
+                vllm_version=labels.vllm_version(found) or "unknown",
+                mtp=labels.supports_mtp(found),
+                events=Counter((e.kind, e.outcome) for e in done),
+                last_cutover=max((e.finished or e.started for e in done), default=None),
+            )
+        )
+    return out
+
+
+def write(layout: Layout, docker_client=None) -> Path:
+    """Write the state textfile for every instance under ``layout``."""
+    return state_metrics.write_textfile(layout.metrics_textfile(), states(layout, docker_client))

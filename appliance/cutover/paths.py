@@ -1,0 +1,71 @@
+"""Where an instance's files live, under an optional root prefix (tests and image builds).
+
+The env file is the one the unit reads (``EnvironmentFile=``); everything the cutover adds (the
+history, the rollback slot, the lock, the saved previous env file) lives in the appliance's
+state directory so that a cutover never writes next to the operator's configuration.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+
+ENV_DIR = Path("etc/gemma4-vllm")
+STATE_DIR = Path("var/lib/gemma4-appliance")
+UNIT_TEMPLATE = "gemma4-vllm@{instance}.service"
+
+# An instance name becomes part of a unit name and of file names: no slashes, no dots first.
+_INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
+def check_instance(name: str) -> str:
+    """``name`` if it is a valid instance name, else a :class:`UsageError`."""
+    if not _INSTANCE.fullmatch(name or ""):
+        raise UsageError(
+            f"invalid instance name {name!r}",
+            fix="use letters, digits, '-' and '_' (at most 64), starting with a letter or digit",
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The appliance's paths below ``root`` (``/`` on a real host)."""
+
+    root: Path = Path("/")
+
+    @property
+    def env_dir(self) -> Path:
+        return self.root / ENV_DIR
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / STATE_DIR
+
+    def env_file(self, instance: str) -> Path:
+        return self.env_dir / f"{check_instance(instance)}.env"
+
+    def history_file(self, instance: str) -> Path:
+        return self.state_dir / "history" / f"{check_instance(instance)}.jsonl"
+
+    def lock_file(self, instance: str) -> Path:
+        return self.state_dir / "locks" / f"{check_instance(instance)}.lock"
+
+    def rollback_slot(self, instance: str) -> Path:
+        """JSON naming the image ``appliance rollback`` returns to (kept by image pruning)."""
+        return self.state_dir / "rollback" / f"{check_instance(instance)}.json"
+
+    def saved_env(self, instance: str) -> Path:
+        """The env file as it was before the cutover in progress (byte-identical copy)."""
+        return self.state_dir / "cutover" / f"{check_instance(instance)}.env.prev"
+
+    def metrics_textfile(self) -> Path:
+        return self.state_dir / "metrics" / "gemma4_appliance.prom"
+
+
+def unit_name(instance: str) -> str:
+    """The systemd unit of ``instance``."""
+    return UNIT_TEMPLATE.format(instance=check_instance(instance))

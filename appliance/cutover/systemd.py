@@ -1,0 +1,87 @@
+"""A small interface over ``systemctl`` and ``journalctl`` for one unit at a time.
+
+Commands run as ``[*prefix, "systemctl", ...]``. On a host the prefix is empty; the tests set it
+to enter a systemd booted in systemd-nspawn (e.g. ``nsenter -t PID -m -p --``), and an operator
+can point it at another systemd the same way, through ``APPLIANCE_SYSTEMD_PREFIX``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from dataclasses import dataclass
+
+from ..errors import ApplianceError
+
+PREFIX_ENV = "APPLIANCE_SYSTEMD_PREFIX"
+
+
+class SystemdError(ApplianceError):
+    """systemctl or journalctl could not be run, or refused."""
+
+
+@dataclass(frozen=True)
+class Systemd:
+    """systemctl/journalctl, optionally run through ``prefix``."""
+
+    prefix: tuple[str, ...] = ()
+    timeout: float = 120.0
+
+    @classmethod
+    def from_env(cls) -> Systemd:
+        """The prefix from ``APPLIANCE_SYSTEMD_PREFIX`` (shell words), empty when unset."""
+        return cls(tuple(shlex.split(os.environ.get(PREFIX_ENV, ""))))
+
+    def _run(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+        cmd = [*self.prefix, *args]
+        try:
+            return subprocess.run(
+                cmd, check=False, capture_output=True, text=True, timeout=timeout or self.timeout
+            )
+        except FileNotFoundError as exc:
+            raise SystemdError(f"cannot run {cmd[0]}: not found") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise SystemdError(f"{shlex.join(args)} did not return in {exc.timeout:.0f} s") from exc
+
+    def _check(self, *args: str, timeout: float | None = None) -> str:
+        proc = self._run(*args, timeout=timeout)
+        if proc.returncode != 0:
+            msg = (proc.stderr or proc.stdout).strip().splitlines()
+            raise SystemdError(f"{shlex.join(args)} failed: {msg[-1] if msg else proc.returncode}")
+        return proc.stdout
+
+    def restart(self, unit: str, *, timeout: float | None = None) -> None:
+        """Restart ``unit``, clearing a failed state (and its start limit) first."""
+        # After a crash loop the unit hits its start limit and refuses a plain restart; the
+        # way back must not be blocked by the failure it is recovering from.
+        self._run("systemctl", "reset-failed", unit)
+        self._check("systemctl", "restart", unit, timeout=timeout)
+
+    def active_state(self, unit: str) -> str:
+        """``active``, ``activating``, ``failed``, ``inactive``, ... (never raises on a state)."""
+        return self._run("systemctl", "is-active", unit).stdout.strip() or "unknown"
+
+    def show(self, unit: str, *props: str) -> dict[str, str]:
+        """Unit properties (``systemctl show -p``) as strings."""
+        out = self._check("systemctl", "show", unit, *(f"--property={p}" for p in props))
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def restarts(self, unit: str) -> int:
+        """How many times systemd has restarted ``unit`` after a failure (``NRestarts``)."""
+        try:
+            return int(self.show(unit, "NRestarts").get("NRestarts", "0") or 0)
+        except (ValueError, SystemdError):
+            return 0
+
+    def main_pid(self, unit: str) -> int:
+        """The unit's main PID (0 when it has none)."""
+        try:
+            return int(self.show(unit, "MainPID").get("MainPID", "0") or 0)
+        except (ValueError, SystemdError):
+            return 0
+
+    def journal(self, unit: str, lines: int = 20) -> str:
+        """The unit's last ``lines`` journal lines (empty when the journal has none)."""
+        proc = self._run("journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat")
+        return proc.stdout.rstrip()

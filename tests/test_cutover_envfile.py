@@ -1,0 +1,116 @@
+"""The env file: one assignment changes, every other byte stays, and a kill never leaves half."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from appliance.cutover import envfile
+from appliance.errors import UsageError
+
+SEED_LIKE = (
+    b"# gemma4-vllm@31b: written by appliance install\n"
+    b"VLLM_IMAGE=gemma4-vllm:pre-mtp\n"
+    b"APPLIANCE_PROFILE=l4x4-31b-mtp\n"
+    b"  # operator note, indented\n"
+    b"HF_HOME='/data/hf cache'\n"
+)
+
+
+def test_set_value_changes_only_the_image_line():
+    new = envfile.set_value(SEED_LIKE, "VLLM_IMAGE", "gemma4-vllm:0.21.0-mtp")
+    assert new == SEED_LIKE.replace(b"gemma4-vllm:pre-mtp", b"gemma4-vllm:0.21.0-mtp")
+    parsed = envfile.EnvFile(Path("x.env"), new)
+    assert parsed.get("VLLM_IMAGE") == "gemma4-vllm:0.21.0-mtp"
+    assert parsed.get("HF_HOME") == "/data/hf cache"
+
+
+def test_set_value_keeps_crlf_missing_newline_and_replaces_the_last_assignment():
+    raw = b"VLLM_IMAGE=a:1\r\nX=1\r\nVLLM_IMAGE=b:2"  # systemd uses the last assignment
+    new = envfile.set_value(raw, "VLLM_IMAGE", "c:3")
+    assert new == b"VLLM_IMAGE=a:1\r\nX=1\r\nVLLM_IMAGE=c:3"
+    assert envfile.EnvFile(Path("x"), new).get("VLLM_IMAGE") == "c:3"
+
+
+def test_set_value_appends_when_absent():
+    assert envfile.set_value(b"A=1", "VLLM_IMAGE", "x:1") == b"A=1\nVLLM_IMAGE=x:1\n"
+    assert envfile.set_value(b"", "VLLM_IMAGE", "x:1") == b"VLLM_IMAGE=x:1\n"
+
+
+def test_set_value_refuses_a_multiline_value():
+    with pytest.raises(UsageError, match="one line"):
+        envfile.set_value(SEED_LIKE, "VLLM_IMAGE", "x:1\nEVIL=1")
+
+
+_line = st.text(
+    alphabet=st.characters(blacklist_characters="\n\r\0", codec="utf-8"), max_size=40
+).filter(lambda s: "VLLM_IMAGE" not in s)
+
+
+@given(before=st.lists(_line, max_size=6), after=st.lists(_line, max_size=6))
+def test_every_other_line_is_preserved_byte_for_byte(before, after):
+    raw = "\n".join([*before, "VLLM_IMAGE=old:1", *after]).encode()
+    new = envfile.set_value(raw, "VLLM_IMAGE", "new:2")
+    assert new == "\n".join([*before, "VLLM_IMAGE=new:2", *after]).encode()
+
+
+def test_write_atomic_keeps_the_mode_and_reads_back(tmp_path):
+    path = tmp_path / "etc" / "i.env"
+    path.parent.mkdir()
+    path.write_bytes(SEED_LIKE)
+    path.chmod(0o600)
+    old, new = envfile.set_image(path, "gemma4-vllm:mtp")
+    assert old == SEED_LIKE
+    assert path.read_bytes() == new
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in path.parent.iterdir()] == ["i.env"]  # no temp file left
+
+
+def test_read_missing_file_says_install_first(tmp_path):
+    with pytest.raises(envfile.EnvFileError, match="no env file .*install"):
+        envfile.read(tmp_path / "nope.env")
+
+
+# A writer that alternates two large contents through the real atomic path as fast as it can.
+_WRITER = """
+import sys
+from pathlib import Path
+from appliance.cutover import envfile
+path, a, b = Path(sys.argv[1]), Path(sys.argv[2]).read_bytes(), Path(sys.argv[3]).read_bytes()
+print("go", flush=True)
+while True:
+    envfile.write_atomic(path, b)
+    envfile.write_atomic(path, a)
+"""
+
+
+def test_sigkill_mid_write_leaves_old_or_new_never_part(tmp_path):
+    # Large contents make each write take long enough that most kills land inside one.
+    a = SEED_LIKE + b"# padding A\n" * 400_000
+    b = envfile.set_value(a, "VLLM_IMAGE", "gemma4-vllm:0.32.0-mtp") + b"# padding B\n" * 10
+    (tmp_path / "a").write_bytes(a)
+    (tmp_path / "b").write_bytes(b)
+    target = tmp_path / "etc" / "i.env"
+    target.parent.mkdir()
+    target.write_bytes(a)
+
+    for i in range(12):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(target), str(tmp_path / "a"), str(tmp_path / "b")],
+            stdout=subprocess.PIPE,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        assert proc.stdout.readline() == b"go\n"
+        time.sleep(0.05 + 0.037 * i)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        got = target.read_bytes()
+        assert got in (a, b), f"kill {i}: env file is partial ({len(got)} bytes)"

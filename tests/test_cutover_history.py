@@ -1,0 +1,71 @@
+"""The append-only history: begin and end lines, crash-cut lines, interrupted cutovers."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from appliance.cli import cli
+from appliance.cutover import history
+from appliance.cutover.history import Entry, Gate
+from appliance.cutover.paths import Layout
+
+
+def _done(e: Entry, outcome: str) -> Entry:
+    e.outcome = outcome
+    e.finished = e.started + 42
+    e.gates = [Gate("unit", True, 0.1, "active"), Gate("health", outcome == "ok", 40.0, "x")]
+    return e
+
+
+def test_begin_and_end_lines_merge_into_one_entry(tmp_path):
+    path = tmp_path / "h.jsonl"
+    e = Entry.begin("i1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:mtp")
+    history.append(path, e)
+    history.append(path, _done(e, "ok"))
+    assert len(path.read_text().splitlines()) == 2  # append-only: the begin line stays
+    [got] = history.entries(path)
+    assert (got.outcome, got.from_image, got.to_image) == (
+        "ok",
+        "gemma4-vllm:pre-mtp",
+        "gemma4-vllm:mtp",
+    )
+    assert got.gates[1] == Gate("health", True, 40.0, "x")
+
+
+def test_a_begin_without_end_is_interrupted_unless_still_running(tmp_path):
+    path = tmp_path / "h.jsonl"
+    e = Entry.begin("i1", "cutover", "a:1", "b:2")
+    history.append(path, e)
+    assert history.entries(path)[0].outcome == "interrupted"
+    assert history.entries(path, live_ids=frozenset({e.id}))[0].outcome == "started"
+
+
+def test_a_line_cut_short_by_a_crash_is_skipped_and_the_next_starts_fresh(tmp_path):
+    path = tmp_path / "h.jsonl"
+    first = Entry.begin("i1", "cutover", "a:1", "b:2")
+    history.append(path, _done(first, "rolled_back"))
+    with open(path, "a") as f:
+        f.write('{"id":"cut","instance":"i1","kind":"cut')  # what a kill mid-write leaves
+    second = Entry.begin("i1", "rollback", "b:2", "a:1")
+    history.append(path, _done(second, "ok"))
+    assert [e.id for e in history.entries(path)] == [first.id, second.id]
+
+
+def test_history_command_prints_entries_with_gate_timings(tmp_path):
+    layout = Layout(tmp_path)
+    e = Entry.begin("i1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:mtp")
+    history.append(layout.history_file("i1"), _done(e, "rolled_back"))
+    result = CliRunner().invoke(cli, ["history", "i1", "--root", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "cutover  rolled_back gemma4-vllm:pre-mtp -> gemma4-vllm:mtp  (42s)" in result.output
+    assert "gates: unit ok 0.1s, health FAILED 40.0s" in result.output
+    as_json = CliRunner().invoke(cli, ["history", "i1", "--json", "--root", str(tmp_path)])
+    assert Entry.from_dict(json.loads(as_json.output)).id == e.id
+
+
+def test_history_of_an_invalid_instance_name_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(cli, ["history", "../etc", "--root", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "invalid instance name '../etc'" in result.output
