@@ -17,6 +17,7 @@ from appliance import profiles
 from appliance.engine import local
 
 pytest_plugins: list[str] = []
+pytest_plugins.append("plugins.cutover")
 
 
 def pytest_report_header(config) -> list[str]:

@@ -1,0 +1,100 @@
+"""Fixtures for the cutover tests: small labelled images in the real Docker engine, and an
+instance tree under a temp root.
+
+The images are a few bytes imported with ``docker import`` and the appliance's labels: enough
+for every check made before a cutover touches the service (the engine never runs from them).
+They live under their own repository name, so no other test's images are touched.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from appliance import labels
+
+TEST_REPO = "gemma4-cutover-test"
+
+# tag -> labels. "nolabels" is any image not built by the appliance; "badlabels" lies.
+PREFLIGHT_IMAGES = {
+    "mtp": {labels.VLLM_VERSION: "0.32.0", labels.MTP: "true"},
+    "pre-mtp": {labels.VLLM_VERSION: "0.19.0", labels.MTP: "false"},
+    "nolabels": {},
+    "badlabels": {labels.VLLM_VERSION: "0.19.0", labels.MTP: "true"},
+}
+
+
+def _tiny_rootfs() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = b"cutover preflight test image\n"
+        info = tarfile.TarInfo("README")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def cutover_docker() -> Iterator[object]:
+    """A Docker SDK client for the real engine (started by the docker_engine plugin if needed)."""
+    import docker
+
+    from .docker_engine import SOCKET, ensure_dockerd
+
+    ensure_dockerd()
+    client = docker.DockerClient(base_url=f"unix://{SOCKET}", timeout=600)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def preflight_images(cutover_docker) -> dict[str, str]:
+    """tag -> full reference of each small labelled image (imported once per session)."""
+    refs = {}
+    for tag, found in PREFLIGHT_IMAGES.items():
+        changes = [f'LABEL {k}="{v}"' for k, v in found.items()] or ["LABEL unrelated=1"]
+        cutover_docker.api.import_image_from_data(
+            _tiny_rootfs(), repository=TEST_REPO, tag=tag, changes=changes
+        )
+        refs[tag] = f"{TEST_REPO}:{tag}"
+    return refs
+
+
+@dataclass
+class InstanceTree:
+    """A root with ``etc/gemma4-vllm/<instance>.env`` and the state dir below it."""
+
+    root: Path
+    instance: str
+    env_path: Path
+
+    def snapshot(self) -> dict[str, bytes]:
+        """Every regular file under the root and its bytes (to prove nothing was touched)."""
+        return {
+            str(p.relative_to(self.root)): p.read_bytes()
+            for p in sorted(self.root.rglob("*"))
+            if p.is_file()
+        }
+
+
+def write_env(root: Path, instance: str, image: str, profile: str) -> Path:
+    path = root / "etc" / "gemma4-vllm" / f"{instance}.env"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(
+        b"# written by the cutover tests\n"
+        + f"VLLM_IMAGE={image}\nAPPLIANCE_PROFILE={profile}\n".encode()
+        + b"  # keep me\n"
+    )
+    return path
+
+
+@pytest.fixture
+def mtp_instance(tmp_path, preflight_images) -> Iterator[InstanceTree]:
+    """Instance ``i1`` with profile cpu-tiny-mtp, on the pre-MTP test image."""
+    env = write_env(tmp_path, "i1", preflight_images["pre-mtp"], "cpu-tiny-mtp")
+    yield InstanceTree(tmp_path, "i1", env)

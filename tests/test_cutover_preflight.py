@@ -1,0 +1,138 @@
+"""Refusals before anything is touched, against the real Docker engine.
+
+Each refused cutover leaves every file under the instance's root byte-identical (no env write,
+no history line, no rollback slot). That the engine's PID is unchanged too is proven under real
+systemd in test_cutover_systemd.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from appliance.cli import cli
+
+pytestmark = pytest.mark.docker
+
+
+def _cutover(tree, image: str, *extra: str):
+    args = ["cutover", tree.instance, image, "--root", str(tree.root), *extra]
+    return CliRunner().invoke(cli, args)
+
+
+@pytest.mark.parametrize("image", ["gemma4-vllm:mtp; rm -rf /", "Gemma4-VLLM:mtp", "gemma4-vllm:"])
+def test_invalid_reference_is_refused_and_nothing_written(mtp_instance, image):
+    before = mtp_instance.snapshot()
+    result = _cutover(mtp_instance, image)
+    assert result.exit_code == 2, result.output
+    assert f"Error: invalid image reference {image!r}" in result.output
+    assert mtp_instance.snapshot() == before
+
+
+def test_missing_image_is_refused_never_pulled(mtp_instance, cutover_docker):
+    before = mtp_instance.snapshot()
+    result = _cutover(mtp_instance, "gemma4-cutover-test:not-built")
+    assert result.exit_code == 1, result.output
+    assert "image gemma4-cutover-test:not-built is not on this host" in result.output
+    assert "never pulls" in result.output
+    assert mtp_instance.snapshot() == before
+    assert not cutover_docker.images.list(name="gemma4-cutover-test:not-built")
+
+
+def test_mtp_profile_and_image_without_mtp_names_both(mtp_instance, preflight_images):
+    # The instance is on the pre-MTP image; point it at another reference of the same image.
+    before = mtp_instance.snapshot()
+    result = _cutover(mtp_instance, preflight_images["pre-mtp"])
+    assert result.exit_code == 1, result.output
+    assert (
+        "profile cpu-tiny-mtp requests Gemma 4 MTP but image gemma4-cutover-test:pre-mtp "
+        "(vLLM 0.19.0) does not support it"
+    ) in result.output
+    assert mtp_instance.snapshot() == before
+
+
+def test_image_without_appliance_labels_is_refused(mtp_instance, preflight_images):
+    before = mtp_instance.snapshot()
+    result = _cutover(mtp_instance, preflight_images["nolabels"])
+    assert result.exit_code == 1, result.output
+    assert "has no io.gemma4-appliance.vllm.version label" in result.output
+    assert mtp_instance.snapshot() == before
+
+
+def test_image_claiming_mtp_on_an_old_vllm_is_refused(mtp_instance, preflight_images):
+    before = mtp_instance.snapshot()
+    result = _cutover(mtp_instance, preflight_images["badlabels"])
+    assert result.exit_code == 1, result.output
+    assert "labelled io.gemma4-appliance.mtp=true but its vLLM 0.19.0 has no Gemma 4 MTP" in (
+        result.output
+    )
+    assert mtp_instance.snapshot() == before
+
+
+def test_current_image_missing_means_no_way_back(mtp_instance, preflight_images):
+    mtp_instance.env_path.write_text(
+        mtp_instance.env_path.read_text().replace(preflight_images["pre-mtp"], "gone:1")
+    )
+    before = mtp_instance.snapshot()
+    result = _cutover(mtp_instance, preflight_images["mtp"])
+    assert result.exit_code == 1, result.output
+    assert "the current image cannot be the way back: image gone:1 is not on this host" in (
+        result.output
+    )
+    assert "--no-rollback" in result.output
+    assert mtp_instance.snapshot() == before
+
+
+def test_unknown_instance_says_install_first(tmp_path, preflight_images):
+    result = CliRunner().invoke(
+        cli, ["cutover", "nope", preflight_images["mtp"], "--root", str(tmp_path)]
+    )
+    assert result.exit_code == 1, result.output
+    assert "no env file" in result.output and "appliance install" in result.output
+    assert not any(tmp_path.iterdir())
+
+
+def test_rollback_without_a_recorded_target_is_refused(mtp_instance):
+    before = mtp_instance.snapshot()
+    result = CliRunner().invoke(cli, ["rollback", "i1", "--root", str(mtp_instance.root)])
+    assert result.exit_code == 2, result.output
+    assert "instance i1 has no rollback target" in result.output
+    assert mtp_instance.snapshot() == before
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from appliance.cutover import lock
+from appliance.cutover.paths import Layout
+layout = Layout(Path(sys.argv[1]))
+with lock.hold(layout.lock_file("i1"), "i1", "cutover to gemma4-vllm:mtp"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_cutover_while_one_holds_the_lock_is_refused(mtp_instance, preflight_images):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(mtp_instance.root)],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        assert proc.stdout.readline() == b"held\n"
+        before = mtp_instance.snapshot()
+        result = _cutover(mtp_instance, preflight_images["mtp"])
+        assert result.exit_code == 3, result.output
+        assert f"instance i1 is busy: a cutover or rollback is in progress (pid {proc.pid}" in (
+            result.output
+        )
+        assert mtp_instance.snapshot() == before
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
