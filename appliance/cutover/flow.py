@@ -16,7 +16,10 @@ rollback(instance) is a cutover to the image in the rollback slot, through the s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import re
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,17 +155,50 @@ def check_compatible(image: ImageInfo, profile: Profile, *, allow_no_mtp: bool) 
         )
 
 
-def target(layout: Layout, instance: str, env: envfile.EnvFile) -> Target:
-    """The instance's profile and URL, read from its env file."""
-    name = env.get("APPLIANCE_PROFILE") or env.get("PROFILE")
+def target(ctx: Context, instance: str, env: envfile.EnvFile) -> Target:
+    """The instance's profile and URL: from the serve script its unit runs (what
+    ``appliance install`` rendered), or from ``APPLIANCE_PROFILE``/``VLLM_PORT`` in the env file."""
+    facts = _serve_script_facts(ctx, instance)
+    name = env.get("APPLIANCE_PROFILE") or facts.get("profile")
     if not name:
-        raise PreflightError(f"{env.path} names no profile (APPLIANCE_PROFILE)")
+        raise PreflightError(
+            f"cannot tell which profile instance {instance} serves",
+            fix=f"is {unit_name(instance)} installed (appliance install)?",
+        )
     prof = profiles.get(name)
-    host = env.get("VLLM_HOST") or prof.host
+    host = env.get("VLLM_HOST") or facts.get("host") or prof.host
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
-    port = int(env.get("VLLM_PORT") or prof.port)
+    port = int(env.get("VLLM_PORT") or facts.get("port") or prof.port)
     return Target(instance, prof, f"http://{host}:{port}")
+
+
+_SCRIPT_PATH = re.compile(r"path=(\S+)")
+_PROFILE_LINE = re.compile(r"^# Serve script of \S+: profile (\S+?)\.?$", re.MULTILINE)
+_READONLY = re.compile(r"^readonly (PORT|HEALTH_HOST)=(.+)$", re.MULTILINE)
+
+
+def _serve_script_facts(ctx: Context, instance: str) -> dict[str, str]:
+    """Profile, port and health host from the serve script of the instance's unit."""
+    try:
+        exec_start = ctx.systemd.show(unit_name(instance), "ExecStart").get("ExecStart", "")
+    except SystemdError:
+        return {}
+    m = _SCRIPT_PATH.search(exec_start)
+    if not m:
+        return {}
+    try:
+        text = (ctx.layout.root / m.group(1).lstrip("/")).read_text()
+    except OSError:
+        return {}
+    facts = {}
+    if pm := _PROFILE_LINE.search(text):
+        facts["profile"] = pm.group(1)
+    for key, value in _READONLY.findall(text):
+        words = shlex.split(value)
+        if words:
+            facts["port" if key == "PORT" else "host"] = words[0]
+    return facts
 
 
 def _expect(tgt: Target, image: ImageInfo) -> gates.Expect:
@@ -215,7 +251,7 @@ def cutover(
     layout = ctx.layout
     env_path = layout.env_file(instance)
     env = envfile.read(env_path)
-    tgt = target(layout, instance, env)
+    tgt = target(ctx, instance, env)
     new = inspect_image(ctx, image)
     check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
     current_ref = env.get(envfile.IMAGE_KEY)
@@ -296,16 +332,15 @@ def cutover(
 
 
 def _restart_and_wait(ctx: Context, unit: str, expect: gates.Expect, timeout: float) -> list[Gate]:
-    t0 = time.monotonic()
     ctx.progress(f"restarting {unit}")
+    expect = dataclasses.replace(expect, previous_invocation=ctx.systemd.invocation_id(unit))
     try:
-        ctx.systemd.restart(unit, timeout=timeout)
+        ctx.systemd.restart(unit)
     except SystemdError as exc:
         raise gates.GateFailed(
-            "restart", str(exc), [Gate("restart", False, round(time.monotonic() - t0, 2), str(exc))]
+            "restart", str(exc), [Gate("restart", False, 0.0, str(exc))]
         ) from exc
-    left = max(1.0, timeout - (time.monotonic() - t0))
-    return gates.wait(ctx.systemd, expect, timeout=left, progress=ctx.progress)
+    return gates.wait(ctx.systemd, expect, timeout=timeout, progress=ctx.progress)
 
 
 def _finish(

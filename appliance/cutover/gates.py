@@ -37,6 +37,8 @@ class Expect:
     vllm_version: str | None = None
     mtp: bool = False
     api_key: str | None = None
+    # The InvocationID before the restart: "active" counts only for a newer start.
+    previous_invocation: str = ""
 
 
 class GateFailed(ApplianceError):
@@ -58,6 +60,7 @@ class _Run:
     t0: float = field(default_factory=time.monotonic)
     gates: list[Gate] = field(default_factory=list)
     restarts0: int = 0
+    invocation: str = ""  # the first start after our restart; another one means a crash
 
     def elapsed(self) -> float:
         return round(time.monotonic() - self.t0, 2)
@@ -73,12 +76,15 @@ class _Run:
 
     def unit_alive(self, name: str) -> None:
         """Fail ``name`` now if the unit failed, stopped, or was restarted since we began."""
-        state = self.systemd.active_state(self.expect.unit)
-        if state in ("failed", "inactive"):
-            raise self.fail(name, f"unit {self.expect.unit} is {state}")
-        restarts = self.systemd.restarts(self.expect.unit)
-        if restarts > self.restarts0:
-            raise self.fail(name, f"the engine exited and systemd restarted it ({restarts}x)")
+        st = self.systemd.state(self.expect.unit)
+        # "inactive" with a job pending is the gap inside a restart, not a stop.
+        if st.active == "failed" or (st.active == "inactive" and not st.job):
+            raise self.fail(name, f"unit {self.expect.unit} is {st.active} ({st.sub})")
+        fresh = st.invocation and st.invocation != self.expect.previous_invocation
+        if fresh and not self.invocation:
+            self.invocation = st.invocation
+        if st.restarts > self.restarts0 or (fresh and st.invocation != self.invocation):
+            raise self.fail(name, f"the engine exited and systemd restarted the unit ({st.sub})")
 
     def wait(self, name: str, probe: Callable[[], str | None], what: str) -> str:
         """Poll ``probe`` (returns a detail when passed, None to keep waiting) until the deadline."""
@@ -129,8 +135,10 @@ def _unit_active(run: _Run) -> None:
     unit = run.expect.unit
 
     def probe() -> str | None:
-        state = run.systemd.active_state(unit)
-        return "active" if state == "active" else None
+        st = run.systemd.state(unit)
+        # Until the queued restart has stopped the old engine, "active" is the old one.
+        new = st.invocation and st.invocation != run.expect.previous_invocation
+        return "active" if st.active == "active" and new and not st.job else None
 
     run.passed("unit", run.wait("unit", probe, f"{unit} to be active"))
 

@@ -60,7 +60,7 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
         except ApplianceError as exc:
             st.image_error = str(exc)
     try:
-        tgt = target(layout, instance, env)
+        tgt = target(ctx, instance, env)
     except ApplianceError:
         return st
     st.url = tgt.base_url

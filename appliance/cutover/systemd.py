@@ -22,6 +22,17 @@ class SystemdError(ApplianceError):
 
 
 @dataclass(frozen=True)
+class UnitState:
+    """What ``systemctl show`` says about a unit now."""
+
+    active: str  # active, activating, deactivating, inactive, failed, ...
+    sub: str  # running, start-post, auto-restart, dead, ...
+    job: str  # the pending job's id, empty when none
+    restarts: int  # NRestarts: automatic restarts after a failure
+    invocation: str  # InvocationID: new for every start
+
+
+@dataclass(frozen=True)
 class Systemd:
     """systemctl/journalctl, optionally run through ``prefix``."""
 
@@ -51,12 +62,23 @@ class Systemd:
             raise SystemdError(f"{shlex.join(args)} failed: {msg[-1] if msg else proc.returncode}")
         return proc.stdout
 
-    def restart(self, unit: str, *, timeout: float | None = None) -> None:
-        """Restart ``unit``, clearing a failed state (and its start limit) first."""
+    def restart(self, unit: str) -> None:
+        """Queue a restart of ``unit`` and return at once, clearing a failed state first.
+
+        ``--no-block``: the unit's start waits for the engine's /health (minutes for a 31B
+        load); the gates watch it instead, with progress and one deadline.
+        """
         # After a crash loop the unit hits its start limit and refuses a plain restart; the
         # way back must not be blocked by the failure it is recovering from.
         self._run("systemctl", "reset-failed", unit)
-        self._check("systemctl", "restart", unit, timeout=timeout)
+        self._check("systemctl", "restart", "--no-block", unit)
+
+    def invocation_id(self, unit: str) -> str:
+        """The unit's current ``InvocationID`` (a new one for every start; empty if none)."""
+        try:
+            return self.show(unit, "InvocationID").get("InvocationID", "")
+        except SystemdError:
+            return ""
 
     def active_state(self, unit: str) -> str:
         """``active``, ``activating``, ``failed``, ``inactive``, ... (never raises on a state)."""
@@ -66,6 +88,24 @@ class Systemd:
         """Unit properties (``systemctl show -p``) as strings."""
         out = self._check("systemctl", "show", unit, *(f"--property={p}" for p in props))
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def state(self, unit: str) -> UnitState:
+        """Active state, pending job, restart count and invocation of ``unit``, in one call."""
+        try:
+            p = self.show(unit, "ActiveState", "SubState", "Job", "NRestarts", "InvocationID")
+        except SystemdError:
+            return UnitState("unknown", "", "", 0, "")
+        try:
+            restarts = int(p.get("NRestarts") or 0)
+        except ValueError:
+            restarts = 0
+        return UnitState(
+            p.get("ActiveState", "unknown"),
+            p.get("SubState", ""),
+            p.get("Job", ""),
+            restarts,
+            p.get("InvocationID", ""),
+        )
 
     def restarts(self, unit: str) -> int:
         """How many times systemd has restarted ``unit`` after a failure (``NRestarts``)."""
