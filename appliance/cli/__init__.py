@@ -20,6 +20,7 @@ from .doctor import doctor
 from .devmodel import devmodel
 from .local import local
 from .profiles import profiles
+from .units import install, render, render_examples
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -52,6 +53,9 @@ cli.add_command(rollback)
 cli.add_command(status)
 cli.add_command(history_)
 cli.add_command(observability)
+cli.add_command(render)
+cli.add_command(install)
+cli.add_command(render_examples)
 
 
 def main() -> None:
