@@ -55,13 +55,20 @@ def cutover_docker() -> Iterator[object]:
 @pytest.fixture(scope="session")
 def preflight_images(cutover_docker) -> dict[str, str]:
     """tag -> full reference of each small labelled image (imported once per session)."""
+    import docker
+
     refs = {}
     for tag, found in PREFLIGHT_IMAGES.items():
+        refs[tag] = f"{TEST_REPO}:{tag}"
+        try:
+            if (cutover_docker.images.get(refs[tag]).labels or {}).items() >= found.items():
+                continue  # imported by an earlier session: re-importing would leave dangling ones
+        except docker.errors.ImageNotFound:
+            pass
         changes = [f'LABEL {k}="{v}"' for k, v in found.items()] or ["LABEL unrelated=1"]
         cutover_docker.api.import_image_from_data(
             _tiny_rootfs(), repository=TEST_REPO, tag=tag, changes=changes
         )
-        refs[tag] = f"{TEST_REPO}:{tag}"
     return refs
 
 
