@@ -17,6 +17,7 @@ from appliance import profiles
 from appliance.engine import local
 
 pytest_plugins: list[str] = []
+pytest_plugins.append("plugins.agent")
 pytest_plugins.append("plugins.cutover")
 
 

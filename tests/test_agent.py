@@ -1,0 +1,443 @@
+"""The telemetry agent against the real CPU engine: spans, attribution, parity, faults, metrics.
+
+Every chat call here goes to a real vLLM. Where a /metrics fault cannot be produced by a real
+engine (500, garbage, hang), the agent's metrics URL points at a misbehaving server from
+tests/plugins/agent.py while the call itself still goes to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance import agent, demo
+from appliance.agent import spans
+from appliance.engine.local import free_port
+from appliance.vllm_client import VLLMClient
+
+pytestmark = pytest.mark.engine
+
+MODEL = "gemma4-tiny"
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+CAPTURE = Path(__file__).parent / "data" / "metrics-vllm-0.32-mtp.txt"
+
+
+class Traced:
+    """An instrumented client with in-memory spans, its own registry and its call records."""
+
+    def __init__(self, url: str, *, is_async: bool = False, role: str = "worker", **cfg) -> None:
+        self.exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.registry = CollectorRegistry()
+        self.records: list[agent.CallRecord] = []
+        cls = openai.AsyncOpenAI if is_async else openai.OpenAI
+        self.bare = cls(base_url=url + "/v1", api_key="unused", max_retries=0)
+        self.client = agent.instrument(
+            self.bare, role=role, config=agent.AgentConfig(**cfg), tracer_provider=provider,
+            registry=self.registry, on_call=self.records.append,
+        )
+
+    @property
+    def spans(self):
+        return self.exporter.get_finished_spans()
+
+    def errors(self, kind: str) -> float:
+        return self.registry.get_sample_value("gemma4_agent_errors_total", {"kind": kind}) or 0.0
+
+
+def _plain(client, max_tokens=24, **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=max_tokens, temperature=0, **kw
+    )
+
+
+def _stream(client, max_tokens=24):
+    return list(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+
+
+def _same_result(a, b) -> None:
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.completion_tokens == b.usage.completion_tokens
+    assert a.choices[0].finish_reason == b.choices[0].finish_reason
+
+
+# -- spans over the real OTLP/HTTP exporter ---------------------------------------------------
+
+def _export_and_receive(url, receiver, role):
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+        "OTEL_SERVICE_NAME": "agent-under-test",
+        "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test",
+    }
+    provider = agent.setup_tracing(env)
+    sent: list[dict] = []
+
+    def hook(request):
+        sent.append(dict(request.headers))
+
+    bare = openai.OpenAI(base_url=url + "/v1", api_key="unused",
+                         http_client=openai.DefaultHttpxClient(event_hooks={"request": [hook]}))
+    client = agent.instrument(bare, role=role, tracer_provider=provider,
+                              config=agent.AgentConfig(), registry=CollectorRegistry())
+    _plain(client)
+    _stream(client)
+    provider.shutdown()
+    return receiver.wait_for(2), sent
+
+
+def test_spans_reach_a_real_otlp_receiver_with_gen_ai_and_mtp_attributes(mtp_engine, otlp_receiver):
+    got, sent = _export_and_receive(mtp_engine.url, otlp_receiver, "architect")
+    assert len(got) == 2
+    plain, stream = got
+    for span in got:
+        a = span.attributes
+        assert span.name == f"chat {MODEL}"
+        assert span.kind == 3  # SPAN_KIND_CLIENT in the OTLP protobuf
+        assert span.ended
+        assert span.resource["service.name"] == "agent-under-test"
+        assert span.resource["deployment.environment"] == "test"
+        assert a["gen_ai.operation.name"] == "chat"
+        assert a["gen_ai.provider.name"] == "vllm"
+        assert a["gen_ai.request.model"] == a["gen_ai.response.model"] == MODEL
+        assert a["gen_ai.usage.input_tokens"] > 0 and a["gen_ai.usage.output_tokens"] == 24
+        assert a["gen_ai.response.finish_reasons"] == ("length",)
+        assert a["server.address"] == "127.0.0.1" and a["server.port"] == mtp_engine.port
+        assert a["appliance.agent.role"] == "architect"
+        assert a["gen_ai.vllm.mtp.source"] == "request" and a["gen_ai.vllm.mtp.shared"] is False
+        assert a["gen_ai.vllm.mtp.acceptance"] >= 0.9
+        assert a["gen_ai.vllm.mtp.drafted"] >= a["gen_ai.vllm.mtp.accepted"] > 0
+        assert a["gen_ai.vllm.mtp.drafts"] > 0 and a["gen_ai.vllm.mtp.tokens_per_step"] > 2.5
+        assert len(a["gen_ai.vllm.mtp.per_position_acceptance"]) == 2  # k=2
+        # Prompt and completion text stay out unless enabled.
+        assert "gen_ai.input.messages" not in a and "gen_ai.output.messages" not in a
+    assert plain.attributes["gen_ai.request.stream"] is False
+    assert stream.attributes["gen_ai.request.stream"] is True
+    assert stream.attributes["gen_ai.response.time_to_first_chunk"] > 0
+    assert "gen_ai.response.time_to_first_chunk" not in plain.attributes
+    # traceparent went out on the wire and names each call's own span.
+    chat_requests = [h for h in sent if "traceparent" in h]
+    assert [h["traceparent"].split("-")[1:3] for h in chat_requests] == [
+        [s.trace_id, s.span_id] for s in got
+    ]
+
+
+def test_random_drafter_spans_show_low_acceptance(mtp_random_engine, otlp_receiver):
+    got, _ = _export_and_receive(mtp_random_engine.url, otlp_receiver, "worker")
+    assert len(got) == 2
+    for span in got:
+        assert span.attributes["gen_ai.vllm.mtp.source"] == "request"
+        assert span.attributes["gen_ai.vllm.mtp.acceptance"] <= 0.1
+
+
+def test_content_is_recorded_only_when_enabled(mtp_engine):
+    t = Traced(mtp_engine.url, capture_content=True)
+    resp = _plain(t.client)
+    a = t.spans[0].attributes
+    assert "Tell me about the sea." in a["gen_ai.input.messages"]
+    assert json.loads(a["gen_ai.output.messages"]) == [resp.choices[0].message.content]
+
+
+# -- attribution --------------------------------------------------------------------------------
+
+def _concurrently(fn, n=4):
+    barrier = threading.Barrier(n)
+    out, errors = [None] * n, []
+
+    def run(i):
+        try:
+            barrier.wait()
+            out[i] = fn()
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    return out
+
+
+def _batch_delta(url, fn):
+    with VLLMClient(url) as obs:
+        before = obs.snapshot()
+        fn()
+        from appliance import specdecode
+
+        return specdecode.delta(before, obs.snapshot())
+
+
+def test_concurrent_calls_get_exact_per_request_figures_summing_to_the_batch(mtp_engine):
+    t = Traced(mtp_engine.url)
+    d = _batch_delta(mtp_engine.url, lambda: _concurrently(lambda: _plain(t.client, 48)))
+    figs = [r.figures for r in t.records]
+    assert len(figs) == 4 and {f.source for f in figs} == {"request"}
+    assert not any(f.shared for f in figs)
+    assert sum(f.drafts for f in figs) == d.drafts
+    assert sum(f.drafted for f in figs) == d.draft_tokens
+    assert sum(f.accepted for f in figs) == d.accepted
+
+
+def test_without_per_request_metrics_overlapping_calls_are_shared(mtp_counters_engine):
+    t = Traced(mtp_counters_engine.url)
+    _concurrently(lambda: _plain(t.client, 48))
+    assert [r.figures.source for r in t.records] == ["shared"] * 4
+    assert all(r.figures.shared for r in t.records)
+    # Shared windows never feed the per-role distributions or token counters.
+    assert t.registry.get_sample_value(
+        "gemma4_agent_call_acceptance_count", {"role": "worker", "model": MODEL}) is None
+    assert t.registry.get_sample_value(
+        "gemma4_agent_calls_total",
+        {"role": "worker", "model": MODEL, "source": "shared", "outcome": "ok"}) == 4
+
+
+def test_without_per_request_metrics_sequential_calls_are_exact(mtp_counters_engine):
+    t = Traced(mtp_counters_engine.url)
+
+    def three():
+        for _ in range(3):
+            _plain(t.client, 32)
+
+    d = _batch_delta(mtp_counters_engine.url, three)
+    figs = [r.figures for r in t.records]
+    assert [f.source for f in figs] == ["counters"] * 3 and not any(f.shared for f in figs)
+    assert sum(f.drafted for f in figs) == d.draft_tokens
+    assert sum(f.accepted for f in figs) == d.accepted
+    assert all(f.acceptance >= 0.9 for f in figs)
+
+
+def test_no_metrics_request_once_the_server_sends_per_request_figures(mtp_engine, bad_metrics):
+    # A counting stand-in for /metrics (it replays the engine's own real page) to see how
+    # often the agent reads it; the calls go to the real engine.
+    page = httpx.get(mtp_engine.url + "/metrics").text
+    fake = bad_metrics("pages", pages=[page])
+    t = Traced(mtp_engine.url, metrics_url=fake.url)
+    _plain(t.client)
+    first = fake.hits
+    for _ in range(3):
+        _plain(t.client)
+    _stream(t.client)
+    # The first call reads once (before; its own response then makes the after-read moot).
+    assert first == 1
+    assert fake.hits == first
+    assert {r.figures.source for r in t.records} == {"request"}
+
+
+# -- parity and passthrough ---------------------------------------------------------------------
+
+def test_stream_plain_sync_async_give_the_same_figures(mtp_engine):
+    t = Traced(mtp_engine.url)
+    _plain(t.client, 40)
+    _stream(t.client, 40)
+    ta = Traced(mtp_engine.url, is_async=True)
+
+    async def both():
+        await ta.client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0)
+        s = await ta.client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        async for _ in s:
+            pass
+
+    asyncio.run(both())
+    recs = t.records + ta.records
+    assert [r.stream for r in recs] == [False, True, False, True]
+    assert {r.output_tokens for r in recs} == {40}
+    keyed = {(r.figures.drafts, r.figures.drafted, r.figures.accepted) for r in recs}
+    assert len(keyed) == 1 and None not in next(iter(keyed))
+    assert len(t.spans) == 2 and len(ta.spans) == 2
+
+
+def _chunks(stream_iter):
+    return [c.model_dump(exclude={"id", "created"}) for c in stream_iter]
+
+
+def test_stream_is_passed_through_unchanged(mtp_engine):
+    t = Traced(mtp_engine.url)
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=30, temperature=0, stream=True,
+              stream_options={"include_usage": True})
+    bare = _chunks(t.bare.chat.completions.create(**kw))
+    s = t.client.chat.completions.create(**kw)
+    assert isinstance(s, openai.Stream)  # the proxy still is what the caller expects
+    with s as entered:
+        ours = _chunks(entered)
+    assert ours == bare and len(ours) > 3
+    assert len(t.spans) == 1  # finished exactly once: on exhaustion, not again on __exit__
+
+
+def test_async_stream_closed_early_ends_the_span_once(mtp_engine):
+    t = Traced(mtp_engine.url, is_async=True)
+
+    async def early():
+        s = await t.client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, stream=True)
+        async for _ in s:
+            break
+        await s.close()
+        await s.close()
+
+    asyncio.run(early())
+    assert len(t.spans) == 1 and len(t.records) == 1
+
+
+def test_legacy_completions_are_traced(mtp_engine):
+    t = Traced(mtp_engine.url)
+    resp = t.client.completions.create(model=MODEL, prompt="waves", max_tokens=16, temperature=0)
+    assert resp.usage.completion_tokens == 16
+    (span,) = t.spans
+    assert span.name == f"text_completion {MODEL}"
+    assert span.attributes["gen_ai.vllm.mtp.source"] == "request"
+
+
+# -- fault matrix ---------------------------------------------------------------------------
+
+BOUND = 0.3
+
+
+@pytest.mark.parametrize("mode", ["down", "500", "garbage", "hang"])
+def test_metrics_faults_never_reach_the_caller(mtp_counters_engine, bad_metrics, mode):
+    if mode == "down":
+        url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a real refusal
+    else:
+        url = bad_metrics(mode).url
+    t = Traced(mtp_counters_engine.url, metrics_url=url, snapshot_timeout=BOUND,
+               failure_cooldown=0.0)
+    start = time.perf_counter()
+    bare = _plain(t.bare)
+    bare_s = time.perf_counter() - start
+    start = time.perf_counter()
+    ours = _plain(t.client)
+    ours_s = time.perf_counter() - start
+    _same_result(ours, bare)
+    chunks = _stream(t.client)
+    assert chunks[-1].usage.completion_tokens == 24
+    # Two bounded reads at most; generous slack for a loaded 2-core machine.
+    assert ours_s - bare_s < 2 * BOUND + 1.5
+    assert [s.attributes["gen_ai.vllm.mtp.source"] for s in t.spans] == ["unknown"] * 2
+    assert all(s.end_time is not None for s in t.spans)
+    kind = {"down": "metrics_unreachable", "500": "metrics_status", "garbage": "metrics_parse",
+            "hang": "metrics_timeout"}[mode]
+    assert t.errors(kind) >= 2
+
+
+def test_call_exception_is_unchanged_when_metrics_are_down(mtp_counters_engine):
+    t = Traced(mtp_counters_engine.url, metrics_url=f"http://127.0.0.1:{free_port()}")
+    kw = dict(model="no-such-model", messages=MESSAGES, max_tokens=4)
+    with pytest.raises(openai.NotFoundError) as bare:
+        t.bare.chat.completions.create(**kw)
+    with pytest.raises(openai.NotFoundError) as ours:
+        t.client.chat.completions.create(**kw)
+    assert ours.value.status_code == bare.value.status_code
+    assert ours.value.body == bare.value.body
+    (span,) = t.spans
+    assert span.status.status_code == StatusCode.ERROR
+    assert span.attributes["error.type"] == "NotFoundError"
+    assert span.kind == SpanKind.CLIENT
+    assert t.registry.get_sample_value(
+        "gemma4_agent_calls_total",
+        {"role": "worker", "model": "no-such-model", "source": "unknown", "outcome": "error"}) == 1
+
+
+def test_counter_reset_between_snapshots_publishes_no_delta(mtp_counters_engine, bad_metrics):
+    # Two REAL captures stand for a restart between the reads: this engine's own page now,
+    # then the page of another engine process (tests/data, a different *_created and lower
+    # counters). Restarting the session engine mid-call would take the other tests with it.
+    live = httpx.get(mtp_counters_engine.url + "/metrics").text
+    fake = bad_metrics("pages", pages=[live, CAPTURE.read_text()])
+    t = Traced(mtp_counters_engine.url, metrics_url=fake.url)
+    resp = _plain(t.client)
+    assert resp.usage.completion_tokens == 24
+    (rec,) = t.records
+    assert (rec.figures.source, rec.figures.status) == ("unknown", "reset")
+    assert rec.figures.drafted is None and rec.figures.acceptance is None
+    (span,) = t.spans
+    assert "gen_ai.vllm.mtp.drafted" not in span.attributes
+    assert span.attributes["gen_ai.vllm.mtp.status"] == "reset"
+
+
+def test_server_without_speculative_decoding_is_recorded_as_absent(baseline_engine):
+    t = Traced(baseline_engine.url)
+    bare = _plain(t.bare)
+    _same_result(_plain(t.client), bare)
+    (rec,) = t.records
+    assert (rec.figures.source, rec.figures.status) == ("absent", "absent")
+    assert rec.figures.acceptance is None and rec.figures.drafted is None  # not zeros
+    a = t.spans[0].attributes
+    assert a["gen_ai.vllm.mtp.source"] == "absent" and "gen_ai.vllm.mtp.acceptance" not in a
+
+
+# -- Prometheus -------------------------------------------------------------------------------
+
+def test_prometheus_metrics_by_role_served_on_a_local_port(mtp_engine):
+    t = Traced(mtp_engine.url, role="worker")
+    _plain(t.client)
+    with agent.role("architect"):
+        _plain(t.client)
+        _stream(t.client)
+    port = free_port()
+    server = agent.serve_metrics(port, registry=t.registry)
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    finally:
+        server.shutdown()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text) for s in fam.samples
+    }
+
+    def get(name, **labels):
+        return samples.get((name, tuple(sorted(labels.items()))))
+
+    assert get("gemma4_agent_call_acceptance_count", role="architect", model=MODEL) == 2
+    assert get("gemma4_agent_call_acceptance_count", role="worker", model=MODEL) == 1
+    assert get("gemma4_agent_call_acceptance_bucket", role="worker", model=MODEL, le="0.9") == 0
+    assert get("gemma4_agent_call_tokens_per_step_count", role="worker", model=MODEL) == 1
+    assert get("gemma4_agent_calls_total", role="architect", model=MODEL, source="request",
+               outcome="ok") == 2
+    drafted = get("gemma4_agent_drafted_tokens_total", role="worker", model=MODEL)
+    assert drafted == t.records[0].figures.drafted > 0
+    assert get("gemma4_agent_accepted_tokens_total", role="worker", model=MODEL) > 0
+    assert get("gemma4_agent_call_duration_seconds_count", role="architect", model=MODEL) == 2
+
+
+# -- the demo -----------------------------------------------------------------------------------
+
+def test_demo_exports_spans_when_an_endpoint_is_set(mtp_engine, otlp_receiver, monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.url)
+    report = demo.run(mtp_engine.url, calls=2, max_tokens=16)
+    got = otlp_receiver.wait_for(2)
+    assert [s.attributes["appliance.agent.role"] for s in got] == ["demo", "demo"]
+    assert [s.attributes["gen_ai.request.stream"] for s in got] == [False, True]
+    assert [c.drafted for c in report.calls] == [s.attributes["gen_ai.vllm.mtp.drafted"] for s in got]
+
+
+def test_demo_records_carry_source_and_shared(mtp_engine, monkeypatch):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    report = demo.run(mtp_engine.url, calls=2, max_tokens=16)
+    calls = report.to_dict()["calls"]
+    for c in calls:
+        assert c["source"] == "request" and c["shared"] is False
+        assert c["output_tokens"] == 16 and c["acceptance"] >= 0.9
+        for key in ("drafts", "drafted", "accepted", "tokens_per_step"):
+            assert c[key] is not None
+    assert "request" in demo.format_table(report)
