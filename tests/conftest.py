@@ -17,8 +17,10 @@ from appliance import profiles
 from appliance.engine import local
 
 pytest_plugins: list[str] = []
-pytest_plugins.append("plugins.agent")
 pytest_plugins.append("plugins.cutover")
+pytest_plugins.append("plugins.units")
+pytest_plugins.append("plugins.observability")
+pytest_plugins.append("plugins.agent")
 
 
 def pytest_report_header(config) -> list[str]:

@@ -124,7 +124,7 @@ class Variable:
     def to_json(self) -> dict[str, Any]:
         if not self.query:
             return {
-                "current": {}, "hide": 0, "includeAll": False, "label": self.label,
+                "hide": 0, "includeAll": False, "label": self.label,
                 "multi": False, "name": self.name, "options": [], "query": "prometheus",
                 "refresh": 1, "regex": "", "type": "datasource",
             }
@@ -132,7 +132,6 @@ class Variable:
             "allValue": ".*",
             "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
             "datasource": DATASOURCE,
-            "definition": self.query,
             "hide": 0,
             "includeAll": True,
             "label": self.label,
@@ -161,11 +160,12 @@ class Annotation:
         return {
             "datasource": DATASOURCE,
             "enable": True,
-            "expr": self.expr.text,
             "iconColor": self.color,
             "name": self.name,
-            "step": "30s",
+            # The query in `target` (Grafana >= 10's form); the format fields stay top-level,
+            # where Grafana's Prometheus plugin reads them.
             "tagKeys": "instance,kind,outcome",
+            "target": {"expr": self.expr.text, "interval": "30s", "refId": "Anno"},
             "textFormat": self.text,
             "titleFormat": self.title,
             "useValueForTime": False,

@@ -1,0 +1,333 @@
+"""Dashboards, rules, alerts and scrape config: generated, drift-checked, schema-checked, and
+every series they read proven to exist. The live half is tests/test_observability_live.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from appliance import state_metrics
+from appliance.agent import metrics as agent_metrics
+from appliance.cli import cli
+from appliance.errors import UsageError
+from appliance.observability import generate, metric_check, names, rules
+from appliance.observability.dashboards import DASHBOARDS
+
+from plugins.observability import PROMTOOL
+
+ROOT = Path(__file__).resolve().parents[1]
+CAPTURE = ROOT / "tests" / "data" / "metrics-vllm-0.32-mtp.txt"
+
+
+def _copy_generated(tmp_path: Path) -> Path:
+    for d in ("grafana", "prometheus"):
+        shutil.copytree(ROOT / d, tmp_path / d)
+    return tmp_path
+
+
+def _promtool(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+# --- generator and drift --------------------------------------------------------------------
+
+def test_check_passes_on_committed_files():
+    res = CliRunner().invoke(cli, ["observability", "generate", "--check", "--root", str(ROOT)],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "up to date" in res.output
+
+
+def test_check_fails_on_a_hand_edited_panel_and_generate_repairs_it(tmp_path):
+    root = _copy_generated(tmp_path)
+    path = root / "grafana/dashboards/gemma4-mtp-overview.json"
+    board = json.loads(path.read_text())
+    board["panels"][1]["title"] = "edited by hand"
+    path.write_text(json.dumps(board, indent=2, sort_keys=True) + "\n")
+    runner = CliRunner()
+    res = runner.invoke(cli, ["observability", "generate", "--check", "--root", str(root)])
+    assert res.exit_code == 1
+    assert "grafana/dashboards/gemma4-mtp-overview.json is out of date" in res.output
+    assert "appliance observability generate" in res.output  # the fix is named
+    res = runner.invoke(cli, ["observability", "generate", "--root", str(root)],
+                        catch_exceptions=False)
+    assert "wrote grafana/dashboards/gemma4-mtp-overview.json" in res.output
+    assert json.loads(path.read_text())["panels"][1]["title"] != "edited by hand"
+    assert generate.generate(root, check=True).problems == []
+
+
+def test_check_fails_on_rules_drift_and_on_unknown_files(tmp_path):
+    root = _copy_generated(tmp_path)
+    rule_file = root / "prometheus/rules/gemma4-mtp-alerts.yml"
+    rule_file.write_text(rule_file.read_text().replace("for: 30m", "for: 5m"))
+    (root / "grafana/dashboards/old-board.json").write_text("{}\n")
+    problems = generate.generate(root, check=True).problems
+    assert "prometheus/rules/gemma4-mtp-alerts.yml is out of date" in problems
+    assert "grafana/dashboards/old-board.json is not produced by the generator" in problems
+
+
+def test_output_is_deterministic_with_stable_unique_ids():
+    first, second = generate.outputs(), generate.outputs()
+    assert first == second
+    uids = [json.loads(first[Path("grafana/dashboards") / f])["uid"] for f in sorted(DASHBOARDS)]
+    assert uids == ["gemma4-mtp-overview", "gemma4-mtp-roles"]
+    for fname in DASHBOARDS:
+        board = json.loads(first[Path("grafana/dashboards") / fname])
+        ids = [p["id"] for p in board["panels"]]
+        assert len(ids) == len(set(ids))
+        assert {v["name"] for v in board["templating"]["list"]} == {
+            "datasource", "instance", "model_name", "role"}
+
+
+def test_every_panel_description_names_the_metrics_it_reads():
+    for build in DASHBOARDS.values():
+        for panel in build().to_json()["panels"]:
+            if panel["type"] == "row":
+                continue
+            desc = panel["description"]
+            assert "\n\nMetrics: " in desc, panel["title"]
+            for target in panel["targets"]:
+                # Each series name in the query is named in the description.
+                for metric in _series_in(target["expr"]):
+                    assert f"`{metric}`" in desc, (panel["title"], metric)
+
+
+def _series_in(expr: str) -> set[str]:
+    import re
+
+    candidates = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*(?=\{|\[)", expr))
+    return {c for c in candidates if c not in {"rate", "increase", "by", "on"}}
+
+
+def test_required_panels_exist():
+    titles = {p.title for b in DASHBOARDS.values() for p in b().panels()}
+    for needed in ("Draft acceptance rate", "Mean tokens per step (acceptance length)",
+                   "Acceptance by draft position", "Accepted vs rejected draft tokens",
+                   "Per-call acceptance by role (p10 / median / p90)",
+                   "Per-call tokens per step by role (p10 / median / p90)",
+                   "Output tokens per second", "Time to first token", "Time per output token",
+                   "Inter-token latency", "Requests running and waiting", "KV cache usage",
+                   "Running image per instance", "MTP state"):
+        assert needed in titles
+    itl = next(p for b in DASHBOARDS.values() for p in b().panels() if p.title == "Inter-token latency")
+    assert "chunk" in itl.description and "TPOT" in itl.description
+    overview = DASHBOARDS["gemma4-mtp-overview.json"]().to_json()
+    names_ = [a["name"] for a in overview["annotations"]["list"]]
+    assert "Cutovers" in names_ and "Rollbacks" in names_
+
+
+# --- promtool -------------------------------------------------------------------------------
+
+def test_promtool_check_config_and_rules():
+    res = _promtool("check", "config", "prometheus.yml", cwd=ROOT / "prometheus")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rule_files = sorted(str(p) for p in (ROOT / "prometheus/rules").glob("*.yml"))
+    assert len(rule_files) == 2
+    res = _promtool("check", "rules", *rule_files)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "SUCCESS: 12 rules found" in res.stdout and "SUCCESS: 4 rules found" in res.stdout
+
+
+def test_promtool_unit_tests_pass():
+    tests = sorted(str(p) for p in (ROOT / "prometheus/tests").glob("*.test.yml"))
+    assert len(tests) == 3
+    res = _promtool("test", "rules", *tests)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_promtool_unit_tests_cover_every_rule_and_alert_with_idle_and_reset():
+    exprs, alerts, idle = "", set(), set()
+    for path in (ROOT / "prometheus/tests").glob("*.test.yml"):
+        doc = yaml.safe_load(path.read_text())
+        for t in doc["tests"]:
+            for e in t.get("promql_expr_test", []):
+                exprs += e["expr"] + "\n"
+                if e["exp_samples"] == []:
+                    idle.add(e["expr"].split("{")[0])
+            alerts |= {a["alertname"] for a in t.get("alert_rule_test", []) if a["exp_alerts"]}
+    for r in rules.all_rules():
+        if r.alert:
+            assert r.name in alerts, f"alert {r.name} never fires in a promtool test"
+        else:
+            assert r.name in exprs, f"recording rule {r.name} untested"
+    # Every guarded ratio is asserted empty (no NaN/Inf) in an idle period.
+    for r in rules.all_rules():
+        if not r.alert and "> 0)" in r.expr.text:
+            assert r.name in idle, f"{r.name} has no idle-period test"
+    text = (ROOT / "prometheus/tests/engine-rules.test.yml").read_text()
+    assert "Counter reset" in text
+
+
+def test_promtool_unit_tests_catch_a_changed_threshold(tmp_path):
+    # The alert tests bite: rules generated with another floor make them fail.
+    root = _copy_generated(tmp_path)
+    (root / "prometheus/rules/gemma4-mtp-alerts.yml").write_text(
+        rules.render(rules.alert_groups(rules.Thresholds(acceptance_min=0.1))))
+    res = _promtool("test", "rules", "alerts.test.yml", cwd=root / "prometheus/tests")
+    assert res.returncode == 1
+    assert "Gemma4MTPAcceptanceLow" in res.stdout + res.stderr
+
+
+# --- metric existence -----------------------------------------------------------------------
+
+def _known() -> set[str]:
+    known = metric_check.exposition_names(CAPTURE.read_text())
+    known |= metric_check.registry_names(agent_metrics.build_registry())
+    known |= metric_check.registry_names(state_metrics.build_registry())
+    return known
+
+
+def test_every_metric_used_exists_in_vllm_or_the_agent_or_the_state_metrics():
+    used = metric_check.used_metrics()
+    assert "vllm:spec_decode_num_draft_tokens_total" in used
+    assert "gemma4_agent_call_acceptance_bucket" in used
+    assert "gemma4_appliance_image_info" in used
+    assert metric_check.missing(_known()) == {}
+    assert metric_check.undefined_recorded() == set()
+
+
+def test_metric_check_reports_a_name_nothing_exports():
+    known = _known() - {"vllm:kv_cache_usage_perc"}
+    miss = metric_check.missing(known)
+    assert list(miss) == ["vllm:kv_cache_usage_perc"]
+    assert any("KV cache usage" in w for w in miss["vllm:kv_cache_usage_perc"])
+    assert any("Gemma4KVCacheNearFull" in w for w in miss["vllm:kv_cache_usage_perc"])
+
+
+def test_names_match_the_agent_contract():
+    exported = metric_check.registry_names(agent_metrics.build_registry())
+    for sel in (names.AGENT_ACCEPTANCE, names.AGENT_TOKENS_PER_STEP, names.AGENT_DURATION):
+        assert sel.metric + "_bucket" in exported
+    for sel in (names.AGENT_DRAFTED, names.AGENT_ACCEPTED, names.AGENT_CALLS, names.AGENT_ERRORS):
+        assert sel.metric in exported
+
+
+# --- state metrics --------------------------------------------------------------------------
+
+def test_state_textfile_round_trips_and_is_written_atomically(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    path = tmp_path / "state" / "appliance.prom"
+    states = [
+        state_metrics.InstanceState("31b", "gemma4-vllm:0.21.0-mtp", "0.21.0", True,
+                                    {("cutover", "ok"): 2, ("rollback", "ok"): 1}, 1_790_000_000.0),
+        state_metrics.InstanceState("e4b", "gemma4-vllm:pre-mtp", "0.19.0", False),
+    ]
+    state_metrics.write_textfile(path, states)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(path.read_text()) for s in f.samples}
+    assert samples[("gemma4_appliance_image_info", (
+        ("image", "gemma4-vllm:0.21.0-mtp"), ("instance", "31b"), ("mtp", "true"),
+        ("vllm_version", "0.21.0")))] == 1
+    assert samples[("gemma4_appliance_image_info", (
+        ("image", "gemma4-vllm:pre-mtp"), ("instance", "e4b"), ("mtp", "false"),
+        ("vllm_version", "0.19.0")))] == 1
+    assert samples[("gemma4_appliance_cutover_events_total", (
+        ("instance", "31b"), ("kind", "rollback"), ("outcome", "ok")))] == 1
+    assert samples[("gemma4_appliance_last_cutover_timestamp_seconds",
+                    (("instance", "31b"),))] == 1_790_000_000.0
+    # Rewriting replaces the file whole and leaves no temp file for node_exporter to read.
+    state_metrics.write_textfile(path, states[1:])
+    assert "31b" not in path.read_text()
+    assert [p.name for p in path.parent.iterdir()] == ["appliance.prom"]
+
+
+@pytest.mark.parametrize("bad", [
+    {"path": "x.txt", "events": {}},
+    {"path": "x.prom", "events": {("cutover", "maybe"): 1}},
+    {"path": "x.prom", "events": {("upgrade", "ok"): 1}},
+])
+def test_state_textfile_rejects_bad_input(tmp_path, bad):
+    s = state_metrics.InstanceState("i", "img", "0.32.0", True, bad["events"])
+    with pytest.raises(UsageError):
+        state_metrics.write_textfile(tmp_path / bad["path"], [s])
+
+
+# --- Grafana schema -------------------------------------------------------------------------
+
+TS_PRELUDE = """import type { AnnotationQuery, Dashboard, DataQuery } from '@grafana/schema';
+// The Prometheus plugin's own annotation fields (grafana-prometheus), not in @grafana/schema.
+interface PromQuery extends DataQuery { expr: string; interval?: string }
+interface PromAnnotation extends AnnotationQuery<PromQuery> {
+  tagKeys?: string; textFormat?: string; titleFormat?: string; useValueForTime?: boolean;
+}
+"""
+
+
+def _tsc(schema_dir: Path, boards: dict[str, dict], tmp_path: Path) -> subprocess.CompletedProcess:
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, board in boards.items():
+        board = dict(board)
+        annotations = board.pop("annotations")["list"]
+        builtin = [a for a in annotations if a.get("builtIn")]
+        prom = [a for a in annotations if not a.get("builtIn")]
+        # Object literals with declared types: excess-property and literal-type checks apply.
+        (src / f"{name}.ts").write_text(
+            TS_PRELUDE
+            + f"const builtin: AnnotationQuery[] = {json.dumps(builtin, indent=2)};\n"
+            + f"const prom: PromAnnotation[] = {json.dumps(prom, indent=2)};\n"
+            + f"export const dashboard: Dashboard = {{\n"
+            + "  annotations: { list: [...builtin, ...prom] },\n"
+            + json.dumps(board, indent=2)[1:] + ";\n")
+    (tmp_path / "tsconfig.json").write_text(json.dumps({
+        "compilerOptions": {"strict": True, "noEmit": True, "module": "esnext",
+                            "moduleResolution": "bundler", "target": "es2022",
+                            "skipLibCheck": True, "typeRoots": [],
+                            "baseUrl": ".", "paths": {"*": [str(schema_dir / "node_modules" / "*")]}},
+        "include": ["src/*.ts"],
+    }))
+    return subprocess.run(["node", str(schema_dir / "node_modules/typescript/bin/tsc"), "-p",
+                           str(tmp_path / "tsconfig.json")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_dashboards_match_grafana_schema_types(grafana_schema, tmp_path):
+    boards = {f.removesuffix(".json").replace("-", "_"): json.loads((ROOT / "grafana/dashboards" / f).read_text())
+              for f in DASHBOARDS}
+    res = _tsc(grafana_schema, boards, tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_schema_check_rejects_a_wrong_field_type(grafana_schema, tmp_path):
+    board = json.loads((ROOT / "grafana/dashboards/gemma4-mtp-overview.json").read_text())
+    board["panels"][1]["gridPos"]["h"] = "eight"
+    board["refresh_rate"] = 5
+    res = _tsc(grafana_schema, {"broken": board}, tmp_path)
+    assert res.returncode != 0
+    assert "gridPos" in res.stdout or "'string' is not assignable" in res.stdout, res.stdout
+
+
+# --- provisioning and the compose stack ------------------------------------------------------
+
+def test_grafana_provisioning_points_at_the_generated_dashboards():
+    ds = yaml.safe_load((ROOT / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    prom = next(d for d in ds["datasources"] if d["type"] == "prometheus")
+    assert prom["uid"] == "prometheus" and prom["url"].startswith("http://127.0.0.1:")
+    boards = yaml.safe_load((ROOT / "grafana/provisioning/dashboards/gemma4.yml").read_text())
+    path = boards["providers"][0]["options"]["path"]
+    compose = yaml.safe_load((ROOT / "deploy/observability/compose.yaml").read_text())
+    mounts = compose["services"]["grafana"]["volumes"]
+    assert any(m.endswith(":" + path + ":ro") and "grafana/dashboards" in m for m in mounts), mounts
+
+
+def test_compose_pins_images_and_binds_loopback():
+    compose = yaml.safe_load((ROOT / "deploy/observability/compose.yaml").read_text())
+    services = compose["services"]
+    assert {"prometheus", "grafana", "otel-collector", "jaeger"} <= set(services)
+    for name, svc in services.items():
+        image = svc["image"]
+        tag = image.rsplit(":", 1)[-1]
+        assert ":" in image and tag != "latest" and any(c.isdigit() for c in tag), (name, image)
+        for port in svc.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), (name, port)
+    text = (ROOT / "deploy/observability/compose.yaml").read_text()
+    text += (ROOT / "deploy/observability/otel-collector.yaml").read_text()
+    text += (ROOT / "deploy/observability/jaeger.yaml").read_text()
+    assert "0.0.0.0" not in text
