@@ -1,0 +1,75 @@
+"""Fixtures for the serve-script tests: small labelled images in the real Docker engine.
+
+The images are a few bytes imported with ``docker import`` and the appliance's labels: enough for
+the serve script's label reading (``docker image inspect``) and its ``print``/``remove`` paths;
+no engine runs from them. Their own repository name keeps other tests' images untouched.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import tarfile
+
+import pytest
+
+from appliance import labels
+
+UNITS_REPO = "gemma4-units-test"
+
+# tag -> labels, as the image builder writes them (ADR 0003).
+SERVE_IMAGES = {
+    "mtp-0.32": {labels.VERSION: "0.32.0-mtp", labels.VLLM_VERSION: "0.32.0", labels.MTP: "true"},
+    "mtp-0.21": {labels.VERSION: "0.21.0-mtp", labels.VLLM_VERSION: "0.21.0", labels.MTP: "true"},
+    "pre-mtp": {labels.VERSION: "0.19.0", labels.VLLM_VERSION: "0.19.0", labels.MTP: "false"},
+    "nolabels": {},
+}
+
+
+def _docker_answers() -> bool:
+    try:
+        return (
+            subprocess.run(
+                ["docker", "version"], capture_output=True, timeout=10, check=False
+            ).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _rootfs() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = b"serve script test image\n"
+        info = tarfile.TarInfo("README")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def serve_images() -> dict[str, str]:
+    """tag -> reference of each small labelled image (imported once; reused across sessions)."""
+    if not _docker_answers():
+        try:
+            from .docker_engine import ensure_dockerd
+        except ImportError:
+            pytest.skip("no Docker engine answers and no docker_engine plugin to start one")
+        ensure_dockerd()
+    refs = {}
+    for tag, wanted in SERVE_IMAGES.items():
+        ref = refs[tag] = f"{UNITS_REPO}:{tag}"
+        have = subprocess.run(
+            ["docker", "image", "inspect", "--format", "{{json .Config.Labels}}", ref],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if have.returncode == 0 and all(f'"{k}":"{v}"' in have.stdout for k, v in wanted.items()):
+            continue
+        cmd = ["docker", "import"]
+        for k, v in wanted.items() or {"unrelated": "1"}.items():
+            cmd += ["--change", f'LABEL {k}="{v}"']
+        subprocess.run([*cmd, "-", ref], input=_rootfs(), check=True, capture_output=True)
+    return refs
