@@ -21,6 +21,8 @@ pytest_plugins.append("plugins.cutover")
 pytest_plugins.append("plugins.units")
 pytest_plugins.append("plugins.observability")
 pytest_plugins.append("plugins.agent")
+pytest_plugins.append("plugins.docker_engine")
+pytest_plugins.append("plugins.nspawn")
 
 
 def pytest_report_header(config) -> list[str]:

@@ -20,6 +20,7 @@ from .demo import demo
 from .doctor import doctor
 from .doctor import doctor
 from .devmodel import devmodel
+from .images import image
 from .local import local
 from .profiles import profiles
 from .units import install, render, render_examples
@@ -60,6 +61,7 @@ cli.add_command(observability)
 cli.add_command(render)
 cli.add_command(install)
 cli.add_command(render_examples)
+cli.add_command(image)
 
 
 def main() -> None:

@@ -1,0 +1,160 @@
+"""``appliance image``: build, tag, list and prune the appliance's vLLM images."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .. import images
+from ..images import build as image_build
+from ..images import inventory, lock, prune, scheme, targets
+
+ROOT_OPTION = click.option(
+    "--root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("/"),
+    show_default=True,
+    help="Read instances' env files and rollback slots below this directory.",
+)
+REPO_OPTION = click.option(
+    "--repository", default=scheme.REPOSITORY, show_default=True, help="Image repository."
+)
+
+
+@click.group(name="image")
+def image() -> None:
+    """The appliance's vLLM images (Docker)."""
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+@image.command(name="build")
+@click.argument("target", type=click.Choice(list(targets.TARGETS)))
+@click.option("--vllm-version", help="vLLM version (the cuda target only).")
+@REPO_OPTION
+@click.option("--no-tag", is_flag=True, help="Build without applying the tag scheme.")
+@click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
+def image_build_cmd(
+    target: str, vllm_version: str | None, repository: str, no_tag: bool, json_: bool
+) -> None:
+    """Build TARGET and tag it per the scheme (skipped when an identical image exists).
+
+    \b
+    Targets: cpu-mtp (vLLM 0.32, Gemma 4 MTP), cpu-pre-mtp (vLLM 0.19),
+             cpu-broken (engine exits at start), cuda (official vllm/vllm-openai base).
+    """
+    progress = None if json_ else (lambda msg: click.echo(msg, err=True))
+    r = image_build.build(
+        images.client(),
+        target,
+        repository=repository,
+        vllm_version=vllm_version,
+        tag=not no_tag,
+        progress=progress,
+    )
+    if json_:
+        click.echo(json.dumps(r.__dict__, indent=2, sort_keys=True))
+        return
+    state = "cached" if r.cached else f"built in {r.seconds:.0f}s"
+    click.echo(f"{r.target}: {r.image_id[7:19]} {_gb(r.size_bytes)} {state}")
+    for t in r.tags:
+        click.echo(f"  {t}")
+
+
+@image.command(name="tag")
+@click.argument("source")
+@REPO_OPTION
+def image_tag(source: str, repository: str) -> None:
+    """Tag the local image SOURCE per the scheme, from its labels."""
+    for t in scheme.apply_tags(images.client(), source, repository):
+        click.echo(t)
+
+
+@image.command(name="list")
+@ROOT_OPTION
+@REPO_OPTION
+@click.option("json_", "--json", is_flag=True, help="Print JSON.")
+def image_list(root: Path, repository: str, json_: bool) -> None:
+    """Appliance images: tags, labels, and which instance uses which image."""
+    found, missing = inventory.list_images(images.client(), root, repository)
+    if json_:
+        rows = [
+            {
+                "id": i.id,
+                "tags": i.tags,
+                "labels": i.labels,
+                "size_bytes": i.size_bytes,
+                "created": i.created,
+                "vllm_version": i.vllm_version,
+                "mtp": i.mtp,
+                "used_by": i.used_by,
+                "rollback_for": i.rollback_for,
+                "protected": prune.protection(i, repository),
+            }
+            for i in found
+        ]
+        miss = [{"instance": r.instance, "source": r.source, "ref": r.ref} for r in missing]
+        click.echo(json.dumps({"images": rows, "missing": miss}, indent=2, sort_keys=True))
+        return
+    click.echo(f"{'IMAGE ID':<12}  {'VLLM':<8}  {'MTP':<3}  {'SIZE':>8}  {'USED BY':<16}  TAGS")
+    for i in found:
+        used = ",".join(i.used_by) or "-"
+        if i.rollback_for:
+            used += f" (rollback: {','.join(i.rollback_for)})"
+        mtp = "yes" if i.mtp else "no"
+        click.echo(
+            f"{i.short_id:<12}  {i.vllm_version or '?':<8}  {mtp:<3}  {_gb(i.size_bytes):>8}  "
+            f"{used:<16}  {' '.join(i.tags) or '<none>'}"
+        )
+    for r in missing:
+        click.echo(
+            f"missing: instance {r.instance} ({r.source}) refers to {r.ref}, not in the engine"
+        )
+
+
+@image.command(name="prune")
+@click.option(
+    "--mode",
+    type=click.Choice(prune.MODES),
+    default="dangling",
+    show_default=True,
+    help="dangling: untagged; superseded: also version-only tags; all: every appliance image.",
+)
+@click.option("--dry-run", is_flag=True, help="Say what would go, remove nothing.")
+@ROOT_OPTION
+@REPO_OPTION
+def image_prune(mode: str, dry_run: bool, root: Path, repository: str) -> None:
+    """Remove appliance images; never one an instance or a rollback slot refers to."""
+    r = prune.prune(images.client(), root, mode, repository, dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for i in r.removed:
+        click.echo(f"{verb} {i.short_id} {' '.join(i.tags) or '<none>'}")
+    for i, why in r.kept:
+        click.echo(f"kept {i.short_id} {' '.join(i.tags) or '<none>'}: {why}")
+
+
+@image.command(name="rm")
+@click.argument("ref")
+@ROOT_OPTION
+@REPO_OPTION
+def image_rm(ref: str, root: Path, repository: str) -> None:
+    """Remove image REF unless an instance or a rollback slot refers to it."""
+    image_id = prune.remove(images.client(), ref, root, repository)
+    click.echo(f"removed {ref} ({image_id[7:19]})")
+
+
+@image.command(name="lock")
+@click.argument("vllm_version", type=click.Choice(sorted(lock.RECIPES)))
+@click.option(
+    "--constraints-from",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Pin to the versions installed in this venv (e.g. .venv for 0.32.0).",
+)
+def image_lock(vllm_version: str, constraints_from: Path | None) -> None:
+    """Re-resolve docker/cpu/vllm-VERSION.lock with pip (needs the package index)."""
+    path = lock.write_lock(vllm_version, image_build.DOCKER_DIR, constraints_from)
+    click.echo(str(path))

@@ -1,0 +1,33 @@
+"""Appliance images: the CPU and GPU Dockerfiles' build, the tag scheme, listing and pruning.
+
+- :mod:`.build`: build a target with the Docker SDK (cached by a digest of every input);
+- :mod:`.base`, :mod:`.wheelhouse`, :mod:`.lock`: the CPU images' offline inputs;
+- :mod:`.scheme`: the tags (``<vllm>-mtp``, ``mtp``, ``latest``, ``pre-mtp``);
+- :mod:`.inventory`: images, labels, and which instance refers to which image;
+- :mod:`.prune`: removal that never touches a referenced image.
+"""
+
+from __future__ import annotations
+
+from ..errors import ApplianceError
+
+
+class DockerUnavailable(ApplianceError):
+    """The Docker engine cannot be reached."""
+
+
+def client(timeout: int = 1800):
+    """A Docker SDK client for the local engine (``DOCKER_HOST`` or the default socket)."""
+    import docker.errors
+
+    import docker
+
+    try:
+        c = docker.from_env(timeout=timeout)
+        c.ping()
+    except docker.errors.DockerException as exc:
+        raise DockerUnavailable(
+            f"cannot reach the Docker engine: {exc}",
+            fix="start dockerd (or set DOCKER_HOST)",
+        ) from exc
+    return c

@@ -1,0 +1,103 @@
+"""The CPU images' base image: a Debian bookworm rootfs made with debootstrap, then imported.
+
+No container registry is reachable from the machines this runs on, so ``FROM debian`` cannot
+work. ``ensure_base()`` runs ``debootstrap --variant=minbase`` with the packages listed in
+``docker/cpu/rootfs.txt``, strips apt's caches, and ``docker import``s the tree as
+``gemma4-appliance-base:bookworm-<digest>``. The digest covers the package list and the suite,
+so the image and the cached tarball (under the machine's cache directory) are reused until the
+list changes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ApplianceError
+from .files import digest
+
+BASE_REPOSITORY = "gemma4-appliance-base"
+SUITE = "bookworm"
+MIRROR = "http://deb.debian.org/debian"
+
+
+@dataclass(frozen=True)
+class BaseImage:
+    """The imported base: its reference and how long making it took (0 when cached)."""
+
+    ref: str
+    image_id: str
+    seconds: float
+    cached: bool
+
+
+def packages(docker_dir: Path) -> list[str]:
+    """The extra packages of the base rootfs (``docker/cpu/rootfs.txt``)."""
+    text = (docker_dir / "cpu" / "rootfs.txt").read_text()
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def base_ref(docker_dir: Path) -> str:
+    """The base image's reference, e.g. ``gemma4-appliance-base:bookworm-1a2b3c4d5e6f7a8b``."""
+    key = digest(SUITE, MIRROR, "\n".join(packages(docker_dir)))
+    return f"{BASE_REPOSITORY}:{SUITE}-{key}"
+
+
+def make_rootfs_tar(docker_dir: Path, cache_dir: Path) -> Path:
+    """The rootfs tarball for the current package list, made with debootstrap unless cached."""
+    ref = base_ref(docker_dir)
+    tarball = cache_dir / "rootfs" / f"{ref.split(':', 1)[1]}.tar"
+    if tarball.exists():
+        return tarball
+    if shutil.which("debootstrap") is None:
+        raise ApplianceError(
+            "debootstrap is not installed", fix="run scripts/setup-system.sh (apt debootstrap)"
+        )
+    tarball.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="rootfs-", dir=tarball.parent) as tmp:
+        root = Path(tmp) / "root"
+        cmd = [
+            "debootstrap",
+            "--variant=minbase",
+            f"--include={','.join(packages(docker_dir))}",
+            SUITE,
+            str(root),
+            MIRROR,
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-10:])
+            raise ApplianceError(f"debootstrap failed:\n{tail}")
+        # Caches and lists are dead weight in an image that never runs apt.
+        for sub in ("var/cache/apt/archives", "var/lib/apt/lists", "var/log"):
+            for child in (root / sub).glob("*"):
+                if child.is_file():
+                    child.unlink()
+        partial = Path(tmp) / "rootfs.tar"
+        subprocess.run(
+            ["tar", "--numeric-owner", "-C", str(root), "-cf", str(partial), "."], check=True
+        )
+        partial.replace(tarball)
+    return tarball
+
+
+def ensure_base(client, docker_dir: Path, cache_dir: Path) -> BaseImage:
+    """The base image in the engine: imported from the (cached) rootfs unless already there."""
+    import docker.errors
+
+    ref = base_ref(docker_dir)
+    try:
+        return BaseImage(ref, client.images.get(ref).id, 0.0, True)
+    except docker.errors.ImageNotFound:
+        pass
+    start = time.monotonic()
+    tarball = make_rootfs_tar(docker_dir, cache_dir)
+    repo, tag = ref.split(":", 1)
+    client.api.import_image_from_file(
+        str(tarball), repository=repo, tag=tag, changes=['CMD ["/bin/bash"]']
+    )
+    return BaseImage(ref, client.images.get(ref).id, time.monotonic() - start, False)

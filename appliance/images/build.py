@@ -1,0 +1,223 @@
+"""Build an appliance image with the Docker SDK, then tag it per the scheme.
+
+``build(client, "cpu-mtp")`` makes (or reuses) the debootstrap base, downloads (or reuses) the
+lock's wheelhouse, assembles a small build context (the Dockerfile, the entry point, vLLM's CLI
+wrapper, the lock), and builds with the engine's classic builder. Every input is hashed into the
+``io.gemma4-appliance.build-digest`` label: when an image with the same digest is already in the
+engine the build is skipped (a warm run costs a label lookup), and any change to a Dockerfile,
+lock, entry point or base rebuilds.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import labels
+from ..errors import ApplianceError, UsageError
+from . import base, scheme, targets, wheelhouse
+from .files import digest
+from .lock import lock_path
+
+Progress = Callable[[str], None]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DOCKER_DIR = REPO_ROOT / "docker"
+VLLM_MAIN = REPO_ROOT / "appliance" / "engine" / "vllm_main.py"
+
+
+def system_cache() -> Path:
+    """The per-machine cache (rootfs tarballs, wheelhouses): ``APPLIANCE_SYSTEM_CACHE`` or
+    ``/var/cache/gemma4-appliance``."""
+    return Path(os.environ.get("APPLIANCE_SYSTEM_CACHE", "/var/cache/gemma4-appliance"))
+
+
+@dataclass
+class BuildResult:
+    """What one build produced."""
+
+    target: str
+    image_id: str
+    tags: list[str]
+    labels: dict[str, str]
+    size_bytes: int
+    seconds: float
+    cached: bool
+    steps: dict[str, float] = field(default_factory=dict)
+
+
+def _revision() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _find_by_digest(client, build_digest: str):
+    found = client.images.list(filters={"label": f"{scheme.BUILD_DIGEST}={build_digest}"})
+    return found[0] if found else None
+
+
+def build(
+    client,
+    target_name: str,
+    *,
+    repository: str = scheme.REPOSITORY,
+    vllm_version: str | None = None,
+    docker_dir: Path = DOCKER_DIR,
+    cache_dir: Path | None = None,
+    tag: bool = True,
+    progress: Progress | None = None,
+) -> BuildResult:
+    """Build ``target_name`` (see :mod:`appliance.images.targets`) unless an identical image
+    exists; apply the tag scheme unless ``tag`` is False."""
+    say = progress or (lambda _msg: None)
+    target = targets.get(target_name)
+    scheme.check_repository(repository)
+    cache_dir = cache_dir or system_cache()
+    version = target.vllm_version or vllm_version
+    if version is None:
+        raise UsageError(f"target {target.name} needs --vllm-version", fix="e.g. 0.32.0")
+    if target.vllm_version and vllm_version and vllm_version != target.vllm_version:
+        raise UsageError(
+            f"target {target.name} is vLLM {target.vllm_version}, not {vllm_version}",
+            fix="leave out --vllm-version for CPU targets",
+        )
+    mtp = scheme.vllm_has_mtp(version)
+    start = time.monotonic()
+    steps: dict[str, float] = {}
+    buildargs = {
+        "VLLM_VERSION": version,
+        "GEMMA4_MTP": labels.TRUE if mtp else labels.FALSE,
+        "IMAGE_VERSION": scheme.version_tag(version, mtp, broken=target.broken),
+    }
+    files = {
+        "Dockerfile": (docker_dir / target.dockerfile).read_bytes(),
+        "entrypoint.sh": (docker_dir / "entrypoint.sh").read_bytes(),
+        "vllm_main.py": VLLM_MAIN.read_bytes(),
+    }
+    identity: list[str] = [target.name, repr(sorted(buildargs.items()))]
+    wheel_dir = None
+    if target.uses_lock:
+        t0 = time.monotonic()
+        base_image = base.ensure_base(client, docker_dir, cache_dir)
+        steps["base"] = time.monotonic() - t0
+        say(f"base {base_image.ref} ({'cached' if base_image.cached else 'made'})")
+        buildargs["BASE_IMAGE"] = base_image.ref
+        identity.append(base_image.image_id)
+        lock = lock_path(version, docker_dir)
+        if not lock.exists():
+            raise UsageError(f"no lock {lock}", fix=f"run: appliance image lock {version}")
+        files["vllm.lock"] = lock.read_bytes()
+    if target.parent is not None:
+        t0 = time.monotonic()
+        parent = build(
+            client,
+            target.parent,
+            repository=repository,
+            docker_dir=docker_dir,
+            cache_dir=cache_dir,
+            tag=tag,
+            progress=progress,
+        )
+        steps["parent"] = time.monotonic() - t0
+        # By id: the parent's tags may move, the broken image must sit on this exact parent.
+        buildargs["FROM_IMAGE"] = parent.image_id
+        identity.append(parent.image_id)
+    build_digest = digest(*identity, *(k.encode() + v for k, v in sorted(files.items())))
+
+    existing = _find_by_digest(client, build_digest)
+    if existing is None:
+        if target.uses_lock:
+            t0 = time.monotonic()
+            say(f"wheelhouse for vLLM {version} ...")
+            wheel_dir = wheelhouse.ensure_wheelhouse(lock_path(version, docker_dir), cache_dir)
+            steps["wheelhouse"] = time.monotonic() - t0
+        buildargs["CREATED"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        buildargs["REVISION"] = _revision()
+        t0 = time.monotonic()
+        say(f"building {target.name} (vLLM {version}) ...")
+        image_id = _docker_build(client, files, buildargs, build_digest, wheel_dir, say)
+        steps["docker build"] = time.monotonic() - t0
+        cached = False
+    else:
+        image_id = existing.id
+        cached = True
+        say(f"{target.name}: identical image {image_id[7:19]} already built")
+    tags = scheme.apply_tags(client, image_id, repository) if tag else []
+    image = client.images.get(image_id)
+    return BuildResult(
+        target=target.name,
+        image_id=image_id,
+        tags=sorted(image.tags) if tag else tags,
+        labels=dict(image.labels or {}),
+        size_bytes=int(image.attrs.get("Size") or 0),
+        seconds=time.monotonic() - start,
+        cached=cached,
+        steps=steps,
+    )
+
+
+def _docker_build(client, files, buildargs, build_digest, wheel_dir, say) -> str:
+    import docker.errors
+
+    with tempfile.TemporaryDirectory(prefix="appliance-build-") as ctx:
+        for name, data in files.items():
+            path = Path(ctx) / name
+            path.write_bytes(data)
+            path.chmod(0o755 if name.endswith(".sh") else 0o644)
+        serving = wheelhouse.serve(wheel_dir) if wheel_dir is not None else _no_wheels()
+        with serving as url:
+            if url is not None:
+                buildargs = {**buildargs, "WHEELS_URL": url}
+            log: list[str] = []
+            image_id = None
+            try:
+                stream = client.api.build(
+                    path=ctx,
+                    buildargs=buildargs,
+                    labels={scheme.BUILD_DIGEST: build_digest},
+                    # The wheelhouse is served on the host's 127.0.0.1.
+                    network_mode="host",
+                    rm=True,
+                    forcerm=True,
+                    pull=False,
+                    decode=True,
+                )
+                for chunk in stream:
+                    if "stream" in chunk:
+                        line = chunk["stream"].rstrip()
+                        if line:
+                            log.append(line)
+                            if line.startswith("Step "):
+                                say(line)
+                    if "error" in chunk:
+                        log.append(chunk["error"].rstrip())
+                        raise ApplianceError("docker build failed: " + "\n".join(log[-15:]))
+                    if "aux" in chunk and "ID" in chunk["aux"]:
+                        image_id = chunk["aux"]["ID"]
+            except docker.errors.APIError as exc:
+                raise ApplianceError(f"docker build failed: {exc.explanation or exc}") from exc
+    if image_id is None:
+        raise ApplianceError("docker build finished without an image id: " + "\n".join(log[-10:]))
+    return image_id
+
+
+class _no_wheels:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,87 @@
+"""The wheels a CPU image installs: downloaded on the host, served to the build on 127.0.0.1.
+
+A build container has neither this host's package-index trust (a local CA bundle, local wheel
+folders in ``pip config``) nor its network setup, so the host downloads every wheel of a lock
+into ``<cache>/wheels/<lock digest>/`` (once per machine and lock) and, during the build, serves
+that folder over HTTP on 127.0.0.1. The build runs with ``--network host`` so its ``RUN pip
+install --no-index --find-links $WHEELS_URL`` reaches it. Nothing of the wheelhouse lands in a
+layer: no multi-stage copy, no build context of gigabytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import ApplianceError
+from .files import digest
+from .lock import read_lock
+
+
+def wheelhouse_dir(lock: Path, cache_dir: Path) -> Path:
+    return cache_dir / "wheels" / digest("\n".join(read_lock(lock)))
+
+
+def ensure_wheelhouse(lock: Path, cache_dir: Path) -> Path:
+    """Every wheel of ``lock`` in the machine's cache (downloaded with the host's pip if not)."""
+    target = wheelhouse_dir(lock, cache_dir)
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            str(staging),
+            "-r",
+            str(lock),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-10:])
+            raise ApplianceError(f"downloading the wheels of {lock.name} failed:\n{tail}")
+        (staging / ".complete").write_text("\n".join(read_lock(lock)) + "\n")
+        if target.exists():  # a concurrent download finished first; keep theirs
+            shutil.rmtree(staging)
+        else:
+            staging.replace(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):
+        pass
+
+
+@contextlib.contextmanager
+def serve(directory: Path) -> Iterator[str]:
+    """Serve ``directory`` on 127.0.0.1 (a free port) for the duration; yields its URL."""
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, name="wheelhouse", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

