@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from plugins.observability import PROMTOOL
 
 from appliance import state_metrics
 from appliance.agent import metrics as agent_metrics
@@ -18,8 +19,6 @@ from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.observability import generate, metric_check, names, rules
 from appliance.observability.dashboards import DASHBOARDS
-
-from plugins.observability import PROMTOOL
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURE = ROOT / "tests" / "data" / "metrics-vllm-0.32-mtp.txt"
@@ -32,7 +31,7 @@ def _copy_generated(tmp_path: Path) -> Path:
 
 
 def _promtool(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
 
 
 # --- generator and drift --------------------------------------------------------------------
@@ -273,7 +272,7 @@ def _tsc(schema_dir: Path, boards: dict[str, dict], tmp_path: Path) -> subproces
             TS_PRELUDE
             + f"const builtin: AnnotationQuery[] = {json.dumps(builtin, indent=2)};\n"
             + f"const prom: PromAnnotation[] = {json.dumps(prom, indent=2)};\n"
-            + f"export const dashboard: Dashboard = {{\n"
+            + "export const dashboard: Dashboard = {\n"
             + "  annotations: { list: [...builtin, ...prom] },\n"
             + json.dumps(board, indent=2)[1:] + ";\n")
     (tmp_path / "tsconfig.json").write_text(json.dumps({
@@ -285,7 +284,7 @@ def _tsc(schema_dir: Path, boards: dict[str, dict], tmp_path: Path) -> subproces
     }))
     return subprocess.run(["node", str(schema_dir / "node_modules/typescript/bin/tsc"), "-p",
                            str(tmp_path / "tsconfig.json")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
 
 
 def test_dashboards_match_grafana_schema_types(grafana_schema, tmp_path):

@@ -47,8 +47,8 @@ def _traffic(engine_url: str, registry: CollectorRegistry, seconds: float) -> in
     calls, deadline = 0, time.monotonic() + seconds
     while time.monotonic() < deadline or calls < 8:
         role = ROLES[calls % 2]
-        kwargs = dict(model=model, max_tokens=48, temperature=0,
-                      messages=[{"role": "user", "content": PROMPTS[calls % len(PROMPTS)]}])
+        kwargs = {"model": model, "max_tokens": 48, "temperature": 0,
+                      "messages": [{"role": "user", "content": PROMPTS[calls % len(PROMPTS)]}]}
         if calls % 4 >= 2:
             for _ in clients[role].chat.completions.create(
                     stream=True, stream_options={"include_usage": True}, **kwargs):

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 
 from . import names as n
-from .promql import Expr, agg, histogram_quantile, ratio, rate, recorded, sum_rate
+from .promql import Expr, agg, histogram_quantile, rate, ratio, recorded, sum_rate
 
 ENGINE_BY = ("instance", "model_name")
 ROLE_BY = ("role", "model")
