@@ -1,0 +1,406 @@
+"""The appliance images against the real Docker engine the tests start (docker tier).
+
+The CPU images are built for real (cached per machine by their build digest), tagged per the
+scheme and carry the labels; ``appliance image list`` reports them and who uses them; no prune
+mode removes a protected image; the images hold the engines their labels claim, and the broken
+one's engine exits at start. Small images for the prune/tag checks are ``docker import``ed with
+labels under a repository of their own, so the shared ``gemma4-vllm`` tags are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import socket
+import tarfile
+import time
+import uuid
+from pathlib import Path
+
+import docker.errors
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from appliance import devmodel, labels, profiles, specdecode
+from appliance.cli import cli
+from appliance.cutover.paths import Layout
+from appliance.images import scheme
+
+pytestmark = pytest.mark.docker
+
+OCI = "org.opencontainers.image."
+
+
+def _invoke(*args: str):
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return result
+
+
+# --- the CPU images ---------------------------------------------------------------------------
+
+
+def test_mtp_image_is_tagged_per_scheme_and_labelled(appliance_images, docker_engine):
+    r = appliance_images["cpu-mtp"]
+    tags = set(docker_engine.images.get(r.image_id).tags)
+    assert {"gemma4-vllm:0.32.0-mtp", "gemma4-vllm:mtp", "gemma4-vllm:latest"} <= tags
+    lab = docker_engine.images.get(r.image_id).labels
+    assert lab[labels.VLLM_VERSION] == "0.32.0"
+    assert lab[labels.MTP] == "true"
+    assert lab[labels.VERSION] == "0.32.0-mtp"
+    assert lab[OCI + "title"] == "gemma4-vllm"
+    assert lab[OCI + "created"].endswith("Z")
+    assert lab["io.gemma4-appliance.variant"] == "cpu"
+    print(f"\ncpu-mtp: {r.size_bytes / 1e9:.2f} GB, {r.seconds:.0f}s, cached={r.cached}")
+
+
+def test_pre_mtp_image_is_tagged_per_scheme_and_labelled(appliance_images, docker_engine):
+    r = appliance_images["cpu-pre-mtp"]
+    image = docker_engine.images.get(r.image_id)
+    assert {"gemma4-vllm:0.19.0", "gemma4-vllm:pre-mtp"} <= set(image.tags)
+    assert "gemma4-vllm:latest" not in image.tags
+    assert image.labels[labels.VLLM_VERSION] == "0.19.0"
+    assert image.labels[labels.MTP] == "false"
+    assert image.labels[labels.VERSION] == "0.19.0"
+    print(f"\ncpu-pre-mtp: {r.size_bytes / 1e9:.2f} GB, {r.seconds:.0f}s, cached={r.cached}")
+
+
+def test_broken_image_keeps_mtp_labels_and_no_floating_tag(appliance_images, docker_engine):
+    r = appliance_images["cpu-broken"]
+    image = docker_engine.images.get(r.image_id)
+    assert image.tags == ["gemma4-vllm:0.32.0-mtp-broken"]
+    assert image.labels[labels.MTP] == "true"  # every pre-cutover check passes...
+    assert image.labels[scheme.BROKEN] == "true"
+    assert image.labels[labels.VERSION] == "0.32.0-mtp-broken"
+    # ...and it sits on the exact MTP image, one small layer up.
+    assert r.size_bytes - appliance_images["cpu-mtp"].size_bytes < 1e6
+
+
+def test_warm_build_is_a_cache_hit(appliance_images):
+    result = _invoke("image", "build", "cpu-mtp", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["cached"] is True
+    assert out["image_id"] == appliance_images["cpu-mtp"].image_id
+    print(f"\nwarm build of cpu-mtp: {out['seconds']:.2f}s")
+
+
+@pytest.mark.parametrize(
+    ("target", "vllm", "torch"),
+    [("cpu-mtp", "0.32.0", "2.13.0"), ("cpu-pre-mtp", "0.19.0", "2.10.0")],
+)
+def test_image_holds_the_engine_its_labels_claim(
+    appliance_images, docker_engine, target, vllm, torch
+):
+    code = "import vllm, torch; print(vllm.__version__, torch.__version__)"
+    out = docker_engine.containers.run(
+        appliance_images[target].image_id,
+        ["-c", code],
+        entrypoint="python3",
+        remove=True,
+        network_mode="none",
+    ).decode()
+    got_vllm, got_torch = out.split()
+    assert got_vllm.startswith(vllm) and got_torch.startswith(torch)
+    assert appliance_images[target].labels[labels.VLLM_VERSION] == vllm
+
+
+def test_broken_image_engine_exits_at_start(appliance_images, docker_engine):
+    container = docker_engine.containers.run(
+        appliance_images["cpu-broken"].image_id,
+        ["/models/target"],
+        detach=True,
+        network_mode="none",
+    )
+    try:
+        status = container.wait(timeout=120)
+        logs = container.logs().decode(errors="replace")
+    finally:
+        container.remove(force=True)
+    assert status["StatusCode"] != 0
+    assert "vllm.entrypoints.openai" in logs and "Error" in logs, logs[-2000:]
+
+
+# --- list ---------------------------------------------------------------------------------------
+
+
+def _instance(root: Path, name: str, image: str) -> None:
+    layout = Layout(root)
+    layout.env_dir.mkdir(parents=True, exist_ok=True)
+    layout.env_file(name).write_text(f"# instance {name}\nVLLM_IMAGE={image}\n")
+
+
+def _rollback(root: Path, name: str, image: str) -> None:
+    slot = Layout(root).rollback_slot(name)
+    slot.parent.mkdir(parents=True, exist_ok=True)
+    slot.write_text(json.dumps({"image": image}))
+
+
+def test_list_reports_tags_labels_and_which_instance_uses_which_image(appliance_images, tmp_path):
+    _instance(tmp_path, "gpu0", "gemma4-vllm:mtp")
+    _instance(tmp_path, "gpu1", "gemma4-vllm:0.32.0-mtp")
+    _rollback(tmp_path, "gpu0", "gemma4-vllm:pre-mtp")
+    _instance(tmp_path, "ghost", "gemma4-vllm:9.9.9-mtp")
+    result = _invoke("image", "list", "--root", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    by_id = {row["id"]: row for row in data["images"]}
+    mtp = by_id[appliance_images["cpu-mtp"].image_id]
+    assert mtp["used_by"] == ["gpu0", "gpu1"]
+    assert mtp["mtp"] is True and mtp["vllm_version"] == "0.32.0"
+    assert "gemma4-vllm:latest" in mtp["tags"]
+    pre = by_id[appliance_images["cpu-pre-mtp"].image_id]
+    assert pre["rollback_for"] == ["gpu0"] and pre["used_by"] == []
+    assert pre["labels"][labels.MTP] == "false"
+    assert data["missing"] == [
+        {"instance": "ghost", "source": "env", "ref": "gemma4-vllm:9.9.9-mtp"}
+    ]
+    # The table says the same to a person.
+    table = _invoke("image", "list", "--root", str(tmp_path)).output
+    line = next(x for x in table.splitlines() if x.startswith(mtp["id"][7:19]))
+    assert "gpu0,gpu1" in line and "0.32.0" in line and " yes " in line
+    assert "missing: instance ghost" in table
+
+
+# --- prune protection, tag ---------------------------------------------------------------------
+
+
+def _rootfs() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = b"prune test\n"
+        info = tarfile.TarInfo("README")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.fixture
+def test_repo(docker_engine):
+    """A repository of its own; every image left in it is removed afterwards."""
+    repo = f"gemma4-vllm-test-{uuid.uuid4().hex[:8]}"
+    made: list[str] = []
+
+    def make(tag: str, version: str = "1.0.0", mtp: bool = True) -> str:
+        changes = [
+            f'LABEL {labels.VLLM_VERSION}="{version}"',
+            f'LABEL {labels.MTP}="{"true" if mtp else "false"}"',
+            f'LABEL test.id="{uuid.uuid4().hex}"',  # a distinct image per call
+        ]
+        docker_engine.api.import_image_from_data(
+            _rootfs(), repository=repo, tag=tag, changes=changes
+        )
+        image_id = docker_engine.images.get(f"{repo}:{tag}").id
+        made.append(image_id)
+        return image_id
+
+    make.repo = repo
+    make.made = made
+    yield make
+    for image in docker_engine.images.list():
+        for t in image.tags:
+            if t.startswith(f"{repo}:"):
+                docker_engine.images.remove(t)
+    for image_id in made:
+        # Most are gone already (their last tag went above, or a prune took them).
+        with contextlib.suppress(docker.errors.ImageNotFound):
+            docker_engine.images.remove(image_id)
+
+
+def _exists(client, image_id: str) -> bool:
+    try:
+        client.images.get(image_id)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+
+
+def test_protected_images_survive_every_prune(test_repo, docker_engine, appliance_images, tmp_path):
+    repo = test_repo.repo
+    # The real CPU image, under the test repository too, run by an instance.
+    docker_engine.images.get(appliance_images["cpu-mtp"].image_id).tag(repo, "0.32.0-mtp")
+    _instance(tmp_path, "real", f"{repo}:0.32.0-mtp")
+    protected = {
+        "real image, env file": appliance_images["cpu-mtp"].image_id,
+        "env file by tag": test_repo("1.1.0-mtp"),
+        "rollback slot": test_repo("0.9.0", "0.9.0", mtp=False),
+        "saved env": test_repo("0.8.0", "0.8.0", mtp=False),
+        "pre-mtp tag": test_repo("pre-mtp", "0.7.0", mtp=False),
+    }
+    _instance(tmp_path, "a", f"{repo}:1.1.0-mtp")
+    _rollback(tmp_path, "a", f"{repo}:0.9.0")
+    saved = Layout(tmp_path).saved_env("b")
+    saved.parent.mkdir(parents=True)
+    saved.write_text(f"VLLM_IMAGE={repo}:0.8.0\n")
+    # Referenced by id only, and dangling: its tag moves to another image below.
+    protected["env file by id, untagged"] = test_repo("moving")
+    _instance(tmp_path, "c", protected["env file by id, untagged"])
+    doomed_dangling = test_repo("moving-too")
+    test_repo("moving")
+    test_repo("moving-too")
+    doomed_version_only = test_repo("0.1.0")
+    doomed_floating = test_repo("latest")
+
+    expect_gone = {
+        "dangling": {doomed_dangling},
+        "superseded": {doomed_version_only},
+        "all": {doomed_floating},
+    }
+    for mode in ("dangling", "superseded", "all"):
+        dry = _invoke(
+            "image",
+            "prune",
+            "--mode",
+            mode,
+            "--dry-run",
+            "--root",
+            str(tmp_path),
+            "--repository",
+            repo,
+        )
+        assert dry.exit_code == 0, dry.output
+        result = _invoke(
+            "image", "prune", "--mode", mode, "--root", str(tmp_path), "--repository", repo
+        )
+        assert result.exit_code == 0, result.output
+        for why, image_id in protected.items():
+            assert _exists(docker_engine, image_id), f"{mode} removed the image protected by {why}"
+            if mode == "all":  # every image is selected, so each protected one says why
+                assert f"kept {image_id[7:19]}" in result.output, result.output
+        for image_id in expect_gone[mode]:
+            assert not _exists(docker_engine, image_id), f"{mode} kept {image_id}"
+    # The tags the instances name still resolve: nothing they use was untagged.
+    assert docker_engine.images.get(f"{repo}:0.32.0-mtp").id == protected["real image, env file"]
+    assert docker_engine.images.get(f"{repo}:pre-mtp").id == protected["pre-mtp tag"]
+    # The shared images were never this prune's business.
+    assert _exists(docker_engine, appliance_images["cpu-pre-mtp"].image_id)
+
+
+def test_rm_refuses_a_referenced_image_and_removes_a_free_one(test_repo, docker_engine, tmp_path):
+    repo = test_repo.repo
+    used = test_repo("2.0.0-mtp")
+    free = test_repo("0.2.0")
+    _instance(tmp_path, "a", f"{repo}:2.0.0-mtp")
+    result = CliRunner().invoke(cli, ["image", "rm", f"{repo}:2.0.0-mtp", "--root", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "refusing to remove" in result.output and "instance a" in result.output
+    assert _exists(docker_engine, used)
+    result = _invoke("image", "rm", f"{repo}:0.2.0", "--root", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert not _exists(docker_engine, free)
+
+
+def test_tag_moves_latest_and_keeps_the_last_non_mtp_image_as_pre_mtp(test_repo, docker_engine):
+    repo = test_repo.repo
+    old = test_repo("latest", "0.19.0", mtp=False)
+    new = test_repo("candidate", "0.32.0", mtp=True)
+    result = _invoke("image", "tag", new, "--repository", repo)
+    assert result.exit_code == 0, result.output
+    assert set(result.output.split()) >= {f"{repo}:0.32.0-mtp", f"{repo}:mtp", f"{repo}:latest"}
+    assert docker_engine.images.get(f"{repo}:latest").id == new
+    assert docker_engine.images.get(f"{repo}:pre-mtp").id == old
+    unlabelled = CliRunner().invoke(cli, ["image", "tag", appliance_base_ref(docker_engine)])
+    assert unlabelled.exit_code == 2 and "no appliance labels" in unlabelled.output
+
+
+def appliance_base_ref(client) -> str:
+    base = [i for i in client.images.list("gemma4-appliance-base") if i.tags]
+    return base[0].tags[0]
+
+
+# --- the engines in the images, for real (docker + engine tiers) --------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _engine_container(client, image_id: str, args: list[str]):
+    """Run an image's entry point (``vllm serve ARGS``) with the tiny models mounted at /models,
+    on the host network so it binds the host's 127.0.0.1. Removed afterwards."""
+    model = devmodel.cached("copy")
+    container = client.containers.run(
+        image_id,
+        args,
+        detach=True,
+        network_mode="host",
+        shm_size="512m",  # the default 64 MiB kills the CPU engine at start
+        volumes={str(model.root): {"bind": "/models", "mode": "ro"}},
+        name=f"gemma4-images-test-{uuid.uuid4().hex[:8]}",
+    )
+    try:
+        yield container
+    finally:
+        container.remove(force=True)
+
+
+def _wait_healthy(container, url: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        container.reload()
+        if container.status == "exited":
+            pytest.fail("engine exited:\n" + container.logs().decode(errors="replace")[-3000:])
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(1)
+    pytest.fail("engine not healthy in time:\n" + container.logs().decode(errors="replace")[-3000:])
+
+
+def _chat(url: str, max_tokens: int = 24) -> dict:
+    body = {
+        "model": devmodel.SERVED_NAME,
+        "messages": [{"role": "user", "content": "hello hello"}],
+        "max_tokens": max_tokens,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+@pytest.mark.engine
+def test_mtp_image_serves_gemma4_mtp_and_the_counters_move(appliance_images, docker_engine):
+    port = _free_port()
+    args = profiles.get("cpu-tiny-mtp").serve_args(devmodel="/models", host="127.0.0.1", port=port)
+    url = f"http://127.0.0.1:{port}"
+    with _engine_container(docker_engine, appliance_images["cpu-mtp"].image_id, args) as c:
+        _wait_healthy(c, url)
+        assert httpx.get(f"{url}/version").json()["version"] == "0.32.0"
+        before = specdecode.parse(httpx.get(f"{url}/metrics").text)
+        reply = _chat(url)
+        after = specdecode.parse(httpx.get(f"{url}/metrics").text)
+    assert reply["usage"]["completion_tokens"] == 24
+    d = specdecode.delta(before, after)
+    assert d.status == "ok" and d.drafts > 0 and d.accepted > 0, d
+
+
+@pytest.mark.engine
+def test_pre_mtp_image_serves_without_speculative_decoding(appliance_images, docker_engine):
+    port = _free_port()
+    args = profiles.get("cpu-tiny").serve_args(devmodel="/models", host="127.0.0.1", port=port)
+    url = f"http://127.0.0.1:{port}"
+    with _engine_container(docker_engine, appliance_images["cpu-pre-mtp"].image_id, args) as c:
+        _wait_healthy(c, url)
+        assert httpx.get(f"{url}/version").json()["version"].startswith("0.19.0")
+        reply = _chat(url, max_tokens=8)
+        metrics = httpx.get(f"{url}/metrics").text
+    assert reply["usage"]["completion_tokens"] == 8
+    assert "vllm:spec_decode_num_drafts" not in metrics
+
+
+@pytest.mark.engine
+def test_pre_mtp_image_given_the_mtp_flag_fails_to_start(appliance_images, docker_engine):
+    """Why the labels matter: the same rollback image, handed the MTP config, never serves."""
+    port = _free_port()
+    args = profiles.get("cpu-tiny").serve_args(devmodel="/models", host="127.0.0.1", port=port)
+    spec = {"method": "mtp", "model": "/models/drafter", "num_speculative_tokens": 2}
+    args += ["--speculative-config", json.dumps(spec)]
+    with _engine_container(docker_engine, appliance_images["cpu-pre-mtp"].image_id, args) as c:
+        status = c.wait(timeout=600)
+        logs = c.logs().decode(errors="replace")
+    assert status["StatusCode"] != 0
+    assert "Unsupported speculative method" in logs and "mtp" in logs, logs[-3000:]
