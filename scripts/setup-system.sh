@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # System packages the full test suite uses: Docker engine, systemd-nspawn + debootstrap,
-# Prometheus/promtool, shellcheck. Needs root (apt). Idempotent.
+# Prometheus/promtool, shellcheck, Node.js (when absent). Needs root (apt). Idempotent.
 set -euo pipefail
 packages=(docker.io systemd-container debootstrap prometheus shellcheck)
+# Node.js + npm check the dashboards against Grafana's published schema types (tsc).
+command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
