@@ -45,8 +45,8 @@ def measure(url: str, calls: int, max_tokens: int) -> dict:
         return real_snapshot(*args, **kwargs)
 
     server.snapshot = counted  # counts the agent's /metrics reads; the reads stay real
-    kw = dict(model="gemma4-tiny", messages=[{"role": "user", "content": "hi"}],
-              max_tokens=max_tokens, temperature=0)
+    kw = {"model": "gemma4-tiny", "messages": [{"role": "user", "content": "hi"}],
+          "max_tokens": max_tokens, "temperature": 0}
     for _ in range(3):  # warm both connection pools and the agent's learned state
         bare.chat.completions.create(**kw)
         traced.chat.completions.create(**kw)

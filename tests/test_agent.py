@@ -24,7 +24,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import agent, demo
-from appliance.agent import spans
 from appliance.engine.local import free_port
 from appliance.vllm_client import VLLMClient
 
@@ -164,7 +163,7 @@ def _concurrently(fn, n=4):
         try:
             barrier.wait()
             out[i] = fn()
-        except Exception as exc:  # surfaced below
+        except Exception as exc:  # noqa: BLE001 - surfaced below
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
@@ -273,8 +272,8 @@ def _chunks(stream_iter):
 
 def test_stream_is_passed_through_unchanged(mtp_engine):
     t = Traced(mtp_engine.url)
-    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=30, temperature=0, stream=True,
-              stream_options={"include_usage": True})
+    kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 30, "temperature": 0,
+          "stream": True, "stream_options": {"include_usage": True}}
     bare = _chunks(t.bare.chat.completions.create(**kw))
     s = t.client.chat.completions.create(**kw)
     assert isinstance(s, openai.Stream)  # the proxy still is what the caller expects
@@ -341,7 +340,7 @@ def test_metrics_faults_never_reach_the_caller(mtp_counters_engine, bad_metrics,
 
 def test_call_exception_is_unchanged_when_metrics_are_down(mtp_counters_engine):
     t = Traced(mtp_counters_engine.url, metrics_url=f"http://127.0.0.1:{free_port()}")
-    kw = dict(model="no-such-model", messages=MESSAGES, max_tokens=4)
+    kw = {"model": "no-such-model", "messages": MESSAGES, "max_tokens": 4}
     with pytest.raises(openai.NotFoundError) as bare:
         t.bare.chat.completions.create(**kw)
     with pytest.raises(openai.NotFoundError) as ours:

@@ -89,7 +89,7 @@ def _with(text: str, **changes: str) -> str:
     out = []
     for line in text.splitlines():
         for prefix, value in changes.items():
-            if line.startswith(prefix + "{") or line.startswith(prefix + " "):
+            if line.startswith((prefix + "{", prefix + " ")):
                 line = line.rsplit(" ", 1)[0] + " " + value
         out.append(line)
     return "\n".join(out) + "\n"

@@ -139,7 +139,7 @@ class Server:
             self._failed(metrics, "metrics_timeout", cooldown)
         except httpx.HTTPError:
             self._failed(metrics, "metrics_unreachable", cooldown)
-        except Exception:  # telemetry must never break the call
+        except Exception:  # noqa: BLE001 - telemetry must never break the call
             self._failed(metrics, "internal", cooldown)
         return None
 
@@ -159,11 +159,11 @@ class Server:
             return _parse(resp.status_code, resp.content)
         except SnapshotFailed as exc:
             self._failed(metrics, exc.kind, cooldown)
-        except (asyncio.TimeoutError, httpx.TimeoutException):
+        except (TimeoutError, httpx.TimeoutException):
             self._failed(metrics, "metrics_timeout", cooldown)
         except httpx.HTTPError:
             self._failed(metrics, "metrics_unreachable", cooldown)
-        except Exception:
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._failed(metrics, "internal", cooldown)
         return None
 

@@ -125,7 +125,7 @@ class Call:
                 )
             self.started = time.perf_counter()
             return kwargs
-        except Exception:
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
             return self._kwargs
 
@@ -138,7 +138,7 @@ class Call:
                 )
             self.started = time.perf_counter()
             return kwargs
-        except Exception:
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
             return self._kwargs
 
@@ -159,7 +159,7 @@ class Call:
                     msg = getattr(choice, "message", None)
                     self.content.append(getattr(msg, "content", None) or getattr(choice, "text", "") or "")
             self.extra = getattr(resp, "model_extra", None)
-        except Exception:
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
 
     def on_chunk(self, chunk: Any) -> None:
@@ -184,7 +184,7 @@ class Call:
             extra = getattr(chunk, "model_extra", None)
             if isinstance(extra, dict) and "metrics" in extra:
                 self.extra = extra
-        except Exception:
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
 
     def _usage(self, usage: Any) -> None:
@@ -227,7 +227,7 @@ class Call:
                 )
                 fig = self._from_snapshots(after)
             self._close(fig, error, duration)
-        except Exception:
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
             self._end_span_quietly()
 
@@ -244,7 +244,7 @@ class Call:
                 )
                 fig = self._from_snapshots(after)
             self._close(fig, error, duration)
-        except Exception:
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
             self._end_span_quietly()
 
@@ -255,7 +255,7 @@ class Call:
         self._done = True
         try:
             self._close(Figures("unknown", "abandoned"), None, time.perf_counter() - self.started)
-        except Exception:
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
             self._end_span_quietly()
 
@@ -271,7 +271,7 @@ class Call:
                 self.s.server.end(self.window)
             if self.span is not None and self.span.is_recording():
                 self.span.end()
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - the last resort: nothing left to count with
             pass
 
     def _close(self, fig: Figures, error: BaseException | None, duration: float) -> None:
@@ -323,7 +323,7 @@ class Call:
             )
             try:
                 self.s.on_call(record)
-            except Exception:
+            except Exception:  # noqa: BLE001 - telemetry never raises into the call
                 m.error("on_call")
 
 

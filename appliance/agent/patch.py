@@ -61,7 +61,7 @@ class _Create(wrapt.ObjectProxy):
 def _new_call(settings: Settings, operation: str, kwargs: dict) -> Call | None:
     try:
         return Call(settings, operation, kwargs)
-    except Exception:
+    except Exception:  # noqa: BLE001 - telemetry never raises into the call
         settings.metrics.error("internal")
         return None
 

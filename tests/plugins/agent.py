@@ -72,7 +72,7 @@ def otlp_receiver() -> Iterator[OTLPReceiver]:
     state = OTLPReceiver(url="")
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's naming)
+        def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             if self.headers.get("Content-Encoding") == "gzip":
                 body = gzip.decompress(body)
@@ -125,7 +125,7 @@ def bad_metrics() -> Iterator[Callable[..., FakeMetrics]]:
         state = FakeMetrics(url="")
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 state.hits += 1
                 if mode == "hang":
                     state.release.wait(hang_s)
