@@ -404,3 +404,49 @@ def test_pre_mtp_image_given_the_mtp_flag_fails_to_start(appliance_images, docke
         logs = c.logs().decode(errors="replace")
     assert status["StatusCode"] != 0
     assert "Unsupported speculative method" in logs and "mtp" in logs, logs[-3000:]
+
+
+def test_official_image_dockerfile_adds_entry_point_and_labels(
+    appliance_images, docker_engine, test_repo
+):
+    """docker/Dockerfile, built for real. FAKE, and the only one here: no registry is reachable,
+    so the official ``vllm/vllm-openai:v0.32.0`` is stood in for by our CPU image under that
+    name (only if no real one is present); the Dockerfile's own steps all run for real."""
+    official = "vllm/vllm-openai:v0.32.0"
+    stood_in = False
+    try:
+        docker_engine.images.get(official)
+    except docker.errors.ImageNotFound:
+        docker_engine.images.get(appliance_images["cpu-mtp"].image_id).tag(official)
+        stood_in = True
+    try:
+        result = _invoke(
+            "image",
+            "build",
+            "cuda",
+            "--vllm-version",
+            "0.32.0",
+            "--repository",
+            test_repo.repo,
+            "--json",
+        )
+        assert result.exit_code == 0, result.output
+        out = json.loads(result.output)
+        test_repo.made.append(out["image_id"])
+        assert set(out["tags"]) == {
+            f"{test_repo.repo}:{t}" for t in ("0.32.0-mtp", "mtp", "latest")
+        }
+        lab = out["labels"]
+        assert lab[labels.VLLM_VERSION] == "0.32.0" and lab[labels.MTP] == "true"
+        assert lab["io.gemma4-appliance.variant"] == "cuda"
+        assert lab[OCI + "base.name"] == official
+        image = docker_engine.images.get(out["image_id"])
+        assert image.attrs["Config"]["Entrypoint"] == ["/usr/local/bin/gemma4-entrypoint"]
+        # The entry point runs vLLM's own CLI through the wrapper: `--help` answers.
+        help_text = docker_engine.containers.run(
+            out["image_id"], ["--help"], remove=True, network_mode="none"
+        ).decode()
+        assert "usage: vllm serve" in help_text
+    finally:
+        if stood_in:
+            docker_engine.images.remove(official)
