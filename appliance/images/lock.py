@@ -160,12 +160,11 @@ def _dry_run(reqs: list[str], tmpdir: Path, name: str, cons: Path | None) -> dic
     if cons is not None:
         args += ["-c", str(cons)]
     _pip(args)
-    return {
-        _norm(
-            item["metadata"]["name"]
-        ): f"{item['metadata']['name']}=={item['metadata']['version']}"
-        for item in json.loads(report.read_text())["install"]
-    }
+    pins = {}
+    for item in json.loads(report.read_text())["install"]:
+        name, version = item["metadata"]["name"], item["metadata"]["version"]
+        pins[_norm(name)] = f"{name}=={version}"
+    return pins
 
 
 def _pip_freeze(venv: Path) -> list[str]:
