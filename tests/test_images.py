@@ -200,3 +200,21 @@ def test_cli_without_a_docker_engine_is_a_one_line_error(monkeypatch):
     # Reaching Docker is the first thing; without an engine, a one-line error, exit 1.
     assert result.exit_code == 1
     assert result.output.startswith("Error: cannot reach the Docker engine")
+
+
+def test_wheelhouse_is_served_on_loopback_at_a_stable_port(tmp_path):
+    import httpx
+
+    from appliance.images import wheelhouse
+
+    house = tmp_path / "0123abcd"
+    house.mkdir()
+    (house / "a-1.0-py3-none-any.whl").write_bytes(b"wheel")
+    with wheelhouse.serve(house) as url:
+        assert url == f"http://127.0.0.1:{wheelhouse.preferred_port(house)}/"
+        listing = httpx.get(url, timeout=5).text
+        assert "a-1.0-py3-none-any.whl" in listing
+        # Busy port: another free one, still on loopback.
+        with wheelhouse.serve(house) as second:
+            assert second.startswith("http://127.0.0.1:") and second != url
+    assert wheelhouse.preferred_port(house) == wheelhouse.preferred_port(tmp_path / "0123abcd")

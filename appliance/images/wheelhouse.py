@@ -72,11 +72,22 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+def preferred_port(directory: Path) -> int:
+    """A port derived from the wheelhouse's name. The URL is a build argument that the venv's
+    RUN step uses, so a stable URL lets Docker's layer cache reuse the venv layer when only a
+    later step (entry point, wrapper, labels) changed."""
+    return 20000 + int(digest(directory.name)[:8], 16) % 20000
+
+
 @contextlib.contextmanager
 def serve(directory: Path) -> Iterator[str]:
-    """Serve ``directory`` on 127.0.0.1 (a free port) for the duration; yields its URL."""
+    """Serve ``directory`` on 127.0.0.1 for the duration; yields its URL. The port is
+    :func:`preferred_port` when free, else any free port (the venv layer is then rebuilt)."""
     handler = functools.partial(_QuietHandler, directory=str(directory))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", preferred_port(directory)), handler)
+    except OSError:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, name="wheelhouse", daemon=True)
     thread.start()
     try:
