@@ -25,6 +25,19 @@ RUNNING = "vllm:num_requests_running"
 # Counter family names as prometheus_client reports them (it drops ``_total``).
 SPEC_FAMILIES = (DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS)
 
+# vLLM serves /metrics through prometheus_client's ASGI app, which honours ``name[]`` filters on
+# the mounted path (``/metrics/``; the bare ``/metrics`` ignores them). Asking for just these
+# series makes a read ~4x cheaper for the server and ~40x smaller (measured 0.8 ms vs 3.5 ms, 1.4
+# KB vs 56 KB on vLLM 0.32). A server that ignores the filter sends everything: parse() copes.
+SNAPSHOT_PATH = "/metrics/"
+SNAPSHOT_PARAMS = tuple(
+    ("name[]", name)
+    for name in (
+        DRAFTS + "_total", DRAFTS + "_created", DRAFT_TOKENS + "_total", ACCEPTED + "_total",
+        ACCEPTED_PER_POS + "_total", RUNNING,
+    )
+)
+
 
 class MetricsParseError(ValueError):
     """The text is not a Prometheus exposition we can read."""

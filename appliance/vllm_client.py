@@ -49,9 +49,9 @@ class VLLMClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _get(self, path: str) -> httpx.Response:
+    def _get(self, path: str, params=None) -> httpx.Response:
         try:
-            return self._http.get(path)
+            return self._http.get(path, params=params)
         except httpx.TimeoutException as exc:
             raise EngineError(f"{self.base_url}{path} timed out") from exc
         except httpx.HTTPError as exc:
@@ -91,9 +91,12 @@ class VLLMClient:
         return resp.text
 
     def snapshot(self) -> specdecode.Snapshot:
-        """The speculative-decoding counters now."""
+        """The speculative-decoding counters now (a filtered read: only the series needed)."""
+        resp = self._get(specdecode.SNAPSHOT_PATH, params=specdecode.SNAPSHOT_PARAMS)
+        if resp.status_code != 200:
+            raise EngineError(f"{self.base_url}/metrics answered {resp.status_code}")
         try:
-            return specdecode.parse(self.metrics_text())
+            return specdecode.parse(resp.text)
         except specdecode.MetricsParseError as exc:
             raise NotVLLMError(f"{self.base_url}/metrics: {exc}") from exc
 

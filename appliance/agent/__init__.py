@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
-from .. import __version__
+from .. import __version__, specdecode
 from ..vllm_client import normalise_base_url
 from . import attribution, metrics, spans
 from .attribution import Figures
@@ -65,7 +65,7 @@ def instrument(
         config=cfg,
         tracer=provider.get_tracer("appliance.agent", __version__, schema_url=spans.SCHEMA_URL),
         metrics=metrics.for_registry(registry),
-        server=attribution.server_for(normalise_base_url(metrics_base) + "/metrics"),
+        server=attribution.server_for(normalise_base_url(metrics_base) + specdecode.SNAPSHOT_PATH),
         address=parts.hostname,
         port=parts.port or (443 if parts.scheme == "https" else 80),
         role=role,

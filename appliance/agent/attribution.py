@@ -124,7 +124,8 @@ class Server:
             if self._http is None:
                 self._http = httpx.Client()
             deadline = time.monotonic() + timeout
-            with self._http.stream("GET", self.metrics_url, timeout=timeout) as resp:
+            with self._http.stream("GET", self.metrics_url, params=specdecode.SNAPSHOT_PARAMS,
+                                   timeout=timeout) as resp:
                 body = bytearray()
                 # The read timeout only bounds each gap between bytes: a server that trickles
                 # its page must still not hold the call past the overall deadline.
@@ -155,7 +156,10 @@ class Server:
             client = self._ahttp.get(loop)
             if client is None:
                 client = self._ahttp[loop] = httpx.AsyncClient()
-            resp = await asyncio.wait_for(client.get(self.metrics_url, timeout=timeout), timeout)
+            resp = await asyncio.wait_for(
+                client.get(self.metrics_url, params=specdecode.SNAPSHOT_PARAMS, timeout=timeout),
+                timeout,
+            )
             return _parse(resp.status_code, resp.content)
         except SnapshotFailed as exc:
             self._failed(metrics, exc.kind, cooldown)
