@@ -19,7 +19,7 @@ import openai
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from appliance import agent, profiles
+from appliance import agent, profiles, specdecode
 from appliance.agent import attribution
 from appliance.engine import local
 
@@ -35,7 +35,7 @@ def measure(url: str, calls: int, max_tokens: int) -> dict:
         openai.OpenAI(base_url=url + "/v1", api_key="unused"), role="bench",
         config=agent.AgentConfig(), tracer_provider=TracerProvider(), registry=CollectorRegistry(),
     )
-    server = attribution.server_for(url + "/metrics")
+    server = attribution.server_for(url + specdecode.SNAPSHOT_PATH)
     reads = 0
     real_snapshot = server.snapshot
 
