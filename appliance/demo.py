@@ -49,6 +49,9 @@ class DemoReport:
     url: str
     model: str
     calls: list[CallRecord]
+    # The engine's own counter movement over the whole demo, read independently of the agent:
+    # with calls one after another, the per-call figures must add up to exactly this.
+    engine_delta: specdecode.Delta | None = None
 
     @property
     def totals(self) -> dict:
@@ -66,15 +69,22 @@ class DemoReport:
         }
 
     def to_dict(self) -> dict:
-        return {"url": self.url, "model": self.model,
-                "calls": [c.to_dict() for c in self.calls], "totals": self.totals}
+        d = self.engine_delta
+        engine = None if d is None else {
+            "status": d.status, "drafts": d.drafts, "drafted": d.draft_tokens,
+            "accepted": d.accepted, "acceptance": d.acceptance,
+            "tokens_per_step": d.tokens_per_step,
+        }
+        return {"url": self.url, "model": self.model, "calls": [c.to_dict() for c in self.calls],
+                "totals": self.totals, "engine_counters_delta": engine}
 
 
 def run(url: str, calls: int = 4, max_tokens: int = 64, *, role: str = "demo") -> DemoReport:
     """Send ``calls`` chat completions (every other one streamed) through the agent."""
-    with VLLMClient(url) as observer:
-        model = observer.models()[0].id
-        base = observer.base_url
+    observer = VLLMClient(url)
+    model = observer.models()[0].id
+    base = observer.base_url
+    start = observer.snapshot()
     provider = agent.setup_tracing() if agent.exporting() else None
     seen: list[agent.CallRecord] = []
     client = agent.instrument(
@@ -96,11 +106,13 @@ def run(url: str, calls: int = 4, max_tokens: int = 64, *, role: str = "demo") -
                     source=f.source, shared=f.shared, role=rec.role,
                 )
             )
+        engine_delta = specdecode.delta(start, observer.snapshot())
     finally:
         client.close()
+        observer.close()
         if provider is not None:
             provider.shutdown()  # flushes the batch of spans to the exporter
-    return DemoReport(base, model, records)
+    return DemoReport(base, model, records, engine_delta)
 
 
 def _call(client, model: str, prompt: str, max_tokens: int, stream: bool) -> None:
@@ -134,6 +146,10 @@ def format_table(report: DemoReport) -> str:
         f"{'all':>4} {'':<6} {t['output_tokens']:>7} {t['drafts']:>6} {t['drafted']:>7} "
         f"{t['accepted']:>8} {_f(t['acceptance']):>7} {_f(t['tokens_per_step']):>8}"
     )
+    d = report.engine_delta
+    if d is not None:
+        lines.append(f"engine counters over the demo: {d.status}, drafts {_n(d.drafts)}, "
+                     f"drafted {_n(d.draft_tokens)}, accepted {_n(d.accepted)}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,45 @@
+"""`appliance demo --json`: the main job, end to end, as a fresh clone runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+APPLIANCE = str(Path(sys.executable).with_name("appliance"))
+
+
+def test_demo_json_records_add_up_to_the_engines_counter_deltas():
+    out = subprocess.run([APPLIANCE, "demo", "--json", "--calls", "4", "--max-tokens", "48"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    calls = report["calls"]
+    assert [c["stream"] for c in calls] == [False, True, False, True]
+    engine = report["engine_counters_delta"]
+    assert engine["status"] == "ok" and engine["drafts"] > 0
+    for c in calls:
+        assert c["output_tokens"] == 48  # from usage, streamed or not
+        assert c["source"] == "request" and c["shared"] is False
+        assert c["acceptance"] >= 0.9
+        assert c["tokens_per_step"] == pytest.approx(1 + c["accepted"] / c["drafts"])
+    for key in ("drafts", "drafted", "accepted"):
+        assert sum(c[key] for c in calls) == engine[key] == report["totals"][key]
+    assert "healthy after" in out.stderr
+
+
+def test_demo_table_shows_per_call_rows_and_totals():
+    out = subprocess.run([APPLIANCE, "demo", "--calls", "2", "--max-tokens", "16"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1].split()[:4] == ["call", "mode", "out_tok", "drafts"]
+    assert lines[2].split()[:3] == ["1", "plain", "16"]
+    assert lines[3].split()[:3] == ["2", "stream", "16"]
+    assert lines[4].startswith(" all")
+    assert lines[5].startswith("engine counters over the demo: ok")
