@@ -23,6 +23,7 @@ pytest_plugins.append("plugins.observability")
 pytest_plugins.append("plugins.agent")
 pytest_plugins.append("plugins.docker_engine")
 pytest_plugins.append("plugins.nspawn")
+pytest_plugins.append("plugins.systemd_instance")
 
 
 def pytest_report_header(config) -> list[str]:

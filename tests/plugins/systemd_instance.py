@@ -1,0 +1,218 @@
+"""One CPU instance of ``gemma4-vllm@.service`` installed and running under real systemd.
+
+Shared by the units' systemd test (issue 4) and the cutover's (issue 5): a container engine
+start costs about a minute on a 2-core machine, so the session boots ONE systemd-nspawn machine
+(tests/plugins/nspawn.py: real systemd 252, the host's Docker engine bound in), installs ONE
+instance of ``cpu-tiny-mtp`` with :func:`appliance.units.install`, and every test moves that one
+instance between images. Tests that need a given image call :meth:`SystemdInstance.ensure`, which
+restarts only when the instance is not already serving that image.
+
+Paths the host's Docker engine resolves are host paths: the tiny model pair is bound into the
+machine at the SAME path (the serve script checks ``MODEL_DIR`` inside the machine, dockerd
+mounts it from the host), and the vLLM compile cache is a host directory kept across runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from appliance import devmodel, units
+from appliance.cutover import envfile
+from appliance.engine.local import free_port
+
+from . import nspawn
+
+INSTANCE = "systest"
+PROFILE = "cpu-tiny-mtp"
+MTP_IMAGE = "gemma4-vllm:0.32.0-mtp"
+PRE_MTP_IMAGE = "gemma4-vllm:pre-mtp"
+BROKEN_IMAGE = "gemma4-vllm:0.32.0-mtp-broken"
+START_TIMEOUT = 600.0
+REPO = Path(__file__).resolve().parents[2]
+VLLM_CACHE = nspawn.CACHE.parent / "systemd-vllm-cache"
+APPLIANCE = str(Path(sys.executable).parent / "appliance")
+
+
+@dataclass
+class SystemdInstance:
+    """The installed instance: its machine, names, port and API key, and a few actions."""
+
+    machine: nspawn.Machine
+    instance: str
+    port: int
+    model_dir: Path
+
+    @property
+    def root(self) -> Path:
+        return self.machine.root
+
+    @property
+    def unit(self) -> str:
+        return units.unit_name(self.instance)
+
+    @property
+    def container(self) -> str:
+        return units.container_name(self.instance)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env_path(self) -> Path:
+        return self.root / units.paths(self.instance).env
+
+    @property
+    def api_key(self) -> str:
+        return (self.root / units.paths(self.instance).api_key).read_text().strip()
+
+    def image(self) -> str:
+        return envfile.read(self.env_path).get(envfile.IMAGE_KEY) or ""
+
+    def set_image(self, image: str) -> None:
+        """Point the env file at ``image`` (what an operator's edit does; atomic)."""
+        env = envfile.read(self.env_path)
+        envfile.write_atomic(self.env_path, env.with_value(envfile.IMAGE_KEY, image))
+
+    def show(self, prop: str) -> str:
+        return self.machine.systemctl("show", "-p", prop, "--value", self.unit).stdout.strip()
+
+    def main_pid(self) -> int:
+        return int(self.show("MainPID") or 0)
+
+    def restart(self, timeout: float = START_TIMEOUT) -> None:
+        """``systemctl restart`` and wait until active (= /health 200, ExecStartPost)."""
+        self.machine.systemctl("reset-failed", self.unit, check=False)
+        self.machine.systemctl("restart", "--no-block", self.unit)
+        time.sleep(1)
+        self.machine.wait_active(self.unit, timeout=timeout)
+
+    def ensure(self, image: str) -> None:
+        """Serve ``image``, restarting only when the instance is not already serving it."""
+        if self.image() == image and self.machine.is_active(self.unit) == "active":
+            return
+        self.set_image(image)
+        self.restart()
+
+    def container_image(self) -> str:
+        """The image reference the running container was started from (host's Docker)."""
+        return subprocess.run(
+            ["docker", "inspect", "--format", "{{.Config.Image}}", self.container],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    def chat(
+        self, content: str = "hello", max_tokens: int = 12, key: str | None = ""
+    ) -> httpx.Response:
+        """One chat completion; ``key=""`` sends the instance's key, ``None`` sends none."""
+        key = self.api_key if key == "" else key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(
+            f"{self.url}/v1/chat/completions",
+            json={
+                "model": "gemma4-tiny",
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+            headers=headers,
+            timeout=120,
+        )
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=30).text
+
+    def systemd_prefix(self) -> str:
+        """``APPLIANCE_SYSTEMD_PREFIX`` that runs systemctl/journalctl inside the machine."""
+        return shlex.join(
+            [
+                "nsenter",
+                "--target",
+                str(self.machine.leader()),
+                "--mount",
+                "--uts",
+                "--ipc",
+                "--net",
+                "--pid",
+                "--root",
+                "--wd",
+                "--",
+                "/usr/bin/env",
+                "-i",
+                "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "SYSTEMD_PAGER=",
+                "SYSTEMD_COLORS=0",
+            ]
+        )
+
+    def appliance_argv(self, *args: str) -> tuple[list[str], dict[str, str]]:
+        """The real CLI's argv and environment: systemd inside the machine, files under its root."""
+        env = dict(
+            os.environ,
+            APPLIANCE_SYSTEMD_PREFIX=self.systemd_prefix(),
+            APPLIANCE_ROOT=str(self.root),
+        )
+        return [APPLIANCE, *args], env
+
+    def appliance(self, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
+        """Run ``appliance ARGS`` (subprocess) against this machine; output captured."""
+        argv, env = self.appliance_argv(*args)
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, check=False
+        )
+
+
+@pytest.fixture(scope="session")
+def systemd_instance(docker_engine) -> Iterator[SystemdInstance]:
+    """Instance ``systest`` of cpu-tiny-mtp installed in a booted nspawn machine, serving the
+    MTP image. Tests move it between images; the machine and the container go at session end."""
+    missing = [
+        ref
+        for ref in (MTP_IMAGE, PRE_MTP_IMAGE, BROKEN_IMAGE)
+        if subprocess.run(
+            ["docker", "image", "inspect", ref], capture_output=True, check=False
+        ).returncode
+    ]
+    if missing:
+        # No skip: the systemd tier must not go green without its images.
+        pytest.fail(
+            f"images not built: {missing} (appliance image build cpu-mtp|cpu-pre-mtp|cpu-broken)"
+        )
+    model_dir = devmodel.cached("copy").root
+    VLLM_CACHE.mkdir(parents=True, exist_ok=True)
+    with nspawn.boot("gemma4-systest", binds=[(str(model_dir), str(model_dir))]) as m:
+        inst = SystemdInstance(m, INSTANCE, free_port(), model_dir)
+        units.install(
+            PROFILE,
+            INSTANCE,
+            root=m.root,
+            options=units.Options(
+                image=MTP_IMAGE,
+                port=inst.port,
+                model_dir=str(model_dir),
+                vllm_cache_dir=str(VLLM_CACHE),
+            ),
+        )
+        m.daemon_reload()
+        try:
+            inst.restart()
+            yield inst
+        finally:
+            m.systemctl("stop", inst.unit, check=False, timeout=180)
+            m.poweroff()
+            # The container runs on the host's engine: make sure none outlives the machine.
+            subprocess.run(
+                ["docker", "rm", "--force", inst.container], capture_output=True, check=False
+            )

@@ -1,0 +1,137 @@
+"""The installed unit under real systemd (nspawn) with the host's Docker and the real CPU images.
+
+One instance (tests/plugins/systemd_instance.py) serves throughout; the tests run in file order:
+the MTP image first, then the same unit switched to the pre-MTP image (vLLM 0.19) by editing the
+env file and restarting, which is the rollback path the image labels make safe. The last test
+shows why the labels matter: the same pre-MTP image given the MTP flag does not start.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from plugins.systemd_instance import MTP_IMAGE, PRE_MTP_IMAGE, SystemdInstance
+
+from appliance import profiles, specdecode
+from appliance.engine.local import OFFLINE_ENV, free_port
+
+pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
+
+MODEL = "gemma4-tiny"
+
+
+def _invocation_journal(inst: SystemdInstance) -> str:
+    """The journal of the unit's current start only (serve script and engine output)."""
+    inv = inst.show("InvocationID")
+    return inst.machine.run(
+        "journalctl", "--no-pager", "-o", "cat", f"_SYSTEMD_INVOCATION_ID={inv}", check=False
+    ).stdout
+
+
+def test_the_unit_runs_the_container_of_vllm_image_with_mtp(systemd_instance):
+    inst = systemd_instance
+    inst.ensure(MTP_IMAGE)
+    assert inst.machine.is_active(inst.unit) == "active"
+    assert inst.container_image() == MTP_IMAGE
+    journal = _invocation_journal(inst)
+    assert f"image {MTP_IMAGE}: version 0.32.0-mtp, vLLM 0.32.0, Gemma 4 MTP true" in journal
+    assert "serving with Gemma 4 MTP speculative decoding (k=2)" in journal
+    assert f"vLLM healthy on 127.0.0.1:{inst.port}" in journal
+
+
+def test_a_chat_completion_with_the_api_key_moves_the_mtp_counters(systemd_instance):
+    inst = systemd_instance
+    inst.ensure(MTP_IMAGE)
+    before = specdecode.parse(inst.metrics())
+    resp = inst.chat("count with me", max_tokens=16)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 16
+    d = specdecode.delta(before, specdecode.parse(inst.metrics()), MODEL)
+    assert d.status == "ok" and d.drafts > 0 and d.accepted > 0, d
+    # vLLM guards /v1 with the key from the 0600 file: no key, or a wrong one, is refused.
+    assert inst.chat(key=None).status_code == 401
+    assert inst.chat(key="not-the-key").status_code == 401
+
+
+def test_the_api_key_is_never_in_the_journal_or_a_command_line(systemd_instance):
+    inst = systemd_instance
+    key = inst.api_key
+    assert len(key) >= 32
+    # -o export carries every field of every entry (_CMDLINE, _EXE, ...), not just MESSAGE.
+    journal = inst.machine.run(
+        "journalctl", "--no-pager", "-o", "export", "-u", inst.unit, check=False
+    ).stdout
+    assert "vLLM healthy" in journal and key not in journal
+    # Every process on the host (the container's engine included) and in the machine.
+    cmdlines = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdlines.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                continue
+    assert any(f"--port {inst.port}" in c for c in cmdlines)  # the engine is among them
+    assert not [c for c in cmdlines if key in c]
+    unit_cmds = inst.machine.systemctl("show", inst.unit).stdout
+    assert "serve-systest.sh" in unit_cmds and key not in unit_cmds
+    args = subprocess.run(
+        ["docker", "inspect", "--format", "{{json .Path}} {{json .Args}}", inst.container],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "--speculative-config" in args and key not in args
+
+
+def test_the_pre_mtp_image_serves_without_speculative_decoding(systemd_instance):
+    inst = systemd_instance
+    inst.set_image(PRE_MTP_IMAGE)  # the whole rollback: one line of the env file, and a restart
+    inst.restart()
+    assert inst.container_image() == PRE_MTP_IMAGE
+    journal = _invocation_journal(inst)
+    assert "vLLM 0.19.0, Gemma 4 MTP false" in journal
+    assert "serving without speculative decoding" in journal
+    assert "Traceback" not in journal and not re.search(r"\bERROR\b", journal), journal[-3000:]
+    resp = inst.chat("count with me", max_tokens=12)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 12
+    assert not specdecode.parse(inst.metrics()).speculative
+
+
+@pytest.mark.parametrize(
+    ("config", "fatal"),
+    [
+        # The profile's own flag, exactly what the serve script adds for an MTP-labelled image:
+        # 0.19's transformers does not even know the Gemma 4 assistant (drafter) checkpoint.
+        (None, "validation error for SpeculativeConfig"),
+        # The method alone (the drafter left out): 0.19 has no "mtp" speculative method.
+        ('{"method":"mtp","num_speculative_tokens":2}', "Unsupported speculative method: 'mtp'"),
+    ],
+    ids=["profile-flag", "method-only"],
+)
+def test_the_pre_mtp_image_given_the_mtp_flag_fails_to_start(systemd_instance, config, fatal):
+    """The pre-MTP image run as the serve script would run an MTP-labelled image: it does not
+    start. Why the script reads the label instead of passing the flag to every image."""
+    inst = systemd_instance
+    prof = profiles.get("cpu-tiny-mtp")
+    spec = prof.speculative_args(devmodel="/models")
+    if config is not None:
+        spec = ["--speculative-config", config]
+    env = [a for k, v in {**OFFLINE_ENV, **prof.env}.items() for a in ("--env", f"{k}={v}")]
+    port = free_port()
+    argv = [
+        "docker", "run", "--rm", "--pull", "never", "--network", "host", "--shm-size", "1g",
+        "--volume", f"{inst.model_dir}:/models:ro", *env, PRE_MTP_IMAGE,
+        *prof.serve_args(devmodel="/models", host="127.0.0.1", port=port, speculative=False),
+        *spec,
+    ]  # fmt: skip
+    assert '"method":"mtp"' in " ".join(argv)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    out = proc.stdout + proc.stderr
+    lines = [ln.strip() for ln in out.splitlines() if fatal in ln]
+    assert proc.returncode != 0 and lines, out[-3000:]
+    assert "Application startup complete" not in out
+    print(f"\npre-mtp image with {spec[1]}: exit {proc.returncode}: {lines[-1]}")
