@@ -403,7 +403,10 @@ def test_pre_mtp_image_given_the_mtp_flag_fails_to_start(appliance_images, docke
         status = c.wait(timeout=600)
         logs = c.logs().decode(errors="replace")
     assert status["StatusCode"] != 0
-    assert "Unsupported speculative method" in logs and "mtp" in logs, logs[-3000:]
+    # vLLM 0.19 dies validating the speculative config: its transformers does not know the
+    # drafter (`gemma4_assistant`) and its vLLM has no `mtp` method. Either way: no server.
+    assert "SpeculativeConfig" in logs, logs[-3000:]
+    assert "Application startup complete" not in logs
 
 
 def test_official_image_dockerfile_adds_entry_point_and_labels(
