@@ -453,3 +453,22 @@ def test_official_image_dockerfile_adds_entry_point_and_labels(
     finally:
         if stood_in:
             docker_engine.images.remove(official)
+
+
+def test_a_new_base_forgets_superseded_ones(appliance_images, docker_engine, tmp_path):
+    from appliance.images import base
+    from appliance.images.build import DOCKER_DIR
+
+    current = base.base_ref(DOCKER_DIR)
+    stale = f"{base.BASE_REPOSITORY}:{base.SUITE}-{uuid.uuid4().hex[:16]}"
+    repo, tag = stale.split(":")
+    docker_engine.api.import_image_from_data(
+        _rootfs(), repository=repo, tag=tag, changes=['LABEL test.id="stale-base"']
+    )
+    (tmp_path / f"{tag}.tar").write_bytes(b"old")
+    (tmp_path / f"{current.split(':')[1]}.tar").write_bytes(b"current")
+    base._forget_older_bases(docker_engine, current, tmp_path / f"{current.split(':')[1]}.tar")
+    with pytest.raises(docker.errors.ImageNotFound):
+        docker_engine.images.get(stale)
+    docker_engine.images.get(current)  # the base the CPU images sit on stays
+    assert [p.name for p in tmp_path.iterdir()] == [f"{current.split(':')[1]}.tar"]

@@ -100,4 +100,22 @@ def ensure_base(client, docker_dir: Path, cache_dir: Path) -> BaseImage:
     client.api.import_image_from_file(
         str(tarball), repository=repo, tag=tag, changes=['CMD ["/bin/bash"]']
     )
+    _forget_older_bases(client, ref, tarball)
     return BaseImage(ref, client.images.get(ref).id, time.monotonic() - start, False)
+
+
+def _forget_older_bases(client, current: str, tarball: Path) -> None:
+    """Untag superseded bases and delete their tarballs. Never forced: a base that images still
+    sit on keeps its layers until those images are pruned."""
+    import docker.errors
+
+    for image in client.images.list(BASE_REPOSITORY):
+        for tag in image.tags:
+            if tag != current and tag.startswith(f"{BASE_REPOSITORY}:{SUITE}-"):
+                try:
+                    client.images.remove(tag, force=False)
+                except docker.errors.APIError:
+                    pass  # still needed by an image; the next prune frees it
+    for old in tarball.parent.glob(f"{SUITE}-*.tar"):
+        if old != tarball:
+            old.unlink(missing_ok=True)
