@@ -15,9 +15,7 @@ from ..errors import ApplianceError
 from .dashboards import observability
 from .cutover import cutover, history_, rollback, status
 from .bench import bench
-from .bench import bench
 from .demo import demo
-from .doctor import doctor
 from .doctor import doctor
 from .devmodel import devmodel
 from .images import image
@@ -49,8 +47,6 @@ cli.add_command(devmodel)
 cli.add_command(local)
 cli.add_command(profiles)
 cli.add_command(demo)
-cli.add_command(doctor)
-cli.add_command(bench)
 cli.add_command(doctor)
 cli.add_command(bench)
 cli.add_command(cutover)
