@@ -170,7 +170,23 @@ def target(ctx: Context, instance: str, env: envfile.EnvFile) -> Target:
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     port = int(env.get("VLLM_PORT") or facts.get("port") or prof.port)
-    return Target(instance, prof, f"http://{host}:{port}")
+    return Target(
+        instance, prof, f"http://{host}:{port}", api_key=read_api_key(ctx.layout, instance)
+    )
+
+
+def read_api_key(layout: Layout, instance: str) -> str | None:
+    """The instance's API key (``appliance install`` writes it, 0600), None when it has none.
+
+    vLLM guards ``/v1`` with it: without it the model and generation gates get 401.
+    """
+    try:
+        key = layout.api_key_file(instance).read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise PreflightError(f"cannot read the API key of {instance}: {exc}") from exc
+    return key or None
 
 
 _SCRIPT_PATH = re.compile(r"path=(\S+)")

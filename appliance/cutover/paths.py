@@ -48,6 +48,10 @@ class Layout:
     def env_file(self, instance: str) -> Path:
         return self.env_dir / f"{check_instance(instance)}.env"
 
+    def api_key_file(self, instance: str) -> Path:
+        """The API key vLLM requires on ``/v1`` (mode 0600, written by ``appliance install``)."""
+        return self.env_dir / f"{check_instance(instance)}.api-key"
+
     def history_file(self, instance: str) -> Path:
         return self.state_dir / "history" / f"{check_instance(instance)}.jsonl"
 

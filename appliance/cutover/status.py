@@ -64,7 +64,7 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     except ApplianceError:
         return st
     st.url = tgt.base_url
-    with VLLMClient(tgt.base_url, timeout=3.0) as client:
+    with VLLMClient(tgt.base_url, timeout=3.0, api_key=tgt.api_key) as client:
         try:
             st.healthy = client.health()
             if st.healthy:

@@ -139,6 +139,12 @@ health_status() {
 wait_healthy() {
   local start=$SECONDS next_note=60
   until [[ "$(health_status)" =~ ^HTTP/1\.[01]\ 200 ]]; do
+    # systemd lets ExecStartPost run on after the main process exited: without this, an engine
+    # that dies at start (a broken image) held the unit "activating" until TimeoutStartSec.
+    if [[ -n "${MAINPID:-}" ]] && ! kill -0 "$MAINPID" 2>/dev/null; then
+      log "the engine exited (main process $MAINPID) before vLLM /health answered"
+      exit 1
+    fi
     if (( SECONDS - start >= next_note )); then
       log "waiting for vLLM /health on ${HEALTH_HOST}:${PORT} ($(( SECONDS - start )) s)"
       next_note=$(( next_note + 60 ))

@@ -97,6 +97,17 @@ class SystemdInstance:
         time.sleep(1)
         self.machine.wait_active(self.unit, timeout=timeout)
 
+    def wait_restarted(self, previous_invocation: str, timeout: float = START_TIMEOUT) -> None:
+        """Wait until a start newer than ``previous_invocation`` is active (serving)."""
+        deadline = time.monotonic() + timeout
+        while self.show("InvocationID") == previous_invocation:
+            if time.monotonic() > deadline:
+                raise nspawn.NspawnError(
+                    f"{self.unit} was not restarted:\n{self.machine.journal(self.unit)}"
+                )
+            time.sleep(0.5)
+        self.machine.wait_active(self.unit, timeout=max(1.0, deadline - time.monotonic()))
+
     def ensure(self, image: str) -> None:
         """Serve ``image``, restarting only when the instance is not already serving it."""
         if self.image() == image and self.machine.is_active(self.unit) == "active":
