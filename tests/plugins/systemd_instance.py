@@ -186,21 +186,18 @@ class SystemdInstance:
 
 
 @pytest.fixture(scope="session")
-def systemd_instance(docker_engine) -> Iterator[SystemdInstance]:
+def systemd_instance(appliance_images) -> Iterator[SystemdInstance]:
     """Instance ``systest`` of cpu-tiny-mtp installed in a booted nspawn machine, serving the
-    MTP image. Tests move it between images; the machine and the container go at session end."""
-    missing = [
-        ref
-        for ref in (MTP_IMAGE, PRE_MTP_IMAGE, BROKEN_IMAGE)
-        if subprocess.run(
-            ["docker", "image", "inspect", ref], capture_output=True, check=False
-        ).returncode
-    ]
-    if missing:
-        # No skip: the systemd tier must not go green without its images.
-        pytest.fail(
-            f"images not built: {missing} (appliance image build cpu-mtp|cpu-pre-mtp|cpu-broken)"
-        )
+    MTP image. Tests move it between images; the machine and the container go at session end.
+
+    The images come from ``appliance_images`` (tests/plugins/docker_engine.py): built through
+    ``appliance image build`` when missing, a label lookup when present."""
+    for target, ref in (
+        ("cpu-mtp", MTP_IMAGE),
+        ("cpu-pre-mtp", PRE_MTP_IMAGE),
+        ("cpu-broken", BROKEN_IMAGE),
+    ):
+        assert ref in appliance_images[target].tags, (target, appliance_images[target].tags)
     model_dir = devmodel.cached("copy").root
     VLLM_CACHE.mkdir(parents=True, exist_ok=True)
     with nspawn.boot("gemma4-systest", binds=[(str(model_dir), str(model_dir))]) as m:
