@@ -75,6 +75,7 @@ def _vllm_bench_serve(url: str, tokenizer, data, n: int, out_len: int, tmp_path)
         "--dataset-path", str(data), "--custom-output-len", str(out_len), "--skip-chat-template",
         "--num-prompts", str(n), "--max-concurrency", "1", "--disable-shuffle",
         "--temperature", "0", "--num-warmups", "1", "--disable-tqdm", "--save-result",
+        "--save-detailed",
         "--result-dir", str(tmp_path), "--result-filename", result.name])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **OFFLINE_ENV}, cwd=tmp_path)
@@ -82,20 +83,33 @@ def _vllm_bench_serve(url: str, tokenizer, data, n: int, out_len: int, tmp_path)
     return json.loads(result.read_text())
 
 
+def _streamed_tpots_ms(pairs) -> list[float]:
+    """TPOTs of the requests whose tokens really streamed, from (ttft_s, e2el_s, tokens) triples.
+
+    On a 2-core host the engine can starve vLLM's API server for a whole (short) request, and the
+    stream then arrives in one burst: TTFT ~ E2EL and TPOT ~ 0 for ANY client. Such a request has
+    no measurable TPOT; both tools' requests are filtered by the same rule.
+    """
+    out = []
+    for ttft, e2el, tokens in pairs:
+        if tokens > 1 and e2el > 0 and (e2el - ttft) >= 0.2 * e2el:
+            out.append((e2el - ttft) / (tokens - 1) * 1000)
+    return out
+
+
 def test_tpot_agrees_with_vllm_bench_serve(mtp_engine, tmp_path):
     """Same server, same prompts, one request at a time: median TPOTs within 10%.
 
-    On a loaded 2-core host the API server is sometimes starved while the engine generates, so
-    a whole stream can arrive in one burst (TTFT ~ E2EL) for either tool. Each attempt runs
-    both tools back to back; up to three attempts, and every attempt's figures are printed.
+    Both tools' per-request figures are compared on the requests that streamed (see
+    ``_streamed_tpots_ms``); up to three attempts, every attempt's figures printed.
     """
     pset = prompts.shipped("prose")
     data = tmp_path / "prose.jsonl"
-    # Each prompt twice: 8 requests per tool, in the same order for both.
+    # Each prompt twice: the same requests, in the same order, for both tools.
     texts = [p.text for p in pset.prompts] * 2
     data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     ours_set = prompts.parse_jsonl(data.read_text(), str(data))
-    n, out_len = len(texts), 128
+    n, out_len = len(texts), 256
     seen = []
     for _ in range(3):
         ours = runner.run_endpoint(runner.open_endpoint(mtp_engine.url, "mtp"), runner.BenchConfig(
@@ -104,12 +118,19 @@ def test_tpot_agrees_with_vllm_bench_serve(mtp_engine, tmp_path):
                                    out_len, tmp_path)
         assert theirs["completed"] == n
         assert theirs["total_output_tokens"] == sum(r.output_tokens for r in ours.records)
-        mine = statistics.median(r.tpot_s for r in ours.records) * 1000
-        seen.append((mine, theirs["median_tpot_ms"]))
-        print(f"\nTPOT median: appliance bench {mine:.3f} ms, vllm bench serve "
-              f"{theirs['median_tpot_ms']:.3f} ms, ratio {mine / theirs['median_tpot_ms']:.3f}, "
+        mine = _streamed_tpots_ms((r.ttft_s, r.e2el_s, r.output_tokens) for r in ours.records)
+        vllm = _streamed_tpots_ms(
+            (ttft, ttft + sum(itl), tokens)
+            for ttft, itl, tokens in zip(theirs["ttfts"], theirs["itls"], theirs["output_lens"]))
+        if len(mine) < n / 2 or len(vllm) < n / 2:
+            seen.append(("bursts", len(mine), len(vllm)))
+            continue
+        m, v = statistics.median(mine), statistics.median(vllm)
+        seen.append((round(m, 4), round(v, 4)))
+        print(f"\nTPOT median over streamed requests: appliance bench {m:.3f} ms ({len(mine)}/{n}),"
+              f" vllm bench serve {v:.3f} ms ({len(vllm)}/{n}), ratio {m / v:.3f}, "
               f"load average {os.getloadavg()[0]:.1f}")
-        if mine == pytest.approx(theirs["median_tpot_ms"], rel=0.10):
+        if m == pytest.approx(v, rel=0.10):
             break
     else:
         pytest.fail(f"TPOT medians (ours, vllm bench serve) never within 10%: {seen}")
