@@ -60,6 +60,13 @@ class VLLMClient:
                 fix="is the engine running and the URL right?",
             ) from exc
 
+    def _check_auth(self, resp: httpx.Response) -> None:
+        if resp.status_code == 401:
+            raise EngineError(
+                f"{self.base_url}{resp.request.url.path} answered 401: the API key is missing or wrong",
+                fix="give the key the server was started with",
+            )
+
     def health(self) -> bool:
         """True when ``/health`` answers 200; False on any other status (raises if unreachable)."""
         return self._get("/health").status_code == 200
@@ -67,6 +74,7 @@ class VLLMClient:
     def version(self) -> str:
         """The engine's vLLM version, from ``/version``."""
         resp = self._get("/version")
+        self._check_auth(resp)
         try:
             resp.raise_for_status()
             return str(resp.json()["version"])
@@ -76,6 +84,7 @@ class VLLMClient:
     def models(self) -> list[ServedModel]:
         """The served models, from ``/v1/models``."""
         resp = self._get("/v1/models")
+        self._check_auth(resp)
         try:
             resp.raise_for_status()
             data = resp.json()["data"]

@@ -1,6 +1,6 @@
 """Which MTP figures belong to one call, and where they came from.
 
-Order of preference (see adr/0009-telemetry-agent.md):
+Order of preference (see adr/0006-telemetry-agent.md):
 
 1. The response's own ``metrics.speculative_decoding`` block (vLLM >= 0.32 with
    ``--per-request-spec-decode-metrics``): exact, immune to overlap and restarts, no extra HTTP

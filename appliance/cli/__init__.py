@@ -12,12 +12,12 @@ import click
 
 from .. import __version__
 from ..errors import ApplianceError
-from .dashboards import observability
-from .cutover import cutover, history_, rollback, status
 from .bench import bench
+from .cutover import cutover, history_, rollback, status
+from .dashboards import observability
 from .demo import demo
-from .doctor import doctor
 from .devmodel import devmodel
+from .doctor import doctor
 from .images import image
 from .local import local
 from .profiles import profiles

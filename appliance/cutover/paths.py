@@ -7,29 +7,14 @@ state directory so that a cutover never writes next to the operator's configurat
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
+from ..units.template import check_instance  # one rule for unit, files and cutover
 
 ENV_DIR = Path("etc/gemma4-vllm")
 STATE_DIR = Path("var/lib/gemma4-appliance")
 UNIT_TEMPLATE = "gemma4-vllm@{instance}.service"
-
-# An instance name becomes part of a unit name and of file names: no slashes, no dots first.
-_INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-
-
-def check_instance(name: str) -> str:
-    """``name`` if it is a valid instance name, else a :class:`UsageError`."""
-    if not _INSTANCE.fullmatch(name or ""):
-        raise UsageError(
-            f"invalid instance name {name!r}",
-            fix="use letters, digits, '-' and '_' (at most 64), starting with a letter or digit",
-        )
-    return name
-
 
 @dataclass(frozen=True)
 class Layout:
