@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import statistics
 import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -83,6 +86,18 @@ def _vllm_bench_serve(url: str, tokenizer, data, n: int, out_len: int, tmp_path)
     return json.loads(result.read_text())
 
 
+def _appliance_bench(url: str, data, out_len: int, tmp_path) -> list[dict]:
+    """`appliance bench` as an operator runs it: its own process, like `vllm bench serve`."""
+    out = tmp_path / "ours.json"
+    out.unlink(missing_ok=True)
+    proc = subprocess.run([str(Path(sys.executable).with_name("appliance")), "bench", "--url", url,
+                           "--prompt-file", str(data), "--max-tokens", str(out_len), "--runs", "1",
+                           "--warmups", "1", "--json-output", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text())["single"]["runs"]
+
+
 def _streamed_tpots_ms(pairs) -> list[float]:
     """TPOTs of the requests whose tokens really streamed, from (ttft_s, e2el_s, tokens) triples.
 
@@ -97,28 +112,51 @@ def _streamed_tpots_ms(pairs) -> list[float]:
     return out
 
 
+@contextlib.contextmanager
+def _engine_yields_cpu(engine):
+    """Lower the priority of the engine's core and worker processes (every thread) meanwhile.
+
+    On 2 cores they busy-poll while generating and can starve vLLM's API server and the clients
+    for a whole request, so the stream arrives in one burst. Both tools measure the same server
+    under the same priorities; the priorities are restored afterwards.
+    """
+    tids = []
+    for pid in engine.pids() - {engine.process.pid}:  # the API server keeps its priority
+        with contextlib.suppress(OSError):
+            tids += [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, 15)
+    try:
+        yield
+    finally:
+        for tid in tids:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+
+
 def test_tpot_agrees_with_vllm_bench_serve(mtp_engine, tmp_path):
     """Same server, same prompts, one request at a time: median TPOTs within 10%.
 
     Both tools' per-request figures are compared on the requests that streamed (see
-    ``_streamed_tpots_ms``); up to three attempts, every attempt's figures printed.
+    ``_streamed_tpots_ms``), with the engine's busy-polling processes at a lower priority (see
+    ``_engine_yields_cpu``); up to three attempts, every attempt's figures printed.
     """
     pset = prompts.shipped("prose")
     data = tmp_path / "prose.jsonl"
     # Each prompt twice: the same requests, in the same order, for both tools.
     texts = [p.text for p in pset.prompts] * 2
     data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    ours_set = prompts.parse_jsonl(data.read_text(), str(data))
     n, out_len = len(texts), 256
     seen = []
     for _ in range(3):
-        ours = runner.run_endpoint(runner.open_endpoint(mtp_engine.url, "mtp"), runner.BenchConfig(
-            (ours_set,), max_tokens=(out_len,), runs=1, warmups=1))
-        theirs = _vllm_bench_serve(mtp_engine.url, mtp_engine.model_dir / "target", data, n,
-                                   out_len, tmp_path)
-        assert theirs["completed"] == n
-        assert theirs["total_output_tokens"] == sum(r.output_tokens for r in ours.records)
-        mine = _streamed_tpots_ms((r.ttft_s, r.e2el_s, r.output_tokens) for r in ours.records)
+        with _engine_yields_cpu(mtp_engine):
+            ours = _appliance_bench(mtp_engine.url, data, out_len, tmp_path)
+            theirs = _vllm_bench_serve(mtp_engine.url, mtp_engine.model_dir / "target", data, n,
+                                       out_len, tmp_path)
+        assert theirs["completed"] == n == len(ours)
+        assert theirs["total_output_tokens"] == sum(r["output_tokens"] for r in ours)
+        mine = _streamed_tpots_ms((r["ttft_s"], r["e2el_s"], r["output_tokens"]) for r in ours)
         vllm = _streamed_tpots_ms(
             (ttft, ttft + sum(itl), tokens)
             for ttft, itl, tokens in zip(theirs["ttfts"], theirs["itls"], theirs["output_lens"]))
