@@ -68,7 +68,7 @@ def test_bad_versions_are_usage_errors(bad):
         scheme.version_tag(bad, True)
 
 
-@pytest.mark.parametrize("bad", ["", "Gemma4", "a b", "x:y", "-x", "a//b"])
+@pytest.mark.parametrize("bad", ["", "Gemma4", "a b", "x:y", "-x", "a//b", "a" * 256])
 def test_bad_repositories_are_usage_errors(bad):
     with pytest.raises(UsageError):
         scheme.check_repository(bad)
@@ -218,4 +218,7 @@ def test_wheelhouse_is_served_on_loopback_at_a_stable_port(tmp_path):
         # Busy port: another free one, still on loopback.
         with wheelhouse.serve(house) as second:
             assert second.startswith("http://127.0.0.1:") and second != url
-    assert wheelhouse.preferred_port(house) == wheelhouse.preferred_port(tmp_path / "0123abcd")
+    # The port follows the wheelhouse's name (its digest), wherever the folder lies.
+    port = wheelhouse.preferred_port(house)
+    assert port == wheelhouse.preferred_port(Path("/elsewhere/cache/0123abcd"))
+    assert port != wheelhouse.preferred_port(tmp_path / "fedcba98")

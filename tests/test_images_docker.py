@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import socket
 import tarfile
 import time
 import uuid
@@ -26,6 +25,7 @@ from click.testing import CliRunner
 from appliance import devmodel, labels, profiles, specdecode
 from appliance.cli import cli
 from appliance.cutover.paths import Layout
+from appliance.engine.local import free_port
 from appliance.images import scheme
 
 pytestmark = pytest.mark.docker
@@ -208,6 +208,18 @@ def test_repo(docker_engine):
             docker_engine.images.remove(image_id)
 
 
+def _tags_of(client, image_ids) -> dict[str, list[str] | None]:
+    """Each image's tags (None when it is gone): only these images, since the engine is shared
+    with other tests that build and remove their own while this one runs."""
+    found = {}
+    for image_id in image_ids:
+        try:
+            found[image_id] = sorted(client.images.get(image_id).tags)
+        except docker.errors.ImageNotFound:
+            found[image_id] = None
+    return found
+
+
 def _exists(client, image_id: str) -> bool:
     try:
         client.images.get(image_id)
@@ -248,6 +260,8 @@ def test_protected_images_survive_every_prune(test_repo, docker_engine, applianc
         "all": {doomed_floating},
     }
     for mode in ("dangling", "superseded", "all"):
+        watched = {*test_repo.made, *protected.values()}
+        before = _tags_of(docker_engine, watched)
         dry = _invoke(
             "image",
             "prune",
@@ -260,6 +274,12 @@ def test_protected_images_survive_every_prune(test_repo, docker_engine, applianc
             repo,
         )
         assert dry.exit_code == 0, dry.output
+        # It names what it would remove, and removes nothing at all.
+        for image_id in expect_gone[mode]:
+            assert f"would remove {image_id[7:19]}" in dry.output, dry.output
+        for image_id in protected.values():
+            assert f"would remove {image_id[7:19]}" not in dry.output, dry.output
+        assert _tags_of(docker_engine, watched) == before
         result = _invoke(
             "image", "prune", "--mode", mode, "--root", str(tmp_path), "--repository", repo
         )
@@ -291,6 +311,54 @@ def test_rm_refuses_a_referenced_image_and_removes_a_free_one(test_repo, docker_
     assert not _exists(docker_engine, free)
 
 
+def test_rm_and_prune_of_an_image_a_stopped_container_uses_say_so_and_remove_nothing(
+    test_repo, docker_engine, tmp_path
+):
+    repo = test_repo.repo
+    used = test_repo("3.0.0")
+    # Created, never started: a stopped container still holds its image.
+    container = docker_engine.containers.create(used, ["/README"])
+    try:
+        result = CliRunner().invoke(cli, ["image", "rm", f"{repo}:3.0.0", "--root", str(tmp_path)])
+        assert result.exit_code == 1, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1, result.output
+        assert lines[0].startswith(f"Error: cannot remove {repo}:3.0.0: the Docker engine refused")
+        assert container.short_id in lines[0]
+        assert "docker ps -a --filter ancestor=" in lines[0]
+        assert docker_engine.images.get(f"{repo}:3.0.0").id == used
+        # By id too (what `image rm` accepts): refused the same way, nothing removed.
+        result = CliRunner().invoke(cli, ["image", "rm", used, "--root", str(tmp_path)])
+        assert result.exit_code == 1, result.output
+        assert "Error: cannot remove" in result.output and "Traceback" not in result.output
+        # prune reports it as kept, with the engine's reason, and goes on.
+        result = _invoke(
+            "image", "prune", "--mode", "all", "--root", str(tmp_path), "--repository", repo
+        )
+        assert result.exit_code == 0, result.output
+        assert f"kept {used[7:19]} {repo}:3.0.0: the engine refused" in result.output
+        assert docker_engine.images.get(f"{repo}:3.0.0").id == used
+    finally:
+        container.remove(force=True)
+
+
+def test_tag_the_engine_rejects_is_one_clear_line_and_tags_nothing(test_repo, docker_engine):
+    repo = test_repo.repo
+    # A valid version whose tag is longer than the engine's 128 characters: the scheme's rules
+    # accept it, the engine refuses it.
+    version = "0." + ".".join(["1"] * 70)
+    image_id = test_repo("candidate", version, mtp=True)
+    result = CliRunner().invoke(cli, ["image", "tag", image_id, "--repository", repo])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith(f"Error: cannot tag {image_id[:19]} as {repo}:{version}-mtp")
+    assert "the Docker engine refused: invalid tag format" in lines[0]
+    assert f"check --repository and the image's {labels.VLLM_VERSION} label" in lines[0]
+    assert docker_engine.images.get(image_id).tags == [f"{repo}:candidate"]
+
+
 def test_tag_moves_latest_and_keeps_the_last_non_mtp_image_as_pre_mtp(test_repo, docker_engine):
     repo = test_repo.repo
     old = test_repo("latest", "0.19.0", mtp=False)
@@ -310,12 +378,6 @@ def appliance_base_ref(client) -> str:
 
 
 # --- the engines in the images, for real (docker + engine tiers) --------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -364,7 +426,7 @@ def _chat(url: str, max_tokens: int = 24) -> dict:
 
 @pytest.mark.engine
 def test_mtp_image_serves_gemma4_mtp_and_the_counters_move(appliance_images, docker_engine):
-    port = _free_port()
+    port = free_port()
     args = profiles.get("cpu-tiny-mtp").serve_args(devmodel="/models", host="127.0.0.1", port=port)
     url = f"http://127.0.0.1:{port}"
     with _engine_container(docker_engine, appliance_images["cpu-mtp"].image_id, args) as c:
@@ -380,7 +442,7 @@ def test_mtp_image_serves_gemma4_mtp_and_the_counters_move(appliance_images, doc
 
 @pytest.mark.engine
 def test_pre_mtp_image_serves_without_speculative_decoding(appliance_images, docker_engine):
-    port = _free_port()
+    port = free_port()
     args = profiles.get("cpu-tiny").serve_args(devmodel="/models", host="127.0.0.1", port=port)
     url = f"http://127.0.0.1:{port}"
     with _engine_container(docker_engine, appliance_images["cpu-pre-mtp"].image_id, args) as c:
@@ -395,7 +457,7 @@ def test_pre_mtp_image_serves_without_speculative_decoding(appliance_images, doc
 @pytest.mark.engine
 def test_pre_mtp_image_given_the_mtp_flag_fails_to_start(appliance_images, docker_engine):
     """Why the labels matter: the same rollback image, handed the MTP config, never serves."""
-    port = _free_port()
+    port = free_port()
     args = profiles.get("cpu-tiny").serve_args(devmodel="/models", host="127.0.0.1", port=port)
     spec = {"method": "mtp", "model": "/models/drafter", "num_speculative_tokens": 2}
     args += ["--speculative-config", json.dumps(spec)]

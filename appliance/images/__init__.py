@@ -16,6 +16,16 @@ class DockerUnavailable(ApplianceError):
     """The Docker engine cannot be reached."""
 
 
+class EngineRefused(ApplianceError):
+    """The Docker engine refused to remove or tag an image (in use, conflicting, invalid)."""
+
+
+def refused(action: str, exc, fix: str | None = None) -> EngineRefused:
+    """An :class:`EngineRefused` for a ``docker.errors.APIError``, as one line."""
+    why = " ".join(str(exc.explanation or exc).split())
+    return EngineRefused(f"cannot {action}: the Docker engine refused: {why}", fix=fix)
+
+
 def client(timeout: int = 1800):
     """A Docker SDK client for the local engine (``DOCKER_HOST`` or the default socket)."""
     import docker.errors

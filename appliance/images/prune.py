@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
-from . import scheme
+from . import refused, scheme
 from .inventory import ImageInfo, list_images
 
 MODES = ("dangling", "superseded", "all")
@@ -116,5 +116,21 @@ def remove(client, ref: str, root: Path = Path("/"), repository: str = scheme.RE
     why = protection(info, repository) if info is not None else None
     if why is not None:
         raise UsageError(f"refusing to remove {ref}: {why}")
-    client.images.remove(ref, force=False, noprune=False)
+    import docker.errors
+
+    try:
+        # Never forced, like prune: a container's image or a shared image id stays.
+        client.images.remove(ref, force=False, noprune=False)
+    except docker.errors.APIError as exc:
+        raise refused(
+            f"remove {ref}", exc, fix=_removal_fix(ref, str(exc.explanation or exc))
+        ) from exc
     return image_id
+
+
+def _removal_fix(ref: str, why: str) -> str | None:
+    if "container" in why:
+        return f"remove the containers that use it first: docker ps -a --filter ancestor={ref}"
+    if "multiple repositories" in why:
+        return "remove it by tag, one tag at a time (appliance image list shows them)"
+    return None

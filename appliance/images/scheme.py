@@ -34,9 +34,18 @@ BUILD_DIGEST = "io.gemma4-appliance.build-digest"
 _REPO = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*")
 
 
+# The Docker engine refuses a longer repository name (distribution/reference's NameTotalLengthMax).
+_REPO_MAX = 255
+
+
 def check_repository(repo: str) -> str:
     if not _REPO.fullmatch(repo or ""):
         raise UsageError(f"invalid repository name {repo!r}", fix="e.g. gemma4-vllm")
+    if len(repo) > _REPO_MAX:
+        raise UsageError(
+            f"repository name is {len(repo)} characters, more than {_REPO_MAX}",
+            fix="e.g. gemma4-vllm",
+        )
     return repo
 
 
@@ -101,14 +110,21 @@ def apply_tags(client, image_ref: str, repository: str = REPOSITORY) -> list[str
     """Tag the image ``image_ref`` per the scheme in the engine; returns the tags it now has."""
     import docker.errors
 
+    from . import refused
+
     try:
         image = client.images.get(image_ref)
     except docker.errors.ImageNotFound as exc:
         raise UsageError(f"no image {image_ref!r} in the local engine") from exc
+    except docker.errors.APIError as exc:
+        raise refused(f"look up image {image_ref!r}", exc) from exc
+    latest_ref = f"{check_repository(repository)}:{LATEST_TAG}"
     try:
-        latest = client.images.get(f"{check_repository(repository)}:{LATEST_TAG}")
+        latest = client.images.get(latest_ref)
     except docker.errors.ImageNotFound:
         latest = None
+    except docker.errors.APIError as exc:
+        raise refused(f"look up {latest_ref}", exc) from exc
     plan = plan_tags(
         image.labels,
         repository,
@@ -116,8 +132,25 @@ def apply_tags(client, image_ref: str, repository: str = REPOSITORY) -> list[str
         latest.id if latest is not None and latest.id != image.id else None,
     )
     if plan.keep_pre_mtp is not None:
-        client.images.get(plan.keep_pre_mtp).tag(repository, PRE_MTP_TAG)
+        _tag(client.images.get(plan.keep_pre_mtp), f"{repository}:{PRE_MTP_TAG}")
     for ref in plan.tags:
-        repo, tag = ref.rsplit(":", 1)
-        image.tag(repo, tag)
+        _tag(image, ref)
     return sorted(client.images.get(image.id).tags)
+
+
+def _tag(image, ref: str) -> None:
+    """Tag ``image`` as ``ref``; the engine's refusal (e.g. a reference longer than it allows,
+    which the name rules here do not check) is one line naming the reference."""
+    import docker.errors
+
+    from . import refused
+
+    repo, tag = ref.rsplit(":", 1)
+    try:
+        image.tag(repo, tag)
+    except docker.errors.APIError as exc:
+        raise refused(
+            f"tag {image.short_id} as {ref}",
+            exc,
+            fix=f"check --repository and the image's {labels.VLLM_VERSION} label",
+        ) from exc
