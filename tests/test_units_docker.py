@@ -137,6 +137,10 @@ def test_wait_healthy_returns_once_health_answers_200(tmp_path):
     script = tmp_path / units.paths(INSTANCE).script
     seen: list[str] = []
 
+    # A stand-in /health, on purpose: a real loading vLLM cannot be made to answer a given
+    # sequence (503, 503, 200) on demand, and this checks the script's polling of exactly that.
+    # wait-healthy against a real engine loading is covered by the nspawn unit tests
+    # (test_units_systemd.py), where the installed unit starts one.
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # http.server's naming
             seen.append(self.path)
