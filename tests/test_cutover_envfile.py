@@ -10,10 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
+from appliance.cli import cli
 from appliance.cutover import envfile
+from appliance.cutover.paths import Layout
 from appliance.errors import UsageError
 
 SEED_LIKE = (
@@ -114,3 +117,19 @@ def test_sigkill_mid_write_leaves_old_or_new_never_part(tmp_path):
         proc.wait()
         got = target.read_bytes()
         assert got in (a, b), f"kill {i}: env file is partial ({len(got)} bytes)"
+
+
+@pytest.mark.parametrize("value", ["80x0", "0", "70000"])
+def test_a_port_that_is_not_a_port_is_a_usage_error_naming_the_file(tmp_path, value):
+    env_path = Layout(tmp_path).env_file("i1")
+    env_path.parent.mkdir(parents=True)
+    env_path.write_text(
+        f"VLLM_IMAGE=gemma4-vllm:pre-mtp\nAPPLIANCE_PROFILE=cpu-tiny\nVLLM_PORT={value}\n"
+    )
+    before = env_path.read_bytes()
+    result = CliRunner().invoke(cli, ["cutover", "i1", "gemma4-vllm:mtp", "--root", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert f"Error: VLLM_PORT={value!r} in {env_path} is not a TCP port" in result.output
+    assert "Traceback" not in result.output
+    assert env_path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["i1.env"]

@@ -169,10 +169,27 @@ def target(ctx: Context, instance: str, env: envfile.EnvFile) -> Target:
     host = env.get("VLLM_HOST") or facts.get("host") or prof.host
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
-    port = int(env.get("VLLM_PORT") or facts.get("port") or prof.port)
+    port = _port(instance, env, facts, prof)
     return Target(
         instance, prof, f"http://{host}:{port}", api_key=read_api_key(ctx.layout, instance)
     )
+
+
+def _port(instance: str, env: envfile.EnvFile, facts: dict[str, str], prof: Profile) -> int:
+    """The instance's port; a value that is not a TCP port names where it came from."""
+    if value := env.get("VLLM_PORT"):
+        where = f"VLLM_PORT={value!r} in {env.path}"
+    elif value := facts.get("port"):
+        where = f"PORT={value!r} in the serve script of {unit_name(instance)}"
+    else:
+        return prof.port
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise UsageError(f"{where} is not a TCP port", fix="set a port number from 1 to 65535")
+    return port
 
 
 def read_api_key(layout: Layout, instance: str) -> str | None:
@@ -311,13 +328,17 @@ def cutover(
         if not rollback or old is None:
             entry.error = failure
             _finish(ctx, entry, "failed", failure, saved)
-            raise RollbackFailed(
-                f"{kind} of {instance} failed: {failure}; NOT rolled back (--no-rollback)",
-                fix=f"the unit runs {image}; `appliance rollback {instance}` returns to "
-                f"{current_ref}"
-                if current_ref
-                else None,
-            )
+            if not rollback:
+                why = "NOT rolled back (--no-rollback)"
+            else:
+                why = f"NOT rolled back: {env_path} named no previous {envfile.IMAGE_KEY} to return to"
+            if current_ref:
+                fix = f"the unit runs {image}; `appliance rollback {instance}` returns to {current_ref}"
+            else:
+                fix = (
+                    f"the unit runs {image}; `appliance cutover {instance} IMAGE` to a working one"
+                )
+            raise RollbackFailed(f"{kind} of {instance} failed: {failure}; {why}", fix=fix)
 
         ctx.progress(f"rolling back {instance} to {current_ref}")
         envfile.write_atomic(env_path, env.raw)

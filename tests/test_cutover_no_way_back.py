@@ -1,0 +1,49 @@
+"""A failed cutover that cannot roll back says why: no previous image, or --no-rollback.
+
+The images are the small labelled imports of the preflight tests (real Docker engine). The
+restart fails for real: ``APPLIANCE_SYSTEMD_PREFIX`` names a command that does not exist, as on a
+host without systemctl, so the gates never pass. The rollback to a previous image under real
+systemd is test_cutover_systemd.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from appliance.cli import cli
+from appliance.cutover import history
+from appliance.cutover.paths import Layout
+
+pytestmark = pytest.mark.docker
+
+NO_SYSTEMCTL = {"APPLIANCE_SYSTEMD_PREFIX": "/nonexistent/appliance-test/no-systemctl"}
+
+
+def _cutover(tree, image: str, *extra: str):
+    args = ["cutover", tree.instance, image, "--root", str(tree.root), "--timeout", "5", *extra]
+    return CliRunner().invoke(cli, args, env=NO_SYSTEMCTL)
+
+
+def test_without_a_previous_image_it_says_so_not_no_rollback(mtp_instance, preflight_images):
+    env = mtp_instance.env_path
+    env.write_text("APPLIANCE_PROFILE=cpu-tiny-mtp\n")  # no VLLM_IMAGE: nothing to return to
+    result = _cutover(mtp_instance, preflight_images["mtp"])
+    assert result.exit_code == 4, result.output
+    error = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
+    assert len(error) == 1, result.output
+    assert "failed gate 'restart'" in error[0]
+    assert f"NOT rolled back: {env} named no previous VLLM_IMAGE to return to" in error[0]
+    assert "--no-rollback" not in result.output
+    assert "`appliance cutover i1 IMAGE` to a working one" in error[0]
+    # What it says is what happened: the new image stays in the env file, the entry failed.
+    assert f"VLLM_IMAGE={preflight_images['mtp']}" in env.read_text()
+    [entry] = history.entries(Layout(mtp_instance.root).history_file("i1"))
+    assert (entry.outcome, entry.from_image) == ("failed", None)
+
+
+def test_with_no_rollback_it_names_the_flag(mtp_instance, preflight_images):
+    result = _cutover(mtp_instance, preflight_images["mtp"], "--no-rollback")
+    assert result.exit_code == 4, result.output
+    assert "NOT rolled back (--no-rollback)" in result.output
+    assert f"`appliance rollback i1` returns to {preflight_images['pre-mtp']}" in result.output
