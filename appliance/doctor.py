@@ -4,6 +4,8 @@ Every check is a :class:`Check` record (``ok`` / ``warn`` / ``fail``, a one-line
 evidence it was based on). Doctor never changes anything: it reads ``/health``, ``/version``,
 ``/v1/models`` and ``/metrics``, sends one short generation (so the counters have a chance to
 move; ``generate=False`` skips it), reads the instance's files and asks Docker to inspect.
+``/v1`` calls carry the API key (an installed instance's vLLM requires it; see
+:func:`resolve_api_key`); the key is never printed or put into the report.
 """
 
 from __future__ import annotations
@@ -20,17 +22,68 @@ import httpx
 
 from . import labels as image_labels
 from . import specdecode
-from .errors import EngineError, NotVLLMError
+from .cutover.paths import ENV_DIR, Layout
+from .errors import EngineError, NotVLLMError, UsageError
 from .profiles import Profile
+from .units import UNIT_TEMPLATE, check_instance, container_name, parse_env
+from .units.template import UNIT_DIR
 from .vllm_client import VLLMClient, normalise_base_url
 
 Status = Literal["ok", "warn", "fail"]
 
-# The installed-instance layout (shared with the units and cutover work).
-ENV_DIR = Path("etc/gemma4-vllm")
-UNIT_DIRS = (Path("etc/systemd/system"), Path("usr/lib/systemd/system"), Path("lib/systemd/system"))
-UNIT_TEMPLATE = "gemma4-vllm@.service"
-CONTAINER_PREFIX = "gemma4-vllm-"
+# Where a unit template may be installed: the appliance's own place first, then the vendor ones.
+UNIT_DIRS = (Path(UNIT_DIR).relative_to("/"), Path("usr/lib/systemd/system"),
+             Path("lib/systemd/system"))
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """The key for vLLM's ``--api-key`` and where it came from (``source`` is safe to print)."""
+
+    value: str = field(repr=False)
+    source: str
+
+
+def _read_key(path: Path, what: str) -> str | None:
+    """The stripped key in ``path``; None when the file does not exist."""
+    try:
+        key = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {what} {path}: {getattr(exc, 'strerror', None) or exc}",
+                         fix="run as a user that may read it, or give --api-key-file") from exc
+    if not key:
+        raise UsageError(f"{what} {path} is empty")
+    return key
+
+
+def resolve_api_key(
+    api_key: str | None = None,
+    api_key_file: Path | None = None,
+    instance: str | None = None,
+    root: Path = Path("/"),
+) -> ApiKey | None:
+    """The key to send: ``api_key_file``, else ``api_key``, else the instance's key file.
+
+    The instance's file (``<root>/etc/gemma4-vllm/<instance>.api-key``, written by ``appliance
+    install``) is optional: an instance without one runs vLLM without a key.
+    """
+    if instance is not None:
+        check_instance(instance)  # a bad name is the first thing to report, whatever else
+    if api_key_file is not None:
+        key = _read_key(Path(api_key_file), "API key file")
+        if key is None:
+            raise UsageError(f"API key file {api_key_file} does not exist")
+        return ApiKey(key, f"file {api_key_file}")
+    if api_key:
+        return ApiKey(api_key.strip(), "--api-key/VLLM_API_KEY")
+    if instance is not None:
+        path = Layout(root).api_key_file(instance)
+        key = _read_key(path, "API key file")
+        if key is not None:
+            return ApiKey(key, f"file {path}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -97,38 +150,23 @@ class InstanceFacts:
     image_labels: dict | None = None
 
 
-def read_env_file(path: Path) -> dict[str, str]:
-    """``KEY=VALUE`` lines of a systemd EnvironmentFile (comments and quotes handled simply)."""
-    out: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith(("#", ";")) or "=" not in line:
-            continue
-        key, value = line.split("=", 1)
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-            value = value[1:-1]
-        out[key.strip()] = value
-    return out
-
-
 def instance_facts(instance: str, root: Path = Path("/"), docker_client=None) -> InstanceFacts:
     """Read the unit, env file and container of ``instance`` (read-only)."""
+    env = Layout(root).env_file(instance)  # validates the name before any path is built
     facts = InstanceFacts()
     for d in UNIT_DIRS:
         if (root / d / UNIT_TEMPLATE).is_file():
             facts.unit_path = root / d / UNIT_TEMPLATE
             break
-    env = root / ENV_DIR / f"{instance}.env"
     if env.is_file():
         facts.env_path = env
-        facts.env_image = read_env_file(env).get("VLLM_IMAGE")
+        facts.env_image = parse_env(env.read_text()).get("VLLM_IMAGE")
     try:
         import docker  # imported here: doctor without --instance must not need a Docker engine
 
         client = docker_client or docker.from_env(timeout=5)
         try:
-            ctr = client.containers.get(CONTAINER_PREFIX + instance)
+            ctr = client.containers.get(container_name(instance))
         except docker.errors.NotFound:
             return facts
         facts.container_status = ctr.status
@@ -162,7 +200,7 @@ def _instance_checks(instance: str, facts: InstanceFacts) -> list[Check]:
     else:
         checks.append(Check("instance.env", "warn", f"no env file for instance {instance}",
                             {"expected": str(ENV_DIR / f"{instance}.env")}))
-    name = CONTAINER_PREFIX + instance
+    name = container_name(instance)
     if facts.docker_error:
         checks.append(Check("instance.container", "warn", "cannot ask Docker",
                             {"error": facts.docker_error}))
@@ -260,23 +298,36 @@ def _model_check(models, profile: Profile | None) -> Check:
     return Check("model.served", "ok", f"{want} served, max_model_len {match.max_model_len}", ev)
 
 
-def _generate(base_url: str, model: str, timeout: float) -> dict:
+def _generate(base_url: str, model: str, timeout: float, api_key: ApiKey | None) -> dict:
     """One short greedy, non-streamed generation; returns the response body."""
     body = {"model": model, "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "appliance doctor: say hello."}]}
-    resp = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=timeout)
+    headers = {"Authorization": f"Bearer {api_key.value}"} if api_key else {}
+    resp = httpx.post(base_url + "/v1/chat/completions", json=body, headers=headers,
+                      timeout=timeout)
+    if resp.status_code == 401:
+        raise EngineError(f"{base_url}/v1/chat/completions answered 401: the API key is "
+                          "missing or wrong")
     resp.raise_for_status()
     return resp.json()
 
 
+def _metrics_failure(exc: Exception) -> Check:
+    """/metrics could not be read or parsed: the counters cannot be judged."""
+    if isinstance(exc, specdecode.MetricsParseError):
+        return Check("mtp.counters", "fail", "/metrics is unparsable",
+                     {"state": "unparsable", "error": str(exc)})
+    return Check("mtp.counters", "fail", f"cannot read /metrics: {exc}",
+                 {"state": "unreadable", "error": str(exc)})
+
+
 def _mtp_checks(client: VLLMClient, model: str, profile: Profile | None, generate: bool,
-                timeout: float) -> list[Check]:
+                timeout: float, api_key: ApiKey | None) -> list[Check]:
     want_mtp = profile.mtp if profile else None
     try:
         before = specdecode.parse(client.metrics_text())
-    except specdecode.MetricsParseError as exc:
-        return [Check("mtp.counters", "fail", "/metrics is unparsable", {"state": "unparsable",
-                                                                          "error": str(exc)})]
+    except (specdecode.MetricsParseError, EngineError) as exc:  # timeout, non-200, garbage
+        return [_metrics_failure(exc)]
     k = profile.speculative.num_speculative_tokens if profile and profile.speculative else None
     if not generate:
         state = "present" if before.speculative else "absent"
@@ -284,14 +335,14 @@ def _mtp_checks(client: VLLMClient, model: str, profile: Profile | None, generat
         return [Check("mtp.counters", status, f"speculative-decoding counters {state} "
                       "(no generation sent)", {"state": state})]
     try:
-        body = _generate(client.base_url, model, timeout)
-        after = specdecode.parse(client.metrics_text())
-    except (httpx.HTTPError, ValueError) as exc:
+        body = _generate(client.base_url, model, timeout, api_key)
+    except (httpx.HTTPError, ValueError, EngineError) as exc:
         return [Check("mtp.counters", "fail", f"the test generation failed: {exc}",
                       {"state": "unknown"})]
-    except specdecode.MetricsParseError as exc:
-        return [Check("mtp.counters", "fail", "/metrics is unparsable", {"state": "unparsable",
-                                                                          "error": str(exc)})]
+    try:
+        after = specdecode.parse(client.metrics_text())
+    except (specdecode.MetricsParseError, EngineError) as exc:
+        return [_metrics_failure(exc)]
     d = specdecode.delta(before, after)
     ev = {"drafts": d.drafts, "draft_tokens": d.draft_tokens, "accepted": d.accepted,
           "acceptance": d.acceptance, "tokens_per_step": d.tokens_per_step,
@@ -354,12 +405,24 @@ def run(
     generate: bool = True,
     timeout: float = 60.0,
     docker_client=None,
+    api_key: ApiKey | str | None = None,
 ) -> DoctorReport:
-    """Run every check that applies and return the report (never raises for a failed check)."""
+    """Run every check that applies and return the report (never raises for a failed check).
+
+    Without ``api_key``, an ``instance``'s key file under ``root`` is used when it exists.
+    Raises UsageError for an invalid instance name or an unreadable key file.
+    """
     base = normalise_base_url(url)
     checks: list[Check] = []
+    if instance is not None:
+        check_instance(instance)
+    if isinstance(api_key, str):
+        api_key = ApiKey(api_key, "api_key argument") if api_key.strip() else None
+    if api_key is None:
+        api_key = resolve_api_key(instance=instance, root=root)
+    key_note = f"sent (from {api_key.source})" if api_key else "none sent"
     facts = instance_facts(instance, root, docker_client) if instance else None
-    with VLLMClient(base, timeout=10.0) as client:
+    with VLLMClient(base, timeout=10.0, api_key=api_key.value if api_key else None) as client:
         healthy = False
         try:
             status = httpx.get(base + "/health", timeout=10.0).status_code
@@ -384,14 +447,15 @@ def run(
                 version = client.version()
                 models = client.models()
             except (NotVLLMError, EngineError) as exc:
-                checks.append(Check("engine.vllm", "fail", str(exc), {"url": base}))
+                checks.append(Check("engine.vllm", "fail", str(exc),
+                                    {"url": base, "api_key": key_note}))
             else:
                 label_v = image_labels.vllm_version(facts.image_labels) if facts else None
                 checks.append(_version_check(version, profile, label_v))
                 checks.append(_model_check(models, profile))
                 model = (profile.served_model_name if profile and any(
                     m.id == profile.served_model_name for m in models) else models[0].id)
-                checks += _mtp_checks(client, model, profile, generate, timeout)
+                checks += _mtp_checks(client, model, profile, generate, timeout, api_key)
                 if facts and facts.image_labels and profile and profile.mtp \
                         and not image_labels.supports_mtp(facts.image_labels):
                     checks.append(Check("instance.labels", "fail", "profile asks for MTP but the "

@@ -24,6 +24,7 @@ pytest_plugins.append("plugins.agent")
 pytest_plugins.append("plugins.docker_engine")
 pytest_plugins.append("plugins.nspawn")
 pytest_plugins.append("plugins.systemd_instance")
+pytest_plugins.append("plugins.http_servers")
 
 
 def pytest_report_header(config) -> list[str]:

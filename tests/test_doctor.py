@@ -2,34 +2,22 @@
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 
 import pytest
 from click.testing import CliRunner
+from plugins.http_servers import API_KEY, Route
 
-from appliance import doctor
+import docker
+from appliance import doctor, profiles
 from appliance.cli import cli
 from appliance.engine.local import free_port
 
 
-@pytest.fixture()
-def plain_http_server():
-    """A real HTTP server that is not vLLM (Python's http.server on 127.0.0.1)."""
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args):  # keep the CLI's captured output clean
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
-
-
-def _doctor(*args: str):
-    res = CliRunner().invoke(cli, ["doctor", "--json", *args])
+def _doctor(*args: str, env: dict | None = None):
+    # VLLM_API_KEY from the caller's shell must not leak into a test that means "no key".
+    res = CliRunner().invoke(cli, ["doctor", "--json", *args],
+                             env={"VLLM_API_KEY": None, **(env or {})})
     return res, json.loads(res.output)
 
 
@@ -53,7 +41,7 @@ def test_non_vllm_server_fails_with_reason(plain_http_server):
     assert c["evidence"]["status"] == 404
 
 
-def test_instance_files_under_root(tmp_path):
+def _instance_root(tmp_path):
     env_dir = tmp_path / "etc/gemma4-vllm"
     env_dir.mkdir(parents=True)
     (env_dir / "a.env").write_text('# chosen image\nVLLM_IMAGE="gemma4-vllm:0.32.0-mtp"\n')
@@ -61,30 +49,111 @@ def test_instance_files_under_root(tmp_path):
     unit_dir = tmp_path / "etc/systemd/system"
     unit_dir.mkdir(parents=True)
     (unit_dir / "gemma4-vllm@.service").write_text("[Service]\n")
+    return tmp_path
+
+
+def _dead_docker():
+    # A real Docker client aimed at a socket nothing listens on (version pinned so that
+    # constructing it does not already connect): how doctor sees a host whose daemon is down.
+    return docker.DockerClient(base_url="unix:///nonexistent/docker.sock", version="1.43",
+                               timeout=2)
+
+
+def test_instance_files_under_root(tmp_path):
+    root = _instance_root(tmp_path)
     dead = f"http://127.0.0.1:{free_port()}"
-    a = doctor.run(dead, instance="a", root=tmp_path)
+    a = doctor.run(dead, instance="a", root=root, docker_client=_dead_docker())
     assert a.get("instance.unit").status == "ok"
     env = a.get("instance.env")
     assert env.status == "ok" and env.summary == "VLLM_IMAGE=gemma4-vllm:0.32.0-mtp"
-    # No container of that name: either Docker says so (fail: the env names an image) or
-    # Docker is not reachable here (warn, with the error as evidence).
     ctr = a.get("instance.container")
-    assert (ctr.status, ctr.summary) == ("fail", "no container gemma4-vllm-a") or \
-        (ctr.status == "warn" and ctr.evidence["error"])
-    b = doctor.run(dead, instance="b", root=tmp_path)
+    assert (ctr.status, ctr.summary) == ("warn", "cannot ask Docker")
+    assert "nonexistent/docker.sock" in ctr.evidence["error"] or "No such file" in \
+        ctr.evidence["error"], ctr.evidence
+    b = doctor.run(dead, instance="b", root=root, docker_client=_dead_docker())
     assert b.get("instance.env").status == "fail"
-    c = doctor.run(dead, instance="c", root=tmp_path / "nothing")
+    c = doctor.run(dead, instance="c", root=tmp_path / "nothing", docker_client=_dead_docker())
     assert c.get("instance.env").status == "warn" and c.get("instance.unit").status == "warn"
 
 
+@pytest.mark.docker
+def test_instance_without_container_fails_on_real_docker(tmp_path, docker_engine):
+    root = _instance_root(tmp_path)
+    dead = f"http://127.0.0.1:{free_port()}"
+    # The env file names an image, the real daemon has no such container: a failure.
+    ctr = doctor.run(dead, instance="a", root=root, docker_client=docker_engine) \
+        .get("instance.container")
+    assert (ctr.status, ctr.summary) == ("fail", "no container gemma4-vllm-a")
+    # No env file and no container: the instance is simply not set up here (a warning).
+    ctr = doctor.run(dead, instance="c", root=root, docker_client=docker_engine) \
+        .get("instance.container")
+    assert (ctr.status, ctr.summary) == ("warn", "no container gemma4-vllm-c")
+
+
+def test_invalid_instance_name_is_a_one_line_usage_error(tmp_path):
+    for args in (["--instance", "../x"], ["--instance", "../x", "--api-key-file", "/dev/null"]):
+        res = CliRunner().invoke(cli, ["doctor", "--url", f"http://127.0.0.1:{free_port()}",
+                                       "--root", str(tmp_path), *args])
+        assert res.exit_code == 2, res.output
+        assert res.output == "Error: invalid instance name '../x' (use letters, digits, '-' " \
+            "and '_' (at most 64), starting with a letter or digit)\n"
+
+
+def test_api_key_file_problems_are_usage_errors(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    res = CliRunner().invoke(cli, ["doctor", "--url", url, "--api-key-file",
+                                   str(tmp_path / "missing")])
+    assert res.exit_code == 2 and res.output.startswith("Error: API key file ")
+    assert res.output.endswith("missing does not exist\n")
+    (tmp_path / "empty").write_text("\n")
+    res = CliRunner().invoke(cli, ["doctor", "--url", url, "--api-key-file",
+                                   str(tmp_path / "empty")])
+    assert res.exit_code == 2 and res.output.endswith("empty is empty\n")
+    (tmp_path / "k").write_text("abc\n")
+    res = CliRunner().invoke(cli, ["doctor", "--url", url, "--api-key", "abc",
+                                   "--api-key-file", str(tmp_path / "k")])
+    assert res.exit_code == 2 and "not both" in res.output
+
+
+def test_help_never_shows_the_key():
+    res = CliRunner().invoke(cli, ["doctor", "--help"], env={"VLLM_API_KEY": "s3cret-value"})
+    assert res.exit_code == 0 and "VLLM_API_KEY" in res.output
+    assert "s3cret-value" not in res.output
+
+
+def test_unreadable_metrics_is_a_failed_check_not_an_error(routed_http_server):
+    # A fake vLLM: a real vLLM always serves /metrics, but behind a proxy that forwards only
+    # /health and /v1 (or a server too loaded to answer in time) /metrics fails like this.
+    url = routed_http_server({
+        "/health": Route(200, b""),
+        "/version": Route(200, b'{"version": "0.32.0"}'),
+        "/v1/models": Route(200, b'{"data": [{"id": "gemma4-tiny", "max_model_len": 512}]}'),
+        "/metrics": Route(503, b"upstream unavailable", "text/plain"),
+    })
+    res, body = _doctor("--url", url)
+    assert res.exit_code == 1 and body["ok"] is False
+    c = _check(body, "mtp.counters")
+    assert c["status"] == "fail"
+    assert c["summary"] == f"cannot read /metrics: {url}/metrics answered 503"
+    assert c["evidence"] == {"state": "unreadable", "error": f"{url}/metrics answered 503"}
+    assert _check(body, "engine.reachable")["status"] == "ok"
+
+
 def test_gpu_profile_on_cpu_host_fails():
-    r = doctor.run(f"http://127.0.0.1:{free_port()}", profile=__import__(
-        "appliance.profiles", fromlist=["get"]).get("l4x4-31b-mtp"))
-    gpu = r.get("host.gpus")
-    if doctor.visible_gpus() is None:
+    prof = profiles.get("l4x4-31b-mtp")  # needs 4x NVIDIA L4
+    gpu = doctor.run(f"http://127.0.0.1:{free_port()}", profile=prof).get("host.gpus")
+    visible = doctor.visible_gpus()
+    # Each kind of host has exactly one right answer; this one's is chosen by what it has.
+    if visible is None:
         assert gpu.status == "fail" and "none visible" in gpu.summary
+    elif len(visible) < 4:
+        want = f"{len(visible)} GPU(s) visible, profile needs 4"
+        assert (gpu.status, gpu.summary) == ("fail", want)
+    elif not all("NVIDIA L4" in g for g in visible[:4]):
+        assert (gpu.status, gpu.summary) == ("warn", "GPUs are not all NVIDIA L4")
     else:
-        assert gpu.status in ("ok", "warn", "fail") and gpu.evidence["visible"]
+        assert (gpu.status, gpu.summary) == ("ok", f"{len(visible)} GPU(s) visible")
+    assert gpu.evidence["visible"] == visible
 
 
 @pytest.mark.engine
@@ -121,3 +190,49 @@ def test_counters_only_engine_has_no_per_request_metrics(mtp_counters_engine):
     assert r.get("mtp.counters").evidence["state"] == "active"
     pr = r.get("mtp.per_request_metrics")
     assert pr.status == "ok" and "not available" in pr.summary
+
+
+@pytest.mark.engine
+def test_api_key_engine_needs_the_key(api_key_engine, tmp_path):
+    url = api_key_engine.url
+    res, body = _doctor("--url", url, "--profile", "cpu-tiny-mtp")
+    assert res.exit_code == 1
+    c = _check(body, "engine.vllm")
+    assert c["status"] == "fail"
+    assert "/v1/models answered 401: the API key is missing or wrong" in c["summary"]
+    assert c["evidence"]["api_key"] == "none sent"
+    assert _check(body, "engine.reachable")["status"] == "ok"  # /health needs no key
+
+    key_file = tmp_path / "k.api-key"
+    key_file.write_text(API_KEY + "\n")
+    res, body = _doctor("--url", url, "--profile", "cpu-tiny-mtp", "--api-key-file",
+                        str(key_file))
+    assert res.exit_code == 0, res.output
+    assert _check(body, "mtp.counters")["evidence"]["state"] == "active"
+    assert API_KEY not in res.output
+
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-key\n")
+    res, body = _doctor("--url", url, "--api-key-file", str(wrong))
+    c = _check(body, "engine.vllm")
+    assert res.exit_code == 1 and "401" in c["summary"]
+    assert c["evidence"]["api_key"] == f"sent (from file {wrong})"
+
+    res, body = _doctor("--url", url, "--no-generate", env={"VLLM_API_KEY": API_KEY})
+    assert res.exit_code == 0, res.output
+    assert API_KEY not in res.output
+
+
+@pytest.mark.engine
+def test_instance_key_file_under_root_is_used(api_key_engine, tmp_path):
+    from appliance.cutover.paths import Layout
+
+    key = Layout(tmp_path).api_key_file("tiny")
+    key.parent.mkdir(parents=True)
+    key.write_text(API_KEY + "\n")
+    key.chmod(0o600)
+    res, body = _doctor("--url", api_key_engine.url, "--instance", "tiny", "--root", str(tmp_path),
+                        "--no-generate")
+    assert res.exit_code == 0 and _check(body, "model.served")["status"] == "ok", res.output
+    assert _check(body, "mtp.counters")["status"] == "ok"
+    assert API_KEY not in res.output
