@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import math
-import threading
 import tomllib
 from pathlib import Path
 
@@ -18,21 +16,6 @@ from appliance.engine.local import free_port
 from appliance.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture()
-def plain_http_server():
-    """A real HTTP server that is not vLLM (Python's http.server on 127.0.0.1)."""
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args):  # keep the CLI's captured output clean
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
 
 
 def test_shipped_sets_load_and_are_package_data():
@@ -96,6 +79,18 @@ def test_non_vllm_server_is_refused_without_artifact(tmp_path, plain_http_server
     assert res.exit_code == 1
     assert "/health is not 200" in res.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_api_key_options_are_checked_before_any_server(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    res = CliRunner().invoke(cli, ["bench", "--url", url, "--limit", "1",
+                                   "--api-key-file", str(tmp_path / "missing")])
+    assert res.exit_code == 2 and res.output.startswith("Error: API key file ")
+    assert res.output.endswith("missing does not exist\n")
+    res = CliRunner().invoke(cli, ["bench", "--url", url, "--limit", "1", "--instance", "../x"])
+    assert res.exit_code == 2
+    assert res.output.startswith("Error: invalid instance name '../x'")
+    assert len(res.output.splitlines()) == 1
 
 
 def test_modes_are_exclusive():

@@ -218,3 +218,26 @@ def test_sweep_k_recommendation_backed_by_printed_figures(tmp_path):
         assert float(tps) > 1.5
     art = json.loads(out.read_text())["sweep"]
     assert art["recommended_k"] == rec
+
+
+def test_api_key_file_lets_bench_through(api_key_engine, tmp_path):
+    """An installed instance's vLLM guards /v1 with its key: bench sends it, and never prints it."""
+    from plugins.http_servers import API_KEY
+
+    args = ["bench", "--url", api_key_engine.url, "--prompts", "prose", "--limit", "1",
+            "--max-tokens", "8", "--runs", "1", "--warmups", "0"]
+    out = tmp_path / "art.json"
+    res = CliRunner().invoke(cli, [*args, "--json-output", str(out)], env={"VLLM_API_KEY": None})
+    assert res.exit_code == 1
+    assert "/v1/models answered 401: the API key is missing or wrong" in res.output
+    assert not out.exists()
+    key = tmp_path / "k.api-key"
+    key.write_text(API_KEY + "\n")
+    res = CliRunner().invoke(cli, [*args, "--api-key-file", str(key), "--json-output", str(out)],
+                             env={"VLLM_API_KEY": None})
+    assert res.exit_code == 0, res.output
+    art = json.loads(out.read_text())
+    runs = art["single"]["runs"]
+    assert len(runs) == 1 and runs[0]["output_tokens"] == 8
+    assert "api_key" not in art["endpoints"][0]
+    assert API_KEY not in res.output and API_KEY not in out.read_text()

@@ -13,14 +13,12 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-import httpx
-
 from .. import specdecode
 from ..errors import EngineError, NotVLLMError, UsageError
 from ..vllm_client import VLLMClient
 from . import stats
 from .prompts import Prompt, PromptSet
-from .stream import StreamResult, stream_chat
+from .stream import StreamResult, http_client, stream_chat
 
 Progress = Callable[[int], None]
 
@@ -74,14 +72,20 @@ class Endpoint:
     max_model_len: int | None
     vllm_version: str
     speculative: bool  # the server exposes speculative-decoding counters
+    api_key: str | None = field(default=None, repr=False, compare=False)  # never in artifacts
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("api_key")
+        return d
 
 
-def open_endpoint(url: str, label: str) -> Endpoint:
-    """Check ``url`` is a reachable vLLM server and read what it serves (raises otherwise)."""
-    with VLLMClient(url) as client:
+def open_endpoint(url: str, label: str, api_key: str | None = None) -> Endpoint:
+    """Check ``url`` is a reachable vLLM server and read what it serves (raises otherwise).
+
+    ``api_key`` is sent on every ``/v1`` call to this endpoint (vLLM's ``--api-key``).
+    """
+    with VLLMClient(url, api_key=api_key) as client:
         if not client.health():
             raise EngineError(f"{client.base_url}/health is not 200", fix="is the engine ready?")
         version = client.version()
@@ -90,7 +94,7 @@ def open_endpoint(url: str, label: str) -> Endpoint:
             raise NotVLLMError(f"{client.base_url} serves no model")
         snap = client.snapshot()
         return Endpoint(label, client.base_url, models[0].id, models[0].max_model_len, version,
-                        snap.speculative)
+                        snap.speculative, api_key)
 
 
 @dataclass
@@ -151,8 +155,8 @@ class _Measurer:
     def __init__(self, ep: Endpoint, config: BenchConfig) -> None:
         self.ep = ep
         self.config = config
-        self.observer = VLLMClient(ep.url, timeout=30.0)
-        self.http = httpx.Client(timeout=httpx.Timeout(config.timeout_s, connect=10.0))
+        self.observer = VLLMClient(ep.url, timeout=30.0, api_key=ep.api_key)
+        self.http = http_client(config.timeout_s, ep.api_key)
 
     def close(self) -> None:
         self.observer.close()

@@ -50,6 +50,12 @@ class StreamResult:
         return self.output_tokens / self.e2el_s if self.e2el_s > 0 else 0.0
 
 
+def http_client(timeout_s: float, api_key: str | None = None) -> httpx.Client:
+    """The client to stream with; ``api_key`` goes in ``Authorization`` (vLLM's ``--api-key``)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers)
+
+
 def stream_chat(
     http: httpx.Client,
     base_url: str,
@@ -81,6 +87,9 @@ def stream_chat(
     start = time.perf_counter()
     try:
         with http.stream("POST", url, json=payload) as resp:
+            if resp.status_code == 401:
+                raise EngineError(f"{url} answered 401: the API key is missing or wrong",
+                                  fix="give --api-key-file (or --api-key) with the server's key")
             if resp.status_code != 200:
                 body = resp.read().decode(errors="replace")[:300]
                 raise EngineError(f"{url} answered {resp.status_code}: {body}")

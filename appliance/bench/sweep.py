@@ -103,7 +103,7 @@ def sweep_local(
 
 
 def sweep_urls(urls: dict[int, str], config: BenchConfig,
-               progress: Progress | None = None) -> SweepResult:
+               progress: Progress | None = None, api_key: str | None = None) -> SweepResult:
     """Bench servers that are already running, one per k (the GPU-host path)."""
-    eps = {k: open_endpoint(u, f"k={k}") for k, u in sorted(urls.items())}
+    eps = {k: open_endpoint(u, f"k={k}", api_key) for k, u in sorted(urls.items())}
     return SweepResult([SweepRow(k, run_endpoint(ep, config, progress)) for k, ep in eps.items()])

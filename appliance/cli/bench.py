@@ -13,6 +13,7 @@ from ..bench import prompts, report, runner, sweep
 from ..devmodel import DRAFTER_KINDS
 from ..errors import UsageError
 from ..profiles import get
+from .doctor import api_key_options, resolve_key
 
 
 def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
@@ -46,7 +47,8 @@ def _progress(total: int, label: str):
               help="Profile recorded in the artifact; the sweep's profile (default cpu-tiny-mtp).")
 @click.option("--drafter", type=click.Choice(DRAFTER_KINDS), default="copy", show_default=True,
               help="Tiny drafter for the local k sweep.")
-@click.option("--instance", default=None, help="Record this instance's image labels.")
+@click.option("--instance", default=None,
+              help="Record this instance's image labels (and use its API key file).")
 @click.option("--prompts", "sets", default=",".join(prompts.SHIPPED), show_default=True,
               help="Shipped prompt sets, comma-separated.")
 @click.option("--prompt-file", multiple=True, type=click.Path(path_type=Path),
@@ -60,8 +62,10 @@ def _progress(total: int, label: str):
 @click.option("--seed", type=int, default=None)
 @click.option("--json-output", type=click.Path(path_type=Path), default=None,
               help="Write the JSON artifact here (only when the bench succeeds).")
+@api_key_options
 def bench(url, mtp_url, baseline_url, sweep_k, k_url, profile_name, drafter, instance, sets,
-          prompt_file, limit, max_tokens, runs, warmups, temperature, seed, json_output) -> None:
+          prompt_file, limit, max_tokens, runs, warmups, temperature, seed, json_output,
+          api_key, api_key_file) -> None:
     """Measure an endpoint, MTP against its baseline, or several k; Markdown on stdout.
 
     \b
@@ -81,6 +85,9 @@ def bench(url, mtp_url, baseline_url, sweep_k, k_url, profile_name, drafter, ins
         tuple(prompts.resolve(sets_list, tuple(prompt_file), limit)), tuple(max_tokens), runs,
         warmups, temperature, seed)
     profile = get(profile_name) if profile_name else None
+    # One key for every endpoint given by URL (the local sweep's engines have none).
+    key = resolve_key(api_key, api_key_file, instance, Path("/"))
+    secret = key.value if key else None
     labels = doctor.instance_facts(instance).image_labels if instance else None
     env = report.environment(profile, labels)
 
@@ -92,7 +99,7 @@ def bench(url, mtp_url, baseline_url, sweep_k, k_url, profile_name, drafter, ins
         per_k = config.measured_requests + config.warmups
         with _progress(per_k * len(ks), "sweep") as tick:
             if urls:
-                result = sweep.sweep_urls(urls, config, tick)
+                result = sweep.sweep_urls(urls, config, tick, api_key=secret)
             else:
                 prof = profile or get("cpu-tiny-mtp")
                 result = sweep.sweep_local(
@@ -100,13 +107,13 @@ def bench(url, mtp_url, baseline_url, sweep_k, k_url, profile_name, drafter, ins
                     on_start=lambda k: click.echo(f"\nstarting {prof.name} with k={k}", err=True))
         kind = "sweep"
     elif url:
-        ep = runner.open_endpoint(url, "endpoint")
+        ep = runner.open_endpoint(url, "endpoint", secret)
         with _progress(config.measured_requests + config.warmups, "bench") as tick:
             result = runner.run_endpoint(ep, config, tick)
         kind = "single"
     else:
-        mtp = runner.open_endpoint(mtp_url, "mtp")
-        base = runner.open_endpoint(baseline_url, "baseline")
+        mtp = runner.open_endpoint(mtp_url, "mtp", secret)
+        base = runner.open_endpoint(baseline_url, "baseline", secret)
         with _progress(2 * (config.measured_requests + config.warmups), "paired") as tick:
             result = runner.run_paired(mtp, base, config, tick)
         kind = "paired"
