@@ -26,6 +26,16 @@ class LockBusy(ApplianceError):
     exit_code = 3
 
 
+class LockUnavailable(ApplianceError):
+    """The lock file cannot be created or opened (not root, or a broken state directory)."""
+
+
+# Readers (`appliance status`, `history`) hold the lock shared for a few microseconds to see
+# whether anyone holds it; a cutover that meets one retries for this long before it is busy.
+# A real holder keeps the lock for minutes, so this only delays its LockBusy by as much.
+BUSY_RETRY_S = 1.0
+
+
 @dataclass
 class Holder:
     """What the lock file says about the process holding it."""
@@ -57,13 +67,19 @@ class InstanceLock:
 
 @contextlib.contextmanager
 def hold(path: Path, instance: str, action: str) -> Iterator[InstanceLock]:
-    """Hold the instance's lock for the block, or raise :class:`LockBusy` at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """Hold the instance's lock for the block, or raise :class:`LockBusy` (within
+    :data:`BUSY_RETRY_S`) when another cutover or rollback holds it."""
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise LockUnavailable(
+            f"cannot open the cutover lock {path}: {exc.strerror or exc}{where}",
+            fix=f"cutover and rollback need root, or write access to {path.parent}",
+        ) from exc
+    try:
+        if not _acquire(fd):
             h = read_holder(path)
             who = f"pid {h.pid}, {h.action}" if h.pid else "another process"
             raise LockBusy(
@@ -73,6 +89,21 @@ def hold(path: Path, instance: str, action: str) -> Iterator[InstanceLock]:
         yield InstanceLock(fd, instance, action)
     finally:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+def _acquire(fd: int) -> bool:
+    """Take the exclusive lock, retrying past readers' brief shared locks."""
+    deadline = time.monotonic() + BUSY_RETRY_S
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
 
 
 def read_holder(path: Path) -> Holder:
@@ -85,7 +116,10 @@ def read_holder(path: Path) -> Holder:
 
 
 def current_holder(path: Path) -> Holder | None:
-    """The live holder of the lock, or ``None`` when nobody holds it now."""
+    """The live holder of the lock, or ``None`` when nobody holds it now.
+
+    It takes the lock shared for an instant (flock(2) has no way to ask without trying);
+    :func:`hold` retries past that, so a reader never makes a cutover busy."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -95,6 +129,7 @@ def current_holder(path: Path) -> Holder | None:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return read_holder(path)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # at once, before anything else
         return None
     finally:
         os.close(fd)
