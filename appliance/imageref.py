@@ -36,12 +36,3 @@ def validate(ref: str) -> str:
             "(lowercase name; no spaces or shell characters)",
         )
     return ref
-
-
-def is_valid(ref: str) -> bool:
-    """True when ``ref`` is a valid image reference."""
-    try:
-        validate(ref)
-    except UsageError:
-        return False
-    return True

@@ -114,13 +114,6 @@ class Systemd:
         except (ValueError, SystemdError):
             return 0
 
-    def main_pid(self, unit: str) -> int:
-        """The unit's main PID (0 when it has none)."""
-        try:
-            return int(self.show(unit, "MainPID").get("MainPID", "0") or 0)
-        except (ValueError, SystemdError):
-            return 0
-
     def journal(self, unit: str, lines: int = 20) -> str:
         """The unit's last ``lines`` journal lines (empty when the journal has none)."""
         proc = self._run("journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat")
