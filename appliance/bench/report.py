@@ -11,12 +11,12 @@ import json
 import os
 import platform
 import sys
-import tempfile
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
 from .. import __version__
+from ..fsutil import write_atomic
 from ..profiles import Profile
 from .runner import BenchConfig, EndpointResult, PairedResult
 from .sweep import SweepResult
@@ -70,20 +70,8 @@ def artifact(kind: str, config: BenchConfig, env: dict, result) -> dict:
 
 
 def write_artifact(path: Path | str, body: dict) -> Path:
-    """Write ``body`` as JSON to ``path`` atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(body, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the artifact from other readers
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write ``body`` as JSON to ``path`` atomically (a failed bench leaves no artifact)."""
+    return write_atomic(path, json.dumps(body, indent=2, sort_keys=True) + "\n", mode=0o644)
 
 
 def _ms(summary: dict | None) -> str:

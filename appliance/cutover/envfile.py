@@ -9,12 +9,11 @@ reader (systemd, or the next ``appliance status``) sees the old file or the new 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import fsutil
 from ..errors import ApplianceError, UsageError
 
 IMAGE_KEY = "VLLM_IMAGE"
@@ -86,39 +85,8 @@ def read(path: Path) -> EnvFile:
 
 
 def write_atomic(path: Path, data: bytes, *, mode: int | None = None) -> None:
-    """Replace ``path`` with ``data`` atomically, keeping its mode and owner when it exists."""
-    path = Path(path)
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        st = None
-    if mode is None:
-        mode = (st.st_mode & 0o7777) if st else 0o644
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fchmod(fd, mode)
-            if st is not None and os.geteuid() == 0:
-                os.fchown(fd, st.st_uid, st.st_gid)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    # The rename itself is durable only once the directory is synced.
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    """Replace ``path`` atomically, keeping its mode and owner when it exists (:mod:`..fsutil`)."""
+    fsutil.write_atomic(path, data, mode=mode)
 
 
 def set_image(path: Path, image: str) -> tuple[bytes, bytes]:

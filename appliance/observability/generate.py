@@ -8,12 +8,11 @@ generated-looking files this code does not produce, and on recorded series nobod
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ApplianceError
+from ..fsutil import write_atomic
 from . import metric_check, rules, scrape
 from .dashboards import DASHBOARDS
 
@@ -43,19 +42,6 @@ def outputs() -> dict[Path, str]:
     return out
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def generate(root: Path, *, check: bool = False) -> Result:
     """Write every output under ``root``; with ``check``, write nothing and list problems."""
     root = Path(root)
@@ -73,7 +59,7 @@ def generate(root: Path, *, check: bool = False) -> Result:
         if check:
             problems.append(f"{rel} is {'missing' if current is None else 'out of date'}")
         else:
-            _write_atomic(path, text)
+            write_atomic(path, text, mode=0o644)
             written.append(rel)
     # Files in the generated folders that this code does not produce (renamed or hand-made).
     for folder, pattern in ((DASHBOARD_DIR, "*.json"), (RULES_DIR, "*.yml")):

@@ -12,11 +12,11 @@ import contextlib
 import os
 import re
 import secrets
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
+from ..fsutil import write_atomic
 from ..profiles import Profile, get
 from .template import MODE_SECRET, Options, RenderedFile, options_from_env, parse_env, paths, render
 
@@ -36,25 +36,8 @@ class WriteResult:
 
 
 def atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Replace ``path`` with ``data`` and ``mode`` in one rename (parents created 0755)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)  # before the data: a secret is never readable by others
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Replace ``path`` with ``data`` and ``mode`` in one rename (see :mod:`appliance.fsutil`)."""
+    write_atomic(path, data, mode=mode)
 
 
 def write_tree(root: Path, files: dict[str, RenderedFile]) -> WriteResult:

@@ -1,0 +1,51 @@
+"""Atomic file writes: the one way the appliance replaces a file.
+
+A reader (systemd, Prometheus, an operator's editor, the next command after a crash) sees the old
+content or the new content, never a partial file: write a temporary file in the same directory,
+set its mode before any data (a secret is never readable by others), fsync, rename over the
+target, then fsync the directory so the rename itself survives a power cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(path: Path | str, data: bytes | str, *, mode: int | None = None) -> Path:
+    """Replace ``path`` with ``data``; ``mode`` defaults to the existing file's mode, else 0644.
+
+    An existing file's owner is kept when running as root. Parent directories are created.
+    """
+    path = Path(path)
+    if isinstance(data, str):
+        data = data.encode()
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        st = None
+    if mode is None:
+        mode = (st.st_mode & 0o7777) if st else 0o644
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            if st is not None and os.geteuid() == 0:
+                os.fchown(f.fileno(), st.st_uid, st.st_gid)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
