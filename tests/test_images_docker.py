@@ -10,9 +10,7 @@ labels under a repository of their own, so the shared ``gemma4-vllm`` tags are n
 from __future__ import annotations
 
 import contextlib
-import io
 import json
-import tarfile
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +19,7 @@ import docker.errors
 import httpx
 import pytest
 from click.testing import CliRunner
+from plugins.docker_engine import tiny_rootfs
 
 from appliance import devmodel, labels, profiles, specdecode
 from appliance.cli import cli
@@ -166,16 +165,6 @@ def test_list_reports_tags_labels_and_which_instance_uses_which_image(appliance_
 # --- prune protection, tag ---------------------------------------------------------------------
 
 
-def _rootfs() -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        data = b"prune test\n"
-        info = tarfile.TarInfo("README")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 @pytest.fixture
 def test_repo(docker_engine):
     """A repository of its own; every image left in it is removed afterwards."""
@@ -189,7 +178,7 @@ def test_repo(docker_engine):
             f'LABEL test.id="{uuid.uuid4().hex}"',  # a distinct image per call
         ]
         docker_engine.api.import_image_from_data(
-            _rootfs(), repository=repo, tag=tag, changes=changes
+            tiny_rootfs("prune test"), repository=repo, tag=tag, changes=changes
         )
         image_id = docker_engine.images.get(f"{repo}:{tag}").id
         made.append(image_id)
@@ -525,7 +514,7 @@ def test_a_new_base_forgets_superseded_ones(appliance_images, docker_engine, tmp
     stale = f"{base.BASE_REPOSITORY}:{base.SUITE}-{uuid.uuid4().hex[:16]}"
     repo, tag = stale.split(":")
     docker_engine.api.import_image_from_data(
-        _rootfs(), repository=repo, tag=tag, changes=['LABEL test.id="stale-base"']
+        tiny_rootfs("prune test"), repository=repo, tag=tag, changes=['LABEL test.id="stale-base"']
     )
     (tmp_path / f"{tag}.tar").write_bytes(b"old")
     (tmp_path / f"{current.split(':')[1]}.tar").write_bytes(b"current")

@@ -8,8 +8,6 @@ They live under their own repository name, so no other test's images are touched
 
 from __future__ import annotations
 
-import io
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from appliance import labels
+
+from .docker_engine import tiny_rootfs
 
 TEST_REPO = "gemma4-cutover-test"
 
@@ -27,16 +27,6 @@ PREFLIGHT_IMAGES = {
     "nolabels": {},
     "badlabels": {labels.VLLM_VERSION: "0.19.0", labels.MTP: "true"},
 }
-
-
-def _tiny_rootfs() -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        data = b"cutover preflight test image\n"
-        info = tarfile.TarInfo("README")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +57,7 @@ def preflight_images(cutover_docker) -> dict[str, str]:
             pass
         changes = [f'LABEL {k}="{v}"' for k, v in found.items()] or ["LABEL unrelated=1"]
         cutover_docker.api.import_image_from_data(
-            _tiny_rootfs(), repository=TEST_REPO, tag=tag, changes=changes
+            tiny_rootfs("cutover preflight test image"), repository=TEST_REPO, tag=tag, changes=changes
         )
     return refs
 

@@ -16,10 +16,12 @@ Run as a script (``python tests/plugins/docker_engine.py``) it just makes sure d
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
 import subprocess
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,3 +117,14 @@ if pytest is not None:
 if __name__ == "__main__":
     p = ensure_dockerd()
     print("dockerd started, pid", p.pid if p else None, "" if p else "(already running)")
+
+
+def tiny_rootfs(note: str) -> bytes:
+    """A one-file rootfs tarball for small labelled test images (``docker import``)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = f"{note}\n".encode()
+        info = tarfile.TarInfo("README")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()

@@ -134,6 +134,16 @@ class Machine:
     process: subprocess.Popen
     log_path: Path
 
+    def enter_argv(self) -> list[str]:
+        """The command prefix that runs a program inside the machine (namespaces, root, clean env)."""
+        return [
+            "nsenter", "--target", str(self.leader()),
+            "--mount", "--uts", "--ipc", "--net", "--pid", "--root", "--wd", "--",
+            "/usr/bin/env", "-i",
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "SYSTEMD_PAGER=", "SYSTEMD_COLORS=0",
+        ]
+
     def leader(self) -> int:
         """The host PID of the container's PID 1 (systemd)."""
         for entry in Path("/proc").iterdir():
@@ -152,25 +162,7 @@ class Machine:
         self, *argv: str, check: bool = True, timeout: float = 120, input: str | None = None
     ) -> subprocess.CompletedProcess:
         """Run ``argv`` inside the container (all its namespaces, its root), capture output."""
-        cmd = [
-            "nsenter",
-            "--target",
-            str(self.leader()),
-            "--mount",
-            "--uts",
-            "--ipc",
-            "--net",
-            "--pid",
-            "--root",
-            "--wd",
-            "--",
-            "/usr/bin/env",
-            "-i",
-            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "SYSTEMD_PAGER=",
-            "SYSTEMD_COLORS=0",
-            *argv,
-        ]
+        cmd = [*self.enter_argv(), *argv]
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, input=input, check=False
         )

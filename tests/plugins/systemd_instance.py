@@ -147,26 +147,7 @@ class SystemdInstance:
 
     def systemd_prefix(self) -> str:
         """``APPLIANCE_SYSTEMD_PREFIX`` that runs systemctl/journalctl inside the machine."""
-        return shlex.join(
-            [
-                "nsenter",
-                "--target",
-                str(self.machine.leader()),
-                "--mount",
-                "--uts",
-                "--ipc",
-                "--net",
-                "--pid",
-                "--root",
-                "--wd",
-                "--",
-                "/usr/bin/env",
-                "-i",
-                "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                "SYSTEMD_PAGER=",
-                "SYSTEMD_COLORS=0",
-            ]
-        )
+        return shlex.join(self.machine.enter_argv())
 
     def appliance_argv(self, *args: str) -> tuple[list[str], dict[str, str]]:
         """The real CLI's argv and environment: systemd inside the machine, files under its root."""

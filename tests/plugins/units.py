@@ -7,13 +7,13 @@ no engine runs from them. Their own repository name keeps other tests' images un
 
 from __future__ import annotations
 
-import io
 import subprocess
-import tarfile
 
 import pytest
 
 from appliance import labels
+
+from .docker_engine import tiny_rootfs
 
 UNITS_REPO = "gemma4-units-test"
 
@@ -36,16 +36,6 @@ def _docker_answers() -> bool:
         )
     except (OSError, subprocess.TimeoutExpired):
         return False
-
-
-def _rootfs() -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        data = b"serve script test image\n"
-        info = tarfile.TarInfo("README")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="session")
@@ -71,5 +61,5 @@ def serve_images() -> dict[str, str]:
         cmd = ["docker", "import"]
         for k, v in wanted.items() or {"unrelated": "1"}.items():
             cmd += ["--change", f'LABEL {k}="{v}"']
-        subprocess.run([*cmd, "-", ref], input=_rootfs(), check=True, capture_output=True)
+        subprocess.run([*cmd, "-", ref], input=tiny_rootfs("serve script test image"), check=True, capture_output=True)
     return refs
