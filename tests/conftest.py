@@ -16,15 +16,17 @@ import pytest
 from appliance import profiles
 from appliance.engine import local
 
-pytest_plugins: list[str] = []
-pytest_plugins.append("plugins.cutover")
-pytest_plugins.append("plugins.units")
-pytest_plugins.append("plugins.observability")
-pytest_plugins.append("plugins.agent")
-pytest_plugins.append("plugins.docker_engine")
-pytest_plugins.append("plugins.nspawn")
-pytest_plugins.append("plugins.systemd_instance")
-pytest_plugins.append("plugins.http_servers")
+# Plugins that others import come first, so pytest registers (and assert-rewrites) them itself.
+pytest_plugins: list[str] = [
+    "plugins.docker_engine",
+    "plugins.nspawn",
+    "plugins.http_servers",
+    "plugins.cutover",
+    "plugins.units",
+    "plugins.observability",
+    "plugins.agent",
+    "plugins.systemd_instance",
+]
 
 
 def pytest_report_header(config) -> list[str]:
