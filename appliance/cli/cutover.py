@@ -14,15 +14,7 @@ from ..cutover import flow, history
 from ..cutover import lock as locks
 from ..cutover.paths import Layout
 from ..cutover.status import status as get_status
-
-root_option = click.option(
-    "--root",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("/"),
-    show_default=True,
-    envvar="APPLIANCE_ROOT",
-    help="Prefix of /etc and /var/lib (for an image build or a test tree).",
-)
+from .options import root_option
 
 
 def _progress(msg: str) -> None:

@@ -11,6 +11,7 @@ import click
 from .. import doctor as lib
 from ..errors import UsageError
 from ..profiles import get
+from .options import root_option
 
 
 def api_key_options(f):
@@ -42,8 +43,7 @@ def resolve_key(api_key: str | None, api_key_file: Path | None, instance: str | 
               help="Also check this installed unit instance (and use its API key file).")
 @click.option("--profile", "profile_name", default=None,
               help="Check the server against this profile (version, model, MTP, GPUs).")
-@click.option("--root", type=click.Path(path_type=Path), default=Path("/"), show_default=True,
-              help="Prefix for the instance's files (/etc/gemma4-vllm/<instance>.env, units).")
+@root_option
 @api_key_options
 @click.option("--no-generate", is_flag=True,
               help="Do not send the one short test generation (counters then cannot move).")

@@ -10,14 +10,8 @@ import click
 from .. import images
 from ..images import build as image_build
 from ..images import inventory, lock, prune, scheme, targets
+from .options import root_option
 
-ROOT_OPTION = click.option(
-    "--root",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("/"),
-    show_default=True,
-    help="Read instances' env files and rollback slots below this directory.",
-)
 REPO_OPTION = click.option(
     "--repository", default=scheme.REPOSITORY, show_default=True, help="Image repository."
 )
@@ -75,7 +69,7 @@ def image_tag(source: str, repository: str) -> None:
 
 
 @image.command(name="list")
-@ROOT_OPTION
+@root_option
 @REPO_OPTION
 @click.option("json_", "--json", is_flag=True, help="Print JSON.")
 def image_list(root: Path, repository: str, json_: bool) -> None:
@@ -125,7 +119,7 @@ def image_list(root: Path, repository: str, json_: bool) -> None:
     help="dangling: untagged; superseded: also version-only tags; all: every appliance image.",
 )
 @click.option("--dry-run", is_flag=True, help="Say what would go, remove nothing.")
-@ROOT_OPTION
+@root_option
 @REPO_OPTION
 def image_prune(mode: str, dry_run: bool, root: Path, repository: str) -> None:
     """Remove appliance images; never one an instance or a rollback slot refers to."""
@@ -139,7 +133,7 @@ def image_prune(mode: str, dry_run: bool, root: Path, repository: str) -> None:
 
 @image.command(name="rm")
 @click.argument("ref")
-@ROOT_OPTION
+@root_option
 @REPO_OPTION
 def image_rm(ref: str, root: Path, repository: str) -> None:
     """Remove image REF unless an instance or a rollback slot refers to it."""

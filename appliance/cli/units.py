@@ -10,6 +10,7 @@ import click
 from .. import units
 from ..errors import ApplianceError
 from ..units import examples
+from .options import root_option
 
 
 def instance_options(f):
@@ -58,20 +59,14 @@ def render(profile: str, instance: str, out: str, **kw) -> None:
 
 @click.command()
 @instance_options
-@click.option(
-    "--root",
-    default="/",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Install below this directory (an image being built, a test root).",
-)
-def install(profile: str, instance: str, root: str, **kw) -> None:
+@root_option
+def install(profile: str, instance: str, root: Path, **kw) -> None:
     """Install an instance: unit, env file (VLLM_IMAGE kept), serve script, API key (0600).
 
     \b
     Then: systemctl daemon-reload && systemctl enable --now gemma4-vllm@INSTANCE
     """
-    result = units.install(profile, instance, root=Path(root), options=_options(kw))
+    result = units.install(profile, instance, root=root, options=_options(kw))
     _report(result)
     if result.changed:
         click.echo(
