@@ -27,7 +27,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from .. import imageref, labels, profiles
+from .. import apikey, imageref, labels, profiles
 from ..errors import ApplianceError, UsageError
 from ..profiles import Profile
 from . import envfile, gates, history, metrics
@@ -195,15 +195,10 @@ def _port(instance: str, env: envfile.EnvFile, facts: dict[str, str], prof: Prof
 def read_api_key(layout: Layout, instance: str) -> str | None:
     """The instance's API key (``appliance install`` writes it, 0600), None when it has none.
 
-    vLLM guards ``/v1`` with it: without it the model and generation gates get 401.
+    vLLM guards ``/v1`` with it: without it the model and generation gates get 401. The one
+    key-file rule is :mod:`appliance.apikey`'s.
     """
-    try:
-        key = layout.api_key_file(instance).read_text().strip()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise PreflightError(f"cannot read the API key of {instance}: {exc}") from exc
-    return key or None
+    return apikey.read(layout.api_key_file(instance))
 
 
 _SCRIPT_PATH = re.compile(r"path=(\S+)")
