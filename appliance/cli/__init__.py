@@ -14,10 +14,10 @@ from .. import __version__
 from ..errors import ApplianceError
 from .bench import bench
 from .cutover import cutover, history_, rollback, status
-from .dashboards import observability
 from .demo import demo
 from .devmodel import devmodel
 from .doctor import doctor
+from .generate import generate
 from .images import image
 from .local import local
 from .profiles import profiles
@@ -53,7 +53,7 @@ cli.add_command(cutover)
 cli.add_command(rollback)
 cli.add_command(status)
 cli.add_command(history_)
-cli.add_command(observability)
+cli.add_command(generate)
 cli.add_command(render)
 cli.add_command(install)
 cli.add_command(render_examples)
