@@ -1,0 +1,161 @@
+"""The package installed without extras runs every command: each import it makes is declared.
+
+A plain ``pip install gemma4-appliance`` on a GPU host gets the declared dependencies and nothing
+else (no vLLM, no test tools). ``scripts/setup.sh`` installs the ``cpu`` and ``dev`` extras too,
+which hide an undeclared import (``packaging`` was one: every command, ``rollback`` included,
+died with ModuleNotFoundError). This test builds that plain install without the network: a new
+venv that sees only the transitive closure of the declared requirements (extras off), linked from
+this environment, then imports every module of the package and runs every command's ``--help``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[1]
+DIST = "gemma4-appliance"
+# Modules that exist to run inside an extra's environment (the CPU engine), never imported by a
+# command of a plain install.
+EXTRA_ONLY = {"appliance.engine.vllm_main"}
+
+
+def _closure(dist: str) -> set[str]:
+    """Names of the distributions ``dist`` needs, transitively, with no extra requested."""
+    seen: set[str] = set()
+    todo = [Requirement(r) for r in md.requires(dist) or []]
+    while todo:
+        req = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        name = req.name.lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += [Requirement(r) for r in md.requires(req.name) or []]
+    return seen
+
+
+def _top_level_paths(dist: str) -> set[Path]:
+    """The top-level modules and packages ``dist`` installed into site-packages."""
+    d = md.distribution(dist)
+    site = Path(sysconfig.get_paths()["purelib"])
+    out: set[Path] = set()
+    for f in d.files or []:
+        parts = Path(f).parts
+        # The .dist-info goes too: libraries read their metadata and entry points at import.
+        if not parts or parts[0].endswith(".data") or parts[0] == "..":
+            continue
+        if parts[0] == "__pycache__" or parts[0].endswith(".pth"):
+            continue
+        out.add(site / parts[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_python(tmp_path_factory) -> Path:
+    """A python that sees the package and its declared dependencies only."""
+    root = tmp_path_factory.mktemp("plain")
+    venv.EnvBuilder(with_pip=False).create(root / "venv")
+    links = root / "site"
+    links.mkdir()
+    for dist in sorted(_closure(DIST)):
+        for path in _top_level_paths(dist):
+            if path.exists() and not (links / path.name).exists():
+                (links / path.name).symlink_to(path)
+    (links / "appliance").symlink_to(REPO / "appliance")
+    py = root / "venv/bin/python"
+    purelib = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    Path(purelib, "plain.pth").write_text(f"{links}\n")
+    return py
+
+
+def test_every_dependency_is_declared(plain_python: Path) -> None:
+    """Import every module of the package: a missing declaration is a ModuleNotFoundError."""
+    code = (
+        "import importlib, pkgutil, appliance\n"
+        f"skip = {sorted(EXTRA_ONLY)!r}\n"
+        "for m in pkgutil.walk_packages(appliance.__path__, 'appliance.'):\n"
+        "    if m.name not in skip:\n"
+        "        importlib.import_module(m.name)\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    res = subprocess.run(
+        [plain_python, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "ok"
+
+
+def test_the_environment_has_no_test_or_engine_packages(plain_python: Path) -> None:
+    """The check above can fail: vLLM and pytest are not importable in the plain install."""
+    for module in ("vllm", "pytest", "hypothesis"):
+        res = subprocess.run(
+            [plain_python, "-c", f"import {module}"], capture_output=True, check=False
+        )
+        assert res.returncode != 0, f"{module} leaked into the plain install"
+
+
+def _commands() -> list[list[str]]:
+    """Every command path of the CLI, groups included."""
+    import click
+
+    from appliance.cli import cli
+
+    out: list[list[str]] = []
+
+    def walk(cmd: click.Command, path: list[str]) -> None:
+        out.append(path)
+        if isinstance(cmd, click.Group):
+            for name, sub in sorted(cmd.commands.items()):
+                walk(sub, [*path, name])
+
+    walk(cli, [])
+    return out
+
+
+@pytest.mark.parametrize("command", _commands(), ids=lambda c: " ".join(c) or "appliance")
+def test_every_command_help_runs_on_a_plain_install(plain_python: Path, command: list[str]):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    res = subprocess.run(
+        [plain_python, "-c", "from appliance.cli import main; main()", *command, "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "Usage:" in res.stdout
+
+
+def test_declared_dependencies_resolve_here() -> None:
+    """Each declared requirement is installed in the suite's environment (setup.sh's job)."""
+    missing = [
+        r
+        for r in md.requires(DIST) or []
+        if "extra ==" not in r and not _installed(Requirement(r).name)
+    ]
+    assert missing == [], missing
+    assert sys.prefix != sys.base_prefix  # the suite runs in its venv
+
+
+def _installed(name: str) -> bool:
+    try:
+        md.distribution(name)
+    except md.PackageNotFoundError:
+        return False
+    return True
