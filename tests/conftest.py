@@ -26,6 +26,7 @@ pytest_plugins: list[str] = [
     "plugins.observability",
     "plugins.agent",
     "plugins.systemd_instance",
+    "plugins.hub",
 ]
 
 

@@ -26,6 +26,7 @@ class Speculative:
     method: str = "mtp"
     model: str = ""
     num_speculative_tokens: int = 2
+    revision: str | None = None  # the drafter's pinned hub revision (a commit), when pinned
 
     def to_json(self, devmodel: str | None = None) -> str:
         body = {
@@ -58,6 +59,7 @@ class Profile:
     model: str
     served_model_name: str
     drafter_matches: str = ""  # target the drafter was trained for, when not ``model``
+    revision: str | None = None  # the target's pinned hub revision (a commit), when pinned
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     max_model_len: int | None = None

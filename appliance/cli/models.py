@@ -1,0 +1,141 @@
+"""``appliance models``: put the profile's target and drafter in the instance's cache, check them."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import click
+
+from ..models import EX_CONFIG, ModelsNotReady, importer, pull, token, verify, where
+from ..models import export as export_mod
+from .options import root_option
+
+
+def _where(fn):
+    """The options that say which models and which cache (shared by every subcommand)."""
+
+    @click.option("--profile", help="A shipped profile name.")
+    @click.option(
+        "--profile-file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="A profile TOML file of your own.",
+    )
+    @click.option(
+        "--instance",
+        help="An installed instance: its env file names the profile "
+        "(APPLIANCE_PROFILE) and the cache (HF_CACHE_DIR).",
+    )
+    @click.option(
+        "--hf-cache-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        help=f"The Hugging Face cache (HF_CACHE_DIR; default {where.DEFAULT_HF_CACHE} under "
+        "--root). Taken literally.",
+    )
+    @root_option
+    @functools.wraps(fn)
+    def wrapper(profile, profile_file, instance, hf_cache_dir, root, **kwargs):
+        kwargs.setdefault("token_file", None)
+        loc = where.locate(
+            root=root,
+            profile=profile,
+            profile_file=profile_file,
+            instance=instance,
+            hf_cache_dir=hf_cache_dir,
+            token_file=kwargs.pop("token_file"),
+        )
+        return fn(loc, **kwargs)
+
+    return wrapper
+
+
+@click.group()
+def models() -> None:
+    """The target and drafter weights in an instance's cache (the engine runs offline)."""
+
+
+@models.command(name="pull")
+@_where
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help=f"File holding the hub token, mode 0600 (default {where.DEFAULT_TOKEN_FILE} under "
+    "--root, used when it exists). Never pass a token on the command line.",
+)
+def models_pull(loc: where.Location) -> None:
+    """Download the profile's target and drafter into the cache (resumable; files already
+    there are not transferred again). Set HF_ENDPOINT for a hub mirror."""
+    tok = token.read(loc.token_file, required=loc.token_file_explicit)
+    for got in pull.pull(loc, token=tok):
+        if got.partial_removed:
+            click.echo(
+                f"{got.spec.role} {got.spec.repo_id}: removed {got.partial_removed} "
+                "partial file(s) of an earlier, interrupted pull"
+            )
+        click.echo(f"{got.spec.role} {got.spec.repo_id}@{got.commit[:12]}: {got.snapshot}")
+    _require(loc, quick=True)
+
+
+@models.command(name="export")
+@_where
+@click.option(
+    "--to",
+    "dest",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="A new directory, or a .tar / .tar.gz file.",
+)
+def models_export(loc: where.Location, dest: Path) -> None:
+    """Copy the profile's models out of the cache, with a hashed manifest, for an
+    air-gapped host (there: appliance models import --from COPY)."""
+    manifest = export_mod.export(loc, dest)
+    for m in manifest.models:
+        click.echo(
+            f"{m.role} {m.repo_id}@{m.commit[:12]}: {len(m.files)} files, {m.size / 1e6:.1f} MB"
+        )
+    click.echo(f"copy: {dest}")
+
+
+@models.command(name="import")
+@_where
+@click.option(
+    "--from",
+    "source",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="A copy made by appliance models export (directory or tar file).",
+)
+def models_import(loc: where.Location, source: Path) -> None:
+    """Lay a copy into the cache in the layout vLLM reads offline; every file's hash is
+    checked against the copy's manifest first, and nothing is laid on a mismatch."""
+    for got in importer.import_copy(loc, source):
+        click.echo(
+            f"{got.spec.role} {got.spec.repo_id}@{got.commit[:12]}: {got.files} files, "
+            f"{got.bytes / 1e6:.1f} MB"
+        )
+    _require(loc, quick=True)
+
+
+@models.command(name="verify")
+@_where
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="Presence and sizes only, no hashing, one line of output (for every start).",
+)
+def models_verify(loc: where.Location, quick: bool) -> None:
+    """Check both models are in the cache, complete and the right ones. Exit 78 (EX_CONFIG)
+    with one line per problem, each naming the model and the command that fixes it."""
+    _require(loc, quick=quick, one_line=quick)
+
+
+def _require(loc: where.Location, *, quick: bool, one_line: bool = True) -> None:
+    report = verify.verify(loc, quick=quick)
+    if report.ok:
+        click.echo(report.summary())
+        return
+    if one_line:
+        raise ModelsNotReady(report.one_line(loc.fix()))
+    for line in report.lines(loc.fix()):
+        click.echo(f"Error: {line}", err=True)
+    raise SystemExit(EX_CONFIG)

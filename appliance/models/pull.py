@@ -1,0 +1,127 @@
+"""Download a profile's target and drafter into the instance's cache with ``huggingface_hub``.
+
+The hub client does the transfer (progress bars, retries that resume a dropped transfer with a
+``Range`` request, files already in the cache skipped). Around it: one pull per cache at a time,
+partial files a killed pull left behind removed, ``refs/main`` pointed at the commit fetched
+(vLLM, offline, loads what ``refs/main`` names), and every error turned into one line that never
+carries the token.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import ModelSpec, TransferError, cache
+from . import token as tokens
+from .where import Location
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """One model now in the cache."""
+
+    spec: ModelSpec
+    commit: str
+    snapshot: Path
+    partial_removed: int = 0  # partial files of an earlier, killed pull deleted first
+
+
+def pull(loc: Location, *, token: str | None, max_workers: int = 8) -> list[Pulled]:
+    """Download every model of ``loc``'s profile (already cached files are not transferred)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise TransferError(
+            "HF_HUB_OFFLINE is set in this environment: a pull needs the hub",
+            fix="unset HF_HUB_OFFLINE for this command, or use appliance models import",
+        )
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    out = []
+    with cache.locked(loc.hub):
+        for spec in loc.specs:
+            out.append(_pull_one(loc, spec, token, endpoint, max_workers))
+    return out
+
+
+def _pull_one(
+    loc: Location, spec: ModelSpec, token: str | None, endpoint: str | None, max_workers: int
+) -> Pulled:
+    from huggingface_hub import snapshot_download
+
+    repo = cache.repo_dir(loc.hub, spec.repo_id)
+    removed = remove_partial(repo)
+    try:
+        path = Path(
+            snapshot_download(
+                spec.repo_id,
+                revision=spec.ref,
+                cache_dir=loc.hub,
+                # False, not None: never fall back to a token stored elsewhere on the host.
+                token=token or False,
+                endpoint=endpoint,
+                max_workers=max_workers,
+            )
+        )
+    except Exception as exc:  # noqa: BLE001 - the hub client's many error types, one line each
+        raise _explain(exc, loc, spec, token, endpoint) from None
+    commit = path.name
+    cache.write_ref(repo, commit)
+    return Pulled(spec, commit, path, removed)
+
+
+def remove_partial(repo: Path) -> int:
+    """Delete the ``*.incomplete`` files a killed download left in ``repo``'s blobs (the hub
+    client never reuses them: each download writes a fresh uniquely named one). Runs under the
+    cache lock, so no pull of ours is writing them."""
+    n = 0
+    for path in (repo / "blobs").glob("*.incomplete"):
+        path.unlink(missing_ok=True)
+        n += 1
+    return n
+
+
+def _explain(
+    exc: Exception, loc: Location, spec: ModelSpec, token: str | None, endpoint: str | None
+) -> TransferError:
+    from huggingface_hub import errors as hf
+
+    where = endpoint or "https://huggingface.co"
+    name = f"{spec.role} {spec.repo_id}"
+    if isinstance(exc, hf.GatedRepoError):
+        have = "the token in " + str(loc.token_file) if token else "no token"
+        return TransferError(
+            f"{name} is gated and {have} has no access to it",
+            fix=f"accept its licence on the hub with your account, then put a read token in "
+            f"{loc.token_file} (chmod 600)",
+        )
+    if isinstance(exc, hf.RevisionNotFoundError):
+        return TransferError(f"{name} has no revision {spec.ref} on {where}")
+    if isinstance(exc, hf.RepositoryNotFoundError):
+        return TransferError(
+            f"{name} not found on {where} (or private, and the token cannot see it)",
+            fix="check the repo id in the profile and the token's account",
+        )
+    if isinstance(exc, hf.HfHubHTTPError) and exc.response is not None:
+        code = exc.response.status_code
+        if code in (401, 403):
+            return TransferError(
+                f"{name}: the hub refused the token ({code})",
+                fix=f"put a valid read token in {loc.token_file} (chmod 600)",
+            )
+    if (
+        isinstance(exc, (hf.LocalEntryNotFoundError, OSError))
+        or "connect" in type(exc).__name__.lower()
+    ):
+        return TransferError(
+            f"{name}: cannot download from {where}: {tokens.scrub(_first_line(exc), token)}",
+            fix="check the network (a proxy: HTTPS_PROXY); on an air-gapped host use "
+            "appliance models export elsewhere and appliance models import here",
+        )
+    return TransferError(f"{name}: download failed: {tokens.scrub(_first_line(exc), token)}")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -1,0 +1,114 @@
+"""Which profile, Hugging Face cache and token file a ``models`` command is about.
+
+``--instance I`` reads the instance's env file (``APPLIANCE_PROFILE`` and ``HF_CACHE_DIR``, host
+paths seen under ``--root``); ``--profile``/``--profile-file`` name the profile directly, with the
+cache at ``--hf-cache-dir`` (taken literally) or the default the installer writes.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import profiles
+from ..cutover import envfile
+from ..errors import UsageError
+from ..profiles import Profile
+from ..units.template import DATA_DIR, ENV_DIR, check_instance
+from . import ModelSpec, specs
+
+DEFAULT_HF_CACHE = f"{DATA_DIR}/huggingface"
+DEFAULT_TOKEN_FILE = f"{ENV_DIR}/hf-token"
+
+
+@dataclass(frozen=True)
+class Location:
+    """A profile's models and where they live on this host."""
+
+    profile: Profile
+    hf_home: Path  # HF_CACHE_DIR: what the container sees as /root/.cache/huggingface
+    token_file: Path
+    token_file_explicit: bool
+    selector: tuple[str, ...]  # how a fix command names the same models, e.g. --instance 31b
+
+    @property
+    def hub(self) -> Path:
+        """The hub cache inside ``hf_home`` (huggingface_hub's ``HF_HUB_CACHE``)."""
+        return self.hf_home / "hub"
+
+    @property
+    def specs(self) -> list[ModelSpec]:
+        return specs(self.profile)
+
+    def command(self, verb: str, *extra: str) -> str:
+        """The ``appliance models VERB`` command line for these same models."""
+        return shlex.join(["appliance", "models", verb, *self.selector, *extra])
+
+    def fix(self) -> str:
+        """What fixes a missing or broken model, on a connected host and on an air-gapped one."""
+        token = ("--token-file", str(self.token_file)) if self.token_file_explicit else ()
+        return (
+            f"fix: {self.command('pull', *token)}; "
+            f"air-gapped: {self.command('import', '--from', 'COPY')}"
+        )
+
+
+def _under(root: Path, host_path: str) -> Path:
+    """``host_path`` (absolute on the host) as seen under ``root``."""
+    p = Path(host_path)
+    return root / p.relative_to("/") if p.is_absolute() else root / p
+
+
+def locate(
+    *,
+    root: Path = Path("/"),
+    profile: str | None = None,
+    profile_file: Path | None = None,
+    instance: str | None = None,
+    hf_cache_dir: Path | None = None,
+    token_file: Path | None = None,
+) -> Location:
+    """Resolve the options of a ``models`` command into a :class:`Location` (UsageError if they
+    do not name exactly one profile)."""
+    if profile and profile_file:
+        raise UsageError("give --profile or --profile-file, not both")
+    selector: list[str] = []
+    prof: Profile | None = None
+    if profile:
+        prof = profiles.get(profile)
+        selector += ["--profile", profile]
+    elif profile_file:
+        prof = profiles.load_file(profile_file)
+        selector += ["--profile-file", str(profile_file)]
+    cache: Path | None = hf_cache_dir
+    if instance is not None:
+        check_instance(instance)
+        env = envfile.read(_under(root, f"{ENV_DIR}/{instance}.env"))
+        if prof is None:
+            name = env.get("APPLIANCE_PROFILE")
+            if not name:
+                raise UsageError(
+                    f"{env.path} names no APPLIANCE_PROFILE",
+                    fix=f"re-run appliance install --instance {instance}, or pass --profile",
+                )
+            prof = profiles.get(name)
+        if cache is None and (value := env.get("HF_CACHE_DIR")):
+            cache = _under(root, value)
+        selector = ["--instance", instance, *selector]
+    if prof is None:
+        raise UsageError("say which models", fix="pass --instance, --profile or --profile-file")
+    if cache is None:
+        cache = _under(root, DEFAULT_HF_CACHE)
+    elif hf_cache_dir is not None:
+        selector += ["--hf-cache-dir", str(hf_cache_dir)]
+    if root != Path("/"):
+        selector += ["--root", str(root)]
+    explicit = token_file is not None
+    return Location(
+        profile=prof,
+        hf_home=Path(cache),
+        token_file=Path(token_file) if explicit else _under(root, DEFAULT_TOKEN_FILE),
+        token_file_explicit=explicit,
+        selector=tuple(selector),
+    )

@@ -1,0 +1,447 @@
+"""``appliance models``: pull from a real hub endpoint on 127.0.0.1, export/import, verify.
+
+The hub is tests/plugins/hub.py (a real HTTP server); the client is the real huggingface_hub
+pointed at it with HF_ENDPOINT. The models are the tiny pair from appliance.devmodel, under
+hub-style repo ids given by a profile file of the test's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from plugins.hub import DRAFTER_REPO, HUB_TOKEN, TARGET_REPO, HubFile, HubRepo
+
+from appliance.cli import cli
+from appliance.models import cache, where
+from appliance.models import verify as mv
+
+PROFILE_TOML = f"""
+name = "tiny-hub-mtp"
+description = "The tiny pair under hub repo ids (tests)"
+model = "{TARGET_REPO}"
+served_model_name = "gemma4-tiny"
+dtype = "float32"
+max_model_len = 512
+enforce_eager = true
+min_vllm = "0.32.0"
+env = {{ VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "auto" }}
+
+[speculative]
+method = "mtp"
+model = "{DRAFTER_REPO}"
+num_speculative_tokens = 2
+
+[hardware]
+device = "cpu"
+"""
+
+SHARD = "model.safetensors"
+
+
+@pytest.fixture()
+def profile_file(tmp_path) -> Path:
+    path = tmp_path / "tiny-hub-mtp.toml"
+    path.write_text(PROFILE_TOML)
+    return path
+
+
+@pytest.fixture()
+def token_file(tmp_path) -> Path:
+    path = tmp_path / "hf-token"
+    path.write_text(HUB_TOKEN + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def _args(profile_file: Path, cache_dir: Path) -> list[str]:
+    return ["--profile-file", str(profile_file), "--hf-cache-dir", str(cache_dir)]
+
+
+def _run(args: list[str], env: dict[str, str] | None = None):
+    return CliRunner().invoke(cli, ["models", *args], env=env, catch_exceptions=False)
+
+
+def _pull_cmd(profile_file, cache_dir, token_file) -> list[str]:
+    return [
+        str(Path(sys.executable).parent / "appliance"),
+        "models",
+        "pull",
+        *_args(profile_file, cache_dir),
+        "--token-file",
+        str(token_file),
+    ]
+
+
+def _env(hub) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(Path(os.environ.get("TMPDIR", "/tmp"))))
+    return env
+
+
+@pytest.fixture()
+def pulled(tmp_path, local_hub, profile_file, token_file) -> Path:
+    """A cache with both tiny models pulled from the local hub."""
+    cache_dir = tmp_path / "hf"
+    result = _run(
+        ["pull", *_args(profile_file, cache_dir), "--token-file", str(token_file)],
+        env={"HF_ENDPOINT": local_hub.url},
+    )
+    assert result.exit_code == 0, result.output
+    return cache_dir
+
+
+def _snapshot(cache_dir: Path, repo_id: str) -> Path:
+    repo = cache.repo_dir(cache_dir / "hub", repo_id)
+    return repo / "snapshots" / cache.read_ref(repo)
+
+
+# --- pull ------------------------------------------------------------------------------------
+
+
+def test_pull_downloads_both_models_with_the_token_and_a_second_run_transfers_nothing(
+    tmp_path, local_hub, profile_file, token_file
+):
+    cache_dir = tmp_path / "hf"
+    proc = subprocess.run(  # noqa: PLW1510 - the exit code is asserted
+        _pull_cmd(profile_file, cache_dir, token_file),
+        env=_env(local_hub),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "models ok: target appliance-test/gemma4-tiny-it@" in proc.stdout
+    assert "%" in proc.stderr  # the hub client's progress bars
+    for repo_id, directory in ((TARGET_REPO, "target"), (DRAFTER_REPO, "drafter")):
+        snap = _snapshot(cache_dir, repo_id)
+        assert snap.name == local_hub.repos[repo_id].commit
+        served = local_hub.repos[repo_id].files[SHARD].data
+        assert (snap / SHARD).read_bytes() == served
+    # The gated target was fetched with the token (the hub answers 401 without it).
+    assert all(r.authorized for r in local_hub.downloads())
+    first = len(local_hub.downloads())
+    assert first == sum(len(r.files) for r in local_hub.repos.values())
+
+    again = subprocess.run(  # noqa: PLW1510 - the exit code is asserted
+        _pull_cmd(profile_file, cache_dir, token_file),
+        env=_env(local_hub),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr
+    assert len(local_hub.downloads()) == first  # nothing transferred the second time
+    # The token never reaches argv, output or the cache.
+    assert HUB_TOKEN not in " ".join(_pull_cmd(profile_file, cache_dir, token_file))
+    assert HUB_TOKEN not in proc.stdout + proc.stderr + again.stdout + again.stderr
+    for path in cache_dir.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            assert HUB_TOKEN.encode() not in path.read_bytes(), path
+
+
+def _big_safetensors(n: int) -> bytes:
+    """A valid safetensors file of one ``n``-byte tensor (random: nothing compresses it)."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + os.urandom(n)
+
+
+def test_pull_resumes_a_dropped_transfer_with_a_range_request(tmp_path, local_hub, token_file):
+    # The hub client writes in 10 MiB chunks and resumes from what it wrote: a 24 MB shard
+    # dropped 12 MB in must come back with "Range: bytes=<written>-", not from zero.
+    big = "appliance-test/one-big-shard"
+    files = dict(local_hub.repos[TARGET_REPO].files)
+    files[SHARD] = HubFile(_big_safetensors(24_000_000), lfs=True)
+    local_hub.add(HubRepo(big, files))
+    profile = tmp_path / "big.toml"
+    profile.write_text(
+        PROFILE_TOML.split("[speculative]")[0].replace(TARGET_REPO, big)
+        + '[hardware]\ndevice = "cpu"\n'
+    )
+    cut = 12_000_000
+    local_hub.drop_after[SHARD] = cut
+    cache_dir = tmp_path / "hf"
+    result = _run(
+        ["pull", *_args(profile, cache_dir), "--token-file", str(token_file)],
+        env={"HF_ENDPOINT": local_hub.url},
+    )
+    assert result.exit_code == 0, result.output
+    size = len(files[SHARD].data)
+    shard = [(r.range, r.status, r.sent) for r in local_hub.downloads(SHARD)]
+    assert len(shard) == 2 and shard[0] == (None, 200, cut), shard
+    rng, status, sent = shard[1]
+    start = int(rng.removeprefix("bytes=").rstrip("-"))
+    assert status == 206 and 0 < start <= cut and sent == size - start
+    assert (_snapshot(cache_dir, big) / SHARD).read_bytes() == files[SHARD].data
+
+
+def test_pull_killed_midway_then_resumed_completes_without_refetching_finished_files(
+    tmp_path, local_hub, profile_file, token_file
+):
+    cache_dir = tmp_path / "hf"
+    size = len(local_hub.repos[TARGET_REPO].files[SHARD].data)
+    local_hub.throttle[SHARD] = 200_000  # ~12 s for the 2.3 MB shard
+    proc = subprocess.Popen(
+        _pull_cmd(profile_file, cache_dir, token_file),
+        env=_env(local_hub),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while local_hub.streamed.get(SHARD, 0) < size // 4:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the shard never started"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # a real kill, midway through the shard
+        proc.wait()
+    # The hub client wrote refs/main before the files: half a model, which verify must catch
+    # (from the listing it keeps), in one line, exit 78.
+    half = _run(["verify", "--quick", *_args(profile_file, cache_dir)])
+    assert half.exit_code == 78
+    assert len(half.output.strip().splitlines()) == 1
+    assert f"target {TARGET_REPO}: file {SHARD} missing" in half.output
+
+    fetched_before = {r.path for r in local_hub.downloads() if not r.path.endswith(SHARD)}
+    local_hub.throttle.clear()
+    n_before = len(local_hub.downloads())
+    again = subprocess.run(  # noqa: PLW1510 - the exit code is asserted
+        _pull_cmd(profile_file, cache_dir, token_file),
+        env=_env(local_hub),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr
+    assert "removed 1 partial file(s)" in again.stdout
+    refetched = {r.path for r in local_hub.downloads()[n_before:]}
+    assert not fetched_before & refetched  # files finished before the kill came from the cache
+    assert not list(cache_dir.rglob("*.incomplete"))
+    ok = _run(["verify", *_args(profile_file, cache_dir)])
+    assert ok.exit_code == 0, ok.output
+
+
+def test_pull_of_a_gated_model_without_a_token_is_one_line_naming_the_token_file(
+    tmp_path, local_hub, profile_file
+):
+    missing = tmp_path / "etc" / "gemma4-vllm" / "hf-token"
+    result = _run(
+        ["pull", *_args(profile_file, tmp_path / "hf"), "--root", str(tmp_path)],
+        env={"HF_ENDPOINT": local_hub.url},
+    )
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1
+    assert f"target {TARGET_REPO} is gated and no token has no access to it" in lines[0]
+    assert f"read token in {missing} (chmod 600)" in lines[0]
+
+
+def test_a_token_file_others_may_read_is_refused(tmp_path, local_hub, profile_file, token_file):
+    token_file.chmod(0o644)
+    result = _run(
+        ["pull", *_args(profile_file, tmp_path / "hf"), "--token-file", str(token_file)],
+        env={"HF_ENDPOINT": local_hub.url},
+    )
+    assert result.exit_code == 2
+    assert "mode 0644" in result.output and f"chmod 600 {token_file}" in result.output
+    assert HUB_TOKEN not in result.output
+    assert local_hub.log == []  # refused before any request
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+
+def test_verify_passes_on_a_pulled_cache_and_checks_every_hash(pulled, profile_file):
+    result = _run(["verify", *_args(profile_file, pulled)])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("models ok: target ")
+    report = mv.verify(where.locate(profile_file=profile_file, hf_cache_dir=pulled))
+    assert report.ok and [m.hashed for m in report.models] == [m.files for m in report.models]
+    assert all(m.files >= 5 for m in report.models)
+
+
+def _fails(profile_file, cache_dir, *flags):
+    result = _run(["verify", *flags, *_args(profile_file, cache_dir)])
+    assert result.exit_code == 78, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"appliance models pull --profile-file {profile_file}" in lines[0]
+    return lines[0]
+
+
+def test_verify_missing_model(tmp_path, profile_file):
+    line = _fails(profile_file, tmp_path / "empty", "--quick")
+    assert f"target {TARGET_REPO}: not in the model cache" in line
+    assert f"drafter {DRAFTER_REPO}: not in the model cache" in line
+
+
+def test_verify_missing_shard(pulled, profile_file):
+    (_snapshot(pulled, TARGET_REPO) / SHARD).resolve().unlink()  # the blob behind the link
+    for flags in ((), ("--quick",)):
+        line = _fails(profile_file, pulled, *flags)
+        assert f"target {TARGET_REPO}: file {SHARD} missing" in line
+
+
+def test_verify_sharded_model_missing_a_listed_shard(pulled, profile_file):
+    # A model split in shards whose index lists one that is not there (no hub listing).
+    snap = _snapshot(pulled, DRAFTER_REPO)
+    repo = cache.repo_dir(pulled / "hub", DRAFTER_REPO)
+    (repo / "trees" / f"{snap.name}.json").unlink()
+    index = {"metadata": {}, "weight_map": {"a": SHARD, "b": "model-00002-of-00002.safetensors"}}
+    (snap / "model.safetensors.index.json").write_text(json.dumps(index))
+    line = _fails(profile_file, pulled)
+    assert "weight shard model-00002-of-00002.safetensors missing" in line
+
+
+def test_verify_truncated_file(pulled, profile_file):
+    blob = (_snapshot(pulled, TARGET_REPO) / SHARD).resolve()
+    data = blob.read_bytes()
+    blob.write_bytes(data[: len(data) // 2])
+    line = _fails(profile_file, pulled, "--quick")
+    assert f"file {SHARD} has {len(data) // 2} of {len(data)} bytes" in line
+    # Without the hub's listing the safetensors header still gives the length away.
+    repo = cache.repo_dir(pulled / "hub", TARGET_REPO)
+    for tree in (repo / "trees").iterdir():
+        tree.unlink()
+    line = _fails(profile_file, pulled, "--quick")
+    assert f"file {SHARD} is truncated ({len(data) // 2} of {len(data)} bytes)" in line
+
+
+def test_verify_corrupt_file_same_size_is_caught_by_the_hash(pulled, profile_file):
+    blob = (_snapshot(pulled, DRAFTER_REPO) / SHARD).resolve()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    assert _run(["verify", "--quick", *_args(profile_file, pulled)]).exit_code == 0
+    line = _fails(profile_file, pulled)
+    assert f"drafter {DRAFTER_REPO}: file {SHARD} is corrupt (sha256" in line
+
+
+def test_verify_wrong_drafter(pulled, tmp_path):
+    # A profile whose drafter is the target itself: a gemma4_text model, not an MTP drafter.
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text(PROFILE_TOML.replace(f'model = "{DRAFTER_REPO}"', f'model = "{TARGET_REPO}"'))
+    line = _fails(wrong, pulled)
+    assert f"drafter {TARGET_REPO}: is a gemma4_text model, not a Gemma 4 MTP drafter" in line
+
+
+def test_verify_drafter_for_another_target_width(pulled, profile_file):
+    snap = _snapshot(pulled, DRAFTER_REPO)
+    config = json.loads((snap / "config.json").read_text())
+    config["backbone_hidden_size"] = 5376  # 31B's width: not this target's
+    link = snap / "config.json"
+    link.unlink()
+    link.write_text(json.dumps(config))
+    line = _fails(profile_file, pulled, "--quick")
+    assert "drafts for a backbone of width 5376" in line and "has 128" in line
+
+
+def test_verify_instance_reads_profile_and_cache_from_the_env_file(pulled, tmp_path):
+    root = tmp_path / "root"
+    env = root / "etc" / "gemma4-vllm" / "31b.env"
+    env.parent.mkdir(parents=True)
+    env.write_text(
+        "VLLM_IMAGE=x\nAPPLIANCE_PROFILE=l4x4-31b-mtp\n"
+        "HF_CACHE_DIR=/var/lib/gemma4-vllm/huggingface\n"
+    )
+    result = _run(["verify", "--quick", "--instance", "31b", "--root", str(root)])
+    assert result.exit_code == 78
+    line = result.output.strip()
+    assert "target google/gemma-4-31B-it: not in the model cache " in line
+    assert str(root / "var/lib/gemma4-vllm/huggingface/hub") in line
+    assert f"appliance models pull --instance 31b --root {root}" in line
+    assert len(line.splitlines()) == 1
+
+
+# --- export / import -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["dir", "tar"])
+def test_export_then_import_into_an_empty_cache_verifies(pulled, profile_file, tmp_path, form):
+    copy = tmp_path / ("copy" if form == "dir" else "copy.tar")
+    out = _run(["export", *_args(profile_file, pulled), "--to", str(copy)])
+    assert out.exit_code == 0, out.output
+    fresh = tmp_path / "fresh"
+    got = _run(["import", *_args(profile_file, fresh), "--from", str(copy)])
+    assert got.exit_code == 0, got.output
+    assert "models ok" in got.output
+    for repo_id in (TARGET_REPO, DRAFTER_REPO):
+        a, b = _snapshot(pulled, repo_id), _snapshot(fresh, repo_id)
+        assert a.name == b.name
+        assert {p.name: p.read_bytes() for p in a.iterdir()} == {
+            p.name: p.read_bytes() for p in b.iterdir()
+        }
+        assert all(p.is_symlink() for p in b.iterdir())  # the hub client's layout
+    assert _run(["verify", *_args(profile_file, fresh)]).exit_code == 0
+
+
+def test_import_refuses_a_corrupt_copy_and_lays_nothing(pulled, profile_file, tmp_path):
+    copy = tmp_path / "copy"
+    assert _run(["export", *_args(profile_file, pulled), "--to", str(copy)]).exit_code == 0
+    manifest = json.loads((copy / "manifest.json").read_text())
+    drafter = next(m for m in manifest["models"] if m["repo_id"] == DRAFTER_REPO)
+    member = copy / "models" / DRAFTER_REPO.replace("/", "--") / SHARD
+    data = bytearray(member.read_bytes())
+    data[100] ^= 1
+    member.write_bytes(bytes(data))
+    fresh = tmp_path / "fresh"
+    got = _run(["import", *_args(profile_file, fresh), "--from", str(copy)])
+    assert got.exit_code == 1
+    assert f"{SHARD} is corrupt (sha256" in got.output and len(got.output.splitlines()) == 1
+    assert drafter["files"]
+    hub = fresh / "hub"
+    assert sorted(p.name for p in hub.iterdir()) == [cache.LOCK_NAME]  # nothing laid
+
+
+def test_import_tarball_missing_a_file_lays_nothing(pulled, profile_file, tmp_path):
+    copy = tmp_path / "copy.tar"
+    assert _run(["export", *_args(profile_file, pulled), "--to", str(copy)]).exit_code == 0
+    cut = tmp_path / "cut.tar"
+    with tarfile.open(copy) as src, tarfile.open(cut, "w") as dst:
+        for info in src.getmembers():
+            if not info.name.endswith(f"{DRAFTER_REPO.replace('/', '--')}/{SHARD}"):
+                dst.addfile(info, src.extractfile(info))
+    fresh = tmp_path / "fresh"
+    got = _run(["import", *_args(profile_file, fresh), "--from", str(cut)])
+    assert got.exit_code == 1 and "lacks 1 file(s)" in got.output
+    assert sorted(p.name for p in (fresh / "hub").iterdir()) == [cache.LOCK_NAME]
+
+
+def test_export_refuses_a_broken_source(pulled, profile_file, tmp_path):
+    (_snapshot(pulled, TARGET_REPO) / "config.json").unlink()
+    got = _run(["export", *_args(profile_file, pulled), "--to", str(tmp_path / "c.tar")])
+    assert got.exit_code == 78 and "config.json missing" in got.output
+    assert not (tmp_path / "c.tar").exists()
+
+
+def test_manifest_paths_cannot_escape_the_cache(pulled, profile_file, tmp_path):
+    copy = tmp_path / "copy"
+    assert _run(["export", *_args(profile_file, pulled), "--to", str(copy)]).exit_code == 0
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["models"][0]["files"][0]["path"] = "../../../etc/passwd"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    got = _run(["import", *_args(profile_file, tmp_path / "fresh"), "--from", str(copy)])
+    assert got.exit_code == 2 and "bad file path" in got.output
+
+
+def test_location_defaults(tmp_path):
+    loc = where.locate(root=tmp_path, profile="l4x4-31b-mtp")
+    assert loc.hub == tmp_path / "var/lib/gemma4-vllm/huggingface/hub"
+    assert loc.token_file == tmp_path / "etc/gemma4-vllm/hf-token"
+    assert [s.repo_id for s in loc.specs] == [
+        "google/gemma-4-31B-it",
+        "google/gemma-4-31B-it-assistant",
+    ]
+    report = mv.verify(loc, quick=True)
+    assert not report.ok and len(report.problems) == 2
