@@ -6,7 +6,7 @@ published schema types (``@grafana/schema``) by the test suite.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .promql import Expr
@@ -46,12 +46,10 @@ class Panel:
     unit: str = "short"
     width: int = 12
     height: int = 8
-    group: str = "mtp"  # which live check applies: mtp, latency, role, state, load
     min: float | None = None
     max: float | None = None
     decimals: int | None = None
     stack: bool = False
-    options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def metrics(self) -> frozenset[str]:
@@ -84,13 +82,21 @@ class Panel:
             }
         options = {
             "timeseries": {
-                "legend": {"calcs": ["mean", "lastNotNull"], "displayMode": "table",
-                           "placement": "bottom", "showLegend": True},
+                "legend": {
+                    "calcs": ["mean", "lastNotNull"],
+                    "displayMode": "table",
+                    "placement": "bottom",
+                    "showLegend": True,
+                },
                 "tooltip": {"mode": "multi", "sort": "desc"},
             },
-            "stat": {"colorMode": "value", "graphMode": "none", "justifyMode": "auto",
-                     "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                     "textMode": "value_and_name"},
+            "stat": {
+                "colorMode": "value",
+                "graphMode": "none",
+                "justifyMode": "auto",
+                "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                "textMode": "value_and_name",
+            },
             "table": {"showHeader": True},
         }.get(self.kind, {})
         return {
@@ -99,7 +105,7 @@ class Panel:
             "fieldConfig": {"defaults": defaults, "overrides": []},
             "gridPos": pos,
             "id": panel_id,
-            "options": {**options, **self.options},
+            "options": options,
             "targets": [t.to_json(chr(ord("A") + i)) for i, t in enumerate(self.targets)],
             "title": self.title,
             "type": self.kind,
@@ -124,9 +130,16 @@ class Variable:
     def to_json(self) -> dict[str, Any]:
         if not self.query:
             return {
-                "hide": 0, "includeAll": False, "label": self.label,
-                "multi": False, "name": self.name, "options": [], "query": "prometheus",
-                "refresh": 1, "regex": "", "type": "datasource",
+                "hide": 0,
+                "includeAll": False,
+                "label": self.label,
+                "multi": False,
+                "name": self.name,
+                "options": [],
+                "query": "prometheus",
+                "refresh": 1,
+                "regex": "",
+                "type": "datasource",
             }
         return {
             "allValue": ".*",
@@ -196,8 +209,16 @@ class Layout:
             if isinstance(item, Row):
                 y += row_h
                 x = row_h = 0
-                out.append({"collapsed": False, "gridPos": {"h": 1, "w": GRID_WIDTH, "x": 0, "y": y},
-                            "id": i, "panels": [], "title": item.title, "type": "row"})
+                out.append(
+                    {
+                        "collapsed": False,
+                        "gridPos": {"h": 1, "w": GRID_WIDTH, "x": 0, "y": y},
+                        "id": i,
+                        "panels": [],
+                        "title": item.title,
+                        "type": "row",
+                    }
+                )
                 y += 1
                 continue
             if x + item.width > GRID_WIDTH:
@@ -226,9 +247,13 @@ class Dashboard:
 
     def to_json(self) -> dict[str, Any]:
         builtin = {
-            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-            "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
-            "name": "Annotations & Alerts", "type": "dashboard",
+            "builtIn": 1,
+            "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+            "enable": True,
+            "hide": True,
+            "iconColor": "rgba(0, 211, 255, 1)",
+            "name": "Annotations & Alerts",
+            "type": "dashboard",
         }
         return {
             "annotations": {"list": [builtin, *(a.to_json() for a in self.annotations)]},

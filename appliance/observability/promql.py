@@ -31,6 +31,9 @@ class Expr:
     def __lt__(self, other):  # type: ignore[override]
         return self._join("<", other)
 
+    def __ge__(self, other):  # type: ignore[override]
+        return self._join(">=", other)
+
     def eq(self, other: Expr | float) -> Expr:
         return self._join("==", other)
 
@@ -51,11 +54,15 @@ class Expr:
 
     def and_on(self, other: Expr, on: tuple[str, ...]) -> Expr:
         """``self and on(...) other``: keep ``self`` where ``other`` has a series."""
-        return Expr(f"{self.text} and on ({', '.join(on)}) {other.text}", self.metrics | other.metrics)
-
-    def unless_on(self, other: Expr, on: tuple[str, ...]) -> Expr:
         return Expr(
-            f"{self.text} unless on ({', '.join(on)}) {other.text}", self.metrics | other.metrics
+            f"{self.text} and on ({', '.join(on)}) {other.text}", self.metrics | other.metrics
+        )
+
+    def mul_on(self, other: Expr, on: tuple[str, ...], group_left: tuple[str, ...]) -> Expr:
+        """``self * on(...) group_left(...) other``: copy ``other``'s labels onto ``self``."""
+        return Expr(
+            f"{self.text} * on ({', '.join(on)}) group_left ({', '.join(group_left)}) {other.text}",
+            self.metrics | other.metrics,
         )
 
 
@@ -75,7 +82,8 @@ class Selector:
     def where(self, **labels: str) -> Selector:
         """Add matchers; a value starting with ``$`` or containing ``|`` matches as a regex."""
         extra = tuple(
-            (k, "=~" if v.startswith("$") or "|" in v else "=", v) for k, v in sorted(labels.items())
+            (k, "=~" if v.startswith("$") or "|" in v else "=", v)
+            for k, v in sorted(labels.items())
         )
         return Selector(self.metric, self.matchers + extra)
 
@@ -99,11 +107,6 @@ def increase(sel: Selector, window: str) -> Expr:
     return Expr(f"increase({e.text}[{window}])", e.metrics)
 
 
-def changes(sel: Selector, window: str) -> Expr:
-    e = sel.expr
-    return Expr(f"changes({e.text}[{window}])", e.metrics)
-
-
 def agg(op: str, by: tuple[str, ...], inner: Expr) -> Expr:
     """``op by (labels) (inner)``; ``by=()`` aggregates everything."""
     group = f" by ({', '.join(by)})" if by else ""
@@ -114,7 +117,9 @@ def sum_rate(sel: Selector, by: tuple[str, ...], window: str) -> Expr:
     return agg("sum", by, rate(sel, window))
 
 
-def ratio(num: Expr, den: Expr, *, on: tuple[str, ...] | None = None, group_left: bool = False) -> Expr:
+def ratio(
+    num: Expr, den: Expr, *, on: tuple[str, ...] | None = None, group_left: bool = False
+) -> Expr:
     """``num / (den > 0)``: no series while idle, never NaN or Inf."""
     match = ""
     if on is not None:

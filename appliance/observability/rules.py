@@ -11,13 +11,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from prometheus_client.utils import floatToGoString
+
 from . import names as n
-from .promql import Expr, agg, histogram_quantile, rate, ratio, recorded, sum_rate
+from .promql import Expr, Selector, agg, histogram_quantile, rate, ratio, recorded, sum_rate
 
 ENGINE_BY = ("instance", "model_name")
 ROLE_BY = ("role", "model")
 SHORT = "1m"  # dashboards: reacts within a minute at a 15 s scrape
 LONG = "5m"  # alerts and per-role distributions: enough calls per window to mean something
+EXTREMES = "15m"  # per-call extremes: enough long calls per role for a share to mean something
+IMAGE_BY = ("instance", "image")
 QUANTILES = (0.1, 0.5, 0.9)
 
 
@@ -35,6 +39,19 @@ class Thresholds:
     engine_down_for: str = "2m"
     kv_cache_max: float = 0.95
     kv_cache_for: str = "10m"
+    # Per-call extremes (gotchas/per-call-acceptance-extremes.md). The edges are bucket bounds
+    # of the agent's per-call acceptance histogram: near 0 is acceptance <= 0.05, near 1 is
+    # acceptance > 0.99 (a repetition loop accepts every draft).
+    near_zero_le: float = 0.05
+    near_one_le: float = 0.99
+    near_zero_share_max: float = 0.2
+    near_one_share_max: float = 0.5
+    # "Long calls": the role's exact calls average at least this many draft tokens (about 32
+    # output tokens at k=2), so a call's acceptance is a ratio of many drafts, not of two.
+    long_call_draft_tokens: float = 64.0
+    # And enough of them: about one exact call a minute or more over the window.
+    extremes_min_calls_per_s: float = 0.02
+    extremes_for: str = "15m"
 
 
 @dataclass(frozen=True)
@@ -65,46 +82,144 @@ REJECTED_1M = "instance_model_name:vllm_spec_decode_rejected_tokens:rate1m"
 ROLE_ACCEPTANCE_5M = "role_model:gemma4_agent_draft_acceptance:ratio_rate5m"
 ROLE_CALL_ACCEPTANCE_Q = "role_model:gemma4_agent_call_acceptance:quantile_rate5m"
 ROLE_CALL_TPS_Q = "role_model:gemma4_agent_call_tokens_per_step:quantile_rate5m"
+OUTPUT_FROM_DRAFTS_1M = "instance_model_name:vllm_spec_decode_output_from_drafts:ratio_rate1m"
+IMAGE_TOKENS_1M = "instance_image:vllm_generation_tokens:rate1m"
+IMAGE_ACCEPTANCE_1M = "instance_image:vllm_spec_decode_draft_acceptance:ratio_rate1m"
+ROLE_NEAR_ZERO = "role_model:gemma4_agent_calls_acceptance_near_zero:ratio_rate15m"
+ROLE_NEAR_ONE = "role_model:gemma4_agent_calls_acceptance_near_one:ratio_rate15m"
+ROLE_DRAFT_TOKENS_PER_CALL = "role_model:gemma4_agent_draft_tokens_per_call:ratio_rate15m"
+ROLE_EXACT_CALLS = "role_model:gemma4_agent_exact_calls:rate15m"
 
 
 def _acceptance(window: str) -> Expr:
-    return ratio(sum_rate(n.ACCEPTED, ENGINE_BY, window), sum_rate(n.DRAFT_TOKENS, ENGINE_BY, window))
+    return ratio(
+        sum_rate(n.ACCEPTED, ENGINE_BY, window), sum_rate(n.DRAFT_TOKENS, ENGINE_BY, window)
+    )
+
+
+def by_image(sel: Selector, window: str) -> Expr:
+    """``sum by (instance, image)`` of a rate, each engine series labelled with its running image.
+
+    The image comes from the appliance state (``gemma4_appliance_image_info``, one series per
+    instance); the engine's scrape carries the same ``instance`` (scrape.py names it).
+    """
+    # One image per instance even where an old and a new series overlap for a scrape.
+    info = Expr(
+        f"topk by (instance) (1, {agg('max', IMAGE_BY, n.IMAGE_INFO.expr).text})",
+        n.IMAGE_INFO.expr.metrics,
+    )
+    return agg("sum", IMAGE_BY, rate(sel, window).mul_on(info, ("instance",), ("image",)))
+
+
+def _bucket_rate(le: float, window: str) -> Expr:
+    return sum_rate(
+        n.AGENT_ACCEPTANCE.suffixed("_bucket").where(le=floatToGoString(le)), ROLE_BY, window
+    )
+
+
+def extremes_rules(t: Thresholds = Thresholds()) -> tuple[Rule, ...]:
+    """Per role: the share of exact calls with acceptance near 0 and near 1, and call length."""
+    calls = sum_rate(n.AGENT_ACCEPTANCE.suffixed("_count"), ROLE_BY, EXTREMES)
+    return (
+        Rule(
+            ROLE_NEAR_ZERO,
+            ratio(_bucket_rate(t.near_zero_le, EXTREMES), calls),
+            f"Share of calls with acceptance <= {t.near_zero_le}: drafter mismatch or garbage.",
+        ),
+        Rule(
+            ROLE_NEAR_ONE,
+            ratio((calls - _bucket_rate(t.near_one_le, EXTREMES)).paren(), calls),
+            f"Share of calls with acceptance > {t.near_one_le}: repetition-loop suspects.",
+        ),
+        Rule(
+            ROLE_DRAFT_TOKENS_PER_CALL,
+            ratio(sum_rate(n.AGENT_DRAFTED, ROLE_BY, EXTREMES), calls),
+            "Mean draft tokens per exact call: are the role's calls long enough to judge?",
+        ),
+        Rule(ROLE_EXACT_CALLS, calls, "Exact calls per second (those with a per-call acceptance)."),
+    )
 
 
 def recording_groups() -> tuple[Group, ...]:
     """The recording rules every dashboard ratio reads."""
     engine = (
-        Rule(ACCEPTANCE_1M, _acceptance(SHORT),
-             "vLLM's draft acceptance rate: accepted / drafted tokens."),
-        Rule(ACCEPTANCE_5M, _acceptance(LONG),
-             "The same over 5m, for the drafter-drift alert."),
-        Rule(TOKENS_PER_STEP_1M,
-             1 + ratio(sum_rate(n.ACCEPTED, ENGINE_BY, SHORT), sum_rate(n.DRAFTS, ENGINE_BY, SHORT)),
-             "vLLM's mean acceptance length: 1 + accepted / drafts (counts the bonus token)."),
-        Rule(POSITION_1M,
-             ratio(sum_rate(n.ACCEPTED_PER_POS, (*ENGINE_BY, "position"), SHORT),
-                   sum_rate(n.DRAFTS, ENGINE_BY, SHORT), on=ENGINE_BY, group_left=True),
-             "Acceptance at each draft position: accepted_per_pos / drafts."),
-        Rule(REJECTED_1M,
-             sum_rate(n.DRAFT_TOKENS, ENGINE_BY, SHORT) - sum_rate(n.ACCEPTED, ENGINE_BY, SHORT),
-             "Drafted tokens the target rejected, per second."),
+        Rule(
+            ACCEPTANCE_1M,
+            _acceptance(SHORT),
+            "vLLM's draft acceptance rate: accepted / drafted tokens.",
+        ),
+        Rule(ACCEPTANCE_5M, _acceptance(LONG), "The same over 5m, for the drafter-drift alert."),
+        Rule(
+            TOKENS_PER_STEP_1M,
+            1 + ratio(sum_rate(n.ACCEPTED, ENGINE_BY, SHORT), sum_rate(n.DRAFTS, ENGINE_BY, SHORT)),
+            "vLLM's mean acceptance length: 1 + accepted / drafts (counts the bonus token).",
+        ),
+        Rule(
+            POSITION_1M,
+            ratio(
+                sum_rate(n.ACCEPTED_PER_POS, (*ENGINE_BY, "position"), SHORT),
+                sum_rate(n.DRAFTS, ENGINE_BY, SHORT),
+                on=ENGINE_BY,
+                group_left=True,
+            ),
+            "Acceptance at each draft position: accepted_per_pos / drafts.",
+        ),
+        Rule(
+            REJECTED_1M,
+            sum_rate(n.DRAFT_TOKENS, ENGINE_BY, SHORT) - sum_rate(n.ACCEPTED, ENGINE_BY, SHORT),
+            "Drafted tokens the target rejected, per second.",
+        ),
+        Rule(
+            OUTPUT_FROM_DRAFTS_1M,
+            ratio(
+                sum_rate(n.ACCEPTED, ENGINE_BY, SHORT),
+                sum_rate(n.GENERATION_TOKENS, ENGINE_BY, SHORT),
+            ),
+            "Share of output tokens that were accepted drafts (the rest: one per engine step).",
+        ),
+        Rule(
+            IMAGE_TOKENS_1M,
+            by_image(n.GENERATION_TOKENS, SHORT),
+            "Output tokens per second by the image the instance ran: before/after a cutover.",
+        ),
+        Rule(
+            IMAGE_ACCEPTANCE_1M,
+            ratio(by_image(n.ACCEPTED, SHORT), by_image(n.DRAFT_TOKENS, SHORT)),
+            "Draft acceptance by the image the instance ran: before/after a cutover.",
+        ),
     )
     role = [
-        Rule(ROLE_ACCEPTANCE_5M,
-             ratio(sum_rate(n.AGENT_ACCEPTED, ROLE_BY, LONG), sum_rate(n.AGENT_DRAFTED, ROLE_BY, LONG)),
-             "Per-role token-weighted acceptance from the agent's counters."),
+        Rule(
+            ROLE_ACCEPTANCE_5M,
+            ratio(
+                sum_rate(n.AGENT_ACCEPTED, ROLE_BY, LONG), sum_rate(n.AGENT_DRAFTED, ROLE_BY, LONG)
+            ),
+            "Per-role token-weighted acceptance from the agent's counters.",
+        ),
     ]
     for q in QUANTILES:
-        role.append(Rule(ROLE_CALL_ACCEPTANCE_Q,
-                         histogram_quantile(q, n.AGENT_ACCEPTANCE, ROLE_BY, LONG),
-                         f"Per-call acceptance, {q} quantile over calls, per role.",
-                         labels={"quantile": str(q)}))
+        role.append(
+            Rule(
+                ROLE_CALL_ACCEPTANCE_Q,
+                histogram_quantile(q, n.AGENT_ACCEPTANCE, ROLE_BY, LONG),
+                f"Per-call acceptance, {q} quantile over calls, per role.",
+                labels={"quantile": str(q)},
+            )
+        )
     for q in QUANTILES:
-        role.append(Rule(ROLE_CALL_TPS_Q,
-                         histogram_quantile(q, n.AGENT_TOKENS_PER_STEP, ROLE_BY, LONG),
-                         f"Per-call tokens per step, {q} quantile over calls, per role.",
-                         labels={"quantile": str(q)}))
-    return (Group("gemma4_mtp_engine.rules", engine), Group("gemma4_mtp_agent.rules", tuple(role)))
+        role.append(
+            Rule(
+                ROLE_CALL_TPS_Q,
+                histogram_quantile(q, n.AGENT_TOKENS_PER_STEP, ROLE_BY, LONG),
+                f"Per-call tokens per step, {q} quantile over calls, per role.",
+                labels={"quantile": str(q)},
+            )
+        )
+    return (
+        Group("gemma4_mtp_engine.rules", engine),
+        Group("gemma4_mtp_agent.rules", tuple(role)),
+        Group("gemma4_mtp_agent_extremes.rules", extremes_rules()),
+    )
 
 
 def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
@@ -113,49 +228,111 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
     generating = (sum_rate(n.GENERATION_TOKENS, ENGINE_BY, LONG) > 0).paren()
     flat = agg("sum", ENGINE_BY, rate(n.DRAFTS, LONG)).eq(0).paren()
     alerts = (
-        Rule("Gemma4MTPAcceptanceLow",
-             (recorded(ACCEPTANCE_5M) < t.acceptance_min).and_on(busy, ENGINE_BY),
-             "Drafter drift: acceptance stays under the floor while the drafter is busy.",
-             alert=True, for_=t.acceptance_for, labels={"severity": "warning"},
-             annotations={
-                 "summary": "MTP draft acceptance low on {{ $labels.instance }}",
-                 "description": "Draft acceptance of {{ $labels.model_name }} is "
-                                "{{ $value | humanizePercentage }} (floor "
-                                f"{t.acceptance_min:.0%}) for {t.acceptance_for}: the drafter "
-                                "no longer matches the target or the workload changed. "
-                                "See gotchas/alert-thresholds.md.",
-             }),
-        Rule("Gemma4MTPCountersFlat",
-             generating.and_on(flat, ENGINE_BY),
-             "MTP is configured (the counters exist) but no drafts while tokens are generated.",
-             alert=True, for_=t.counters_flat_for, labels={"severity": "critical"},
-             annotations={
-                 "summary": "MTP configured but not drafting on {{ $labels.instance }}",
-                 "description": "{{ $labels.model_name }} generates tokens but its "
-                                "speculative-decoding drafts counter has not moved for "
-                                f"{t.counters_flat_for}: MTP is not paying at all.",
-             }),
-        Rule("Gemma4EngineDown",
-             n.UP.where(job=n.JOB_ENGINE).expr.eq(0),
-             "Prometheus cannot scrape the engine.",
-             alert=True, for_=t.engine_down_for, labels={"severity": "critical"},
-             annotations={
-                 "summary": "vLLM engine {{ $labels.instance }} is down",
-                 "description": "The scrape of {{ $labels.instance }} has failed for "
-                                f"{t.engine_down_for}.",
-             }),
-        Rule("Gemma4KVCacheNearFull",
-             agg("max", ENGINE_BY, n.KV_CACHE.expr) > t.kv_cache_max,
-             "KV cache nearly full: requests will queue or be preempted.",
-             alert=True, for_=t.kv_cache_for, labels={"severity": "warning"},
-             annotations={
-                 "summary": "KV cache near full on {{ $labels.instance }}",
-                 "description": "KV cache usage of {{ $labels.model_name }} is "
-                                "{{ $value | humanizePercentage }} for "
-                                f"{t.kv_cache_for} (limit {t.kv_cache_max:.0%}).",
-             }),
+        Rule(
+            "Gemma4MTPAcceptanceLow",
+            (recorded(ACCEPTANCE_5M) < t.acceptance_min).and_on(busy, ENGINE_BY),
+            "Drafter drift: acceptance stays under the floor while the drafter is busy.",
+            alert=True,
+            for_=t.acceptance_for,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": "MTP draft acceptance low on {{ $labels.instance }}",
+                "description": "Draft acceptance of {{ $labels.model_name }} is "
+                "{{ $value | humanizePercentage }} (floor "
+                f"{t.acceptance_min:.0%}) for {t.acceptance_for}: the drafter "
+                "no longer matches the target or the workload changed. "
+                "See gotchas/alert-thresholds.md.",
+            },
+        ),
+        Rule(
+            "Gemma4MTPCountersFlat",
+            generating.and_on(flat, ENGINE_BY),
+            "MTP is configured (the counters exist) but no drafts while tokens are generated.",
+            alert=True,
+            for_=t.counters_flat_for,
+            labels={"severity": "critical"},
+            annotations={
+                "summary": "MTP configured but not drafting on {{ $labels.instance }}",
+                "description": "{{ $labels.model_name }} generates tokens but its "
+                "speculative-decoding drafts counter has not moved for "
+                f"{t.counters_flat_for}: MTP is not paying at all.",
+            },
+        ),
+        Rule(
+            "Gemma4EngineDown",
+            n.UP.where(job=n.JOB_ENGINE).expr.eq(0),
+            "Prometheus cannot scrape the engine.",
+            alert=True,
+            for_=t.engine_down_for,
+            labels={"severity": "critical"},
+            annotations={
+                "summary": "vLLM engine {{ $labels.instance }} is down",
+                "description": "The scrape of {{ $labels.instance }} has failed for "
+                f"{t.engine_down_for}.",
+            },
+        ),
+        Rule(
+            "Gemma4KVCacheNearFull",
+            agg("max", ENGINE_BY, n.KV_CACHE.expr) > t.kv_cache_max,
+            "KV cache nearly full: requests will queue or be preempted.",
+            alert=True,
+            for_=t.kv_cache_for,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": "KV cache near full on {{ $labels.instance }}",
+                "description": "KV cache usage of {{ $labels.model_name }} is "
+                "{{ $value | humanizePercentage }} for "
+                f"{t.kv_cache_for} (limit {t.kv_cache_max:.0%}).",
+            },
+        ),
     )
-    return (Group("gemma4_mtp.alerts", alerts),)
+    return (Group("gemma4_mtp.alerts", alerts), Group("gemma4_mtp_extremes.alerts", _extremes(t)))
+
+
+def _extremes(t: Thresholds) -> tuple[Rule, ...]:
+    """Too many long calls per role at an acceptance edge (see the gotcha for the values)."""
+    judged = (
+        (recorded(ROLE_DRAFT_TOKENS_PER_CALL) >= t.long_call_draft_tokens)
+        .paren()
+        .and_on((recorded(ROLE_EXACT_CALLS) >= t.extremes_min_calls_per_s).paren(), ROLE_BY)
+    )
+    out = []
+    for name, series, limit, edge, what, why in (
+        (
+            "Gemma4MTPRepetitionSuspects",
+            ROLE_NEAR_ONE,
+            t.near_one_share_max,
+            f"> {t.near_one_le}",
+            "repetition-loop suspects",
+            "a drafter accepts everything when the target repeats itself",
+        ),
+        (
+            "Gemma4MTPDrafterMismatchSuspects",
+            ROLE_NEAR_ZERO,
+            t.near_zero_share_max,
+            f"<= {t.near_zero_le}",
+            "drafter mismatch or garbage suspects",
+            "a drafter that does not match the target, or garbled output, accepts almost nothing",
+        ),
+    ):
+        out.append(
+            Rule(
+                name,
+                (recorded(series) > limit).and_on(judged, ROLE_BY),
+                f"Share of the role's long calls with acceptance {edge} above {limit:.0%}.",
+                alert=True,
+                for_=t.extremes_for,
+                labels={"severity": "warning"},
+                annotations={
+                    "summary": f"MTP {what} in role {{{{ $labels.role }}}}",
+                    "description": "{{ $value | humanizePercentage }} of the long calls of role "
+                    "{{ $labels.role }} ({{ $labels.model }}) have per-call "
+                    f"acceptance {edge} (limit {limit:.0%}) for {t.extremes_for}: "
+                    f"{why}. See gotchas/per-call-acceptance-extremes.md.",
+                },
+            )
+        )
+    return tuple(out)
 
 
 def all_rules(t: Thresholds = Thresholds()) -> list[Rule]:
@@ -164,8 +341,7 @@ def all_rules(t: Thresholds = Thresholds()) -> list[Rule]:
 
 def render(groups: tuple[Group, ...]) -> str:
     """The rule file's YAML: strings JSON-quoted (valid YAML), one comment per rule."""
-    lines = ["# Generated by `appliance observability generate`; edit appliance/observability/.",
-             "groups:"]
+    lines = ["# Generated by `appliance generate`; edit appliance/observability/.", "groups:"]
     for g in groups:
         lines += [f"  - name: {g.name}", "    rules:"]
         for r in g.rules:

@@ -72,10 +72,16 @@ def prometheus_server() -> Iterator[Callable[[str, dict[str, str]], Prometheus]]
         log_path = tmp / f"prometheus{len(started)}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [PROMETHEUS, f"--config.file={conf_dir / 'prometheus.yml'}",
-                 f"--storage.tsdb.path={tmp / f'data{len(started)}'}",
-                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    PROMETHEUS,
+                    f"--config.file={conf_dir / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={tmp / f'data{len(started)}'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
         prom = Prometheus(f"http://127.0.0.1:{port}", proc, log_path)
         started.append(prom)
@@ -103,7 +109,11 @@ def prometheus_server() -> Iterator[Callable[[str, dict[str, str]], Prometheus]]
 
 def _schema_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "gemma4-appliance" / f"grafana-schema-{GRAFANA_SCHEMA_VERSION}-ts{TYPESCRIPT_VERSION}"
+    return (
+        base
+        / "gemma4-appliance"
+        / f"grafana-schema-{GRAFANA_SCHEMA_VERSION}-ts{TYPESCRIPT_VERSION}"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -119,10 +129,24 @@ def grafana_schema() -> Path:
         pytest.fail("npm missing: the dashboard schema check needs node + npm (apt nodejs npm)")
     d.mkdir(parents=True, exist_ok=True)
     res = subprocess.run(
-        [npm, "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(d),
-         f"@grafana/schema@{GRAFANA_SCHEMA_VERSION}", f"typescript@{TYPESCRIPT_VERSION}"],
-        capture_output=True, text=True, timeout=600, check=False,
+        [
+            npm,
+            "install",
+            "--no-audit",
+            "--no-fund",
+            "--no-save",
+            "--prefix",
+            str(d),
+            f"@grafana/schema@{GRAFANA_SCHEMA_VERSION}",
+            f"typescript@{TYPESCRIPT_VERSION}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     if res.returncode != 0 or not tsc.exists():
-        pytest.fail(f"npm install of @grafana/schema failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+        pytest.fail(
+            f"npm install of @grafana/schema failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}"
+        )
     return d

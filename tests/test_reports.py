@@ -1,0 +1,452 @@
+"""HTML reports of bench, k-sweep and demo: built from real runs against the real CPU engines,
+checked value by value against the JSON artifact they share a record with, and loaded in a real
+headless Chromium (Debian's; scripts/setup-system.sh installs it) over the DevTools protocol:
+no console errors, no request leaving the page, every chart drawn, a screenshot that is not blank.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from appliance import demo as demo_lib
+from appliance import reports
+from appliance.bench import sweep
+from appliance.cli import cli
+from appliance.engine import local
+from appliance.errors import UsageError
+from appliance.profiles import get as get_profile
+from appliance.reports.figures import resolve
+
+CHROMIUM = os.environ.get("APPLIANCE_CHROMIUM", "/usr/bin/chromium")
+APPLIANCE = str(Path(sys.executable).with_name("appliance"))
+# Static words on the page that hold digits; every other digit must come from the record.
+STATIC_DIGITS = re.compile(r"95%|position \d+|pos \d+|k=\d+")
+
+
+# --- the page's values against the record -------------------------------------------------
+
+
+@dataclass
+class _Values(HTMLParser):
+    """Collects (data-path, attributes, text) of every value element and the text around them."""
+
+    values: list[tuple[str, dict, str]] = field(default_factory=list)
+    other_text: list[str] = field(default_factory=list)
+    charts: list[str] = field(default_factory=list)
+    _in_value: dict | None = None
+    _buf: str = ""
+    _svg_depth: int = 0
+    _style: bool = False
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "svg":
+            self._svg_depth += 1
+        if tag == "style":
+            self._style = True
+        if tag == "figure" and "chart" in (a.get("class") or ""):
+            self.charts.append(a["id"].removeprefix("chart-"))
+        if tag == "span" and a.get("class") == "val":
+            self._in_value, self._buf = a, ""
+
+    def handle_endtag(self, tag):
+        if tag == "svg":
+            self._svg_depth -= 1
+        if tag == "style":
+            self._style = False
+        if tag == "span" and self._in_value is not None:
+            self.values.append((self._in_value["data-path"], self._in_value, self._buf))
+            self._in_value = None
+
+    def handle_data(self, data):
+        if self._in_value is not None:
+            self._buf += data
+        elif not self._svg_depth and not self._style:
+            self.other_text.append(data)
+
+
+def _parse_path(dotted: str) -> list[str | int]:
+    return [int(p) if p.isdigit() else p for p in dotted.split(".")]
+
+
+def assert_page_matches_record(page: str, record: dict) -> _Values:
+    """Every printed value is the record's value at its data-path; no number comes from elsewhere."""
+    parsed = _Values()
+    parsed.feed(page)
+    assert parsed.values, "no values on the page"
+    for dotted, attrs, text in parsed.values:
+        want = resolve(record, _parse_path(dotted))
+        if attrs.get("data-null"):
+            assert want is None and text == "-", dotted
+        elif "data-fmt" in attrs:
+            scale = float(attrs["data-scale"])
+            value = want * scale if scale != 1.0 else want
+            assert text == format(value, attrs["data-fmt"]), (dotted, want, text)
+        else:
+            assert text == str(want), (dotted, want, text)
+    rest = STATIC_DIGITS.sub("", " ".join(parsed.other_text))
+    assert not re.search(r"\d", rest), f"a number not read from the record: {rest!r}"
+    return parsed
+
+
+# --- headless Chromium over the DevTools protocol -------------------------------------------
+
+
+@dataclass
+class Loaded:
+    """What the browser saw while loading one page."""
+
+    requests: list[str]
+    errors: list[str]
+    charts: dict[str, dict]
+    screenshot: Path
+
+
+class Browser:
+    """Debian's Chromium, headless, on a fresh profile, driven through CDP (websockets)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.profile = Path(tempfile.mkdtemp(prefix="appliance-chromium-"))
+        self.workdir = workdir
+        self.log = open(workdir / "chromium.log", "wb")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [
+                CHROMIUM,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                "--no-default-browser-check",
+                f"--user-data-dir={self.profile}",
+                "--remote-debugging-address=127.0.0.1",
+                "--remote-debugging-port=0",
+                "--window-size=1200,900",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+            stdin=subprocess.DEVNULL,
+        )
+        port_file = self.profile / "DevToolsActivePort"
+        deadline = time.monotonic() + 60
+        while not port_file.exists() or not port_file.read_text().strip():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                pytest.fail(
+                    f"chromium did not start: {(workdir / 'chromium.log').read_text()[-2000:]}"
+                )
+            time.sleep(0.2)
+        self.port = int(port_file.read_text().split()[0])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.log.close()
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+    def load(self, page: Path, shot: Path) -> Loaded:
+        from websockets.sync.client import connect
+
+        targets = httpx.get(f"http://127.0.0.1:{self.port}/json/list", timeout=10).json()
+        ws_url = next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
+        requests: list[str] = []
+        errors: list[str] = []
+        with connect(ws_url, max_size=64 * 1024 * 1024, open_timeout=10) as ws:
+            ids = iter(range(1, 10_000))
+
+            def call(method: str, **params) -> dict:
+                mid = next(ids)
+                ws.send(json.dumps({"id": mid, "method": method, "params": params}))
+                while True:
+                    msg = json.loads(ws.recv(timeout=60))
+                    if msg.get("id") == mid:
+                        assert "error" not in msg, (method, msg)
+                        return msg["result"]
+                    _event(msg)
+
+            def _event(msg: dict) -> None:
+                method, params = msg.get("method"), msg.get("params", {})
+                if method == "Network.requestWillBeSent":
+                    requests.append(params["request"]["url"])
+                elif method == "Runtime.consoleAPICalled" and params["type"] in (
+                    "error",
+                    "warning",
+                ):
+                    errors.append(f"console.{params['type']}: {params['args']}")
+                elif method == "Runtime.exceptionThrown":
+                    errors.append(f"exception: {params['exceptionDetails']}")
+                elif method == "Log.entryAdded" and params["entry"]["level"] in (
+                    "error",
+                    "warning",
+                ):
+                    errors.append(f"log: {params['entry']['text']}")
+                elif method == "Page.loadEventFired":
+                    loaded.append(True)
+
+            loaded: list[bool] = []
+            for domain in ("Page", "Network", "Runtime", "Log"):
+                call(f"{domain}.enable")
+            call("Page.navigate", url=page.resolve().as_uri())
+            deadline = time.monotonic() + 60
+            while not loaded:
+                assert time.monotonic() < deadline, "page never finished loading"
+                _event(json.loads(ws.recv(timeout=60)))
+            # Charts as laid out by the browser: each figure holds a drawn SVG.
+            res = call(
+                "Runtime.evaluate",
+                returnByValue=True,
+                expression="""
+                Object.fromEntries([...document.querySelectorAll('figure.chart')].map(f => {
+                  const s = f.querySelector('svg'); const r = s ? s.getBoundingClientRect() : null;
+                  return [f.id.replace('chart-', ''), {svg: !!s, width: r ? r.width : 0,
+                          height: r ? r.height : 0, shapes: s ? s.querySelectorAll('path,rect,use').length : 0}];
+                }))""",
+            )
+            charts = res["result"]["value"]
+            metrics = call("Page.getLayoutMetrics")
+            height = int(metrics["cssContentSize"]["height"])
+            call(
+                "Emulation.setDeviceMetricsOverride",
+                width=1200,
+                height=min(height, 8000),
+                deviceScaleFactor=1,
+                mobile=False,
+            )
+            png = base64.b64decode(call("Page.captureScreenshot", format="png")["data"])
+            time.sleep(0.2)  # late console messages, if any
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    _event(json.loads(ws.recv(timeout=0.3)))
+        shot.write_bytes(png)
+        return Loaded(requests, errors, charts, shot)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory) -> Iterator[Browser]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} missing: run scripts/setup-system.sh (apt chromium)")
+    b = Browser(tmp_path_factory.mktemp("browser"))
+    yield b
+    b.close()
+
+
+def assert_renders(browser: Browser, page: Path, expected_charts: set[str]) -> Loaded:
+    """Loads offline, quietly, with every chart drawn and a screenshot that is not blank."""
+    from PIL import Image
+
+    seen = browser.load(page, page.with_suffix(".png"))
+    assert seen.errors == [], seen.errors
+    external = [u for u in seen.requests if not u.startswith(("file://", "data:"))]
+    assert external == [], external
+    assert set(seen.charts) == expected_charts, seen.charts
+    for name, c in seen.charts.items():
+        assert c["svg"] and c["width"] > 200 and c["height"] > 100 and c["shapes"] > 10, (name, c)
+    img = Image.open(io.BytesIO(seen.screenshot.read_bytes())).convert("RGB")
+    small = img.resize((img.width // 8, img.height // 8))
+    colors = small.getcolors(maxcolors=1 << 20) or []
+    non_white = sum(n for n, rgb in colors if sum(rgb) < 720)
+    assert img.height > 900 and len(colors) > 20 and non_white > 0.05 * small.width * small.height
+    print(
+        f"\n{page.name}: screenshot {seen.screenshot} ({img.width}x{img.height}), "
+        f"{len(seen.charts)} charts, {len(seen.requests)} request(s)"
+    )
+    return seen
+
+
+# --- fast: input errors -----------------------------------------------------------------------
+
+
+def test_unknown_artifact_kind_is_a_usage_error():
+    with pytest.raises(UsageError, match="no report for a bench artifact of kind 'other'"):
+        reports.render_bench({"kind": "other"})
+
+
+def test_report_path_in_a_missing_directory_fails_before_the_bench_runs(tmp_path):
+    # Bad input costs nothing: no server is contacted (the URLs lead nowhere) and nothing written.
+    target = tmp_path / "file-not-dir"
+    target.write_text("x")
+    res = CliRunner().invoke(
+        cli, ["bench", "--url", "http://127.0.0.1:9", "--report", str(target / "r.html")]
+    )
+    assert res.exit_code == 2, res.output
+    assert "--report" in res.output and not (target / "r.html").exists()
+
+
+# --- real runs --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def paired_run(mtp_engine, baseline_engine, tmp_path_factory) -> tuple[dict, str, Path]:
+    """One small paired bench through the CLI, with both the JSON artifact and the report."""
+    d = tmp_path_factory.mktemp("paired")
+    art, page = d / "paired.json", d / "paired.html"
+    res = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--mtp-url",
+            mtp_engine.url,
+            "--baseline-url",
+            baseline_engine.url,
+            "--limit",
+            "1",
+            "--max-tokens",
+            "24",
+            "--runs",
+            "2",
+            "--warmups",
+            "1",
+            "--json-output",
+            str(art),
+            "--report",
+            str(page),
+        ],
+        catch_exceptions=False,
+    )
+    assert res.exit_code == 0, res.output
+    return json.loads(art.read_text()), page.read_text(), page
+
+
+@pytest.mark.engine
+@pytest.mark.bench
+def test_paired_report_matches_the_artifact_and_renders(paired_run, browser):
+    record, page, path = paired_run
+    parsed = assert_page_matches_record(page, record)
+    paths = {p for p, _, _ in parsed.values}
+    for needed in (
+        "paired.speedup.output_tps.ratio",
+        "paired.speedup.output_tps.low",
+        "paired.speedup.output_tps.high",
+        "paired.speedup.tpot.ratio",
+        "paired.parity.equal",
+        "paired.parity.differ",
+        "paired.mtp.spec_totals.per_position.0",
+        "paired.mtp.spec_totals.per_position.1",
+        "paired.mtp.groups.0.spec.acceptance",
+        "paired.mtp.groups.0.tpot_s.median",
+        "paired.baseline.groups.0.tpot_s.median",
+    ):
+        assert needed in paths, needed
+    assert record["paired"]["parity"]["differ"] == 0 and "pairs equal" in page
+    charts = {"speedup", "per-position", "shape-acceptance", "shape-tpot"}
+    assert set(parsed.charts) == charts
+    assert_renders(browser, path, charts)
+
+
+@pytest.mark.engine
+@pytest.mark.bench
+def test_sweep_report_marks_the_recommended_k_and_renders(mtp_engine, browser, tmp_path):
+    """k=2 is the session's MTP engine; k=1 is one more real engine, started here."""
+    with local.serve(
+        sweep.with_k(get_profile("cpu-tiny-mtp"), 1), drafter="copy", timeout=900
+    ) as k1:
+        art, page = tmp_path / "sweep.json", tmp_path / "sweep.html"
+        res = CliRunner().invoke(
+            cli,
+            [
+                "bench",
+                "--sweep-k",
+                "1,2",
+                "--k-url",
+                f"1={k1.url}",
+                "--k-url",
+                f"2={mtp_engine.url}",
+                "--prompts",
+                "prose",
+                "--limit",
+                "1",
+                "--max-tokens",
+                "24",
+                "--runs",
+                "3",
+                "--warmups",
+                "1",
+                "--json-output",
+                str(art),
+                "--report",
+                str(page),
+            ],
+            catch_exceptions=False,
+        )
+    assert res.exit_code == 0, res.output
+    record, html = json.loads(art.read_text()), page.read_text()
+    parsed = assert_page_matches_record(html, record)
+    paths = {p for p, _, _ in parsed.values}
+    assert "sweep.recommended_k" in paths
+    for i, row in enumerate(record["sweep"]["rows"]):
+        assert (
+            row["tpot_mean_ci_s"]["low"]
+            <= row["tpot_mean_ci_s"]["mean"]
+            <= row["tpot_mean_ci_s"]["high"]
+        )
+        for f in (
+            "tpot_median_s",
+            "output_tps_median",
+            "tpot_mean_ci_s.low",
+            "output_tps_mean_ci.high",
+        ):
+            assert f"sweep.rows.{i}.{f}" in paths
+        assert len(row["per_position"]) == row["k"]
+    charts = {"sweep-tps", "sweep-tpot", "sweep-per-position"}
+    assert set(parsed.charts) == charts
+    assert_renders(browser, page, charts)
+
+
+@pytest.mark.engine
+def test_demo_report_from_the_same_record_as_demo_json(mtp_engine, browser, tmp_path):
+    report = demo_lib.run(mtp_engine.url, calls=3, max_tokens=16, role="report")
+    record = json.loads(json.dumps(report.to_dict()))  # exactly what `demo --json` prints
+    page = tmp_path / "demo.html"
+    reports.write(page, reports.render_demo(record))
+    parsed = assert_page_matches_record(page.read_text(), record)
+    paths = {p for p, _, _ in parsed.values}
+    for i in range(3):
+        assert f"calls.{i}.acceptance" in paths and f"calls.{i}.tokens_per_step" in paths
+    assert set(parsed.charts) == {"call-acceptance", "call-tokens-per-step"}
+    assert_renders(browser, page, set(parsed.charts))
+
+
+@pytest.mark.engine
+def test_demo_cli_writes_the_report(tmp_path):
+    page = tmp_path / "demo.html"
+    out = subprocess.run(
+        [APPLIANCE, "demo", "--calls", "2", "--max-tokens", "12", "--report", str(page)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr
+    text = page.read_text()
+    assert 'id="chart-call-acceptance"' in text and 'data-path="calls.1.tokens_per_step"' in text
+    assert [p.name for p in tmp_path.iterdir()] == ["demo.html"]  # no temp file left behind
