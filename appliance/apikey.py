@@ -9,8 +9,10 @@ never be mangled on its way through a shell, an HTTP header or a container's env
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cutover.paths import Layout
 from .errors import UsageError
 
 # token_urlsafe's alphabet plus the base64 and "." characters: enough for any generated key,
@@ -23,7 +25,9 @@ def parse(text: str, where: str) -> str:
     """The key in ``text`` (the content of ``where``) by the rule above, else a UsageError."""
     key = text.strip()
     if not key:
-        raise UsageError(f"API key file {where} is empty", fix="write the key into it, or remove it")
+        raise UsageError(
+            f"API key file {where} is empty", fix="write the key into it, or remove it"
+        )
     if not SAFE_KEY.fullmatch(key):
         raise UsageError(
             f"API key file {where} holds characters outside the safe set ({SAFE_KEY_TEXT})",
@@ -46,3 +50,39 @@ def read(path: Path | str) -> str | None:
             fix="run as a user that may read it (root, for an installed instance)",
         ) from exc
     return parse(text, str(path))
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A key to send and where it came from (``source`` is safe to print; the key is not)."""
+
+    value: str = field(repr=False)
+    source: str
+
+
+def resolve(
+    api_key: str | None = None,
+    api_key_file: Path | str | None = None,
+    instance: str | None = None,
+    root: Path = Path("/"),
+) -> ApiKey | None:
+    """The key to send: ``api_key_file``, else ``api_key``, else the instance's key file.
+
+    The instance's file (``<root>/etc/gemma4-vllm/<instance>.api-key``, written by ``appliance
+    install``) is optional: an instance without one runs vLLM without a key. A named
+    ``api_key_file`` must exist. Every file is read by :func:`read`'s rule.
+    """
+    # A bad instance name is the first thing to report, whatever else was given.
+    key_path = Layout(root).api_key_file(instance) if instance is not None else None
+    if api_key_file is not None:
+        key = read(api_key_file)
+        if key is None:
+            raise UsageError(f"API key file {api_key_file} does not exist")
+        return ApiKey(key, f"file {api_key_file}")
+    if api_key and api_key.strip():
+        return ApiKey(api_key.strip(), "--api-key/VLLM_API_KEY")
+    if key_path is not None:
+        key = read(key_path)
+        if key is not None:
+            return ApiKey(key, f"file {key_path}")
+    return None

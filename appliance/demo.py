@@ -24,21 +24,27 @@ PROMPTS = (
 
 
 @dataclass(frozen=True)
-class CallRecord:
-    """One demo call and what MTP did for it."""
+class DemoCall:
+    """One demo call and what MTP did for it (the agent's figures, vLLM's names)."""
 
     call: int
     stream: bool
     output_tokens: int
     chunks: int | None
     drafts: int | None
-    drafted: int | None
+    draft_tokens: int | None
     accepted: int | None
     acceptance: float | None
     tokens_per_step: float | None
     source: str  # the agent's: request | counters | shared | absent | unknown
     shared: bool = False
     role: str = "demo"
+
+    @property
+    def spec(self) -> specdecode.Delta:
+        return specdecode.Delta(
+            "absent" if self.drafts is None else "ok", self.drafts, self.draft_tokens, self.accepted
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,35 +54,34 @@ class CallRecord:
 class DemoReport:
     url: str
     model: str
-    calls: list[CallRecord]
+    calls: list[DemoCall]
     # The engine's own counter movement over the whole demo, read independently of the agent:
     # with calls one after another, the per-call figures must add up to exactly this.
     engine_delta: specdecode.Delta | None = None
 
     @property
     def totals(self) -> dict:
-        drafts = sum(c.drafts or 0 for c in self.calls)
-        drafted = sum(c.drafted or 0 for c in self.calls)
-        accepted = sum(c.accepted or 0 for c in self.calls)
+        """The calls' figures added up; the ratios are over the sums (specdecode's)."""
+        total = specdecode.summed([c.spec for c in self.calls]) or specdecode.Delta("absent")
+        figures = total.to_dict()
         return {
             "calls": len(self.calls),
             "output_tokens": sum(c.output_tokens for c in self.calls),
-            "drafts": drafts,
-            "drafted": drafted,
-            "accepted": accepted,
-            "acceptance": specdecode.acceptance(accepted, drafted),
-            "tokens_per_step": specdecode.tokens_per_step(accepted, drafts),
+            **{
+                k: figures[k]
+                for k in ("drafts", "draft_tokens", "accepted", "acceptance", "tokens_per_step")
+            },
         }
 
     def to_dict(self) -> dict:
         d = self.engine_delta
-        engine = None if d is None else {
-            "status": d.status, "drafts": d.drafts, "drafted": d.draft_tokens,
-            "accepted": d.accepted, "acceptance": d.acceptance,
-            "tokens_per_step": d.tokens_per_step,
+        return {
+            "url": self.url,
+            "model": self.model,
+            "calls": [c.to_dict() for c in self.calls],
+            "totals": self.totals,
+            "engine_counters_delta": None if d is None else d.to_dict(),
         }
-        return {"url": self.url, "model": self.model, "calls": [c.to_dict() for c in self.calls],
-                "totals": self.totals, "engine_counters_delta": engine}
 
 
 def run(url: str, calls: int = 4, max_tokens: int = 64, *, role: str = "demo") -> DemoReport:
@@ -89,21 +94,32 @@ def run(url: str, calls: int = 4, max_tokens: int = 64, *, role: str = "demo") -
     seen: list[agent.CallRecord] = []
     client = agent.instrument(
         openai.OpenAI(base_url=base + "/v1", api_key="unused"),
-        role=role, tracer_provider=provider, on_call=seen.append,
+        role=role,
+        tracer_provider=provider,
+        on_call=seen.append,
     )
     records = []
     try:
         for i in range(calls):
             stream = i % 2 == 1
             _call(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, stream)
+            agent.flush()  # a /metrics-attributed call's record arrives from the agent's thread
             rec = seen[-1]
             f = rec.figures
             records.append(
-                CallRecord(
-                    call=i + 1, stream=stream, output_tokens=rec.output_tokens or 0,
-                    chunks=rec.chunks, drafts=f.drafts, drafted=f.drafted, accepted=f.accepted,
-                    acceptance=f.acceptance, tokens_per_step=f.tokens_per_step,
-                    source=f.source, shared=f.shared, role=rec.role,
+                DemoCall(
+                    call=i + 1,
+                    stream=stream,
+                    output_tokens=rec.output_tokens or 0,
+                    chunks=rec.chunks,
+                    drafts=f.drafts,
+                    draft_tokens=f.draft_tokens,
+                    accepted=f.accepted,
+                    acceptance=f.acceptance,
+                    tokens_per_step=f.tokens_per_step,
+                    source=f.source,
+                    shared=f.shared,
+                    role=rec.role,
                 )
             )
         engine_delta = specdecode.delta(start, observer.snapshot())
@@ -123,33 +139,42 @@ def _call(client, model: str, prompt: str, max_tokens: int, stream: bool) -> Non
         )
         return
     for _chunk in client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True},
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     ):
         pass  # the agent counts output tokens from usage: under MTP a chunk holds several
 
 
 def format_table(report: DemoReport) -> str:
     """The per-call table and totals, as printed by ``appliance demo``."""
-    head = f"{'call':>4} {'mode':<6} {'out_tok':>7} {'drafts':>6} {'drafted':>7} " \
-           f"{'accepted':>8} {'accept':>7} {'tok/step':>8} {'source':<8}"
+    head = (
+        f"{'call':>4} {'mode':<6} {'out_tok':>7} {'drafts':>6} {'draft_tok':>9} "
+        f"{'accepted':>8} {'accept':>7} {'tok/step':>8} {'source':<8}"
+    )
     lines = [f"model {report.model} at {report.url}", head]
     for c in report.calls:
         lines.append(
             f"{c.call:>4} {'stream' if c.stream else 'plain':<6} {c.output_tokens:>7} "
-            f"{_n(c.drafts):>6} {_n(c.drafted):>7} {_n(c.accepted):>8} "
+            f"{_n(c.drafts):>6} {_n(c.draft_tokens):>9} {_n(c.accepted):>8} "
             f"{_f(c.acceptance):>7} {_f(c.tokens_per_step):>8} "
             f"{c.source + ('*' if c.shared else ''):<8}"
         )
     t = report.totals
     lines.append(
-        f"{'all':>4} {'':<6} {t['output_tokens']:>7} {t['drafts']:>6} {t['drafted']:>7} "
-        f"{t['accepted']:>8} {_f(t['acceptance']):>7} {_f(t['tokens_per_step']):>8}"
+        f"{'all':>4} {'':<6} {t['output_tokens']:>7} {_n(t['drafts']):>6} "
+        f"{_n(t['draft_tokens']):>9} {_n(t['accepted']):>8} {_f(t['acceptance']):>7} "
+        f"{_f(t['tokens_per_step']):>8}"
     )
     d = report.engine_delta
     if d is not None:
-        lines.append(f"engine counters over the demo: {d.status}, drafts {_n(d.drafts)}, "
-                     f"drafted {_n(d.draft_tokens)}, accepted {_n(d.accepted)}")
+        lines.append(
+            f"engine counters over the demo: {d.status}, drafts {_n(d.drafts)}, "
+            f"draft tokens {_n(d.draft_tokens)}, accepted {_n(d.accepted)}"
+        )
     return "\n".join(lines)
 
 

@@ -33,3 +33,14 @@ class EngineError(ApplianceError):
 
 class NotVLLMError(EngineError):
     """Something answered, but it is not a vLLM OpenAI-compatible server."""
+
+
+class AuthError(EngineError):
+    """The server refused the request's API key (HTTP 401): the one message for every caller."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(
+            f"{url} answered 401: the API key is missing or wrong",
+            fix="send the key the server was started with: --api-key-file, --api-key or "
+            "VLLM_API_KEY (an installed instance's is /etc/gemma4-vllm/<instance>.api-key)",
+        )

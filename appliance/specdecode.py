@@ -1,11 +1,17 @@
 """Speculative-decoding counters: parsing vLLM's ``/metrics`` and the arithmetic on them.
 
 Every ratio, delta and reset rule the appliance uses lives here, so the agent, the demo, doctor
-and bench all agree. vLLM's own definitions (vllm/v1/spec_decode/metrics.py):
+and bench all agree. vLLM's own names and definitions (vllm/v1/spec_decode/metrics.py), the same in every record and
+JSON output of the appliance:
 
-- draft acceptance rate = accepted / draft_tokens
-- mean tokens per step (acceptance length) = 1 + accepted / drafts  (counts the bonus token)
-- per-position acceptance = accepted_per_pos[i] / drafts
+- ``drafts`` (speculation steps), ``draft_tokens`` (tokens proposed), ``accepted`` (accepted
+  tokens), ``accepted_per_pos`` (accepted tokens at each draft position);
+- ``acceptance`` = accepted / draft_tokens (draft acceptance rate);
+- ``tokens_per_step`` = 1 + accepted / drafts (mean acceptance length, counts the bonus token);
+- ``per_position`` = accepted_per_pos[i] / drafts (per-position acceptance).
+
+:meth:`Delta.to_dict` is the one projection of these figures; :func:`attribute` is the one rule
+for which figures belong to one request.
 """
 
 from __future__ import annotations
@@ -33,8 +39,12 @@ SNAPSHOT_PATH = "/metrics/"
 SNAPSHOT_PARAMS = tuple(
     ("name[]", name)
     for name in (
-        DRAFTS + "_total", DRAFTS + "_created", DRAFT_TOKENS + "_total", ACCEPTED + "_total",
-        ACCEPTED_PER_POS + "_total", RUNNING,
+        DRAFTS + "_total",
+        DRAFTS + "_created",
+        DRAFT_TOKENS + "_total",
+        ACCEPTED + "_total",
+        ACCEPTED_PER_POS + "_total",
+        RUNNING,
     )
 )
 
@@ -131,9 +141,42 @@ class Delta:
     def per_position(self) -> tuple[float, ...] | None:
         return per_position(self.accepted_per_pos, self.drafts)
 
+    def to_dict(self) -> dict:
+        """The figures and their ratios under vLLM's names: the one projection for JSON."""
+        pos, per = self.accepted_per_pos, self.per_position
+        return {
+            "status": self.status,
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted": self.accepted,
+            "accepted_per_pos": None if pos is None else list(pos),
+            "acceptance": self.acceptance,
+            "tokens_per_step": self.tokens_per_step,
+            "per_position": None if per is None else list(per),
+        }
+
+
+def summed(deltas: list[Delta]) -> Delta | None:
+    """The figures of several requests added up (``ok`` ones only); ``None`` when there are none.
+
+    The ratios of a sum are taken over the summed counts, never averaged per request.
+    """
+    usable = [d for d in deltas if d.status == "ok" and d.drafts is not None]
+    if not usable:
+        return None
+    width = max(len(d.accepted_per_pos or ()) for d in usable)
+    pos = tuple(sum(_at(d.accepted_per_pos or (), i) for d in usable) for i in range(width))
+    return Delta(
+        "ok",
+        drafts=sum(d.drafts for d in usable),
+        draft_tokens=sum(d.draft_tokens or 0 for d in usable),
+        accepted=sum(d.accepted or 0 for d in usable),
+        accepted_per_pos=tuple(round(p) for p in pos),
+    )
+
 
 def acceptance(accepted: float | None, draft_tokens: float | None) -> float | None:
-    """Draft acceptance rate, vLLM's definition; ``None`` when nothing was drafted."""
+    """Draft acceptance rate, vLLM's definition; ``None`` without draft tokens."""
     if accepted is None or not draft_tokens:
         return None
     return accepted / draft_tokens
@@ -182,6 +225,59 @@ def counters_delta(b: Counters, a: Counters) -> Delta:
         accepted=round(moves[2]),
         accepted_per_pos=tuple(round(p) for p in pos),
     )
+
+
+Source = Literal["request", "counters", "shared", "absent", "unknown"]
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """One request's figures and where they came from.
+
+    ``source``: ``request`` (the response's own block: exact), ``counters`` (the /metrics delta
+    around it with nothing else in flight: exact), ``shared`` (the delta also holds other
+    requests' drafts), ``absent`` (no speculative decoding), ``unknown`` (counters reset).
+    """
+
+    source: Source
+    delta: Delta
+
+    @property
+    def exact(self) -> bool:
+        return self.source in ("request", "counters")
+
+    @property
+    def shared(self) -> bool:
+        return self.source == "shared"
+
+
+def attribute(
+    before: Snapshot,
+    after: Snapshot,
+    model_name: str | None = None,
+    *,
+    request: Delta | None = None,
+    overlapped: bool = False,
+) -> Attribution:
+    """The one rule for the figures of a request read between ``before`` and ``after``.
+
+    The response's per-request block wins. Otherwise the counter delta, for ``model_name`` when
+    the server labels its series with that name (else all models: a served-model alias may differ
+    from the label); it is ``shared`` when this process knows of an overlapping request
+    (``overlapped``) or the server's running-requests gauge shows one at either read (the first
+    read precedes the request and the second follows its end, so any running request seen then
+    is someone else's).
+    """
+    if request is not None:
+        return Attribution("request", request)
+    names = {m for (m, _) in (*before.series, *after.series)}
+    d = delta(before, after, model_name if model_name in names else None)
+    if d.status == "absent":
+        return Attribution("absent", d)
+    if d.status == "reset":
+        return Attribution("unknown", d)
+    shared = overlapped or bool(before.running) or bool(after.running)
+    return Attribution("shared" if shared else "counters", d)
 
 
 def parse(text: str) -> Snapshot:
@@ -235,7 +331,6 @@ def parse(text: str) -> Snapshot:
     return Snapshot(series=series, running=running)
 
 
-
 def from_response_metrics(body: dict | None) -> Delta | None:
     """Per-request figures from a response's ``metrics.speculative_decoding`` block.
 
@@ -249,7 +344,7 @@ def from_response_metrics(body: dict | None) -> Delta | None:
         return None
     try:
         steps = int(spec["num_spec_steps"])
-        drafted = int(spec["num_draft_tokens"])
+        draft_tokens = int(spec["num_draft_tokens"])
         accepted = int(spec["num_accepted_draft_tokens"])
     except (KeyError, TypeError, ValueError):
         return None
@@ -259,4 +354,6 @@ def from_response_metrics(body: dict | None) -> Delta | None:
     if isinstance(per_step, list) and isinstance(k, int):
         # Position i was accepted in every step that accepted more than i tokens.
         pos = tuple(sum(1 for a in per_step if a > i) for i in range(k))
-    return Delta("ok", drafts=steps, draft_tokens=drafted, accepted=accepted, accepted_per_pos=pos)
+    return Delta(
+        "ok", drafts=steps, draft_tokens=draft_tokens, accepted=accepted, accepted_per_pos=pos
+    )

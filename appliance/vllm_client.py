@@ -1,17 +1,28 @@
-"""A small client that observes a vLLM server: health, version, models, speculative counters.
+"""A small client that observes a vLLM server: health, version, models, speculative counters,
+and the one kind of request that is not a read: a generation (:meth:`VLLMClient.generate`).
 
-It reads; it never changes the server. Every failure becomes an :class:`EngineError` (or
-:class:`NotVLLMError` when something answers that is not vLLM) with the URL in the message.
+It never changes the server. Every failure becomes an :class:`EngineError` (:class:`AuthError`
+for a refused key, :class:`NotVLLMError` when something answers that is not vLLM) with the URL in
+the message.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Self
 
 import httpx
 
-from . import specdecode
-from .errors import EngineError, NotVLLMError
+from . import metrics_reader, specdecode
+from .errors import AuthError, EngineError, NotVLLMError
+
+
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The ``Authorization`` header vLLM's ``--api-key`` wants; empty without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 @dataclass(frozen=True)
@@ -21,6 +32,27 @@ class ServedModel:
     id: str
     root: str | None
     max_model_len: int | None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One chat completion: its usage, text, and the per-request speculative-decoding block.
+
+    ``completion_tokens`` is ``usage.completion_tokens``, never a count of streamed chunks (under
+    MTP one chunk carries 1 + accepted tokens). ``spec`` is the response's
+    ``metrics.speculative_decoding`` block when the server sends one (vLLM >= 0.32 with
+    ``--per-request-spec-decode-metrics``). For a streamed generation, ``chunk_times`` holds the
+    seconds from sending to each chunk that carried a choice.
+    """
+
+    model: str
+    text: str
+    completion_tokens: int
+    prompt_tokens: int | None
+    finish_reason: str | None
+    spec: specdecode.Delta | None = None
+    chunk_times: tuple[float, ...] = ()
+    usage: dict = field(default_factory=dict)
 
 
 class VLLMClient:
@@ -35,15 +67,14 @@ class VLLMClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.base_url = normalise_base_url(base_url)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(
-            base_url=self.base_url, timeout=timeout, headers=headers, transport=transport
+            base_url=self.base_url, timeout=timeout, headers=bearer(api_key), transport=transport
         )
 
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> VLLMClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -62,14 +93,15 @@ class VLLMClient:
 
     def _check_auth(self, resp: httpx.Response) -> None:
         if resp.status_code == 401:
-            raise EngineError(
-                f"{self.base_url}{resp.request.url.path} answered 401: the API key is missing or wrong",
-                fix="give the key the server was started with",
-            )
+            raise AuthError(f"{self.base_url}{resp.request.url.path}")
+
+    def health_status(self) -> int:
+        """The HTTP status ``/health`` answers (raises EngineError if unreachable)."""
+        return self._get("/health").status_code
 
     def health(self) -> bool:
         """True when ``/health`` answers 200; False on any other status (raises if unreachable)."""
-        return self._get("/health").status_code == 200
+        return self.health_status() == 200
 
     def version(self) -> str:
         """The engine's vLLM version, from ``/version``."""
@@ -92,29 +124,152 @@ class VLLMClient:
         except (httpx.HTTPStatusError, ValueError, KeyError, TypeError) as exc:
             raise NotVLLMError(f"{self.base_url} does not answer /v1/models like vLLM") from exc
 
-    def metrics_text(self) -> str:
-        """The raw Prometheus exposition of ``/metrics``."""
-        resp = self._get("/metrics")
+    def generate(
+        self,
+        model: str,
+        prompt: str | Sequence[dict],
+        max_tokens: int,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        stream: bool = False,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> Generation:
+        """One chat completion of ``prompt`` (a user message, or the messages themselves).
+
+        Streamed, it asks for the usage chunk and times every chunk; either way the token count
+        is the server's ``usage.completion_tokens`` (an answer without it is an EngineError).
+        """
+        messages = (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        )
+        payload: dict = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+        }
+        if seed is not None:
+            payload["seed"] = seed
+        if stream:
+            payload |= {"stream": True, "stream_options": {"include_usage": True}}
+        path = "/v1/chat/completions"
+        url = self.base_url + path
+        kw = {} if timeout is None else {"timeout": timeout}
+        try:
+            if not stream:
+                resp = self._http.post(path, json=payload, **kw)
+                self._check_generation(resp, url)
+                return _generation(url, model, resp.json(), (), None)
+            start = time.perf_counter()  # TTFT counts from the send, headers included
+            with self._http.stream("POST", path, json=payload, **kw) as resp:
+                self._check_generation(resp, url)
+                return _streamed(url, model, resp, start)
+        except httpx.TimeoutException as exc:
+            raise EngineError(f"{url} timed out") from exc
+        except httpx.HTTPError as exc:
+            raise EngineError(
+                f"generation at {url} failed: {exc}",
+                fix="is the engine running and the URL right?",
+            ) from exc
+        except ValueError as exc:  # a body that is not JSON
+            raise EngineError(f"{url} answered something that is not JSON: {exc}") from exc
+
+    def _check_generation(self, resp: httpx.Response, url: str) -> None:
+        self._check_auth(resp)
         if resp.status_code != 200:
-            raise EngineError(f"{self.base_url}/metrics answered {resp.status_code}")
-        return resp.text
+            body = resp.read().decode(errors="replace")[:300]
+            raise EngineError(f"{url} answered {resp.status_code}: {body}")
+
+    def metrics_text(self) -> str:
+        """The raw Prometheus exposition of ``/metrics`` (bounded like every read of it)."""
+        bound = max(v for v in (self._http.timeout.read, 5.0) if v is not None)
+        try:
+            status, body = metrics_reader.read_text("/metrics", timeout=bound, client=self._http)
+            if status != 200:
+                raise metrics_reader.MetricsReadError("status", "/metrics", status_code=status)
+        except metrics_reader.MetricsReadError as exc:
+            raise metrics_reader.engine_error(exc, self.base_url) from exc
+        return body.decode("utf-8", errors="replace")
 
     def snapshot(self) -> specdecode.Snapshot:
         """The speculative-decoding counters now (a filtered read: only the series needed)."""
-        resp = self._get(specdecode.SNAPSHOT_PATH, params=specdecode.SNAPSHOT_PARAMS)
-        if resp.status_code != 200:
-            raise EngineError(f"{self.base_url}/metrics answered {resp.status_code}")
+        bound = max(v for v in (self._http.timeout.read, 5.0) if v is not None)
         try:
-            return specdecode.parse(resp.text)
-        except specdecode.MetricsParseError as exc:
-            raise NotVLLMError(f"{self.base_url}/metrics: {exc}") from exc
+            reading = metrics_reader.read(
+                specdecode.SNAPSHOT_PATH, timeout=bound, client=self._http
+            )
+        except metrics_reader.MetricsReadError as exc:
+            raise metrics_reader.engine_error(exc, self.base_url) from exc
+        return reading.snapshot
 
 
 def normalise_base_url(url: str) -> str:
     """``http://h:p`` from ``http://h:p/``, ``http://h:p/v1`` and the like."""
     url = url.strip().rstrip("/")
-    if url.endswith("/v1"):
-        url = url[: -len("/v1")]
+    url = url.removesuffix("/v1")
     if not url.startswith(("http://", "https://")):
         url = "http://" + url
     return url
+
+
+def _streamed(url: str, model: str, resp: httpx.Response, start: float) -> Generation:
+    """Read an SSE stream, timing each chunk that carries a choice (the usage chunk does not)."""
+    times: list[float] = []
+    parts: list[str] = []
+    final: dict | None = None
+    finish = None
+    for line in resp.iter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators and SSE comments
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            break
+        now = time.perf_counter()
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise EngineError(f"{url} streamed a chunk that is not JSON: {data[:80]}") from exc
+        if obj.get("choices"):
+            times.append(now - start)
+            choice = obj["choices"][0]
+            parts.append((choice.get("delta") or {}).get("content") or "")
+            finish = choice.get("finish_reason") or finish
+        elif obj.get("usage"):
+            final = obj
+    if not times:
+        raise EngineError(f"{url} streamed no tokens")
+    return _generation(url, model, final, tuple(times), ("".join(parts), finish))
+
+
+def _generation(
+    url: str,
+    model: str,
+    body: dict | None,
+    times: tuple[float, ...],
+    streamed: tuple[str, str | None] | None,
+) -> Generation:
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict) or "completion_tokens" not in usage:
+        # Counting chunks instead would be wrong under MTP; refuse rather than guess.
+        hint = " (stream_options.include_usage unsupported?)" if streamed else ""
+        raise EngineError(f"{url} sent no usage.completion_tokens{hint}")
+    if streamed is None:
+        try:
+            choice = body["choices"][0]
+            text = (choice.get("message") or {}).get("content") or ""
+            finish = choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise EngineError(f"{url} answered without choices") from exc
+    else:
+        text, finish = streamed
+    return Generation(
+        model=model,
+        text=text,
+        completion_tokens=int(usage["completion_tokens"]),
+        prompt_tokens=usage.get("prompt_tokens"),
+        finish_reason=finish,
+        spec=specdecode.from_response_metrics(body),
+        chunk_times=times,
+        usage=usage,
+    )

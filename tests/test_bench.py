@@ -39,25 +39,40 @@ def test_invalid_jsonl_line_is_reported_with_its_number(tmp_path):
 
 def test_messages_form_and_default_ids(tmp_path):
     f = tmp_path / "chat.jsonl"
-    f.write_text('{"messages": [{"role": "system", "content": "be brief"}, '
-                 '{"role": "user", "content": "hi"}]}\n{"prompt": "there"}\n')
+    f.write_text(
+        '{"messages": [{"role": "system", "content": "be brief"}, '
+        '{"role": "user", "content": "hi"}]}\n{"prompt": "there"}\n'
+    )
     s = prompts.load_file(f)
     assert [p.id for p in s.prompts] == ["chat-1", "chat-2"]
     assert s.prompts[0].text == "hi" and len(s.prompts[0].messages) == 2
 
 
-@pytest.mark.parametrize("content,message", [
-    ("", "has no prompts"),
-    ("\n\n", "has no prompts"),
-    ('{"prompt": "a"}\n[1, 2]\n', "line 2: expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("", "has no prompts"),
+        ("\n\n", "has no prompts"),
+        ('{"prompt": "a"}\n[1, 2]\n', "line 2: expected a JSON object"),
+    ],
+)
 def test_bad_prompt_file_exits_nonzero_without_artifact(tmp_path, content, message):
     f = tmp_path / "p.jsonl"
     f.write_text(content)
     out = tmp_path / "art.json"
     # A URL nobody listens on: the file must be rejected before any server is contacted.
-    res = CliRunner().invoke(cli, ["bench", "--url", f"http://127.0.0.1:{free_port()}",
-                                   "--prompt-file", str(f), "--json-output", str(out)])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--url",
+            f"http://127.0.0.1:{free_port()}",
+            "--prompt-file",
+            str(f),
+            "--json-output",
+            str(out),
+        ],
+    )
     assert res.exit_code == 2, res.output
     assert message in res.output
     assert not out.exists() and list(tmp_path.iterdir()) == [f]
@@ -65,8 +80,18 @@ def test_bad_prompt_file_exits_nonzero_without_artifact(tmp_path, content, messa
 
 def test_unreachable_url_exits_nonzero_without_artifact(tmp_path):
     out = tmp_path / "art.json"
-    res = CliRunner().invoke(cli, ["bench", "--url", f"http://127.0.0.1:{free_port()}",
-                                   "--limit", "1", "--json-output", str(out)])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--url",
+            f"http://127.0.0.1:{free_port()}",
+            "--limit",
+            "1",
+            "--json-output",
+            str(out),
+        ],
+    )
     assert res.exit_code == 1
     assert "cannot reach" in res.output
     assert list(tmp_path.iterdir()) == []
@@ -74,8 +99,9 @@ def test_unreachable_url_exits_nonzero_without_artifact(tmp_path):
 
 def test_non_vllm_server_is_refused_without_artifact(tmp_path, plain_http_server):
     out = tmp_path / "art.json"
-    res = CliRunner().invoke(cli, ["bench", "--url", plain_http_server, "--limit", "1",
-                                   "--json-output", str(out)])
+    res = CliRunner().invoke(
+        cli, ["bench", "--url", plain_http_server, "--limit", "1", "--json-output", str(out)]
+    )
     assert res.exit_code == 1
     assert "/health is not 200" in res.output
     assert list(tmp_path.iterdir()) == []
@@ -83,14 +109,25 @@ def test_non_vllm_server_is_refused_without_artifact(tmp_path, plain_http_server
 
 def test_api_key_options_are_checked_before_any_server(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
-    res = CliRunner().invoke(cli, ["bench", "--url", url, "--limit", "1",
-                                   "--api-key-file", str(tmp_path / "missing")])
+    res = CliRunner().invoke(
+        cli, ["bench", "--url", url, "--limit", "1", "--api-key-file", str(tmp_path / "missing")]
+    )
     assert res.exit_code == 2 and res.output.startswith("Error: API key file ")
     assert res.output.endswith("missing does not exist\n")
     res = CliRunner().invoke(cli, ["bench", "--url", url, "--limit", "1", "--instance", "../x"])
     assert res.exit_code == 2
     assert res.output.startswith("Error: invalid instance name '../x'")
     assert len(res.output.splitlines()) == 1
+    # The instance's key file is looked up under --root (APPLIANCE_ROOT), not under /.
+    key = tmp_path / "etc/gemma4-vllm/tiny.api-key"
+    key.parent.mkdir(parents=True)
+    key.write_text("\n")
+    res = CliRunner().invoke(
+        cli,
+        ["bench", "--url", url, "--limit", "1", "--instance", "tiny"],
+        env={"APPLIANCE_ROOT": str(tmp_path), "VLLM_API_KEY": None},
+    )
+    assert res.exit_code == 2 and f"API key file {key} is empty" in res.output
 
 
 def test_modes_are_exclusive():

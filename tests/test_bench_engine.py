@@ -23,8 +23,12 @@ pytestmark = [pytest.mark.engine, pytest.mark.bench]
 
 
 def _config(**kw) -> runner.BenchConfig:
-    base = dict(prompt_sets=tuple(prompts.resolve(limit=1)), max_tokens=(32, 48), runs=2,
-                warmups=1)
+    base = {
+        "prompt_sets": tuple(prompts.resolve(limit=1)),
+        "max_tokens": (32, 48),
+        "runs": 2,
+        "warmups": 1,
+    }
     return runner.BenchConfig(**(base | kw))
 
 
@@ -38,9 +42,15 @@ def _check_counts(res: runner.EndpointResult, url: str) -> None:
     with httpx.Client(timeout=60) as http:
         for r in res.records:
             p = next(p for s in prompts.resolve(limit=1) for p in s.prompts if p.id == r.prompt_id)
-            body = http.post(url + "/v1/chat/completions", json={
-                "model": res.endpoint.model, "messages": list(p.messages),
-                "max_tokens": r.max_tokens, "temperature": 0}).json()
+            body = http.post(
+                url + "/v1/chat/completions",
+                json={
+                    "model": res.endpoint.model,
+                    "messages": list(p.messages),
+                    "max_tokens": r.max_tokens,
+                    "temperature": 0,
+                },
+            ).json()
             assert r.output_tokens == body["usage"]["completion_tokens"] == r.max_tokens
 
 
@@ -71,17 +81,54 @@ def _vllm_bench_serve(url: str, tokenizer, data, n: int, out_len: int, tmp_path)
     """The real `vllm bench serve` of the installed vLLM, offline, one request at a time."""
     result = tmp_path / "vllm.json"
     result.unlink(missing_ok=True)
-    cmd = engine_command([
-        "bench", "serve", "--backend", "openai-chat", "--base-url", url,
-        "--endpoint", "/v1/chat/completions", "--model", "gemma4-tiny",
-        "--tokenizer", str(tokenizer), "--dataset-name", "custom",
-        "--dataset-path", str(data), "--custom-output-len", str(out_len), "--skip-chat-template",
-        "--num-prompts", str(n), "--max-concurrency", "1", "--disable-shuffle",
-        "--temperature", "0", "--num-warmups", "1", "--disable-tqdm", "--save-result",
-        "--save-detailed",
-        "--result-dir", str(tmp_path), "--result-filename", result.name])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **OFFLINE_ENV}, cwd=tmp_path)
+    cmd = engine_command(
+        [
+            "bench",
+            "serve",
+            "--backend",
+            "openai-chat",
+            "--base-url",
+            url,
+            "--endpoint",
+            "/v1/chat/completions",
+            "--model",
+            "gemma4-tiny",
+            "--tokenizer",
+            str(tokenizer),
+            "--dataset-name",
+            "custom",
+            "--dataset-path",
+            str(data),
+            "--custom-output-len",
+            str(out_len),
+            "--skip-chat-template",
+            "--num-prompts",
+            str(n),
+            "--max-concurrency",
+            "1",
+            "--disable-shuffle",
+            "--temperature",
+            "0",
+            "--num-warmups",
+            "1",
+            "--disable-tqdm",
+            "--save-result",
+            "--save-detailed",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            result.name,
+        ]
+    )
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=600,
+        env={**os.environ, **OFFLINE_ENV},
+        cwd=tmp_path,
+    )
     assert result.exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(result.read_text())
 
@@ -90,10 +137,28 @@ def _appliance_bench(url: str, data, out_len: int, tmp_path) -> list[dict]:
     """`appliance bench` as an operator runs it: its own process, like `vllm bench serve`."""
     out = tmp_path / "ours.json"
     out.unlink(missing_ok=True)
-    proc = subprocess.run([str(Path(sys.executable).with_name("appliance")), "bench", "--url", url,
-                           "--prompt-file", str(data), "--max-tokens", str(out_len), "--runs", "1",
-                           "--warmups", "1", "--json-output", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("appliance")),
+            "bench",
+            "--url",
+            url,
+            "--prompt-file",
+            str(data),
+            "--max-tokens",
+            str(out_len),
+            "--runs",
+            "1",
+            "--warmups",
+            "1",
+            "--json-output",
+            str(out),
+        ],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text())["single"]["runs"]
 
@@ -152,22 +217,26 @@ def test_tpot_agrees_with_vllm_bench_serve(mtp_engine, tmp_path):
     for _ in range(3):
         with _engine_yields_cpu(mtp_engine):
             ours = _appliance_bench(mtp_engine.url, data, out_len, tmp_path)
-            theirs = _vllm_bench_serve(mtp_engine.url, mtp_engine.model_dir / "target", data, n,
-                                       out_len, tmp_path)
+            theirs = _vllm_bench_serve(
+                mtp_engine.url, mtp_engine.model_dir / "target", data, n, out_len, tmp_path
+            )
         assert theirs["completed"] == n == len(ours)
         assert theirs["total_output_tokens"] == sum(r["output_tokens"] for r in ours)
         mine = _streamed_tpots_ms((r["ttft_s"], r["e2el_s"], r["output_tokens"]) for r in ours)
         vllm = _streamed_tpots_ms(
             (ttft, ttft + sum(itl), tokens)
-            for ttft, itl, tokens in zip(theirs["ttfts"], theirs["itls"], theirs["output_lens"]))
+            for ttft, itl, tokens in zip(theirs["ttfts"], theirs["itls"], theirs["output_lens"])
+        )
         if len(mine) < n / 2 or len(vllm) < n / 2:
             seen.append(("bursts", len(mine), len(vllm)))
             continue
         m, v = statistics.median(mine), statistics.median(vllm)
         seen.append((round(m, 4), round(v, 4)))
-        print(f"\nTPOT median over streamed requests: appliance bench {m:.3f} ms ({len(mine)}/{n}),"
-              f" vllm bench serve {v:.3f} ms ({len(vllm)}/{n}), ratio {m / v:.3f}, "
-              f"load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"\nTPOT median over streamed requests: appliance bench {m:.3f} ms ({len(mine)}/{n}),"
+            f" vllm bench serve {v:.3f} ms ({len(vllm)}/{n}), ratio {m / v:.3f}, "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
         if m == pytest.approx(v, rel=0.10):
             break
     else:
@@ -176,10 +245,26 @@ def test_tpot_agrees_with_vllm_bench_serve(mtp_engine, tmp_path):
 
 def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):
     out = tmp_path / "paired.json"
-    res = CliRunner().invoke(cli, [
-        "bench", "--mtp-url", mtp_engine.url, "--baseline-url", baseline_engine.url,
-        "--limit", "1", "--max-tokens", "48", "--runs", "3", "--json-output", str(out),
-        "--profile", "cpu-tiny-mtp"])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--mtp-url",
+            mtp_engine.url,
+            "--baseline-url",
+            baseline_engine.url,
+            "--limit",
+            "1",
+            "--max-tokens",
+            "48",
+            "--runs",
+            "3",
+            "--json-output",
+            str(out),
+            "--profile",
+            "cpu-tiny-mtp",
+        ],
+    )
     assert res.exit_code == 0, res.output
     print(res.output)
     art = json.loads(out.read_text())
@@ -202,13 +287,31 @@ def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):
 
 def test_sweep_k_recommendation_backed_by_printed_figures(tmp_path):
     out = tmp_path / "sweep.json"
-    res = CliRunner().invoke(cli, [
-        "bench", "--sweep-k", "1,3", "--prompts", "prose", "--limit", "2", "--max-tokens", "64",
-        "--runs", "3", "--json-output", str(out)])
+    res = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--sweep-k",
+            "1,3",
+            "--prompts",
+            "prose",
+            "--limit",
+            "2",
+            "--max-tokens",
+            "64",
+            "--runs",
+            "3",
+            "--json-output",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     print(res.output)
-    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \| (.+) \|$",
-                      res.output, re.M)
+    rows = re.findall(
+        r"^\| (\d+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \| (.+) \|$",
+        res.output,
+        re.MULTILINE,
+    )
     printed = {int(k): float(tpot) for k, tpot, _, _ in rows}
     assert sorted(printed) == [1, 3]
     rec = int(re.search(r"Recommended num_speculative_tokens: \*\*(\d+)\*\*", res.output)[1])
@@ -224,8 +327,21 @@ def test_api_key_file_lets_bench_through(api_key_engine, tmp_path):
     """An installed instance's vLLM guards /v1 with its key: bench sends it, and never prints it."""
     from plugins.http_servers import API_KEY
 
-    args = ["bench", "--url", api_key_engine.url, "--prompts", "prose", "--limit", "1",
-            "--max-tokens", "8", "--runs", "1", "--warmups", "0"]
+    args = [
+        "bench",
+        "--url",
+        api_key_engine.url,
+        "--prompts",
+        "prose",
+        "--limit",
+        "1",
+        "--max-tokens",
+        "8",
+        "--runs",
+        "1",
+        "--warmups",
+        "0",
+    ]
     out = tmp_path / "art.json"
     res = CliRunner().invoke(cli, [*args, "--json-output", str(out)], env={"VLLM_API_KEY": None})
     assert res.exit_code == 1
@@ -233,8 +349,11 @@ def test_api_key_file_lets_bench_through(api_key_engine, tmp_path):
     assert not out.exists()
     key = tmp_path / "k.api-key"
     key.write_text(API_KEY + "\n")
-    res = CliRunner().invoke(cli, [*args, "--api-key-file", str(key), "--json-output", str(out)],
-                             env={"VLLM_API_KEY": None})
+    res = CliRunner().invoke(
+        cli,
+        [*args, "--api-key-file", str(key), "--json-output", str(out)],
+        env={"VLLM_API_KEY": None},
+    )
     assert res.exit_code == 0, res.output
     art = json.loads(out.read_text())
     runs = art["single"]["runs"]

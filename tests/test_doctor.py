@@ -16,13 +16,14 @@ from appliance.engine.local import free_port
 
 def _doctor(*args: str, env: dict | None = None):
     # VLLM_API_KEY from the caller's shell must not leak into a test that means "no key".
-    res = CliRunner().invoke(cli, ["doctor", "--json", *args],
-                             env={"VLLM_API_KEY": None, **(env or {})})
+    res = CliRunner().invoke(
+        cli, ["doctor", "--json", *args], env={"VLLM_API_KEY": None, **(env or {})}
+    )
     return res, json.loads(res.output)
 
 
-def _check(body: dict, name: str) -> dict:
-    return next(c for c in body["checks"] if c["name"] == name)
+def _check(body: dict, name: str) -> dict | None:
+    return next((c for c in body["checks"] if c["name"] == name), None)
 
 
 def test_nothing_listening_fails_with_reason():
@@ -55,8 +56,9 @@ def _instance_root(tmp_path):
 def _dead_docker():
     # A real Docker client aimed at a socket nothing listens on (version pinned so that
     # constructing it does not already connect): how doctor sees a host whose daemon is down.
-    return docker.DockerClient(base_url="unix:///nonexistent/docker.sock", version="1.43",
-                               timeout=2)
+    return docker.DockerClient(
+        base_url="unix:///nonexistent/docker.sock", version="1.43", timeout=2
+    )
 
 
 def test_instance_files_under_root(tmp_path):
@@ -68,8 +70,10 @@ def test_instance_files_under_root(tmp_path):
     assert env.status == "ok" and env.summary == "VLLM_IMAGE=gemma4-vllm:0.32.0-mtp"
     ctr = a.get("instance.container")
     assert (ctr.status, ctr.summary) == ("warn", "cannot ask Docker")
-    assert "nonexistent/docker.sock" in ctr.evidence["error"] or "No such file" in \
-        ctr.evidence["error"], ctr.evidence
+    assert (
+        "nonexistent/docker.sock" in ctr.evidence["error"]
+        or "No such file" in ctr.evidence["error"]
+    ), ctr.evidence
     b = doctor.run(dead, instance="b", root=root, docker_client=_dead_docker())
     assert b.get("instance.env").status == "fail"
     c = doctor.run(dead, instance="c", root=tmp_path / "nothing", docker_client=_dead_docker())
@@ -81,37 +85,48 @@ def test_instance_without_container_fails_on_real_docker(tmp_path, docker_engine
     root = _instance_root(tmp_path)
     dead = f"http://127.0.0.1:{free_port()}"
     # The env file names an image, the real daemon has no such container: a failure.
-    ctr = doctor.run(dead, instance="a", root=root, docker_client=docker_engine) \
-        .get("instance.container")
+    ctr = doctor.run(dead, instance="a", root=root, docker_client=docker_engine).get(
+        "instance.container"
+    )
     assert (ctr.status, ctr.summary) == ("fail", "no container gemma4-vllm-a")
     # No env file and no container: the instance is simply not set up here (a warning).
-    ctr = doctor.run(dead, instance="c", root=root, docker_client=docker_engine) \
-        .get("instance.container")
+    ctr = doctor.run(dead, instance="c", root=root, docker_client=docker_engine).get(
+        "instance.container"
+    )
     assert (ctr.status, ctr.summary) == ("warn", "no container gemma4-vllm-c")
 
 
 def test_invalid_instance_name_is_a_one_line_usage_error(tmp_path):
     for args in (["--instance", "../x"], ["--instance", "../x", "--api-key-file", "/dev/null"]):
-        res = CliRunner().invoke(cli, ["doctor", "--url", f"http://127.0.0.1:{free_port()}",
-                                       "--root", str(tmp_path), *args])
+        res = CliRunner().invoke(
+            cli,
+            ["doctor", "--url", f"http://127.0.0.1:{free_port()}", "--root", str(tmp_path), *args],
+        )
         assert res.exit_code == 2, res.output
-        assert res.output == "Error: invalid instance name '../x' (use letters, digits, '-' " \
+        assert (
+            res.output == "Error: invalid instance name '../x' (use letters, digits, '-' "
             "and '_' (at most 64), starting with a letter or digit)\n"
+        )
 
 
 def test_api_key_file_problems_are_usage_errors(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
-    res = CliRunner().invoke(cli, ["doctor", "--url", url, "--api-key-file",
-                                   str(tmp_path / "missing")])
+    res = CliRunner().invoke(
+        cli, ["doctor", "--url", url, "--api-key-file", str(tmp_path / "missing")]
+    )
     assert res.exit_code == 2 and res.output.startswith("Error: API key file ")
     assert res.output.endswith("missing does not exist\n")
-    (tmp_path / "empty").write_text("\n")
-    res = CliRunner().invoke(cli, ["doctor", "--url", url, "--api-key-file",
-                                   str(tmp_path / "empty")])
-    assert res.exit_code == 2 and res.output.endswith("empty is empty\n")
+    (tmp_path / "empty").write_text(" \r\n")
+    res = CliRunner().invoke(
+        cli, ["doctor", "--url", url, "--api-key-file", str(tmp_path / "empty")]
+    )
+    # The one key-file rule (appliance.apikey): whitespace and CRLF are not a key.
+    assert res.exit_code == 2 and f"{tmp_path / 'empty'} is empty (" in res.output
+    assert len(res.output.splitlines()) == 1
     (tmp_path / "k").write_text("abc\n")
-    res = CliRunner().invoke(cli, ["doctor", "--url", url, "--api-key", "abc",
-                                   "--api-key-file", str(tmp_path / "k")])
+    res = CliRunner().invoke(
+        cli, ["doctor", "--url", url, "--api-key", "abc", "--api-key-file", str(tmp_path / "k")]
+    )
     assert res.exit_code == 2 and "not both" in res.output
 
 
@@ -124,18 +139,24 @@ def test_help_never_shows_the_key():
 def test_unreadable_metrics_is_a_failed_check_not_an_error(routed_http_server):
     # A fake vLLM: a real vLLM always serves /metrics, but behind a proxy that forwards only
     # /health and /v1 (or a server too loaded to answer in time) /metrics fails like this.
-    url = routed_http_server({
-        "/health": Route(200, b""),
-        "/version": Route(200, b'{"version": "0.32.0"}'),
-        "/v1/models": Route(200, b'{"data": [{"id": "gemma4-tiny", "max_model_len": 512}]}'),
-        "/metrics": Route(503, b"upstream unavailable", "text/plain"),
-    })
+    url = routed_http_server(
+        {
+            "/health": Route(200, b""),
+            "/version": Route(200, b'{"version": "0.32.0"}'),
+            "/v1/models": Route(200, b'{"data": [{"id": "gemma4-tiny", "max_model_len": 512}]}'),
+            "/metrics": Route(503, b"upstream unavailable", "text/plain"),
+            "/metrics/": Route(503, b"upstream unavailable", "text/plain"),
+        }
+    )
     res, body = _doctor("--url", url)
     assert res.exit_code == 1 and body["ok"] is False
     c = _check(body, "mtp.counters")
     assert c["status"] == "fail"
-    assert c["summary"] == f"cannot read /metrics: {url}/metrics answered 503"
-    assert c["evidence"] == {"state": "unreadable", "error": f"{url}/metrics answered 503"}
+    ev = c["evidence"]
+    assert (ev["state"], ev["stage"]) == ("unreadable", "before")
+    assert f"{url}/metrics" in ev["error"] and "answered 503" in ev["error"]
+    assert c["summary"] == f"cannot read /metrics: {ev['error']}"
+    assert _check(body, "engine.vllm") is None
     assert _check(body, "engine.reachable")["status"] == "ok"
 
 
@@ -163,6 +184,8 @@ def test_mtp_active_on_copy_drafter_engine(mtp_engine):
     c = _check(body, "mtp.counters")
     assert c["status"] == "ok" and c["evidence"]["state"] == "active"
     assert c["evidence"]["tokens_per_step"] > 1.5
+    assert c["evidence"]["draft_tokens"] >= c["evidence"]["accepted"] > 0
+    assert c["evidence"]["source"] == "request" and "drafted" not in c["evidence"]
     assert _check(body, "mtp.per_request_metrics")["status"] == "ok"
     assert _check(body, "vllm.version")["evidence"]["server"] == "0.32.0"
     assert _check(body, "model.served")["status"] == "ok"
@@ -204,9 +227,8 @@ def test_api_key_engine_needs_the_key(api_key_engine, tmp_path):
     assert _check(body, "engine.reachable")["status"] == "ok"  # /health needs no key
 
     key_file = tmp_path / "k.api-key"
-    key_file.write_text(API_KEY + "\n")
-    res, body = _doctor("--url", url, "--profile", "cpu-tiny-mtp", "--api-key-file",
-                        str(key_file))
+    key_file.write_text(f"  {API_KEY}\r\n")  # the one rule: surrounding whitespace, CRLF
+    res, body = _doctor("--url", url, "--profile", "cpu-tiny-mtp", "--api-key-file", str(key_file))
     assert res.exit_code == 0, res.output
     assert _check(body, "mtp.counters")["evidence"]["state"] == "active"
     assert API_KEY not in res.output
@@ -231,8 +253,9 @@ def test_instance_key_file_under_root_is_used(api_key_engine, tmp_path):
     key.parent.mkdir(parents=True)
     key.write_text(API_KEY + "\n")
     key.chmod(0o600)
-    res, body = _doctor("--url", api_key_engine.url, "--instance", "tiny", "--root", str(tmp_path),
-                        "--no-generate")
+    res, body = _doctor(
+        "--url", api_key_engine.url, "--instance", "tiny", "--root", str(tmp_path), "--no-generate"
+    )
     assert res.exit_code == 0 and _check(body, "model.served")["status"] == "ok", res.output
     assert _check(body, "mtp.counters")["status"] == "ok"
     assert API_KEY not in res.output

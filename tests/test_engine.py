@@ -14,8 +14,13 @@ PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 def chat(url: str, max_tokens: int = 64, **extra) -> dict:
-    body = {"model": "gemma4-tiny", "messages": PROMPT, "max_tokens": max_tokens,
-            "temperature": 0, **extra}
+    body = {
+        "model": "gemma4-tiny",
+        "messages": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
     resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
     resp.raise_for_status()
     return resp.json()
@@ -59,11 +64,18 @@ def test_baseline_has_no_speculative_series_and_says_so(baseline_engine):
 
 
 def test_streamed_tokens_come_from_usage_and_chunk_counting_is_wrong(mtp_engine):
-    body = {"model": "gemma4-tiny", "messages": PROMPT, "max_tokens": 64, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "gemma4-tiny",
+        "messages": PROMPT,
+        "max_tokens": 64,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     content_chunks, usage = 0, None
-    with httpx.stream("POST", mtp_engine.url + "/v1/chat/completions", json=body,
-                      timeout=120) as resp:
+    with httpx.stream(
+        "POST", mtp_engine.url + "/v1/chat/completions", json=body, timeout=120
+    ) as resp:
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -82,6 +94,9 @@ def test_per_request_figures_equal_the_counter_delta(mtp_engine):
     body, d = measured_call(mtp_engine.url)
     exact = specdecode.from_response_metrics(body)
     assert exact is not None
-    assert (exact.drafts, exact.draft_tokens, exact.accepted) == (d.drafts, d.draft_tokens,
-                                                                  d.accepted)
+    assert (exact.drafts, exact.draft_tokens, exact.accepted) == (
+        d.drafts,
+        d.draft_tokens,
+        d.accepted,
+    )
     assert exact.accepted_per_pos == d.accepted_per_pos

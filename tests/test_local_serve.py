@@ -22,7 +22,9 @@ def test_sigterm_stops_every_engine_process(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
         [APPLIANCE, "local", "serve", "--profile", "cpu-tiny-mtp", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = proc.stdout.readline()  # printed once /health answers
@@ -44,15 +46,25 @@ def test_sigterm_stops_every_engine_process(tmp_path):
 
 
 def test_unknown_profile_is_one_line_and_exit_2():
-    result = subprocess.run([APPLIANCE, "local", "serve", "--profile", "nope"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [APPLIANCE, "local", "serve", "--profile", "nope"],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.startswith("Error: unknown profile 'nope'")
     assert "cpu-tiny-mtp" in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_gpu_profile_is_refused_locally_with_the_fix():
-    result = subprocess.run([APPLIANCE, "local", "serve", "--profile", "l4x4-31b-mtp"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [APPLIANCE, "local", "serve", "--profile", "l4x4-31b-mtp"],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "needs 4x NVIDIA L4" in result.stderr and "cpu-tiny-mtp" in result.stderr

@@ -66,7 +66,12 @@ def test_any_counter_going_backwards_is_a_reset_with_no_figures(a, b):
     if went_back:
         assert d.status == "reset"
         assert (d.drafts, d.draft_tokens, d.accepted, d.acceptance, d.tokens_per_step) == (
-            None, None, None, None, None)
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
     else:
         assert d.status == "ok"
 
@@ -74,8 +79,9 @@ def test_any_counter_going_backwards_is_a_reset_with_no_figures(a, b):
 @given(growth())
 def test_restart_detected_by_creation_time_even_when_counters_grew(pair):
     before, after = pair
-    restarted = sd.Counters(after.drafts, after.draft_tokens, after.accepted,
-                            after.accepted_per_pos, created=2.0)
+    restarted = sd.Counters(
+        after.drafts, after.draft_tokens, after.accepted, after.accepted_per_pos, created=2.0
+    )
     assert sd.counters_delta(before, restarted).status == "reset"
 
 
@@ -110,13 +116,16 @@ def test_snapshot_without_speculative_series_gives_absent_not_zero():
 
 def test_series_vanishing_between_reads_is_a_reset():
     with_spec = sd.parse(CAPTURE.read_text())
-    without = sd.parse("\n".join(ln for ln in CAPTURE.read_text().splitlines()
-                                 if "spec_decode" not in ln))
+    without = sd.parse(
+        "\n".join(ln for ln in CAPTURE.read_text().splitlines() if "spec_decode" not in ln)
+    )
     assert sd.delta(with_spec, without).status == "reset"
     assert sd.delta(without, with_spec).status == "reset"
 
 
-@pytest.mark.parametrize("garbage", ["<html>hello</html>", "}}}{{{", "vllm:num_requests_running x y z"])
+@pytest.mark.parametrize(
+    "garbage", ["<html>hello</html>", "}}}{{{", "vllm:num_requests_running x y z"]
+)
 def test_garbage_raises_parse_error(garbage):
     with pytest.raises(sd.MetricsParseError):
         sd.parse(garbage)
@@ -130,11 +139,70 @@ def test_ratios_follow_vllm_definitions():
 
 
 def test_per_request_block_maps_to_a_delta():
-    body = {"metrics": {"speculative_decoding": {
-        "num_spec_steps": 3, "num_draft_tokens": 6, "num_accepted_draft_tokens": 4,
-        "num_spec_tokens": 2, "per_step_accepted": [2, 1, 1], "per_step_drafted": [2, 2, 2]}}}
+    body = {
+        "metrics": {
+            "speculative_decoding": {
+                "num_spec_steps": 3,
+                "num_draft_tokens": 6,
+                "num_accepted_draft_tokens": 4,
+                "num_spec_tokens": 2,
+                "per_step_accepted": [2, 1, 1],
+                "per_step_drafted": [2, 2, 2],
+            }
+        }
+    }
     d = sd.from_response_metrics(body)
     assert (d.drafts, d.draft_tokens, d.accepted, d.accepted_per_pos) == (3, 6, 4, (3, 1))
     assert d.tokens_per_step == pytest.approx(1 + 4 / 3)
     assert sd.from_response_metrics({"metrics": None}) is None
     assert sd.from_response_metrics({"usage": {}}) is None
+
+
+def _snap(c: sd.Counters | None, running: float = 0.0, model: str = "m") -> sd.Snapshot:
+    return sd.Snapshot({(model, "0"): c} if c else {}, running=running)
+
+
+@given(growth(), st.booleans(), st.booleans(), st.booleans())
+def test_attribution_is_shared_exactly_when_something_else_ran(pair, overlapped, run_b, run_a):
+    b, a = pair
+    att = sd.attribute(_snap(b, float(run_b)), _snap(a, float(run_a)), "m", overlapped=overlapped)
+    assert att.delta == sd.counters_delta(b, a)
+    shared = overlapped or run_b or run_a
+    assert att.source == ("shared" if shared else "counters")
+    assert att.exact is not shared and att.shared is shared
+
+
+def test_attribution_prefers_the_request_block_and_says_absent_and_unknown():
+    block = sd.Delta("ok", drafts=3, draft_tokens=6, accepted=5, accepted_per_pos=(3, 2))
+    grown = sd.Counters(10, 20, 15, (8, 7), created=1.0)
+    att = sd.attribute(_snap(grown, 2), _snap(grown, 2), "m", request=block)
+    assert (att.source, att.delta) == ("request", block)
+    assert sd.attribute(_snap(None), _snap(None), "m").source == "absent"
+    restarted = sd.Counters(1, 2, 1, (1, 0), created=2.0)
+    att = sd.attribute(_snap(grown), _snap(restarted), "m")
+    assert (att.source, att.delta.status) == ("unknown", "reset")
+    # A served-model alias that is not the series' label still finds the server's counters.
+    after = sd.Counters(13, 26, 20, (10, 10), created=1.0)
+    att = sd.attribute(_snap(grown), _snap(after), "alias")
+    assert (att.source, att.delta.drafts, att.delta.accepted) == ("counters", 3, 5)
+
+
+def test_sums_take_ratios_over_the_summed_counts_and_project_under_vllm_names():
+    a = sd.Delta("ok", drafts=2, draft_tokens=4, accepted=4, accepted_per_pos=(2, 2))
+    b = sd.Delta("ok", drafts=6, draft_tokens=12, accepted=0, accepted_per_pos=(0, 0))
+    total = sd.summed([a, b, sd.Delta("absent"), sd.Delta("reset")])
+    assert (total.drafts, total.draft_tokens, total.accepted) == (8, 16, 4)
+    assert total.accepted_per_pos == (2, 2)
+    assert total.acceptance == 4 / 16  # not the mean of 1.0 and 0.0
+    assert sd.summed([sd.Delta("absent")]) is None
+    assert total.to_dict() == {
+        "status": "ok",
+        "drafts": 8,
+        "draft_tokens": 16,
+        "accepted": 4,
+        "accepted_per_pos": [2, 2],
+        "acceptance": 0.25,
+        "tokens_per_step": 1.5,
+        "per_position": [0.25, 0.25],
+    }
+    assert sd.Delta("absent").to_dict()["drafts"] is None

@@ -101,8 +101,11 @@ def shipped_path(name: str) -> Path:
     return Path(str(resources.files(__package__).joinpath("prompts", f"{name}.jsonl")))
 
 
-def resolve(sets: list[str] | tuple[str, ...] = SHIPPED, files: tuple[Path, ...] = (),
-            limit: int | None = None) -> list[PromptSet]:
+def resolve(
+    sets: list[str] | tuple[str, ...] = SHIPPED,
+    files: tuple[Path, ...] = (),
+    limit: int | None = None,
+) -> list[PromptSet]:
     """The prompt sets to run: user files if given, else the named shipped sets.
 
     ``limit`` keeps the first N prompts of each set (quick runs).

@@ -30,8 +30,10 @@ DEFINITIONS = {
     "tokens_per_step": "1 + accepted / drafts (vLLM's mean acceptance length, bonus token in)",
     "acceptance": "accepted / draft_tokens",
     "spec_source": "request = per-request metrics; counters = /metrics delta around the run "
-                   "(no other request in flight); shared = other load overlapped; absent = no "
-                   "speculative decoding on the server",
+    "(no other request in flight); shared = other load overlapped; absent = no "
+    "speculative decoding on the server; unknown = the counters reset",
+    "mtp": "the MTP probe's verdict on the endpoint (the same as doctor's and the cutover "
+    "gates'): active, idle, absent, reset",
     "speedup": "geometric mean of paired ratios, 95% Student-t CI on the log ratios",
 }
 
@@ -56,8 +58,12 @@ def environment(profile: Profile | None = None, image_labels: dict | None = None
 
 def artifact(kind: str, config: BenchConfig, env: dict, result) -> dict:
     """The JSON artifact's content for a single, paired or sweep result."""
-    body = {"kind": kind, "definitions": DEFINITIONS, "config": config.to_dict(),
-            "environment": env}
+    body = {
+        "kind": kind,
+        "definitions": DEFINITIONS,
+        "config": config.to_dict(),
+        "environment": env,
+    }
     if isinstance(result, PairedResult):
         body["endpoints"] = [result.mtp.endpoint.to_dict(), result.baseline.endpoint.to_dict()]
         body["paired"] = result.to_dict()
@@ -87,8 +93,10 @@ def _endpoint_table(res: EndpointResult) -> list[str]:
     lines = [
         f"### {ep.label}: {ep.url} ({ep.model}, vLLM {ep.vllm_version})",
         "",
-        "| set | max_tokens | runs | out tokens | TTFT ms | TPOT ms | ITL ms | out tok/s "
-        "| tok/step | acceptance | source |",
+        (
+            "| set | max_tokens | runs | out tokens | TTFT ms | TPOT ms | ITL ms | out tok/s "
+            "| tok/step | acceptance | source |"
+        ),
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for g in res.groups():
@@ -101,10 +109,18 @@ def _endpoint_table(res: EndpointResult) -> list[str]:
             f"| {','.join(spec['sources'])} |"
         )
     c = res.counters
-    lines += ["", f"Counters over the run (/metrics delta): {c.status}"
-              + ("" if c.status != "ok" else
-                 f", drafts {c.drafts}, drafted {c.draft_tokens}, accepted {c.accepted}, "
-                 f"per position {list(c.accepted_per_pos or [])}")]
+    lines += [
+        "",
+        f"Counters over the run (/metrics delta): {c.status}"
+        + (
+            ""
+            if c.status != "ok"
+            else f", drafts {c.drafts}, draft tokens {c.draft_tokens}, accepted {c.accepted}, "
+            f"accepted per position {list(c.accepted_per_pos or [])}"
+        ),
+    ]
+    if ep.mtp is not None:
+        lines.append(f"MTP probe: {ep.mtp.summary()}")
     return lines
 
 
@@ -117,32 +133,54 @@ def _speedup_line(name: str, s: dict | None) -> str:
 
 def markdown(kind: str, result) -> str:
     """The human summary printed on stdout."""
-    lines = [f"# appliance bench ({kind})", "",
-             "Medians per group. TPOT is vLLM's: (E2EL - TTFT) / (output_tokens - 1); token "
-             "counts come from `usage.completion_tokens`.", ""]
+    lines = [
+        f"# appliance bench ({kind})",
+        "",
+        (
+            "Medians per group. TPOT is vLLM's: (E2EL - TTFT) / (output_tokens - 1); token "
+            "counts come from `usage.completion_tokens`."
+        ),
+        "",
+    ]
     if isinstance(result, PairedResult):
         lines += _endpoint_table(result.mtp) + [""] + _endpoint_table(result.baseline) + [""]
         sp, par = result.speedup(), result.parity()
-        lines += ["## MTP vs baseline", "",
-                  _speedup_line("end-to-end output tok/s", sp["output_tps"]),
-                  _speedup_line("TPOT (baseline / MTP)", sp["tpot"])]
+        lines += [
+            "## MTP vs baseline",
+            "",
+            _speedup_line("end-to-end output tok/s", sp["output_tps"]),
+            _speedup_line("TPOT (baseline / MTP)", sp["tpot"]),
+        ]
         if par["checked"]:
-            lines.append(f"- output parity at temperature 0: {par['equal']} equal, "
-                         f"{par['differ']} differ" + (f" ({', '.join(par['differing'][:5])})"
-                                                      if par["differing"] else ""))
+            lines.append(
+                f"- output parity at temperature 0: {par['equal']} equal, "
+                f"{par['differ']} differ"
+                + (f" ({', '.join(par['differing'][:5])})" if par["differing"] else "")
+            )
         else:
             lines.append(f"- output parity not checked: {par['reason']}")
     elif isinstance(result, SweepResult):
-        lines += ["## k sweep", "", "| k | TPOT ms (median) | out tok/s | tok/step | acceptance "
-                  "| per position |", "| ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines += [
+            "## k sweep",
+            "",
+            "| k | TPOT ms (median) | out tok/s | tok/step | acceptance | per position |",
+            "| ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
         for row in result.rows:
             d = row.to_dict()
             pos = " / ".join(f"{p:.2f}" for p in d["per_position"] or []) or "-"
-            lines.append(f"| {row.k} | {_f(d['tpot_median_s'] and d['tpot_median_s'] * 1000, '.2f')}"
-                         f" | {d['output_tps_median']:.1f} | {_f(d['tokens_per_step'])} "
-                         f"| {_f(d['acceptance'])} | {pos} |")
-        lines += ["", f"Recommended num_speculative_tokens: **{result.recommended}** "
-                      "(lowest median TPOT above)"]
+            lines.append(
+                f"| {row.k} | {_f(d['tpot_median_s'] and d['tpot_median_s'] * 1000, '.2f')}"
+                f" | {d['output_tps_median']:.1f} | {_f(d['tokens_per_step'])} "
+                f"| {_f(d['acceptance'])} | {pos} |"
+            )
+        lines += [
+            "",
+            (
+                f"Recommended num_speculative_tokens: **{result.recommended}** "
+                "(lowest median TPOT above)"
+            ),
+        ]
     else:
         lines += _endpoint_table(result)
     return "\n".join(lines) + "\n"

@@ -1,10 +1,11 @@
 """Run benchmarks: one endpoint, or an MTP endpoint paired with its baseline.
 
-Requests run one at a time, so a ``/metrics`` snapshot before and after a request is exactly
-that request's speculative-decoding figure (unless some other client loads the server: the
-``vllm:num_requests_running`` gauge before the request says so, and the run is marked
-``shared``). When the server sends per-request metrics (vLLM >= 0.32 with
-``--per-request-spec-decode-metrics``), those are used instead (source ``request``).
+Every endpoint is first probed (:mod:`appliance.probe`: the same MTP verdict doctor and the
+cutover gates give), and every measured request is a probe too: counters read, one streamed
+generation, counters read. Requests run one at a time, so the counter delta is exactly that
+request's figure unless another client loads the server (then ``shared``); the response's
+per-request block wins when the server sends one (source ``request``). The rule is
+:func:`appliance.specdecode.attribute`'s.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from .. import specdecode
+import httpx
+
+from .. import probe, specdecode
 from ..errors import EngineError, NotVLLMError, UsageError
 from ..vllm_client import VLLMClient
 from . import stats
 from .prompts import Prompt, PromptSet
-from .stream import StreamResult, http_client, stream_chat
+from .stream import StreamResult
 
 Progress = Callable[[int], None]
 
@@ -73,15 +76,20 @@ class Endpoint:
     vllm_version: str
     speculative: bool  # the server exposes speculative-decoding counters
     api_key: str | None = field(default=None, repr=False, compare=False)  # never in artifacts
+    mtp: probe.Probe | None = field(default=None, repr=False, compare=False)  # the verdict
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("api_key")
+        d["mtp"] = (
+            None if self.mtp is None else {"summary": self.mtp.summary(), **self.mtp.evidence()}
+        )
         return d
 
 
 def open_endpoint(url: str, label: str, api_key: str | None = None) -> Endpoint:
-    """Check ``url`` is a reachable vLLM server and read what it serves (raises otherwise).
+    """Check ``url`` is a reachable vLLM server, read what it serves and probe MTP on it (the
+    probe's one generation); raises EngineError when any of it fails.
 
     ``api_key`` is sent on every ``/v1`` call to this endpoint (vLLM's ``--api-key``).
     """
@@ -92,9 +100,17 @@ def open_endpoint(url: str, label: str, api_key: str | None = None) -> Endpoint:
         models = client.models()
         if not models:
             raise NotVLLMError(f"{client.base_url} serves no model")
-        snap = client.snapshot()
-        return Endpoint(label, client.base_url, models[0].id, models[0].max_model_len, version,
-                        snap.speculative, api_key)
+        p = probe.run(client, models[0].id, timeout=300.0).raise_for_failure()
+        return Endpoint(
+            label,
+            client.base_url,
+            models[0].id,
+            models[0].max_model_len,
+            version,
+            p.state != "absent",
+            api_key,
+            p,
+        )
 
 
 @dataclass
@@ -115,7 +131,8 @@ class RunRecord:
     chunks: int
     output_tps: float
     output_sha256: str
-    spec_source: str  # request | counters | shared | absent | reset
+    spec_source: str  # specdecode.attribute's: request | counters | shared | absent | unknown
+    spec_status: str = "absent"  # the figures' Delta status: ok | absent | reset
     drafts: int | None = None
     draft_tokens: int | None = None
     accepted: int | None = None
@@ -123,30 +140,19 @@ class RunRecord:
     text: str = field(default="", repr=False)
 
     @property
-    def tokens_per_step(self) -> float | None:
-        return specdecode.tokens_per_step(self.accepted, self.drafts)
-
-    @property
-    def acceptance(self) -> float | None:
-        return specdecode.acceptance(self.accepted, self.draft_tokens)
+    def spec(self) -> specdecode.Delta:
+        """The run's figures as a Delta (whose properties are the one place of every ratio)."""
+        pos = None if self.accepted_per_pos is None else tuple(self.accepted_per_pos)
+        return specdecode.Delta(
+            self.spec_status, self.drafts, self.draft_tokens, self.accepted, pos
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("text")
-        d["tokens_per_step"] = self.tokens_per_step
-        d["acceptance"] = self.acceptance
+        d["tokens_per_step"] = self.spec.tokens_per_step
+        d["acceptance"] = self.spec.acceptance
         return d
-
-
-def _spec_figures(res: StreamResult, before: specdecode.Snapshot,
-                  after: specdecode.Snapshot) -> tuple[str, specdecode.Delta]:
-    if res.request_spec is not None:
-        return "request", res.request_spec
-    d = specdecode.delta(before, after)
-    if d.status != "ok":
-        return d.status, d
-    # Another client's request in flight: the counters also hold its tokens.
-    return ("shared" if before.running else "counters"), d
 
 
 class _Measurer:
@@ -156,28 +162,45 @@ class _Measurer:
         self.ep = ep
         self.config = config
         self.observer = VLLMClient(ep.url, timeout=30.0, api_key=ep.api_key)
-        self.http = http_client(config.timeout_s, ep.api_key)
+        self.timeout = httpx.Timeout(config.timeout_s, connect=10.0)
 
     def close(self) -> None:
         self.observer.close()
-        self.http.close()
 
-    def send(self, prompt: Prompt, max_tokens: int) -> StreamResult:
-        return stream_chat(self.http, self.ep.url, self.ep.model, prompt.messages, max_tokens,
-                           self.config.temperature, self.config.seed)
+    def send(self, prompt: Prompt, max_tokens: int):
+        return self.observer.generate(
+            self.ep.model,
+            prompt.messages,
+            max_tokens,
+            temperature=self.config.temperature,
+            seed=self.config.seed,
+            stream=True,
+            timeout=self.timeout,
+        )
 
     def measure(self, pset: str, prompt: Prompt, max_tokens: int, run: int) -> RunRecord:
-        before = self.observer.snapshot()
-        res = self.send(prompt, max_tokens)
-        after = self.observer.snapshot()
-        source, d = _spec_figures(res, before, after)
+        p = probe.observe(self.observer, self.ep.model, lambda: self.send(prompt, max_tokens))
+        res = StreamResult.from_generation(p.generation)
+        d = p.figures
         return RunRecord(
-            label=self.ep.label, prompt_set=pset, prompt_id=prompt.id, max_tokens=max_tokens,
-            run=run, ttft_s=res.ttft_s, tpot_s=res.tpot_s, e2el_s=res.e2el_s, itl_s=res.itl_s,
-            output_tokens=res.output_tokens, prompt_tokens=res.prompt_tokens, chunks=res.chunks,
+            label=self.ep.label,
+            prompt_set=pset,
+            prompt_id=prompt.id,
+            max_tokens=max_tokens,
+            run=run,
+            ttft_s=res.ttft_s,
+            tpot_s=res.tpot_s,
+            e2el_s=res.e2el_s,
+            itl_s=res.itl_s,
+            output_tokens=res.output_tokens,
+            prompt_tokens=res.prompt_tokens,
+            chunks=res.chunks,
             output_tps=res.output_tps,
             output_sha256=hashlib.sha256(res.text.encode()).hexdigest(),
-            spec_source=source, drafts=d.drafts, draft_tokens=d.draft_tokens,
+            spec_source=p.source,
+            spec_status=d.status,
+            drafts=d.drafts,
+            draft_tokens=d.draft_tokens,
             accepted=d.accepted,
             accepted_per_pos=list(d.accepted_per_pos) if d.accepted_per_pos is not None else None,
             text=res.text,
@@ -201,55 +224,42 @@ class EndpointResult:
 
     def spec_totals(self) -> dict:
         """Per-run figures summed (per-request metrics or per-run counter deltas)."""
-        usable = [r for r in self.records if r.drafts is not None]
-        drafts = sum(r.drafts for r in usable)
-        drafted = sum(r.draft_tokens for r in usable)
-        accepted = sum(r.accepted for r in usable)
-        width = max((len(r.accepted_per_pos or []) for r in usable), default=0)
-        pos = [0] * width
-        for r in usable:
-            for i, a in enumerate(r.accepted_per_pos or []):
-                pos[i] += a
-        return {
-            "sources": sorted({r.spec_source for r in self.records}),
-            "drafts": drafts if usable else None,
-            "draft_tokens": drafted if usable else None,
-            "accepted": accepted if usable else None,
-            "accepted_per_pos": pos if usable else None,
-            "acceptance": specdecode.acceptance(accepted, drafted) if usable else None,
-            "tokens_per_step": specdecode.tokens_per_step(accepted, drafts) if usable
+        total = specdecode.summed([r.spec for r in self.records])
+        figures = (total or specdecode.Delta("absent")).to_dict()
+        figures.pop("status")
+        if total is None and self.records and all(r.spec_source == "absent" for r in self.records):
             # Without speculative decoding every engine step yields exactly one token.
-            else (1.0 if self.records and all(r.spec_source == "absent" for r in self.records)
-                  else None),
-            "per_position": list(specdecode.per_position(tuple(pos), drafts) or [])
-            if usable else None,
-        }
+            figures["tokens_per_step"] = 1.0
+        return {"sources": sorted({r.spec_source for r in self.records}), **figures}
 
     def groups(self) -> list[dict]:
         """Per (prompt set, max_tokens): summaries of TTFT, TPOT, ITL, output tok/s, spec."""
-        keys = sorted({(r.prompt_set, r.max_tokens) for r in self.records},
-                      key=lambda k: (k[0], k[1]))
+        keys = sorted(
+            {(r.prompt_set, r.max_tokens) for r in self.records}, key=lambda k: (k[0], k[1])
+        )
         out = []
         for pset, mt in keys:
             rs = [r for r in self.records if (r.prompt_set, r.max_tokens) == (pset, mt)]
             sub = EndpointResult(self.endpoint, rs, specdecode.Delta("absent"))
-            out.append({
-                "prompt_set": pset,
-                "max_tokens": mt,
-                "runs": len(rs),
-                "ttft_s": _sd(stats.summarise([r.ttft_s for r in rs])),
-                "tpot_s": _sd(stats.summarise([r.tpot_s for r in rs if r.tpot_s is not None])),
-                "itl_s": _sd(stats.summarise([x for r in rs for x in r.itl_s])),
-                "output_tps": _sd(stats.summarise([r.output_tps for r in rs])),
-                "output_tokens": sum(r.output_tokens for r in rs),
-                "spec": sub.spec_totals(),
-            })
+            out.append(
+                {
+                    "prompt_set": pset,
+                    "max_tokens": mt,
+                    "runs": len(rs),
+                    "ttft_s": _sd(stats.summarise([r.ttft_s for r in rs])),
+                    "tpot_s": _sd(stats.summarise([r.tpot_s for r in rs if r.tpot_s is not None])),
+                    "itl_s": _sd(stats.summarise([x for r in rs for x in r.itl_s])),
+                    "output_tps": _sd(stats.summarise([r.output_tps for r in rs])),
+                    "output_tokens": sum(r.output_tokens for r in rs),
+                    "spec": sub.spec_totals(),
+                }
+            )
         return out
 
     def to_dict(self) -> dict:
         return {
             "endpoint": self.endpoint.to_dict(),
-            "counters_over_run": _delta_dict(self.counters),
+            "counters_over_run": self.counters.to_dict(),
             "spec_totals": self.spec_totals(),
             "groups": self.groups(),
             "runs": [r.to_dict() for r in self.records],
@@ -260,15 +270,6 @@ def _sd(s: stats.Summary | None) -> dict | None:
     return s.to_dict() if s else None
 
 
-def _delta_dict(d: specdecode.Delta) -> dict:
-    return {
-        "status": d.status, "drafts": d.drafts, "draft_tokens": d.draft_tokens,
-        "accepted": d.accepted,
-        "accepted_per_pos": list(d.accepted_per_pos) if d.accepted_per_pos is not None else None,
-        "acceptance": d.acceptance, "tokens_per_step": d.tokens_per_step,
-    }
-
-
 def _items(config: BenchConfig):
     for pset in config.prompt_sets:
         for prompt in pset.prompts:
@@ -277,8 +278,9 @@ def _items(config: BenchConfig):
                     yield pset.name, prompt, mt, run
 
 
-def run_endpoint(ep: Endpoint, config: BenchConfig,
-                 progress: Progress | None = None) -> EndpointResult:
+def run_endpoint(
+    ep: Endpoint, config: BenchConfig, progress: Progress | None = None
+) -> EndpointResult:
     """Warm up, then run every (prompt, max_tokens, run) against ``ep`` in turn."""
     m = _Measurer(ep, config)
     try:
@@ -308,28 +310,45 @@ class PairedResult:
     def parity(self) -> dict:
         """Output equality per pair; only meaningful (``checked``) at temperature 0."""
         if self.temperature != 0:
-            return {"checked": False, "reason": "temperature > 0: outputs are samples",
-                    "equal": None, "differ": None, "differing": []}
-        differing = [f"{m.prompt_set}/{m.prompt_id}/max{m.max_tokens}/run{m.run}"
-                     for m, b in self.pairs() if m.text != b.text]
-        return {"checked": True, "reason": None, "equal": len(self.pairs()) - len(differing),
-                "differ": len(differing), "differing": differing}
+            return {
+                "checked": False,
+                "reason": "temperature > 0: outputs are samples",
+                "equal": None,
+                "differ": None,
+                "differing": [],
+            }
+        differing = [
+            f"{m.prompt_set}/{m.prompt_id}/max{m.max_tokens}/run{m.run}"
+            for m, b in self.pairs()
+            if m.text != b.text
+        ]
+        return {
+            "checked": True,
+            "reason": None,
+            "equal": len(self.pairs()) - len(differing),
+            "differ": len(differing),
+            "differing": differing,
+        }
 
     def speedup(self) -> dict:
         """Paired speedups with 95% CIs: end-to-end output tok/s and TPOT (baseline / MTP)."""
         tps = [m.output_tps / b.output_tps for m, b in self.pairs() if b.output_tps > 0]
         tpot = [b.tpot_s / m.tpot_s for m, b in self.pairs() if m.tpot_s and b.tpot_s]
         s1, s2 = stats.paired_speedup(tps), stats.paired_speedup(tpot)
-        return {"output_tps": s1.to_dict() if s1 else None,
-                "tpot": s2.to_dict() if s2 else None}
+        return {"output_tps": s1.to_dict() if s1 else None, "tpot": s2.to_dict() if s2 else None}
 
     def to_dict(self) -> dict:
-        return {"mtp": self.mtp.to_dict(), "baseline": self.baseline.to_dict(),
-                "parity": self.parity(), "speedup": self.speedup()}
+        return {
+            "mtp": self.mtp.to_dict(),
+            "baseline": self.baseline.to_dict(),
+            "parity": self.parity(),
+            "speedup": self.speedup(),
+        }
 
 
-def run_paired(mtp: Endpoint, baseline: Endpoint, config: BenchConfig,
-               progress: Progress | None = None) -> PairedResult:
+def run_paired(
+    mtp: Endpoint, baseline: Endpoint, config: BenchConfig, progress: Progress | None = None
+) -> PairedResult:
     """Interleave MTP and baseline request by request, alternating which goes first.
 
     Interleaving spreads any drift of the host (thermal, other load) over both sides; the

@@ -13,10 +13,39 @@ from dataclasses import dataclass
 
 # Two-sided 95% Student-t quantiles (t_{0.975, df}); beyond the table the normal value is close.
 _T975 = {
-    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-    10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
-    18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060,
-    26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980,
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    11: 2.201,
+    12: 2.179,
+    13: 2.160,
+    14: 2.145,
+    15: 2.131,
+    16: 2.120,
+    17: 2.110,
+    18: 2.101,
+    19: 2.093,
+    20: 2.086,
+    21: 2.080,
+    22: 2.074,
+    23: 2.069,
+    24: 2.064,
+    25: 2.060,
+    26: 2.056,
+    27: 2.052,
+    28: 2.048,
+    29: 2.045,
+    30: 2.042,
+    40: 2.021,
+    60: 2.000,
+    120: 1.980,
 }
 
 
@@ -97,3 +126,14 @@ def paired_speedup(ratios: list[float]) -> Speedup | None:
         return Speedup(1, math.exp(mean), None, None)
     half = t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
     return Speedup(len(logs), math.exp(mean), math.exp(mean - half), math.exp(mean + half))
+
+
+def mean_interval(values: list[float]) -> dict | None:
+    """Mean of ``values`` with its 95% Student-t interval (``low``/``high`` None for one value)."""
+    if not values:
+        return None
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return {"n": 1, "mean": mean, "low": None, "high": None}
+    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return {"n": len(values), "mean": mean, "low": mean - half, "high": mean + half}

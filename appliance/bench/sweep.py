@@ -34,10 +34,15 @@ class SweepRow:
 
     def to_dict(self) -> dict:
         spec = self.result.spec_totals()
+        tpots = [r.tpot_s for r in self.result.records if r.tpot_s is not None]
+        tps = [r.output_tps for r in self.result.records]
         return {
             "k": self.k,
             "tpot_median_s": self.tpot_median_s,
-            "output_tps_median": stats.summarise([r.output_tps for r in self.result.records]).median,
+            "output_tps_median": stats.summarise(tps).median,
+            # 95% intervals of the means, for the report's figures against k.
+            "tpot_mean_ci_s": stats.mean_interval(tpots),
+            "output_tps_mean_ci": stats.mean_interval(tps),
             "tokens_per_step": spec["tokens_per_step"],
             "acceptance": spec["acceptance"],
             "per_position": spec["per_position"],
@@ -56,9 +61,11 @@ class SweepResult:
         return min(scored)[1] if scored else None
 
     def to_dict(self) -> dict:
-        return {"recommended_k": self.recommended,
-                "criterion": "lowest median TPOT = (E2EL - TTFT) / (output_tokens - 1)",
-                "rows": [r.to_dict() for r in self.rows]}
+        return {
+            "recommended_k": self.recommended,
+            "criterion": "lowest median TPOT = (E2EL - TTFT) / (output_tokens - 1)",
+            "rows": [r.to_dict() for r in self.rows],
+        }
 
 
 def parse_ks(text: str) -> list[int]:
@@ -102,8 +109,12 @@ def sweep_local(
     return SweepResult(rows)
 
 
-def sweep_urls(urls: dict[int, str], config: BenchConfig,
-               progress: Progress | None = None, api_key: str | None = None) -> SweepResult:
+def sweep_urls(
+    urls: dict[int, str],
+    config: BenchConfig,
+    progress: Progress | None = None,
+    api_key: str | None = None,
+) -> SweepResult:
     """Bench servers that are already running, one per k (the GPU-host path)."""
     eps = {k: open_endpoint(u, f"k={k}", api_key) for k, u in sorted(urls.items())}
     return SweepResult([SweepRow(k, run_endpoint(ep, config, progress)) for k, ep in eps.items()])

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import click
 
-from .. import doctor
+from .. import instance_facts, reports
 from ..bench import prompts, report, runner, sweep
 from ..devmodel import DRAFTER_KINDS
 from ..errors import UsageError
 from ..profiles import get
-from .doctor import api_key_options, resolve_key
+from .options import api_key_options, resolve_key, root_option
 
 
 def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
@@ -40,32 +40,94 @@ def _progress(total: int, label: str):
 @click.option("--url", default=None, help="Bench one endpoint.")
 @click.option("--mtp-url", default=None, help="Paired: the MTP endpoint ...")
 @click.option("--baseline-url", default=None, help="... and the same model without MTP.")
-@click.option("--sweep-k", default=None, help="k sweep, e.g. 1,2,3,4 (local CPU engine, or "
-              "--k-url per k on a GPU host).")
+@click.option(
+    "--sweep-k",
+    default=None,
+    help="k sweep, e.g. 1,2,3,4 (local CPU engine, or --k-url per k on a GPU host).",
+)
 @click.option("--k-url", multiple=True, help="K=URL: an already running server for that k.")
-@click.option("--profile", "profile_name", default=None,
-              help="Profile recorded in the artifact; the sweep's profile (default cpu-tiny-mtp).")
-@click.option("--drafter", type=click.Choice(DRAFTER_KINDS), default="copy", show_default=True,
-              help="Tiny drafter for the local k sweep.")
-@click.option("--instance", default=None,
-              help="Record this instance's image labels (and use its API key file).")
-@click.option("--prompts", "sets", default=",".join(prompts.SHIPPED), show_default=True,
-              help="Shipped prompt sets, comma-separated.")
-@click.option("--prompt-file", multiple=True, type=click.Path(path_type=Path),
-              help="Your JSONL prompts ({\"prompt\": ...} or {\"messages\": [...]} per line).")
+@click.option(
+    "--profile",
+    "profile_name",
+    default=None,
+    help="Profile recorded in the artifact; the sweep's profile (default cpu-tiny-mtp).",
+)
+@click.option(
+    "--drafter",
+    type=click.Choice(DRAFTER_KINDS),
+    default="copy",
+    show_default=True,
+    help="Tiny drafter for the local k sweep.",
+)
+@click.option(
+    "--instance",
+    default=None,
+    help="Record this instance's image labels (and use its API key file).",
+)
+@click.option(
+    "--prompts",
+    "sets",
+    default=",".join(prompts.SHIPPED),
+    show_default=True,
+    help="Shipped prompt sets, comma-separated.",
+)
+@click.option(
+    "--prompt-file",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help='Your JSONL prompts ({"prompt": ...} or {"messages": [...]} per line).',
+)
 @click.option("--limit", type=int, default=None, help="First N prompts of each set.")
-@click.option("--max-tokens", multiple=True, type=int, default=(64, 256), show_default=True,
-              help="Output lengths (repeatable).")
+@click.option(
+    "--max-tokens",
+    multiple=True,
+    type=int,
+    default=(64, 256),
+    show_default=True,
+    help="Output lengths (repeatable).",
+)
 @click.option("--runs", type=int, default=3, show_default=True)
 @click.option("--warmups", type=int, default=1, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=int, default=None)
-@click.option("--json-output", type=click.Path(path_type=Path), default=None,
-              help="Write the JSON artifact here (only when the bench succeeds).")
+@click.option(
+    "--json-output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the JSON artifact here (only when the bench succeeds).",
+)
+@click.option(
+    "--report",
+    "report_html",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write a self-contained HTML report (charts inline) of the same record.",
+)
+@root_option
 @api_key_options
-def bench(url, mtp_url, baseline_url, sweep_k, k_url, profile_name, drafter, instance, sets,
-          prompt_file, limit, max_tokens, runs, warmups, temperature, seed, json_output,
-          api_key, api_key_file) -> None:
+def bench(
+    url,
+    mtp_url,
+    baseline_url,
+    sweep_k,
+    k_url,
+    profile_name,
+    drafter,
+    instance,
+    sets,
+    prompt_file,
+    limit,
+    max_tokens,
+    runs,
+    warmups,
+    temperature,
+    seed,
+    json_output,
+    root,
+    api_key,
+    api_key_file,
+    report_html,
+) -> None:
     """Measure an endpoint, MTP against its baseline, or several k; Markdown on stdout.
 
     \b
@@ -82,13 +144,20 @@ def bench(url, mtp_url, baseline_url, sweep_k, k_url, profile_name, drafter, ins
     # Validate every input before touching a server: bad input costs nothing and writes nothing.
     sets_list = [s.strip() for s in sets.split(",") if s.strip()]
     config = runner.BenchConfig(
-        tuple(prompts.resolve(sets_list, tuple(prompt_file), limit)), tuple(max_tokens), runs,
-        warmups, temperature, seed)
+        tuple(prompts.resolve(sets_list, tuple(prompt_file), limit)),
+        tuple(max_tokens),
+        runs,
+        warmups,
+        temperature,
+        seed,
+    )
     profile = get(profile_name) if profile_name else None
+    if report_html:
+        reports.check_target(report_html)
     # One key for every endpoint given by URL (the local sweep's engines have none).
-    key = resolve_key(api_key, api_key_file, instance, Path("/"))
+    key = resolve_key(api_key, api_key_file, instance, root)
     secret = key.value if key else None
-    labels = doctor.instance_facts(instance).image_labels if instance else None
+    labels = instance_facts.read(instance, root).image_labels if instance else None
     env = report.environment(profile, labels)
 
     if sweep_k:
@@ -103,8 +172,13 @@ def bench(url, mtp_url, baseline_url, sweep_k, k_url, profile_name, drafter, ins
             else:
                 prof = profile or get("cpu-tiny-mtp")
                 result = sweep.sweep_local(
-                    prof, ks, config, drafter=drafter, progress=tick,
-                    on_start=lambda k: click.echo(f"\nstarting {prof.name} with k={k}", err=True))
+                    prof,
+                    ks,
+                    config,
+                    drafter=drafter,
+                    progress=tick,
+                    on_start=lambda k: click.echo(f"\nstarting {prof.name} with k={k}", err=True),
+                )
         kind = "sweep"
     elif url:
         ep = runner.open_endpoint(url, "endpoint", secret)
@@ -119,4 +193,6 @@ def bench(url, mtp_url, baseline_url, sweep_k, k_url, profile_name, drafter, ins
         kind = "paired"
     if json_output:
         report.write_artifact(json_output, report.artifact(kind, config, env, result))
+    if report_html:  # rendered from the artifact's record: one source for the page and the JSON
+        reports.write(report_html, reports.render_bench(report.artifact(kind, config, env, result)))
     click.echo(report.markdown(kind, result))

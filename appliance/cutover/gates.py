@@ -14,9 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
-
-from .. import specdecode
+from .. import probe
 from ..errors import ApplianceError, EngineError
 from ..vllm_client import VLLMClient
 from .history import Gate
@@ -24,7 +22,6 @@ from .systemd import Systemd
 
 Progress = Callable[[str], None]
 POLL = 0.5
-GENERATION_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -162,55 +159,49 @@ def _served(run: _Run, client: VLLMClient) -> None:
     run.passed("model", detail)
 
 
-def _generation_and_mtp(run: _Run, client: VLLMClient) -> None:
-    try:
-        before = client.snapshot()
-    except EngineError as exc:
-        raise run.fail("generation", f"cannot read /metrics: {exc}") from exc
-    body = {
-        "model": run.expect.served_model,
-        "prompt": "The appliance cutover gate says hello",
-        "max_tokens": GENERATION_TOKENS,
-        "temperature": 0,
-    }
-    headers = {"Authorization": f"Bearer {run.expect.api_key}"} if run.expect.api_key else {}
-    try:
-        resp = httpx.post(
-            f"{client.base_url}/v1/completions",
-            json=body,
-            headers=headers,
-            timeout=max(5.0, run.deadline - time.monotonic()),
-        )
-    except httpx.HTTPError as exc:
-        raise run.fail("generation", f"request failed: {exc}") from exc
-    if resp.status_code != 200:
-        raise run.fail("generation", f"answered {resp.status_code}: {resp.text[:200]}")
-    try:
-        tokens = int(resp.json()["usage"]["completion_tokens"])
-    except (ValueError, KeyError, TypeError):
-        raise run.fail("generation", "no usage.completion_tokens in the answer") from None
-    if tokens <= 0:
-        raise run.fail("generation", "returned no tokens")
-    run.passed("generation", f"{tokens} tokens")
-
-    try:
-        after = client.snapshot()
-    except EngineError as exc:
-        raise run.fail("mtp", f"cannot read /metrics: {exc}") from exc
-    d = specdecode.delta(before, after, run.expect.served_model)
-    if not run.expect.mtp:
-        spec = "on" if after.speculative else "off"
-        run.passed("mtp", f"not expected for this image (speculative decoding {spec})")
-        return
-    if d.status != "ok" or not d.drafts:
+def judge(expect: Expect, p: probe.Probe) -> list[tuple[str, bool, str]]:
+    """The ``generation`` and ``mtp`` gates' outcomes from one probe: ``(gate, passed, detail)``,
+    up to and including the first failure."""
+    if p.stage == "before" or p.state == "failed":
+        what = f"cannot read /metrics: {p.error}" if p.stage == "before" else p.error
+        return [("generation", False, what)]
+    if not p.completion_tokens:
+        return [("generation", False, "returned no tokens")]
+    out = [("generation", True, f"{p.completion_tokens} tokens")]
+    if p.stage == "after":
+        return [*out, ("mtp", False, f"cannot read /metrics: {p.error}")]
+    if not expect.mtp:
+        spec = "off" if p.state == "absent" else "on"
+        return [*out, ("mtp", True, f"not expected for this image (speculative decoding {spec})")]
+    if not p.working:
         why = {
             "absent": "the engine exposes no speculative-decoding counters",
             "reset": "the counters reset during the generation",
-        }.get(d.status, "no drafts")
-        raise run.fail("mtp", f"counters did not move: {why}")
-    acc = d.acceptance
-    run.passed(
-        "mtp",
-        f"drafts +{d.drafts}, draft tokens +{d.draft_tokens}, accepted +{d.accepted}"
-        + (f" (acceptance {acc:.2f})" if acc is not None else ""),
-    )
+        }.get(p.state, "no drafts")
+        return [*out, ("mtp", False, f"counters did not move: {why}")]
+    f = p.figures
+    acc = f.acceptance
+    return [
+        *out,
+        (
+            "mtp",
+            True,
+            f"drafts +{f.drafts}, draft tokens +{f.draft_tokens}, accepted +{f.accepted}"
+            + (f" (acceptance {acc:.2f})" if acc is not None else "")
+            + f", {p.source}",
+        ),
+    ]
+
+
+def probe_gates(client: VLLMClient, expect: Expect, timeout: float) -> tuple[probe.Probe, list]:
+    """Probe the engine once (one real generation of the served model) and judge the gates."""
+    p = probe.run(client, expect.served_model, timeout=max(5.0, timeout))
+    return p, judge(expect, p)
+
+
+def _generation_and_mtp(run: _Run, client: VLLMClient) -> None:
+    _, outcomes = probe_gates(client, run.expect, run.deadline - time.monotonic())
+    for name, passed, detail in outcomes:
+        if not passed:
+            raise run.fail(name, detail)
+        run.passed(name, detail)

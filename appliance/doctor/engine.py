@@ -1,0 +1,152 @@
+"""Doctor's checks of the engine: the right vLLM, the right model, and MTP really working.
+
+The MTP verdict is the probe's (:mod:`appliance.probe`), the same the cutover gates and bench
+give; doctor only maps it to ok / warn / fail against what the profile expects.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .. import labels as image_labels
+from ..probe import Probe
+from ..profiles import Profile
+from .report import Check, Status
+
+
+def version_tuple(v: str) -> tuple[int, ...]:
+    """``"0.32.0rc1+cpu"`` -> ``(0, 32, 0)``: the leading numeric release only."""
+    out = []
+    for part in v.split("+")[0].split("."):
+        m = re.match(r"\d+", part)
+        if not m:
+            break
+        out.append(int(m.group()))
+    return tuple(out)
+
+
+def version_check(version: str, profile: Profile | None, label_version: str | None) -> Check:
+    """The server's vLLM is new enough for the profile (and MTP) and matches the image label."""
+    ev = {
+        "server": version,
+        "profile_min": profile.min_vllm if profile else None,
+        "image_label": label_version,
+    }
+    if profile and version_tuple(version) < version_tuple(profile.min_vllm):
+        return Check(
+            "vllm.version",
+            "fail",
+            f"vLLM {version} is older than {profile.name} needs ({profile.min_vllm})",
+            ev,
+        )
+    if (
+        profile
+        and profile.mtp
+        and version_tuple(version) < version_tuple(image_labels.MTP_MIN_VLLM)
+    ):
+        return Check(
+            "vllm.version",
+            "fail",
+            f"vLLM {version} has no Gemma 4 MTP (needs {image_labels.MTP_MIN_VLLM})",
+            ev,
+        )
+    if label_version and version_tuple(label_version) != version_tuple(version):
+        return Check(
+            "vllm.version",
+            "fail",
+            f"server says vLLM {version}, image label says {label_version}",
+            ev,
+        )
+    return Check("vllm.version", "ok", f"vLLM {version}", ev)
+
+
+def model_check(models, profile: Profile | None) -> Check:
+    """The profile's model is served, with the profile's context length."""
+    ev = {
+        "served": [m.id for m in models],
+        "max_model_len": {m.id: m.max_model_len for m in models},
+    }
+    if profile is None:
+        return Check("model.served", "ok", f"serving {', '.join(ev['served'])}", ev)
+    want = profile.served_model_name
+    ev["profile_model"] = want
+    ev["profile_max_model_len"] = profile.max_model_len
+    match = next((m for m in models if m.id == want), None)
+    if match is None:
+        return Check("model.served", "fail", f"{want} is not served", ev)
+    if profile.max_model_len and match.max_model_len != profile.max_model_len:
+        return Check(
+            "model.served",
+            "warn",
+            f"{want} max_model_len {match.max_model_len}, profile says {profile.max_model_len}",
+            ev,
+        )
+    return Check("model.served", "ok", f"{want} served, max_model_len {match.max_model_len}", ev)
+
+
+def mtp_checks(p: Probe, profile: Profile | None) -> list[Check]:
+    """``mtp.counters`` (the probe's verdict against the profile) and ``mtp.per_request_metrics``."""
+    want = profile.mtp if profile else None
+    name = profile.name if profile else None
+    ev = p.evidence()
+    if p.state in ("unreadable", "unparsable"):
+        what = "/metrics is unparsable" if p.state == "unparsable" else "cannot read /metrics"
+        return [Check("mtp.counters", "fail", f"{what}: {p.error}", ev)]
+    if p.state == "failed":
+        return [Check("mtp.counters", "fail", f"the test generation failed: {p.error}", ev)]
+    if p.generation is None:  # --no-generate: one read, present or absent
+        ok = want is None or (p.state == "present") == want
+        return [
+            Check(
+                "mtp.counters",
+                "ok" if ok else "fail",
+                f"speculative-decoding counters {p.state} (no generation sent)",
+                ev,
+            )
+        ]
+    status: Status
+    if p.state == "absent":
+        summary = p.summary()
+        if want:
+            status, summary = "fail", f"{summary}, but profile {name} asks for MTP"
+        elif want is False:
+            status, summary = "ok", f"{summary}, as profile {name} says"
+        else:
+            status = "warn"
+    elif p.state == "reset":
+        status, summary = "warn", p.summary()
+    elif p.state == "idle":
+        status, summary = ("fail" if want is not False else "warn"), p.summary()
+    elif not p.figures.accepted:
+        status, summary = "warn", f"{p.summary()}; no draft token accepted (wrong drafter?)"
+    elif want is False:
+        status, summary = "warn", f"{p.summary()}; profile {name} has no speculative decoding"
+    else:
+        status, summary = "ok", p.summary()
+    k = profile.speculative.num_speculative_tokens if profile and profile.speculative else None
+    positions = p.figures.accepted_per_pos if p.figures else None
+    if k is not None and positions and len(positions) != k:
+        status = "warn" if status == "ok" else status
+        summary += f"; {len(positions)} draft positions, profile k={k}"
+    return [Check("mtp.counters", status, summary, ev), _per_request_check(p, profile)]
+
+
+def _per_request_check(p: Probe, profile: Profile | None) -> Check:
+    if p.per_request:
+        spec = p.generation.spec
+        return Check(
+            "mtp.per_request_metrics",
+            "ok",
+            "per-request metrics available",
+            {"drafts": spec.drafts, "draft_tokens": spec.draft_tokens, "accepted": spec.accepted},
+        )
+    if p.state == "absent":
+        return Check("mtp.per_request_metrics", "ok", "not applicable: no speculative decoding", {})
+    wanted = bool(profile and profile.per_request_spec_decode_metrics)
+    return Check(
+        "mtp.per_request_metrics",
+        "warn" if wanted else "ok",
+        "per-request metrics not available: per-call figures come from /metrics deltas "
+        "(exact only without overlapping load)",
+        {},
+    )

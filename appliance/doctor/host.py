@@ -1,0 +1,146 @@
+"""Doctor's checks of the host: the installed instance (unit, env file, container) and GPUs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable
+
+from .. import labels as image_labels
+from ..cutover.paths import ENV_DIR
+from ..instance_facts import UNIT_DIRS, InstanceFacts
+from ..profiles import Profile
+from ..units import UNIT_TEMPLATE, container_name
+from .report import Check, Status
+
+
+def instance_checks(instance: str, facts: InstanceFacts) -> list[Check]:
+    """The unit is installed, the env file names an image, the container runs that image."""
+    checks = []
+    if facts.unit_path:
+        checks.append(
+            Check(
+                "instance.unit",
+                "ok",
+                f"unit {UNIT_TEMPLATE} installed",
+                {"path": str(facts.unit_path)},
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                "instance.unit",
+                "warn",
+                f"{UNIT_TEMPLATE} is not installed here",
+                {"searched": [str(d) for d in UNIT_DIRS]},
+            )
+        )
+    if facts.env_error:
+        checks.append(
+            Check(
+                "instance.env",
+                "fail",
+                f"unreadable env file: {facts.env_error}",
+                {"path": str(facts.env_path)},
+            )
+        )
+    elif facts.env_image:
+        checks.append(
+            Check(
+                "instance.env", "ok", f"VLLM_IMAGE={facts.env_image}", {"path": str(facts.env_path)}
+            )
+        )
+    elif facts.env_path:
+        checks.append(
+            Check(
+                "instance.env", "fail", "env file has no VLLM_IMAGE", {"path": str(facts.env_path)}
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                "instance.env",
+                "warn",
+                f"no env file for instance {instance}",
+                {"expected": str(ENV_DIR / f"{instance}.env")},
+            )
+        )
+    checks.append(_container_check(instance, facts))
+    return checks
+
+
+def _container_check(instance: str, facts: InstanceFacts) -> Check:
+    name = container_name(instance)
+    if facts.docker_error:
+        return Check(
+            "instance.container", "warn", "cannot ask Docker", {"error": facts.docker_error}
+        )
+    if facts.container_status is None:
+        status: Status = "fail" if facts.env_image else "warn"
+        return Check("instance.container", status, f"no container {name}", {})
+    ev = {
+        "container": name,
+        "state": facts.container_status,
+        "image": facts.container_image,
+        "env_image": facts.env_image,
+        "labels": {
+            k: v
+            for k, v in (facts.image_labels or {}).items()
+            if k.startswith("io.gemma4-appliance") or k == image_labels.VERSION
+        },
+    }
+    if facts.container_status != "running":
+        return Check("instance.container", "fail", f"{name} is {facts.container_status}", ev)
+    if facts.env_image and facts.container_image != facts.env_image:
+        return Check(
+            "instance.container",
+            "fail",
+            f"running image {facts.container_image} is not VLLM_IMAGE "
+            f"{facts.env_image} (restart the unit to apply it)",
+            ev,
+        )
+    return Check("instance.container", "ok", f"{name} runs {facts.container_image}", ev)
+
+
+def visible_gpus(runner: Callable[[list[str]], str] | None = None) -> list[str] | None:
+    """GPU names from ``nvidia-smi -L``; ``None`` when nvidia-smi is missing or fails."""
+    if runner is None:
+        if shutil.which("nvidia-smi") is None:
+            return None
+
+        def runner(cmd: list[str]) -> str:
+            return subprocess.run(
+                cmd, capture_output=True, text=True, timeout=20, check=True
+            ).stdout
+
+    try:
+        out = runner(["nvidia-smi", "-L"])
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [line.strip() for line in out.splitlines() if line.startswith("GPU ")]
+
+
+def gpu_check(profile: Profile) -> Check:
+    """The GPUs the profile needs are visible (and of the named kind)."""
+    hw = profile.hardware
+    if hw.device != "cuda":
+        return Check(
+            "host.gpus", "ok", f"profile {profile.name} runs on {hw.device}: no GPU needed", {}
+        )
+    gpus = visible_gpus()
+    ev = {"needed": hw.gpus, "gpu_name": hw.gpu_name, "visible": gpus}
+    if not gpus:
+        return Check(
+            "host.gpus",
+            "fail",
+            f"profile {profile.name} needs {hw.gpus} GPU(s); "
+            "none visible (nvidia-smi missing or failing)",
+            ev,
+        )
+    if len(gpus) < hw.gpus:
+        return Check(
+            "host.gpus", "fail", f"{len(gpus)} GPU(s) visible, profile needs {hw.gpus}", ev
+        )
+    if hw.gpu_name and not all(hw.gpu_name in g for g in gpus[: hw.gpus]):
+        return Check("host.gpus", "warn", f"GPUs are not all {hw.gpu_name}", ev)
+    return Check("host.gpus", "ok", f"{len(gpus)} GPU(s) visible", ev)
