@@ -1,0 +1,39 @@
+"""The output canary: does the new image answer like the old one?
+
+Speculative decoding is lossless in exact arithmetic, so at temperature 0 an MTP image should
+say what its baseline said; a changed chat template, tokenizer, dtype, attention backend or vLLM
+version can quietly change it. The canary runs a small fixed set greedily against one endpoint,
+keeps every answer with its token ids, and later compares a second run against it.
+
+One job per module: ``checks`` (exact / regex / JSON-shape checks), ``cases`` (the shipped set
+and an operator's JSONL), ``client`` (one greedy request with token ids), ``record`` (run a set,
+save and load records), ``compare`` (pass rate and token parity under a policy), ``policy`` (a
+profile's ``[canary]`` table), ``gate`` (before/after for the cutover).
+"""
+
+from __future__ import annotations
+
+from .cases import CanarySet, Case
+from .compare import Comparison, Policy, compare
+from .gate import CanaryFailed, Result, after, before
+from .policy import Plan, plan
+from .record import Record, Settings, load, run, save
+
+__all__ = [
+    "CanaryFailed",
+    "CanarySet",
+    "Case",
+    "Comparison",
+    "Plan",
+    "Policy",
+    "Record",
+    "Result",
+    "Settings",
+    "after",
+    "before",
+    "compare",
+    "load",
+    "plan",
+    "run",
+    "save",
+]

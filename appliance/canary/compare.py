@@ -1,0 +1,213 @@
+"""Compare two canary records: task pass rate and token parity, judged by a policy.
+
+- Task pass rate: checked cases that passed, before and after. A drop by more than
+  ``policy.max_pass_rate_drop`` fails.
+- Token parity: the share of cases whose output token ids are identical (by text when a record
+  has no ids), and the median position (in tokens) of the first divergence among those that
+  differ. Below ``policy.min_parity`` it fails when both records ran the same vLLM version and is
+  a warning when the version changed: a new engine may legitimately move the numerics (see
+  gotchas/canary-across-vllm-versions.md), while an MTP switch, a label or a config change
+  within one version must not change a greedy answer.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import UsageError
+from .record import Output, Record
+
+Verdict = Literal["pass", "warn", "fail"]
+HEADS = {"pass": "canary passed", "warn": "canary passed with warnings", "fail": "canary FAILED"}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Thresholds: the least share of identical outputs, the largest pass-rate drop allowed."""
+
+    min_parity: float = 1.0
+    max_pass_rate_drop: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_parity <= 1.0:
+            raise UsageError(f"canary min_parity must be within 0..1, not {self.min_parity}")
+        if not 0.0 <= self.max_pass_rate_drop <= 1.0:
+            raise UsageError(
+                f"canary max_pass_rate_drop must be within 0..1, not {self.max_pass_rate_drop}"
+            )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The canary's judgement of ``after`` against ``before``."""
+
+    verdict: Verdict
+    outputs: int
+    identical: int
+    median_first_divergence: float | None
+    tasks: int
+    passed_before: int
+    passed_after: int
+    vllm_before: str
+    vllm_after: str
+    policy: Policy
+    seconds_before: float
+    seconds_after: float
+    by_text: bool = False  # a record had no token ids: parity was judged on text
+    differing: tuple[str, ...] = ()
+    failures: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        """True unless a threshold failed (a warning still passes)."""
+        return self.verdict != "fail"
+
+    @property
+    def parity(self) -> float:
+        return self.identical / self.outputs
+
+    @property
+    def version_changed(self) -> bool:
+        return self.vllm_before != self.vllm_after
+
+    def pass_rate(self, side: Literal["before", "after"]) -> float | None:
+        n = self.passed_before if side == "before" else self.passed_after
+        return n / self.tasks if self.tasks else None
+
+    def summary(self) -> str:
+        """One line for the terminal, the history's gate detail and the annotations."""
+        head = HEADS[self.verdict]
+        unit = "outputs identical by text" if self.by_text else "outputs token-identical"
+        share = f"{self.parity:.0%}, min {self.policy.min_parity:.0%}"
+        parts = [f"{self.identical}/{self.outputs} {unit} ({share})"]
+        if self.median_first_divergence is not None:
+            parts.append(f"first divergence at median token {self.median_first_divergence:g}")
+        if self.tasks:
+            n = self.tasks
+            parts.append(f"tasks {self.passed_before}/{n} -> {self.passed_after}/{n} passed")
+        if self.version_changed:
+            parts.append(f"vLLM {self.vllm_before} -> {self.vllm_after}")
+        else:
+            parts.append(f"vLLM {self.vllm_after} on both")
+        reasons = (*self.failures, *self.warnings)
+        tail = f": {'; '.join(reasons)}" if reasons else ""
+        return f"{head}{tail} [{', '.join(parts)}]"
+
+    def figures(self) -> dict:
+        """The figures for history, status and metrics (stable keys, JSON-serialisable)."""
+        return {
+            "verdict": self.verdict,
+            "outputs": self.outputs,
+            "identical": self.identical,
+            "parity": round(self.parity, 4),
+            "median_first_divergence": self.median_first_divergence,
+            "by_text": self.by_text,
+            "tasks": self.tasks,
+            "pass_rate_before": self.pass_rate("before"),
+            "pass_rate_after": self.pass_rate("after"),
+            "vllm_before": self.vllm_before,
+            "vllm_after": self.vllm_after,
+            "version_changed": self.version_changed,
+            "min_parity": self.policy.min_parity,
+            "max_pass_rate_drop": self.policy.max_pass_rate_drop,
+            "seconds_before": self.seconds_before,
+            "seconds_after": self.seconds_after,
+            "differing": list(self.differing),
+            "failures": list(self.failures),
+            "warnings": list(self.warnings),
+        }
+
+
+def first_divergence(a: Output, b: Output) -> int | None:
+    """The index of the first token where ``a`` and ``b`` differ; None when identical or when
+    either has no token ids. A strict prefix diverges where the shorter one ends."""
+    if a.token_ids is None or b.token_ids is None:
+        return None
+    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)):
+        if x != y:
+            return i
+    if len(a.token_ids) != len(b.token_ids):
+        return min(len(a.token_ids), len(b.token_ids))
+    return None
+
+
+def _identical(a: Output, b: Output) -> bool:
+    if a.token_ids is not None and b.token_ids is not None:
+        return a.token_ids == b.token_ids
+    return a.text == b.text
+
+
+def compare(before: Record, after: Record, policy: Policy = Policy()) -> Comparison:
+    """Judge ``after`` against ``before`` (records of the same cases, matched by id)."""
+    b_ids = [o.id for o in before.outputs]
+    a_by_id = {o.id: o for o in after.outputs}
+    if set(b_ids) != set(a_by_id):
+        only_b = sorted(set(b_ids) - set(a_by_id))
+        only_a = sorted(set(a_by_id) - set(b_ids))
+        raise UsageError(
+            "the records ran different canary sets "
+            f"(only before: {', '.join(only_b) or '-'}; only after: {', '.join(only_a) or '-'})",
+            fix="record both sides with the same canary set",
+        )
+    pairs = [(o, a_by_id[o.id]) for o in before.outputs]
+    differing = tuple(b.id for b, a in pairs if not _identical(b, a))
+    positions = [p for b, a in pairs if (p := first_divergence(b, a)) is not None]
+    by_text = any(b.token_ids is None or a.token_ids is None for b, a in pairs)
+    identical = len(pairs) - len(differing)
+    # Tasks are the cases checked before; an after-side without the check counts as failed.
+    tasks = [(b, a) for b, a in pairs if b.passed is not None]
+    passed_b = sum(b.passed is True for b, _ in tasks)
+    passed_a = sum(a.passed is True for _, a in tasks)
+
+    failures: list[str] = []
+    warnings: list[str] = []
+    parity = identical / len(pairs)
+    if parity < policy.min_parity:
+        what = f"token parity {parity:.0%} below {policy.min_parity:.0%}"
+        if before.vllm_version == after.vllm_version:
+            failures.append(f"{what} on one vLLM version ({after.vllm_version})")
+        else:
+            warnings.append(
+                f"{what} across vLLM {before.vllm_version} -> {after.vllm_version} "
+                "(numerics may legitimately move)"
+            )
+    if tasks:
+        drop = (passed_b - passed_a) / len(tasks)
+        # A float tolerance: 1/3 - 0 against a tolerance of exactly 1/3 must pass.
+        if drop > policy.max_pass_rate_drop + 1e-9:
+            failures.append(
+                f"task pass rate fell {passed_b}/{len(tasks)} -> {passed_a}/{len(tasks)} "
+                f"(by {drop:.0%}, tolerance {policy.max_pass_rate_drop:.0%})"
+            )
+    if before.settings != after.settings:
+        warnings.append(f"settings differ ({_settings(before)} vs {_settings(after)})")
+    if before.set_digest != after.set_digest:
+        warnings.append("the cases' prompts or checks differ between the records")
+    if before.model != after.model:
+        warnings.append(f"served model {before.model} -> {after.model}")
+    verdict: Verdict = "fail" if failures else "warn" if warnings else "pass"
+    return Comparison(
+        verdict=verdict,
+        outputs=len(pairs),
+        identical=identical,
+        median_first_divergence=float(statistics.median(positions)) if positions else None,
+        tasks=len(tasks),
+        passed_before=passed_b,
+        passed_after=passed_a,
+        vllm_before=before.vllm_version,
+        vllm_after=after.vllm_version,
+        policy=policy,
+        seconds_before=before.seconds,
+        seconds_after=after.seconds,
+        by_text=by_text,
+        differing=differing,
+        failures=tuple(failures),
+        warnings=tuple(warnings),
+    )
+
+
+def _settings(r: Record) -> str:
+    return f"max_tokens {r.settings.max_tokens}, seed {r.settings.seed}"

@@ -1,0 +1,127 @@
+"""The canary as a cutover gate: record before the restart, compare after the other gates pass.
+
+A cutover has one endpoint at a time (a 31B host cannot hold two engines), so the canary runs
+twice against the same URL: :func:`before` while the old image serves, :func:`after` once the new
+one has passed the other gates. Both print their cost. The caller turns :class:`Result` into a
+gate (``Gate("canary", result.ok, seconds, result.summary())``) and keeps
+:meth:`Result.figures` in its history entry. Nothing here touches the unit or the env file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ApplianceError, UsageError
+from . import record as records
+from .compare import Comparison, compare
+from .policy import Plan
+from .record import Record
+
+GATE = "canary"
+Progress = Callable[[str], None]
+
+
+class CanaryFailed(ApplianceError):
+    """The after-run broke the policy; ``result`` holds the figures."""
+
+    def __init__(self, result: Result) -> None:
+        super().__init__(result.summary())
+        self.result = result
+
+
+@dataclass(frozen=True)
+class Result:
+    """Both records and the comparison of one canary."""
+
+    before: Record
+    after: Record
+    comparison: Comparison
+
+    @property
+    def ok(self) -> bool:
+        return self.comparison.ok
+
+    def summary(self) -> str:
+        return self.comparison.summary()
+
+    def figures(self) -> dict:
+        """The comparison's figures plus each side's cost per prompt (history, status, metrics)."""
+        return {
+            **self.comparison.figures(),
+            "seconds_per_prompt_before": round(self.before.seconds_per_prompt, 3),
+            "seconds_per_prompt_after": round(self.after.seconds_per_prompt, 3),
+            "image_before": self.before.image,
+            "image_after": self.after.image,
+        }
+
+
+def _cases(plan: Plan):
+    if plan.cases is None:
+        raise UsageError(f"the canary is off for profile {plan.profile}")
+    return plan.cases
+
+
+def before(
+    plan: Plan,
+    url: str,
+    model: str,
+    *,
+    api_key: str | None = None,
+    image: str | None = None,
+    save_to: Path | None = None,
+    progress: Progress | None = None,
+) -> Record:
+    """Record the serving (old) image's answers; saved to ``save_to`` when given."""
+    say = progress or (lambda _m: None)
+    cases = _cases(plan)
+    say(f"canary: recording {len(cases.cases)} prompts on {image or url} before the restart")
+    rec = records.run(
+        cases,
+        url,
+        model,
+        api_key=api_key,
+        settings=plan.settings,
+        image=image,
+        profile=plan.profile,
+    )
+    if save_to is not None:
+        records.save(rec, save_to)
+    say(rec.cost())
+    return rec
+
+
+def after(
+    plan: Plan,
+    baseline: Record,
+    url: str,
+    model: str,
+    *,
+    api_key: str | None = None,
+    image: str | None = None,
+    save_to: Path | None = None,
+    progress: Progress | None = None,
+) -> Result:
+    """Record the new image's answers and judge them against ``baseline`` by the plan's policy.
+
+    Returns the result whether it passed or not (the caller decides to roll back on
+    ``not result.ok``); engine errors propagate as :class:`appliance.errors.EngineError`.
+    """
+    say = progress or (lambda _m: None)
+    say(f"canary: recording {len(_cases(plan).cases)} prompts on {image or url}")
+    rec = records.run(
+        _cases(plan),
+        url,
+        model,
+        api_key=api_key,
+        settings=plan.settings,
+        image=image,
+        profile=plan.profile,
+    )
+    if save_to is not None:
+        records.save(rec, save_to)
+    say(rec.cost())
+    result = Result(baseline, rec, compare(baseline, rec, plan.policy))
+    say(result.summary())
+    return result

@@ -1,0 +1,221 @@
+"""Record what one endpoint answers to the canary set, greedily, and save it as JSON.
+
+A record keeps, per case, the answer's text, its output token ids, ``usage.completion_tokens``,
+whether its check passed, and the seconds it took; and, for the whole run, the engine's vLLM
+version (``/version``), the image (when the caller knows it), the settings and the time taken.
+Cases run one at a time (concurrency 1): batching changes numerics on a GPU, and the canary
+compares like with like.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import EngineError, UsageError
+from ..fsutil import write_atomic
+from ..vllm_client import VLLMClient
+from .cases import CanarySet
+from .client import CanaryClient
+
+FORMAT = "appliance-canary-record/1"
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_SEED = 0
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the set was run: greedy, with a fixed seed and a fixed output length."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    seed: int = DEFAULT_SEED
+    temperature: float = 0.0  # the canary is greedy by definition; kept so a record says so
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise UsageError(f"canary max_tokens must be at least 1, not {self.max_tokens}")
+        if self.temperature != 0.0:
+            raise UsageError("the canary runs at temperature 0 only (greedy, comparable)")
+
+
+@dataclass(frozen=True)
+class Output:
+    """One case's answer. ``passed`` is None for a case without a check."""
+
+    id: str
+    kind: str
+    text: str
+    token_ids: tuple[int, ...] | None
+    completion_tokens: int
+    finish_reason: str | None
+    seconds: float
+    passed: bool | None = None
+
+
+@dataclass(frozen=True)
+class Record:
+    """One run of the canary set against one endpoint."""
+
+    url: str
+    model: str
+    vllm_version: str
+    settings: Settings
+    set_digest: str
+    sources: tuple[str, ...]
+    started: float
+    seconds: float
+    outputs: tuple[Output, ...]
+    image: str | None = None
+    profile: str | None = None
+    format: str = field(default=FORMAT)
+
+    @property
+    def tasks(self) -> int:
+        return sum(o.passed is not None for o in self.outputs)
+
+    @property
+    def passed(self) -> int:
+        return sum(o.passed is True for o in self.outputs)
+
+    @property
+    def pass_rate(self) -> float | None:
+        """Share of checked cases that passed; None when the set has no checks."""
+        return self.passed / self.tasks if self.tasks else None
+
+    @property
+    def seconds_per_prompt(self) -> float:
+        return self.seconds / len(self.outputs) if self.outputs else 0.0
+
+    def cost(self) -> str:
+        """One line: what the run cost."""
+        return (
+            f"canary: {len(self.outputs)} prompts in {self.seconds:.1f} s "
+            f"({self.seconds_per_prompt:.2f} s per prompt, max_tokens {self.settings.max_tokens}) "
+            f"on vLLM {self.vllm_version}"
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def served_model(url: str, api_key: str | None = None) -> str:
+    """The one model ``url`` serves; a UsageError when it serves several (name one)."""
+    with VLLMClient(url, api_key=api_key) as c:
+        ids = [m.id for m in c.models()]
+    if len(ids) != 1:
+        raise UsageError(
+            f"{url} serves {len(ids)} models ({', '.join(ids) or 'none'})",
+            fix="name the one to check with --model",
+        )
+    return ids[0]
+
+
+def run(
+    cset: CanarySet,
+    url: str,
+    model: str,
+    *,
+    api_key: str | None = None,
+    settings: Settings = Settings(),
+    image: str | None = None,
+    profile: str | None = None,
+    progress: Progress | None = None,
+) -> Record:
+    """Run every case of ``cset`` against ``url`` greedily and return the record."""
+    with VLLMClient(url, api_key=api_key) as c:
+        version = c.version()
+        served = [m.id for m in c.models()]
+    if model not in served:
+        raise EngineError(
+            f"{url} does not serve model {model!r} (it serves {', '.join(served) or 'nothing'})"
+        )
+    started = time.time()
+    t0 = time.perf_counter()
+    outputs = []
+    with CanaryClient(url, api_key=api_key) as client:
+        for case in cset.cases:
+            ans = client.answer(
+                model, case.messages, max_tokens=settings.max_tokens, seed=settings.seed
+            )
+            passed = case.check.passes(ans.text) if case.check is not None else None
+            outputs.append(
+                Output(
+                    id=case.id,
+                    kind=case.kind,
+                    text=ans.text,
+                    token_ids=ans.token_ids,
+                    completion_tokens=ans.completion_tokens,
+                    finish_reason=ans.finish_reason,
+                    seconds=ans.seconds,
+                    passed=passed,
+                )
+            )
+            if progress:
+                mark = {True: "pass", False: "fail", None: "-"}[passed]
+                progress(
+                    f"  {case.id}: {ans.completion_tokens} tokens, {ans.seconds:.2f} s, {mark}"
+                )
+    return Record(
+        url=client.base_url,
+        model=model,
+        vllm_version=version,
+        settings=settings,
+        set_digest=cset.digest(),
+        sources=cset.sources,
+        started=started,
+        seconds=round(time.perf_counter() - t0, 3),
+        outputs=tuple(outputs),
+        image=image,
+        profile=profile,
+    )
+
+
+def save(record: Record, path: Path | str) -> Path:
+    """Write ``record`` as JSON, atomically (a reader never sees half a record)."""
+    body = json.dumps(record.to_dict(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    return write_atomic(path, body, mode=0o644)
+
+
+def load(path: Path | str) -> Record:
+    """Read a record written by :func:`save`; anything else is a UsageError naming the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise UsageError(f"canary record {path} does not exist") from exc
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UsageError(f"cannot read canary record {path}: {exc}") from exc
+    try:
+        return from_dict(data)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(
+            f"{path} is not a canary record ({type(exc).__name__}: {exc})",
+            fix="write one with `appliance canary record`",
+        ) from exc
+
+
+def from_dict(data: dict) -> Record:
+    """A :class:`Record` from its JSON form (KeyError/TypeError/ValueError when it is not one)."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"format is not {FORMAT}")
+    outputs = []
+    for o in data["outputs"]:
+        ids = o["token_ids"]
+        if ids is not None and not all(isinstance(i, int) for i in ids):
+            raise ValueError(f"token_ids of {o['id']} are not integers")
+        outputs.append(Output(**{**o, "token_ids": tuple(ids) if ids is not None else None}))
+    if not outputs:
+        raise ValueError("no outputs")
+    return Record(
+        **{
+            **data,
+            "settings": Settings(**data["settings"]),
+            "sources": tuple(data["sources"]),
+            "outputs": tuple(outputs),
+        }
+    )

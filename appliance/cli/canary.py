@@ -1,0 +1,187 @@
+"""``appliance canary record|compare``: the cutover's output canary, by hand.
+
+For a change made without ``appliance cutover`` (a raw ``systemctl restart``, a label or flag
+edit): record before, change, record after, compare. The same library code as the cutover gate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .. import canary as lib
+from ..canary import cases as canary_cases
+from ..canary import record as records
+from ..cutover import envfile
+from ..cutover.paths import Layout
+from ..profiles import get
+from .options import api_key_options, resolve_key, root_option
+
+
+@click.group()
+def canary() -> None:
+    """Record what an endpoint answers to the canary set; compare two records."""
+
+
+def _instance_image(instance: str | None, root: Path) -> str | None:
+    """The image the instance's env file names (None without an instance or env file)."""
+    if instance is None:
+        return None
+    path = Layout(root).env_file(instance)
+    return envfile.read(path).get(envfile.IMAGE_KEY) if path.is_file() else None
+
+
+@canary.command("record")
+@click.option(
+    "--url",
+    default="http://127.0.0.1:8000",
+    show_default=True,
+    envvar="APPLIANCE_URL",
+    help="Base URL of the vLLM server.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="Write the record (JSON) here, atomically.",
+)
+@click.option("--model", default=None, help="Served model name (default: the one it serves).")
+@click.option(
+    "--profile",
+    "profile_name",
+    default=None,
+    help="Take max_tokens, seed and the operator's set from this profile's [canary] table.",
+)
+@click.option(
+    "--canary-file",
+    multiple=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Your JSONL cases; they extend the shipped set (repeatable).",
+)
+@click.option("--replace-set", is_flag=True, help="Run only the --canary-file cases.")
+@click.option("--max-tokens", type=int, default=None, help="Output length per case [64].")
+@click.option("--seed", type=int, default=None, help="Sampling seed [0] (greedy either way).")
+@click.option(
+    "--image",
+    default=None,
+    help="Image reference to record (default: the --instance's VLLM_IMAGE).",
+)
+@click.option("--instance", default=None, help="Use this instance's API key file (and image).")
+@root_option
+@api_key_options
+def canary_record(
+    url: str,
+    out: Path,
+    model: str | None,
+    profile_name: str | None,
+    canary_file: tuple[Path, ...],
+    replace_set: bool,
+    max_tokens: int | None,
+    seed: int | None,
+    image: str | None,
+    instance: str | None,
+    root: Path,
+    api_key: str | None,
+    api_key_file: Path | None,
+) -> None:
+    """Run the canary set greedily against one endpoint and save the answers with token ids.
+
+    \b
+    Example (around a raw restart):
+      appliance canary record --instance 31b --url http://127.0.0.1:8050 --out before.json
+      systemctl restart gemma4-vllm@31b
+      appliance canary record --instance 31b --url http://127.0.0.1:8050 --out after.json
+      appliance canary compare before.json after.json --profile l4x4-31b-mtp
+    """
+    # Every input is validated before a request is sent or a file written.
+    if profile_name:
+        plan = lib.plan(
+            get(profile_name),
+            root=root,
+            enabled=True,
+            files=canary_file,
+            replace=replace_set or None,
+        )
+        cset, settings = plan.cases, plan.settings
+        model = model or get(profile_name).served_model_name
+    else:
+        cset, settings = canary_cases.resolve(canary_file, replace=replace_set), lib.Settings()
+    settings = lib.Settings(
+        max_tokens=settings.max_tokens if max_tokens is None else max_tokens,
+        seed=settings.seed if seed is None else seed,
+    )
+    key = resolve_key(api_key, api_key_file, instance, root)
+    secret = key.value if key else None
+    image = image or _instance_image(instance, root)
+    model = model or records.served_model(url, secret)
+    click.echo(
+        f"canary: {len(cset.cases)} cases ({cset.tasks} checked) from {', '.join(cset.sources)}, "
+        f"max_tokens {settings.max_tokens}",
+        err=True,
+    )
+    rec = lib.run(
+        cset,
+        url,
+        model,
+        api_key=secret,
+        settings=settings,
+        image=image,
+        profile=profile_name,
+        progress=lambda m: click.echo(m, err=True),
+    )
+    lib.save(rec, out)
+    rate = f", tasks {rec.passed}/{rec.tasks} passed" if rec.tasks else ""
+    click.echo(f"{rec.cost()}{rate}; wrote {out}")
+
+
+@canary.command("compare")
+@click.argument("before", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("after", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--profile",
+    "profile_name",
+    default=None,
+    help="Judge by this profile's [canary] thresholds (default: 100% parity, no task drop).",
+)
+@click.option("--min-parity", type=float, default=None, help="Least share of identical outputs.")
+@click.option(
+    "--max-pass-rate-drop", type=float, default=None, help="Largest task pass-rate drop allowed."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def canary_compare(
+    before: Path,
+    after: Path,
+    profile_name: str | None,
+    min_parity: float | None,
+    max_pass_rate_drop: float | None,
+    as_json: bool,
+) -> None:
+    """Compare two records; exit 0 when the canary passes (warnings included), 1 when it fails.
+
+    \b
+    Example:
+      appliance canary compare before.json after.json --profile l4x4-31b-mtp
+    """
+    base = lib.Policy()
+    if profile_name:
+        c = get(profile_name).canary
+        base = lib.Policy(min_parity=c.min_parity, max_pass_rate_drop=c.max_pass_rate_drop)
+    policy = lib.Policy(
+        min_parity=base.min_parity if min_parity is None else min_parity,
+        max_pass_rate_drop=base.max_pass_rate_drop
+        if max_pass_rate_drop is None
+        else max_pass_rate_drop,
+    )
+    b, a = lib.load(before), lib.load(after)
+    result = lib.compare(b, a, policy)
+    if as_json:
+        click.echo(json.dumps(result.figures(), indent=2))
+    else:
+        click.echo(result.summary())
+        for cid in result.differing:
+            click.echo(f"  differs: {cid}")
+    if not result.ok:
+        sys.exit(1)

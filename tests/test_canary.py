@@ -1,0 +1,335 @@
+"""The canary without an engine: the shipped set, checks, an operator's JSONL, profiles' policy,
+record files, and compare's judgement on records (the real-engine runs are test_canary_engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+
+import pytest
+from click.testing import CliRunner
+
+from appliance import canary, profiles
+from appliance.canary import cases, checks
+from appliance.canary.record import Output, Record, Settings
+from appliance.cli import cli
+from appliance.errors import UsageError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the shipped set and checks --------------------------------------------------------------
+
+
+def test_shipped_set_has_each_kind_and_checkable_tasks():
+    s = cases.shipped()
+    kinds = [c.kind for c in s.cases]
+    for kind in ("prose", "code", "structured"):
+        assert kinds.count(kind) >= 2, kind
+    kinds_of_checks = {c.check.kind for c in s.cases if c.check}
+    assert kinds_of_checks == {"exact", "regex", "json"}
+    assert s.tasks >= 4
+    assert len({c.id for c in s.cases}) == len(s.cases)
+
+
+@pytest.mark.parametrize(
+    ("spec", "text", "ok"),
+    [
+        ({"exact": "391"}, " 391.\n", True),
+        ({"exact": "391"}, "The answer is 391", False),
+        ({"regex": "^\\W*Paris\\b"}, "**Paris**", True),
+        ({"regex": "^\\W*Paris\\b"}, "It is Paris", False),
+        (
+            {"json": {"city": "string", "population": "integer"}},
+            '```json\n{"city": "Lyon", "population": 522000}\n```',
+            True,
+        ),
+        (
+            {"json": {"city": "string", "population": "integer"}},
+            '{"city": "Lyon", "population": "522000"}',
+            False,
+        ),
+        ({"json": {"city": "string"}}, "Lyon is a city", False),
+        ({"json": ["integer"]}, "[2, 3, 5]", True),
+        ({"json": ["integer"]}, "[2, 3.5, 5]", False),
+        ({"json": ["integer"]}, "[]", False),
+        ({"json": ["integer"]}, "[true]", False),  # a bool is not an integer here
+    ],
+)
+def test_checks_judge_answers(spec, text, ok):
+    assert checks.parse(spec).passes(text) is ok
+
+
+def test_shipped_tasks_pass_on_right_answers():
+    right = {
+        "task-multiply": "391",
+        "task-capital": "Paris",
+        "task-iso-date": "2026-07-04",
+        "task-json-city": '{"city": "Lyon", "population": 522250}',
+        "task-json-list": "[2, 3, 5]",
+    }
+    by_id = {c.id: c for c in cases.shipped().cases if c.check}
+    assert set(by_id) == set(right)
+    for cid, answer in right.items():
+        assert by_id[cid].check.passes(answer), cid
+        assert not by_id[cid].check.passes("I cannot answer that."), cid
+
+
+# --- an operator's JSONL ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "invalid JSON"),
+        ('["a list"]', "expected a JSON object"),
+        ('{"prompt": "hi"}', "needs a non-empty string 'id'"),
+        ('{"id": "a", "prompt": "hi", "chek": {"exact": "1"}}', "unknown key(s) chek"),
+        ('{"id": "a", "kind": "poetry", "prompt": "hi"}', "kind 'poetry'"),
+        ('{"id": "a"}', "exactly one of 'prompt' or 'messages'"),
+        ('{"id": "a", "messages": [{"role": "user"}]}', "'messages' must be"),
+        ('{"id": "a", "kind": "task", "prompt": "hi"}', "a 'task' needs a 'check'"),
+        ('{"id": "a", "prompt": "hi", "check": {"regex": "("}}', "does not compile"),
+        ('{"id": "a", "prompt": "hi", "check": {"json": {"x": "str"}}}', "unknown type 'str'"),
+        ('{"id": "a", "prompt": "hi", "check": {"json": 3}}', "a shape is a type name"),
+        ('{"id": "a", "prompt": "hi", "check": {"contains": "x"}}', "unknown check 'contains'"),
+        ('{"id": "prose-dawn", "prompt": "hi"}', "already in canary.jsonl"),
+    ],
+)
+def test_malformed_operator_line_is_refused_naming_file_and_line(tmp_path, line, message):
+    f = tmp_path / "ops.jsonl"
+    f.write_text('{"id": "ok-1", "prompt": "fine"}\n\n' + line + "\n")
+    with pytest.raises(UsageError) as err:
+        cases.resolve((f,))
+    text = str(err.value)
+    assert "\n" not in text
+    assert str(f) in text
+    if "already in" not in message:
+        assert "line 3" in text
+    assert message in text
+
+
+def test_duplicate_id_within_a_file_names_both_lines(tmp_path):
+    f = tmp_path / "ops.jsonl"
+    f.write_text('{"id": "x", "prompt": "a"}\n{"id": "x", "prompt": "b"}\n')
+    with pytest.raises(UsageError, match=r"line 2: id 'x' already used on line 1"):
+        cases.resolve((f,))
+
+
+def test_operator_file_extends_or_replaces_the_shipped_set(tmp_path):
+    f = tmp_path / "ops.jsonl"
+    f.write_text(
+        '{"id": "ops-sys", "messages": [{"role": "system", "content": "Be terse."}, '
+        '{"role": "user", "content": "Name a colour."}]}\n'
+        '{"id": "ops-n", "prompt": "2+2? Number only.", "check": {"exact": "4"}}\n'
+    )
+    shipped = cases.shipped()
+    extended = cases.resolve((f,))
+    assert [c.id for c in extended.cases] == [c.id for c in shipped.cases] + ["ops-sys", "ops-n"]
+    assert extended.sources == ("canary.jsonl", str(f))
+    replaced = cases.resolve((f,), replace=True)
+    assert [c.id for c in replaced.cases] == ["ops-sys", "ops-n"]
+    assert replaced.tasks == 1
+    assert extended.digest() != shipped.digest() != replaced.digest()
+    with pytest.raises(UsageError, match="needs a canary file"):
+        cases.resolve((), replace=True)
+
+
+# --- profiles' [canary] ----------------------------------------------------------------------
+
+
+def test_canary_is_on_by_default_for_the_mtp_profiles_only():
+    on = {n for n, p in profiles.all_profiles().items() if p.canary.enabled}
+    mtp = {n for n, p in profiles.all_profiles().items() if p.mtp}
+    assert on == mtp
+    assert "cpu-tiny-mtp" in on and "l4x4-31b" not in on
+    assert profiles.get("cpu-tiny-mtp").canary.min_parity == 1.0
+
+
+def test_plan_reads_the_profile_and_refuses_bad_values(tmp_path):
+    prof = profiles.get("l4x4-31b-mtp")
+    p = canary.plan(prof, root=tmp_path)
+    assert p.enabled and p.policy == canary.Policy(0.8, 0.2)
+    assert p.cases.digest() == cases.shipped().digest()
+    off = canary.plan(profiles.get("l4x4-31b"), root=tmp_path)
+    assert not off.enabled and off.cases is None
+
+    # A relative prompts path is the operator's file under <root>/etc/gemma4-vllm.
+    ops = tmp_path / "etc/gemma4-vllm/canary-31b.jsonl"
+    ops.parent.mkdir(parents=True)
+    ops.write_text('{"id": "mine", "prompt": "hello"}\n')
+    mine = dataclasses.replace(
+        prof, canary=dataclasses.replace(prof.canary, prompts="canary-31b.jsonl", replace=True)
+    )
+    assert [c.id for c in canary.plan(mine, root=tmp_path).cases.cases] == ["mine"]
+
+    bad = dataclasses.replace(prof, canary=dataclasses.replace(prof.canary, min_parity=80))
+    with pytest.raises(UsageError, match=r"profile l4x4-31b-mtp \[canary\]: .*min_parity"):
+        canary.plan(bad, root=tmp_path)
+
+
+def test_unknown_canary_key_in_a_profile_is_refused():
+    data = {"name": "x", "description": "x", "model": "m", "served_model_name": "m"}
+    with pytest.raises(UsageError, match=r"\[canary\]: unknown field\(s\) min_pariti"):
+        profiles.from_dict({**data, "canary": {"min_pariti": 1.0}}, where="x.toml")
+
+
+# --- compare on records ----------------------------------------------------------------------
+
+
+def _rec(ids: dict[str, tuple[int, ...]], *, passed=None, version="0.32.0", **kw) -> Record:
+    passed = passed or {}
+    outs = tuple(
+        Output(
+            cid,
+            "task" if cid in passed else "prose",
+            f"text-{t}",
+            t,
+            len(t),
+            "length",
+            0.1,
+            passed.get(cid),
+        )
+        for cid, t in ids.items()
+    )
+    base = {
+        "url": "http://127.0.0.1:1",
+        "model": "m",
+        "vllm_version": version,
+        "settings": Settings(),
+        "set_digest": "d",
+        "sources": ("canary.jsonl",),
+        "started": 0.0,
+        "seconds": 1.0,
+        "outputs": outs,
+    }
+    return Record(**(base | kw))
+
+
+def test_identical_records_pass():
+    a = _rec({"p": (1, 2, 3), "t": (4, 5)}, passed={"t": True})
+    c = canary.compare(a, a)
+    assert c.verdict == "pass" and c.ok
+    assert (c.identical, c.outputs, c.parity, c.median_first_divergence) == (2, 2, 1.0, None)
+    assert c.summary().startswith("canary passed [2/2 outputs token-identical (100%")
+
+
+def test_parity_failure_and_median_first_divergence():
+    before = _rec({"a": (1, 2, 3, 4), "b": (1, 2, 3, 4), "c": (1, 2), "d": (9,)})
+    after = _rec({"a": (1, 2, 3, 4), "b": (1, 7, 3, 4), "c": (1, 2, 5), "d": (8,)})
+    c = canary.compare(before, after)
+    assert not c.ok and c.verdict == "fail"
+    assert c.differing == ("b", "c", "d")
+    # b diverges at 1, c is a strict prefix (diverges at 2), d at 0: median 1.
+    assert c.median_first_divergence == 1.0
+    assert c.parity == 0.25
+    assert "token parity 25% below 100% on one vLLM version (0.32.0)" in c.summary()
+    assert canary.compare(before, after, canary.Policy(min_parity=0.25)).ok
+
+
+def test_parity_below_threshold_is_a_warning_across_vllm_versions():
+    before = _rec({"a": (1, 2)}, version="0.21.0")
+    after = _rec({"a": (1, 3)}, version="0.32.0")
+    c = canary.compare(before, after)
+    assert c.ok and c.verdict == "warn" and c.version_changed
+    assert "numerics may legitimately move" in c.summary()
+    assert "vLLM 0.21.0 -> 0.32.0" in c.summary()
+    assert c.figures()["version_changed"] is True
+
+
+def test_task_pass_rate_drop_beyond_tolerance_fails_even_across_versions():
+    ids = {"t1": (1,), "t2": (2,), "t3": (3,), "t4": (4,), "t5": (5,)}
+    before = _rec(
+        ids, passed={"t1": True, "t2": True, "t3": True, "t4": True, "t5": False}, version="0.19.0"
+    )
+    after = _rec(
+        ids,
+        passed={"t1": True, "t2": False, "t3": False, "t4": True, "t5": False},
+        version="0.21.0",
+    )
+    loose = canary.Policy(min_parity=0.0, max_pass_rate_drop=0.2)
+    c = canary.compare(before, after, loose)
+    assert not c.ok
+    assert "task pass rate fell 4/5 -> 2/5 (by 40%, tolerance 20%)" in c.summary()
+    assert (c.pass_rate("before"), c.pass_rate("after")) == (0.8, 0.4)
+    # One task lost of five is within a 20% tolerance (exactly at it).
+    after1 = _rec(ids, passed={"t1": True, "t2": True, "t3": False, "t4": True, "t5": False})
+    assert canary.compare(before, after1, loose).ok
+
+
+def test_records_without_token_ids_compare_by_text():
+    before = _rec({"a": (1,)})
+    after = _rec({"a": (1,)})
+    after = dataclasses.replace(
+        after, outputs=(dataclasses.replace(after.outputs[0], token_ids=None),)
+    )
+    c = canary.compare(before, after)
+    assert c.ok and c.by_text and "identical by text" in c.summary()
+
+
+def test_different_case_ids_are_refused():
+    with pytest.raises(UsageError, match="only before: b; only after: c"):
+        canary.compare(_rec({"a": (1,), "b": (2,)}), _rec({"a": (1,), "c": (2,)}))
+
+
+# --- record files ----------------------------------------------------------------------------
+
+
+def test_record_round_trips_and_bad_files_are_refused(tmp_path):
+    rec = _rec({"a": (1, 2)}, passed={"a": True}, image="gemma4-vllm:mtp")
+    path = canary.save(rec, tmp_path / "r.json")
+    assert canary.load(path) == rec
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left beside it
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"bad.json is not a canary record"):
+        canary.load(tmp_path / "bad.json")
+    (tmp_path / "trunc.json").write_text(path.read_text()[:40])
+    with pytest.raises(UsageError, match=r"cannot read canary record .*trunc.json"):
+        canary.load(tmp_path / "trunc.json")
+    with pytest.raises(UsageError, match="does not exist"):
+        canary.load(tmp_path / "none.json")
+
+
+def test_cli_compare_exit_codes_and_json(tmp_path):
+    a = canary.save(_rec({"a": (1, 2), "b": (3,)}), tmp_path / "a.json")
+    b = canary.save(_rec({"a": (1, 2), "b": (4,)}), tmp_path / "b.json")
+    r = CliRunner().invoke(cli, ["canary", "compare", str(a), str(a)])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("canary passed")
+    r = CliRunner().invoke(cli, ["canary", "compare", str(a), str(b)])
+    assert r.exit_code == 1
+    assert "canary FAILED" in r.output and "differs: b" in r.output
+    r = CliRunner().invoke(
+        cli, ["canary", "compare", str(a), str(b), "--min-parity", "0.5", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["parity"] == 0.5
+    r = CliRunner().invoke(cli, ["canary", "compare", str(a), str(b), "--min-parity", "2"])
+    assert r.exit_code == 2 and "min_parity must be within 0..1" in r.output
+
+
+# --- refused before anything is sent ---------------------------------------------------------
+
+
+def test_malformed_set_is_refused_before_any_connection(tmp_path):
+    # Nothing listens on the port: had the command connected first, the error would be the
+    # engine's ("cannot reach"), not the set's.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": \n')
+    out = tmp_path / "out.json"
+    url = f"http://127.0.0.1:{_free_port()}"
+    r = CliRunner().invoke(
+        cli, ["canary", "record", "--url", url, "--out", str(out), "--canary-file", str(bad)]
+    )
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines() == [f"Error: {bad} line 2: invalid JSON (Expecting value)"]
+    assert not out.exists()
+    # The same URL with a good set does try to connect: the ordering above is what was tested.
+    r = CliRunner().invoke(cli, ["canary", "record", "--url", url, "--out", str(out)])
+    assert r.exit_code == 1 and "cannot reach" in r.output
+    assert not out.exists()

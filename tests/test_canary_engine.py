@@ -1,0 +1,193 @@
+"""The canary against the real CPU engines (vLLM 0.32, one tiny target): MTP on vs off within
+one version is lossless at temperature 0 with either drafter; a changed answer fails; a
+malformed set sends nothing; the CLI end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from appliance import canary, profiles
+from appliance.canary import cases
+from appliance.cli import cli
+from appliance.vllm_client import VLLMClient
+
+pytestmark = pytest.mark.engine
+
+POLICY = canary.plan(profiles.get("cpu-tiny-mtp")).policy  # 100% parity, no task drop
+
+
+def _record(engine, **kw) -> canary.Record:
+    rec = canary.run(cases.shipped(), engine.url, engine.profile.served_model_name, **kw)
+    print(f"{engine.profile.name}: {rec.cost()}")  # the cost, for the gotcha (pytest -s)
+    return rec
+
+
+@pytest.fixture(scope="module")
+def rec_baseline(baseline_engine) -> canary.Record:
+    return _record(baseline_engine)
+
+
+@pytest.fixture(scope="module")
+def rec_mtp(mtp_engine) -> canary.Record:
+    return _record(mtp_engine)
+
+
+def _requests_done(url: str) -> float:
+    text = VLLMClient(url).metrics_text()
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    )
+
+
+def test_record_keeps_token_ids_usage_and_version(rec_baseline):
+    assert rec_baseline.vllm_version == "0.32.0"
+    assert rec_baseline.settings == canary.Settings(max_tokens=64, seed=0)
+    assert len(rec_baseline.outputs) == len(cases.shipped().cases)
+    for o in rec_baseline.outputs:
+        assert o.token_ids is not None and len(o.token_ids) == o.completion_tokens > 0
+        assert o.text
+    assert rec_baseline.tasks == cases.shipped().tasks
+    assert rec_baseline.seconds > 0
+
+
+def test_mtp_on_is_lossless_with_the_copy_drafter(rec_baseline, rec_mtp):
+    c = canary.compare(rec_baseline, rec_mtp, POLICY)
+    assert c.verdict == "pass", c.summary()
+    assert (c.identical, c.parity, c.median_first_divergence) == (c.outputs, 1.0, None)
+    assert not c.by_text and not c.version_changed
+    assert c.passed_before == c.passed_after
+
+
+def test_mtp_on_is_lossless_with_the_random_drafter(rec_baseline, mtp_random_engine):
+    # Acceptance ~0: every token comes from the target's own verification, none from a draft.
+    c = canary.compare(rec_baseline, _record(mtp_random_engine), POLICY)
+    assert c.verdict == "pass", c.summary()
+    assert c.parity == 1.0
+
+
+def test_a_changed_answer_fails_on_one_version(rec_mtp, mtp_engine):
+    # Same engine, same prompts, a shorter answer: what a changed generation config does.
+    short = _record(mtp_engine, settings=canary.Settings(max_tokens=40))
+    c = canary.compare(rec_mtp, short, POLICY)
+    assert not c.ok
+    assert "on one vLLM version (0.32.0)" in c.summary()
+    assert "settings differ (max_tokens 64, seed 0 vs max_tokens 40, seed 0)" in c.summary()
+    # Every answer that ran past 40 tokens diverges exactly where the shorter one stops.
+    long_ones = [o.id for o in rec_mtp.outputs if o.completion_tokens > 40]
+    assert long_ones and set(long_ones) <= set(c.differing)
+    assert c.median_first_divergence == 40.0
+
+
+def test_a_different_system_prompt_is_compared_case_by_case(rec_mtp, mtp_engine, tmp_path):
+    # The shipped ids with a system message in front: a changed chat input under the same ids.
+    ops = tmp_path / "system.jsonl"
+    ops.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": c.id,
+                    "kind": c.kind,
+                    "messages": [{"role": "system", "content": "Answer in French."}, *c.messages],
+                    **({"check": c.check.to_dict()} if c.check else {}),
+                }
+            )
+            + "\n"
+            for c in cases.shipped().cases
+        )
+    )
+    cset = cases.resolve((ops,), replace=True)
+    changed = canary.run(cset, mtp_engine.url, mtp_engine.profile.served_model_name)
+    c = canary.compare(rec_mtp, changed, POLICY)
+    assert "the cases' prompts or checks differ between the records" in c.warnings
+    # The tiny target greedily repeats its last input token: whether the system message changes
+    # an answer depends on the chat template's tail, so the verdict must follow the ids.
+    assert c.ok == (c.identical == c.outputs)
+    assert c.differing == tuple(
+        o.id
+        for o, n in zip(rec_mtp.outputs, changed.outputs, strict=True)
+        if o.token_ids != n.token_ids
+    )
+
+
+def test_an_edited_record_fails_compare_in_the_cli(rec_mtp, tmp_path):
+    before = canary.save(rec_mtp, tmp_path / "before.json")
+    first = rec_mtp.outputs[0]
+    ids = list(first.token_ids)
+    ids[3] = ids[3] + 1
+    edited = dataclasses.replace(
+        rec_mtp, outputs=(dataclasses.replace(first, token_ids=tuple(ids)), *rec_mtp.outputs[1:])
+    )
+    after = canary.save(edited, tmp_path / "after.json")
+    r = CliRunner().invoke(cli, ["canary", "compare", str(before), str(after), "--json"])
+    assert r.exit_code == 1, r.output
+    figures = json.loads(r.output)
+    assert figures["differing"] == [first.id]
+    assert figures["median_first_divergence"] == 3
+    assert figures["verdict"] == "fail"
+
+
+def test_malformed_set_sends_no_request_to_the_engine(baseline_engine, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"id": "fine", "prompt": "hello"}\n{"id": "x", "kind": "task", "prompt": "y"}\n'
+    )
+    out = tmp_path / "rec.json"
+    done = _requests_done(baseline_engine.url)
+    r = CliRunner().invoke(
+        cli,
+        [
+            "canary",
+            "record",
+            "--url",
+            baseline_engine.url,
+            "--out",
+            str(out),
+            "--canary-file",
+            str(bad),
+        ],
+    )
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == f"Error: {bad} line 2: a 'task' needs a 'check'"
+    assert not out.exists()
+    assert _requests_done(baseline_engine.url) == done
+
+
+def test_cli_record_and_compare_end_to_end(baseline_engine, mtp_random_engine, tmp_path):
+    # An installed instance's files under --root: its key file is read by the one rule (the
+    # engine has no key and ignores the header) and its env file names the image recorded.
+    etc = tmp_path / "root/etc/gemma4-vllm"
+    etc.mkdir(parents=True)
+    (etc / "tiny.api-key").write_text("s3cret-key\r\n")
+    (etc / "tiny.env").write_text("VLLM_IMAGE=gemma4-vllm:0.32.0-mtp\n")
+    runner = CliRunner()
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    base = ["canary", "record", "--profile", "cpu-tiny-mtp", "--root", str(tmp_path / "root")]
+    r = runner.invoke(cli, [*base, "--url", baseline_engine.url, "--out", str(a)])
+    assert r.exit_code == 0, r.output
+    assert re.search(
+        r"canary: 14 prompts in [\d.]+ s \([\d.]+ s per prompt, max_tokens 64\)", r.output
+    ), r.output
+    r = runner.invoke(
+        cli, [*base, "--url", mtp_random_engine.url, "--out", str(b), "--instance", "tiny"]
+    )
+    assert r.exit_code == 0, r.output
+    assert canary.load(b).image == "gemma4-vllm:0.32.0-mtp"
+    assert canary.load(a).image is None
+    r = runner.invoke(cli, ["canary", "compare", str(a), str(b), "--profile", "cpu-tiny-mtp"])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("canary passed [14/14 outputs token-identical (100%, min 100%)")
+
+    # An empty key file is refused before anything is sent or written.
+    (etc / "tiny.api-key").write_text("\n")
+    c = tmp_path / "c.json"
+    r = runner.invoke(
+        cli, [*base, "--url", baseline_engine.url, "--out", str(c), "--instance", "tiny"]
+    )
+    assert r.exit_code == 2 and "is empty" in r.output
+    assert not c.exists()
