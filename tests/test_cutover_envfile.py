@@ -1,8 +1,10 @@
-"""The env file: one assignment changes, every other byte stays, and a kill never leaves half."""
+"""The env file: one parser with one rule (what systemd could read otherwise is refused), one
+assignment changes while every other byte stays, and a kill never leaves half."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from appliance.cli import cli
 from appliance.cutover import envfile
 from appliance.cutover.paths import Layout
 from appliance.errors import UsageError
+from appliance.fsutil import write_atomic
 
 SEED_LIKE = (
     b"# gemma4-vllm@31b: written by appliance install\n"
@@ -65,16 +68,68 @@ def test_every_other_line_is_preserved_byte_for_byte(before, after):
     assert new == "\n".join([*before, "VLLM_IMAGE=new:2", *after]).encode()
 
 
-def test_write_atomic_keeps_the_mode_and_reads_back(tmp_path):
+def test_an_edit_written_atomically_keeps_the_mode_and_reads_back(tmp_path):
     path = tmp_path / "etc" / "i.env"
     path.parent.mkdir()
     path.write_bytes(SEED_LIKE)
     path.chmod(0o600)
-    old, new = envfile.set_image(path, "gemma4-vllm:mtp")
-    assert old == SEED_LIKE
+    new = envfile.read(path).with_value(envfile.IMAGE_KEY, "gemma4-vllm:mtp")
+    write_atomic(path, new)
     assert path.read_bytes() == new
+    assert envfile.read(path).get(envfile.IMAGE_KEY) == "gemma4-vllm:mtp"
     assert path.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in path.parent.iterdir()] == ["i.env"]  # no temp file left
+
+
+# --- the one rule ---------------------------------------------------------------------------
+
+
+def test_the_values_systemd_and_the_appliance_both_read():
+    raw = (
+        b"# a back\\slash inside a comment is harmless\n"
+        b"; also a comment\n"
+        b"\n"
+        b"  A = 1  \n"
+        b"B='two words'\n"
+        b'C="x:1"\r\n'
+        b"D=\n"
+        b"E=a # not a comment in systemd either\n"
+        b"A=last wins"
+    )
+    assert envfile.parse(raw) == {
+        "A": "last wins",
+        "B": "two words",
+        "C": "x:1",
+        "D": "",
+        "E": "a # not a comment in systemd either",
+    }
+
+
+AMBIGUOUS = [
+    # systemd < 254 joins the next line to a comment ending in a backslash (M9).
+    (b"VLLM_IMAGE=a\n# note \\\nVLLM_IMAGE=b\n", 2, "comment ending in a backslash"),
+    (b"VLLM_IMAGE=a\\\nb\n", 1, "could read this line differently"),  # continuation
+    (b'VLLM_IMAGE="a"b\n', 1, "could read this line differently"),  # concatenation
+    (b"VLLM_IMAGE=a'b'\n", 1, "could read this line differently"),
+    (b'VLLM_IMAGE="a\nb"\n', 1, "could read this line differently"),  # multi-line quote
+    (b'X="a\\"b"\n', 1, "could read this line differently"),  # an escaped quote
+    (b"export VLLM_IMAGE=a\n", 1, "could read this line differently"),
+    (b"VLLM_IMAGE\n", 1, "could read this line differently"),
+    (b"1X=a\n", 1, "could read this line differently"),
+    (b"X=\xff\n", 1, "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize(("raw", "line", "why"), AMBIGUOUS)
+def test_a_line_systemd_could_read_differently_is_refused_naming_it(raw, line, why):
+    with pytest.raises(envfile.EnvFileSyntaxError, match=re.escape(f"x.env:{line}: ") + ".*" + why):
+        envfile.parse(raw, "x.env")
+
+
+def test_set_value_refuses_a_value_that_would_not_read_back():
+    for value in ('a"b', "a\\b", "'a", "x:1\nEVIL=1"):
+        with pytest.raises(UsageError):
+            envfile.set_value(SEED_LIKE, "VLLM_IMAGE", value)
 
 
 def test_read_missing_file_says_install_first(tmp_path):
@@ -86,12 +141,12 @@ def test_read_missing_file_says_install_first(tmp_path):
 _WRITER = """
 import sys
 from pathlib import Path
-from appliance.cutover import envfile
+from appliance.fsutil import write_atomic
 path, a, b = Path(sys.argv[1]), Path(sys.argv[2]).read_bytes(), Path(sys.argv[3]).read_bytes()
 print("go", flush=True)
 while True:
-    envfile.write_atomic(path, b)
-    envfile.write_atomic(path, a)
+    write_atomic(path, b)
+    write_atomic(path, a)
 """
 
 
@@ -124,12 +179,30 @@ def test_a_port_that_is_not_a_port_is_a_usage_error_naming_the_file(tmp_path, va
     env_path = Layout(tmp_path).env_file("i1")
     env_path.parent.mkdir(parents=True)
     env_path.write_text(
-        f"VLLM_IMAGE=gemma4-vllm:pre-mtp\nAPPLIANCE_PROFILE=cpu-tiny\nVLLM_PORT={value}\n"
+        "VLLM_IMAGE=gemma4-vllm:pre-mtp\nAPPLIANCE_PROFILE=cpu-tiny\nVLLM_HOST=127.0.0.1\n"
+        f"VLLM_PORT={value}\n"
     )
     before = env_path.read_bytes()
     result = CliRunner().invoke(cli, ["cutover", "i1", "gemma4-vllm:mtp", "--root", str(tmp_path)])
     assert result.exit_code == 2, result.output
     assert f"Error: VLLM_PORT={value!r} in {env_path} is not a TCP port" in result.output
     assert "Traceback" not in result.output
+    assert env_path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["i1.env"]
+
+
+def test_cutover_refuses_an_ambiguous_env_file_before_anything_is_touched(tmp_path):
+    """The M9 case: systemd 252 runs image a, a lax parser would read and rewrite b."""
+    env_path = Layout(tmp_path).env_file("i1")
+    env_path.parent.mkdir(parents=True)
+    env_path.write_bytes(
+        b"VLLM_IMAGE=gemma4-vllm:a\nAPPLIANCE_PROFILE=cpu-tiny\nVLLM_HOST=127.0.0.1\n"
+        b"VLLM_PORT=8000\n# note \\\nVLLM_IMAGE=gemma4-vllm:b\n"
+    )
+    before = env_path.read_bytes()
+    for args in (["cutover", "i1", "gemma4-vllm:mtp"], ["status", "i1"]):
+        result = CliRunner().invoke(cli, [*args, "--root", str(tmp_path)])
+        assert result.exit_code == 2, result.output
+        assert f"Error: {env_path}:5: a comment ending in a backslash" in result.output
     assert env_path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["i1.env"]

@@ -27,7 +27,8 @@ def _cutover(tree, image: str, *extra: str):
 
 def test_without_a_previous_image_it_says_so_not_no_rollback(mtp_instance, preflight_images):
     env = mtp_instance.env_path
-    env.write_text("APPLIANCE_PROFILE=cpu-tiny-mtp\n")  # no VLLM_IMAGE: nothing to return to
+    # No VLLM_IMAGE: nothing to return to.
+    env.write_text("APPLIANCE_PROFILE=cpu-tiny-mtp\nVLLM_HOST=127.0.0.1\nVLLM_PORT=8000\n")
     result = _cutover(mtp_instance, preflight_images["mtp"])
     assert result.exit_code == 4, result.output
     error = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]

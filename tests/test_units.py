@@ -1,28 +1,49 @@
-"""The unit, env file and serve script: rendered, written, verified by the tools that consume them.
+"""The unit, the one serve script, and each instance's env and args files: rendered, written,
+upgraded from the old layout, uninstalled, and verified by the tools that consume them.
 
 systemd-analyze verify and shellcheck are the real tools (a test fails on ANY output: both only
-warn for some defects). Install and render are driven through the CLI and the Python API against
-temporary roots; bad inputs must leave the tree byte-for-byte as it was.
+warn for some defects); the serve script itself runs (real bash) wherever it gets no further
+than the files, i.e. before its first docker call. Install and render are driven through the
+CLI and the Python API against temporary roots; bad inputs must leave the tree byte-for-byte as
+it was.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from plugins.units import install_old_layout
 
-from appliance import profiles, units
+from appliance import labels, profiles, units
 from appliance.cli import cli
+from appliance.cutover import envfile
+from appliance.cutover.paths import Layout
+from appliance.errors import UsageError
 from appliance.profiles.validate import ProfileError
-from appliance.units import examples
+from appliance.units import examples, instance, template
 
 REPO = Path(__file__).resolve().parents[1]
+SOURCE_SCRIPT = REPO / "appliance" / "units" / "serve.sh"
 SHIPPED = sorted(profiles.all_profiles())
 MIG = "mig24-e4b-mtp"
+# What the serve script runs besides bash builtins, docker left out: it stops at its first call.
+SCRIPT_TOOLS = ("sort", "head")
+
+
+@pytest.fixture(scope="session")
+def no_docker_path(tmp_path_factory) -> str:
+    """A PATH with the script's tools and no docker (whatever the host has installed)."""
+    bin_dir = tmp_path_factory.mktemp("no-docker-bin")
+    for tool in SCRIPT_TOOLS:
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    return str(bin_dir)
 
 
 def opts_for(name: str, **kw) -> units.Options:
@@ -45,80 +66,69 @@ def snapshot(root: Path) -> dict[str, tuple[bytes, int, int]]:
     return out
 
 
+def records(text: str) -> list[tuple[str, str]]:
+    """An args file's records as the serve script reads them (``read -r kind value``)."""
+    out = []
+    for line in text.splitlines():
+        kind, _, value = line.strip().partition(" ")
+        if kind and not kind.startswith("#"):
+            out.append((kind, value.strip()))
+    return out
+
+
+def of_kind(text: str, kind: str) -> list[str]:
+    return [v for k, v in records(text) if k == kind]
+
+
+def serve(root: Path, name: str, command: str, path: str, **env: str):
+    """The installed serve script, run as the unit runs it: the env file's values in its
+    environment (systemd's EnvironmentFile=), ``env`` on top, files under ``root``, and ``path``
+    as PATH."""
+    values = envfile.read(root / units.paths(name).env).values
+    return subprocess.run(
+        [str(root / units.paths(name).script), name, command],
+        env={**values, **env, "PATH": path, "APPLIANCE_ROOT": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 # --- golden examples ---------------------------------------------------------------------------
 
 
 def test_committed_examples_match_what_the_profiles_render():
-    assert examples.check(REPO) == [], "run: appliance render-examples"
+    assert examples.check(REPO) == [], "run: appliance generate"
 
 
-def test_every_shipped_profile_has_committed_examples():
+def test_every_shipped_profile_has_committed_env_and_args_and_one_script_serves_all():
     for name in SHIPPED:
         assert (REPO / "systemd" / "env" / f"{name}.env").is_file()
-        assert os.access(REPO / "scripts" / "serve" / f"serve-{name}.sh", os.X_OK)
+        assert (REPO / "systemd" / "args" / f"{name}.args").is_file()
     assert (REPO / "systemd" / "gemma4-vllm@.service").is_file()
+    assert [p.name for p in (REPO / "scripts" / "serve").iterdir()] == ["serve.sh"]
+    assert os.access(REPO / "scripts" / "serve" / "serve.sh", os.X_OK)
+    # The committed copy is the script install writes, byte for byte.
+    assert (REPO / examples.SCRIPT).read_bytes() == SOURCE_SCRIPT.read_bytes()
 
 
 def test_the_drift_check_fails_on_a_stale_missing_or_stray_example(tmp_path):
     for folder in ("systemd", "scripts/serve"):
         shutil.copytree(REPO / folder, tmp_path / folder)
     assert examples.check(tmp_path) == []
-    script = tmp_path / "scripts/serve/serve-l4x4-31b-mtp.sh"
-    script.write_text(script.read_text().replace("--port 8050", "--port 8051"))
+    args = tmp_path / "systemd/args/l4x4-31b-mtp.args"
+    args.write_text(re.sub(r"^(serve +)4096$", r"\g<1>4097", args.read_text(), flags=re.MULTILINE))
     (tmp_path / "systemd/env/cpu-tiny.env").unlink()
-    (tmp_path / "systemd/env/handmade.env").write_text("VLLM_IMAGE=x\n")
+    (tmp_path / "scripts/serve/serve-cpu-tiny.sh").write_text("#!/bin/bash\n")
     problems = examples.check(tmp_path)
-    assert "scripts/serve/serve-l4x4-31b-mtp.sh: out of date" in problems
+    assert "systemd/args/l4x4-31b-mtp.args: out of date" in problems
     assert "systemd/env/cpu-tiny.env: missing" in problems
-    assert any(p.startswith("systemd/env/handmade.env: not generated") for p in problems)
-    result = run("render-examples", "--check", "--repo", str(tmp_path))
-    assert result.exit_code == 1
-    assert "Error: 3 example(s) out of date (run: appliance render-examples)" in result.output
-    assert run("render-examples", "--repo", str(tmp_path)).exit_code == 0
-    (tmp_path / "systemd/env/handmade.env").unlink()
-    assert run("render-examples", "--check", "--repo", str(tmp_path)).exit_code == 0
+    assert any(p.startswith("scripts/serve/serve-cpu-tiny.sh: not generated") for p in problems)
+    assert len(problems) == 3
 
 
-# --- systemd-analyze verify and shellcheck -----------------------------------------------------
-
-
-def verify_root(tmp_path: Path) -> Path:
-    """A root holding the host's own unit files, so verify resolves docker.service and friends."""
-    root = tmp_path / "root"
-    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
-    return root
-
-
-@pytest.mark.parametrize("name", SHIPPED)
-def test_installed_unit_passes_systemd_analyze_verify_silently(tmp_path, name):
-    if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed (scripts/setup-system.sh)")
-    root = verify_root(tmp_path)
-    units.install(name, name, root=root, options=opts_for(name))
-    # A template is verified through an instance name: that resolves %i in every path.
-    proc = subprocess.run(
-        ["systemd-analyze", "verify", f"--root={root}", units.unit_name(name)],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
-
-
-def test_verify_is_not_vacuous(tmp_path):
-    """The same check reports an instance whose serve script is missing or not executable."""
-    if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed (scripts/setup-system.sh)")
-    root = verify_root(tmp_path)
-    units.install("cpu-tiny", "a", root=root)
-    (root / units.paths("a").script).chmod(0o644)
-    proc = subprocess.run(
-        ["systemd-analyze", "verify", f"--root={root}", units.unit_name("a")],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    assert "serve-a.sh is not executable" in proc.stdout + proc.stderr
+# --- the serve script: shellcheck, and the facts it shares with Python ----------------------------
 
 
 def shellcheck(path: Path) -> subprocess.CompletedProcess:
@@ -127,10 +137,8 @@ def shellcheck(path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["shellcheck", str(path)], check=False, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("name", SHIPPED)
-def test_rendered_serve_scripts_pass_shellcheck(tmp_path, name):
-    units.render_to(name, name, tmp_path, opts_for(name))
-    proc = shellcheck(tmp_path / units.paths(name).script)
+def test_the_serve_script_passes_shellcheck():
+    proc = shellcheck(SOURCE_SCRIPT)
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
 
 
@@ -140,52 +148,278 @@ def test_committed_scripts_pass_shellcheck():
         assert (proc.returncode, proc.stdout + proc.stderr) == (0, ""), script
 
 
-# --- what the files say -----------------------------------------------------------------------
+def test_shellcheck_is_not_vacuous(tmp_path):
+    bad = tmp_path / "bad.sh"
+    bad.write_text(
+        SOURCE_SCRIPT.read_text().replace(
+            'exec docker "${DOCKER_ARGS[@]}"', "exec docker ${DOCKER_ARGS[@]}"
+        )
+    )
+    assert "SC2068" in shellcheck(bad).stdout
 
 
-def test_unit_runs_the_instance_script_with_its_env_file_restart_policy_and_timeout():
-    files = units.render("l4x4-31b-mtp", "x")
-    unit = files[units.paths("x").unit].content
+def test_the_script_and_python_agree_on_labels_limits_and_names():
+    text = SOURCE_SCRIPT.read_text()
+    consts = dict(re.findall(r"^readonly ([A-Z_]+)=(\S+)", text, re.MULTILINE))
+    assert consts["LABEL_MTP"] == labels.MTP
+    assert consts["LABEL_VLLM_VERSION"] == labels.VLLM_VERSION
+    assert consts["LABEL_VERSION"] == labels.VERSION
+    assert consts["LABEL_INSTANCE"] == labels.INSTANCE
+    assert consts["PER_REQUEST_METRICS_MIN_VLLM"] == labels.PER_REQUEST_METRICS_MIN_VLLM
+    assert consts["CONTAINER_MODEL_DIR"] == template.CONTAINER_MODEL_DIR
+    assert int(consts["STOP_GRACE_S"]) == template.STOP_GRACE_S
+    assert int(consts["ARGS_FORMAT"]) == template.ARGS_FORMAT
+    assert int(consts["EX_CONFIG"]) == 78
+    assert '[[ "$mtp" == true ]]' in text and labels.TRUE == "true"
+    # The instance-name rule: the script's regex is Python's.
+    assert f'[[ "$1" =~ ^{template._INSTANCE.pattern}$ ]]' in text
+
+
+# --- systemd-analyze verify ----------------------------------------------------------------------
+
+
+def verify_root(tmp_path: Path) -> Path:
+    """A root holding the host's own unit files, so verify resolves docker.service and friends."""
+    root = tmp_path / "root"
+    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+    return root
+
+
+def verify(root: Path, *names: str) -> subprocess.CompletedProcess:
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed (scripts/setup-system.sh)")
+    # A template is verified through an instance name: that resolves %i in every path.
+    return subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", *map(units.unit_name, names)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_installed_unit_passes_systemd_analyze_verify_silently(tmp_path, name):
+    root = verify_root(tmp_path)
+    units.install(name, name, root=root, options=opts_for(name))
+    proc = verify(root, name)
+    assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
+
+
+def test_two_instances_of_two_profiles_share_one_serve_script(tmp_path):
+    root = verify_root(tmp_path)
+    units.install("l4x4-31b-mtp", "big", root=root)
+    units.install("cpu-tiny", "small", root=root, options=units.Options(port=8123))
+    libexec = root / "usr/local/libexec/gemma4-vllm"
+    assert [p.name for p in libexec.iterdir()] == ["serve"]
+    assert (libexec / "serve").read_bytes() == SOURCE_SCRIPT.read_bytes()
+    assert len(list((root / "etc/systemd/system").glob("gemma4-vllm@*"))) == 1
+    for name, profile, port in (("big", "l4x4-31b-mtp", "8050"), ("small", "cpu-tiny", "8123")):
+        env = envfile.read(root / units.paths(name).env)
+        assert (env.get("APPLIANCE_PROFILE"), env.get("VLLM_PORT")) == (profile, port)
+        args = (root / units.paths(name).args).read_text()
+        assert of_kind(args, "profile") == [profile]
+    proc = verify(root, "big", "small")
+    assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
+
+
+def test_verify_is_not_vacuous(tmp_path):
+    """The same check reports an instance whose serve script is not executable."""
+    root = verify_root(tmp_path)
+    units.install("cpu-tiny", "a", root=root)
+    (root / units.paths("a").script).chmod(0o644)
+    proc = verify(root, "a")
+    assert "gemma4-vllm/serve is not executable" in proc.stdout + proc.stderr
+
+
+# --- what the files say ------------------------------------------------------------------------
+
+
+def test_unit_runs_the_one_script_with_the_instance_its_env_file_restart_policy_and_timeout():
+    unit = files_of_render("l4x4-31b-mtp", "x")["unit"]
+    serve_path = "/usr/local/libexec/gemma4-vllm/serve"
     for line in (
+        "Type=exec",
         "EnvironmentFile=/etc/gemma4-vllm/%i.env",
-        "ExecStartPre=/usr/local/libexec/gemma4-vllm/serve-%i.sh remove",
-        "ExecStart=/usr/local/libexec/gemma4-vllm/serve-%i.sh run",
-        "ExecStartPost=/usr/local/libexec/gemma4-vllm/serve-%i.sh wait-healthy",
-        "ExecStop=/usr/local/libexec/gemma4-vllm/serve-%i.sh stop",
+        f"ExecStartPre={serve_path} %i remove",
+        f"ExecStart={serve_path} %i run",
+        f"ExecStartPost={serve_path} %i wait-healthy",
+        f"ExecStop={serve_path} %i stop",
+        f"ExecStopPost=-{serve_path} %i remove",
         "Restart=on-failure",
         "RestartPreventExitStatus=78",
+        "StartLimitBurst=5",
     ):
         assert line in unit.splitlines(), line
     timeout = next(x for x in unit.splitlines() if x.startswith("TimeoutStartSec="))
     assert int(timeout.split("=")[1]) >= 2 * 471  # the seed's 31B load, with margin
+    # The unit is the same for every instance and profile: nothing of a profile is in it.
+    assert files_of_render("cpu-tiny", "y")["unit"] == unit
 
 
-def test_script_carries_the_profile_flags_and_mtp_only_behind_the_label():
-    script = units.render("mig24-e4b-mtp", "m0", opts_for(MIG))[units.paths("m0").script].content
-    assert "--max-num-batched-tokens 4096" in script
-    assert "--enable-prefix-caching" in script
-    assert "--host 127.0.0.1" in script and "--network host" in script
-    assert '--gpus "$gpus"' in script and "--ipc host" in script
-    spec = script.index("--speculative-config")
-    assert script.rindex('if [[ "$mtp" == true ]]; then', 0, spec) > 0
-    cpu = units.render("cpu-tiny-mtp", "c")[units.paths("c").script].content
-    assert "--gpus" not in cpu and "--shm-size 1g" in cpu
-    assert '--volume "$MODEL_DIR:/models:ro"' in cpu
-    assert "/models/target" in cpu and '"model":"/models/drafter"' in cpu
-    # The baseline profile never mentions speculative decoding flags.
-    assert (
-        "--speculative-config" not in units.render("l4x4-31b", "b")[units.paths("b").script].content
-    )
+def files_of_render(profile: str, name: str) -> dict[str, str]:
+    files = units.render(profile, name, opts_for(profile))
+    p = units.paths(name)
+    return {role: files[getattr(p, role)].content for role in ("unit", "env", "args")}
+
+
+def test_args_carry_the_profile_flags_and_mtp_only_as_mtp_records():
+    f = files_of_render(MIG, "m0")
+    serve_args = of_kind(f["args"], "serve")
+    assert serve_args[serve_args.index("--max-num-batched-tokens") + 1] == "4096"
+    assert "--enable-prefix-caching" in serve_args
+    # Host and port are the env file's (the operator's): the script adds them from there.
+    assert "--host" not in serve_args and "--port" not in serve_args
+    assert "VLLM_HOST=127.0.0.1" in f["env"].splitlines()
+    assert of_kind(f["args"], "mtp")[0] == "--speculative-config"
+    assert "--speculative-config" not in serve_args
+    assert of_kind(f["args"], "docker")[:2] == ["--ipc", "host"]
+    assert of_kind(f["args"], "require") == ["VLLM_GPUS", "HF_CACHE_DIR", "VLLM_CACHE_DIR"]
+    cpu = files_of_render("cpu-tiny-mtp", "c")
+    assert of_kind(cpu["args"], "docker")[:2] == ["--shm-size", "1g"]
+    assert of_kind(cpu["args"], "serve")[0] == "/models/target"
+    assert of_kind(cpu["args"], "mtp") == [
+        "--speculative-config",
+        '{"method":"mtp","model":"/models/drafter","num_speculative_tokens":2}',
+    ]
+    assert of_kind(cpu["args"], "per-request") == ["--per-request-spec-decode-metrics", "detailed"]
+    assert "VLLM_GPUS" not in of_kind(cpu["args"], "require")
+    # The baseline profile has no speculative decoding records at all.
+    base = files_of_render("l4x4-31b", "b")["args"]
+    assert of_kind(base, "mtp") == [] and of_kind(base, "per-request") == []
+
+
+def test_args_records_are_the_profiles_exact_serve_arguments():
+    for name in SHIPPED:
+        prof = profiles.get(name)
+        dm = "/models" if prof.uses_devmodel else None
+        args = files_of_render(name, "e")["args"]
+        expected = prof.serve_args(devmodel=dm, speculative=False)
+        i = expected.index("--host")
+        del expected[i : i + 4]  # --host H --port P: from the env file
+        assert of_kind(args, "serve") == expected, name
+        assert of_kind(args, "mtp") == prof.speculative_args(devmodel=dm), name
 
 
 def test_the_api_key_is_passed_by_name_only():
-    script = units.render("l4x4-31b-mtp", "x")[units.paths("x").script].content
-    assert 'VLLM_API_KEY="$(<"$API_KEY_FILE")"' in script
-    assert "key_args=(--env VLLM_API_KEY)" in script
+    script = SOURCE_SCRIPT.read_text()
+    assert "KEY_ARGS=(--env VLLM_API_KEY)" in script
     assert "--api-key" not in script
 
 
-# --- install: modes, idempotence, kept image ----------------------------------------------------
+# --- profile strings are data, never code -------------------------------------------------------
+
+MARK = "/tmp/gemma4-units-pwned"
+
+
+def hostile(**changes) -> profiles.Profile:
+    return dataclasses.replace(profiles.get("cpu-tiny-mtp"), **changes)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"host": f"$(id>{MARK})"}, "is not an IP address or host name"),
+        ({"host": "-x"}, "is not an IP address or host name"),
+        ({"description": "tiny\nVLLM_IMAGE=evil:1"}, "description must be one line"),
+        ({"name": "a b"}, "invalid profile name"),
+        ({"name": "x\nVLLM_IMAGE=evil:1"}, "invalid profile name"),
+        ({"env": {"A;id": "1"}}, "invalid environment variable name"),
+        ({"env": {"A": "1\nVLLM_IMAGE=evil:1"}}, "cannot be passed as one argument"),
+        ({"served_model_name": "tiny\nmtp --evil"}, "cannot be passed as one argument"),
+        ({"extra_args": (" --lead-space",)}, "cannot be passed as one argument"),
+        ({"port": 0}, "is not a TCP port"),
+        ({"extra_args": ("--port=9",)}, "extra_args sets --port"),
+    ],
+    ids=lambda v: repr(v)[:40] if isinstance(v, dict) else None,
+)
+def test_a_profile_string_that_could_be_code_is_refused(tmp_path, changes, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        units.install(hostile(**changes), "h", root=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+SHELL_TOKENS = (
+    f"$(touch {MARK}-1)",
+    f"`touch {MARK}-2`",
+    f"x'; touch {MARK}-3; '",
+    f'x"; touch {MARK}-4; "',
+    f"a b && touch {MARK}-5 # c \\",
+)
+
+
+def test_shell_in_profile_tokens_is_one_argument_and_never_runs(tmp_path, no_docker_path):
+    """Tokens a profile may hold (a served name, extra flags, env values) reach the args file
+    verbatim, each one record; the real script reads them without running any of them."""
+    for mark in Path("/tmp").glob("gemma4-units-pwned*"):
+        mark.unlink()
+    prof = hostile(
+        served_model_name=SHELL_TOKENS[0],
+        extra_args=SHELL_TOKENS[1:],
+        env={"EVIL": SHELL_TOKENS[0]},
+    )
+    units.install(prof, "h", root=tmp_path, options=units.Options(model_dir=str(tmp_path)))
+    args = (tmp_path / units.paths("h").args).read_text()
+    serve_args = of_kind(args, "serve")
+    assert serve_args[serve_args.index("--served-model-name") + 1] == SHELL_TOKENS[0]
+    assert serve_args[-len(SHELL_TOKENS) + 1 :] == list(SHELL_TOKENS[1:])
+    assert f"EVIL={SHELL_TOKENS[0]}" in of_kind(args, "docker")
+    env_text = (tmp_path / units.paths("h").env).read_text()
+    assert "touch" not in env_text
+    assert "touch" not in (tmp_path / units.paths("h").unit).read_text()
+    # The real script reads every record, checks the env, then stops at its first docker call.
+    proc = serve(tmp_path, "h", "print", no_docker_path)
+    assert proc.returncode == 78, proc.stderr
+    assert "is not on this host" in proc.stderr
+    assert not list(Path("/tmp").glob("gemma4-units-pwned*"))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("VLLM_HOST", f"$(touch {MARK})", "is not an IP address or host name"),
+        ("VLLM_PORT", "80;id", "is not a TCP port"),
+        ("VLLM_PORT", "70000", "is not a TCP port"),
+        ("VLLM_IMAGE", f"x$(touch {MARK})", "is not a valid image reference"),
+        ("VLLM_CACHE_DIR", "/tmp/a b", "is not a plain absolute path"),
+        ("VLLM_GPUS", "all;id", "expected all, a count or device="),
+        ("APPLIANCE_PROFILE", "cpu-tiny", "but /"),
+        ("VLLM_HOST", "", "VLLM_HOST is not set"),
+    ],
+)
+def test_a_bad_env_value_is_a_configuration_error_before_docker(
+    tmp_path, no_docker_path, key, value, message
+):
+    units.install("cpu-tiny-mtp", "e", root=tmp_path, options=units.Options(model_dir="/tmp"))
+    proc = serve(tmp_path, "e", "print", no_docker_path, **{key: value})
+    assert proc.returncode == 78 and proc.stdout == "", proc.stderr
+    assert message in proc.stderr and key in proc.stderr
+    assert not Path(MARK).exists()
+
+
+def test_a_missing_or_foreign_args_file_is_a_configuration_error(tmp_path, no_docker_path):
+    units.install("cpu-tiny", "e", root=tmp_path)
+    args = tmp_path / units.paths("e").args
+    args.write_text(args.read_text().replace("format  1", "format  2"))
+    assert "has format '2'" in serve(tmp_path, "e", "print", no_docker_path).stderr
+    args.write_text("format 1\nprofile cpu-tiny\nserve x\nexec rm -rf /\n")
+    proc = serve(tmp_path, "e", "print", no_docker_path)
+    assert proc.returncode == 78 and "unknown record 'exec'" in proc.stderr
+    args.write_text("format 1\nprofile cpu-tiny\nserve x\nrequire PATH\n")
+    assert "requires 'PATH'" in serve(tmp_path, "e", "print", no_docker_path).stderr
+    args.unlink()
+    proc = serve(tmp_path, "e", "print", no_docker_path)
+    assert proc.returncode == 78 and "cannot read" in proc.stderr
+
+
+def test_the_script_refuses_a_bad_instance_name_or_command(tmp_path):
+    units.install("cpu-tiny", "e", root=tmp_path)
+    script = str(tmp_path / units.paths("e").script)
+    for argv in (["../e", "print"], ["e"], ["e", "explode"], ["$(id)", "run"]):
+        proc = subprocess.run([script, *argv], capture_output=True, text=True, check=False)
+        assert proc.returncode == 2 and "usage:" in proc.stderr, argv
+
+
+# --- install: modes, idempotence, kept values ----------------------------------------------------
 
 
 def test_install_writes_every_file_with_its_mode(tmp_path):
@@ -195,14 +429,21 @@ def test_install_writes_every_file_with_its_mode(tmp_path):
     assert result.exit_code == 0, result.output
     p = units.paths("t1")
     modes = {
-        rel: (tmp_path / rel).stat().st_mode & 0o777 for rel in (p.unit, p.env, p.script, p.api_key)
+        rel: (tmp_path / rel).stat().st_mode & 0o777
+        for rel in (p.unit, p.env, p.args, p.script, p.api_key)
     }
-    assert modes == {p.unit: 0o644, p.env: 0o644, p.script: 0o755, p.api_key: 0o600}
+    assert modes == {
+        p.unit: 0o644,
+        p.env: 0o644,
+        p.args: 0o644,
+        p.script: 0o755,
+        p.api_key: 0o600,
+    }
     key = (tmp_path / p.api_key).read_text().strip()
     assert len(key) >= 32
     assert key not in result.output
-    env = units.parse_env((tmp_path / p.env).read_text())
-    assert env["VLLM_IMAGE"] == units.DEFAULT_IMAGE
+    env = envfile.read(tmp_path / p.env)
+    assert env.get("VLLM_IMAGE") == units.DEFAULT_IMAGE
     assert not list(tmp_path.rglob(".*.tmp"))  # no temporary file left behind
 
 
@@ -210,35 +451,42 @@ def test_install_is_idempotent(tmp_path):
     units.install("l4x4-31b-mtp", "ref", root=tmp_path)
     before = snapshot(tmp_path)
     result = units.install("l4x4-31b-mtp", "ref", root=tmp_path)
-    assert result.written == [] and len(result.unchanged) == 4
+    assert result.written == [] and result.removed == [] and len(result.unchanged) == 5
     assert snapshot(tmp_path) == before
     cli_result = run("install", "-p", "l4x4-31b-mtp", "-i", "ref", "--root", str(tmp_path))
     assert "wrote" not in cli_result.output and snapshot(tmp_path) == before
 
 
-def test_install_keeps_the_image_values_and_port_already_there(tmp_path):
+def test_install_keeps_the_image_values_host_and_port_already_there(tmp_path):
     units.install(
-        "cpu-tiny-mtp", "c", root=tmp_path, options=units.Options(port=8123, model_dir="/srv/tiny")
+        "cpu-tiny-mtp",
+        "c",
+        root=tmp_path,
+        options=units.Options(port=8123, host="::1", model_dir="/srv/tiny"),
     )
     env_path = tmp_path / units.paths("c").env
     key_before = (tmp_path / units.paths("c").api_key).read_bytes()
     # What a cutover does: rewrite the one assignment.
-    env_path.write_text(
-        env_path.read_text().replace(
-            "VLLM_IMAGE=gemma4-vllm:latest", "VLLM_IMAGE=gemma4-vllm:pre-mtp"
-        )
-    )
-    units.install("cpu-tiny-mtp", "c", root=tmp_path)
-    env = units.parse_env(env_path.read_text())
-    assert env["VLLM_IMAGE"] == "gemma4-vllm:pre-mtp"
-    assert env["MODEL_DIR"] == "/srv/tiny"
-    assert "readonly PORT=8123" in (tmp_path / units.paths("c").script).read_text()
+    env_path.write_bytes(envfile.read(env_path).with_value("VLLM_IMAGE", "gemma4-vllm:pre-mtp"))
+    # No --profile: the one the env file names.
+    assert run("install", "-i", "c", "--root", str(tmp_path)).exit_code == 0
+    inst = instance.read(tmp_path, "c")
+    assert (inst.image, inst.host, inst.port) == ("gemma4-vllm:pre-mtp", "::1", 8123)
+    assert inst.base_url == "http://[::1]:8123"
+    assert envfile.read(env_path).get("MODEL_DIR") == "/srv/tiny"
     assert (tmp_path / units.paths("c").api_key).read_bytes() == key_before
     # An explicit --image is the operator saying so: it wins.
     units.install(
         "cpu-tiny-mtp", "c", root=tmp_path, options=units.Options(image="gemma4-vllm:mtp")
     )
-    assert units.parse_env(env_path.read_text())["VLLM_IMAGE"] == "gemma4-vllm:mtp"
+    assert instance.read(tmp_path, "c").image == "gemma4-vllm:mtp"
+
+
+def test_install_without_a_profile_needs_one_named_somewhere(tmp_path):
+    result = run("install", "-i", "new", "--root", str(tmp_path))
+    assert result.exit_code == 2
+    assert "instance new names no profile" in result.output and "--profile" in result.output
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_install_tightens_a_key_file_readable_by_others(tmp_path):
@@ -258,8 +506,133 @@ def test_render_out_writes_the_same_tree_without_a_key(tmp_path):
     assert result.exit_code == 0, result.output
     p = units.paths("slice1")
     assert (tmp_path / p.unit).is_file() and (tmp_path / p.script).is_file()
+    assert (tmp_path / p.args).is_file()
     assert not (tmp_path / p.api_key).exists()
     assert "VLLM_GPUS=device=0:1" in (tmp_path / p.env).read_text()
+
+
+# --- the instance record -------------------------------------------------------------------------
+
+
+def test_the_instance_record_reads_the_env_file_once(tmp_path):
+    units.install("l4x4-31b-mtp", "r", root=tmp_path, options=units.Options(host="0.0.0.0"))
+    inst = instance.read(tmp_path, "r")
+    assert inst.name == "r" and inst.profile.name == "l4x4-31b-mtp"
+    assert (inst.unit, inst.container) == ("gemma4-vllm@r.service", "gemma4-vllm-r")
+    assert (inst.host, inst.port, inst.base_url) == ("0.0.0.0", 8050, "http://127.0.0.1:8050")
+    assert inst.served_model == "gemma-4-31b-it" and inst.image == units.DEFAULT_IMAGE
+    assert inst.env_path == tmp_path / "etc/gemma4-vllm/r.env"
+    assert inst.args_path == tmp_path / "etc/gemma4-vllm/r.args"
+    assert inst.api_key() == (tmp_path / "etc/gemma4-vllm/r.api-key").read_text().strip()
+
+
+@pytest.mark.parametrize(
+    ("edit", "error"),
+    [
+        (("APPLIANCE_PROFILE", ""), "APPLIANCE_PROFILE is not set in"),
+        (("APPLIANCE_PROFILE", "nope"), "unknown profile 'nope'"),
+        (("VLLM_PORT", "80x0"), "VLLM_PORT='80x0' in"),
+        (("VLLM_HOST", "a_b"), "VLLM_HOST='a_b' in"),
+    ],
+)
+def test_the_instance_record_names_what_is_wrong(tmp_path, edit, error):
+    units.install("cpu-tiny", "r", root=tmp_path)
+    env_path = tmp_path / units.paths("r").env
+    env_path.write_bytes(envfile.set_value(env_path.read_bytes(), *edit))
+    with pytest.raises(UsageError, match=re.escape(error)):
+        instance.read(tmp_path, "r")
+
+
+# --- the old layout: upgraded in place ----------------------------------------------------------
+
+
+def test_install_upgrades_an_instance_of_the_old_layout_in_place(tmp_path):
+    root = verify_root(tmp_path)
+    old = install_old_layout(
+        root,
+        port=18555,
+        image="gemma4-vllm:0.32.0-mtp",
+        model_dir="/srv/tiny",
+        vllm_cache_dir="/srv/cache",
+    )
+    key = old["api_key"].read_bytes()
+    assert "serve-%i.sh" in old["unit"].read_text()  # really the old layout
+    with pytest.raises(UsageError, match="APPLIANCE_PROFILE is not set"):
+        instance.read(root, "systest")
+
+    result = run("install", "-p", "cpu-tiny-mtp", "-i", "systest", "--root", str(root))
+    assert result.exit_code == 0, result.output
+    assert f"removed   {old['script']}" in result.output
+    assert not old["script"].exists()
+    assert [p.name for p in old["script"].parent.iterdir()] == ["serve"]
+    inst = instance.read(root, "systest")
+    assert (inst.profile.name, inst.port, inst.image) == (
+        "cpu-tiny-mtp",
+        18555,
+        "gemma4-vllm:0.32.0-mtp",
+    )
+    env = envfile.read(old["env"])
+    assert (env.get("MODEL_DIR"), env.get("VLLM_CACHE_DIR")) == ("/srv/tiny", "/srv/cache")
+    assert old["api_key"].read_bytes() == key
+    assert "serve %i run" in old["unit"].read_text()
+    proc = verify(root, "systest")
+    assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
+    # Upgraded once: the next install changes nothing and reads no old script.
+    before = snapshot(root)
+    assert not units.install(None, "systest", root=root).changed
+    assert snapshot(root) == before
+
+
+# --- uninstall ----------------------------------------------------------------------------------
+
+
+def test_uninstall_removes_the_instance_and_the_shared_files_with_the_last(tmp_path):
+    units.install("l4x4-31b-mtp", "big", root=tmp_path)
+    units.install("cpu-tiny", "small", root=tmp_path, options=units.Options(port=8123))
+    layout = Layout(tmp_path)
+    for name in ("big", "small"):  # what cutovers leave behind
+        for path in (layout.history_file(name), layout.rollback_slot(name)):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("{}\n")
+    wants = tmp_path / "etc/systemd/system/multi-user.target.wants"
+    wants.mkdir(parents=True)
+    (wants / "gemma4-vllm@big.service").symlink_to("/etc/systemd/system/gemma4-vllm@.service")
+    small_before = {
+        k: v for k, v in snapshot(tmp_path).items() if "small" in k or "gemma4-vllm@." in k
+    }
+
+    result = run("uninstall", "-i", "big", "--root", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    for rel in (
+        "etc/gemma4-vllm/big.env",
+        "etc/gemma4-vllm/big.args",
+        "etc/gemma4-vllm/big.api-key",
+    ):
+        assert f"removed   {tmp_path / rel}" in result.output
+        assert not (tmp_path / rel).exists()
+    assert not os.path.lexists(wants / "gemma4-vllm@big.service")
+    assert layout.history_file("big").exists() and layout.rollback_slot("big").exists()
+    after = snapshot(tmp_path)
+    assert {k: after[k] for k in small_before} == small_before  # the other instance untouched
+    assert (tmp_path / units.paths("small").script).exists()
+
+    result = run("uninstall", "-i", "small", "--purge", "--root", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert not layout.history_file("small").exists() and not layout.rollback_slot("small").exists()
+    assert not (tmp_path / "usr/local/libexec/gemma4-vllm").exists()
+    assert not (tmp_path / units.paths("small").unit).exists()
+    assert layout.history_file("big").exists()  # big was not purged
+
+    result = run("uninstall", "-i", "small", "--root", str(tmp_path))
+    assert result.exit_code == 2 and "instance small is not installed" in result.output
+
+
+def test_uninstall_removes_an_old_layout_instance_too(tmp_path):
+    old = install_old_layout(
+        tmp_path, port=18555, image="gemma4-vllm:mtp", model_dir="/m", vllm_cache_dir="/c"
+    )
+    assert run("uninstall", "-i", "systest", "--root", str(tmp_path)).exit_code == 0
+    assert not any(path.exists() for path in old.values())
 
 
 # --- bad inputs: a clear one-line error, exit 2, and the tree unchanged --------------------------
@@ -279,7 +652,8 @@ BAD = [
     (["-p", MIG, "-i", "x"], "runs one instance per MIG slice"),
     (["-p", "l4x4-31b-mtp", "-i", "x", "--gpus", "all;id"], "invalid GPU selection"),
     (["-p", "cpu-tiny", "-i", "x", "--gpus", "all"], "runs on the CPU"),
-    (["-p", "cpu-tiny", "-i", "x", "--port", "70000"], "invalid port 70000"),
+    (["-p", "cpu-tiny", "-i", "x", "--port", "70000"], "port 70000 is not a TCP port"),
+    (["-p", "cpu-tiny", "-i", "x", "--host", "$(id)"], "host '$(id)' is not an IP address"),
     (["-p", "cpu-tiny", "-i", "x", "--model-dir", "rel/path"], "not a plain absolute path"),
     (["-p", "cpu-tiny", "-i", "x", "--model-dir", "/a b"], "not a plain absolute path"),
     (["-p", "l4x4-31b", "-i", "x", "--model-dir", "/m"], "tiny dev model profiles only"),
@@ -306,8 +680,6 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(installed, command, args,
 
 
 def test_a_profile_with_validation_errors_is_refused_before_writing(tmp_path):
-    import dataclasses
-
     bad = dataclasses.replace(profiles.get("l4x4-31b-mtp"), kv_cache_dtype="fp8")
     with pytest.raises(ProfileError, match="SM 8.9"):
         units.install(bad, "x", root=tmp_path)
@@ -320,4 +692,14 @@ def test_an_invalid_image_already_in_the_env_file_is_refused(installed):
     before = snapshot(installed)
     result = run("install", "-p", "cpu-tiny-mtp", "-i", "x", "--root", str(installed))
     assert result.exit_code == 2 and "invalid image reference 'bad image'" in result.output
+    assert snapshot(installed) == before
+
+
+def test_an_env_file_systemd_could_read_differently_is_refused_by_install(installed):
+    env_path = installed / units.paths("x").env
+    env_path.write_text(env_path.read_text() + "# note \\\nVLLM_IMAGE=other:1\n")
+    before = snapshot(installed)
+    result = run("install", "-p", "cpu-tiny-mtp", "-i", "x", "--root", str(installed))
+    assert result.exit_code == 2
+    assert f"{env_path}:" in result.output and "comment ending in a backslash" in result.output
     assert snapshot(installed) == before

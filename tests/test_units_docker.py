@@ -1,12 +1,14 @@
-"""The rendered serve script against the real Docker engine: labels decide the MTP flags.
+"""The serve script against the real Docker engine: labels decide the MTP flags.
 
 ``print`` runs everything ``run`` does except the final exec (label reading included), so the
-docker command line it prints is the one the unit would run. The images are small labelled
-imports (tests/plugins/units.py); the real engine under systemd is the nspawn tier's job.
+docker command line it prints is the one the unit would run. The instance is installed under a
+temporary root (``APPLIANCE_ROOT`` points the script at its files); the images are small
+labelled imports (tests/plugins/units.py); the real engine under systemd is the nspawn tier's job.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import os
 import shlex
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import units
+from appliance import profiles, units
+from appliance.cutover import envfile
 from appliance.engine.local import free_port
 
 pytestmark = pytest.mark.docker
@@ -26,20 +29,29 @@ INSTANCE = f"unittest-{os.getpid()}"
 
 @pytest.fixture
 def script(tmp_path) -> Path:
-    units.render_to("cpu-tiny-mtp", INSTANCE, tmp_path, units.Options(port=free_port()))
+    units.install(
+        "cpu-tiny-mtp",
+        INSTANCE,
+        root=tmp_path,
+        options=units.Options(port=free_port(), model_dir=str(tmp_path)),
+    )
     return tmp_path / units.paths(INSTANCE).script
 
 
-def serve(script: Path, tmp_path: Path, command: str, image: str, timeout: float = 60):
-    env = {
-        "PATH": os.environ["PATH"],
-        "VLLM_IMAGE": image,
-        "MODEL_DIR": str(tmp_path),
-        "VLLM_CACHE_DIR": str(tmp_path / "cache"),
-    }
+def serve(script: Path, tmp_path: Path, command: str, image: str, timeout: float = 60, **env):
+    """The script as the unit runs it: the env file's values in its environment, ``env`` on
+    top, the instance's files under ``tmp_path``."""
+    values = envfile.read(tmp_path / units.paths(INSTANCE).env).values
     return subprocess.run(
-        [str(script), command],
-        env=env,
+        [str(script), INSTANCE, command],
+        env={
+            **values,
+            "PATH": os.environ["PATH"],
+            "APPLIANCE_ROOT": str(tmp_path),
+            "VLLM_IMAGE": image,
+            "VLLM_CACHE_DIR": str(tmp_path / "cache"),
+            **env,
+        },
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -64,8 +76,11 @@ def test_an_mtp_image_gets_the_speculative_config(script, tmp_path, serve_images
         '{"method":"mtp","model":"/models/drafter","num_speculative_tokens":2}'
     )
     assert served[-2:] == ["--per-request-spec-decode-metrics", "detailed"]
-    assert "serving with Gemma 4 MTP speculative decoding (k=2)" in proc.stderr
+    assert "serving with Gemma 4 MTP speculative decoding (--speculative-config " in proc.stderr
     assert f"{tmp_path}:/models:ro" in args and "--gpus" not in args
+    # The key goes by name; its value is in no argument.
+    key = (tmp_path / units.paths(INSTANCE).api_key).read_text().strip()
+    assert args[args.index("VLLM_API_KEY") - 1] == "--env" and key not in proc.stdout
 
 
 def test_per_request_metrics_only_from_vllm_0_32(script, tmp_path, serve_images):
@@ -82,7 +97,8 @@ def test_an_image_without_the_mtp_label_is_served_without_speculative_decoding(
     args = argv(proc)
     assert "--speculative-config" not in args
     assert "--per-request-spec-decode-metrics" not in args
-    assert args[-1] == "--enforce-eager"  # the profile's own flags are all still there
+    # The profile's own flags are all still there, then host and port from the env file.
+    assert "--enforce-eager" in args and args[-4:-2] == ["--host", "127.0.0.1"]
     assert "serving without speculative decoding" in proc.stderr
 
 
@@ -100,16 +116,27 @@ def test_an_invalid_image_is_a_configuration_error(script, tmp_path, image):
 
 
 def test_a_bad_path_in_the_env_file_is_a_configuration_error(script, tmp_path, serve_images):
-    env = {
-        "PATH": os.environ["PATH"],
-        "VLLM_IMAGE": serve_images["mtp-0.32"],
-        "MODEL_DIR": "/tmp/a b",
-        "VLLM_CACHE_DIR": str(tmp_path),
-    }
-    proc = subprocess.run(
-        [str(script), "print"], env=env, capture_output=True, text=True, check=False
-    )
+    proc = serve(script, tmp_path, "print", serve_images["mtp-0.32"], MODEL_DIR="/tmp/a b")
     assert proc.returncode == 78 and "MODEL_DIR=/tmp/a b" in proc.stderr
+
+
+def test_shell_in_a_profile_reaches_docker_as_one_argument_and_never_runs(tmp_path, serve_images):
+    """Profile strings are data: each token the args file holds is one docker argument,
+    verbatim, and nothing in it runs (the marker files are never made)."""
+    marks = [tmp_path / f"pwned-{i}" for i in range(3)]
+    tokens = [f"$(touch {marks[0]})", f"`touch {marks[1]}`", f"x'; touch {marks[2]}; '\\"]
+    prof = dataclasses.replace(
+        profiles.get("cpu-tiny-mtp"),
+        served_model_name=tokens[0],
+        extra_args=tuple(tokens[1:]),
+        env={"EVIL": tokens[0]},
+    )
+    units.install(prof, INSTANCE, root=tmp_path, options=units.Options(model_dir=str(tmp_path)))
+    script = tmp_path / units.paths(INSTANCE).script
+    args = argv(serve(script, tmp_path, "print", serve_images["mtp-0.32"]))
+    assert args[args.index("--served-model-name") + 1] == tokens[0]
+    assert tokens[1] in args and tokens[2] in args and f"EVIL={tokens[0]}" in args
+    assert not any(m.exists() for m in marks)
 
 
 def test_remove_clears_a_leftover_container(script, tmp_path, serve_images):
@@ -133,7 +160,7 @@ def test_remove_clears_a_leftover_container(script, tmp_path, serve_images):
 
 def test_wait_healthy_returns_once_health_answers_200(tmp_path):
     port = free_port()
-    units.render_to("cpu-tiny", INSTANCE, tmp_path, units.Options(port=port))
+    units.install("cpu-tiny", INSTANCE, root=tmp_path, options=units.Options(port=port))
     script = tmp_path / units.paths(INSTANCE).script
     seen: list[str] = []
 

@@ -1,9 +1,11 @@
 """The installed unit under real systemd (nspawn) with the host's Docker and the real CPU images.
 
-One instance (tests/plugins/systemd_instance.py) serves throughout; the tests run in file order:
-the MTP image first, then the same unit switched to the pre-MTP image (vLLM 0.19) by editing the
-env file and restarting, which is the rollback path the image labels make safe. The last test
-shows why the labels matter: the same pre-MTP image given the MTP flag does not start.
+One instance (tests/plugins/systemd_instance.py) serves throughout, installed by the old layout
+and upgraded in place before the first test (the first test checks that upgrade); the tests run
+in file order: the MTP image first, then the same unit switched to the pre-MTP image (vLLM 0.19)
+by editing the env file and restarting, which is the rollback path the image labels make safe.
+The last test shows why the labels matter: the same pre-MTP image given the MTP flag does not
+start.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from pathlib import Path
 import pytest
 from plugins.systemd_instance import MTP_IMAGE, PRE_MTP_IMAGE, SystemdInstance
 
-from appliance import profiles, specdecode
+from appliance import profiles, specdecode, units
+from appliance.cutover.systemd import Systemd
 from appliance.engine.local import OFFLINE_ENV, free_port
+from appliance.units import instance
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
 
@@ -31,6 +35,32 @@ def _invocation_journal(inst: SystemdInstance) -> str:
     ).stdout
 
 
+SERVE = "/usr/local/libexec/gemma4-vllm/serve"
+
+
+def test_an_instance_of_the_old_layout_is_upgraded_in_place_and_keeps_serving(systemd_instance):
+    inst = systemd_instance
+    up = inst.upgrade
+    # Before: the old layout served, from its own script.
+    assert "serve-systest.sh run" in up.exec_start_before and up.served_before == 200
+    # The upgrade: the per-instance script removed, the image, key and port kept.
+    assert f"removed   {up.old_script}" in up.install.stdout
+    assert not up.old_script.exists()
+    assert [p.name for p in up.old_script.parent.iterdir()] == ["serve"]
+    assert up.env_after["VLLM_IMAGE"] == MTP_IMAGE
+    assert (up.env_after["APPLIANCE_PROFILE"], up.env_after["VLLM_PORT"]) == (
+        "cpu-tiny-mtp",
+        str(inst.port),
+    )
+    assert inst.api_key == up.api_key_before
+    # After: systemd runs the one serve script for this instance, and it serves with that key.
+    assert f"argv[]={SERVE} systest run" in inst.show("ExecStart")
+    rec = instance.read(inst.root, inst.instance)
+    assert (rec.port, rec.base_url) == (inst.port, inst.url)
+    assert inst.machine.is_active(inst.unit) == "active"
+    assert inst.chat("after the upgrade", max_tokens=4).status_code == 200
+
+
 def test_the_unit_runs_the_container_of_vllm_image_with_mtp(systemd_instance):
     inst = systemd_instance
     inst.ensure(MTP_IMAGE)
@@ -38,7 +68,8 @@ def test_the_unit_runs_the_container_of_vllm_image_with_mtp(systemd_instance):
     assert inst.container_image() == MTP_IMAGE
     journal = _invocation_journal(inst)
     assert f"image {MTP_IMAGE}: version 0.32.0-mtp, vLLM 0.32.0, Gemma 4 MTP true" in journal
-    assert "serving with Gemma 4 MTP speculative decoding (k=2)" in journal
+    spec = profiles.get("cpu-tiny-mtp").speculative_args(devmodel="/models")
+    assert f"serving with Gemma 4 MTP speculative decoding ({' '.join(spec)})" in journal
     assert f"vLLM healthy on 127.0.0.1:{inst.port}" in journal
 
 
@@ -76,7 +107,7 @@ def test_the_api_key_is_never_in_the_journal_or_a_command_line(systemd_instance)
     assert any(f"--port {inst.port}" in c for c in cmdlines)  # the engine is among them
     assert not [c for c in cmdlines if key in c]
     unit_cmds = inst.machine.systemctl("show", inst.unit).stdout
-    assert "serve-systest.sh" in unit_cmds and key not in unit_cmds
+    assert f"{SERVE} systest run" in unit_cmds and key not in unit_cmds
     args = subprocess.run(
         ["docker", "inspect", "--format", "{{json .Path}} {{json .Args}}", inst.container],
         capture_output=True,
@@ -134,3 +165,24 @@ def test_the_pre_mtp_image_given_the_mtp_flag_fails_to_start(systemd_instance, c
     assert proc.returncode != 0 and lines, out[-3000:]
     assert "Application startup complete" not in out
     print(f"\npre-mtp image with {spec[1]}: exit {proc.returncode}: {lines[-1]}")
+
+
+def test_uninstall_disables_a_second_instance_and_leaves_the_first_serving(systemd_instance):
+    """A second instance, enabled but never started (an engine start costs a minute here):
+    uninstall disables it through systemctl and removes its files, not the shared ones."""
+    inst = systemd_instance
+    units.install("cpu-tiny", "spare", root=inst.root, options=units.Options(port=free_port()))
+    inst.machine.daemon_reload()
+    inst.machine.systemctl("enable", units.unit_name("spare"))
+    assert (
+        inst.machine.systemctl("is-enabled", units.unit_name("spare")).stdout.strip() == "enabled"
+    )
+    result = units.uninstall(
+        "spare", root=inst.root, systemd=Systemd(tuple(inst.machine.enter_argv()))
+    )
+    assert inst.root / "etc/gemma4-vllm/spare.env" in result.removed
+    state = inst.machine.systemctl("is-enabled", units.unit_name("spare"), check=False)
+    assert state.stdout.strip() == "disabled", state
+    assert not list((inst.root / "etc/gemma4-vllm").glob("spare.*"))
+    assert (inst.root / units.paths("spare").script).exists()  # systest still needs it
+    assert inst.machine.is_active(inst.unit) == "active"

@@ -13,6 +13,7 @@ import click
 from .. import __version__
 from ..errors import ApplianceError
 from .bench import bench
+from .canary import canary
 from .cutover import cutover, history_, rollback, status
 from .demo import demo
 from .devmodel import devmodel
@@ -20,8 +21,9 @@ from .doctor import doctor
 from .generate import generate
 from .images import image
 from .local import local
+from .models import models
 from .profiles import profiles
-from .units import install, render, render_examples
+from .units import install, render, render_examples, uninstall
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -49,6 +51,7 @@ cli.add_command(profiles)
 cli.add_command(demo)
 cli.add_command(doctor)
 cli.add_command(bench)
+cli.add_command(canary)
 cli.add_command(cutover)
 cli.add_command(rollback)
 cli.add_command(status)
@@ -56,8 +59,10 @@ cli.add_command(history_)
 cli.add_command(generate)
 cli.add_command(render)
 cli.add_command(install)
+cli.add_command(uninstall)
 cli.add_command(render_examples)
 cli.add_command(image)
+cli.add_command(models)
 
 
 def main() -> None:

@@ -115,6 +115,8 @@ def status(instance: str | None, root: Path) -> None:
             )
         elif st.image_error:
             click.echo(f"  labels:     {st.image_error}")
+        if st.instance_error:
+            click.echo(f"  instance:   {st.instance_error}")
         health = {True: "200", False: "not answering", None: "-"}[st.healthy]
         click.echo(f"  health:     {health}" + (f" ({st.url})" if st.url else ""))
         spec = {True: "on", False: "off", None: "-"}[st.speculative]

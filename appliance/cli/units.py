@@ -1,5 +1,5 @@
-"""``appliance render``, ``install`` and ``render-examples``: an instance's unit, env file and
-serve script from a profile."""
+"""``appliance render``, ``install``, ``uninstall`` and ``render-examples``: an instance's unit,
+env file, args file and the shared serve script, from a profile."""
 
 from __future__ import annotations
 
@@ -8,33 +8,54 @@ from pathlib import Path
 import click
 
 from .. import units
+from ..cutover.systemd import Systemd
 from ..errors import ApplianceError
 from ..units import examples
 from .options import root_option
 
 
-def instance_options(f):
-    """The options shared by render and install."""
-    for decorator in reversed(
-        [
-            click.option("--profile", "-p", "profile", required=True, help="Serving profile."),
-            click.option("--instance", "-i", required=True, help="Unit instance name."),
-            click.option("--image", help="VLLM_IMAGE (default: kept, else gemma4-vllm:latest)."),
-            click.option("--gpus", help="docker --gpus value (MIG profiles: device=GPU:MIG)."),
-            click.option("--port", type=int, help="vLLM port (default: the profile's)."),
-            click.option("--model-dir", help="CPU profiles: the tiny model pair on the host."),
-            click.option("--hf-cache-dir", help="GPU profiles: the Hugging Face cache."),
-            click.option("--vllm-cache-dir", help="vLLM's compile cache on the host."),
-        ]
-    ):
-        f = decorator(f)
-    return f
+def instance_options(profile_required: bool):
+    """The options shared by render and install (install may take the profile from the env)."""
+    profile_help = (
+        "Serving profile."
+        if profile_required
+        else ("Serving profile (default: the one the instance's env file names).")
+    )
+
+    def decorate(f):
+        for decorator in reversed(
+            [
+                click.option(
+                    "--profile", "-p", "profile", required=profile_required, help=profile_help
+                ),
+                click.option("--instance", "-i", required=True, help="Unit instance name."),
+                click.option(
+                    "--image", help="VLLM_IMAGE (default: kept, else gemma4-vllm:latest)."
+                ),
+                click.option("--gpus", help="docker --gpus value (MIG profiles: device=GPU:MIG)."),
+                click.option(
+                    "--host",
+                    help="VLLM_HOST: the address vLLM binds (default: kept, else the profile's).",
+                ),
+                click.option(
+                    "--port", type=int, help="VLLM_PORT (default: kept, else the profile's)."
+                ),
+                click.option("--model-dir", help="CPU profiles: the tiny model pair on the host."),
+                click.option("--hf-cache-dir", help="GPU profiles: the Hugging Face cache."),
+                click.option("--vllm-cache-dir", help="vLLM's compile cache on the host."),
+            ]
+        ):
+            f = decorator(f)
+        return f
+
+    return decorate
 
 
 def _options(kw: dict) -> units.Options:
     return units.Options(
         image=kw["image"],
         gpus=kw["gpus"],
+        host=kw["host"],
         port=kw["port"],
         model_dir=kw["model_dir"],
         hf_cache_dir=kw["hf_cache_dir"],
@@ -47,21 +68,24 @@ def _report(result: units.WriteResult) -> None:
         click.echo(f"wrote     {path} ({path.stat().st_mode & 0o777:o})")
     for path in result.unchanged:
         click.echo(f"unchanged {path}")
+    for path in result.removed:
+        click.echo(f"removed   {path}")
 
 
 @click.command()
-@instance_options
+@instance_options(profile_required=True)
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output dir.")
 def render(profile: str, instance: str, out: str, **kw) -> None:
-    """Render an instance's unit, env file and serve script into --out (for review)."""
+    """Render an instance's unit, env and args files and the serve script into --out (review)."""
     _report(units.render_to(profile, instance, Path(out), _options(kw)))
 
 
 @click.command()
-@instance_options
+@instance_options(profile_required=False)
 @root_option
-def install(profile: str, instance: str, root: Path, **kw) -> None:
-    """Install an instance: unit, env file (VLLM_IMAGE kept), serve script, API key (0600).
+def install(profile: str | None, instance: str, root: Path, **kw) -> None:
+    """Install an instance: the shared unit and serve script, its env file (values kept), args
+    file and API key (0600). Upgrades an instance installed by the old layout in place.
 
     \b
     Then: systemctl daemon-reload && systemctl enable --now gemma4-vllm@INSTANCE
@@ -69,9 +93,22 @@ def install(profile: str, instance: str, root: Path, **kw) -> None:
     result = units.install(profile, instance, root=root, options=_options(kw))
     _report(result)
     if result.changed:
+        # Until the reload, systemd runs the unit as it last read it (after an upgrade: with
+        # the per-instance script that is gone now).
         click.echo(
             f"next: systemctl daemon-reload && systemctl restart {units.unit_name(instance)}"
         )
+
+
+@click.command()
+@click.option("--instance", "-i", required=True, help="Unit instance name.")
+@click.option("--purge", is_flag=True, help="Also remove its cutover history and rollback slot.")
+@root_option
+def uninstall(instance: str, purge: bool, root: Path) -> None:
+    """Stop and disable an instance and remove what install wrote for it (the shared unit and
+    serve script with the last instance). systemctl is called only when --root is /."""
+    systemd = Systemd.from_env() if root == Path("/") else None
+    _report(units.uninstall(instance, root=root, purge=purge, systemd=systemd))
 
 
 @click.command(name="render-examples")

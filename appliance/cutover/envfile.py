@@ -1,28 +1,91 @@
-"""Read and rewrite an instance's env file atomically, touching only the one assignment.
+"""An instance's env file: the one parser (one rule for everyone) and the byte-preserving editor.
 
-The file is systemd's ``EnvironmentFile=`` format. A cutover changes ``VLLM_IMAGE`` and nothing
-else: every other byte (comments, order, other keys, a missing final newline) is preserved, so
-a rollback that writes the saved bytes back is byte-identical to before. Writes go to a
-temporary file in the same directory, are fsynced, and replace the file with ``rename(2)``: a
-reader (systemd, or the next ``appliance status``) sees the old file or the new one, never part.
+The file is systemd's ``EnvironmentFile=``. Systemd's own grammar has backslash escapes, line
+continuations, ``"a"b`` concatenation and multi-line quoted values, and systemd before 254 lets
+a comment ending in ``\\`` swallow the next line; a parser that skips any of these reads another
+value than the unit runs. So the appliance reads only the subset whose meaning is the same for
+both, and refuses the rest with one line naming it, before anything is touched:
+
+- blank lines, and comments (``#`` or ``;`` first) that do not end in a backslash;
+- ``KEY=value`` with ``KEY`` a shell name, spaces around ``=`` ignored, trailing spaces dropped;
+- ``value`` either bare or wholly inside one pair of ``"`` or ``'``, with no quote or backslash
+  anywhere else in it; the last assignment of a key wins (as in systemd).
+
+:func:`parse` is that rule; :class:`EnvFile` applies it to a file's bytes, and
+:meth:`EnvFile.with_value` changes one assignment while every other byte (comments, order, other
+keys, CRLF, a missing final newline) stays, so a rollback that writes the saved bytes back is
+byte-identical to before. Units, cutover, status and doctor all read env files through here.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
-from .. import fsutil
 from ..errors import ApplianceError, UsageError
 
 IMAGE_KEY = "VLLM_IMAGE"
 
 _ASSIGN = re.compile(rb"^[ \t]*([A-Za-z_][A-Za-z0-9_]*)[ \t]*=(.*?)(\r?)$")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_QUOTES = "\"'"
+FIX = "write one KEY=value a line, the value bare or in one pair of quotes, without backslashes"
 
 
 class EnvFileError(ApplianceError):
     """The env file is missing or unreadable."""
+
+
+class EnvFileSyntaxError(UsageError):
+    """A line systemd and the appliance could read differently: refused, never guessed."""
+
+
+def _value(text: str) -> str | None:
+    """The value of ``KEY=text`` by the rule above; None when it is outside the rule."""
+    text = text.strip(" \t")
+    if "\\" in text:
+        return None
+    if text[:1] and text[0] in _QUOTES:
+        inner = text[1:-1]
+        if len(text) < 2 or text[-1] != text[0] or any(q in inner for q in _QUOTES):
+            return None
+        return inner
+    return None if any(q in text for q in _QUOTES) else text
+
+
+def parse(raw: bytes, where: str = "env file") -> dict[str, str]:
+    """The assignments of env-file bytes (last one wins); an
+    :class:`EnvFileSyntaxError` naming ``where`` and the line for anything outside the rule."""
+    out: dict[str, str] = {}
+    for number, line_bytes in enumerate(raw.split(b"\n"), 1):
+        try:
+            line = line_bytes.removesuffix(b"\r").decode("utf-8")
+        except UnicodeDecodeError:
+            raise EnvFileSyntaxError(f"{where}:{number}: not UTF-8", fix=FIX) from None
+        body = line.lstrip(" \t")
+        if not body:
+            continue
+        if body[0] in "#;":
+            if body.rstrip(" \t").endswith("\\"):
+                raise EnvFileSyntaxError(
+                    f"{where}:{number}: a comment ending in a backslash (older systemd joins "
+                    f"the next line to it): {line!r}",
+                    fix="remove the trailing backslash",
+                )
+            continue
+        key, eq, rest = body.partition("=")
+        key = key.rstrip(" \t")
+        value = _value(rest) if eq and _KEY.fullmatch(key) else None
+        if value is None:
+            raise EnvFileSyntaxError(
+                f"{where}:{number}: systemd and the appliance could read this line "
+                f"differently: {line!r}",
+                fix=FIX,
+            )
+        out[key] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -32,37 +95,37 @@ class EnvFile:
     path: Path
     raw: bytes
 
+    @cached_property
+    def values(self) -> dict[str, str]:
+        """Every assignment, by :func:`parse` (raises on a line outside the rule)."""
+        return parse(self.raw, str(self.path))
+
     def get(self, key: str) -> str | None:
-        """The value of the last assignment of ``key`` (systemd's rule), unquoted."""
-        value = None
-        for line in self.raw.split(b"\n"):
-            m = _ASSIGN.match(line)
-            if m and m.group(1).decode() == key:
-                value = _unquote(m.group(2).decode("utf-8", "replace").strip())
-        return value
+        """The value of the last assignment of ``key``, unquoted; None when unset."""
+        return self.values.get(key)
 
     def with_value(self, key: str, value: str) -> bytes:
         """The file's bytes with ``key`` set to ``value``; every other line unchanged."""
         return set_value(self.raw, key, value)
 
 
-def _unquote(value: str) -> str:
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-        return value[1:-1]
-    return value
-
-
 def set_value(raw: bytes, key: str, value: str) -> bytes:
     """Set ``key=value`` in env-file bytes: replace the last assignment, or append one."""
     if any(c in value for c in "\n\r\0"):
         raise UsageError(f"{key} value must be one line")
+    new = f"{key}={value}".encode()
+    try:
+        same = parse(new) == {key: value}
+    except EnvFileSyntaxError:
+        same = False
+    if not same:
+        raise UsageError(f"{key} value {value!r} cannot be written bare", fix=FIX)
     lines = raw.split(b"\n")
     last = None
     for i, line in enumerate(lines):
         m = _ASSIGN.match(line)
         if m and m.group(1).decode() == key:
             last = i
-    new = f"{key}={value}".encode()
     if last is not None:
         cr = _ASSIGN.match(lines[last]).group(3)
         lines[last] = new + cr
@@ -73,25 +136,14 @@ def set_value(raw: bytes, key: str, value: str) -> bytes:
 
 
 def read(path: Path) -> EnvFile:
-    """The env file at ``path``; a clear error if it is not there."""
+    """The env file at ``path``, checked against the rule; a clear error if it is not there."""
     try:
-        return EnvFile(path, path.read_bytes())
+        env = EnvFile(path, path.read_bytes())
     except FileNotFoundError:
         raise EnvFileError(
             f"no env file {path}", fix="install the instance first: appliance install ..."
         ) from None
     except OSError as exc:
         raise EnvFileError(f"cannot read {path}: {exc.strerror}") from exc
-
-
-def write_atomic(path: Path, data: bytes, *, mode: int | None = None) -> None:
-    """Replace ``path`` atomically, keeping its mode and owner when it exists (:mod:`..fsutil`)."""
-    fsutil.write_atomic(path, data, mode=mode)
-
-
-def set_image(path: Path, image: str) -> tuple[bytes, bytes]:
-    """Set ``VLLM_IMAGE`` in the env file at ``path``; returns ``(old_bytes, new_bytes)``."""
-    old = read(path)
-    new = old.with_value(IMAGE_KEY, image)
-    write_atomic(path, new)
-    return old.raw, new
+    env.values  # noqa: B018 -- refuse an ambiguous file before anyone acts on it
+    return env

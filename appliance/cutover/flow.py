@@ -18,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import re
-import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,13 +25,16 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from .. import apikey, imageref, labels, profiles
+from .. import imageref, labels
 from ..errors import ApplianceError, UsageError
+from ..fsutil import write_atomic
 from ..profiles import Profile
+from ..units.instance import Instance
+from ..units.instance import read as read_instance
 from . import envfile, gates, history, metrics
 from . import lock as locks
 from .history import Entry, Gate
-from .paths import Layout, check_instance, unit_name
+from .paths import Layout, check_instance
 from .systemd import Systemd, SystemdError
 
 Progress = Callable[[str], None]
@@ -66,16 +67,6 @@ class ImageInfo:
     vllm_version: str | None
     mtp: bool
     labels: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Target:
-    """How to reach and judge an instance: its profile, URL and served model name."""
-
-    instance: str
-    profile: Profile
-    base_url: str
-    api_key: str | None = None
 
 
 @dataclass
@@ -155,88 +146,19 @@ def check_compatible(image: ImageInfo, profile: Profile, *, allow_no_mtp: bool) 
         )
 
 
-def target(ctx: Context, instance: str, env: envfile.EnvFile) -> Target:
-    """The instance's profile and URL: from the serve script its unit runs (what
-    ``appliance install`` rendered), or from ``APPLIANCE_PROFILE``/``VLLM_PORT`` in the env file."""
-    facts = _serve_script_facts(ctx, instance)
-    name = env.get("APPLIANCE_PROFILE") or facts.get("profile")
-    if not name:
-        raise PreflightError(
-            f"cannot tell which profile instance {instance} serves",
-            fix=f"is {unit_name(instance)} installed (appliance install)?",
-        )
-    prof = profiles.get(name)
-    host = env.get("VLLM_HOST") or facts.get("host") or prof.host
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    port = _port(instance, env, facts, prof)
-    return Target(
-        instance, prof, f"http://{host}:{port}", api_key=read_api_key(ctx.layout, instance)
-    )
+def target(ctx: Context, name: str) -> Instance:
+    """The instance's facts (profile, URL, image, key file), read once from its env file."""
+    return read_instance(ctx.layout.root, name)
 
 
-def _port(instance: str, env: envfile.EnvFile, facts: dict[str, str], prof: Profile) -> int:
-    """The instance's port; a value that is not a TCP port names where it came from."""
-    if value := env.get("VLLM_PORT"):
-        where = f"VLLM_PORT={value!r} in {env.path}"
-    elif value := facts.get("port"):
-        where = f"PORT={value!r} in the serve script of {unit_name(instance)}"
-    else:
-        return prof.port
-    try:
-        port = int(value)
-    except ValueError:
-        port = 0
-    if not 0 < port < 65536:
-        raise UsageError(f"{where} is not a TCP port", fix="set a port number from 1 to 65535")
-    return port
-
-
-def read_api_key(layout: Layout, instance: str) -> str | None:
-    """The instance's API key (``appliance install`` writes it, 0600), None when it has none.
-
-    vLLM guards ``/v1`` with it: without it the model and generation gates get 401. The one
-    key-file rule is :mod:`appliance.apikey`'s.
-    """
-    return apikey.read(layout.api_key_file(instance))
-
-
-_SCRIPT_PATH = re.compile(r"path=(\S+)")
-_PROFILE_LINE = re.compile(r"^# Serve script of \S+: profile (\S+?)\.?$", re.MULTILINE)
-_READONLY = re.compile(r"^readonly (PORT|HEALTH_HOST)=(.+)$", re.MULTILINE)
-
-
-def _serve_script_facts(ctx: Context, instance: str) -> dict[str, str]:
-    """Profile, port and health host from the serve script of the instance's unit."""
-    try:
-        exec_start = ctx.systemd.show(unit_name(instance), "ExecStart").get("ExecStart", "")
-    except SystemdError:
-        return {}
-    m = _SCRIPT_PATH.search(exec_start)
-    if not m:
-        return {}
-    try:
-        text = (ctx.layout.root / m.group(1).lstrip("/")).read_text()
-    except OSError:
-        return {}
-    facts = {}
-    if pm := _PROFILE_LINE.search(text):
-        facts["profile"] = pm.group(1)
-    for key, value in _READONLY.findall(text):
-        words = shlex.split(value)
-        if words:
-            facts["port" if key == "PORT" else "host"] = words[0]
-    return facts
-
-
-def _expect(tgt: Target, image: ImageInfo) -> gates.Expect:
+def _expect(inst: Instance, image: ImageInfo, api_key: str | None) -> gates.Expect:
     return gates.Expect(
-        unit=unit_name(tgt.instance),
-        base_url=tgt.base_url,
-        served_model=tgt.profile.served_model_name,
+        unit=inst.unit,
+        base_url=inst.base_url,
+        served_model=inst.served_model,
         vllm_version=image.vllm_version,
-        mtp=tgt.profile.mtp and image.mtp,
-        api_key=tgt.api_key,
+        mtp=inst.profile.mtp and image.mtp,
+        api_key=api_key,
     )
 
 
@@ -258,9 +180,7 @@ def rollback_image(layout: Layout, instance: str) -> str | None:
 
 def _write_slot(layout: Layout, instance: str, image: str, entry_id: str) -> None:
     data = {"image": image, "recorded": time.time(), "entry": entry_id}
-    envfile.write_atomic(
-        layout.rollback_slot(instance), (json.dumps(data) + "\n").encode(), mode=0o644
-    )
+    write_atomic(layout.rollback_slot(instance), json.dumps(data) + "\n", mode=0o644)
 
 
 def cutover(
@@ -277,12 +197,12 @@ def cutover(
     check_instance(instance)
     imageref.validate(image)
     layout = ctx.layout
-    env_path = layout.env_file(instance)
-    env = envfile.read(env_path)
-    tgt = target(ctx, instance, env)
+    tgt = target(ctx, instance)
+    env_path = tgt.env_path
+    api_key = tgt.api_key()
     new = inspect_image(ctx, image)
     check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
-    current_ref = env.get(envfile.IMAGE_KEY)
+    current_ref = tgt.image
     old: ImageInfo | None = None
     if current_ref and rollback:
         try:
@@ -304,16 +224,16 @@ def cutover(
         ctx.progress(f"{kind} {instance}: {current_ref} -> {image}")
 
         saved = layout.saved_env(instance)
-        envfile.write_atomic(saved, env.raw, mode=0o600)
+        write_atomic(saved, env.raw, mode=0o600)
         slot_path = layout.rollback_slot(instance)
         slot_before = slot_path.read_bytes() if slot_path.exists() else None
         if current_ref and current_ref != image:
             _write_slot(layout, instance, current_ref, entry.id)
 
-        unit = unit_name(instance)
+        unit = tgt.unit
         try:
-            envfile.write_atomic(env_path, env.with_value(envfile.IMAGE_KEY, image))
-            entry.gates = _restart_and_wait(ctx, unit, _expect(tgt, new), timeout)
+            write_atomic(env_path, env.with_value(envfile.IMAGE_KEY, image))
+            entry.gates = _restart_and_wait(ctx, unit, _expect(tgt, new, api_key), timeout)
         except gates.GateFailed as failed:
             entry.gates = failed.gates
             failure = f"{image} failed gate {failed.gate!r}: {failed.detail}"
@@ -336,14 +256,14 @@ def cutover(
             raise RollbackFailed(f"{kind} of {instance} failed: {failure}; {why}", fix=fix)
 
         ctx.progress(f"rolling back {instance} to {current_ref}")
-        envfile.write_atomic(env_path, env.raw)
+        write_atomic(env_path, env.raw)
         # We are back where we were: the rollback target is what it was before.
         if slot_before is None:
             slot_path.unlink(missing_ok=True)
         else:
-            envfile.write_atomic(slot_path, slot_before)
+            write_atomic(slot_path, slot_before)
         try:
-            entry.rollback_gates = _restart_and_wait(ctx, unit, _expect(tgt, old), timeout)
+            entry.rollback_gates = _restart_and_wait(ctx, unit, _expect(tgt, old, api_key), timeout)
         except gates.GateFailed as back:
             entry.rollback_gates = back.gates
             journal = ctx.systemd.journal(unit, JOURNAL_LINES)

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..units.template import ENV_DIR as _ENV_DIR
 from ..units.template import check_instance  # one rule for unit, files and cutover
 
-ENV_DIR = Path("etc/gemma4-vllm")
+ENV_DIR = Path(_ENV_DIR).relative_to("/")
 STATE_DIR = Path("var/lib/gemma4-appliance")
-UNIT_TEMPLATE = "gemma4-vllm@{instance}.service"
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -53,8 +54,3 @@ class Layout:
 
     def metrics_textfile(self) -> Path:
         return self.state_dir / "metrics" / "gemma4_appliance.prom"
-
-
-def unit_name(instance: str) -> str:
-    """The systemd unit of ``instance``."""
-    return UNIT_TEMPLATE.format(instance=check_instance(instance))

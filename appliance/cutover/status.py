@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import ApplianceError, EngineError
+from ..units.template import unit_name
 from ..vllm_client import VLLMClient
 from . import envfile, history
 from . import lock as locks
 from .flow import Context, ImageInfo, inspect_image, rollback_image, target
 from .history import Entry
-from .paths import check_instance, unit_name
+from .paths import check_instance
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Status:
     rollback_image: str | None = None
     in_progress: locks.Holder | None = None
     interrupted: str | None = None
+    # Why the instance's URL or key could not be read (e.g. installed by an older appliance).
+    instance_error: str | None = None
     entries: list[Entry] = field(default_factory=list)
 
 
@@ -41,7 +44,7 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     """Gather the status of ``instance`` (read only: touches nothing)."""
     check_instance(instance)
     layout = ctx.layout
-    env = envfile.read(layout.env_file(instance))
+    env = envfile.read(layout.env_file(instance))  # a clear error when not installed
     unit = unit_name(instance)
     st = Status(instance, unit, env.get(envfile.IMAGE_KEY))
     st.unit_state = ctx.systemd.active_state(unit)
@@ -60,11 +63,13 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
         except ApplianceError as exc:
             st.image_error = str(exc)
     try:
-        tgt = target(ctx, instance, env)
-    except ApplianceError:
+        tgt = target(ctx, instance)
+        api_key = tgt.api_key()
+    except ApplianceError as exc:
+        st.instance_error = str(exc)
         return st
     st.url = tgt.base_url
-    with VLLMClient(tgt.base_url, timeout=3.0, api_key=tgt.api_key) as client:
+    with VLLMClient(tgt.base_url, timeout=3.0, api_key=api_key) as client:
         try:
             st.healthy = client.health()
             if st.healthy:

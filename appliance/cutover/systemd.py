@@ -73,6 +73,17 @@ class Systemd:
         self._run("systemctl", "reset-failed", unit)
         self._check("systemctl", "restart", "--no-block", unit)
 
+    def stop_and_disable(self, unit: str) -> None:
+        """Stop ``unit`` (waiting for its ExecStop) and disable it; a unit systemd does not know
+        is left alone."""
+        if self.show(unit, "LoadState").get("LoadState") == "not-found":
+            return
+        self._check("systemctl", "disable", "--now", unit)
+
+    def daemon_reload(self) -> None:
+        """Make systemd read the unit files again (after installing or removing one)."""
+        self._check("systemctl", "daemon-reload")
+
     def invocation_id(self, unit: str) -> str:
         """The unit's current ``InvocationID`` (a new one for every start; empty if none)."""
         try:

@@ -1,16 +1,8 @@
-"""Small file helpers for the image builder: atomic writes and content digests."""
+"""Small file helpers for the image builder: content digests (writes: appliance.fsutil)."""
 
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
-
-from ..fsutil import write_atomic
-
-
-def write_text_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write ``text`` to ``path`` atomically (see :mod:`appliance.fsutil`)."""
-    write_atomic(path, text, mode=mode)
 
 
 def digest(*parts: bytes | str) -> str:

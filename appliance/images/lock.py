@@ -179,7 +179,7 @@ def _pip_freeze(venv: Path) -> list[str]:
 
 def write_lock(vllm_version: str, docker_dir: Path, constraints_from: Path | None = None) -> Path:
     """Resolve and write ``docker/cpu/vllm-<version>.lock`` atomically."""
-    from .files import write_text_atomic
+    from ..fsutil import write_atomic
 
     pins = resolve(vllm_version, constraints_from)
     cons = f" --constraints-from {constraints_from}" if constraints_from else ""
@@ -190,5 +190,5 @@ def write_lock(vllm_version: str, docker_dir: Path, constraints_from: Path | Non
         "# appliance/images/lock.py for why torch and transformers are what they are).\n"
     )
     path = lock_path(vllm_version, docker_dir)
-    write_text_atomic(path, header + "\n".join(pins) + "\n")
+    write_atomic(path, header + "\n".join(pins) + "\n", mode=0o644)
     return path

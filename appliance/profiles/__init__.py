@@ -51,6 +51,21 @@ class Hardware:
 
 
 @dataclass(frozen=True)
+class Canary:
+    """The optional ``[canary]`` table: whether a cutover runs the output canary, its thresholds
+    and run settings, and an operator's JSONL (``prompts``; a relative path is under
+    ``/etc/gemma4-vllm``) that extends the shipped set, or replaces it (``replace``)."""
+
+    enabled: bool = False
+    min_parity: float = 1.0
+    max_pass_rate_drop: float = 0.0
+    max_tokens: int = 64
+    seed: int = 0
+    prompts: str = ""
+    replace: bool = False
+
+
+@dataclass(frozen=True)
 class Profile:
     """One serving configuration of Gemma 4 on vLLM."""
 
@@ -76,6 +91,7 @@ class Profile:
     per_request_spec_decode_metrics: str | None = None  # none|summary|detailed (vLLM >= 0.32)
     min_vllm: str = "0.19.0"
     hardware: Hardware = field(default_factory=Hardware)
+    canary: Canary = field(default_factory=Canary)
     env: dict[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
 
@@ -163,6 +179,8 @@ def from_dict(data: dict, where: str = "profile") -> Profile:
             data["speculative"] = _build(Speculative, data["speculative"], f"{where} [speculative]")
         if "hardware" in data:
             data["hardware"] = _build(Hardware, data["hardware"], f"{where} [hardware]")
+        if "canary" in data:
+            data["canary"] = _build(Canary, data["canary"], f"{where} [canary]")
         if "extra_args" in data:
             data["extra_args"] = tuple(data["extra_args"])
         return _build(Profile, data, where)

@@ -1,12 +1,16 @@
-"""The systemd side of the appliance: a templated unit, per-instance env files and serve scripts.
+"""The systemd side of the appliance: one templated unit, one serve script, per-instance files.
 
-- :func:`render` ``(profile, instance, options) -> {relative path: RenderedFile(content, mode)}``
+- :func:`render` ``(profile, instance, options) -> {relative path: RenderedFile(content, mode)}``:
+  the shared unit and serve script, the instance's env file (the operator's) and args file (the
+  profile's engine arguments, data the serve script reads).
 - :func:`install` ``(profile, instance, root=Path("/"), options=...)`` writes them under
-  ``root`` atomically with their modes, keeps the instance's ``VLLM_IMAGE``, and creates its
-  API key file (0600).
+  ``root`` atomically with their modes, keeps what the env file already says (``VLLM_IMAGE``
+  above all), creates the API key file (0600), and upgrades an instance of the old layout.
+- :func:`uninstall` removes what install wrote for an instance (the shared files with the last).
+- :mod:`.instance`: :func:`instance.read` ``(root, name) -> Instance``, an installed instance's
+  facts read once from its env file.
 - :func:`render_to` writes a rendered tree for review (``appliance render --out DIR``).
-- :mod:`.examples`: the committed examples under ``systemd/`` and ``scripts/serve/`` and their
-  drift check.
+- :mod:`.examples`: the committed examples under ``systemd/`` and ``scripts/serve/``.
 """
 
 from __future__ import annotations
@@ -15,36 +19,37 @@ from .template import (
     DEFAULT_IMAGE,
     ENV_DIR,
     LIBEXEC_DIR,
+    SERVE_SCRIPT,
     UNIT_TEMPLATE,
     Options,
     Paths,
     RenderedFile,
     check_instance,
     container_name,
-    parse_env,
     paths,
     render,
     unit_name,
 )
-from .writer import WriteResult, atomic_write, install, render_to, write_tree
+from .writer import WriteResult, install, installed_instances, render_to, uninstall, write_tree
 
 __all__ = [
     "DEFAULT_IMAGE",
     "ENV_DIR",
     "LIBEXEC_DIR",
+    "SERVE_SCRIPT",
     "UNIT_TEMPLATE",
     "Options",
     "Paths",
     "RenderedFile",
     "WriteResult",
-    "atomic_write",
     "check_instance",
     "container_name",
     "install",
-    "parse_env",
+    "installed_instances",
     "paths",
     "render",
     "render_to",
+    "uninstall",
     "unit_name",
     "write_tree",
 ]

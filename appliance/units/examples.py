@@ -1,8 +1,11 @@
 """The reviewed examples committed under ``systemd/`` and ``scripts/serve/``, and their check.
 
-They are produced by :func:`render` for every shipped profile (instance named after it), so a
-reviewer reads exactly what ``appliance install`` writes. ``appliance render-examples`` rewrites
-them; ``--check`` (and the test suite) fails when one is stale, missing or not generated.
+:func:`example_files` renders them with :func:`render` for every shipped profile (instance named
+after it), so a reviewer reads exactly what ``appliance install`` writes: the one unit
+(``systemd/gemma4-vllm@.service``), one env file and one args file per profile
+(``systemd/env/``, ``systemd/args/``), and the one serve script (``scripts/serve/serve.sh``, a
+copy of ``appliance/units/serve.sh``). ``appliance generate`` (``appliance.generate``) writes
+and checks them.
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ from .writer import WriteResult, write_tree
 
 UNIT_DIR = "systemd"
 ENV_DIR = "systemd/env"
+ARGS_DIR = "systemd/args"
 SCRIPT_DIR = "scripts/serve"
+SCRIPT = f"{SCRIPT_DIR}/serve.sh"
 # Files in those directories that are written by hand.
 HAND_WRITTEN = {"README.md"}
+# Folders whose every file `appliance generate` must produce (appliance.generate).
+FOLDERS = (UNIT_DIR, ENV_DIR, ARGS_DIR, SCRIPT_DIR)
 
 # A MIG profile needs its slice: the examples use the first slice of GPU 0.
 EXAMPLE_OPTIONS = {"mig24-e4b-mtp": Options(gpus="device=0:0")}
@@ -32,9 +39,10 @@ def example_files() -> dict[str, RenderedFile]:
         p = paths(name)
         files = render(profile, name, EXAMPLE_OPTIONS.get(name))
         out[f"{UNIT_DIR}/{PurePosixPath(p.unit).name}"] = files[p.unit]
+        out[SCRIPT] = files[p.script]
         out[f"{ENV_DIR}/{PurePosixPath(p.env).name}"] = files[p.env]
-        out[f"{SCRIPT_DIR}/{PurePosixPath(p.script).name}"] = files[p.script]
-    return out
+        out[f"{ARGS_DIR}/{PurePosixPath(p.args).name}"] = files[p.args]
+    return dict(sorted(out.items()))
 
 
 def write(repo: Path | str) -> WriteResult:
@@ -57,7 +65,7 @@ def check(repo: Path | str) -> list[str]:
             # git records only the executable bit; the rest is the checkout's umask.
             want = "executable" if rendered.mode & 0o100 else "not executable"
             problems.append(f"{rel}: should be {want}")
-    for folder in {UNIT_DIR, ENV_DIR, SCRIPT_DIR}:
+    for folder in FOLDERS:
         for path in sorted((repo / folder).glob("*")):
             rel = path.relative_to(repo).as_posix()
             if path.is_file() and rel not in expected and path.name not in HAND_WRITTEN:

@@ -1,17 +1,29 @@
-"""Render an instance's systemd unit, env file and serve script from a profile (no writing).
+"""Render an instance's files from a profile (no writing): the unit, env file, args file, script.
 
 :func:`render` returns every file as ``{relative path: RenderedFile}``, the paths relative to
 the root they are installed under, so ``appliance render --out DIR`` and ``appliance install
---root DIR`` lay out the same tree. Everything is validated first (instance name, profile, image
-reference, GPU selection, paths); a bad input raises a :class:`~appliance.errors.UsageError`.
+--root DIR`` lay out the same tree:
+
+- ``etc/systemd/system/gemma4-vllm@.service``: the one templated unit (shared);
+- ``usr/local/libexec/gemma4-vllm/serve``: the one serve script (shared, static:
+  ``appliance/units/serve.sh``);
+- ``etc/gemma4-vllm/<instance>.env``: the operator's values (image, profile, host, port, GPUs,
+  paths), read by systemd and by :mod:`appliance.units.instance`;
+- ``etc/gemma4-vllm/<instance>.args``: the profile's engine and docker arguments, one
+  ``KIND VALUE`` record a line, read by the serve script as data.
+
+Profile strings are data, never code: every value that reaches a file is validated first
+(names, host, paths, GPU selection, image) or is an argument token that the serve script only
+ever reads with ``read -r`` (one line each, no control characters). A bad input raises a
+:class:`~appliance.errors.UsageError` before anything is rendered.
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import PurePosixPath
 
 import jinja2
@@ -25,26 +37,36 @@ from ..profiles import validate as pv
 UNIT_TEMPLATE = "gemma4-vllm@.service"
 ENV_DIR = "/etc/gemma4-vllm"
 LIBEXEC_DIR = "/usr/local/libexec/gemma4-vllm"
+SERVE_SCRIPT = f"{LIBEXEC_DIR}/serve"
 UNIT_DIR = "/etc/systemd/system"
 DATA_DIR = "/var/lib/gemma4-vllm"
 CONTAINER_MODEL_DIR = "/models"  # where a CPU profile's tiny model pair is mounted
 DEFAULT_IMAGE = "gemma4-vllm:latest"
+ARGS_FORMAT = 1  # the serve script refuses an args file of another format
 
 START_TIMEOUT_S = 1800
-STOP_GRACE_S = 60  # vLLM drains in-flight requests on SIGTERM
+STOP_GRACE_S = 60  # vLLM drains in-flight requests on SIGTERM (the serve script's STOP_GRACE_S)
 STOP_TIMEOUT_S = STOP_GRACE_S + 30
 START_LIMIT_BURST = 5
 START_LIMIT_INTERVAL_S = 4 * START_TIMEOUT_S
 
 # Docker container names and systemd instance names both; no dots first, no slashes.
 _INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _GPUS = re.compile(r"all|[0-9]+|device=[A-Za-z0-9:,/_-]+")
 _PATH = re.compile(r"/[A-Za-z0-9._/@+-]*")
+# An IPv4/IPv6 address or a host name; never starts with "-" (it would read as a flag).
+_HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9.:-]{0,252}")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
-_ANY = {"0.0.0.0", "::", ""}
+ANY_ADDRESS = {"0.0.0.0", "::"}
+# The env file keys the serve script reads; a profile's args may require only these.
+PATH_KEYS = ("MODEL_DIR", "HF_CACHE_DIR", "VLLM_CACHE_DIR")
 
 MODE_UNIT = 0o644
 MODE_ENV = 0o644  # no secret in it: the API key has its own 0600 file
+MODE_ARGS = 0o644
 MODE_SCRIPT = 0o755
 MODE_SECRET = 0o600
 
@@ -64,6 +86,7 @@ class Options:
 
     image: str | None = None
     gpus: str | None = None
+    host: str | None = None
     port: int | None = None
     model_dir: str | None = None  # CPU profiles: the tiny model pair on the host
     hf_cache_dir: str | None = None
@@ -76,18 +99,20 @@ class Paths:
 
     instance: str
     unit: str = field(init=False)
-    env: str = field(init=False)
-    api_key: str = field(init=False)
     script: str = field(init=False)
+    env: str = field(init=False)
+    args: str = field(init=False)
+    api_key: str = field(init=False)
 
     def __post_init__(self) -> None:
         def rel(p: str) -> str:
             return str(PurePosixPath(p).relative_to("/"))
 
         object.__setattr__(self, "unit", rel(f"{UNIT_DIR}/{UNIT_TEMPLATE}"))
+        object.__setattr__(self, "script", rel(SERVE_SCRIPT))
         object.__setattr__(self, "env", rel(f"{ENV_DIR}/{self.instance}.env"))
+        object.__setattr__(self, "args", rel(f"{ENV_DIR}/{self.instance}.args"))
         object.__setattr__(self, "api_key", rel(f"{ENV_DIR}/{self.instance}.api-key"))
-        object.__setattr__(self, "script", rel(f"{LIBEXEC_DIR}/serve-{self.instance}.sh"))
 
 
 def check_instance(name: str) -> str:
@@ -100,9 +125,73 @@ def check_instance(name: str) -> str:
     return name
 
 
-def paths(instance: str) -> Paths:
-    """The relative paths of ``instance``'s unit, env file, API key file and serve script."""
-    return Paths(check_instance(instance))
+def check_host(host: str, where: str | None = None) -> str:
+    """``host`` if it is an IP address or host name vLLM can bind, else a UsageError naming
+    ``where`` it came from."""
+    if not _HOST.fullmatch(host or ""):
+        raise UsageError(
+            f"{where or f'host {host!r}'} is not an IP address or host name",
+            fix="use e.g. 127.0.0.1, ::1, 0.0.0.0 or a host name (letters, digits, '.:-')",
+        )
+    return host
+
+
+def check_port(value: object, where: str = "port") -> int:
+    """``value`` as a TCP port (1-65535), else a UsageError naming ``where`` it came from."""
+    try:
+        port = int(str(value), 10)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536 or str(value).strip() != str(port):
+        raise UsageError(f"{where} is not a TCP port", fix="set a port number from 1 to 65535")
+    return port
+
+
+def check_path(key: str, value: str) -> str:
+    """``value`` if it is a plain absolute path (it becomes a mount), else a UsageError."""
+    if not _PATH.fullmatch(value) or "/../" in value + "/":
+        raise UsageError(
+            f"{key} {value!r} is not a plain absolute path",
+            fix="use an absolute path of letters, digits and ._/@+-",
+        )
+    return value
+
+
+def check_token(value: str, where: str) -> str:
+    """``value`` if it can be one record of the args file: one line, no control characters,
+    not empty, no surrounding whitespace (the serve script's ``read -r`` would trim it)."""
+    if not value or _CONTROL.search(value) or value != value.strip():
+        raise UsageError(
+            f"{where} {value!r} cannot be passed as one argument",
+            fix="use a non-empty value on one line without control characters or "
+            "surrounding spaces",
+        )
+    return value
+
+
+def _check_profile(prof: Profile) -> None:
+    """Refuse a profile whose strings could mean anything but data in a rendered file."""
+    if not _PROFILE_NAME.fullmatch(prof.name or ""):
+        raise UsageError(
+            f"invalid profile name {prof.name!r}",
+            fix="use letters, digits and '._-' (at most 64), starting with a letter or digit",
+        )
+    if _CONTROL.search(prof.description):
+        raise UsageError(
+            f"profile {prof.name}: the description must be one line without control characters"
+        )
+    check_host(prof.host, f"profile {prof.name}: host {prof.host!r}")
+    check_port(prof.port, f"profile {prof.name}: port {prof.port!r}")
+    for arg in prof.extra_args:
+        if arg.split("=", 1)[0] in ("--host", "--port"):
+            raise UsageError(
+                f"profile {prof.name}: extra_args sets {arg.split('=', 1)[0]}",
+                fix="the address is the instance's: install --host/--port (VLLM_HOST/VLLM_PORT)",
+            )
+    for key, value in prof.env.items():
+        if not _ENV_KEY.fullmatch(key):
+            raise UsageError(f"profile {prof.name}: invalid environment variable name {key!r}")
+        check_token(value, f"profile {prof.name}: env {key}")
 
 
 def unit_name(instance: str) -> str:
@@ -113,8 +202,18 @@ def container_name(instance: str) -> str:
     return f"gemma4-vllm-{check_instance(instance)}"
 
 
+def paths(instance: str) -> Paths:
+    """The relative paths of ``instance``'s files and of the shared unit and serve script."""
+    return Paths(check_instance(instance))
+
+
+def serve_script_text() -> str:
+    """The one serve script (``appliance/units/serve.sh``), as installed."""
+    return resources.files(__package__).joinpath("serve.sh").read_text()
+
+
 def _env() -> jinja2.Environment:
-    env = jinja2.Environment(
+    return jinja2.Environment(
         loader=jinja2.PackageLoader("appliance.units", "templates"),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
@@ -122,24 +221,18 @@ def _env() -> jinja2.Environment:
         lstrip_blocks=True,
         autoescape=False,
     )
-    env.filters["sh"] = lambda v: shlex.quote(str(v))
-    return env
-
-
-def _check_path(key: str, value: str) -> str:
-    if not _PATH.fullmatch(value) or "/../" in value + "/":
-        raise UsageError(
-            f"{key} {value!r} is not a plain absolute path",
-            fix="use an absolute path of letters, digits and ._/@+-",
-        )
-    return value
 
 
 def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]:
     """The env file's assignments, in order, from the options (defaults where unset)."""
-    values = {"VLLM_IMAGE": imageref.validate(opts.image or DEFAULT_IMAGE)}
-    gpu = profile.hardware.device != "cpu"
-    if gpu:
+    port = opts.port if opts.port is not None else profile.port
+    values = {
+        "VLLM_IMAGE": imageref.validate(opts.image or DEFAULT_IMAGE),
+        "APPLIANCE_PROFILE": profile.name,
+        "VLLM_HOST": check_host(opts.host if opts.host is not None else profile.host),
+        "VLLM_PORT": str(check_port(port, f"port {port}")),
+    }
+    if profile.hardware.device != "cpu":
         if opts.gpus is None and profile.hardware.mig:
             raise UsageError(
                 f"profile {profile.name} runs one instance per MIG slice: say which slice",
@@ -154,7 +247,7 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
     elif opts.gpus is not None:
         raise UsageError(f"profile {profile.name} runs on the CPU: --gpus does not apply")
     if profile.uses_devmodel:
-        values["MODEL_DIR"] = _check_path("model dir", opts.model_dir or f"{DATA_DIR}/models/tiny")
+        values["MODEL_DIR"] = check_path("model dir", opts.model_dir or f"{DATA_DIR}/models/tiny")
     elif opts.model_dir is not None:
         raise UsageError(
             f"profile {profile.name} serves {profile.model}: --model-dir applies to the "
@@ -162,50 +255,46 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
             fix="put the weights in the Hugging Face cache (--hf-cache-dir)",
         )
     if not profile.uses_devmodel:
-        values["HF_CACHE_DIR"] = _check_path(
+        values["HF_CACHE_DIR"] = check_path(
             "HF cache dir", opts.hf_cache_dir or f"{DATA_DIR}/huggingface"
         )
-    values["VLLM_CACHE_DIR"] = _check_path(
+    values["VLLM_CACHE_DIR"] = check_path(
         "vLLM cache dir", opts.vllm_cache_dir or f"{DATA_DIR}/cache/{instance}"
     )
     return values
 
 
-def _arg_lines(args: list[str]) -> list[str]:
-    """Shell-quoted arguments, a flag and its value on one line."""
-    lines: list[str] = []
-    for arg in args:
-        if (
-            lines
-            and not arg.startswith("--")
-            and lines[-1].startswith("--")
-            and " " not in lines[-1]
-        ):
-            lines[-1] += " " + shlex.quote(arg)
-        else:
-            lines.append(shlex.quote(arg))
-    return lines
+def _without_endpoint(args: list[str]) -> list[str]:
+    """``args`` without ``--host H`` and ``--port P``: the serve script adds them from the env
+    file, where the operator may change them."""
+    out = list(args)
+    for flag in ("--host", "--port"):
+        i = out.index(flag)
+        del out[i : i + 2]
+    return out
 
 
-def _docker_lines(profile: Profile) -> list[str]:
-    """``docker run`` options after the fixed ones: IPC, GPUs, mounts, environment."""
-    lines: list[str] = []
+def args_records(profile: Profile, env_keys: list[str]) -> list[tuple[str, str]]:
+    """The args file's records, ``(kind, value)``, in order (see ``serve.sh`` for the kinds)."""
+    devmodel = CONTAINER_MODEL_DIR if profile.uses_devmodel else None
+    serve = _without_endpoint(profile.serve_args(devmodel=devmodel, speculative=False))
     if profile.hardware.device == "cpu":
         # Docker's default 64 MiB /dev/shm kills the CPU engine at start ("Insufficient space").
-        lines.append("--shm-size 1g")
+        docker = ["--shm-size", "1g"]
     else:
         # vLLM's workers (tensor parallelism, NCCL) talk through shared memory: the host's IPC.
-        lines.append("--ipc host")
-        lines.append('--gpus "$gpus"')
-    if profile.uses_devmodel:
-        lines.append(f'--volume "$MODEL_DIR:{CONTAINER_MODEL_DIR}:ro"')
-    else:
-        # Read-write: the hub's offline lookups may still write lock files into the cache.
-        lines.append('--volume "$HF_CACHE_DIR:/root/.cache/huggingface"')
-    lines.append('--volume "$VLLM_CACHE_DIR:/root/.cache/vllm"')
-    env = {**OFFLINE_ENV, **profile.env}
-    lines += [f"--env {shlex.quote(f'{k}={v}')}" for k, v in env.items()]
-    return lines
+        docker = ["--ipc", "host"]
+    for key, value in {**OFFLINE_ENV, **profile.env}.items():
+        docker += ["--env", f"{key}={value}"]
+    records = [("format", str(ARGS_FORMAT)), ("profile", profile.name)]
+    records += [("serve", a) for a in serve]
+    records += [("mtp", a) for a in profile.speculative_args(devmodel=devmodel)]
+    records += [("per-request", a) for a in profile.per_request_metrics_args()]
+    records += [("docker", a) for a in docker]
+    records += [("require", k) for k in env_keys if k == "VLLM_GPUS" or k in PATH_KEYS]
+    for kind, value in records:
+        check_token(value, f"profile {profile.name}: {kind} argument")
+    return records
 
 
 def render(
@@ -217,70 +306,42 @@ def render(
 
     The API key file is not rendered: :func:`appliance.units.install` creates it on the host.
     Raises a UsageError (nothing rendered) on an invalid name, profile, image, GPU selection,
-    path, or a profile with validation errors.
+    host, port, path, or a profile with validation errors.
     """
     opts = options or Options()
     check_instance(instance)
     prof = get(profile) if isinstance(profile, str) else profile
+    _check_profile(prof)
     pv.require_valid(prof)
     values = env_values(prof, instance, opts)
-    port = opts.port if opts.port is not None else prof.port
-    if not 1 <= port <= 65535:
-        raise UsageError(f"invalid port {port}", fix="use 1..65535")
-    devmodel = CONTAINER_MODEL_DIR if prof.uses_devmodel else None
-    base = prof.serve_args(devmodel=devmodel, port=port, speculative=False)
+    records = args_records(prof, list(values))
     context = {
         "profile": prof,
         "instance": instance,
-        "container": container_name(instance),
         "labels": labels,
         "env_dir": ENV_DIR,
-        "libexec_dir": LIBEXEC_DIR,
-        "port": port,
-        "health_host": "127.0.0.1" if prof.host in _ANY else prof.host,
-        "loopback": prof.host in _LOOPBACK,
-        "serve_lines": _arg_lines(base),
-        "spec_args": prof.speculative_args(devmodel=devmodel),
-        "per_request_args": prof.per_request_metrics_args(),
-        "docker_lines": _docker_lines(prof),
-        "path_keys": [k for k in values if k.endswith("_DIR")],
-        "gpu": prof.hardware.device != "cpu",
-        "uses_devmodel": prof.uses_devmodel,
+        "serve_script": SERVE_SCRIPT,
         "values": values,
-        # Go templates for `docker ... --format`: one "key=value" line per image label.
-        "labels_format": '{{range $k, $v := .Config.Labels}}{{$k}}={{$v}}{{"\\n"}}{{end}}',
-        "server_version_format": "{{.Server.Version}}",
+        "records": records,
+        "width": max(len(kind) for kind, _ in records),
+        "args_format": ARGS_FORMAT,
         "gpus_hint": "one MIG slice per instance" if prof.hardware.mig else "default all",
         "start_timeout_s": START_TIMEOUT_S,
         "stop_grace_s": STOP_GRACE_S,
         "stop_timeout_s": STOP_TIMEOUT_S,
         "start_limit_burst": START_LIMIT_BURST,
         "start_limit_interval_s": START_LIMIT_INTERVAL_S,
+        "per_request_min_vllm": labels.PER_REQUEST_METRICS_MIN_VLLM,
     }
     env = _env()
     p = paths(instance)
+    # In the order they are written: what the others refer to first, the unit last.
     return {
-        p.unit: RenderedFile(env.get_template(UNIT_TEMPLATE + ".j2").render(context), MODE_UNIT),
+        p.script: RenderedFile(serve_script_text(), MODE_SCRIPT),
+        p.args: RenderedFile(env.get_template("instance.args.j2").render(context), MODE_ARGS),
         p.env: RenderedFile(env.get_template("instance.env.j2").render(context), MODE_ENV),
-        p.script: RenderedFile(
-            env.get_template("gemma4-vllm-serve.sh.j2").render(context), MODE_SCRIPT
-        ),
+        p.unit: RenderedFile(env.get_template(UNIT_TEMPLATE + ".j2").render(context), MODE_UNIT),
     }
-
-
-def parse_env(text: str) -> dict[str, str]:
-    """The assignments of an env file (systemd's EnvironmentFile= basics: last one wins)."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line[0] in "#;" or "=" not in line:
-            continue
-        key, value = line.split("=", 1)
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-            value = value[1:-1]
-        out[key.strip()] = value
-    return out
 
 
 def options_from_env(existing: Mapping[str, str], explicit: Options) -> Options:
@@ -288,6 +349,8 @@ def options_from_env(existing: Mapping[str, str], explicit: Options) -> Options:
     keys = {
         "image": "VLLM_IMAGE",
         "gpus": "VLLM_GPUS",
+        "host": "VLLM_HOST",
+        "port": "VLLM_PORT",
         "model_dir": "MODEL_DIR",
         "hf_cache_dir": "HF_CACHE_DIR",
         "vllm_cache_dir": "VLLM_CACHE_DIR",
@@ -296,4 +359,6 @@ def options_from_env(existing: Mapping[str, str], explicit: Options) -> Options:
         attr: getattr(explicit, attr) if getattr(explicit, attr) is not None else existing.get(key)
         for attr, key in keys.items()
     }
-    return Options(port=explicit.port, **merged)
+    if merged["port"] is not None and not isinstance(merged["port"], int):
+        merged["port"] = check_port(merged["port"], f"VLLM_PORT={merged['port']!r}")
+    return Options(**merged)

@@ -1,9 +1,11 @@
-"""Write an instance's files: atomically, with their modes, idempotently, keeping its image.
+"""Write and remove an instance's files: atomically, with their modes, idempotently.
 
-:func:`write_tree` is the one writer (``render --out`` uses it too): every file goes to a
-temporary file in its directory, gets its mode, is fsynced and renamed over the target, so a
-reader (systemd, a cutover) sees the old file or the new one. Everything is rendered and
-validated before the first write: a bad input leaves the tree untouched.
+:func:`write_tree` is the one writer (``render --out`` uses it too): every file is replaced by
+:func:`appliance.fsutil.write_atomic`, so a reader (systemd, a cutover) sees the old file or the
+new one. Everything is rendered and validated before the first write: a bad input leaves the
+tree untouched. :func:`install` keeps what the operator set (image, host, port, GPUs, paths)
+and upgrades an instance installed by the old layout (a rendered script per instance) in place;
+:func:`uninstall` is its pair.
 """
 
 from __future__ import annotations
@@ -12,15 +14,31 @@ import contextlib
 import os
 import re
 import secrets
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
+from pathlib import Path, PurePosixPath
 
+from ..cutover import envfile
+from ..cutover import lock as locks
+from ..cutover.systemd import Systemd
 from ..errors import UsageError
 from ..fsutil import write_atomic
 from ..profiles import Profile, get
-from .template import MODE_SECRET, Options, RenderedFile, options_from_env, parse_env, paths, render
+from .instance import PROFILE_KEY
+from .template import (
+    ENV_DIR,
+    LIBEXEC_DIR,
+    MODE_SECRET,
+    UNIT_DIR,
+    Options,
+    RenderedFile,
+    options_from_env,
+    paths,
+    render,
+    unit_name,
+)
 
-_PORT_LINE = re.compile(r"^readonly PORT=(\d+)$", re.MULTILINE)
+# Where `systemctl enable` links an instance (the unit's WantedBy=).
+WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
 
 
 @dataclass
@@ -29,21 +47,22 @@ class WriteResult:
 
     written: list[Path] = field(default_factory=list)
     unchanged: list[Path] = field(default_factory=list)
+    removed: list[Path] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
-        return bool(self.written)
+        return bool(self.written or self.removed)
 
 
-def atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Replace ``path`` with ``data`` and ``mode`` in one rename (see :mod:`appliance.fsutil`)."""
-    write_atomic(path, data, mode=mode)
+def _rel(path: str) -> PurePosixPath:
+    return PurePosixPath(path).relative_to("/")
 
 
 def write_tree(root: Path, files: dict[str, RenderedFile]) -> WriteResult:
-    """Write ``files`` under ``root``; a file already identical in content and mode is left."""
+    """Write ``files`` under ``root`` in their order (what others refer to first); a file
+    already identical in content and mode is left as it is."""
     result = WriteResult()
-    for rel, rendered in sorted(files.items()):
+    for rel, rendered in files.items():
         path = Path(root) / rel
         data = rendered.content.encode()
         try:
@@ -53,58 +72,152 @@ def write_tree(root: Path, files: dict[str, RenderedFile]) -> WriteResult:
         if same:
             result.unchanged.append(path)
         else:
-            atomic_write(path, data, rendered.mode)
+            write_atomic(path, data, mode=rendered.mode)
             result.written.append(path)
     return result
 
 
-def _existing_options(root: Path, instance: str, explicit: Options) -> Options:
-    """Explicit options, else what the installed env file and serve script already say."""
-    p = paths(instance)
-    env_path = root / p.env
+def _existing_env(root: Path, instance: str) -> dict[str, str]:
+    path = root / paths(instance).env
+    if not path.exists():
+        return {}
+    return envfile.read(path).values
+
+
+# ---- the old layout (a rendered serve script per instance) ------------------------------------
+
+_OLD_PORT_LINE = re.compile(r"^readonly PORT=(\d+)$", re.MULTILINE)
+
+
+def old_serve_script(root: Path, instance: str) -> Path:
+    """Where the old layout kept ``instance``'s own rendered serve script."""
+    return Path(root) / _rel(LIBEXEC_DIR) / f"serve-{instance}.sh"
+
+
+def migrate_port_from_old_serve_script(root: Path, instance: str) -> int | None:
+    """The port an instance of the old layout serves on, read one last time from its rendered
+    script (that layout kept it nowhere else). The only read of generated shell left, for the
+    upgrade only; None when there is no such script or it names no port."""
     try:
-        existing = parse_env(env_path.read_text())
-    except FileNotFoundError:
-        existing = {}
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read {env_path}: {exc}") from exc
-    opts = options_from_env(existing, explicit)
-    if opts.port is None:
-        with contextlib.suppress(OSError, UnicodeDecodeError):
-            m = _PORT_LINE.search((root / p.script).read_text())
-            if m:
-                opts = Options(**{**opts.__dict__, "port": int(m.group(1))})
-    return opts
+        m = _OLD_PORT_LINE.search(old_serve_script(root, instance).read_text())
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(m.group(1)) if m else None
+
+
+# ---- install and uninstall -----------------------------------------------------------------
 
 
 def install(
-    profile: str | Profile,
+    profile: str | Profile | None,
     instance: str,
     *,
     root: Path | str = Path("/"),
     options: Options | None = None,
 ) -> WriteResult:
-    """Install ``instance`` of ``profile`` under ``root``: unit, env file, serve script, API key.
+    """Install ``instance`` under ``root``: the shared unit and serve script, the instance's
+    env file, args file and API key.
 
-    Re-running is idempotent (identical files are not rewritten). Values already in the
-    instance's env file (``VLLM_IMAGE`` above all) and its port are kept unless given in
-    ``options``. The API key file (mode 0600) is created once and never overwritten or shown.
-    Does not call systemctl: ``root`` may be an image being built.
+    ``profile`` None re-installs the profile the env file names. Re-running is idempotent
+    (identical files are not rewritten). Values already in the env file (``VLLM_IMAGE`` above
+    all, host, port, GPUs, paths) are kept unless given in ``options``. An instance of the old
+    layout is upgraded in place: its port is carried over and its own serve script removed.
+    The API key file (mode 0600) is created once and never overwritten or shown. Does not call
+    systemctl: ``root`` may be an image being built.
     """
     root = Path(root)
+    p = paths(instance)
+    existing = _existing_env(root, instance)
+    explicit = options or Options()
+    if explicit.port is None and "VLLM_PORT" not in existing:
+        port = migrate_port_from_old_serve_script(root, instance)
+        explicit = replace(explicit, port=port)
+    opts = options_from_env(existing, explicit)
+    if profile is None:
+        if not existing.get(PROFILE_KEY):
+            raise UsageError(
+                f"instance {instance} names no profile in {root / p.env}",
+                fix="say which: --profile NAME",
+            )
+        profile = existing[PROFILE_KEY]
     prof = get(profile) if isinstance(profile, str) else profile
-    opts = _existing_options(root, paths(instance).instance, options or Options())
     files = render(prof, instance, opts)  # validates everything before the first write
     result = write_tree(root, files)
-    key = root / paths(instance).api_key
+    key = root / p.api_key
     if not key.exists():
-        atomic_write(key, (secrets.token_urlsafe(32) + "\n").encode(), MODE_SECRET)
+        write_atomic(key, (secrets.token_urlsafe(32) + "\n").encode(), mode=MODE_SECRET)
         result.written.append(key)
     elif key.stat().st_mode & 0o7777 != MODE_SECRET:
         os.chmod(key, MODE_SECRET)  # a key readable by others is a leaked key: tighten it
         result.written.append(key)
     else:
         result.unchanged.append(key)
+    old = old_serve_script(root, instance)
+    if old.exists():
+        old.unlink()
+        result.removed.append(old)
+    return result
+
+
+def installed_instances(root: Path | str) -> list[str]:
+    """The instances with an env file under ``root``, sorted."""
+    return sorted(p.stem for p in (Path(root) / _rel(ENV_DIR)).glob("*.env"))
+
+
+def uninstall(
+    instance: str,
+    *,
+    root: Path | str = Path("/"),
+    purge: bool = False,
+    systemd: Systemd | None = None,
+) -> WriteResult:
+    """Remove what :func:`install` wrote for ``instance`` under ``root``.
+
+    With ``systemd`` (the CLI passes one when ``root`` is ``/``) the unit is stopped and
+    disabled first, and systemd reloaded after. The env, args and API key files go, and the
+    instance's enablement link; its cutover history and rollback slot stay unless ``purge``.
+    The shared unit and serve script go with the last instance. Refused while a cutover of the
+    instance is in progress (its lock is held).
+    """
+    from ..cutover.paths import Layout  # here: cutover.paths imports this package
+
+    root = Path(root)
+    p = paths(instance)
+    layout = Layout(root)
+    mine = [root / p.env, root / p.args, root / p.api_key, old_serve_script(root, instance)]
+    mine.append(root / _rel(WANTS_DIR) / unit_name(instance))
+    state = [
+        layout.history_file(instance),
+        layout.rollback_slot(instance),
+        layout.saved_env(instance),
+        layout.lock_file(instance),
+    ]
+    if not any(os.path.lexists(f) for f in mine) and not (purge and any(f.exists() for f in state)):
+        raise UsageError(f"instance {instance} is not installed under {root}")
+    result = WriteResult()
+    # A cutover in progress holds the lock file; with none, no cutover ever ran here.
+    lock_path = layout.lock_file(instance)
+    held = (
+        locks.hold(lock_path, instance, "uninstall")
+        if lock_path.exists()
+        else contextlib.nullcontext()
+    )
+    with held:
+        if systemd is not None:
+            systemd.stop_and_disable(unit_name(instance))
+        for path in mine + (state if purge else []):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                result.removed.append(path)
+        if not installed_instances(root):
+            for shared in (root / p.unit, root / p.script):
+                with contextlib.suppress(FileNotFoundError):
+                    shared.unlink()
+                    result.removed.append(shared)
+            with contextlib.suppress(OSError):
+                (root / p.script).parent.rmdir()  # only when empty
+        if systemd is not None:
+            systemd.daemon_reload()
     return result
 
 

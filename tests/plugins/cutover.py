@@ -57,7 +57,10 @@ def preflight_images(cutover_docker) -> dict[str, str]:
             pass
         changes = [f'LABEL {k}="{v}"' for k, v in found.items()] or ["LABEL unrelated=1"]
         cutover_docker.api.import_image_from_data(
-            tiny_rootfs("cutover preflight test image"), repository=TEST_REPO, tag=tag, changes=changes
+            tiny_rootfs("cutover preflight test image"),
+            repository=TEST_REPO,
+            tag=tag,
+            changes=changes,
         )
     return refs
 
@@ -86,6 +89,7 @@ def write_env(root: Path, instance: str, image: str, profile: str) -> Path:
         b"# written by the cutover tests\n"
         + f"VLLM_IMAGE={image}\nAPPLIANCE_PROFILE={profile}\n".encode()
         + b"  # keep me\n"
+        + b"VLLM_HOST=127.0.0.1\nVLLM_PORT=8000\n"
     )
     return path
 

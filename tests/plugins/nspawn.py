@@ -137,11 +137,22 @@ class Machine:
     def enter_argv(self) -> list[str]:
         """The command prefix that runs a program inside the machine (namespaces, root, clean env)."""
         return [
-            "nsenter", "--target", str(self.leader()),
-            "--mount", "--uts", "--ipc", "--net", "--pid", "--root", "--wd", "--",
-            "/usr/bin/env", "-i",
+            "nsenter",
+            "--target",
+            str(self.leader()),
+            "--mount",
+            "--uts",
+            "--ipc",
+            "--net",
+            "--pid",
+            "--root",
+            "--wd",
+            "--",
+            "/usr/bin/env",
+            "-i",
             "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "SYSTEMD_PAGER=", "SYSTEMD_COLORS=0",
+            "SYSTEMD_PAGER=",
+            "SYSTEMD_COLORS=0",
         ]
 
     def leader(self) -> int:

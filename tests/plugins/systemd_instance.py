@@ -2,10 +2,16 @@
 
 Shared by the units' systemd test (issue 4) and the cutover's (issue 5): a container engine
 start costs about a minute on a 2-core machine, so the session boots ONE systemd-nspawn machine
-(tests/plugins/nspawn.py: real systemd 252, the host's Docker engine bound in), installs ONE
-instance of ``cpu-tiny-mtp`` with :func:`appliance.units.install`, and every test moves that one
-instance between images. Tests that need a given image call :meth:`SystemdInstance.ensure`, which
-restarts only when the instance is not already serving that image.
+(tests/plugins/nspawn.py: real systemd 252, the host's Docker engine bound in) and serves ONE
+instance of ``cpu-tiny-mtp``, and every test moves that one instance between images. Tests that
+need a given image call :meth:`SystemdInstance.ensure`, which restarts only when the instance is
+not already serving that image.
+
+The instance starts life in the OLD layout (a rendered serve script per instance,
+tests/data/units-old-layout) and serves; the fixture then upgrades it the operator's way
+(``appliance install``, ``daemon-reload``, restart) and keeps what it saw in
+:attr:`SystemdInstance.upgrade`: every test after that runs on the new layout (one serve script,
+env and args files), and the upgrade test checks the evidence.
 
 Paths the host's Docker engine resolves are host paths: the tiny model pair is bound into the
 machine at the SAME path (the serve script checks ``MODEL_DIR`` inside the machine, dockerd
@@ -29,10 +35,12 @@ import pytest
 from appliance import devmodel, units
 from appliance.cutover import envfile
 from appliance.engine.local import free_port
+from appliance.fsutil import write_atomic
 
 from . import nspawn
+from .units import OLD_LAYOUT_INSTANCE, install_old_layout
 
-INSTANCE = "systest"
+INSTANCE = OLD_LAYOUT_INSTANCE  # "systest"
 PROFILE = "cpu-tiny-mtp"
 MTP_IMAGE = "gemma4-vllm:0.32.0-mtp"
 PRE_MTP_IMAGE = "gemma4-vllm:pre-mtp"
@@ -44,6 +52,18 @@ APPLIANCE = str(Path(sys.executable).parent / "appliance")
 
 
 @dataclass
+class Upgrade:
+    """What the fixture saw while upgrading the instance from the old layout."""
+
+    exec_start_before: str  # the unit's ExecStart= as systemd ran it in the old layout
+    served_before: int  # the status of a chat completion on the old layout
+    api_key_before: str
+    old_script: Path
+    install: subprocess.CompletedProcess  # `appliance install` over the old layout
+    env_after: dict[str, str]  # the env file right after the install
+
+
+@dataclass
 class SystemdInstance:
     """The installed instance: its machine, names, port and API key, and a few actions."""
 
@@ -51,6 +71,7 @@ class SystemdInstance:
     instance: str
     port: int
     model_dir: Path
+    upgrade: Upgrade | None = None
 
     @property
     def root(self) -> Path:
@@ -82,7 +103,7 @@ class SystemdInstance:
     def set_image(self, image: str) -> None:
         """Point the env file at ``image`` (what an operator's edit does; atomic)."""
         env = envfile.read(self.env_path)
-        envfile.write_atomic(self.env_path, env.with_value(envfile.IMAGE_KEY, image))
+        write_atomic(self.env_path, env.with_value(envfile.IMAGE_KEY, image))
 
     def show(self, prop: str) -> str:
         return self.machine.systemctl("show", "-p", prop, "--value", self.unit).stdout.strip()
@@ -166,10 +187,34 @@ class SystemdInstance:
         )
 
 
+def _upgrade_from_the_old_layout(inst: SystemdInstance) -> Upgrade:
+    """Serve from the old layout, then upgrade the operator's way and serve again."""
+    old = install_old_layout(
+        inst.root,
+        port=inst.port,
+        image=MTP_IMAGE,
+        model_dir=str(inst.model_dir),
+        vllm_cache_dir=str(VLLM_CACHE),
+    )
+    inst.machine.daemon_reload()
+    inst.restart()
+    exec_start = inst.show("ExecStart")
+    served = inst.chat("before the upgrade", max_tokens=4).status_code
+    key = inst.api_key
+    install = inst.appliance("install", "--instance", inst.instance, "--profile", PROFILE)
+    if install.returncode != 0:
+        raise nspawn.NspawnError(f"appliance install failed:\n{install.stderr}")
+    env_after = envfile.read(inst.env_path).values
+    inst.machine.daemon_reload()
+    inst.restart()
+    return Upgrade(exec_start, served, key, old["script"], install, env_after)
+
+
 @pytest.fixture(scope="session")
 def systemd_instance(appliance_images) -> Iterator[SystemdInstance]:
-    """Instance ``systest`` of cpu-tiny-mtp installed in a booted nspawn machine, serving the
-    MTP image. Tests move it between images; the machine and the container go at session end.
+    """Instance ``systest`` of cpu-tiny-mtp in a booted nspawn machine, upgraded from the old
+    layout and serving the MTP image. Tests move it between images; the machine and the
+    container go at session end.
 
     The images come from ``appliance_images`` (tests/plugins/docker_engine.py): built through
     ``appliance image build`` when missing, a label lookup when present."""
@@ -183,20 +228,8 @@ def systemd_instance(appliance_images) -> Iterator[SystemdInstance]:
     VLLM_CACHE.mkdir(parents=True, exist_ok=True)
     with nspawn.boot("gemma4-systest", binds=[(str(model_dir), str(model_dir))]) as m:
         inst = SystemdInstance(m, INSTANCE, free_port(), model_dir)
-        units.install(
-            PROFILE,
-            INSTANCE,
-            root=m.root,
-            options=units.Options(
-                image=MTP_IMAGE,
-                port=inst.port,
-                model_dir=str(model_dir),
-                vllm_cache_dir=str(VLLM_CACHE),
-            ),
-        )
-        m.daemon_reload()
         try:
-            inst.restart()
+            inst.upgrade = _upgrade_from_the_old_layout(inst)
             yield inst
         finally:
             m.systemctl("stop", inst.unit, check=False, timeout=180)

@@ -1,0 +1,114 @@
+"""An installed instance's facts, read once: :func:`read` ``(root, name) -> Instance``.
+
+The facts come from the operator's env file (``/etc/gemma4-vllm/<name>.env``, through the one
+env-file parser) and the profile it names; never from generated shell. Cutover, status and
+re-install use this record; doctor and bench may too.
+
+    inst = instance.read(Path("/"), "31b")
+    inst.profile.name, inst.image, inst.base_url, inst.api_key()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import profiles
+from ..cutover import envfile
+from ..errors import UsageError
+from ..profiles import Profile
+from .template import ANY_ADDRESS, check_host, check_port, container_name, paths, unit_name
+
+PROFILE_KEY = "APPLIANCE_PROFILE"
+HOST_KEY = "VLLM_HOST"
+PORT_KEY = "VLLM_PORT"
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One installed instance of ``gemma4-vllm@.service``.
+
+    ``name``: the unit's instance (``%i``); ``unit``, ``container``: its systemd unit and Docker
+    container. ``profile``: the shipped profile ``APPLIANCE_PROFILE`` names. ``image``:
+    ``VLLM_IMAGE`` (None when unset). ``host``, ``port``: where vLLM binds (``VLLM_HOST``,
+    ``VLLM_PORT``). ``env``: the env file as read (its bytes, for a byte-preserving rewrite).
+    ``env_path``, ``args_path``, ``api_key_path``: the instance's files under the root.
+    """
+
+    name: str
+    profile: Profile
+    image: str | None
+    host: str
+    port: int
+    env: envfile.EnvFile
+    args_path: Path
+    api_key_path: Path
+
+    @property
+    def unit(self) -> str:
+        return unit_name(self.name)
+
+    @property
+    def container(self) -> str:
+        return container_name(self.name)
+
+    @property
+    def env_path(self) -> Path:
+        return self.env.path
+
+    @property
+    def served_model(self) -> str:
+        """The model name vLLM serves (``--served-model-name``)."""
+        return self.profile.served_model_name
+
+    @property
+    def base_url(self) -> str:
+        """Where to reach vLLM from this host (an any-address bind is asked on loopback)."""
+        host = "127.0.0.1" if self.host in ANY_ADDRESS else self.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def api_key(self) -> str | None:
+        """The key vLLM requires on ``/v1`` (None when the instance has no key file); the one
+        rule of :mod:`appliance.apikey`, so an unreadable, empty or unsafe file is an error."""
+        from .. import apikey  # here: apikey imports cutover.paths, which imports this package
+
+        return apikey.read(self.api_key_path)
+
+
+def read(root: Path | str, name: str) -> Instance:
+    """The facts of instance ``name`` installed under ``root`` (``/`` on a host).
+
+    Errors, each naming the file: no env file (install first); a line systemd could read
+    differently; no ``APPLIANCE_PROFILE``, ``VLLM_HOST`` or ``VLLM_PORT`` (an instance installed
+    by an older appliance: re-run install, which upgrades it); an unknown profile; a host or
+    port that is not one.
+    """
+    root = Path(root)
+    p = paths(name)
+    env = envfile.read(root / p.env)
+    upgrade = (
+        f"re-run `appliance install --instance {name} --profile PROFILE` (it upgrades in place)"
+    )
+
+    def required(key: str) -> str:
+        value = env.get(key)
+        if not value:
+            raise UsageError(f"{key} is not set in {env.path}", fix=upgrade)
+        return value
+
+    profile = profiles.get(required(PROFILE_KEY))
+    host = check_host(host_text := required(HOST_KEY), f"{HOST_KEY}={host_text!r} in {env.path}")
+    port_text = required(PORT_KEY)
+    port = check_port(port_text, f"{PORT_KEY}={port_text!r} in {env.path}")
+    return Instance(
+        name=name,
+        profile=profile,
+        image=env.get(envfile.IMAGE_KEY) or None,
+        host=host,
+        port=port,
+        env=env,
+        args_path=root / p.args,
+        api_key_path=root / p.api_key,
+    )

@@ -1,0 +1,311 @@
+#!/bin/bash
+# The serve script of every gemma4-vllm@<instance>.service: one file for all instances.
+# Hand-written; `appliance install` copies it to /usr/local/libexec/gemma4-vllm/serve from
+# appliance/units/serve.sh (scripts/serve/serve.sh is the committed copy). ADR 0009.
+#
+#   serve INSTANCE run           run the engine container in the foreground (the unit's main process)
+#   serve INSTANCE wait-healthy  return once vLLM's /health answers 200 (ExecStartPost)
+#   serve INSTANCE stop          stop the container, letting vLLM drain (ExecStop)
+#   serve INSTANCE remove        remove a leftover container (ExecStartPre, ExecStopPost)
+#   serve INSTANCE print         print the docker command `run` would exec, and exit
+#
+# Per instance it reads three things, and runs none of them as code:
+# - the environment systemd loads from /etc/gemma4-vllm/INSTANCE.env (EnvironmentFile=), which
+#   is the operator's: VLLM_IMAGE, APPLIANCE_PROFILE, VLLM_HOST, VLLM_PORT, VLLM_GPUS and the
+#   host paths MODEL_DIR, HF_CACHE_DIR, VLLM_CACHE_DIR. Each value is checked here before it
+#   reaches docker.
+# - /etc/gemma4-vllm/INSTANCE.args, which `appliance install` generates from the profile: one
+#   "KIND VALUE" record a line, read with `read -r` into arrays (never sourced or evaluated).
+# - /etc/gemma4-vllm/INSTANCE.api-key (0600): read into the environment and handed to the
+#   container by name, so the key is never on a command line, in `print`'s output or the journal.
+#
+# The image's labels decide whether the Gemma 4 MTP speculative config is passed: an image not
+# labelled io.gemma4-appliance.mtp=true is served without it, so pointing VLLM_IMAGE at a
+# pre-MTP image is a safe rollback.
+#
+# APPLIANCE_ROOT, when set, prefixes /etc/gemma4-vllm (an instance installed with
+# `appliance install --root DIR`, for review and tests); the unit never sets it.
+set -euo pipefail
+
+readonly EX_CONFIG=78  # the unit does not restart on this: a restart cannot fix configuration
+readonly ARGS_FORMAT=1
+readonly STOP_GRACE_S=60  # vLLM drains in-flight requests on SIGTERM (the unit allows 90 s)
+# Image labels (ADR 0003, appliance/labels.py; a test keeps these equal to it).
+readonly LABEL_MTP=io.gemma4-appliance.mtp
+readonly LABEL_VLLM_VERSION=io.gemma4-appliance.vllm.version
+readonly LABEL_VERSION=org.opencontainers.image.version
+readonly LABEL_INSTANCE=io.gemma4-appliance.instance
+# The first vLLM release with --per-request-spec-decode-metrics; older engines reject the flag.
+readonly PER_REQUEST_METRICS_MIN_VLLM=0.32.0
+# Where a CPU profile's tiny model pair is mounted (the args name /models/target, /models/drafter).
+readonly CONTAINER_MODEL_DIR=/models
+# Go template for `docker image inspect --format`: one "key=value" line per image label.
+# shellcheck disable=SC2016  # $k and $v are the template's variables, not the shell's
+readonly LABELS_FORMAT='{{range $k, $v := .Config.Labels}}{{$k}}={{$v}}{{"\n"}}{{end}}'
+
+INSTANCE=""
+
+log() { printf '%s\n' "gemma4-vllm@${INSTANCE:-?}: $*" >&2; }
+die_config() { log "$*"; exit "$EX_CONFIG"; }
+
+usage() {
+  printf 'usage: %s INSTANCE run|print|wait-healthy|stop|remove\n' "$0" >&2
+  exit 2
+}
+
+# version_ge A B: true when version A >= version B.
+version_ge() {
+  [[ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n 1)" == "$2" ]]
+}
+
+# ---- the instance's files ---------------------------------------------------------------------
+
+# read_args: the records of the args file into SERVE_ARGS, MTP_ARGS, PER_REQUEST_ARGS,
+# DOCKER_OPTS and REQUIRED. Each value is one argument as written, quotes and $ included.
+read_args() {
+  local kind value format=""
+  SERVE_ARGS=() MTP_ARGS=() PER_REQUEST_ARGS=() DOCKER_OPTS=() REQUIRED=() ARGS_PROFILE=""
+  [[ -r "$ARGS_FILE" ]] \
+    || die_config "cannot read $ARGS_FILE (written by \`appliance install --instance $INSTANCE\`)"
+  while read -r kind value || [[ -n "$kind" ]]; do
+    case "$kind" in
+      '' | '#'*) ;;
+      format) format="$value" ;;
+      profile) ARGS_PROFILE="$value" ;;
+      serve) SERVE_ARGS+=("$value") ;;
+      mtp) MTP_ARGS+=("$value") ;;
+      per-request) PER_REQUEST_ARGS+=("$value") ;;
+      docker) DOCKER_OPTS+=("$value") ;;
+      require) REQUIRED+=("$value") ;;
+      *) die_config "$ARGS_FILE: unknown record '$kind': re-run \`appliance install\`" ;;
+    esac
+  done < "$ARGS_FILE"
+  [[ "$format" == "$ARGS_FORMAT" ]] \
+    || die_config "$ARGS_FILE has format '$format', this script reads $ARGS_FORMAT: re-run \`appliance install\`"
+  [[ -n "$ARGS_PROFILE" && ${#SERVE_ARGS[@]} -gt 0 ]] \
+    || die_config "$ARGS_FILE names no profile or no arguments: re-run \`appliance install\`"
+}
+
+# check_endpoint: VLLM_HOST and VLLM_PORT from the env file, and the address /health is asked on.
+check_endpoint() {
+  [[ -n "${VLLM_HOST:-}" ]] || die_config "VLLM_HOST is not set in $ENV_FILE"
+  [[ "$VLLM_HOST" =~ ^[A-Za-z0-9:][A-Za-z0-9.:-]*$ ]] \
+    || die_config "VLLM_HOST=$VLLM_HOST in $ENV_FILE is not an IP address or host name"
+  [[ -n "${VLLM_PORT:-}" ]] || die_config "VLLM_PORT is not set in $ENV_FILE"
+  if [[ ! "$VLLM_PORT" =~ ^[1-9][0-9]{0,4}$ ]] || ((VLLM_PORT > 65535)); then
+    die_config "VLLM_PORT=$VLLM_PORT in $ENV_FILE is not a TCP port (1-65535)"
+  fi
+  case "$VLLM_HOST" in
+    0.0.0.0 | ::) HEALTH_HOST=127.0.0.1 ;;  # bound to every address: ask on loopback
+    *) HEALTH_HOST="$VLLM_HOST" ;;
+  esac
+}
+
+# check_path NAME: the env file's NAME, when set, is an absolute path with no spaces or shell
+# characters (it becomes a mount).
+check_path() {
+  local value="${!1:-}"
+  [[ -z "$value" || "$value" =~ ^/[A-Za-z0-9._/@+-]*$ ]] \
+    || die_config "$1=$value in $ENV_FILE is not a plain absolute path"
+}
+
+check_env() {
+  [[ -n "${VLLM_IMAGE:-}" ]] || die_config "VLLM_IMAGE is not set (expected in $ENV_FILE)"
+  # The full reference grammar is checked by `appliance`; this keeps a hand edit from putting
+  # spaces or shell characters in front of docker.
+  [[ "$VLLM_IMAGE" =~ ^[A-Za-z0-9][A-Za-z0-9._/:@-]*$ ]] \
+    || die_config "VLLM_IMAGE=$VLLM_IMAGE in $ENV_FILE is not a valid image reference"
+  [[ "${APPLIANCE_PROFILE:-}" == "$ARGS_PROFILE" ]] \
+    || die_config "APPLIANCE_PROFILE=${APPLIANCE_PROFILE:-} in $ENV_FILE, but $ARGS_FILE is profile $ARGS_PROFILE: run \`appliance install --instance $INSTANCE --profile ${APPLIANCE_PROFILE:-PROFILE}\`"
+  check_endpoint
+  local key
+  for key in "${REQUIRED[@]}"; do
+    # A fixed set: the name is expanded indirectly below, so it must never come from a file.
+    case "$key" in
+      VLLM_GPUS | MODEL_DIR | HF_CACHE_DIR | VLLM_CACHE_DIR) ;;
+      *) die_config "$ARGS_FILE requires '$key', which this script does not know" ;;
+    esac
+    [[ -n "${!key:-}" ]] || die_config "$key is not set in $ENV_FILE"
+  done
+  for key in MODEL_DIR HF_CACHE_DIR VLLM_CACHE_DIR; do
+    check_path "$key"
+  done
+  if [[ -n "${MODEL_DIR:-}" && ! -d "$MODEL_DIR" ]]; then
+    die_config "MODEL_DIR=$MODEL_DIR in $ENV_FILE is not a directory"
+  fi
+  [[ "${VLLM_GPUS:-all}" =~ ^(all|[0-9]+|device=[A-Za-z0-9:,/_-]+)$ ]] \
+    || die_config "VLLM_GPUS=$VLLM_GPUS in $ENV_FILE: expected all, a count or device=..."
+}
+
+# read_api_key: the key file's content by appliance/apikey.py's rule (surrounding whitespace,
+# CRLF included, is not part of the key; empty is an error; URL-safe characters only).
+read_api_key() {
+  KEY_ARGS=()
+  if [[ ! -e "$API_KEY_FILE" ]]; then
+    case "$VLLM_HOST" in
+      127.0.0.1 | ::1 | localhost)
+        log "no API key file $API_KEY_FILE: vLLM on ${VLLM_HOST}:${VLLM_PORT} accepts any caller on this host"
+        return 0
+        ;;
+      *) die_config "no API key file $API_KEY_FILE: refusing to serve on $VLLM_HOST without one" ;;
+    esac
+  fi
+  local key
+  key="$(<"$API_KEY_FILE")" || die_config "cannot read API key file $API_KEY_FILE"
+  key="${key#"${key%%[![:space:]]*}"}"
+  key="${key%"${key##*[![:space:]]}"}"
+  [[ -n "$key" ]] || die_config "API key file $API_KEY_FILE is empty"
+  [[ "$key" =~ ^[A-Za-z0-9._~+/=-]+$ ]] \
+    || die_config "API key file $API_KEY_FILE holds characters outside letters, digits and ._~+/=-"
+  VLLM_API_KEY="$key"
+  export VLLM_API_KEY
+  KEY_ARGS=(--env VLLM_API_KEY)
+}
+
+# ---- the docker command ------------------------------------------------------------------------
+
+# image_label KEY: the value of the image's label KEY, empty when absent.
+image_label() {
+  local line
+  while IFS= read -r line; do
+    if [[ "${line%%=*}" == "$1" ]]; then
+      printf '%s\n' "${line#*=}"
+      return 0
+    fi
+  done <<< "$IMAGE_LABELS"
+}
+
+docker_command() {
+  read_args
+  check_env
+  # Never pulled: the image must already be on this host (built, loaded or tagged there).
+  IMAGE_LABELS="$(docker image inspect --format "$LABELS_FORMAT" "$VLLM_IMAGE")" \
+    || die_config "image $VLLM_IMAGE is not on this host (the unit never pulls): build or load it, or fix VLLM_IMAGE in $ENV_FILE"
+  local mtp vllm_version image_version
+  mtp="$(image_label "$LABEL_MTP")"
+  vllm_version="$(image_label "$LABEL_VLLM_VERSION")"
+  image_version="$(image_label "$LABEL_VERSION")"
+  log "image $VLLM_IMAGE: version ${image_version:-unlabelled}, vLLM ${vllm_version:-unlabelled}, Gemma 4 MTP ${mtp:-unlabelled}"
+
+  local -a spec_args=()
+  if ((${#MTP_ARGS[@]} == 0)); then
+    log "profile $ARGS_PROFILE has no speculative decoding"
+  elif [[ "$mtp" == true ]]; then
+    spec_args=("${MTP_ARGS[@]}")
+    if [[ -n "$vllm_version" ]] && version_ge "$vllm_version" "$PER_REQUEST_METRICS_MIN_VLLM"; then
+      spec_args+=("${PER_REQUEST_ARGS[@]}")
+    fi
+    log "serving with Gemma 4 MTP speculative decoding (${MTP_ARGS[*]})"
+  else
+    log "image is not labelled $LABEL_MTP=true: serving without speculative decoding"
+  fi
+
+  read_api_key
+
+  local -a gpu_args=() volume_args=()
+  if [[ -n "${VLLM_GPUS:-}" ]]; then
+    # docker reads --gpus as CSV: a device list with commas must be one quoted field.
+    if [[ "$VLLM_GPUS" == *,* ]]; then
+      gpu_args=(--gpus "\"$VLLM_GPUS\"")
+    else
+      gpu_args=(--gpus "$VLLM_GPUS")
+    fi
+  fi
+  if [[ -n "${MODEL_DIR:-}" ]]; then
+    volume_args+=(--volume "$MODEL_DIR:$CONTAINER_MODEL_DIR:ro")
+  fi
+  if [[ -n "${HF_CACHE_DIR:-}" ]]; then
+    # Read-write: the hub's offline lookups may still write lock files into the cache.
+    volume_args+=(--volume "$HF_CACHE_DIR:/root/.cache/huggingface")
+  fi
+  if [[ -n "${VLLM_CACHE_DIR:-}" ]]; then
+    volume_args+=(--volume "$VLLM_CACHE_DIR:/root/.cache/vllm")
+  fi
+
+  DOCKER_ARGS=(
+    run --rm --name "$CONTAINER" --pull never
+    --label "$LABEL_INSTANCE=$INSTANCE"
+    # Host networking: vLLM binds VLLM_HOST on the host itself, so loopback means loopback.
+    --network host
+    "${DOCKER_OPTS[@]}"
+    "${gpu_args[@]}"
+    "${volume_args[@]}"
+    "${KEY_ARGS[@]}"
+    "$VLLM_IMAGE"
+    "${SERVE_ARGS[@]}" --host "$VLLM_HOST" --port "$VLLM_PORT" "${spec_args[@]}"
+  )
+}
+
+# ---- health ------------------------------------------------------------------------------------
+
+# health_status: the status line of GET /health, over bash's /dev/tcp (no curl on the host).
+health_status() {
+  (
+    exec 3<>"/dev/tcp/${HEALTH_HOST}/${VLLM_PORT}"
+    printf 'GET /health HTTP/1.0\r\nHost: %s\r\n\r\n' "$HEALTH_HOST" >&3
+    IFS= read -r -t 10 line <&3
+    printf '%s\n' "${line%$'\r'}"
+  ) 2>/dev/null || true
+}
+
+wait_healthy() {
+  check_endpoint
+  local start=$SECONDS next_note=60
+  until [[ "$(health_status)" =~ ^HTTP/1\.[01]\ 200 ]]; do
+    # systemd lets ExecStartPost run on after the main process exited: without this, an engine
+    # that dies at start (a broken image) held the unit "activating" until TimeoutStartSec.
+    if [[ -n "${MAINPID:-}" ]] && ! kill -0 "$MAINPID" 2>/dev/null; then
+      log "the engine exited (main process $MAINPID) before vLLM /health answered"
+      exit 1
+    fi
+    if ((SECONDS - start >= next_note)); then
+      log "waiting for vLLM /health on ${HEALTH_HOST}:${VLLM_PORT} ($((SECONDS - start)) s)"
+      next_note=$((next_note + 60))
+    fi
+    sleep 2
+  done
+  log "vLLM healthy on ${HEALTH_HOST}:${VLLM_PORT} after $((SECONDS - start)) s"
+}
+
+main() {
+  (($# == 2)) || usage
+  # Instance names as appliance/units/template.py checks them: a container and unit name.
+  [[ "$1" =~ ^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$ ]] || usage
+  INSTANCE="$1"
+  local etc="${APPLIANCE_ROOT:-}"
+  etc="${etc%/}/etc/gemma4-vllm"
+  readonly CONTAINER="gemma4-vllm-$INSTANCE"
+  readonly ENV_FILE="$etc/$INSTANCE.env"
+  readonly ARGS_FILE="$etc/$INSTANCE.args"
+  readonly API_KEY_FILE="$etc/$INSTANCE.api-key"
+  case "$2" in
+    run)
+      docker_command
+      exec docker "${DOCKER_ARGS[@]}"
+      ;;
+    print)
+      docker_command
+      printf '%q ' docker "${DOCKER_ARGS[@]}"
+      printf '\n'
+      ;;
+    wait-healthy)
+      wait_healthy
+      ;;
+    stop)
+      docker stop --time "$STOP_GRACE_S" "$CONTAINER" >/dev/null 2>&1 || true
+      ;;
+    remove)
+      # Only "no such container" is fine; a daemon that does not answer fails the start.
+      if docker container inspect "$CONTAINER" >/dev/null 2>&1; then
+        docker rm --force "$CONTAINER" >/dev/null
+      else
+        docker version --format '{{.Server.Version}}' >/dev/null
+      fi
+      ;;
+    *)
+      usage
+      ;;
+  esac
+}
+
+main "$@"
