@@ -464,3 +464,16 @@ def test_compose_pins_images_and_binds_loopback():
     text += (ROOT / "deploy/observability/otel-collector.yaml").read_text()
     text += (ROOT / "deploy/observability/jaeger.yaml").read_text()
     assert "0.0.0.0" not in text
+
+
+def test_grafana_admin_password_comes_from_a_file_not_a_default():
+    compose = yaml.safe_load((ROOT / "deploy/observability/compose.yaml").read_text())
+    grafana = compose["services"]["grafana"]
+    env = grafana["environment"]
+    # Grafana's admin/admin works until someone changes it: the stack never starts that way.
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env
+    assert env["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert grafana["secrets"] == ["grafana_admin_password"]
+    secret = compose["secrets"]["grafana_admin_password"]["file"]
+    assert secret.startswith("/etc/gemma4-vllm/")
