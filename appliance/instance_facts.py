@@ -1,9 +1,11 @@
-"""What the host says about an installed instance: its unit, env file and container (read-only).
+"""What the host says about an installed instance: its unit, env file, record and container.
 
-Doctor checks these facts and bench records the running image's labels. Unlike the instance
-record (``appliance.units.instance``: profile, host, port, image, which raises on an incomplete
-env file), this never raises for the host's state: a missing unit, env file or container, or a
-Docker that cannot be asked, is a fact for doctor to report.
+Built on the instance record (:mod:`appliance.units.instance`): the env file is read once, by
+the one env-file parser, and the strict record is built from those same bytes with
+:func:`~appliance.units.instance.from_env`. Unlike :func:`~appliance.units.instance.read`, this
+never raises for the host's state: a missing unit or env file, an env file the parser refuses or
+one too incomplete for a record, a missing container or a Docker that cannot be asked are facts
+for doctor to report (and bench to record), each in its own field.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cutover import envfile
-from .cutover.paths import Layout
-from .errors import UsageError
-from .units import UNIT_TEMPLATE, container_name
+from .errors import ApplianceError
+from .units import UNIT_TEMPLATE, container_name, paths
+from .units.instance import Instance, from_env
 from .units.template import UNIT_DIR
 
 # Where a unit template may be installed: the appliance's own place first, then the vendor ones.
@@ -27,34 +29,57 @@ UNIT_DIRS = (
 
 @dataclass
 class InstanceFacts:
-    """What the host says about an installed instance; ``None`` fields were not found."""
+    """What the host says about an installed instance; ``None`` fields were not found.
+
+    ``env``: the env file as read (None when there is none or it breaks the one env-file rule:
+    ``env_error``). ``record``: the instance record built from it (None when ``env`` lacks what
+    the record needs: ``record_error``).
+    """
 
     unit_path: Path | None = None
     env_path: Path | None = None
-    env_image: str | None = None
-    env_error: str | None = None  # the env file breaks the one env-file rule
+    env: envfile.EnvFile | None = None
+    env_error: str | None = None
+    record: Instance | None = None
+    record_error: str | None = None
     docker_error: str | None = None
     container_status: str | None = None
     container_image: str | None = None  # the reference the container was started from
     container_image_id: str | None = None
     image_labels: dict | None = None
 
+    @property
+    def env_image(self) -> str | None:
+        """``VLLM_IMAGE`` in the env file (None when unset or unreadable)."""
+        return self.env.get(envfile.IMAGE_KEY) or None if self.env else None
+
 
 def read(instance: str, root: Path = Path("/"), docker_client=None) -> InstanceFacts:
-    """Read the unit, env file and container of ``instance`` (read-only, never raises for the
-    host's state: a Docker that cannot be asked is ``docker_error``)."""
-    env = Layout(root).env_file(instance)  # validates the name before any path is built
+    """Read the unit, env file, record and container of ``instance`` (read-only, never raises
+    for the host's state: a Docker that cannot be asked is ``docker_error``)."""
+    root = Path(root)
+    env_path = root / paths(instance).env  # validates the name before any path is built
     facts = InstanceFacts()
     for d in UNIT_DIRS:
         if (root / d / UNIT_TEMPLATE).is_file():
             facts.unit_path = root / d / UNIT_TEMPLATE
             break
-    if env.is_file():
-        facts.env_path = env
+    if env_path.is_file():
+        facts.env_path = env_path
         try:
-            facts.env_image = envfile.parse(env.read_bytes(), str(env)).get(envfile.IMAGE_KEY)
-        except (OSError, UsageError) as exc:
-            facts.env_error = str(exc)
+            facts.env = envfile.read(env_path)  # parsed: a file outside the rule is env_error
+        except (OSError, ApplianceError) as exc:
+            facts.env, facts.env_error = None, str(exc)
+        if facts.env is not None:
+            try:
+                facts.record = from_env(root, instance, facts.env)
+            except ApplianceError as exc:
+                facts.record_error = str(exc)
+    _container_facts(facts, instance, docker_client)
+    return facts
+
+
+def _container_facts(facts: InstanceFacts, instance: str, docker_client) -> None:
     try:
         import docker  # imported here: a check without an instance must not need Docker
 
@@ -62,7 +87,7 @@ def read(instance: str, root: Path = Path("/"), docker_client=None) -> InstanceF
         try:
             ctr = client.containers.get(container_name(instance))
         except docker.errors.NotFound:
-            return facts
+            return
         facts.container_status = ctr.status
         facts.container_image = ctr.attrs.get("Config", {}).get("Image")
         facts.container_image_id = ctr.attrs.get("Image")
@@ -74,4 +99,3 @@ def read(instance: str, root: Path = Path("/"), docker_client=None) -> InstanceF
             pass
     except Exception as exc:  # noqa: BLE001 - docker missing, daemon down, permission: report, never crash
         facts.docker_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-    return facts

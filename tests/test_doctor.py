@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
 from plugins.http_servers import API_KEY, Route
 
 import docker
-from appliance import doctor, profiles
+from appliance import devmodel, doctor, profiles
 from appliance.cli import cli
 from appliance.engine.local import free_port
 
@@ -45,8 +46,13 @@ def test_non_vllm_server_fails_with_reason(plain_http_server):
 def _instance_root(tmp_path):
     env_dir = tmp_path / "etc/gemma4-vllm"
     env_dir.mkdir(parents=True)
-    (env_dir / "a.env").write_text('# chosen image\nVLLM_IMAGE="gemma4-vllm:0.32.0-mtp"\n')
+    (env_dir / "a.env").write_text(
+        '# chosen image\nVLLM_IMAGE="gemma4-vllm:0.32.0-mtp"\nAPPLIANCE_PROFILE=cpu-tiny-mtp\n'
+        "VLLM_HOST=127.0.0.1\nVLLM_PORT=8000\nMODEL_DIR=/models/tiny\n"
+    )
     (env_dir / "b.env").write_text("OTHER=1\n")
+    # An env file too incomplete for the instance record (an older install's): a check, no crash.
+    (env_dir / "p.env").write_text('VLLM_IMAGE="gemma4-vllm:0.32.0-mtp"\n')
     unit_dir = tmp_path / "etc/systemd/system"
     unit_dir.mkdir(parents=True)
     (unit_dir / "gemma4-vllm@.service").write_text("[Service]\n")
@@ -58,6 +64,36 @@ def _dead_docker():
     # constructing it does not already connect): how doctor sees a host whose daemon is down.
     return docker.DockerClient(
         base_url="unix:///nonexistent/docker.sock", version="1.43", timeout=2
+    )
+
+
+def test_models_check_of_an_instance_under_root(tmp_path):
+    # a.env: cpu-tiny-mtp, MODEL_DIR=/models/tiny, i.e. ROOT/models/tiny under --root.
+    root = _instance_root(tmp_path)
+    dead = f"http://127.0.0.1:{free_port()}"
+    check = doctor.run(dead, instance="a", root=root, docker_client=_dead_docker()).get(
+        "instance.models"
+    )
+    assert check.status == "fail"
+    assert check.summary.startswith(
+        f"models not ready: target {root}/models/tiny/target: directory missing"
+    )
+    assert "fix: appliance devmodel build DIR" in check.summary
+    model_dir = root / "models/tiny"
+    shutil.copytree(devmodel.cached("copy").root, model_dir)
+    check = doctor.run(dead, instance="a", root=root, docker_client=_dead_docker()).get(
+        "instance.models"
+    )
+    assert check.status == "ok", check
+    assert check.summary.startswith(f"models ok: target {model_dir}/target (6 files")
+    assert check.evidence["full_check"] == "appliance models verify --instance a"
+    (model_dir / "drafter/model.safetensors").write_bytes(b"\x08")  # truncated to 1 byte
+    report = doctor.run(dead, instance="a", root=root, docker_client=_dead_docker())
+    check = report.get("instance.models")
+    assert check.status == "fail" and not report.ok
+    assert (
+        f"drafter {model_dir}/drafter: file model.safetensors is truncated (1 bytes)"
+        in check.summary
     )
 
 
@@ -76,6 +112,11 @@ def test_instance_files_under_root(tmp_path):
     ), ctr.evidence
     b = doctor.run(dead, instance="b", root=root, docker_client=_dead_docker())
     assert b.get("instance.env").status == "fail"
+    p = doctor.run(dead, instance="p", root=root, docker_client=_dead_docker())
+    env = p.get("instance.env")
+    assert (env.status, env.evidence["image"]) == ("fail", "gemma4-vllm:0.32.0-mtp")
+    assert env.summary.startswith("incomplete env file: APPLIANCE_PROFILE is not set in ")
+    assert p.get("instance.models") is None  # no record to tell which models
     c = doctor.run(dead, instance="c", root=tmp_path / "nothing", docker_client=_dead_docker())
     assert c.get("instance.env").status == "warn" and c.get("instance.unit").status == "warn"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,9 +21,13 @@ import pytest
 from click.testing import CliRunner
 from plugins.hub import DRAFTER_REPO, HUB_TOKEN, TARGET_REPO, HubFile, HubRepo
 
+from appliance import profiles, units
 from appliance.cli import cli
+from appliance.cutover import envfile
+from appliance.doctor.host import models_check
 from appliance.models import cache, where
 from appliance.models import verify as mv
+from appliance.units import instance
 
 PROFILE_TOML = f"""
 name = "tiny-hub-mtp"
@@ -445,3 +450,147 @@ def test_location_defaults(tmp_path):
     ]
     report = mv.verify(loc, quick=True)
     assert not report.ok and len(report.problems) == 2
+
+
+# --- the serve script's start-time check on the Hugging Face cache layout ---------------------------
+#
+# The real serve script of an instance installed (under a temporary root) with the test's
+# hub-repo profile and HF_CACHE_DIR the pulled cache; no docker on PATH: the check runs before
+# the first docker call, so a complete cache gets as far as "image ... is not on this host".
+
+SCRIPT_TOOLS = ("sort", "head", "stat", "od", "grep", "sed", "tr")
+SCRIPT_FIX = (
+    "fix: appliance models pull --instance h; "
+    "air-gapped: appliance models import --instance h --from COPY"
+)
+
+
+@pytest.fixture()
+def no_docker_path(tmp_path) -> str:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in SCRIPT_TOOLS:
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    return str(bin_dir)
+
+
+def _install(root: Path, profile_file: Path, cache_dir: Path) -> None:
+    prof = profiles.load_file(profile_file)
+    units.install(prof, "h", root=root, options=units.Options(hf_cache_dir=str(cache_dir)))
+
+
+def _serve_run(root: Path, path: str) -> subprocess.CompletedProcess:
+    values = envfile.read(root / units.paths("h").env).values
+    return subprocess.run(
+        [str(root / units.paths("h").script), "h", "run"],
+        env={**values, "PATH": path, "APPLIANCE_ROOT": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def _script_refuses(root, path, profile_file, cache_dir) -> str:
+    """The script's one line, checked against `models verify --quick`'s problems, word for word."""
+    proc = _serve_run(root, path)
+    assert (proc.returncode, proc.stdout) == (78, ""), proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, lines
+    report = mv.verify(where.locate(profile_file=profile_file, hf_cache_dir=cache_dir), quick=True)
+    assert lines[0] == f"gemma4-vllm@h: {report.one_line(SCRIPT_FIX)}"
+    return lines[0]
+
+
+def test_serve_script_passes_a_complete_cache_then_goes_on_to_docker(
+    pulled, profile_file, tmp_path, no_docker_path
+):
+    _install(tmp_path / "root", profile_file, pulled)
+    proc = _serve_run(tmp_path / "root", no_docker_path)
+    assert proc.returncode == 78
+    assert f"models present: target {TARGET_REPO}, drafter {DRAFTER_REPO}" in proc.stderr
+    assert "is not on this host" in proc.stderr  # past the check, at the first docker call
+
+
+def test_serve_script_refuses_a_missing_shard(pulled, profile_file, tmp_path, no_docker_path):
+    _install(tmp_path / "root", profile_file, pulled)
+    (_snapshot(pulled, TARGET_REPO) / SHARD).resolve().unlink()  # the blob behind the link
+    line = _script_refuses(tmp_path / "root", no_docker_path, profile_file, pulled)
+    assert f"target {TARGET_REPO}: file {SHARD} missing" in line
+
+
+def test_serve_script_refuses_a_truncated_file_by_the_hub_listing(
+    pulled, profile_file, tmp_path, no_docker_path
+):
+    _install(tmp_path / "root", profile_file, pulled)
+    # Not a weight file: only the listing (trees/COMMIT.json, read in bash) knows its size.
+    blob = (_snapshot(pulled, DRAFTER_REPO) / "tokenizer.json").resolve()
+    data = blob.read_bytes()
+    blob.write_bytes(data[:100])
+    line = _script_refuses(tmp_path / "root", no_docker_path, profile_file, pulled)
+    assert f"file tokenizer.json has 100 of {len(data)} bytes (truncated or replaced)" in line
+
+
+def test_serve_script_refuses_a_truncated_shard_without_a_listing(
+    pulled, profile_file, tmp_path, no_docker_path
+):
+    _install(tmp_path / "root", profile_file, pulled)
+    blob = (_snapshot(pulled, TARGET_REPO) / SHARD).resolve()
+    data = blob.read_bytes()
+    blob.write_bytes(data[: len(data) // 2])
+    for tree in (cache.repo_dir(pulled / "hub", TARGET_REPO) / "trees").iterdir():
+        tree.unlink()
+    line = _script_refuses(tmp_path / "root", no_docker_path, profile_file, pulled)
+    assert f"file {SHARD} is truncated ({len(data) // 2} of {len(data)} bytes)" in line
+
+
+def test_serve_script_refuses_a_wrong_drafter(pulled, profile_file, tmp_path, no_docker_path):
+    # Install refuses a profile naming a wrong drafter; what is under the drafter's repo id in
+    # the cache can still be another model: here the target's config (a gemma4_text model).
+    _install(tmp_path / "root", profile_file, pulled)
+    link = _snapshot(pulled, DRAFTER_REPO) / "config.json"
+    link.unlink()
+    link.write_text((_snapshot(pulled, TARGET_REPO) / "config.json").read_text())
+    line = _script_refuses(tmp_path / "root", no_docker_path, profile_file, pulled)
+    assert f"drafter {DRAFTER_REPO}: is a gemma4_text model, not a Gemma 4 MTP drafter" in line
+
+
+def test_serve_script_refuses_a_missing_model_and_a_half_done_download(
+    pulled, profile_file, tmp_path, no_docker_path
+):
+    _install(tmp_path / "root", profile_file, pulled)
+    repo = cache.repo_dir(pulled / "hub", DRAFTER_REPO)
+    (repo / "blobs" / ("0" * 64 + ".incomplete")).write_bytes(b"half")
+    line = _script_refuses(tmp_path / "root", no_docker_path, profile_file, pulled)
+    assert (
+        f"drafter {DRAFTER_REPO}: a download was interrupted (blobs/{'0' * 64}.incomplete" in line
+    )
+    shutil.rmtree(cache.repo_dir(pulled / "hub", TARGET_REPO))
+    line = _script_refuses(tmp_path / "root", no_docker_path, profile_file, pulled)
+    assert f"target {TARGET_REPO}: not in the model cache {pulled}/hub" in line
+
+
+# --- doctor's instance.models check ----------------------------------------------------------
+
+
+def test_doctor_checks_the_instance_models_quick_with_the_fix(pulled, profile_file, tmp_path):
+    # HF_CACHE_DIR=/hf in the env file; under --root that is ROOT/hf (here: the pulled cache).
+    root = tmp_path / "root"
+    prof = profiles.load_file(profile_file)
+    units.install(prof, "h", root=root, options=units.Options(hf_cache_dir="/hf"))
+    (root / "hf").symlink_to(pulled)
+    # The profile is the test's own file, not a shipped one that the env file could name: the
+    # record is built with it directly (doctor.run builds it from the env file: test_doctor.py).
+    env = envfile.read(root / units.paths("h").env)
+    inst = instance.Instance(
+        "h", prof, env.get("VLLM_IMAGE"), "127.0.0.1", 8000, env, Path("/x"), Path("/y")
+    )
+    check = models_check(inst, root)
+    assert check.status == "ok", check
+    assert check.summary.startswith(f"models ok: target {TARGET_REPO}@")
+    (_snapshot(pulled, TARGET_REPO) / SHARD).resolve().unlink()
+    check = models_check(inst, root)
+    assert check.status == "fail"
+    assert f"target {TARGET_REPO}: file {SHARD} missing" in check.summary
+    assert f"fix: appliance models pull --instance h --root {root}" in check.summary
+    assert check.evidence["full_check"] == "appliance models verify --instance h"

@@ -11,6 +11,7 @@ it was.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -21,11 +22,12 @@ import pytest
 from click.testing import CliRunner
 from plugins.units import install_old_layout
 
-from appliance import labels, profiles, units
+from appliance import devmodel, labels, profiles, units
 from appliance.cli import cli
 from appliance.cutover import envfile
 from appliance.cutover.paths import Layout
 from appliance.errors import UsageError
+from appliance.models import verify as model_verify
 from appliance.profiles.validate import ProfileError
 from appliance.units import examples, instance, template
 
@@ -34,7 +36,8 @@ SOURCE_SCRIPT = REPO / "appliance" / "units" / "serve.sh"
 SHIPPED = sorted(profiles.all_profiles())
 MIG = "mig24-e4b-mtp"
 # What the serve script runs besides bash builtins, docker left out: it stops at its first call.
-SCRIPT_TOOLS = ("sort", "head")
+# (`run` checks the models with the rest before docker: stat, od, grep, sed, tr.)
+SCRIPT_TOOLS = ("sort", "head", "stat", "od", "grep", "sed", "tr")
 
 
 @pytest.fixture(scope="session")
@@ -703,3 +706,164 @@ def test_an_env_file_systemd_could_read_differently_is_refused_by_install(instal
     assert result.exit_code == 2
     assert f"{env_path}:" in result.output and "comment ending in a backslash" in result.output
     assert snapshot(installed) == before
+
+
+# --- the start-time model check (`serve I run`, before any docker call) ---------------------------
+#
+# The real script against a --root tree and a copy of the real tiny model pair (MODEL_DIR), with
+# no docker on PATH: the check comes before the first docker call, so a model problem is exit 78
+# with one line, and a complete pair gets as far as docker ("image ... is not on this host").
+
+
+@pytest.fixture
+def tiny_instance(tmp_path) -> tuple[Path, Path]:
+    """Instance "m" of cpu-tiny-mtp under ``tmp_path/root``, its MODEL_DIR a fresh copy of the
+    tiny pair (``tmp_path/models``): ``(root, model_dir)``."""
+    model_dir = tmp_path / "models"
+    shutil.copytree(devmodel.cached("copy").root, model_dir)
+    root = tmp_path / "root"
+    units.install("cpu-tiny-mtp", "m", root=root, options=units.Options(model_dir=str(model_dir)))
+    return root, model_dir
+
+
+def _truncate(path: Path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def _break_missing_shard(d: Path) -> str:
+    # Split in shards by its index: the second shard the index lists is not there.
+    index = {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (d / "target/model.safetensors.index.json").write_text(json.dumps(index))
+    return "target {d}/target: weight shard model-00002-of-00002.safetensors missing"
+
+
+def _break_missing_weights(d: Path) -> str:
+    (d / "drafter/model.safetensors").unlink()
+    return "drafter {d}/drafter: no weight files (*.safetensors)"
+
+
+def _break_truncated(d: Path) -> str:
+    size = (d / "target/model.safetensors").stat().st_size
+    _truncate(d / "target/model.safetensors", size - 1000)
+    return (
+        f"target {{d}}/target: file model.safetensors is truncated ({size - 1000} of {size} bytes)"
+    )
+
+
+def _break_wrong_drafter(d: Path) -> str:
+    shutil.rmtree(d / "drafter")
+    shutil.copytree(d / "target", d / "drafter")  # a gemma4_text model where the drafter goes
+    return "drafter {d}/drafter: is a gemma4_text model, not a Gemma 4 MTP drafter"
+
+
+def _break_other_width(d: Path) -> str:
+    config = json.loads((d / "drafter/config.json").read_text())
+    config["backbone_hidden_size"] = 5376  # 31B's width, not this target's (128)
+    (d / "drafter/config.json").write_text(json.dumps(config, indent=2))
+    return "drafter {d}/drafter: drafts for a backbone of width 5376, the target {d}/target has 128"
+
+
+def _break_missing_config(d: Path) -> str:
+    (d / "target/config.json").unlink()
+    return "target {d}/target: config.json missing"
+
+
+def _break_missing_drafter(d: Path) -> str:
+    shutil.rmtree(d / "drafter")
+    return "drafter {d}/drafter: directory missing"
+
+
+BREAKAGES = {
+    "missing-shard": _break_missing_shard,
+    "missing-weights": _break_missing_weights,
+    "truncated": _break_truncated,
+    "wrong-drafter": _break_wrong_drafter,
+    "other-width": _break_other_width,
+    "missing-config": _break_missing_config,
+    "missing-drafter": _break_missing_drafter,
+}
+
+
+def test_run_checks_a_complete_model_pair_then_goes_on_to_docker(tiny_instance, no_docker_path):
+    root, model_dir = tiny_instance
+    proc = serve(root, "m", "run", no_docker_path)
+    assert proc.returncode == 78, proc.stderr
+    assert (
+        f"gemma4-vllm@m: models present: target {model_dir}/target, drafter {model_dir}/drafter"
+        in proc.stderr
+    )
+    assert "models not ready" not in proc.stderr
+    assert "image gemma4-vllm:latest is not on this host" in proc.stderr  # it got to docker
+
+
+@pytest.mark.parametrize("breakage", list(BREAKAGES))
+def test_run_refuses_a_broken_model_with_one_line_and_exit_78(
+    tiny_instance, no_docker_path, breakage
+):
+    root, model_dir = tiny_instance
+    want = BREAKAGES[breakage](model_dir).format(d=model_dir)
+    proc = serve(root, "m", "run", no_docker_path)
+    assert (proc.returncode, proc.stdout) == (78, ""), proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, lines
+    env_path = root / units.paths("m").env
+    fix = model_verify.model_dir_fix(str(env_path))
+    assert lines[0].startswith(f"gemma4-vllm@m: models not ready: {want}"), lines[0]
+    assert lines[0].endswith(f" ({fix})")
+    # The same problems, in the same words, as `appliance models verify --quick` (doctor's check).
+    report = model_verify.verify_model_dir(model_dir, profiles.get("cpu-tiny-mtp"), quick=True)
+    assert not report.ok
+    assert lines[0] == f"gemma4-vllm@m: {report.one_line(fix)}"
+
+
+def test_print_shows_the_command_without_the_models(tiny_instance, no_docker_path):
+    root, model_dir = tiny_instance
+    shutil.rmtree(model_dir / "target")
+    proc = serve(root, "m", "print", no_docker_path)
+    assert "models" not in proc.stderr and "is not on this host" in proc.stderr
+
+
+def test_an_args_file_of_an_older_install_is_served_without_the_check(
+    tiny_instance, no_docker_path
+):
+    # Re-installing one instance rewrites the shared script; the others' args files stay as
+    # they were until their own re-install, and must still start.
+    root, model_dir = tiny_instance
+    args = root / units.paths("m").args
+    args.write_text(
+        "".join(
+            line
+            for line in args.read_text().splitlines(keepends=True)
+            if not line.startswith(("model ", "drafter-type "))
+        )
+    )
+    shutil.rmtree(model_dir / "target")
+    proc = serve(root, "m", "run", no_docker_path)
+    assert "names no models (written by an older appliance): not checked at start" in proc.stderr
+    assert "is not on this host" in proc.stderr
+
+
+def test_a_hand_edited_model_record_cannot_leave_its_directory(tiny_instance, no_docker_path):
+    root, _ = tiny_instance
+    args = root / units.paths("m").args
+    args.write_text(args.read_text().replace("target dir target", "target dir ../../etc"))
+    proc = serve(root, "m", "run", no_docker_path)
+    assert proc.returncode == 78
+    assert "bad model record 'target dir ../../etc'" in proc.stderr
+
+
+def test_args_name_each_model_and_the_drafter_types_the_check_accepts():
+    gpu = template.args_records(profiles.get("h100-31b-mtp"), ["HF_CACHE_DIR"])
+    assert [v for k, v in gpu if k == "model"] == [
+        "target hub google/gemma-4-31B-it",
+        "drafter hub google/gemma-4-31B-it-assistant",
+    ]
+    assert [v for k, v in gpu if k == "drafter-type"] == list(model_verify.DRAFTER_TYPES)
+    cpu = template.args_records(profiles.get("cpu-tiny"), ["MODEL_DIR"])
+    assert [v for k, v in cpu if k in ("model", "drafter-type")] == ["target dir target"]
+    pinned = dataclasses.replace(profiles.get("h100-31b-mtp"), revision="a" * 40)
+    assert ("model", f"target hub google/gemma-4-31B-it {'a' * 40}") in template.args_records(
+        pinned, []
+    )
+    with pytest.raises(UsageError, match="is not a hub repo id"):
+        template.args_records(dataclasses.replace(pinned, model="../x"), [])

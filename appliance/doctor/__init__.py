@@ -3,8 +3,9 @@
 Every check is a :class:`Check` record (``ok`` / ``warn`` / ``fail``, a one-line summary and the
 evidence it was based on). Doctor never changes anything: it reads ``/health``, ``/version``,
 ``/v1/models``, and runs the MTP probe (:mod:`appliance.probe`: counters, one short generation
-unless ``generate=False``, counters again); with an instance it reads the instance's files and
-asks Docker. ``/v1`` calls carry the API key (:func:`appliance.apikey.resolve`); the key is never
+unless ``generate=False``, counters again); with an instance it reads the instance's files
+(:mod:`appliance.instance_facts`), checks its models as the serve script does before every start
+(:func:`appliance.models.verify.verify` quick) and asks Docker. ``/v1`` calls carry the API key (:func:`appliance.apikey.resolve`); the key is never
 printed or put into the report.
 
 One job per module: ``report`` (the records), ``engine`` (vLLM, model, MTP), ``host`` (the
@@ -57,7 +58,7 @@ def run(
         if _reachable(client, checks):
             checks += _engine_checks(client, profile, facts, generate, timeout, api_key)
     if facts:
-        checks += instance_checks(instance, facts)
+        checks += instance_checks(instance, facts, root)
     if profile:
         checks.append(gpu_check(profile))
     return DoctorReport(base, checks)

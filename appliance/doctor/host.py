@@ -1,21 +1,27 @@
-"""Doctor's checks of the host: the installed instance (unit, env file, container) and GPUs."""
+"""Doctor's checks of the host: the installed instance (unit, env file, models, container) and
+GPUs."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 from .. import labels as image_labels
 from ..cutover.paths import ENV_DIR
+from ..errors import ApplianceError
 from ..instance_facts import UNIT_DIRS, InstanceFacts
+from ..models import verify, where
 from ..profiles import Profile
 from ..units import UNIT_TEMPLATE, container_name
+from ..units.instance import Instance
 from .report import Check, Status
 
 
-def instance_checks(instance: str, facts: InstanceFacts) -> list[Check]:
-    """The unit is installed, the env file names an image, the container runs that image."""
+def instance_checks(instance: str, facts: InstanceFacts, root: Path = Path("/")) -> list[Check]:
+    """The unit is installed, the env file is complete and names an image, the models are
+    there, the container runs that image."""
     checks = []
     if facts.unit_path:
         checks.append(
@@ -44,6 +50,16 @@ def instance_checks(instance: str, facts: InstanceFacts) -> list[Check]:
                 {"path": str(facts.env_path)},
             )
         )
+    elif facts.record_error:
+        # The serve script refuses to start on this too: it is a failure, not a detail.
+        checks.append(
+            Check(
+                "instance.env",
+                "fail",
+                f"incomplete env file: {facts.record_error}",
+                {"path": str(facts.env_path), "image": facts.env_image},
+            )
+        )
     elif facts.env_image:
         checks.append(
             Check(
@@ -65,8 +81,39 @@ def instance_checks(instance: str, facts: InstanceFacts) -> list[Check]:
                 {"expected": str(ENV_DIR / f"{instance}.env")},
             )
         )
+    if facts.record is not None:
+        checks.append(models_check(facts.record, root))
     checks.append(_container_check(instance, facts))
     return checks
+
+
+def models_check(inst: Instance, root: Path = Path("/")) -> Check:
+    """``instance.models``: the instance's target and drafter are on this host and complete, by
+    ``appliance models verify --quick`` (sizes and safetensors headers, no hashing); the check
+    the serve script makes before every start, with the command that fixes it."""
+    profile = inst.profile
+    try:
+        if profile.uses_devmodel:
+            value = inst.env.get("MODEL_DIR")
+            if not value:
+                return Check("instance.models", "fail", f"MODEL_DIR is not set in {inst.env_path}")
+            model_dir = where.under_root(root, value)
+            report = verify.verify_model_dir(model_dir, profile, quick=True)
+            fix = verify.model_dir_fix(str(inst.env_path))
+            ev: dict = {"model_dir": str(model_dir)}
+        else:
+            loc = where.locate(root=root, instance=inst.name, env=inst.env, profile=profile)
+            report = verify.verify(loc, quick=True)
+            fix = loc.fix()
+            ev = {"hf_cache_dir": str(loc.hf_home)}
+    except ApplianceError as exc:
+        return Check("instance.models", "fail", str(exc), {})
+    ev["full_check"] = f"appliance models verify --instance {inst.name}"
+    if report.ok:
+        return Check("instance.models", "ok", report.summary(), ev)
+    ev["problems"] = [p.line() for p in report.problems]
+    ev["fix"] = fix
+    return Check("instance.models", "fail", report.one_line(fix), ev)
 
 
 def _container_check(instance: str, facts: InstanceFacts) -> Check:

@@ -6,7 +6,11 @@ its size (and, unless ``quick``, its hash), ``config.json`` reads, the target ha
 every shard a weight index lists is there, each safetensors file is as long as its header says.
 Then the pair: the drafter is a Gemma 4 MTP drafter (``gemma4_assistant`` and friends) built for
 a backbone of the target's width. ``quick`` reads no weight data (sizes and headers only), so it
-can run at every unit start.
+can run at every unit start. A tiny dev model pair in ``MODEL_DIR`` (``target/``, ``drafter/``,
+no hub listing) gets the same structure and pair checks (:func:`verify_model_dir`).
+
+The serve script's start-time check (``check_models`` in ``appliance/units/serve.sh``) is the
+bash subset of ``quick`` with the same messages; this module is the full check.
 """
 
 from __future__ import annotations
@@ -16,12 +20,10 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import ModelSpec, cache
+from ..profiles import Profile
+from . import DRAFTER_TYPES, ModelSpec, cache, dir_specs
 from .where import Location
 
-# What vLLM accepts as a Gemma 4 MTP drafter (vllm/config/speculative.py rewrites the first two
-# to gemma4_mtp).
-DRAFTER_TYPES = ("gemma4_assistant", "gemma4_unified_assistant", "gemma4_mtp")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -79,8 +81,9 @@ class Report:
         parts = []
         for m in self.models:
             checked = "sizes" if self.quick else f"{m.hashed} hashes"
+            at = f"@{m.commit[:12]}" if m.commit else ""
             parts.append(
-                f"{m.spec.role} {m.spec.repo_id}@{(m.commit or '?')[:12]} "
+                f"{m.spec.role} {m.spec.repo_id}{at} "
                 f"({m.files} files, {_gb(m.bytes)}, {checked} checked)"
             )
         return "models ok: " + "; ".join(parts)
@@ -107,6 +110,31 @@ def verify(loc: Location, *, quick: bool = False) -> Report:
     return Report(tuple(states), problems, quick)
 
 
+def verify_model_dir(model_dir: Path, profile: Profile, *, quick: bool = False) -> Report:
+    """Check a tiny dev model profile's pair in ``model_dir`` (``MODEL_DIR``: no hub listing,
+    so sizes come from the safetensors headers; hashes only where a blob name states one)."""
+    states = []
+    for spec in dir_specs(profile):
+        path = Path(model_dir) / spec.repo_id
+        state = ModelState(ModelSpec(spec.role, str(path)))
+        if not path.is_dir():
+            state.fail("directory missing")
+        else:
+            state.snapshot = path
+            check_files(state, path, None, quick=quick)
+        states.append(state)
+    check_pair(states)
+    return Report(tuple(states), tuple(p for s in states for p in s.problems), quick)
+
+
+def model_dir_fix(env_path: str) -> str:
+    """What fixes a broken tiny model pair (the serve script's words)."""
+    return (
+        "fix: appliance devmodel build DIR (a new or empty directory), "
+        f"then MODEL_DIR=DIR in {env_path}"
+    )
+
+
 def check_cached(hub: Path, spec: ModelSpec, *, quick: bool) -> ModelState:
     """Check one model in the hub cache ``hub``."""
     state = ModelState(spec)
@@ -124,6 +152,11 @@ def check_cached(hub: Path, spec: ModelSpec, *, quick: bool) -> ModelState:
         state.fail(f"refs/main names {main or 'nothing'}, the profile pins {commit}")
         return state
     state.commit = commit
+    # The hub client downloads into blobs/ETAG.incomplete and renames when done: one left over
+    # is a download that was killed (the next pull removes it).
+    partial = sorted(p.name for p in (repo / "blobs").glob("*.incomplete"))
+    if partial:
+        state.fail(f"a download was interrupted (blobs/{partial[0]} left)")
     snapshot = repo / "snapshots" / commit
     if not snapshot.is_dir():
         state.fail(f"snapshot {commit[:12]} missing from {repo}")

@@ -54,7 +54,7 @@ class Location:
         )
 
 
-def _under(root: Path, host_path: str) -> Path:
+def under_root(root: Path, host_path: str) -> Path:
     """``host_path`` (absolute on the host) as seen under ``root``."""
     p = Path(host_path)
     return root / p.relative_to("/") if p.is_absolute() else root / p
@@ -63,19 +63,23 @@ def _under(root: Path, host_path: str) -> Path:
 def locate(
     *,
     root: Path = Path("/"),
-    profile: str | None = None,
+    profile: str | Profile | None = None,
     profile_file: Path | None = None,
     instance: str | None = None,
     hf_cache_dir: Path | None = None,
     token_file: Path | None = None,
+    env: envfile.EnvFile | None = None,
 ) -> Location:
     """Resolve the options of a ``models`` command into a :class:`Location` (UsageError if they
-    do not name exactly one profile)."""
+    do not name exactly one profile). ``env``: the instance's env file when the caller has read
+    it already (doctor); ``profile`` may be the instance's record's profile, already looked up."""
     if profile and profile_file:
         raise UsageError("give --profile or --profile-file, not both")
     selector: list[str] = []
     prof: Profile | None = None
-    if profile:
+    if isinstance(profile, Profile):
+        prof = profile  # the instance's own: --instance names it in a fix command
+    elif profile:
         prof = profiles.get(profile)
         selector += ["--profile", profile]
     elif profile_file:
@@ -84,7 +88,7 @@ def locate(
     cache: Path | None = hf_cache_dir
     if instance is not None:
         check_instance(instance)
-        env = envfile.read(_under(root, f"{ENV_DIR}/{instance}.env"))
+        env = env or envfile.read(under_root(root, f"{ENV_DIR}/{instance}.env"))
         if prof is None:
             name = env.get("APPLIANCE_PROFILE")
             if not name:
@@ -94,12 +98,12 @@ def locate(
                 )
             prof = profiles.get(name)
         if cache is None and (value := env.get("HF_CACHE_DIR")):
-            cache = _under(root, value)
+            cache = under_root(root, value)
         selector = ["--instance", instance, *selector]
     if prof is None:
         raise UsageError("say which models", fix="pass --instance, --profile or --profile-file")
     if cache is None:
-        cache = _under(root, DEFAULT_HF_CACHE)
+        cache = under_root(root, DEFAULT_HF_CACHE)
     elif hf_cache_dir is not None:
         selector += ["--hf-cache-dir", str(hf_cache_dir)]
     if root != Path("/"):
@@ -108,7 +112,7 @@ def locate(
     return Location(
         profile=prof,
         hf_home=Path(cache),
-        token_file=Path(token_file) if explicit else _under(root, DEFAULT_TOKEN_FILE),
+        token_file=Path(token_file) if explicit else under_root(root, DEFAULT_TOKEN_FILE),
         token_file_explicit=explicit,
         selector=tuple(selector),
     )

@@ -2,7 +2,9 @@
 
 The facts come from the operator's env file (``/etc/gemma4-vllm/<name>.env``, through the one
 env-file parser) and the profile it names; never from generated shell. Cutover, status and
-re-install use this record; doctor and bench may too.
+re-install use this record. :mod:`appliance.instance_facts` (doctor, bench) is built on it: it
+reads the env file with the same parser and builds this record with :func:`from_env`, adding
+what the host says (unit, container), and reports an env file this refuses as a check.
 
     inst = instance.read(Path("/"), "31b")
     inst.profile.name, inst.image, inst.base_url, inst.api_key()
@@ -86,8 +88,14 @@ def read(root: Path | str, name: str) -> Instance:
     port that is not one.
     """
     root = Path(root)
+    return from_env(root, name, envfile.read(root / paths(name).env))
+
+
+def from_env(root: Path | str, name: str, env: envfile.EnvFile) -> Instance:
+    """The record of instance ``name`` from its env file ``env``, already read (errors as
+    :func:`read`)."""
+    root = Path(root)
     p = paths(name)
-    env = envfile.read(root / p.env)
     upgrade = (
         f"re-run `appliance install --instance {name} --profile PROFILE` (it upgrades in place)"
     )

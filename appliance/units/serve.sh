@@ -19,6 +19,11 @@
 # - /etc/gemma4-vllm/INSTANCE.api-key (0600): read into the environment and handed to the
 #   container by name, so the key is never on a command line, in `print`'s output or the journal.
 #
+# Before it starts the engine, `run` checks that the models the args file names are on this host
+# and look complete (check_models below: exit 78 with one line naming the model and the command
+# that fixes it), so a missing or half-downloaded model is a configuration error instead of a
+# failure deep inside vLLM's model loading and a restart loop.
+#
 # The image's labels decide whether the Gemma 4 MTP speculative config is passed: an image not
 # labelled io.gemma4-appliance.mtp=true is served without it, so pointing VLLM_IMAGE at a
 # pre-MTP image is a safe rollback.
@@ -61,10 +66,12 @@ version_ge() {
 # ---- the instance's files ---------------------------------------------------------------------
 
 # read_args: the records of the args file into SERVE_ARGS, MTP_ARGS, PER_REQUEST_ARGS,
-# DOCKER_OPTS and REQUIRED. Each value is one argument as written, quotes and $ included.
+# DOCKER_OPTS, REQUIRED, MODELS and DRAFTER_TYPES. Each value is one argument as written, quotes
+# and $ included.
 read_args() {
   local kind value format=""
   SERVE_ARGS=() MTP_ARGS=() PER_REQUEST_ARGS=() DOCKER_OPTS=() REQUIRED=() ARGS_PROFILE=""
+  MODELS=() DRAFTER_TYPES=()
   [[ -r "$ARGS_FILE" ]] \
     || die_config "cannot read $ARGS_FILE (written by \`appliance install --instance $INSTANCE\`)"
   while read -r kind value || [[ -n "$kind" ]]; do
@@ -77,6 +84,8 @@ read_args() {
       per-request) PER_REQUEST_ARGS+=("$value") ;;
       docker) DOCKER_OPTS+=("$value") ;;
       require) REQUIRED+=("$value") ;;
+      model) MODELS+=("$value") ;;
+      drafter-type) DRAFTER_TYPES+=("$value") ;;
       *) die_config "$ARGS_FILE: unknown record '$kind': re-run \`appliance install\`" ;;
     esac
   done < "$ARGS_FILE"
@@ -162,6 +171,251 @@ read_api_key() {
   KEY_ARGS=(--env VLLM_API_KEY)
 }
 
+# ---- the models --------------------------------------------------------------------------------
+#
+# check_models: every model the args file names is on this host and looks complete, else exit 78
+# with one line naming each problem's model and the command that fixes it. A `model` record is
+# `ROLE hub REPO_ID [REVISION]` (the Hugging Face cache in HF_CACHE_DIR, as the hub client lays it
+# out: hub/models--ORG--NAME/{refs/main,snapshots/COMMIT,blobs,trees/COMMIT.json}) or `ROLE dir
+# NAME` (MODEL_DIR/NAME, the tiny CPU models). This is the cheap part of `appliance models verify
+# --quick` in bash (the host may have no Python), with its messages: the model directory and
+# config.json, a tokenizer for the target, every shard a *.safetensors.index.json lists, a
+# single-file model's weights, no download left half-done, each file's size where the hub's
+# listing (trees/COMMIT.json) gives it, each safetensors file as long as its header says, and a
+# drafter whose config.json names an allowed model_type and the target's width. It reads no
+# weight data: `appliance models verify --instance I` is the full check (every file's hash).
+
+readonly MAX_SAFETENSORS_HEADER=104857600  # appliance/models/verify.py's _MAX_HEADER
+
+MODEL_PROBLEMS=()
+
+# problem ROLE NAME WHAT
+problem() { MODEL_PROBLEMS+=("$1 $2: $3"); }
+
+# file_size PATH: the size of PATH (links followed).
+file_size() { stat -L -c %s -- "$1"; }
+
+# safetensors_problem PATH: why a safetensors file cannot be whole (its header gives its exact
+# length), or nothing.
+safetensors_problem() {
+  local path="$1" size n end max=0
+  size="$(file_size "$path")"
+  if ((size < 8)); then
+    printf 'is truncated (%s bytes)\n' "$size"
+    return 0
+  fi
+  n="$(od -An -N8 -tu8 --endian=little -- "$path" | tr -d ' ')"
+  if [[ ! "$n" =~ ^[0-9]+$ ]] || ((n > size - 8 || n > MAX_SAFETENSORS_HEADER)); then
+    printf 'is truncated or not safetensors (%s bytes)\n' "$size"
+    return 0
+  fi
+  # "data_offsets":[BEGIN,END] per tensor: the data ends at the largest END.
+  while read -r end; do
+    if ((end > max)); then max=$end; fi
+  done < <(head -c "$((8 + n))" -- "$path" \
+    | grep -aoE '"data_offsets" *: *\[ *[0-9]+ *, *[0-9]+ *\]' \
+    | grep -oE '[0-9]+ *\]$' | tr -d ' ]')
+  if ((size < 8 + n + max)); then
+    printf 'is truncated (%s of %s bytes)\n' "$size" "$((8 + n + max))"
+  fi
+}
+
+# check_listing ROLE NAME SNAPSHOT TREE: every file of the hub's listing is in the snapshot with
+# its size. The listing is JSON that the hub client (indent 1) or `appliance models import`
+# (indent 2) writes one key a line: {"format_version": 1, "files": {PATH: {"size": N, ...}}};
+# an entry on one line ({"size": N first) is read too. A name with escapes, or a listing in
+# another format, is left to `appliance models verify`. Sets REPORTED[file] for each failed file.
+check_listing() {
+  local role="$1" name="$2" snapshot="$3" tree="$4" line rel="" size=""
+  local -r sp='[[:space:]]*' key='"([^"\\]*)"'
+  [[ -r "$tree" ]] && grep -qE "^${sp}\"format_version\":${sp}1,?$" -- "$tree" || return 0
+  while IFS= read -r line; do
+    size=""
+    if [[ "$line" =~ ^${sp}${key}:${sp}\{${sp}\"size\":${sp}([0-9]+) ]]; then
+      rel="${BASH_REMATCH[1]}" size="${BASH_REMATCH[2]}"
+    elif [[ "$line" =~ ^${sp}${key}:${sp}\{$ ]]; then
+      rel="${BASH_REMATCH[1]}"
+    elif [[ "$line" =~ ^${sp}\"[^\"]*\\ ]]; then
+      rel=""  # a name with escapes
+    elif [[ -n "$rel" && "$line" =~ ^${sp}\"size\":${sp}([0-9]+),?$ ]]; then
+      size="${BASH_REMATCH[1]}"
+    fi
+    [[ -n "$rel" && -n "$size" ]] || continue
+    if [[ ! -e "$snapshot/$rel" ]]; then
+      problem "$role" "$name" "file $rel missing"
+      REPORTED["$rel"]=1
+    elif [[ "$(file_size "$snapshot/$rel")" != "$size" ]]; then
+      problem "$role" "$name" "file $rel has $(file_size "$snapshot/$rel") of $size bytes (truncated or replaced)"
+      REPORTED["$rel"]=1
+    fi
+    rel=""
+  done < "$tree"
+}
+
+# check_model_files ROLE NAME DIR: config, tokenizer, weights and their lengths of one model.
+check_model_files() {
+  local role="$1" name="$2" dir="$3" index shard file why weights=0
+  if [[ ! -e "$dir/config.json" && -z "${REPORTED[config.json]:-}" ]]; then
+    problem "$role" "$name" "config.json missing"
+  fi
+  if [[ "$role" == target && ! -e "$dir/tokenizer.json" && ! -e "$dir/tokenizer.model" \
+    && -z "${REPORTED[tokenizer.json]:-}${REPORTED[tokenizer.model]:-}" ]]; then
+    problem "$role" "$name" "no tokenizer (tokenizer.json or tokenizer.model)"
+  fi
+  for index in "$dir"/*.safetensors.index.json; do
+    [[ -e "$index" ]] || continue
+    weights=1
+    while read -r shard; do
+      if [[ -z "${REPORTED[$shard]:-}" && ! -e "$dir/$shard" ]]; then
+        problem "$role" "$name" "weight shard $shard missing (listed in the weight index)"
+        REPORTED["$shard"]=1
+      fi
+    done < <(grep -oE '"[^"\\/]+\.safetensors"' -- "$index" | tr -d '"' | sort -u)
+  done
+  for file in "$dir"/*.safetensors; do
+    if [[ -n "${REPORTED[${file##*/}]:-}" ]]; then
+      weights=1
+      continue
+    fi
+    [[ -e "$file" ]] || continue  # no match, or a link to a blob that is gone
+    weights=1
+    why="$(safetensors_problem "$file")"
+    [[ -z "$why" ]] || problem "$role" "$name" "file ${file##*/} $why"
+  done
+  ((weights)) || problem "$role" "$name" "no weight files (*.safetensors)"
+}
+
+# check_hub_model ROLE REPO_ID REVISION: one model in the Hugging Face cache. Sets MODEL_PATH.
+check_hub_model() {
+  local role="$1" repo_id="$2" revision="$3" hub="$HF_CACHE_DIR/hub" repo commit main partial
+  repo="$hub/models--${repo_id//\//--}"
+  if [[ ! -d "$repo" ]]; then
+    problem "$role" "$repo_id" "not in the model cache $hub"
+    return 0
+  fi
+  main="$(head -c 64 -- "$repo/refs/main" 2>/dev/null || true)"
+  [[ "$main" =~ ^[0-9a-f]{40}$ ]] || main=""
+  if [[ "$revision" =~ ^[0-9a-f]{40}$ ]]; then
+    commit="$revision"
+  elif [[ -n "$revision" ]]; then
+    commit="$(head -c 64 -- "$repo/refs/$revision" 2>/dev/null || true)"
+    [[ "$commit" =~ ^[0-9a-f]{40}$ ]] || commit=""
+  else
+    commit="$main"
+  fi
+  if [[ -z "$commit" ]]; then
+    problem "$role" "$repo_id" "no refs/${revision:-main} in $repo: the download never finished"
+    return 0
+  fi
+  if [[ "$main" != "$commit" ]]; then
+    # vLLM, offline and without --revision, loads whatever refs/main names.
+    problem "$role" "$repo_id" "refs/main names ${main:-nothing}, the profile pins $commit"
+    return 0
+  fi
+  # The hub client downloads into blobs/ETAG.incomplete and renames when done.
+  for partial in "$repo"/blobs/*.incomplete; do
+    if [[ -e "$partial" ]]; then
+      problem "$role" "$repo_id" "a download was interrupted (blobs/${partial##*/} left)"
+      break
+    fi
+  done
+  if [[ ! -d "$repo/snapshots/$commit" ]]; then
+    problem "$role" "$repo_id" "snapshot ${commit:0:12} missing from $repo"
+    return 0
+  fi
+  MODEL_PATH="$repo/snapshots/$commit"
+  check_listing "$role" "$repo_id" "$MODEL_PATH" "$repo/trees/$commit.json"
+  check_model_files "$role" "$repo_id" "$MODEL_PATH"
+}
+
+# config_values FILE KEY: every value of "KEY": "..." or "KEY": N in a JSON config, one a line.
+config_values() {
+  grep -oE "\"$2\" *: *(\"[^\"]*\"|[0-9]+)" -- "$1" 2>/dev/null | sed -E 's/^[^:]*: *"?//; s/"$//' || true
+}
+
+# check_drafter TARGET_DIR DRAFTER_NAME DRAFTER_DIR: a Gemma 4 MTP drafter built for the target's
+# width. A config names model_type once per sub-config: one allowed type is enough here (the
+# full check reads the top level), and the drafter's backbone width must be one of the target's
+# hidden sizes.
+check_drafter() {
+  local target_dir="$1" name="$2" dir="$3" kind allowed found="" first="" backbone widths
+  [[ -s "$dir/config.json" && ${#DRAFTER_TYPES[@]} -gt 0 ]] || return 0
+  while read -r kind; do
+    first="${first:-$kind}"
+    for allowed in "${DRAFTER_TYPES[@]}"; do
+      if [[ "$kind" == "$allowed" ]]; then found="$kind"; fi
+    done
+  done < <(config_values "$dir/config.json" model_type)
+  if [[ -z "$found" ]]; then
+    allowed="${DRAFTER_TYPES[*]:0:2}"
+    problem drafter "$name" "is a ${first:-untyped} model, not a Gemma 4 MTP drafter (${allowed// / \/ }): wrong drafter repo in the profile or the cache"
+    return 0
+  fi
+  [[ -n "$target_dir" && -s "$target_dir/config.json" ]] || return 0
+  backbone="$(config_values "$dir/config.json" backbone_hidden_size | head -n 1)"
+  widths="$(config_values "$target_dir/config.json" hidden_size | sort -un)"
+  if [[ -n "$backbone" && -n "$widths" ]] && ! grep -qxF -- "$backbone" <<< "$widths"; then
+    problem drafter "$name" "drafts for a backbone of width $backbone, the target $TARGET_NAME has ${widths//$'\n'/ or }: the drafter belongs to another Gemma 4 size"
+  fi
+}
+
+check_models() {
+  if ((${#MODELS[@]} == 0)); then
+    log "$ARGS_FILE names no models (written by an older appliance): not checked at start; re-run \`appliance install --instance $INSTANCE\` to check them"
+    return 0
+  fi
+  local value role layout name revision rest fix="" target_dir="" drafter_name="" drafter_dir=""
+  local -a checked=()
+  local -A REPORTED=()
+  MODEL_PROBLEMS=() TARGET_NAME=""
+  for value in "${MODELS[@]}"; do
+    read -r role layout name revision rest <<< "$value"
+    # The names become paths: each part starts with a letter or digit (template.py's rule).
+    [[ "$role" =~ ^(target|drafter)$ && -z "$rest" \
+      && "$name" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$ \
+      && "$revision" =~ ^([A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*)?$ ]] \
+      || die_config "$ARGS_FILE: bad model record '$value': re-run \`appliance install\`"
+    REPORTED=() MODEL_PATH=""
+    case "$layout" in
+      hub)
+        [[ -n "${HF_CACHE_DIR:-}" ]] || die_config "HF_CACHE_DIR is not set in $ENV_FILE"
+        check_hub_model "$role" "$name" "$revision"
+        fix="fix: appliance models pull --instance $INSTANCE; air-gapped: appliance models import --instance $INSTANCE --from COPY"
+        ;;
+      dir)
+        [[ -n "${MODEL_DIR:-}" && -z "$revision" ]] || die_config "MODEL_DIR is not set in $ENV_FILE"
+        MODEL_PATH="$MODEL_DIR/$name"
+        if [[ -d "$MODEL_PATH" ]]; then
+          check_model_files "$role" "$MODEL_PATH" "$MODEL_PATH"
+        else
+          problem "$role" "$MODEL_PATH" "directory missing"
+          MODEL_PATH=""
+        fi
+        name="$MODEL_PATH"
+        fix="fix: appliance devmodel build DIR (a new or empty directory), then MODEL_DIR=DIR in $ENV_FILE"
+        ;;
+      *) die_config "$ARGS_FILE: bad model record '$value': re-run \`appliance install\`" ;;
+    esac
+    checked+=("$role $name")
+    if [[ "$role" == target ]]; then
+      target_dir="$MODEL_PATH" TARGET_NAME="$name"
+    else
+      drafter_dir="$MODEL_PATH" drafter_name="$name"
+    fi
+  done
+  if [[ -n "$drafter_dir" ]]; then
+    check_drafter "$target_dir" "$drafter_name" "$drafter_dir"
+  fi
+  local n=${#MODEL_PROBLEMS[@]} shown tail=""
+  if ((n == 0)); then
+    log "models present: $(printf '%s, ' "${checked[@]}" | sed 's/, $//') (quick check; \`appliance models verify --instance $INSTANCE\` hashes them)"
+    return 0
+  fi
+  shown="$(printf '%s; ' "${MODEL_PROBLEMS[@]:0:3}")"
+  if ((n > 3)); then tail="; and $((n - 3)) more"; fi
+  die_config "models not ready: ${shown%; }$tail ($fix)"
+}
+
 # ---- the docker command ------------------------------------------------------------------------
 
 # image_label KEY: the value of the image's label KEY, empty when absent.
@@ -175,9 +429,14 @@ image_label() {
   done <<< "$IMAGE_LABELS"
 }
 
+# docker_command [run]: DOCKER_ARGS for the instance; with `run`, the models are checked first
+# (`print` shows the command whether or not the models are there yet).
 docker_command() {
   read_args
   check_env
+  if [[ "${1:-}" == run ]]; then
+    check_models
+  fi
   # Never pulled: the image must already be on this host (built, loaded or tagged there).
   IMAGE_LABELS="$(docker image inspect --format "$LABELS_FORMAT" "$VLLM_IMAGE")" \
     || die_config "image $VLLM_IMAGE is not on this host (the unit never pulls): build or load it, or fix VLLM_IMAGE in $ENV_FILE"
@@ -280,7 +539,7 @@ main() {
   readonly API_KEY_FILE="$etc/$INSTANCE.api-key"
   case "$2" in
     run)
-      docker_command
+      docker_command run
       exec docker "${DOCKER_ARGS[@]}"
       ;;
     print)

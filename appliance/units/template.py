@@ -31,6 +31,8 @@ import jinja2
 from .. import imageref, labels
 from ..engine.local import OFFLINE_ENV
 from ..errors import UsageError
+from ..models import DRAFTER_TYPES, dir_specs
+from ..models import specs as hub_specs
 from ..profiles import Profile, get
 from ..profiles import validate as pv
 
@@ -58,6 +60,9 @@ _PATH = re.compile(r"/[A-Za-z0-9._/@+-]*")
 # An IPv4/IPv6 address or a host name; never starts with "-" (it would read as a flag).
 _HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9.:-]{0,252}")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A hub repo id, a revision or a directory in MODEL_DIR, as the serve script accepts them: each
+# path component starts with a letter or digit (no "..", no leading "-").
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 ANY_ADDRESS = {"0.0.0.0", "::"}
@@ -292,9 +297,39 @@ def args_records(profile: Profile, env_keys: list[str]) -> list[tuple[str, str]]
     records += [("per-request", a) for a in profile.per_request_metrics_args()]
     records += [("docker", a) for a in docker]
     records += [("require", k) for k in env_keys if k == "VLLM_GPUS" or k in PATH_KEYS]
+    records += model_records(profile)
     for kind, value in records:
         check_token(value, f"profile {profile.name}: {kind} argument")
     return records
+
+
+def model_records(profile: Profile) -> list[tuple[str, str]]:
+    """The ``model`` records (``ROLE hub REPO_ID [REVISION]`` or ``ROLE dir NAME``, NAME inside
+    ``MODEL_DIR``) and, with a drafter, the ``drafter-type`` records: what the serve script checks
+    is on the host before it starts the engine."""
+    records = []
+    if profile.uses_devmodel:
+        for spec in dir_specs(profile):
+            records.append(("model", f"{spec.role} dir {_model_name(profile, spec.repo_id)}"))
+    else:
+        for spec in hub_specs(profile):
+            value = f"{spec.role} hub {_model_name(profile, spec.repo_id)}"
+            if spec.revision:
+                value += f" {_model_name(profile, spec.revision)}"
+            records.append(("model", value))
+    if any(v.startswith("drafter ") for _, v in records):
+        records += [("drafter-type", t) for t in DRAFTER_TYPES]
+    return records
+
+
+def _model_name(profile: Profile, name: str) -> str:
+    if not _MODEL_NAME.fullmatch(name):
+        raise UsageError(
+            f"profile {profile.name}: {name!r} is not a hub repo id, revision or model directory "
+            "the serve script can check",
+            fix="use ORG/NAME (letters, digits and '._-' in each part)",
+        )
+    return name
 
 
 def render(
