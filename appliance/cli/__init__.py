@@ -23,7 +23,7 @@ from .images import image
 from .local import local
 from .models import models
 from .profiles import profiles
-from .units import install, render, render_examples, uninstall
+from .units import install, render, uninstall
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -60,7 +60,6 @@ cli.add_command(generate)
 cli.add_command(render)
 cli.add_command(install)
 cli.add_command(uninstall)
-cli.add_command(render_examples)
 cli.add_command(image)
 cli.add_command(models)
 

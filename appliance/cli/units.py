@@ -1,4 +1,4 @@
-"""``appliance render``, ``install``, ``uninstall`` and ``render-examples``: an instance's unit,
+"""``appliance render``, ``install`` and ``uninstall``: an instance's unit,
 env file, args file and the shared serve script, from a profile."""
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import click
 
 from .. import units
 from ..cutover.systemd import Systemd
-from ..errors import ApplianceError
-from ..units import examples
 from .options import root_option
 
 
@@ -109,27 +107,3 @@ def uninstall(instance: str, purge: bool, root: Path) -> None:
     serve script with the last instance). systemctl is called only when --root is /."""
     systemd = Systemd.from_env() if root == Path("/") else None
     _report(units.uninstall(instance, root=root, purge=purge, systemd=systemd))
-
-
-@click.command(name="render-examples")
-@click.option("--check", is_flag=True, help="Fail if the committed examples are out of date.")
-@click.option(
-    "--repo",
-    default=".",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="The repository root.",
-)
-def render_examples(check: bool, repo: str) -> None:
-    """Regenerate the examples under systemd/ and scripts/serve/ from the shipped profiles."""
-    if check:
-        problems = examples.check(Path(repo))
-        for problem in problems:
-            click.echo(problem, err=True)
-        if problems:
-            raise ApplianceError(
-                f"{len(problems)} example(s) out of date", fix=f"run: {examples.REGENERATE}"
-            )
-        click.echo("examples up to date")
-        return
-    _report(examples.write(Path(repo)))

@@ -10,7 +10,7 @@
 - :mod:`.instance`: :func:`instance.read` ``(root, name) -> Instance``, an installed instance's
   facts read once from its env file.
 - :func:`render_to` writes a rendered tree for review (``appliance render --out DIR``).
-- :mod:`.examples`: the committed examples under ``systemd/`` and ``scripts/serve/``.
+- :mod:`.examples`: the committed examples under ``systemd/``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The serve script of every gemma4-vllm@<instance>.service: one file for all instances.
 # Hand-written; `appliance install` copies it to /usr/local/libexec/gemma4-vllm/serve from
-# appliance/units/serve.sh (scripts/serve/serve.sh is the committed copy). ADR 0009.
+# appliance/units/serve.sh. ADR 0009.
 #
 #   serve INSTANCE run           run the engine container in the foreground (the unit's main process)
 #   serve INSTANCE wait-healthy  return once vLLM's /health answers 200 (ExecStartPost)
