@@ -19,9 +19,62 @@ from .errors import UsageError
 IMAGE_INFO = "gemma4_appliance_image_info"
 CUTOVER_EVENTS = "gemma4_appliance_cutover_events"  # exposed as ..._total
 LAST_CUTOVER = "gemma4_appliance_last_cutover_timestamp_seconds"
+# The last output canary a cutover ran (issue 14): when, its verdict and figures as labels (for
+# the dashboards' annotation text), and its figures as values.
+LAST_CANARY = "gemma4_appliance_last_canary_timestamp_seconds"
+CANARY_OK = "gemma4_appliance_canary_ok"
+CANARY_PARITY = "gemma4_appliance_canary_parity"
+CANARY_PASS_RATE = "gemma4_appliance_canary_pass_rate"
+CANARY_SECONDS = "gemma4_appliance_canary_seconds"
 
 KINDS = ("cutover", "rollback")
 OUTCOMES = ("ok", "rolled_back", "failed")
+SIDES = ("before", "after")
+
+
+@dataclass(frozen=True)
+class CanaryState:
+    """The instance's last output canary (the figures a cutover keeps in its history entry)."""
+
+    timestamp: float  # unix seconds the cutover that ran it ended
+    verdict: str  # pass, warn, fail (or error: the after-run did not complete)
+    ok: bool
+    identical: int | None = None
+    outputs: int | None = None
+    parity: float | None = None
+    pass_rate_before: float | None = None
+    pass_rate_after: float | None = None
+    tasks: str = ""  # "3/5->2/5", for the annotation
+    vllm: str = ""  # "0.19.0->0.32.0" or "0.32.0"
+    seconds_before: float | None = None
+    seconds_after: float | None = None
+
+    @classmethod
+    def from_figures(cls, timestamp: float, f: Mapping) -> CanaryState:
+        """From :meth:`appliance.canary.Result.figures` as kept in a history entry."""
+        tasks = int(f.get("tasks") or 0)
+        rb, ra = f.get("pass_rate_before"), f.get("pass_rate_after")
+        tasks_txt = (
+            f"{round(rb * tasks)}/{tasks}->{round(ra * tasks)}/{tasks}"
+            if tasks and rb is not None and ra is not None
+            else ""
+        )
+        vb, va = f.get("vllm_before") or "", f.get("vllm_after") or ""
+        verdict = str(f.get("verdict") or "error")
+        return cls(
+            timestamp=timestamp,
+            verdict=verdict,
+            ok=verdict in ("pass", "warn"),
+            identical=f.get("identical"),
+            outputs=f.get("outputs"),
+            parity=f.get("parity"),
+            pass_rate_before=rb,
+            pass_rate_after=ra,
+            tasks=tasks_txt,
+            vllm=va if vb == va else f"{vb}->{va}",
+            seconds_before=f.get("seconds_before"),
+            seconds_after=f.get("seconds_after"),
+        )
 
 
 @dataclass(frozen=True)
@@ -35,28 +88,88 @@ class InstanceState:
     # (kind, outcome) -> how many times; kinds in KINDS, outcomes in OUTCOMES.
     events: Mapping[tuple[str, str], int] = field(default_factory=dict)
     last_cutover: float | None = None  # unix seconds of the last cutover or rollback
+    canary: CanaryState | None = None  # the last cutover that ran the output canary
 
 
 def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
     """A fresh registry with the state metrics registered and set from ``states``."""
     reg = CollectorRegistry()
-    info = Gauge(IMAGE_INFO, "The image an appliance instance runs (value 1).",
-                 ["instance", "image", "vllm_version", "mtp"], registry=reg)
-    events = Counter(CUTOVER_EVENTS, "Cutovers and rollbacks by outcome.",
-                     ["instance", "kind", "outcome"], registry=reg)
-    last = Gauge(LAST_CUTOVER, "Unix time of the instance's last cutover or rollback.",
-                 ["instance"], registry=reg)
+    info = Gauge(
+        IMAGE_INFO,
+        "The image an appliance instance runs (value 1).",
+        ["instance", "image", "vllm_version", "mtp"],
+        registry=reg,
+    )
+    events = Counter(
+        CUTOVER_EVENTS,
+        "Cutovers and rollbacks by outcome.",
+        ["instance", "kind", "outcome"],
+        registry=reg,
+    )
+    last = Gauge(
+        LAST_CUTOVER,
+        "Unix time of the instance's last cutover or rollback.",
+        ["instance"],
+        registry=reg,
+    )
+    canary_ts = Gauge(
+        LAST_CANARY,
+        "Unix time of the instance's last output canary (labels: its "
+        "verdict, identical outputs, task pass counts, vLLM versions).",
+        ["instance", "verdict", "identical", "tasks", "vllm"],
+        registry=reg,
+    )
+    canary_ok = Gauge(
+        CANARY_OK,
+        "1 when the last output canary passed (or passed with warnings), 0 when it failed.",
+        ["instance"],
+        registry=reg,
+    )
+    parity = Gauge(
+        CANARY_PARITY,
+        "Share of the last canary's outputs identical before and after the cutover (0..1).",
+        ["instance"],
+        registry=reg,
+    )
+    pass_rate = Gauge(
+        CANARY_PASS_RATE,
+        "The last canary's task pass rate (0..1) before and after the cutover.",
+        ["instance", "side"],
+        registry=reg,
+    )
+    seconds = Gauge(
+        CANARY_SECONDS,
+        "What the last canary's run cost, before and after.",
+        ["instance", "side"],
+        registry=reg,
+    )
     for s in states:
         info.labels(s.instance, s.image, s.vllm_version, "true" if s.mtp else "false").set(1)
         for (kind, outcome), count in sorted(s.events.items()):
             if kind not in KINDS or outcome not in OUTCOMES:
-                raise UsageError(f"unknown cutover event {kind}/{outcome} for {s.instance}",
-                                 fix=f"kind in {KINDS}, outcome in {OUTCOMES}")
+                raise UsageError(
+                    f"unknown cutover event {kind}/{outcome} for {s.instance}",
+                    fix=f"kind in {KINDS}, outcome in {OUTCOMES}",
+                )
             if count < 0:
                 raise UsageError(f"negative event count {count} for {s.instance}")
             events.labels(s.instance, kind, outcome).inc(count)
         if s.last_cutover is not None:
             last.labels(s.instance).set(s.last_cutover)
+        if (c := s.canary) is not None:
+            ident = f"{c.identical}/{c.outputs}" if c.outputs else ""
+            canary_ts.labels(s.instance, c.verdict, ident, c.tasks, c.vllm).set(c.timestamp)
+            canary_ok.labels(s.instance).set(1 if c.ok else 0)
+            if c.parity is not None:
+                parity.labels(s.instance).set(c.parity)
+            for side, rate, secs in (
+                ("before", c.pass_rate_before, c.seconds_before),
+                ("after", c.pass_rate_after, c.seconds_after),
+            ):
+                if rate is not None:
+                    pass_rate.labels(s.instance, side).set(rate)
+                if secs is not None:
+                    seconds.labels(s.instance, side).set(secs)
     return reg
 
 

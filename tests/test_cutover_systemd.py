@@ -1,12 +1,15 @@
 """`appliance cutover|rollback|status|history` end to end: real systemd booted in systemd-nspawn,
 the host's Docker engine, the real CPU images (``gemma4-vllm:pre-mtp`` = vLLM 0.19,
-``gemma4-vllm:0.32.0-mtp``, and ``gemma4-vllm:0.32.0-mtp-broken`` whose engine exits at start).
+``gemma4-vllm:0.32.0-mtp``, and ``gemma4-vllm:0.32.0-mtp-broken`` whose engine exits at start),
+and two images derived from the MTP one (tests/plugins/docker_engine.py ``canary_images``): its
+MTP label off, and another chat template (answers change). cpu-tiny-mtp turns the output canary
+on, so every cutover here runs it unless the test says ``--no-canary``.
 
 The CLI runs as a subprocess on the host with ``--root`` at the machine's root and
 ``APPLIANCE_SYSTEMD_PREFIX`` entering the machine, on the one instance the session shares
 (tests/plugins/systemd_instance.py). Tests run in file order and each starts from the image it
 names with ``ensure`` (a no-op when the previous test left it there), so the whole file costs
-about six engine starts.
+about nine engine starts.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 import pytest
 from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE, PRE_MTP_IMAGE, SystemdInstance
 
-from appliance import specdecode
+from appliance import canary, specdecode
 from appliance.cutover import history
 from appliance.cutover.paths import Layout
 
@@ -105,14 +108,39 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
         PRE_MTP_IMAGE,
         MTP_IMAGE,
     )
-    assert [g.name for g in e.gates] == ["unit", "health", "model", "generation", "mtp"]
+    assert [g.name for g in e.gates] == ["unit", "health", "model", "generation", "mtp", "canary"]
     assert all(g.ok for g in e.gates)
     slot = json.loads(Layout(inst.root).rollback_slot(inst.instance).read_text())
     assert slot["image"] == PRE_MTP_IMAGE
+    # The canary ran on both engines, with token ids on both (vLLM 0.19 knows return_token_ids),
+    # and the version change is in its figures and its line, not hidden.
+    c = e.canary
+    print("seed replay canary:", c["summary"])
+    assert (c["vllm_before"], c["vllm_after"], c["version_changed"]) == ("0.19.0", "0.32.0", True)
+    assert c["by_text"] is False and c["outputs"] == 14
+    assert c["image_before"] == PRE_MTP_IMAGE and c["image_after"] == MTP_IMAGE
+    assert "vLLM 0.19.0 -> 0.32.0" in c["summary"]
+    if c["parity"] < 1.0:  # a new engine may move the numerics: a warning, never a failure
+        assert c["verdict"] == "warn" and "numerics may legitimately move" in c["summary"]
+    else:
+        assert c["verdict"] == "pass"
+    layout = Layout(inst.root)
+    before = canary.load(layout.canary_record(inst.instance, "before"))
+    assert before.vllm_version == "0.19.0"
+    assert all(o.token_ids and len(o.token_ids) == o.completion_tokens for o in before.outputs)
+    # Its cost is printed and kept: per prompt and in all, before and after.
+    assert "canary: recording 14 prompts on gemma4-vllm:pre-mtp before the restart" in r.stderr
+    assert r.stderr.count("canary: 14 prompts in ") == 2 and "s per prompt" in r.stderr
+    assert c["seconds_before"] > 0 and c["seconds_per_prompt_after"] > 0
+    assert f"{inst.instance}: canary passed" in r.stdout
+    prom = layout.metrics_textfile().read_text()
+    assert f'gemma4_appliance_canary_ok{{instance="{inst.instance}"}} 1.0' in prom
+    assert 'vllm="0.19.0->0.32.0"' in prom
 
     r = inst.appliance("rollback", inst.instance, "--timeout", TIMEOUT)
     assert r.returncode == 0, r.stderr
     assert "mtp: ok (not expected for this image (speculative decoding off))" in r.stderr
+    assert "canary: off" in r.stderr  # the way back never waits on a comparison
     _serves(inst, PRE_MTP_IMAGE, speculative=False)
     e = _history(inst)[-1]
     assert (e.kind, e.outcome, e.from_image, e.to_image) == (
@@ -126,11 +154,20 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     assert f"image:      {PRE_MTP_IMAGE}" in s.stdout
     assert "labels:     vLLM 0.19.0, mtp=no" in s.stdout
     assert "health:     200" in s.stdout and "MTP:        off" in s.stdout
+    assert "canary:     not run by the last rollback" in s.stdout
+    assert _history(inst)[-1].canary is None
 
 
-def test_two_concurrent_cutovers_exactly_one_proceeds(systemd_instance):
+def test_two_concurrent_cutovers_exactly_one_proceeds_and_mtp_on_keeps_every_answer(
+    systemd_instance, canary_images
+):
+    """Two cutovers at once: exactly one proceeds. It switches MTP on within one vLLM version
+    (the MTP image with its MTP label off -> the MTP image): its canary finds every answer
+    token-identical, as lossless speculative decoding must (the copy drafter here; the random
+    drafter's parity is shown on the engine in tests/test_canary_engine.py)."""
     inst = systemd_instance
-    inst.ensure(PRE_MTP_IMAGE)
+    inst.ensure(canary_images["label-off"])
+    _serves(inst, canary_images["label-off"], speculative=False)
     entries_before = len(_history(inst))
     argv, env = inst.appliance_argv("cutover", inst.instance, MTP_IMAGE, "--timeout", TIMEOUT)
     procs = [
@@ -145,6 +182,42 @@ def test_two_concurrent_cutovers_exactly_one_proceeds(systemd_instance):
     entries = _history(inst)
     assert len(entries) == entries_before + 1 and entries[-1].outcome == "ok"
     _serves(inst, MTP_IMAGE, speculative=True)
+    c = entries[-1].canary
+    print("MTP on within vLLM 0.32 canary:", c["summary"])
+    assert (c["verdict"], c["identical"], c["outputs"]) == ("pass", 14, 14)
+    assert c["by_text"] is False and c["version_changed"] is False and c["parity"] == 1.0
+    assert entries[-1].gates[-2].name == "mtp" and "drafts +" in entries[-1].gates[-2].detail
+
+
+def test_an_image_that_changes_the_answers_fails_the_canary_and_is_rolled_back(
+    systemd_instance, canary_images
+):
+    """Same vLLM, same labels, MTP working, every other gate passes: only the chat template
+    differs, so every greedy answer changes, and the canary rolls the cutover back."""
+    inst = systemd_instance
+    inst.ensure(MTP_IMAGE)
+    changed = canary_images["changed-template"]
+    before = inst.env_path.read_bytes()
+    r = inst.appliance("cutover", inst.instance, changed, "--timeout", TIMEOUT)
+    assert r.returncode == 1, r.stderr
+    assert f"{changed} failed gate 'canary': canary FAILED: token parity" in r.stderr
+    assert "on one vLLM version (0.32.0)" in r.stderr
+    assert f"rolled back to {MTP_IMAGE}, which passed the gates and is serving" in r.stderr
+    assert inst.env_path.read_bytes() == before
+    _serves(inst, MTP_IMAGE, speculative=True)
+    e = _history(inst)[-1]
+    assert (e.outcome, e.from_image, e.to_image) == ("rolled_back", MTP_IMAGE, changed)
+    assert [g.name for g in e.gates] == ["unit", "health", "model", "generation", "mtp", "canary"]
+    assert all(g.ok for g in e.gates[:-1]) and not e.gates[-1].ok
+    assert e.rollback_gates and all(g.ok for g in e.rollback_gates)
+    c = e.canary
+    print("changed chat template canary:", c["summary"])
+    assert c["verdict"] == "fail" and c["version_changed"] is False and c["parity"] < 1.0
+    assert c["median_first_divergence"] is not None
+    s = inst.appliance("status", inst.instance)
+    assert "canary:     canary FAILED: token parity" in s.stdout
+    prom = Layout(inst.root).metrics_textfile().read_text()
+    assert f'gemma4_appliance_canary_ok{{instance="{inst.instance}"}} 0.0' in prom
 
 
 def test_killing_the_appliance_mid_cutover_leaves_old_or_new_and_status_says_which(
@@ -154,7 +227,13 @@ def test_killing_the_appliance_mid_cutover_leaves_old_or_new_and_status_says_whi
     inst.ensure(MTP_IMAGE)
     old, invocation = inst.env_path.read_bytes(), inst.show("InvocationID")
     argv, env = inst.appliance_argv(
-        "cutover", inst.instance, PRE_MTP_IMAGE, "--allow-no-mtp", "--timeout", TIMEOUT
+        "cutover",
+        inst.instance,
+        PRE_MTP_IMAGE,
+        "--allow-no-mtp",
+        "--no-canary",
+        "--timeout",
+        TIMEOUT,
     )
     p = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
     seen = []

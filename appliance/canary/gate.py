@@ -50,6 +50,7 @@ class Result:
         """The comparison's figures plus each side's cost per prompt (history, status, metrics)."""
         return {
             **self.comparison.figures(),
+            "summary": self.summary(),
             "seconds_per_prompt_before": round(self.before.seconds_per_prompt, 3),
             "seconds_per_prompt_after": round(self.after.seconds_per_prompt, 3),
             "image_before": self.before.image,

@@ -39,6 +39,23 @@ def _entry_line(e: history.Entry) -> str:
     return line
 
 
+def _canary_line(entries: list[history.Entry]) -> str:
+    """The last entry's canary: its summary and cost, or why there is none."""
+    if not entries:
+        return "-"
+    last = entries[-1]
+    c = last.canary
+    if not c:
+        return f"not run by the last {last.kind}"
+    if c.get("error"):
+        return f"error: {c['error']}"
+    cost = (
+        f"cost {c['seconds_before']:.1f} s before, {c['seconds_after']:.1f} s after "
+        f"({c['seconds_per_prompt_after']:.2f} s per prompt)"
+    )
+    return f"{c['summary']}; {cost}"
+
+
 @click.command(name="cutover")
 @click.argument("instance")
 @click.argument("image")
@@ -55,9 +72,28 @@ def _entry_line(e: history.Entry) -> str:
     is_flag=True,
     help="Accept an image without Gemma 4 MTP for a profile that requests it.",
 )
+@click.option(
+    "--canary/--no-canary",
+    default=None,
+    help="Run the output canary: record the old image's answers before the restart and "
+    "compare the new image's after the other gates [default: the profile's [canary] enabled].",
+)
+@click.option(
+    "--canary-file",
+    multiple=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Your JSONL canary cases, added to the shipped set (repeatable).",
+)
 @root_option
 def cutover(
-    instance: str, image: str, timeout: float, no_rollback: bool, allow_no_mtp: bool, root: Path
+    instance: str,
+    image: str,
+    timeout: float,
+    no_rollback: bool,
+    allow_no_mtp: bool,
+    canary: bool | None,
+    canary_file: tuple[Path, ...],
+    root: Path,
 ) -> None:
     """Move INSTANCE to IMAGE: restart, gate, and roll back automatically on failure.
 
@@ -72,8 +108,12 @@ def cutover(
         timeout=timeout,
         rollback=not no_rollback,
         allow_no_mtp=allow_no_mtp,
+        canary=canary,
+        canary_files=canary_file,
     )
     click.echo(f"{instance}: now on {entry.to_image} (was {entry.from_image}); gates passed")
+    if entry.canary:
+        click.echo(f"{instance}: {entry.canary['summary']}")
 
 
 @click.command(name="rollback")
@@ -126,6 +166,7 @@ def status(instance: str | None, root: Path) -> None:
             click.echo(f"  busy:       pid {st.in_progress.pid}: {st.in_progress.action}")
         if st.interrupted:
             click.echo(f"  INTERRUPTED cutover; env file is the {st.interrupted}")
+        click.echo(f"  canary:     {_canary_line(st.entries)}")
         for e in st.entries:
             click.echo("  " + _entry_line(e).replace("\n", "\n  "))
 
@@ -152,3 +193,5 @@ def history_(instance: str, json_: bool, root: Path) -> None:
                         f"{g.name} {'ok' if g.ok else 'FAILED'} {g.seconds:.1f}s" for g in gs
                     )
                 )
+        if e.canary:
+            click.echo(f"    canary: {_canary_line([e])}")

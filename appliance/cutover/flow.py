@@ -1,16 +1,20 @@
 """Cutover and rollback as one state machine, and the status of an instance.
 
 cutover(instance, image):
-  preflight (nothing touched yet): reference valid, image present locally (never pulled), labels
-  compatible with the instance's profile, the current image present too (it is the way back)
-  -> lock the instance -> history "started" -> save the env file's bytes, record the current
-  image as the rollback target -> write VLLM_IMAGE atomically -> restart -> gates
+  preflight (nothing touched yet): reference valid, the output canary's set valid (when on),
+  image present locally (never pulled), labels compatible with the instance's profile, the
+  current image present too (it is the way back)
+  -> lock the instance -> canary "before" on the old image (an engine error refuses the
+  cutover, still untouched) -> history "started" -> save the env file's bytes, record the
+  current image as the rollback target -> write VLLM_IMAGE atomically -> restart -> gates
+  -> canary "after" on the new image, compared with "before" (the last gate)
   -> ok: history "ok"
   -> a gate failed: write the saved bytes back, restart, same gates for the old image
      -> history "rolled_back", exit non-zero saying what failed and that it rolled back
      -> the way back failed too: history "failed", exit non-zero with the unit's journal.
 
-rollback(instance) is a cutover to the image in the rollback slot, through the same gates.
+rollback(instance) is a cutover to the image in the rollback slot, through the same gates,
+without the canary (the way back must not wait on, or be refused by, a comparison).
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from .. import canary as canaries
 from .. import imageref, labels
-from ..errors import ApplianceError, UsageError
+from ..canary.gate import GATE as CANARY_GATE
+from ..errors import ApplianceError, EngineError, UsageError
 from ..fsutil import write_atomic
 from ..profiles import Profile
 from ..units.instance import Instance
@@ -192,14 +198,22 @@ def cutover(
     rollback: bool = True,
     allow_no_mtp: bool = False,
     kind: history.Kind = "cutover",
+    canary: bool | None = None,
+    canary_files: tuple[Path, ...] = (),
 ) -> Entry:
-    """Move ``instance`` to ``image`` through the gates; on failure, back to where it was."""
+    """Move ``instance`` to ``image`` through the gates; on failure, back to where it was.
+
+    ``canary``: run the output canary (None: the profile's ``[canary] enabled``);
+    ``canary_files``: the operator's JSONL cases, added to the shipped set.
+    """
     check_instance(instance)
     imageref.validate(image)
     layout = ctx.layout
     tgt = target(ctx, instance)
     env_path = tgt.env_path
     api_key = tgt.api_key()
+    # The canary's set is read and checked here: a malformed line refuses the cutover untouched.
+    plan = canaries.plan(tgt.profile, root=layout.root, enabled=canary, files=canary_files)
     new = inspect_image(ctx, image)
     check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
     current_ref = tgt.image
@@ -217,11 +231,14 @@ def cutover(
         # Read again under the lock: the file a concurrent cutover left is the one we replace.
         env = envfile.read(env_path)
         current_ref = env.get(envfile.IMAGE_KEY)
+        ctx.progress(f"{kind} {instance}: {current_ref} -> {image}")
+        # While the old image serves, before anything is written: an engine that cannot answer
+        # the canary refuses the cutover with nothing touched.
+        baseline = _canary_before(ctx, plan, tgt, api_key, current_ref)
         entry = Entry.begin(instance, kind, current_ref, image)
         held.note(entry.id)
         hist = layout.history_file(instance)
         history.append(hist, entry)
-        ctx.progress(f"{kind} {instance}: {current_ref} -> {image}")
 
         saved = layout.saved_env(instance)
         write_atomic(saved, env.raw, mode=0o600)
@@ -234,6 +251,8 @@ def cutover(
         try:
             write_atomic(env_path, env.with_value(envfile.IMAGE_KEY, image))
             entry.gates = _restart_and_wait(ctx, unit, _expect(tgt, new, api_key), timeout)
+            if baseline is not None:
+                _canary_after(ctx, plan, baseline, tgt, api_key, image, entry)
         except gates.GateFailed as failed:
             entry.gates = failed.gates
             failure = f"{image} failed gate {failed.gate!r}: {failed.detail}"
@@ -283,6 +302,84 @@ def cutover(
         )
 
 
+def _canary_before(
+    ctx: Context, plan: canaries.Plan, tgt: Instance, api_key: str | None, image: str | None
+) -> canaries.Record | None:
+    """Record the old image's answers (None when the canary is off)."""
+    if not plan.enabled:
+        ctx.progress("canary: off")
+        return None
+    if not image:
+        # Nothing was serving by this env file: there is no baseline to keep answers from.
+        ctx.progress(f"canary: skipped (the env file names no {envfile.IMAGE_KEY} to record)")
+        return None
+    try:
+        return canaries.before(
+            plan,
+            tgt.base_url,
+            tgt.served_model,
+            api_key=api_key,
+            image=image,
+            save_to=ctx.layout.canary_record(tgt.name, "before"),
+            progress=ctx.progress,
+        )
+    except EngineError as exc:
+        raise PreflightError(
+            f"the output canary cannot record the serving image {image}: {exc}",
+            fix="the canary records the old image's answers before the restart: get it "
+            "serving, or pass --no-canary",
+        ) from exc
+
+
+def _canary_after(
+    ctx: Context,
+    plan: canaries.Plan,
+    baseline: canaries.Record,
+    tgt: Instance,
+    api_key: str | None,
+    image: str,
+    entry: Entry,
+) -> None:
+    """The canary gate: run the set on the new image and judge it against ``baseline``.
+
+    Appends the gate to ``entry.gates`` and keeps the figures in ``entry.canary``; a failure (or
+    an engine error while it runs) raises :class:`gates.GateFailed`, so the cutover rolls back.
+    """
+    since_restart = entry.gates[-1].seconds if entry.gates else 0.0
+    try:
+        result = canaries.after(
+            plan,
+            baseline,
+            tgt.base_url,
+            tgt.served_model,
+            api_key=api_key,
+            image=image,
+            save_to=ctx.layout.canary_record(tgt.name, "after"),
+            progress=ctx.progress,
+        )
+    except (EngineError, UsageError) as exc:
+        entry.canary = {
+            "verdict": "error",
+            "error": str(exc),
+            "seconds_before": baseline.seconds,
+            "seconds_per_prompt_before": round(baseline.seconds_per_prompt, 3),
+        }
+        gate = Gate(CANARY_GATE, False, since_restart, f"the canary could not run: {exc}")
+        entry.gates.append(gate)
+        ctx.progress(f"canary: FAILED ({gate.detail})")
+        raise gates.GateFailed(gate.name, gate.detail, entry.gates) from exc
+    entry.canary = result.figures()
+    gate = Gate(
+        CANARY_GATE,
+        result.ok,
+        round(since_restart + result.after.seconds, 2),
+        result.summary(),
+    )
+    entry.gates.append(gate)
+    if not result.ok:
+        raise gates.GateFailed(gate.name, gate.detail, entry.gates)
+
+
 def _restart_and_wait(ctx: Context, unit: str, expect: gates.Expect, timeout: float) -> list[Gate]:
     ctx.progress(f"restarting {unit}")
     expect = dataclasses.replace(expect, previous_invocation=ctx.systemd.invocation_id(unit))
@@ -318,7 +415,9 @@ def rollback(ctx: Context, instance: str, *, timeout: float = DEFAULT_TIMEOUT) -
             fix="a rollback target is recorded by the first successful `appliance cutover`",
         )
     # A deliberate return to a pre-MTP image is what a rollback is for: MTP off is allowed.
-    return cutover(ctx, instance, image, timeout=timeout, allow_no_mtp=True, kind="rollback")
+    return cutover(
+        ctx, instance, image, timeout=timeout, allow_no_mtp=True, kind="rollback", canary=False
+    )
 
 
 def _write_metrics(ctx: Context) -> None:

@@ -50,6 +50,9 @@ class Entry:
     gates: list[Gate] = field(default_factory=list)
     rollback_gates: list[Gate] = field(default_factory=list)
     error: str | None = None
+    # The output canary's figures (appliance.canary.Result.figures, plus its cost); None when
+    # the canary did not run (off, or a rollback).
+    canary: dict | None = None
 
     @classmethod
     def begin(cls, instance: str, kind: Kind, from_image: str | None, to_image: str) -> Entry:

@@ -2,7 +2,8 @@
 
 Rebuilt from scratch after every cutover or rollback from the env files (the image each instance
 runs) and the histories (event counts, last time): counters derived from an append-only history
-never go backwards, and a lost textfile is rebuilt exactly by the next cutover.
+never go backwards, and a lost textfile is rebuilt exactly by the next cutover. The last
+cutover that ran the output canary gives the canary's series.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ def states(layout: Layout, docker_client=None) -> list[state_metrics.InstanceSta
             for e in history.entries(layout.history_file(instance))
             if e.outcome in state_metrics.OUTCOMES
         ]
+        ran = [e for e in done if e.canary]
+        last_canary = (
+            state_metrics.CanaryState.from_figures(
+                ran[-1].finished or ran[-1].started, ran[-1].canary
+            )
+            if ran
+            else None
+        )
         out.append(
             state_metrics.InstanceState(
                 instance=instance,
@@ -42,6 +51,7 @@ def states(layout: Layout, docker_client=None) -> list[state_metrics.InstanceSta
                 mtp=labels.supports_mtp(found),
                 events=Counter((e.kind, e.outcome) for e in done),
                 last_cutover=max((e.finished or e.started for e in done), default=None),
+                canary=last_canary,
             )
         )
     return out

@@ -52,5 +52,9 @@ class Layout:
         """The env file as it was before the cutover in progress (byte-identical copy)."""
         return self.state_dir / "cutover" / f"{check_instance(instance)}.env.prev"
 
+    def canary_record(self, instance: str, side: str) -> Path:
+        """The output canary's record of the cutover in progress (``side``: before, after)."""
+        return self.state_dir / "canary" / f"{check_instance(instance)}.{side}.json"
+
     def metrics_textfile(self) -> Path:
         return self.state_dir / "metrics" / "gemma4_appliance.prom"

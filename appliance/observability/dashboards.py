@@ -9,7 +9,7 @@ from __future__ import annotations
 from . import names as n
 from . import rules as r
 from .panels import Annotation, Dashboard, Layout, Panel, Target, Variable
-from .promql import agg, histogram_quantile, increase, ratio, recorded, sum_rate
+from .promql import Expr, agg, histogram_quantile, increase, ratio, recorded, sum_rate
 
 RATE = "$__rate_interval"
 ENGINE = {"instance": "$instance", "model_name": "$model_name"}
@@ -62,6 +62,21 @@ def _cutover(kind: str) -> Annotation:
         color="blue" if kind == "cutover" else "red",
         title=f"{kind} on {{{{instance}}}}",
         text="outcome {{outcome}}",
+    )
+
+
+def _canary() -> Annotation:
+    """Where a cutover's output canary ran, with its verdict and figures in the text.
+
+    The series' labels change with every canary (its figures), so ``changes()`` would miss a
+    new series; the annotation marks the minute after the canary's recorded time instead."""
+    last = agg("max", ("instance", "verdict", "identical", "tasks", "vllm"), n.LAST_CANARY.expr)
+    return Annotation(
+        name="Output canary",
+        expr=Expr(f"(time() - {last.text}) < 60", last.metrics),
+        color="purple",
+        title="canary {{verdict}} on {{instance}}",
+        text="{{identical}} outputs identical, tasks {{tasks}}, vLLM {{vllm}}",
     )
 
 
@@ -384,7 +399,7 @@ def overview() -> Dashboard:
         "appliance/observability; do not edit by hand.",
         layout=lay,
         variables=VARIABLES,
-        annotations=(_cutover("cutover"), _cutover("rollback")),
+        annotations=(_cutover("cutover"), _cutover("rollback"), _canary()),
     )
 
 
@@ -488,7 +503,7 @@ def roles() -> Dashboard:
         "appliance/observability; do not edit by hand.",
         layout=lay,
         variables=VARIABLES,
-        annotations=(_cutover("cutover"), _cutover("rollback")),
+        annotations=(_cutover("cutover"), _cutover("rollback"), _canary()),
     )
 
 

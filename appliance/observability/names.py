@@ -36,6 +36,7 @@ AGENT_ERRORS = Selector("gemma4_agent_errors_total")
 IMAGE_INFO = Selector("gemma4_appliance_image_info")
 CUTOVER_EVENTS = Selector("gemma4_appliance_cutover_events_total")
 LAST_CUTOVER = Selector("gemma4_appliance_last_cutover_timestamp_seconds")
+LAST_CANARY = Selector("gemma4_appliance_last_canary_timestamp_seconds")
 
 # Series Prometheus makes itself for every target.
 UP = Selector("up")

@@ -128,3 +128,109 @@ def tiny_rootfs(note: str) -> bytes:
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+# ---- small images derived from the real MTP image (the cutover's output canary, issue 14) ----
+
+CANARY_TEST_REPO = "gemma4-canary-test"
+CANARY_DIGEST_LABEL = "io.gemma4-appliance.test-digest"
+BUILD_DIGEST_LABEL = "io.gemma4-appliance.build-digest"  # appliance.images.scheme.BUILD_DIGEST
+NO_MTP_TAG = "0.32.0-mtp-label-off"
+CHANGED_TEMPLATE_TAG = "0.32.0-mtp-changed-template"
+CHANGED_TEMPLATE_PATH = "/opt/gemma4-appliance/changed-chat-template.jinja"
+
+
+def _changed_chat_template() -> str:
+    """The tiny model's chat template with the generation prompt ending in ``>>`` instead of a
+    newline: the target greedily repeats its last input token, so every answer changes."""
+    from appliance import devmodel
+
+    old = "<start_of_turn>model\n{% endif %}"
+    assert old in devmodel.CHAT_TEMPLATE, "devmodel's chat template changed: update this image"
+    return devmodel.CHAT_TEMPLATE.replace(old, "<start_of_turn>model\n>>{% endif %}")
+
+
+def _derived_recipes(parent_id: str) -> dict[str, dict[str, bytes]]:
+    """tag -> build context files of each image derived from the MTP image ``parent_id``."""
+    head = f"FROM {parent_id}\n"
+    return {
+        # The same image and engine with MTP switched off by its label: the serve script passes
+        # no speculative config (MTP on/off within one vLLM version).
+        NO_MTP_TAG: {
+            "Dockerfile": (
+                head + 'LABEL io.gemma4-appliance.mtp="false" '
+                'org.opencontainers.image.description="cpu-mtp with the MTP label off (tests)"\n'
+            ).encode()
+        },
+        # The same engine, labels and MTP, serving another chat template: it serves, passes
+        # every other gate, and answers differently (what the canary must catch).
+        CHANGED_TEMPLATE_TAG: {
+            "Dockerfile": (
+                head + f"COPY changed-chat-template.jinja {CHANGED_TEMPLATE_PATH}\n"
+                "COPY entrypoint-changed.sh /usr/local/bin/gemma4-entrypoint-changed\n"
+                'ENTRYPOINT ["/usr/local/bin/gemma4-entrypoint-changed"]\n'
+                'LABEL org.opencontainers.image.description="cpu-mtp serving another chat '
+                'template: its answers change (canary tests)"\n'
+            ).encode(),
+            "changed-chat-template.jinja": _changed_chat_template().encode(),
+            "entrypoint-changed.sh": (
+                "#!/bin/sh\n"
+                'exec /usr/local/bin/gemma4-entrypoint "$@" '
+                f"--chat-template {CHANGED_TEMPLATE_PATH}\n"
+            ).encode(),
+        },
+    }
+
+
+def _context_tar(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in sorted(files.items()):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o755 if name.endswith(".sh") else 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def build_derived(client, parent_id: str) -> dict[str, str]:
+    """Build (or find by a digest label: a label lookup when present) the images derived from
+    the MTP image; returns tag -> full reference."""
+    import hashlib
+
+    refs = {}
+    for tag, files in _derived_recipes(parent_id).items():
+        ref = f"{CANARY_TEST_REPO}:{tag}"
+        h = hashlib.sha256(b"v2\0" + parent_id.encode())
+        for name, data in sorted(files.items()):
+            h.update(name.encode() + b"\0" + data)
+        want = h.hexdigest()[:32]
+        found = client.images.list(filters={"label": f"{CANARY_DIGEST_LABEL}={want}"})
+        if found:
+            image = found[0]
+        else:
+            image, _log = client.images.build(
+                fileobj=io.BytesIO(_context_tar(files)),
+                custom_context=True,
+                # The parent's build-digest label must not be inherited: the image builder finds
+                # its images by it, and would take this one for the real cpu-mtp image.
+                labels={CANARY_DIGEST_LABEL: want, BUILD_DIGEST_LABEL: f"test-{want}"},
+                pull=False,
+                rm=True,
+                forcerm=True,
+            )
+        if ref not in image.tags:
+            image.tag(CANARY_TEST_REPO, tag)
+        refs[tag] = ref
+    return refs
+
+
+if pytest is not None:
+
+    @pytest.fixture(scope="session")
+    def canary_images(docker_engine, appliance_images) -> dict[str, str]:
+        """``{"label-off": ref, "changed-template": ref}``: the MTP image with its MTP label off,
+        and the MTP image serving another chat template (answers change). Built once per
+        machine on top of the exact ``cpu-mtp`` image; warm: a label lookup."""
+        refs = build_derived(docker_engine, appliance_images["cpu-mtp"].image_id)
+        return {"label-off": refs[NO_MTP_TAG], "changed-template": refs[CHANGED_TEMPLATE_TAG]}

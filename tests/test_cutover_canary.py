@@ -1,0 +1,181 @@
+"""The output canary as a cutover gate, without an engine: refused before anything is touched,
+kept in history, shown by ``appliance history``, and carried by the state metrics.
+
+The cutover with real engines (seed replay across vLLM versions, MTP switched on within one
+version, an image that changes the answers) is in tests/test_cutover_systemd.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from plugins.cutover import InstanceTree, write_env
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance import state_metrics
+from appliance.canary import compare
+from appliance.canary.record import Output, Record, Settings
+from appliance.cli import cli
+from appliance.cutover import history, metrics
+from appliance.cutover.history import Entry, Gate
+from appliance.cutover.paths import Layout
+from appliance.engine.local import free_port
+
+
+def _tree(tmp_path) -> InstanceTree:
+    env = write_env(tmp_path, "i1", "gemma4-vllm:0.32.0-mtp", "cpu-tiny-mtp")
+    return InstanceTree(tmp_path, "i1", env)
+
+
+def test_malformed_canary_line_refuses_the_cutover_before_anything_is_touched(tmp_path):
+    tree = _tree(tmp_path)
+    bad = tmp_path / "ops.jsonl"
+    bad.write_text('{"id": "ops-1", "prompt": "fine"}\n{"id": "ops-2", "prompt": \n')
+    before = tree.snapshot()
+    # The image is not on any host: the canary's set is refused first, without asking Docker.
+    r = CliRunner().invoke(
+        cli,
+        ["cutover", "i1", "gemma4-vllm:not-built", "--root", str(tmp_path), "--canary-file", bad],
+    )
+    assert r.exit_code == 2, r.output
+    [line] = r.output.strip().splitlines()
+    assert line.startswith("Error: ") and str(bad) in line and "line 2" in line, line
+    assert tree.snapshot() == before  # no lock, no history line, no env write
+    assert not (tmp_path / "var").exists()
+
+
+def test_canary_cli_options_are_on_cutover_only():
+    runner = CliRunner()
+    assert "--canary / --no-canary" in runner.invoke(cli, ["cutover", "--help"]).output
+    assert "--canary" not in runner.invoke(cli, ["rollback", "--help"]).output
+
+
+def _record(version: str, ids: tuple[int, ...], passed: bool, seconds: float) -> Record:
+    outs = (
+        Output("prose-1", "prose", "x", ids, len(ids), "length", seconds / 2),
+        Output("task-1", "task", "391", (7,), 1, "stop", seconds / 2, passed),
+    )
+    return Record(
+        url="http://127.0.0.1:1",
+        model="gemma4-tiny",
+        vllm_version=version,
+        settings=Settings(),
+        set_digest="d",
+        sources=("canary.jsonl",),
+        started=0.0,
+        seconds=seconds,
+        outputs=outs,
+    )
+
+
+def _figures(before: Record, after: Record) -> dict:
+    from appliance.canary.gate import Result
+
+    return Result(before, after, compare(before, after)).figures()
+
+
+def test_history_keeps_the_canary_and_the_history_command_shows_it(tmp_path):
+    layout = Layout(tmp_path)
+    path = layout.history_file("i1")
+    e = Entry.begin("i1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:0.32.0-mtp")
+    history.append(path, e)
+    figures = _figures(
+        _record("0.19.0", (1, 2, 3), True, 4.2), _record("0.32.0", (1, 2, 9), True, 2.8)
+    )
+    e.canary, e.outcome, e.finished = figures, "ok", e.started + 60
+    e.gates = [Gate("unit", True, 1.0), Gate("canary", True, 12.0, figures["summary"])]
+    history.append(path, e)
+    [got] = history.entries(path)
+    assert got.canary == json.loads(json.dumps(figures))
+    assert got.canary["verdict"] == "warn" and got.canary["version_changed"] is True
+    assert got.canary["parity"] == 0.5 and got.canary["median_first_divergence"] == 2
+    # An entry written before the canary existed reads as "not run".
+    old = json.loads(e.to_json())
+    del old["canary"]
+    assert Entry.from_dict(old).canary is None
+
+    r = CliRunner().invoke(cli, ["history", "i1", "--root", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "canary ok 12.0s" in r.output
+    assert (
+        "    canary: canary passed with warnings: token parity 50% below 100% across vLLM "
+        "0.19.0 -> 0.32.0 (numerics may legitimately move)"
+    ) in r.output
+    assert "cost 4.2 s before, 2.8 s after (1.40 s per prompt)" in r.output
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def test_state_metrics_carry_the_last_canary(tmp_path):
+    tree = _tree(tmp_path)
+    layout = Layout(tree.root)
+    path = layout.history_file("i1")
+    fail = _figures(_record("0.32.0", (1, 2), True, 3.0), _record("0.32.0", (5, 2), False, 2.0))
+    for figures, outcome in ((fail, "rolled_back"), (None, "ok")):
+        e = Entry.begin("i1", "cutover", "a:1", "b:2")
+        e.canary, e.outcome, e.finished = figures, outcome, e.started + 5
+        history.append(path, e)
+        if figures:
+            failed_at = e.finished
+    # The last entry ran no canary (--no-canary): the series show the last one that did.
+    got = _samples(metrics.write(layout).read_text())
+    i1 = (("instance", "i1"),)
+    assert got[("gemma4_appliance_canary_ok", i1)] == 0
+    assert got[("gemma4_appliance_canary_parity", i1)] == 0.5
+    assert got[("gemma4_appliance_canary_pass_rate", (*i1, ("side", "before")))] == 1.0
+    assert got[("gemma4_appliance_canary_pass_rate", (*i1, ("side", "after")))] == 0.0
+    assert got[("gemma4_appliance_canary_seconds", (*i1, ("side", "after")))] == 2.0
+    ts = (
+        "gemma4_appliance_last_canary_timestamp_seconds",
+        (
+            ("identical", "1/2"),
+            ("instance", "i1"),
+            ("tasks", "1/1->0/1"),
+            ("verdict", "fail"),
+            ("vllm", "0.32.0"),
+        ),
+    )
+    assert got[ts] == failed_at
+
+
+def test_an_instance_without_a_canary_has_no_canary_series(tmp_path):
+    s = state_metrics.InstanceState("i", "img", "0.32.0", True)
+    text = (state_metrics.write_textfile(tmp_path / "a.prom", [s])).read_text()
+    assert "gemma4_appliance_canary_ok{" not in text
+    assert "gemma4_appliance_image_info{" in text
+
+
+@pytest.mark.docker
+def test_an_old_engine_that_cannot_answer_the_canary_refuses_the_cutover_untouched(
+    mtp_instance, preflight_images
+):
+    env = mtp_instance.env_path
+    env.write_bytes(
+        env.read_bytes().replace(b"VLLM_PORT=8000", f"VLLM_PORT={free_port()}".encode())
+    )
+    before = env.read_bytes()
+    r = CliRunner().invoke(
+        cli,
+        ["cutover", "i1", preflight_images["mtp"], "--root", str(mtp_instance.root)],
+        env={"APPLIANCE_SYSTEMD_PREFIX": "/nonexistent/appliance-test/no-systemctl"},
+    )
+    assert r.exit_code == 1, r.output
+    error = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+    assert len(error) == 1, r.output
+    assert (
+        f"the output canary cannot record the serving image {preflight_images['pre-mtp']}"
+        in error[0]
+    )
+    assert "--no-canary" in error[0]
+    layout = Layout(mtp_instance.root)
+    assert env.read_bytes() == before
+    assert not layout.history_file("i1").exists()  # not even a begin line
+    assert not layout.rollback_slot("i1").exists()
