@@ -1,20 +1,31 @@
-"""What the telemetry agent adds to a call, against the bare OpenAI client on the same server.
+"""What the telemetry agent adds to a call, against the bare OpenAI client on the same engine.
 
-Starts the real CPU engine twice (per-request metrics on, then off: the ``/metrics`` snapshot
-path), sends the same plain chat call alternately through the bare client and the agent, and
-prints the median and p99 of the paired differences (agent minus bare), plus how many
-``/metrics`` reads the agent made per call. Figures, not assertions:
+For each attribution path (per-request metrics on; off, so ``/metrics`` counters) it sends the
+same plain chat call, interleaved in rotating order, through:
 
-    .venv/bin/python benchmarks/agent_overhead.py --calls 60
+- the bare client;
+- the agent;
+- the seed's method: a full ``/metrics`` scrape and parse before and after the bare call.
+
+and prints, side by side, the bare median and, for the other two, the median and p99 of the
+time added to the bare call of the same round, the ``/metrics`` reads per call and the share of
+calls with exact figures. Interleaving puts other calls between two agent calls, which is foreign
+traffic to the agent's proof, so a second block sends agent calls back to back (against bare
+calls back to back): the cost and exactness of sequential calls. Figures, not assertions:
+
+    .venv/bin/python benchmarks/agent_overhead.py --calls 200
+    .venv/bin/python benchmarks/agent_overhead.py --counters-url http://127.0.0.1:8000  # reuse
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import time
 
+import httpx
 import openai
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
@@ -29,61 +40,151 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def measure(url: str, calls: int, max_tokens: int) -> dict:
-    bare = openai.OpenAI(base_url=url + "/v1", api_key="unused")
-    traced = agent.instrument(
-        openai.OpenAI(base_url=url + "/v1", api_key="unused"), role="bench",
-        config=agent.AgentConfig(), tracer_provider=TracerProvider(), registry=CollectorRegistry(),
-    )
-    server = attribution.server_for(url + specdecode.SNAPSHOT_PATH)
-    reads = 0
-    real_snapshot = server.snapshot
+class Bench:
+    """The three ways of calling one engine, with the agent's reads counted."""
 
-    def counted(*args, **kwargs):
-        nonlocal reads
-        reads += 1
-        return real_snapshot(*args, **kwargs)
+    def __init__(self, url: str, max_tokens: int) -> None:
+        self.kw = {
+            "model": "gemma4-tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+        self.bare = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        self.records: list[agent.CallRecord] = []
+        self.traced = agent.instrument(
+            openai.OpenAI(base_url=url + "/v1", api_key="unused"),
+            role="bench",
+            config=agent.AgentConfig(),
+            tracer_provider=TracerProvider(),
+            registry=CollectorRegistry(),
+            on_call=self.records.append,
+        )
+        self.http = httpx.Client(timeout=5.0)
+        self.url = url
+        server = attribution.server_for(url + specdecode.SNAPSHOT_PATH)
+        self.reads = 0
+        real_read = server.read
 
-    server.snapshot = counted  # counts the agent's /metrics reads; the reads stay real
-    kw = {"model": "gemma4-tiny", "messages": [{"role": "user", "content": "hi"}],
-          "max_tokens": max_tokens, "temperature": 0}
-    for _ in range(3):  # warm both connection pools and the agent's learned state
-        bare.chat.completions.create(**kw)
-        traced.chat.completions.create(**kw)
-    reads = 0
-    diffs, bare_s = [], []
-    for _ in range(calls):
+        def counted(*args, **kwargs):
+            self.reads += 1
+            return real_read(*args, **kwargs)
+
+        server.read = counted  # counts the agent's /metrics reads; the reads stay real
+
+    def call_bare(self) -> None:
+        self.bare.chat.completions.create(**self.kw)
+
+    def call_agent(self) -> None:
+        self.traced.chat.completions.create(**self.kw)
+
+    def call_seed(self) -> None:
+        # The seed's agent: two full scrapes of /metrics, each parsed, around the bare call.
+        specdecode.parse(self.http.get(self.url + "/metrics").text)
+        self.bare.chat.completions.create(**self.kw)
+        specdecode.parse(self.http.get(self.url + "/metrics").text)
+
+    def timed(self, fn) -> float:
         t0 = time.perf_counter()
-        bare.chat.completions.create(**kw)
-        t1 = time.perf_counter()
-        traced.chat.completions.create(**kw)
-        t2 = time.perf_counter()
-        bare_s.append(t1 - t0)
-        diffs.append((t2 - t1) - (t1 - t0))
+        fn()
+        return time.perf_counter() - t0
+
+
+def _exact_share(records: list[agent.CallRecord]) -> float:
+    agent.flush(30)
+    return sum(r.figures.exact for r in records) / max(1, len(records))
+
+
+def interleaved(b: Bench, calls: int) -> dict:
+    for _ in range(3):  # warm the connection pools and the agent's learned state
+        for fn in (b.call_bare, b.call_agent, b.call_seed):
+            fn()
+    agent.flush(30)
+    b.records.clear()
+    b.reads = 0
+    order = [("bare", b.call_bare), ("agent", b.call_agent), ("seed", b.call_seed)]
+    bare, added = [], {"agent": [], "seed": []}
+    for i in range(calls):
+        took = {name: b.timed(fn) for name, fn in order[i % 3 :] + order[: i % 3]}
+        bare.append(took["bare"])
+        for name, values in added.items():
+            values.append(took[name] - took["bare"])
+
     return {
-        "bare_median_ms": statistics.median(bare_s) * 1e3,
-        "added_median_ms": statistics.median(diffs) * 1e3,
-        "added_p99_ms": _pct(diffs, 0.99) * 1e3,
-        "metrics_reads_per_call": reads / calls,
+        "bare": bare,
+        "added": added,
+        "reads": b.reads / calls,
+        "exact": _exact_share(b.records),
     }
+
+
+def back_to_back(b: Bench, calls: int) -> dict:
+    """Agent calls in a row against bare calls in a row (blocks of 10, alternating)."""
+    agent.flush(30)
+    b.records.clear()
+    b.reads = 0
+    bare, ours = [], []
+    for _ in range(max(1, calls // 10)):
+        bare += [b.timed(b.call_bare) for _ in range(10)]
+        ours += [b.timed(b.call_agent) for _ in range(10)]
+    n = len(ours)
+    diffs = [o - statistics.median(bare) for o in ours]
+    return {"bare": bare, "added": diffs, "reads": b.reads / n, "exact": _exact_share(b.records)}
+
+
+@contextlib.contextmanager
+def _engine(url: str | None, prof):
+    if url:
+        yield url
+        return
+    with local.serve(prof, drafter="copy", timeout=900) as eng:
+        yield eng.url
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calls", type=int, default=60)
+    ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--per-request-url", help="a running engine with per-request metrics on")
+    ap.add_argument("--counters-url", help="a running engine with per-request metrics off")
     args = ap.parse_args()
     base = profiles.get("cpu-tiny-mtp")
     paths = {
-        "per-request metrics": base,
-        "/metrics snapshots": dataclasses.replace(base, per_request_spec_decode_metrics=None),
+        "per-request metrics": (args.per_request_url, base),
+        "/metrics counters": (
+            args.counters_url,
+            dataclasses.replace(base, per_request_spec_decode_metrics=None),
+        ),
     }
-    print(f"{'path':<22} {'bare med ms':>11} {'added med ms':>12} {'added p99 ms':>12} {'reads/call':>10}")
-    for name, prof in paths.items():
-        with local.serve(prof, drafter="copy", timeout=900) as eng:
-            r = measure(eng.url, args.calls, args.max_tokens)
-        print(f"{name:<22} {r['bare_median_ms']:>11.2f} {r['added_median_ms']:>12.2f} "
-              f"{r['added_p99_ms']:>12.2f} {r['metrics_reads_per_call']:>10.2f}")
+    ms = 1e3
+    print(f"{args.calls} rounds, {args.max_tokens} tokens per call, medians and p99 in ms")
+    print(
+        f"{'path':<20} {'run':<26} {'bare med':>8} {'added med':>9} {'added p99':>9} "
+        f"{'reads/call':>10} {'exact':>6}"
+    )
+    for name, (url, prof) in paths.items():
+        with _engine(url, prof) as u:
+            b = Bench(u, args.max_tokens)
+            r = interleaved(b, args.calls)
+            bare_med = statistics.median(r["bare"]) * ms
+            for who, label in (
+                ("agent", "agent, interleaved"),
+                ("seed", "seed: 2 full scrapes+parse"),
+            ):
+                d = r["added"][who]
+                reads = f"{r['reads']:.2f}" if who == "agent" else "2 (full)"
+                exact = f"{r['exact']:.0%}" if who == "agent" else "-"
+                print(
+                    f"{name:<20} {label:<26} {bare_med:>8.2f} {statistics.median(d) * ms:>9.2f}"
+                    f" {_pct(d, 0.99) * ms:>9.2f} {reads:>10} {exact:>6}"
+                )
+            s = back_to_back(b, args.calls)
+            print(
+                f"{name:<20} {'agent, back to back':<26} "
+                f"{statistics.median(s['bare']) * ms:>8.2f} "
+                f"{statistics.median(s['added']) * ms:>9.2f} {_pct(s['added'], 0.99) * ms:>9.2f} "
+                f"{s['reads']:>10.2f} {s['exact']:>6.0%}"
+            )
 
 
 if __name__ == "__main__":

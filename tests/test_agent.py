@@ -42,17 +42,23 @@ class Traced:
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
         self.registry = CollectorRegistry()
-        self.records: list[agent.CallRecord] = []
+        self._records: list[agent.CallRecord] = []
         cls = openai.AsyncOpenAI if is_async else openai.OpenAI
         self.bare = cls(base_url=url + "/v1", api_key="unused", max_retries=0)
         self.client = agent.instrument(
             self.bare, role=role, config=agent.AgentConfig(**cfg), tracer_provider=provider,
-            registry=self.registry, on_call=self.records.append,
+            registry=self.registry, on_call=self._records.append,
         )
 
     @property
     def spans(self):
+        assert agent.flush(30)  # /metrics-attributed calls finish on the agent's thread
         return self.exporter.get_finished_spans()
+
+    @property
+    def records(self) -> list[agent.CallRecord]:
+        assert agent.flush(30)
+        return self._records
 
     def errors(self, kind: str) -> float:
         return self.registry.get_sample_value("gemma4_agent_errors_total", {"kind": kind}) or 0.0
@@ -121,7 +127,7 @@ def test_spans_reach_a_real_otlp_receiver_with_gen_ai_and_mtp_attributes(mtp_eng
         assert a["appliance.agent.role"] == "architect"
         assert a["gen_ai.vllm.mtp.source"] == "request" and a["gen_ai.vllm.mtp.shared"] is False
         assert a["gen_ai.vllm.mtp.acceptance"] >= 0.9
-        assert a["gen_ai.vllm.mtp.drafted"] >= a["gen_ai.vllm.mtp.accepted"] > 0
+        assert a["gen_ai.vllm.mtp.draft_tokens"] >= a["gen_ai.vllm.mtp.accepted"] > 0
         assert a["gen_ai.vllm.mtp.drafts"] > 0 and a["gen_ai.vllm.mtp.tokens_per_step"] > 2.5
         assert len(a["gen_ai.vllm.mtp.per_position_acceptance"]) == 2  # k=2
         # Prompt and completion text stay out unless enabled.
@@ -191,7 +197,7 @@ def test_concurrent_calls_get_exact_per_request_figures_summing_to_the_batch(mtp
     assert len(figs) == 4 and {f.source for f in figs} == {"request"}
     assert not any(f.shared for f in figs)
     assert sum(f.drafts for f in figs) == d.drafts
-    assert sum(f.drafted for f in figs) == d.draft_tokens
+    assert sum(f.draft_tokens for f in figs) == d.draft_tokens
     assert sum(f.accepted for f in figs) == d.accepted
 
 
@@ -218,7 +224,7 @@ def test_without_per_request_metrics_sequential_calls_are_exact(mtp_counters_eng
     d = _batch_delta(mtp_counters_engine.url, three)
     figs = [r.figures for r in t.records]
     assert [f.source for f in figs] == ["counters"] * 3 and not any(f.shared for f in figs)
-    assert sum(f.drafted for f in figs) == d.draft_tokens
+    assert sum(f.draft_tokens for f in figs) == d.draft_tokens
     assert sum(f.accepted for f in figs) == d.accepted
     assert all(f.acceptance >= 0.9 for f in figs)
 
@@ -261,7 +267,7 @@ def test_stream_plain_sync_async_give_the_same_figures(mtp_engine):
     recs = t.records + ta.records
     assert [r.stream for r in recs] == [False, True, False, True]
     assert {r.output_tokens for r in recs} == {40}
-    keyed = {(r.figures.drafts, r.figures.drafted, r.figures.accepted) for r in recs}
+    keyed = {(r.figures.drafts, r.figures.draft_tokens, r.figures.accepted) for r in recs}
     assert len(keyed) == 1 and None not in next(iter(keyed))
     assert len(t.spans) == 2 and len(ta.spans) == 2
 
@@ -367,9 +373,9 @@ def test_counter_reset_between_snapshots_publishes_no_delta(mtp_counters_engine,
     assert resp.usage.completion_tokens == 24
     (rec,) = t.records
     assert (rec.figures.source, rec.figures.status) == ("unknown", "reset")
-    assert rec.figures.drafted is None and rec.figures.acceptance is None
+    assert rec.figures.draft_tokens is None and rec.figures.acceptance is None
     (span,) = t.spans
-    assert "gen_ai.vllm.mtp.drafted" not in span.attributes
+    assert "gen_ai.vllm.mtp.draft_tokens" not in span.attributes
     assert span.attributes["gen_ai.vllm.mtp.status"] == "reset"
 
 
@@ -379,7 +385,7 @@ def test_server_without_speculative_decoding_is_recorded_as_absent(baseline_engi
     _same_result(_plain(t.client), bare)
     (rec,) = t.records
     assert (rec.figures.source, rec.figures.status) == ("absent", "absent")
-    assert rec.figures.acceptance is None and rec.figures.drafted is None  # not zeros
+    assert rec.figures.acceptance is None and rec.figures.draft_tokens is None  # not zeros
     a = t.spans[0].attributes
     assert a["gen_ai.vllm.mtp.source"] == "absent" and "gen_ai.vllm.mtp.acceptance" not in a
 
@@ -409,11 +415,12 @@ def test_prometheus_metrics_by_role_served_on_a_local_port(mtp_engine):
     assert get("gemma4_agent_call_acceptance_count", role="architect", model=MODEL) == 2
     assert get("gemma4_agent_call_acceptance_count", role="worker", model=MODEL) == 1
     assert get("gemma4_agent_call_acceptance_bucket", role="worker", model=MODEL, le="0.9") == 0
+    assert get("gemma4_agent_call_acceptance_bucket", role="worker", model=MODEL, le="0.05") == 0
     assert get("gemma4_agent_call_tokens_per_step_count", role="worker", model=MODEL) == 1
     assert get("gemma4_agent_calls_total", role="architect", model=MODEL, source="request",
                outcome="ok") == 2
     drafted = get("gemma4_agent_drafted_tokens_total", role="worker", model=MODEL)
-    assert drafted == t.records[0].figures.drafted > 0
+    assert drafted == t.records[0].figures.draft_tokens > 0
     assert get("gemma4_agent_accepted_tokens_total", role="worker", model=MODEL) > 0
     assert get("gemma4_agent_call_duration_seconds_count", role="architect", model=MODEL) == 2
 
@@ -426,7 +433,7 @@ def test_demo_exports_spans_when_an_endpoint_is_set(mtp_engine, otlp_receiver, m
     got = otlp_receiver.wait_for(2)
     assert [s.attributes["appliance.agent.role"] for s in got] == ["demo", "demo"]
     assert [s.attributes["gen_ai.request.stream"] for s in got] == [False, True]
-    assert [c.drafted for c in report.calls] == [s.attributes["gen_ai.vllm.mtp.drafted"] for s in got]
+    assert [c.draft_tokens for c in report.calls] == [s.attributes["gen_ai.vllm.mtp.draft_tokens"] for s in got]
 
 
 def test_demo_records_carry_source_and_shared(mtp_engine, monkeypatch):
@@ -437,6 +444,115 @@ def test_demo_records_carry_source_and_shared(mtp_engine, monkeypatch):
     for c in calls:
         assert c["source"] == "request" and c["shared"] is False
         assert c["output_tokens"] == 16 and c["acceptance"] >= 0.9
-        for key in ("drafts", "drafted", "accepted", "tokens_per_step"):
+        for key in ("drafts", "draft_tokens", "accepted", "tokens_per_step"):
             assert c[key] is not None
     assert "request" in demo.format_table(report)
+
+
+# -- interruption, identity, headers (issue 13 part 1) -------------------------------------------
+
+def _sequential_sources(t, n=2):
+    for _ in range(n):
+        _plain(t.client, 16)
+    return [r.figures.source for r in t.records[-n:]]
+
+
+def test_cancelled_task_mid_metrics_read_ends_the_span_and_leaves_no_window(
+        mtp_counters_engine, bad_metrics):
+    # The first /metrics read is slowed (the real engine's page, relayed 3 s late) so the task
+    # can be cancelled while the agent is inside it: a stream without include_usage reads
+    # before the request on the caller's path.
+    slow = bad_metrics("slow", upstream=mtp_counters_engine.url, slow_hits=(1,), slow_s=3.0)
+    t = Traced(mtp_counters_engine.url, is_async=True, metrics_url=slow.url,
+               snapshot_timeout=5.0)
+
+    async def cancelled():
+        task = asyncio.create_task(t.client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stream=True))
+        while slow.hits < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+    (span,) = t.spans
+    assert span.end_time is not None and span.attributes["error.type"] == "CancelledError"
+    assert t.records[0].outcome == "error"
+    slow.release.set()
+    # The same server, so the same windows; a generous bound for the relay on a loaded host.
+    ts = Traced(mtp_counters_engine.url, metrics_url=slow.url, snapshot_timeout=2.0)
+    assert _sequential_sources(ts) == ["counters", "counters"]
+
+
+def test_keyboard_interrupt_mid_metrics_read_ends_the_span_and_leaves_no_window(
+        mtp_counters_engine, bad_metrics):
+    import os
+    import signal
+
+    slow = bad_metrics("slow", upstream=mtp_counters_engine.url, slow_hits=(1,), slow_s=3.0)
+    t = Traced(mtp_counters_engine.url, metrics_url=slow.url, snapshot_timeout=5.0)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))  # a real Ctrl-C
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        list(t.client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stream=True))
+    timer.join()
+    (span,) = t.spans
+    assert span.end_time is not None and span.attributes["error.type"] == "KeyboardInterrupt"
+    slow.release.set()
+    assert _sequential_sources(t) == ["counters", "counters"]
+
+
+def test_abandoned_stream_collected_while_the_agent_lock_is_held_does_not_deadlock(mtp_engine):
+    import gc
+
+    # A server of its own (localhost, not 127.0.0.1): its lock is held below.
+    url = mtp_engine.url.replace("127.0.0.1", "localhost")
+    t = Traced(url)
+    srv = agent.attribution.server_for(url + "/metrics/")
+    done = threading.Event()
+
+    def collect_inside_the_lock():
+        s = t.client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, stream=True)
+        s._self_cycle = s  # only the cycle collector can free it, at a time it picks
+        del s
+        with srv._lock:  # the garbage collector runs the finalizer here, on this thread
+            gc.collect()
+        done.set()
+
+    th = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    th.start()
+    assert done.wait(20), "the stream's finalizer deadlocked on a lock its thread held"
+    (span,) = t.spans
+    assert span.attributes["gen_ai.vllm.mtp.status"] == "abandoned"
+
+
+def test_mapping_extra_headers_reach_the_server(mtp_engine):
+    sent: list[httpx.Headers] = []
+    bare = openai.OpenAI(
+        base_url=mtp_engine.url + "/v1", api_key="unused",
+        http_client=openai.DefaultHttpxClient(event_hooks={"request": [
+            lambda r: sent.append(r.headers)]}))
+    client = agent.instrument(bare, tracer_provider=TracerProvider(), registry=CollectorRegistry())
+    gateway = httpx.Headers({"X-Gateway-Auth": "token-1", "traceparent": "00-" + "1" * 32
+                             + "-" + "2" * 16 + "-01"})
+    _plain(client, 4, extra_headers=gateway)
+    (headers,) = sent
+    assert headers["x-gateway-auth"] == "token-1"
+    assert headers["traceparent"] == gateway["traceparent"]  # the caller's own wins
+
+
+def test_no_request_text_in_error_status_without_content_capture(mtp_engine):
+    t = Traced(mtp_engine.url)
+    secret = "my-secret-prompt-" * 4
+    with pytest.raises(openai.BadRequestError) as bare:
+        # Too many tokens asked: vLLM's 400 body echoes parts of the request.
+        t.client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                         "content": secret}], max_tokens=10**9)
+    (span,) = t.spans
+    assert span.status.status_code == StatusCode.ERROR
+    assert span.status.description == "BadRequestError"
+    assert "secret" not in str(span.attributes) and str(bare.value)

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as g
 from opentelemetry.semconv.attributes import error_attributes, server_attributes
+from prometheus_client import CollectorRegistry
 
-from appliance import specdecode
+from appliance import metrics_reader
 from appliance.agent import AgentConfig, attribution, build_registry, metrics, spans, tracing
 from appliance.errors import UsageError
 
@@ -26,9 +27,19 @@ def test_registry_has_exactly_the_contract_names():
 
 
 def test_contract_buckets():
-    assert metrics.ACCEPTANCE_BUCKETS == (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+    # Both edges measurable (near 0 and near 1), the middle in tenths.
+    assert metrics.ACCEPTANCE_BUCKETS == (
+        0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
     assert metrics.TOKENS_PER_STEP_BUCKETS[0] == 1.0 and metrics.TOKENS_PER_STEP_BUCKETS[-1] == 9.0
     assert metrics.TOKENS_PER_STEP_BUCKETS[1] == 1.25
+
+
+def test_removed_helpers_stay_removed():
+    # One name per figure: vLLM's ``draft_tokens`` everywhere, no dead aliases.
+    assert not hasattr(metrics, "SOURCES") and not hasattr(metrics, "EXACT_SOURCES")
+    assert "draft_tokens" in attribution.Figures.__dataclass_fields__
+    assert "drafted" not in attribution.Figures.__dataclass_fields__
+    assert spans.MTP_DRAFT_TOKENS == "gen_ai.vllm.mtp.draft_tokens"
 
 
 def test_pinned_semconv_names_match_the_package():
@@ -56,17 +67,47 @@ def test_pinned_semconv_names_match_the_package():
         assert ours == theirs
 
 
-def test_config_from_env_and_bad_values():
+def test_config_from_env():
     cfg = AgentConfig.from_env({
         "APPLIANCE_AGENT_ATTRIBUTION": "counters", "APPLIANCE_AGENT_SNAPSHOT_TIMEOUT": "0.1",
         "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT": "true",
     })
     assert (cfg.attribution, cfg.snapshot_timeout, cfg.capture_content) == ("counters", 0.1, True)
     assert AgentConfig.from_env({}).capture_content is False
+    # Built directly (code, not the environment), bad values are still a usage error.
     with pytest.raises(UsageError):
-        AgentConfig.from_env({"APPLIANCE_AGENT_ATTRIBUTION": "guess"})
+        AgentConfig(attribution="guess")  # type: ignore[arg-type]
     with pytest.raises(UsageError):
-        AgentConfig.from_env({"APPLIANCE_AGENT_SNAPSHOT_TIMEOUT": "soon"})
+        AgentConfig(snapshot_timeout=0)
+
+
+@pytest.mark.parametrize("var,value", [
+    ("APPLIANCE_AGENT_ATTRIBUTION", "guess"),
+    ("APPLIANCE_AGENT_SNAPSHOT_TIMEOUT", "soon"),
+    ("APPLIANCE_AGENT_SNAPSHOT_TIMEOUT", "-1"),
+    ("APPLIANCE_AGENT_FAILURE_COOLDOWN", "nan"),
+])
+def test_malformed_setting_is_logged_once_and_the_default_used(var, value, monkeypatch, caplog):
+    import openai
+
+    from appliance import agent
+
+    monkeypatch.setenv(var, value)
+    monkeypatch.setenv("APPLIANCE_AGENT_METRICS_URL", "http://127.0.0.1:9")
+    caplog.set_level("WARNING", logger="appliance.agent")
+    bare = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="unused")
+    # instrument() reads the environment: a telemetry setting must not stop the application.
+    clients = [agent.instrument(bare, registry=CollectorRegistry()) for _ in range(3)]
+    assert all(isinstance(c, openai.OpenAI) for c in clients)
+    cfg = AgentConfig.from_env()
+    default = AgentConfig()
+    field = {"APPLIANCE_AGENT_ATTRIBUTION": "attribution",
+             "APPLIANCE_AGENT_SNAPSHOT_TIMEOUT": "snapshot_timeout",
+             "APPLIANCE_AGENT_FAILURE_COOLDOWN": "failure_cooldown"}[var]
+    assert getattr(cfg, field) == getattr(default, field)
+    assert cfg.metrics_url == "http://127.0.0.1:9"  # the good settings still apply
+    warnings = [r for r in caplog.records if var in r.getMessage()]
+    assert len(warnings) == 1 and value in warnings[0].getMessage()
 
 
 def test_tracing_from_otel_env():
@@ -89,27 +130,122 @@ def _with(text: str, **changes: str) -> str:
     out = []
     for line in text.splitlines():
         for prefix, value in changes.items():
-            if line.startswith((prefix + "{", prefix + " ")):
+            if line.startswith((prefix + "{", prefix + " ", prefix + ",")):
                 line = line.rsplit(" ", 1)[0] + " " + value
         out.append(line)
     return "\n".join(out) + "\n"
 
 
+def _timed(text: str, sent: float, got: float | None = None) -> attribution.Timed:
+    reading = metrics_reader.parse(200, text.encode())
+    return attribution.Timed(reading, sent, sent + 0.001 if got is None else got)
+
+
 def test_snapshot_rules_on_the_real_capture():
-    before = specdecode.parse(CAPTURE)
-    moved = specdecode.parse(_with(
+    # The capture: 1 finished request, 64 generation tokens, nothing running.
+    before = _timed(CAPTURE, 1.0)
+    moved_text = _with(
         CAPTURE, **{"vllm:spec_decode_num_drafts_total": "31.0",
                     "vllm:spec_decode_num_draft_tokens_total": "62.0",
-                    "vllm:spec_decode_num_accepted_tokens_total": "62.0"}))
-    b = before.total()
-    exact = attribution.from_snapshots(before, moved, "gemma4-tiny", overlapped=False)
+                    "vllm:spec_decode_num_accepted_tokens_total": "62.0",
+                    "vllm:generation_tokens_total": "88.0",
+                    'vllm:request_success_total{engine="0",finished_reason="length"': "2.0"})
+    moved = _timed(moved_text, 3.0)
+    b = before.reading.snapshot.total()
+    assert before.reading.generation_tokens == 64 and before.reading.finished_requests == 1
+    assert moved.reading.generation_tokens == 88 and moved.reading.finished_requests == 2
+
+    def fig(bef, aft, *, model="gemma4-tiny", overlapped=False, out=24):
+        return attribution.from_readings(bef, aft, model, overlapped=overlapped,
+                                         output_tokens=out)
+
+    exact = fig(before, moved)
     assert exact.source == "counters" and exact.drafts == 31 - b.drafts
-    assert attribution.from_snapshots(before, moved, "gemma4-tiny", overlapped=True).source == "shared"
-    busy = specdecode.parse(_with(CAPTURE, **{"vllm:num_requests_running": "1.0"}))
-    assert attribution.from_snapshots(busy, moved, "gemma4-tiny", False).shared
+    assert exact.draft_tokens == 62 - b.draft_tokens
+    # Each part of the proof, broken alone, makes the call shared:
+    assert fig(before, moved, overlapped=True).source == "shared"  # another call of ours
+    assert fig(before, moved, out=23).source == "shared"  # someone else's tokens in the window
+    busy = _timed(_with(moved_text, **{"vllm:num_requests_running": "1.0"}), 3.0)
+    assert fig(before, busy).shared  # something running at the after-read
+    two = _timed(_with(moved_text, **{
+        'vllm:request_success_total{engine="0",finished_reason="stop"': "1.0"}), 3.0)
+    assert fig(before, two).shared  # another request finished inside the window
+    # Without usage, nothing may be running at the before-read either.
+    assert fig(before, moved, out=None).source == "counters"
+    idle_busy = _timed(_with(CAPTURE, **{"vllm:num_requests_running": "1.0"}), 1.0)
+    assert fig(idle_busy, moved, out=None).shared
     # A model name the server does not know still uses the server's counters.
-    assert attribution.from_snapshots(before, moved, "alias", False).source == "counters"
-    assert attribution.from_snapshots(moved, before, None, False).status == "reset"
-    assert attribution.from_snapshots(None, moved, None, False).source == "unknown"
-    no_spec = specdecode.parse("vllm:num_requests_running{engine=\"0\"} 0.0\n")
-    assert attribution.from_snapshots(no_spec, no_spec, None, False).source == "absent"
+    assert fig(before, moved, model="alias").source == "counters"
+    assert fig(moved, before).status == "reset"
+    assert fig(None, moved).source == "unknown"
+    no_spec = _timed("vllm:num_requests_running{engine=\"0\"} 0.0\n", 1.0)
+    assert fig(no_spec, no_spec).source == "absent"
+
+
+def test_the_reading_before_a_call_was_complete_before_its_request_went_out():
+    srv = attribution.Server("http://127.0.0.1:9/metrics/")
+    reading = metrics_reader.parse(200, CAPTURE.encode())
+    srv._record(reading, sent=reading.at - 0.002)
+    w = srv.begin()
+    w.sent = reading.at - 0.001  # the call went out while that read was still in flight
+    assert srv.before(w) is None
+    w.sent = reading.at + 0.001
+    assert srv.before(w).reading is reading
+    # A later read still in flight when the call went out is not a candidate.
+    import dataclasses
+
+    srv._record(dataclasses.replace(reading, at=w.sent + 0.01), sent=w.sent - 0.0005)
+    assert srv.before(w).reading is reading
+
+
+def test_windows_are_identities_and_end_once():
+    srv = attribution.Server("http://127.0.0.1:9/metrics/")
+    first, second = srv.begin(), srv.begin()
+    assert first.overlapped and second.overlapped  # equal by value, never the same window
+    # The old code ended each call's window twice, removing a concurrent call's equal window.
+    srv.end(second)
+    srv.end(second)
+    third = srv.begin()
+    assert third.overlapped  # ``first`` is still in flight
+    srv.end(first)
+    srv.end(third)
+    assert srv.in_flight() == 0 and not srv.begin().overlapped
+
+
+def test_error_text_is_recorded_only_with_content_capture():
+    from opentelemetry.sdk.trace import TracerProvider
+
+    span = TracerProvider().get_tracer("t").start_span("s")
+    exc = ValueError("the prompt was: my secret text")
+    spans.set_error(span, exc, capture_content=False)
+    assert "secret" not in span.status.description and span.status.description == "ValueError"
+    spans.set_error(span, exc, capture_content=True)
+    assert "secret" in span.status.description
+
+
+@pytest.mark.parametrize("mode,kind", [
+    ("down", "unreachable"), ("500", "status"), ("garbage", "parse"), ("hang", "timeout"),
+])
+def test_the_one_metrics_reader_raises_one_typed_error(bad_metrics, mode, kind):
+    import asyncio
+    import time
+
+    from appliance.engine.local import free_port
+
+    url = f"http://127.0.0.1:{free_port()}" if mode == "down" else bad_metrics(mode).url
+    bound = 0.3 if mode == "hang" else 5.0  # generous unless the bound is what is tested
+    start = time.monotonic()
+    with pytest.raises(metrics_reader.MetricsReadError) as sync:
+        metrics_reader.read(url + "/metrics/", timeout=bound)
+    with pytest.raises(metrics_reader.MetricsReadError) as async_:
+        asyncio.run(metrics_reader.aread(url + "/metrics/", timeout=bound))
+    assert sync.value.kind == async_.value.kind == kind
+    if mode == "hang":
+        assert time.monotonic() - start < 3  # each read cut off at its bound
+
+
+def test_the_reader_parses_the_real_capture_with_the_work_counters(bad_metrics):
+    fake = bad_metrics("pages", pages=[CAPTURE])
+    reading = metrics_reader.read(fake.url + "/metrics/", timeout=2)
+    assert reading.snapshot.speculative and reading.snapshot.running == 0
+    assert (reading.generation_tokens, reading.finished_requests) == (64, 1)

@@ -19,6 +19,7 @@ def test_reference_profile_gives_the_exact_argument_list():
         "--max-num-batched-tokens", "4096", "--gpu-memory-utilization", "0.92",
         "--speculative-config",
         '{"method":"mtp","model":"google/gemma-4-31B-it-assistant","num_speculative_tokens":2}',
+        "--per-request-spec-decode-metrics", "detailed",
     ]
 
 

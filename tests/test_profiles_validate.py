@@ -8,7 +8,7 @@ import shlex
 import pytest
 from click.testing import CliRunner
 
-from appliance import profiles
+from appliance import labels, profiles
 from appliance.cli import cli
 from appliance.profiles import Hardware, Speculative
 from appliance.profiles import validate as pv
@@ -52,14 +52,16 @@ def test_shipped_profiles_have_no_errors(name):
     assert pv.errors(pv.check(profiles.get(name))) == []
 
 
-def test_serve_args_of_the_reference_profile_are_unchanged():
+def test_serve_args_of_the_reference_profile():
+    # The seed's command, plus per-request MTP metrics (the serve script drops that flag on an
+    # image older than labels.PER_REQUEST_METRICS_MIN_VLLM).
     cmd = shlex.join(profiles.get("l4x4-31b-mtp").serve_args())
     assert cmd == (
         "google/gemma-4-31B-it --served-model-name gemma-4-31b-it --host 127.0.0.1 --port 8050 "
         "--dtype bfloat16 --tensor-parallel-size 4 --max-model-len 32768 "
         "--max-num-batched-tokens 4096 --gpu-memory-utilization 0.92 --speculative-config "
         '\'{"method":"mtp","model":"google/gemma-4-31B-it-assistant",'
-        '"num_speculative_tokens":2}\''
+        '"num_speculative_tokens":2}\' --per-request-spec-decode-metrics detailed'
     )
     p = profiles.get("cpu-tiny-mtp")
     assert p.serve_args(devmodel="/m") == (
@@ -95,12 +97,26 @@ def test_fp8_kv_cache_with_mtp_on_the_l4_is_an_error():
     )
 
 
+@pytest.mark.parametrize("name", [n for n in SHIPPED if profiles.get(n).mtp])
+def test_every_mtp_profile_asks_for_per_request_metrics_and_0_21_stays_supported(name):
+    p = profiles.get(name)
+    assert p.per_request_spec_decode_metrics == "detailed"
+    assert "per-request-metrics" not in codes(p)  # min_vllm below the flag is a choice
+    old = pv.check(p, vllm_version="0.21.0")
+    assert pv.errors(old) == []  # 0.21 still serves; the warning says what it costs
+    warned = {f.code: f for f in old}["per-request-metrics"]
+    assert warned.level == "warning" and "shared" in warned.message
+    assert "per-request-metrics" not in {
+        f.code for f in pv.check(p, vllm_version=labels.PER_REQUEST_METRICS_MIN_VLLM)}
+
+
 def test_mtp_on_a_vllm_older_than_0_21_is_an_error():
     f = codes(variant("l4x4-31b-mtp", min_vllm="0.19.0"))["mtp-min-vllm"]
     assert f.level == "error" and "0.21.0" in f.fix
     f = codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.19.0")["mtp-old-vllm"]
     assert f.level == "error"
-    assert codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.21.0") == {}
+    # 0.21 serves MTP: only the warning on what it costs (no per-request figures).
+    assert set(codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.21.0")) == {"per-request-metrics"}
     # The baseline profile is what a pre-MTP (0.19) image serves: fine.
     assert codes(profiles.get("l4x4-31b"), vllm_version="0.19.0") == {}
 

@@ -38,8 +38,18 @@ from .tracing import exporting, setup_tracing
 
 __all__ = [
     "AgentConfig", "CallRecord", "Figures", "InstrumentedClient", "build_registry", "exporting",
-    "instrument", "role", "serve_metrics", "setup_tracing",
+    "flush", "instrument", "role", "serve_metrics", "setup_tracing",
 ]
+
+
+def flush(timeout: float = 5.0) -> bool:
+    """Wait until every finished call's figures, span and record are done; False on timeout.
+
+    Figures that need a ``/metrics`` after-read are completed on the agent's background thread
+    after the call returns. Call this before reading ``on_call`` records you depend on, or
+    before shutting down a tracer provider yourself (it also runs at interpreter exit).
+    """
+    return attribution.WORKER.flush(timeout)
 
 
 def instrument(
@@ -60,12 +70,12 @@ def instrument(
     provider = tracer_provider or trace.get_tracer_provider()
     base = str(client.base_url)
     parts = urlsplit(base)
-    metrics_base = cfg.metrics_url or normalise_base_url(base)
+    metrics_url = normalise_base_url(cfg.metrics_url or base) + specdecode.SNAPSHOT_PATH
     settings = Settings(
         config=cfg,
         tracer=provider.get_tracer("appliance.agent", __version__, schema_url=spans.SCHEMA_URL),
         metrics=metrics.for_registry(registry),
-        server=attribution.server_for(normalise_base_url(metrics_base) + specdecode.SNAPSHOT_PATH),
+        server=attribution.server_for(metrics_url),
         address=parts.hostname,
         port=parts.port or (443 if parts.scheme == "https" else 80),
         role=role,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextvars
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from . import attribution, spans
-from .attribution import Figures
+from .attribution import WORKER, Figures
 from .config import AgentConfig
 from .metrics import AgentMetrics
 
@@ -41,6 +41,7 @@ class CallRecord:
     chunks: int | None
     finish_reasons: tuple[str, ...]
     figures: Figures
+    response_id: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,13 +65,15 @@ class Call:
     """One call through the agent, from before the request to the span's end."""
 
     def __init__(self, settings: Settings, operation: str, kwargs: dict) -> None:
-        self.s = settings
+        self.settings = settings
         self.operation = operation
         self.role = _role.get() or settings.role
         self.model = kwargs.get("model") if isinstance(kwargs.get("model"), str) else None
         self.stream = kwargs.get("stream") is True
         opts = kwargs.get("stream_options")
-        self.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        include_usage = isinstance(opts, Mapping) and bool(opts.get("include_usage"))
+        # A stream without include_usage carries neither usage nor the per-request block.
+        self.usage_expected = not self.stream or include_usage
         self.response_model: str | None = None
         self.response_id: str | None = None
         self.input_tokens: int | None = None
@@ -83,67 +86,81 @@ class Call:
         self.window: attribution.Window | None = None
         self.span: trace.Span | None = None
         self.started = time.perf_counter()
+        self.ended = self.started
+        self.ended_ns: int | None = None
         self._done = False
         self._kwargs = kwargs
 
     # -- start ---------------------------------------------------------------------------------
     def _wants_snapshots(self) -> bool:
-        mode = self.s.config.attribution
+        mode = self.settings.config.attribution
         if mode == "counters":
             return True
         if mode != "auto":
             return False
-        # A stream without include_usage has no final usage chunk, so no per-request block.
-        expect_block = not self.stream or self.include_usage
-        return not (self.s.server.per_request and expect_block)
+        return not (self.settings.server.per_request and self.usage_expected)
 
     def _begin(self) -> dict:
         """Open the window and the span; the kwargs to send (with ``traceparent`` injected)."""
         kwargs = self._kwargs
-        self.window = self.s.server.begin()
+        self.window = self.settings.server.begin()
         self.window.snapshots = self._wants_snapshots()
         attrs = spans.request_attributes(
-            self.operation, kwargs, self.s.address, self.s.port, self.role,
-            self.s.config.capture_content,
+            self.operation, kwargs, self.settings.address, self.settings.port, self.role,
+            self.settings.config.capture_content,
         )
-        self.span = self.s.tracer.start_span(
+        self.span = self.settings.tracer.start_span(
             spans.span_name(self.operation, self.model), kind=SpanKind.CLIENT, attributes=attrs
         )
         headers: dict[str, str] = {}
         propagate.inject(headers, context=trace.set_span_in_context(self.span))
         user = kwargs.get("extra_headers")
-        merged = {**headers, **(user if isinstance(user, dict) else {})}  # the caller's win
-        return {**kwargs, "extra_headers": merged}
+        if isinstance(user, Mapping):  # dict, httpx.Headers, any Mapping the SDK accepts
+            user = dict(user)
+            mine = {k.lower() for k in user}
+            headers = {k: v for k, v in headers.items() if k.lower() not in mine}  # theirs win
+            headers.update(user)
+        return {**kwargs, "extra_headers": headers}
 
     def start(self) -> dict:
         """Sync start; returns the kwargs to call with (the caller's own on any agent failure)."""
         try:
             kwargs = self._begin()
             if self.window.snapshots:
-                self.window.before = self.s.server.snapshot(
-                    self.s.metrics, self.s.config.snapshot_timeout, self.s.config.failure_cooldown
-                )
-            self.started = time.perf_counter()
+                cfg = self.settings.config
+                self.settings.server.prepare(self.window, self.settings.metrics,
+                                             cfg.snapshot_timeout, cfg.failure_cooldown)
+            self._sent()
             return kwargs
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
             return self._kwargs
+        except BaseException as exc:  # KeyboardInterrupt mid-read: end the span, then let it go
+            self.finish(error=exc)
+            raise
 
     async def astart(self) -> dict:
         try:
             kwargs = self._begin()
             if self.window.snapshots:
-                self.window.before = await self.s.server.asnapshot(
-                    self.s.metrics, self.s.config.snapshot_timeout, self.s.config.failure_cooldown
-                )
-            self.started = time.perf_counter()
+                cfg = self.settings.config
+                await self.settings.server.aprepare(self.window, self.settings.metrics,
+                                                    cfg.snapshot_timeout, cfg.failure_cooldown)
+            self._sent()
             return kwargs
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
             return self._kwargs
+        except BaseException as exc:  # CancelledError mid-read: end the span, then let it go
+            self.finish(error=exc)
+            raise
+
+    def _sent(self) -> None:
+        self.started = time.perf_counter()
+        self.window.sent = time.monotonic()
 
     def _agent_failed(self) -> None:
-        self.s.metrics.error("internal")
+        self.settings.metrics.error("internal")
 
     # -- observe -------------------------------------------------------------------------------
     def on_response(self, resp: Any) -> None:
@@ -155,7 +172,7 @@ class Call:
             for choice in getattr(resp, "choices", None) or ():
                 if choice.finish_reason:
                     self.finish_reasons.append(str(choice.finish_reason))
-                if self.s.config.capture_content:
+                if self.settings.config.capture_content:
                     msg = getattr(choice, "message", None)
                     self.content.append(getattr(msg, "content", None) or getattr(choice, "text", "") or "")
             self.extra = getattr(resp, "model_extra", None)
@@ -175,7 +192,7 @@ class Call:
             for choice in choices:
                 if choice.finish_reason:
                     self.finish_reasons.append(str(choice.finish_reason))
-                if self.s.config.capture_content:
+                if self.settings.config.capture_content:
                     delta = getattr(choice, "delta", None)
                     self.content.append(getattr(delta, "content", None) or getattr(choice, "text", None) or "")
             usage = getattr(chunk, "usage", None)
@@ -197,86 +214,108 @@ class Call:
     # -- finish --------------------------------------------------------------------------------
     def _figures_without_after(self) -> tuple[Figures | None, bool]:
         """Figures from the response when it has them; (None, True) when a read is due."""
-        mode = self.s.config.attribution
+        mode = self.settings.config.attribution
         if mode == "off":
             return Figures("unknown", "skipped"), False
         if mode != "counters":
             fig = attribution.from_response(self.extra)
             if fig is not None:
-                self.s.server.per_request = True
+                self.settings.server.per_request = True
                 return fig, False
-            if mode == "auto" and self.s.server.per_request and not self.window.snapshots:
+            if mode == "auto" and self.settings.server.per_request and not self.window.snapshots:
                 # It sent per-request figures before and not now (restarted without the flag?):
                 # read counters again from the next call on.
-                self.s.server.per_request = False
+                self.settings.server.per_request = False
         if self.window is not None and self.window.snapshots:
             return None, True
         return Figures("unknown", "missing"), False
 
     def finish(self, error: BaseException | None = None) -> None:
-        """Sync end of the call: the after-read when due, then span, metrics, record. Once."""
+        """End of the call (sync or async: no I/O here). Once.
+
+        When the figures need an after-read, it and everything after it (span end, metrics,
+        ``on_call``) run on the agent's background thread; the caller returns at once.
+        """
         if self._done:
             return
         self._done = True
-        duration = time.perf_counter() - self.started
+        self.ended = time.perf_counter()
+        self.ended_ns = time.time_ns()
+        deferred = False
         try:
-            fig, read = self._figures_without_after() if error is None else (UNKNOWN_ERROR, False)
+            if self.window is not None:
+                self.settings.server.end(self.window)  # the call is over at the server
+            if error is not None:
+                fig, read = UNKNOWN_ERROR, False
+            else:
+                fig, read = self._figures_without_after()
             if read:
-                after = self.s.server.snapshot(
-                    self.s.metrics, self.s.config.snapshot_timeout, self.s.config.failure_cooldown
-                )
-                fig = self._from_snapshots(after)
-            self._close(fig, error, duration)
+                if WORKER.busy():
+                    self.settings.metrics.error("metrics_skipped")
+                    fig = attribution.UNKNOWN_SKIPPED
+                else:
+                    WORKER.start()
+                    self.settings.server.after_queued()
+                    WORKER.put(self._complete)
+                    deferred = True
+                    return
+            self._close(fig, error)
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
             self._end_span_quietly()
+        finally:
+            if not deferred:
+                self._end_span_quietly()  # a no-op unless an interrupt cut _close short
 
     async def afinish(self, error: BaseException | None = None) -> None:
-        if self._done:
-            return
-        self._done = True
-        duration = time.perf_counter() - self.started
+        self.finish(error)
+
+    def _complete(self) -> None:
+        """On the background thread: the after-read, the figures, then span, metrics, record."""
         try:
-            fig, read = self._figures_without_after() if error is None else (UNKNOWN_ERROR, False)
-            if read:
-                after = await self.s.server.asnapshot(
-                    self.s.metrics, self.s.config.snapshot_timeout, self.s.config.failure_cooldown
-                )
-                fig = self._from_snapshots(after)
-            self._close(fig, error, duration)
-        except Exception:  # noqa: BLE001 - telemetry never raises into the call
+            cfg, srv = self.settings.config, self.settings.server
+            try:
+                after = srv.read(self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown)
+            finally:
+                srv.after_done()
+            w = self.window
+            fig = attribution.from_readings(
+                srv.before(w), after, self.response_model or self.model,
+                overlapped=w.overlapped, output_tokens=self.output_tokens,
+            )
+            self._close(fig, None)
+        except Exception:  # noqa: BLE001 - telemetry never raises
             self._agent_failed()
+        finally:
             self._end_span_quietly()
 
     def abandon(self) -> None:
-        """End the span of a stream dropped unread (no network from a finalizer)."""
+        """End the span of a stream dropped unread (on the background thread; no network)."""
         if self._done:
             return
         self._done = True
+        self.ended = time.perf_counter()
+        self.ended_ns = time.time_ns()
         try:
-            self._close(Figures("unknown", "abandoned"), None, time.perf_counter() - self.started)
+            if self.window is not None:
+                self.settings.server.end(self.window)
+            self._close(Figures("unknown", "abandoned"), None)
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
+        finally:
             self._end_span_quietly()
-
-    def _from_snapshots(self, after) -> Figures:
-        w = self.window
-        self.s.server.end(w)  # before deciding: a call that overlapped us has marked w by now
-        model = self.response_model or self.model
-        return attribution.from_snapshots(w.before, after, model, w.overlapped)
 
     def _end_span_quietly(self) -> None:
         try:
             if self.window is not None:
-                self.s.server.end(self.window)
+                self.settings.server.end(self.window)
             if self.span is not None and self.span.is_recording():
-                self.span.end()
+                self.span.end(end_time=self.ended_ns)
         except Exception:  # noqa: BLE001, S110 - the last resort: nothing left to count with
             pass
 
-    def _close(self, fig: Figures, error: BaseException | None, duration: float) -> None:
-        if self.window is not None:
-            self.s.server.end(self.window)
+    def _close(self, fig: Figures, error: BaseException | None) -> None:
+        duration = self.ended - self.started
         model = self.response_model or self.model
         span = self.span
         if span is not None:
@@ -292,14 +331,14 @@ class Call:
                     attrs[key] = value
             if self.finish_reasons:
                 attrs[spans.GEN_AI_RESPONSE_FINISH_REASONS] = list(self.finish_reasons)
-            if self.s.config.capture_content and self.content:
+            if self.settings.config.capture_content and self.content:
                 attrs[spans.GEN_AI_OUTPUT_MESSAGES] = json.dumps(["".join(self.content)])
             span.set_attributes(attrs)
             if error is not None:
-                spans.set_error(span, error)
-            span.end()
+                spans.set_error(span, error, self.settings.config.capture_content)
+            span.end(end_time=self.ended_ns)
         outcome = "ok" if error is None else "error"
-        m = self.s.metrics
+        m = self.settings.metrics
         labels = {"role": self.role, "model": model or ""}
         m.calls.labels(**labels, source=fig.source, outcome=outcome).inc()
         m.duration.labels(**labels).observe(duration)
@@ -308,11 +347,11 @@ class Call:
                 m.acceptance.labels(**labels).observe(fig.acceptance)
             if fig.tokens_per_step is not None:
                 m.tokens_per_step.labels(**labels).observe(fig.tokens_per_step)
-            if fig.drafted is not None:
-                m.drafted.labels(**labels).inc(fig.drafted)
+            if fig.draft_tokens is not None:
+                m.draft_tokens.labels(**labels).inc(fig.draft_tokens)
             if fig.accepted is not None:
                 m.accepted.labels(**labels).inc(fig.accepted)
-        if self.s.on_call is not None:
+        if self.settings.on_call is not None:
             record = CallRecord(
                 role=self.role, operation=self.operation, model=model, stream=self.stream,
                 outcome=outcome, error_type=None if error is None else type(error).__qualname__,
@@ -320,9 +359,10 @@ class Call:
                 input_tokens=self.input_tokens, output_tokens=self.output_tokens,
                 chunks=self.chunks if self.stream else None,
                 finish_reasons=tuple(self.finish_reasons), figures=fig,
+                response_id=self.response_id,
             )
             try:
-                self.s.on_call(record)
+                self.settings.on_call(record)
             except Exception:  # noqa: BLE001 - telemetry never raises into the call
                 m.error("on_call")
 

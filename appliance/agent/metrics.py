@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-ACCEPTANCE_BUCKETS = tuple(round(i / 10, 1) for i in range(11))  # 0.0, 0.1, ..., 1.0
+# Both edges measurable: near 0 (drafter mismatch, garbled output) and near 1 (repetition loops)
+# each get finer buckets than the middle, so "share of calls below 0.05 / above 0.95" is a
+# ratio of two bucket counters, not an interpolation.
+ACCEPTANCE_BUCKETS = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 TOKENS_PER_STEP_BUCKETS = tuple(1.0 + i * 0.25 for i in range(33))  # 1.0, 1.25, ..., 9.0
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-
-SOURCES = ("request", "counters", "shared", "absent", "unknown")
-EXACT_SOURCES = ("request", "counters")
 
 # Every name the agent exports, for the dashboards' metric check.
 METRIC_NAMES = (
@@ -39,7 +39,7 @@ class AgentMetrics:
     registry: CollectorRegistry
     acceptance: Histogram
     tokens_per_step: Histogram
-    drafted: Counter
+    draft_tokens: Counter
     accepted: Counter
     calls: Counter
     duration: Histogram
@@ -62,7 +62,7 @@ def build(registry: CollectorRegistry | None = None) -> AgentMetrics:
         tokens_per_step=Histogram("gemma4_agent_call_tokens_per_step",
                                   "Per-call mean tokens per engine step (1 + accepted/drafts)",
                                   rm, buckets=TOKENS_PER_STEP_BUCKETS, registry=reg),
-        drafted=Counter("gemma4_agent_drafted_tokens", "Draft tokens proposed for exact calls",
+        draft_tokens=Counter("gemma4_agent_drafted_tokens", "Draft tokens proposed for exact calls",
                         rm, registry=reg),
         accepted=Counter("gemma4_agent_accepted_tokens", "Draft tokens accepted for exact calls",
                          rm, registry=reg),
@@ -80,7 +80,7 @@ def build_registry() -> CollectorRegistry:
 
 
 _lock = threading.Lock()
-_by_registry: dict[int, AgentMetrics] = {}
+_by_registry: dict[CollectorRegistry, AgentMetrics] = {}  # registries hash by identity
 _default: AgentMetrics | None = None
 
 
@@ -94,9 +94,9 @@ def for_registry(registry: CollectorRegistry | None) -> AgentMetrics:
             return _default
         if _default is not None and registry is _default.registry:
             return _default
-        found = _by_registry.get(id(registry))
-        if found is None or found.registry is not registry:
-            found = _by_registry[id(registry)] = build(registry)
+        found = _by_registry.get(registry)
+        if found is None:
+            found = _by_registry[registry] = build(registry)
         return found
 
 

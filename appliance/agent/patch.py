@@ -2,7 +2,8 @@
 
 Only ``chat.completions.create`` and ``completions.create`` are intercepted; every other
 attribute passes through to the real client untouched (``wrapt.ObjectProxy``), so the result,
-the exceptions and the streaming behaviour are the bare client's own.
+the exceptions and the streaming behaviour are the bare client's own. The SDK's
+``with_options()`` / ``copy()`` pass through too and return a bare copy: instrument that copy.
 """
 
 from __future__ import annotations
@@ -93,34 +94,3 @@ class InstrumentedClient(wrapt.ObjectProxy):
     @property
     def completions(self):
         return self._self_completions
-
-    @property
-    def agent_settings(self) -> Settings:
-        return self._self_settings
-
-    def with_role(self, role: str) -> InstrumentedClient:
-        """The same client, with ``role`` as its default role."""
-        from dataclasses import replace
-
-        return InstrumentedClient(self.__wrapped__, replace(self._self_settings, role=role))
-
-    def with_options(self, *args, **kwargs) -> InstrumentedClient:
-        """The SDK's ``with_options``, still instrumented (a new base URL is honoured)."""
-        from . import instrument
-
-        s = self._self_settings
-        new = self.__wrapped__.with_options(*args, **kwargs)
-        return instrument(new, role=s.role, config=s.config, on_call=s.on_call,
-                          tracer_provider=_ProviderOf(s.tracer), registry=s.metrics.registry)
-
-    copy = with_options
-
-
-class _ProviderOf:
-    """A provider that hands out one existing tracer (for ``with_options`` copies)."""
-
-    def __init__(self, tracer) -> None:
-        self._tracer = tracer
-
-    def get_tracer(self, *args, **kwargs):
-        return self._tracer

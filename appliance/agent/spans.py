@@ -40,7 +40,7 @@ ROLE = "appliance.agent.role"
 
 MTP = "gen_ai.vllm.mtp."
 MTP_DRAFTS = MTP + "drafts"
-MTP_DRAFTED = MTP + "drafted"
+MTP_DRAFT_TOKENS = MTP + "draft_tokens"  # vLLM's num_draft_tokens (was "drafted")
 MTP_ACCEPTED = MTP + "accepted"
 MTP_ACCEPTANCE = MTP + "acceptance"
 MTP_TOKENS_PER_STEP = MTP + "tokens_per_step"
@@ -86,7 +86,7 @@ def figures_attributes(fig) -> dict[str, Any]:
     """The ``gen_ai.vllm.mtp.*`` attributes of a :class:`~.attribution.Figures`."""
     attrs: dict[str, Any] = {MTP_SOURCE: fig.source, MTP_SHARED: fig.shared, MTP_STATUS: fig.status}
     for key, value in (
-        (MTP_DRAFTS, fig.drafts), (MTP_DRAFTED, fig.drafted), (MTP_ACCEPTED, fig.accepted),
+        (MTP_DRAFTS, fig.drafts), (MTP_DRAFT_TOKENS, fig.draft_tokens), (MTP_ACCEPTED, fig.accepted),
         (MTP_ACCEPTANCE, fig.acceptance), (MTP_TOKENS_PER_STEP, fig.tokens_per_step),
     ):
         if value is not None:
@@ -96,6 +96,12 @@ def figures_attributes(fig) -> dict[str, Any]:
     return attrs
 
 
-def set_error(span: Span, exc: BaseException) -> None:
-    span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
-    span.set_attribute(ERROR_TYPE, type(exc).__qualname__)
+def set_error(span: Span, exc: BaseException, capture_content: bool = False) -> None:
+    """Mark the span failed with the exception's type; its text only when content is captured.
+
+    vLLM's 400 bodies can echo the request's input, so with capture off no exception text is
+    recorded at all.
+    """
+    name = type(exc).__qualname__
+    span.set_status(Status(StatusCode.ERROR, str(exc)[:200] if capture_content else name))
+    span.set_attribute(ERROR_TYPE, name)

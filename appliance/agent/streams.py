@@ -2,9 +2,10 @@
 
 A ``wrapt.ObjectProxy`` so anything the caller touches on the SDK's stream (``response``,
 ``close``, private helpers) still reaches the real object. The call finishes on exhaustion, on
-an error, on ``close()`` or leaving a ``with`` block; a stream dropped unread is ended by a
-finalizer without network I/O. The async proxy awaits the real ``close()`` so httpx releases
-its connection.
+an error, on ``close()`` or leaving a ``with`` block. A stream dropped unread is ended from a
+finalizer that only hands the call to the agent's background thread (a reentrant queue put): the
+garbage collector may run it while this thread holds any lock, so it must take none. The async
+proxy awaits the real ``close()`` so httpx releases its connection.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import weakref
 
 import wrapt
 
+from .attribution import WORKER
 from .calls import Call
 
 
@@ -22,7 +24,8 @@ class SyncStream(wrapt.ObjectProxy):
     def __init__(self, stream, call: Call) -> None:
         super().__init__(stream)
         self._self_call = call
-        weakref.finalize(self, call.abandon)
+        WORKER.start()
+        weakref.finalize(self, WORKER.put, call.abandon)
 
     def __iter__(self):
         return self
@@ -62,7 +65,8 @@ class AsyncStream(wrapt.ObjectProxy):
     def __init__(self, stream, call: Call) -> None:
         super().__init__(stream)
         self._self_call = call
-        weakref.finalize(self, call.abandon)
+        WORKER.start()
+        weakref.finalize(self, WORKER.put, call.abandon)
 
     def __aiter__(self):
         return self

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -117,11 +118,15 @@ class FakeMetrics:
 
 @pytest.fixture
 def bad_metrics() -> Iterator[Callable[..., FakeMetrics]]:
-    """Factory: ``bad_metrics(mode)`` with mode ``500``, ``garbage``, ``hang`` or ``pages``
-    (``pages=[text, ...]`` answered one per read, the last one repeated)."""
+    """Factory: ``bad_metrics(mode)`` with mode ``500``, ``garbage``, ``hang``, ``pages``
+    (``pages=[text, ...]`` answered one per read, the last one repeated) or ``slow``: the live
+    page of ``upstream`` (a real engine), relayed with its query, after ``slow_s`` seconds on the
+    reads numbered in ``slow_hits`` (a /metrics read slow enough to interrupt, on demand)."""
     servers: list[tuple[ThreadingHTTPServer, FakeMetrics]] = []
 
-    def make(mode: str, pages: list[str] | None = None, hang_s: float = 30.0) -> FakeMetrics:
+    def make(mode: str, pages: list[str] | None = None, hang_s: float = 30.0,
+             upstream: str | None = None, slow_hits: tuple[int, ...] = (1,),
+             slow_s: float = 3.0) -> FakeMetrics:
         state = FakeMetrics(url="")
 
         class Handler(BaseHTTPRequestHandler):
@@ -132,6 +137,11 @@ def bad_metrics() -> Iterator[Callable[..., FakeMetrics]]:
                     return
                 if mode == "500":
                     body, code = b"internal error", 500
+                elif mode == "slow":
+                    if state.hits in slow_hits:
+                        state.release.wait(slow_s)
+                    live = urllib.request.urlopen(upstream + self.path, timeout=10)
+                    body, code = live.read(), live.status
                 elif mode == "garbage":
                     body, code = b"\x00\xffnot { prometheus at all\n<html>", 200
                 else:
