@@ -31,7 +31,7 @@ def parse(text: str, where: str) -> str:
     if not SAFE_KEY.fullmatch(key):
         raise UsageError(
             f"API key file {where} holds characters outside the safe set ({SAFE_KEY_TEXT})",
-            fix="generate a new key, e.g. python3 -c 'import secrets; print(secrets.token_urlsafe(32))'",
+            fix="generate a new key: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'",
         )
     return key
 

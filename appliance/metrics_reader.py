@@ -67,8 +67,9 @@ def parse(status: int, body: bytes, url: str = "/metrics") -> Reading:
         snap = specdecode.parse(text)
     except specdecode.MetricsParseError as exc:
         raise MetricsReadError("parse", str(exc)) from None
-    return Reading(snap, _sum(text, GENERATION_TOKENS), _sum(text, REQUEST_SUCCESS),
-                   time.monotonic())
+    return Reading(
+        snap, _sum(text, GENERATION_TOKENS), _sum(text, REQUEST_SUCCESS), time.monotonic()
+    )
 
 
 def _sum(text: str, family: str) -> float | None:
@@ -76,7 +77,7 @@ def _sum(text: str, family: str) -> float | None:
     prefix = family + "_total"
     total: float | None = None
     for line in text.splitlines():
-        if line.startswith(prefix) and line[len(prefix):len(prefix) + 1] in ("{", " "):
+        if line.startswith(prefix) and line[len(prefix) : len(prefix) + 1] in ("{", " "):
             try:
                 total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
             except (IndexError, ValueError):
@@ -140,8 +141,9 @@ def engine_error(exc: MetricsReadError, base_url: str) -> EngineError:
         return EngineError(f"{url} timed out")
     if exc.kind == "unreachable":
         cause = exc.__cause__ or exc
-        return EngineError(f"cannot reach {base_url}: {cause}",
-                           fix="is the engine running and the URL right?")
+        return EngineError(
+            f"cannot reach {base_url}: {cause}", fix="is the engine running and the URL right?"
+        )
     if exc.kind == "status" and exc.status_code == 401:
         return AuthError(url)
     if exc.kind == "status":

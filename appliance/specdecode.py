@@ -1,8 +1,8 @@
 """Speculative-decoding counters: parsing vLLM's ``/metrics`` and the arithmetic on them.
 
 Every ratio, delta and reset rule the appliance uses lives here, so the agent, the demo, doctor
-and bench all agree. vLLM's own names and definitions (vllm/v1/spec_decode/metrics.py), the same in every record and
-JSON output of the appliance:
+and bench all agree. vLLM's own names and definitions (vllm/v1/spec_decode/metrics.py), the same
+in every record and JSON output of the appliance:
 
 - ``drafts`` (speculation steps), ``draft_tokens`` (tokens proposed), ``accepted`` (accepted
   tokens), ``accepted_per_pos`` (accepted tokens at each draft position);

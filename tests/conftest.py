@@ -73,5 +73,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = len(reporter.stats.get("skipped", [])) if reporter else 0
     if skipped:
-        reporter.write_line(f"APPLIANCE_NO_SKIP: {skipped} test(s) skipped; failing the run", red=True)
+        reporter.write_line(
+            f"APPLIANCE_NO_SKIP: {skipped} test(s) skipped; failing the run", red=True
+        )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -46,8 +46,12 @@ class Traced:
         cls = openai.AsyncOpenAI if is_async else openai.OpenAI
         self.bare = cls(base_url=url + "/v1", api_key="unused", max_retries=0)
         self.client = agent.instrument(
-            self.bare, role=role, config=agent.AgentConfig(**cfg), tracer_provider=provider,
-            registry=self.registry, on_call=self._records.append,
+            self.bare,
+            role=role,
+            config=agent.AgentConfig(**cfg),
+            tracer_provider=provider,
+            registry=self.registry,
+            on_call=self._records.append,
         )
 
     @property
@@ -71,10 +75,16 @@ def _plain(client, max_tokens=24, **kw):
 
 
 def _stream(client, max_tokens=24):
-    return list(client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    return list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
 
 
 def _same_result(a, b) -> None:
@@ -84,6 +94,7 @@ def _same_result(a, b) -> None:
 
 
 # -- spans over the real OTLP/HTTP exporter ---------------------------------------------------
+
 
 def _export_and_receive(url, receiver, role):
     env = {
@@ -97,10 +108,18 @@ def _export_and_receive(url, receiver, role):
     def hook(request):
         sent.append(dict(request.headers))
 
-    bare = openai.OpenAI(base_url=url + "/v1", api_key="unused",
-                         http_client=openai.DefaultHttpxClient(event_hooks={"request": [hook]}))
-    client = agent.instrument(bare, role=role, tracer_provider=provider,
-                              config=agent.AgentConfig(), registry=CollectorRegistry())
+    bare = openai.OpenAI(
+        base_url=url + "/v1",
+        api_key="unused",
+        http_client=openai.DefaultHttpxClient(event_hooks={"request": [hook]}),
+    )
+    client = agent.instrument(
+        bare,
+        role=role,
+        tracer_provider=provider,
+        config=agent.AgentConfig(),
+        registry=CollectorRegistry(),
+    )
     _plain(client)
     _stream(client)
     provider.shutdown()
@@ -161,6 +180,7 @@ def test_content_is_recorded_only_when_enabled(mtp_engine):
 
 # -- attribution --------------------------------------------------------------------------------
 
+
 def _concurrently(fn, n=4):
     barrier = threading.Barrier(n)
     out, errors = [None] * n, []
@@ -207,11 +227,19 @@ def test_without_per_request_metrics_overlapping_calls_are_shared(mtp_counters_e
     assert [r.figures.source for r in t.records] == ["shared"] * 4
     assert all(r.figures.shared for r in t.records)
     # Shared windows never feed the per-role distributions or token counters.
-    assert t.registry.get_sample_value(
-        "gemma4_agent_call_acceptance_count", {"role": "worker", "model": MODEL}) is None
-    assert t.registry.get_sample_value(
-        "gemma4_agent_calls_total",
-        {"role": "worker", "model": MODEL, "source": "shared", "outcome": "ok"}) == 4
+    assert (
+        t.registry.get_sample_value(
+            "gemma4_agent_call_acceptance_count", {"role": "worker", "model": MODEL}
+        )
+        is None
+    )
+    assert (
+        t.registry.get_sample_value(
+            "gemma4_agent_calls_total",
+            {"role": "worker", "model": MODEL, "source": "shared", "outcome": "ok"},
+        )
+        == 4
+    )
 
 
 def test_without_per_request_metrics_sequential_calls_are_exact(mtp_counters_engine):
@@ -248,6 +276,7 @@ def test_no_metrics_request_once_the_server_sends_per_request_figures(mtp_engine
 
 # -- parity and passthrough ---------------------------------------------------------------------
 
+
 def test_stream_plain_sync_async_give_the_same_figures(mtp_engine):
     t = Traced(mtp_engine.url)
     _plain(t.client, 40)
@@ -256,10 +285,16 @@ def test_stream_plain_sync_async_give_the_same_figures(mtp_engine):
 
     async def both():
         await ta.client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0)
+            model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0
+        )
         s = await ta.client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, stream=True,
-            stream_options={"include_usage": True})
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         async for _ in s:
             pass
 
@@ -278,8 +313,14 @@ def _chunks(stream_iter):
 
 def test_stream_is_passed_through_unchanged(mtp_engine):
     t = Traced(mtp_engine.url)
-    kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 30, "temperature": 0,
-          "stream": True, "stream_options": {"include_usage": True}}
+    kw = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 30,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     bare = _chunks(t.bare.chat.completions.create(**kw))
     s = t.client.chat.completions.create(**kw)
     assert isinstance(s, openai.Stream)  # the proxy still is what the caller expects
@@ -294,7 +335,8 @@ def test_async_stream_closed_early_ends_the_span_once(mtp_engine):
 
     async def early():
         s = await t.client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, stream=True)
+            model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, stream=True
+        )
         async for _ in s:
             break
         await s.close()
@@ -324,8 +366,9 @@ def test_metrics_faults_never_reach_the_caller(mtp_counters_engine, bad_metrics,
         url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a real refusal
     else:
         url = bad_metrics(mode).url
-    t = Traced(mtp_counters_engine.url, metrics_url=url, snapshot_timeout=BOUND,
-               failure_cooldown=0.0)
+    t = Traced(
+        mtp_counters_engine.url, metrics_url=url, snapshot_timeout=BOUND, failure_cooldown=0.0
+    )
     start = time.perf_counter()
     bare = _plain(t.bare)
     bare_s = time.perf_counter() - start
@@ -339,8 +382,12 @@ def test_metrics_faults_never_reach_the_caller(mtp_counters_engine, bad_metrics,
     assert ours_s - bare_s < 2 * BOUND + 1.5
     assert [s.attributes["gen_ai.vllm.mtp.source"] for s in t.spans] == ["unknown"] * 2
     assert all(s.end_time is not None for s in t.spans)
-    kind = {"down": "metrics_unreachable", "500": "metrics_status", "garbage": "metrics_parse",
-            "hang": "metrics_timeout"}[mode]
+    kind = {
+        "down": "metrics_unreachable",
+        "500": "metrics_status",
+        "garbage": "metrics_parse",
+        "hang": "metrics_timeout",
+    }[mode]
     assert t.errors(kind) >= 2
 
 
@@ -357,9 +404,13 @@ def test_call_exception_is_unchanged_when_metrics_are_down(mtp_counters_engine):
     assert span.status.status_code == StatusCode.ERROR
     assert span.attributes["error.type"] == "NotFoundError"
     assert span.kind == SpanKind.CLIENT
-    assert t.registry.get_sample_value(
-        "gemma4_agent_calls_total",
-        {"role": "worker", "model": "no-such-model", "source": "unknown", "outcome": "error"}) == 1
+    assert (
+        t.registry.get_sample_value(
+            "gemma4_agent_calls_total",
+            {"role": "worker", "model": "no-such-model", "source": "unknown", "outcome": "error"},
+        )
+        == 1
+    )
 
 
 def test_counter_reset_between_snapshots_publishes_no_delta(mtp_counters_engine, bad_metrics):
@@ -392,6 +443,7 @@ def test_server_without_speculative_decoding_is_recorded_as_absent(baseline_engi
 
 # -- Prometheus -------------------------------------------------------------------------------
 
+
 def test_prometheus_metrics_by_role_served_on_a_local_port(mtp_engine):
     t = Traced(mtp_engine.url, role="worker")
     _plain(t.client)
@@ -406,7 +458,8 @@ def test_prometheus_metrics_by_role_served_on_a_local_port(mtp_engine):
         server.shutdown()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text) for s in fam.samples
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
     }
 
     def get(name, **labels):
@@ -417,8 +470,16 @@ def test_prometheus_metrics_by_role_served_on_a_local_port(mtp_engine):
     assert get("gemma4_agent_call_acceptance_bucket", role="worker", model=MODEL, le="0.9") == 0
     assert get("gemma4_agent_call_acceptance_bucket", role="worker", model=MODEL, le="0.05") == 0
     assert get("gemma4_agent_call_tokens_per_step_count", role="worker", model=MODEL) == 1
-    assert get("gemma4_agent_calls_total", role="architect", model=MODEL, source="request",
-               outcome="ok") == 2
+    assert (
+        get(
+            "gemma4_agent_calls_total",
+            role="architect",
+            model=MODEL,
+            source="request",
+            outcome="ok",
+        )
+        == 2
+    )
     drafted = get("gemma4_agent_drafted_tokens_total", role="worker", model=MODEL)
     assert drafted == t.records[0].figures.draft_tokens > 0
     assert get("gemma4_agent_accepted_tokens_total", role="worker", model=MODEL) > 0
@@ -427,13 +488,16 @@ def test_prometheus_metrics_by_role_served_on_a_local_port(mtp_engine):
 
 # -- the demo -----------------------------------------------------------------------------------
 
+
 def test_demo_exports_spans_when_an_endpoint_is_set(mtp_engine, otlp_receiver, monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.url)
     report = demo.run(mtp_engine.url, calls=2, max_tokens=16)
     got = otlp_receiver.wait_for(2)
     assert [s.attributes["appliance.agent.role"] for s in got] == ["demo", "demo"]
     assert [s.attributes["gen_ai.request.stream"] for s in got] == [False, True]
-    assert [c.draft_tokens for c in report.calls] == [s.attributes["gen_ai.vllm.mtp.draft_tokens"] for s in got]
+    assert [c.draft_tokens for c in report.calls] == [
+        s.attributes["gen_ai.vllm.mtp.draft_tokens"] for s in got
+    ]
 
 
 def test_demo_records_carry_source_and_shared(mtp_engine, monkeypatch):
@@ -451,6 +515,7 @@ def test_demo_records_carry_source_and_shared(mtp_engine, monkeypatch):
 
 # -- interruption, identity, headers (issue 13 part 1) -------------------------------------------
 
+
 def _sequential_sources(t, n=2):
     for _ in range(n):
         _plain(t.client, 16)
@@ -458,17 +523,20 @@ def _sequential_sources(t, n=2):
 
 
 def test_cancelled_task_mid_metrics_read_ends_the_span_and_leaves_no_window(
-        mtp_counters_engine, bad_metrics):
+    mtp_counters_engine, bad_metrics
+):
     # The first /metrics read is slowed (the real engine's page, relayed 3 s late) so the task
     # can be cancelled while the agent is inside it: a stream without include_usage reads
     # before the request on the caller's path.
     slow = bad_metrics("slow", upstream=mtp_counters_engine.url, slow_hits=(1,), slow_s=3.0)
-    t = Traced(mtp_counters_engine.url, is_async=True, metrics_url=slow.url,
-               snapshot_timeout=5.0)
+    t = Traced(mtp_counters_engine.url, is_async=True, metrics_url=slow.url, snapshot_timeout=5.0)
 
     async def cancelled():
-        task = asyncio.create_task(t.client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stream=True))
+        task = asyncio.create_task(
+            t.client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stream=True
+            )
+        )
         while slow.hits < 1:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)
@@ -487,7 +555,8 @@ def test_cancelled_task_mid_metrics_read_ends_the_span_and_leaves_no_window(
 
 
 def test_keyboard_interrupt_mid_metrics_read_ends_the_span_and_leaves_no_window(
-        mtp_counters_engine, bad_metrics):
+    mtp_counters_engine, bad_metrics
+):
     import os
     import signal
 
@@ -496,8 +565,11 @@ def test_keyboard_interrupt_mid_metrics_read_ends_the_span_and_leaves_no_window(
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))  # a real Ctrl-C
     timer.start()
     with pytest.raises(KeyboardInterrupt):
-        list(t.client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stream=True))
+        list(
+            t.client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, stream=True
+            )
+        )
     timer.join()
     (span,) = t.spans
     assert span.end_time is not None and span.attributes["error.type"] == "KeyboardInterrupt"
@@ -516,7 +588,8 @@ def test_abandoned_stream_collected_while_the_agent_lock_is_held_does_not_deadlo
 
     def collect_inside_the_lock():
         s = t.client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, stream=True)
+            model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, stream=True
+        )
         s._self_cycle = s  # only the cycle collector can free it, at a time it picks
         del s
         with srv._lock:  # the garbage collector runs the finalizer here, on this thread
@@ -533,12 +606,16 @@ def test_abandoned_stream_collected_while_the_agent_lock_is_held_does_not_deadlo
 def test_mapping_extra_headers_reach_the_server(mtp_engine):
     sent: list[httpx.Headers] = []
     bare = openai.OpenAI(
-        base_url=mtp_engine.url + "/v1", api_key="unused",
-        http_client=openai.DefaultHttpxClient(event_hooks={"request": [
-            lambda r: sent.append(r.headers)]}))
+        base_url=mtp_engine.url + "/v1",
+        api_key="unused",
+        http_client=openai.DefaultHttpxClient(
+            event_hooks={"request": [lambda r: sent.append(r.headers)]}
+        ),
+    )
     client = agent.instrument(bare, tracer_provider=TracerProvider(), registry=CollectorRegistry())
-    gateway = httpx.Headers({"X-Gateway-Auth": "token-1", "traceparent": "00-" + "1" * 32
-                             + "-" + "2" * 16 + "-01"})
+    gateway = httpx.Headers(
+        {"X-Gateway-Auth": "token-1", "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+    )
     _plain(client, 4, extra_headers=gateway)
     (headers,) = sent
     assert headers["x-gateway-auth"] == "token-1"
@@ -550,8 +627,9 @@ def test_no_request_text_in_error_status_without_content_capture(mtp_engine):
     secret = "my-secret-prompt-" * 4
     with pytest.raises(openai.BadRequestError) as bare:
         # Too many tokens asked: vLLM's 400 body echoes parts of the request.
-        t.client.chat.completions.create(model=MODEL, messages=[{"role": "user",
-                                         "content": secret}], max_tokens=10**9)
+        t.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": secret}], max_tokens=10**9
+        )
     (span,) = t.spans
     assert span.status.status_code == StatusCode.ERROR
     assert span.status.description == "BadRequestError"

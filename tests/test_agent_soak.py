@@ -92,8 +92,12 @@ class Storm:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def _kw(self, i: int, stream: bool) -> dict:
-        kw = {"model": MODEL, "messages": [{"role": "user", "content": f"call {i}: the sea"}],
-              "max_tokens": 4 + i % 9, "temperature": 0}
+        kw = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"call {i}: the sea"}],
+            "max_tokens": 4 + i % 9,
+            "temperature": 0,
+        }
         if stream:
             kw |= {"stream": True, "stream_options": {"include_usage": True}}
         return kw
@@ -186,7 +190,8 @@ class Storm:
 
     def use(self, role: str) -> None:
         self.sync = self.instrumented(
-            openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0), role)
+            openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0), role
+        )
 
     def run(self, role: str, indices: range, on_progress=None) -> None:
         """Half the calls on 6 threads (sync), half on one event loop, 6 at a time (async)."""
@@ -198,8 +203,9 @@ class Storm:
         crashed: list[BaseException] = []
 
         async def run_async() -> None:
-            self.aclient = self.instrumented(openai.AsyncOpenAI(
-                base_url=self.url + "/v1", api_key="unused", max_retries=0), role)
+            self.aclient = self.instrumented(
+                openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0), role
+            )
             sem = asyncio.Semaphore(IN_FLIGHT // 2)
 
             async def one(i):
@@ -220,8 +226,7 @@ class Storm:
         loop_thread = threading.Thread(target=loop)
         loop_thread.start()
         with ThreadPoolExecutor(IN_FLIGHT // 2) as pool:
-            for _ in pool.map(lambda i: (self.sync_call(i), on_progress and on_progress()),
-                              sync_i):
+            for _ in pool.map(lambda i: (self.sync_call(i), on_progress and on_progress()), sync_i):
                 pass
         loop_thread.join()
         if crashed:
@@ -254,8 +259,14 @@ def test_soak_restart_cancel_abandon(tmp_path):
     cfg = agent.AgentConfig(snapshot_timeout=1.0, failure_cooldown=0.5)  # a loaded 2-core box
 
     def instrumented(client, role):
-        return agent.instrument(client, role=role, config=cfg, tracer_provider=provider,
-                                registry=registry, on_call=records.append)
+        return agent.instrument(
+            client,
+            role=role,
+            config=cfg,
+            tracer_provider=provider,
+            registry=registry,
+            on_call=records.append,
+        )
 
     storm = Storm(instrumented, url)
     server = attribution.server_for(url + specdecode.SNAPSHOT_PATH)
@@ -285,8 +296,11 @@ def test_soak_restart_cancel_abandon(tmp_path):
                 seq = [r for r in records if r.role == "sequential"]
                 assert [r.figures.source for r in seq] == ["counters"] * 3
                 d = _movement(b1, obs.snapshot())
-                assert (_sum(seq, "drafts"), _sum(seq, "draft_tokens"), _sum(seq, "accepted")) \
-                    == (d.drafts, d.draft_tokens, d.accepted)
+                assert (_sum(seq, "drafts"), _sum(seq, "draft_tokens"), _sum(seq, "accepted")) == (
+                    d.drafts,
+                    d.draft_tokens,
+                    d.accepted,
+                )
             # 3. The engine stops while calls are in flight.
             done = 0
             stopper = threading.Event()
@@ -326,25 +340,42 @@ def test_soak_restart_cancel_abandon(tmp_path):
         return registry.get_sample_value("gemma4_agent_errors_total", {"kind": kind}) or 0
 
     def calls_total(**labels):
-        return sum(s.value for fam in registry.collect() for s in fam.samples
-                   if s.name == "gemma4_agent_calls_total"
-                   and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for fam in registry.collect()
+            for s in fam.samples
+            if s.name == "gemma4_agent_calls_total"
+            and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     storm_b = [r for r in records if r.role == "storm-b"]
-    print(f"\nsoak: {storm.calls} calls in {took:.0f} s, {len(storm.failures)} failed at the "
-          f"caller ({restart_failures} around the restart), sources "
-          f"{sorted({(s, sum(r.figures.source == s for r in records)) for s in {r.figures.source for r in records}})}; "
-          f"RSS {rss0:.1f} -> {rss1:.1f} MiB over 1,000 calls (+{rss1 - rss0:.1f}, bound "
-          f"{RSS_BOUND_MIB}); agent errors "
-          f"{ {s.labels['kind']: s.value for fam in registry.collect() for s in fam.samples if s.name == 'gemma4_agent_errors_total'} }")
+    sources = {
+        s: sum(r.figures.source == s for r in records) for s in {r.figures.source for r in records}
+    }
+    error_counts = {
+        s.labels["kind"]: s.value
+        for fam in registry.collect()
+        for s in fam.samples
+        if s.name == "gemma4_agent_errors_total"
+    }
+    print(
+        f"\nsoak: {storm.calls} calls in {took:.0f} s, {len(storm.failures)} failed at the "
+        f"caller ({restart_failures} around the restart), sources "
+        f"{sorted(sources.items())}; "
+        f"RSS {rss0:.1f} -> {rss1:.1f} MiB over 1,000 calls (+{rss1 - rss0:.1f}, bound "
+        f"{RSS_BOUND_MIB}); agent errors "
+        f"{error_counts}"
+    )
 
     # Every call's span ended exactly once, and every call reached on_call.
     assert storm.calls + 3 == len(records) == len(ends.ended) == 1503
     assert set(ends.ended.values()) == {1}
     assert storm.odd == []  # the caller's results are the SDK's own
     # No exception from the agent: callers saw only the SDK's errors and their own cancels.
-    assert all(isinstance(e, (openai.APIError, httpx.HTTPError, asyncio.CancelledError))
-               for e in storm.failures)
+    assert all(
+        isinstance(e, (openai.APIError, httpx.HTTPError, asyncio.CancelledError))
+        for e in storm.failures
+    )
     assert errors("internal") == 0 and errors("on_call") == 0
     assert not [r for r in log.records if r.levelno >= logging.WARNING or r.exc_info]
     # The agent counted what happened: every failure the callers saw is an error call.
@@ -357,13 +388,19 @@ def test_soak_restart_cancel_abandon(tmp_path):
     exact_b = [r for r in storm_b if r.figures.exact]
     assert {r.figures.source for r in exact_b} == {"request"}
     # Every call that completed (not cancelled, not abandoned) is exact there.
-    assert [r for r in storm_b if r.outcome == "ok" and r.figures.status != "abandoned"
-            and not r.figures.exact] == []
+    assert [
+        r
+        for r in storm_b
+        if r.outcome == "ok" and r.figures.status != "abandoned" and not r.figures.exact
+    ] == []
     assert len(exact_b) >= 800
     for r in exact_b:
         block = storm.blocks[r.response_id]
         assert (r.figures.drafts, r.figures.draft_tokens, r.figures.accepted) == (
-            block.drafts, block.draft_tokens, block.accepted)
+            block.drafts,
+            block.draft_tokens,
+            block.accepted,
+        )
     # ...and the exact calls of the measured stretch never exceed the counters' movement
     # (cancelled and abandoned streams drafted too, without exact figures).
     moved = _movement(b2, a2)

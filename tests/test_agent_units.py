@@ -29,7 +29,21 @@ def test_registry_has_exactly_the_contract_names():
 def test_contract_buckets():
     # Both edges measurable (near 0 and near 1), the middle in tenths.
     assert metrics.ACCEPTANCE_BUCKETS == (
-        0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+        0.01,
+        0.05,
+        0.1,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.6,
+        0.7,
+        0.8,
+        0.9,
+        0.95,
+        0.99,
+        1.0,
+    )
     assert metrics.TOKENS_PER_STEP_BUCKETS[0] == 1.0 and metrics.TOKENS_PER_STEP_BUCKETS[-1] == 9.0
     assert metrics.TOKENS_PER_STEP_BUCKETS[1] == 1.25
 
@@ -68,10 +82,13 @@ def test_pinned_semconv_names_match_the_package():
 
 
 def test_config_from_env():
-    cfg = AgentConfig.from_env({
-        "APPLIANCE_AGENT_ATTRIBUTION": "counters", "APPLIANCE_AGENT_SNAPSHOT_TIMEOUT": "0.1",
-        "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT": "true",
-    })
+    cfg = AgentConfig.from_env(
+        {
+            "APPLIANCE_AGENT_ATTRIBUTION": "counters",
+            "APPLIANCE_AGENT_SNAPSHOT_TIMEOUT": "0.1",
+            "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT": "true",
+        }
+    )
     assert (cfg.attribution, cfg.snapshot_timeout, cfg.capture_content) == ("counters", 0.1, True)
     assert AgentConfig.from_env({}).capture_content is False
     # Built directly (code, not the environment), bad values are still a usage error.
@@ -81,12 +98,15 @@ def test_config_from_env():
         AgentConfig(snapshot_timeout=0)
 
 
-@pytest.mark.parametrize("var,value", [
-    ("APPLIANCE_AGENT_ATTRIBUTION", "guess"),
-    ("APPLIANCE_AGENT_SNAPSHOT_TIMEOUT", "soon"),
-    ("APPLIANCE_AGENT_SNAPSHOT_TIMEOUT", "-1"),
-    ("APPLIANCE_AGENT_FAILURE_COOLDOWN", "nan"),
-])
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("APPLIANCE_AGENT_ATTRIBUTION", "guess"),
+        ("APPLIANCE_AGENT_SNAPSHOT_TIMEOUT", "soon"),
+        ("APPLIANCE_AGENT_SNAPSHOT_TIMEOUT", "-1"),
+        ("APPLIANCE_AGENT_FAILURE_COOLDOWN", "nan"),
+    ],
+)
 def test_malformed_setting_is_logged_once_and_the_default_used(var, value, monkeypatch, caplog):
     import openai
 
@@ -101,9 +121,11 @@ def test_malformed_setting_is_logged_once_and_the_default_used(var, value, monke
     assert all(isinstance(c, openai.OpenAI) for c in clients)
     cfg = AgentConfig.from_env()
     default = AgentConfig()
-    field = {"APPLIANCE_AGENT_ATTRIBUTION": "attribution",
-             "APPLIANCE_AGENT_SNAPSHOT_TIMEOUT": "snapshot_timeout",
-             "APPLIANCE_AGENT_FAILURE_COOLDOWN": "failure_cooldown"}[var]
+    field = {
+        "APPLIANCE_AGENT_ATTRIBUTION": "attribution",
+        "APPLIANCE_AGENT_SNAPSHOT_TIMEOUT": "snapshot_timeout",
+        "APPLIANCE_AGENT_FAILURE_COOLDOWN": "failure_cooldown",
+    }[var]
     assert getattr(cfg, field) == getattr(default, field)
     assert cfg.metrics_url == "http://127.0.0.1:9"  # the good settings still apply
     warnings = [r for r in caplog.records if var in r.getMessage()]
@@ -113,14 +135,22 @@ def test_malformed_setting_is_logged_once_and_the_default_used(var, value, monke
 def test_tracing_from_otel_env():
     assert not tracing.exporting({})
     assert tracing.exporting({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
-    assert not tracing.exporting({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_TRACES_EXPORTER": "none"})
-    p = tracing.setup_tracing({"OTEL_SERVICE_NAME": "svc", "OTEL_RESOURCE_ATTRIBUTES": "a=1,b=2",
-                               "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
+    assert not tracing.exporting(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_TRACES_EXPORTER": "none"}
+    )
+    p = tracing.setup_tracing(
+        {
+            "OTEL_SERVICE_NAME": "svc",
+            "OTEL_RESOURCE_ATTRIBUTES": "a=1,b=2",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
+        }
+    )
     attrs = dict(p.resource.attributes)
     assert (attrs["service.name"], attrs["a"], attrs["b"]) == ("svc", "1", "2")
     p.shutdown()
-    assert tracing._endpoint({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://h:4318/"}, "http/protobuf") == {
-        "endpoint": "http://h:4318/v1/traces"}
+    assert tracing._endpoint(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://h:4318/"}, "http/protobuf"
+    ) == {"endpoint": "http://h:4318/v1/traces"}
     with pytest.raises(UsageError):
         tracing.setup_tracing({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
 
@@ -145,19 +175,22 @@ def test_snapshot_rules_on_the_real_capture():
     # The capture: 1 finished request, 64 generation tokens, nothing running.
     before = _timed(CAPTURE, 1.0)
     moved_text = _with(
-        CAPTURE, **{"vllm:spec_decode_num_drafts_total": "31.0",
-                    "vllm:spec_decode_num_draft_tokens_total": "62.0",
-                    "vllm:spec_decode_num_accepted_tokens_total": "62.0",
-                    "vllm:generation_tokens_total": "88.0",
-                    'vllm:request_success_total{engine="0",finished_reason="length"': "2.0"})
+        CAPTURE,
+        **{
+            "vllm:spec_decode_num_drafts_total": "31.0",
+            "vllm:spec_decode_num_draft_tokens_total": "62.0",
+            "vllm:spec_decode_num_accepted_tokens_total": "62.0",
+            "vllm:generation_tokens_total": "88.0",
+            'vllm:request_success_total{engine="0",finished_reason="length"': "2.0",
+        },
+    )
     moved = _timed(moved_text, 3.0)
     b = before.reading.snapshot.total()
     assert before.reading.generation_tokens == 64 and before.reading.finished_requests == 1
     assert moved.reading.generation_tokens == 88 and moved.reading.finished_requests == 2
 
     def fig(bef, aft, *, model="gemma4-tiny", overlapped=False, out=24):
-        return attribution.from_readings(bef, aft, model, overlapped=overlapped,
-                                         output_tokens=out)
+        return attribution.from_readings(bef, aft, model, overlapped=overlapped, output_tokens=out)
 
     exact = fig(before, moved)
     assert exact.source == "counters" and exact.drafts == 31 - b.drafts
@@ -167,8 +200,12 @@ def test_snapshot_rules_on_the_real_capture():
     assert fig(before, moved, out=23).source == "shared"  # someone else's tokens in the window
     busy = _timed(_with(moved_text, **{"vllm:num_requests_running": "1.0"}), 3.0)
     assert fig(before, busy).shared  # something running at the after-read
-    two = _timed(_with(moved_text, **{
-        'vllm:request_success_total{engine="0",finished_reason="stop"': "1.0"}), 3.0)
+    two = _timed(
+        _with(
+            moved_text, **{'vllm:request_success_total{engine="0",finished_reason="stop"': "1.0"}
+        ),
+        3.0,
+    )
     assert fig(before, two).shared  # another request finished inside the window
     # Without usage, nothing may be running at the before-read either.
     assert fig(before, moved, out=None).source == "counters"
@@ -178,7 +215,7 @@ def test_snapshot_rules_on_the_real_capture():
     assert fig(before, moved, model="alias").source == "counters"
     assert fig(moved, before).status == "reset"
     assert fig(None, moved).source == "unknown"
-    no_spec = _timed("vllm:num_requests_running{engine=\"0\"} 0.0\n", 1.0)
+    no_spec = _timed('vllm:num_requests_running{engine="0"} 0.0\n', 1.0)
     assert fig(no_spec, no_spec).source == "absent"
 
 
@@ -223,9 +260,15 @@ def test_error_text_is_recorded_only_with_content_capture():
     assert "secret" in span.status.description
 
 
-@pytest.mark.parametrize("mode,kind", [
-    ("down", "unreachable"), ("500", "status"), ("garbage", "parse"), ("hang", "timeout"),
-])
+@pytest.mark.parametrize(
+    "mode,kind",
+    [
+        ("down", "unreachable"),
+        ("500", "status"),
+        ("garbage", "parse"),
+        ("hang", "timeout"),
+    ],
+)
 def test_the_one_metrics_reader_raises_one_typed_error(bad_metrics, mode, kind):
     import asyncio
     import time

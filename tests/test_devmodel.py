@@ -31,20 +31,27 @@ def test_pair_layout_is_what_vllm_mtp_expects(tmp_path):
     assert drafter["model_type"] == "gemma4_assistant"
     assert drafter["text_config"]["global_head_dim"] == 32
     assert drafter["backbone_hidden_size"] == target["hidden_size"]
-    assert drafter["text_config"]["num_kv_shared_layers"] == drafter["text_config"]["num_hidden_layers"]
+    assert (
+        drafter["text_config"]["num_kv_shared_layers"]
+        == drafter["text_config"]["num_hidden_layers"]
+    )
     for d in (model.target, model.drafter):
         assert (d / "tokenizer.json").exists() and (d / "model.safetensors").stat().st_mode & 0o044
-    assert "chat_template" in (model.target / "tokenizer_config.json").read_text() or (
-        model.target / "chat_template.jinja").exists()
+    assert (
+        "chat_template" in (model.target / "tokenizer_config.json").read_text()
+        or (model.target / "chat_template.jinja").exists()
+    )
 
 
 def test_copy_and_random_drafters_differ_but_share_the_target(tmp_path):
     copy = devmodel.build(tmp_path / "copy", drafter="copy", seed=3)
     rand = devmodel.build(tmp_path / "rand", drafter="random", seed=3)
     assert (copy.target / "model.safetensors").read_bytes() == (
-        rand.target / "model.safetensors").read_bytes()
+        rand.target / "model.safetensors"
+    ).read_bytes()
     assert (copy.drafter / "model.safetensors").read_bytes() != (
-        rand.drafter / "model.safetensors").read_bytes()
+        rand.drafter / "model.safetensors"
+    ).read_bytes()
 
 
 def test_non_empty_directory_is_refused_with_one_line_and_exit_2(tmp_path):

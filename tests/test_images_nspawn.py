@@ -23,7 +23,8 @@ After=docker.service
 [Service]
 EnvironmentFile=/etc/gemma4-vllm/%i.env
 ExecStartPre=-/usr/bin/docker rm -f harness-%i
-ExecStart=/usr/bin/docker run --rm --name harness-%i --network none --entrypoint /bin/sleep ${VLLM_IMAGE} 600
+ExecStart=/usr/bin/docker run --rm --name harness-%i --network none \
+  --entrypoint /bin/sleep ${VLLM_IMAGE} 600
 ExecStop=/usr/bin/docker rm -f harness-%i
 """
 

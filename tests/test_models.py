@@ -452,7 +452,7 @@ def test_location_defaults(tmp_path):
     assert not report.ok and len(report.problems) == 2
 
 
-# --- the serve script's start-time check on the Hugging Face cache layout ---------------------------
+# --- the serve script's start-time check on the Hugging Face cache layout -----------------
 #
 # The real serve script of an instance installed (under a temporary root) with the test's
 # hub-repo profile and HF_CACHE_DIR the pulled cache; no docker on PATH: the check runs before

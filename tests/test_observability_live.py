@@ -200,6 +200,7 @@ def _wait(cond, timeout: float, prom) -> None:
     while not cond():
         if time.monotonic() > deadline:
             pytest.fail(
-                f"targets not up: {prom.targets_up()}; log {Path(prom.log_path).read_text()[-1500:]}"
+                f"targets not up: {prom.targets_up()}; "
+                f"log {Path(prom.log_path).read_text()[-1500:]}"
             )
         time.sleep(0.5)

@@ -13,13 +13,27 @@ from appliance.errors import UsageError
 def test_reference_profile_gives_the_exact_argument_list():
     args = profiles.get("l4x4-31b-mtp").serve_args()
     assert args == [
-        "google/gemma-4-31B-it", "--served-model-name", "gemma-4-31b-it",
-        "--host", "127.0.0.1", "--port", "8050", "--dtype", "bfloat16",
-        "--tensor-parallel-size", "4", "--max-model-len", "32768",
-        "--max-num-batched-tokens", "4096", "--gpu-memory-utilization", "0.92",
+        "google/gemma-4-31B-it",
+        "--served-model-name",
+        "gemma-4-31b-it",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8050",
+        "--dtype",
+        "bfloat16",
+        "--tensor-parallel-size",
+        "4",
+        "--max-model-len",
+        "32768",
+        "--max-num-batched-tokens",
+        "4096",
+        "--gpu-memory-utilization",
+        "0.92",
         "--speculative-config",
         '{"method":"mtp","model":"google/gemma-4-31B-it-assistant","num_speculative_tokens":2}',
-        "--per-request-spec-decode-metrics", "detailed",
+        "--per-request-spec-decode-metrics",
+        "detailed",
     ]
 
 
@@ -46,8 +60,10 @@ def test_cpu_profile_without_model_dir_is_a_usage_error():
 
 def test_unknown_field_in_a_profile_file_is_named(tmp_path):
     path = tmp_path / "bad.toml"
-    path.write_text('name = "x"\ndescription = "d"\nmodel = "m"\nserved_model_name = "s"\n'
-                    'max_num_batched_token = 4096\n')
+    path.write_text(
+        'name = "x"\ndescription = "d"\nmodel = "m"\nserved_model_name = "s"\n'
+        "max_num_batched_token = 4096\n"
+    )
     with pytest.raises(UsageError, match="unknown field.*max_num_batched_token"):
         profiles.load_file(path)
 

@@ -107,7 +107,8 @@ def test_every_mtp_profile_asks_for_per_request_metrics_and_0_21_stays_supported
     warned = {f.code: f for f in old}["per-request-metrics"]
     assert warned.level == "warning" and "shared" in warned.message
     assert "per-request-metrics" not in {
-        f.code for f in pv.check(p, vllm_version=labels.PER_REQUEST_METRICS_MIN_VLLM)}
+        f.code for f in pv.check(p, vllm_version=labels.PER_REQUEST_METRICS_MIN_VLLM)
+    }
 
 
 def test_mtp_on_a_vllm_older_than_0_21_is_an_error():
@@ -116,7 +117,9 @@ def test_mtp_on_a_vllm_older_than_0_21_is_an_error():
     f = codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.19.0")["mtp-old-vllm"]
     assert f.level == "error"
     # 0.21 serves MTP: only the warning on what it costs (no per-request figures).
-    assert set(codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.21.0")) == {"per-request-metrics"}
+    assert set(codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.21.0")) == {
+        "per-request-metrics"
+    }
     # The baseline profile is what a pre-MTP (0.19) image serves: fine.
     assert codes(profiles.get("l4x4-31b"), vllm_version="0.19.0") == {}
 

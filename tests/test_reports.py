@@ -91,7 +91,7 @@ def _parse_path(dotted: str) -> list[str | int]:
 
 
 def assert_page_matches_record(page: str, record: dict) -> _Values:
-    """Every printed value is the record's value at its data-path; no number comes from elsewhere."""
+    """Every printed value is the record's value at its data-path; no number from elsewhere."""
     parsed = _Values()
     parsed.feed(page)
     assert parsed.values, "no values on the page"
@@ -228,8 +228,9 @@ class Browser:
                 expression="""
                 Object.fromEntries([...document.querySelectorAll('figure.chart')].map(f => {
                   const s = f.querySelector('svg'); const r = s ? s.getBoundingClientRect() : null;
+                  const n = s ? s.querySelectorAll('path,rect,use').length : 0;
                   return [f.id.replace('chart-', ''), {svg: !!s, width: r ? r.width : 0,
-                          height: r ? r.height : 0, shapes: s ? s.querySelectorAll('path,rect,use').length : 0}];
+                          height: r ? r.height : 0, shapes: n}];
                 }))""",
             )
             charts = res["result"]["value"]

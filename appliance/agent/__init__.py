@@ -37,8 +37,17 @@ from .patch import InstrumentedClient
 from .tracing import exporting, setup_tracing
 
 __all__ = [
-    "AgentConfig", "CallRecord", "Figures", "InstrumentedClient", "build_registry", "exporting",
-    "flush", "instrument", "role", "serve_metrics", "setup_tracing",
+    "AgentConfig",
+    "CallRecord",
+    "Figures",
+    "InstrumentedClient",
+    "build_registry",
+    "exporting",
+    "flush",
+    "instrument",
+    "role",
+    "serve_metrics",
+    "setup_tracing",
 ]
 
 

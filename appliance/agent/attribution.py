@@ -72,9 +72,15 @@ class Figures:
     @classmethod
     def from_delta(cls, d: specdecode.Delta, source: str, shared: bool = False) -> Figures:
         return cls(
-            source=source, status=d.status, shared=shared, drafts=d.drafts,
-            draft_tokens=d.draft_tokens, accepted=d.accepted, acceptance=d.acceptance,
-            tokens_per_step=d.tokens_per_step, per_position=d.per_position,
+            source=source,
+            status=d.status,
+            shared=shared,
+            drafts=d.drafts,
+            draft_tokens=d.draft_tokens,
+            accepted=d.accepted,
+            acceptance=d.acceptance,
+            tokens_per_step=d.tokens_per_step,
+            per_position=d.per_position,
         )
 
 
@@ -103,6 +109,7 @@ class Window:
 
 # --- the background thread ------------------------------------------------------------------
 
+
 class Worker:
     """One daemon thread running the agent's reads and the work that waits on them, in order.
 
@@ -127,8 +134,9 @@ class Worker:
                 self._q, self._pid = queue.SimpleQueue(), os.getpid()
                 self._thread = None
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="appliance-agent",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="appliance-agent", daemon=True
+                )
                 self._thread.start()
 
     def busy(self) -> bool:
@@ -160,9 +168,10 @@ atexit.register(WORKER.flush, 2.0)  # spans finish before the tracer provider's 
 
 # --- one server -------------------------------------------------------------------------------
 
+
 @dataclass
 class Server:
-    """What the agent knows about one server's ``/metrics``; shared by every client in the process."""
+    """What the agent knows about one server's ``/metrics``, shared by the process's clients."""
 
     metrics_url: str
     per_request: bool | None = None  # learned from responses: does it send per-request figures?
@@ -220,8 +229,9 @@ class Server:
         elif need == "read":
             self.read(metrics, timeout, cooldown)
 
-    async def aprepare(self, w: Window, metrics: AgentMetrics, timeout: float,
-                       cooldown: float) -> None:
+    async def aprepare(
+        self, w: Window, metrics: AgentMetrics, timeout: float, cooldown: float
+    ) -> None:
         """The async twin of :meth:`prepare` (never blocks the event loop)."""
         import asyncio
 
@@ -255,8 +265,9 @@ class Server:
             self._readings.append(t)
         return t
 
-    def _failed(self, metrics: AgentMetrics, exc: metrics_reader.MetricsReadError,
-                cooldown: float) -> None:
+    def _failed(
+        self, metrics: AgentMetrics, exc: metrics_reader.MetricsReadError, cooldown: float
+    ) -> None:
         self._skip_until = time.monotonic() + cooldown
         metrics.error("metrics_" + exc.kind)
 
@@ -317,13 +328,16 @@ def server_for(metrics_url: str) -> Server:
 
 # --- the rules ------------------------------------------------------------------------------
 
+
 def from_response(extra: dict | None) -> Figures | None:
     """Exact figures from a response body's extra fields, or ``None`` when it has none."""
     d = specdecode.from_response_metrics(extra)
     return None if d is None else Figures.from_delta(d, "request")
 
 
-def only_this_call(before: Timed, after: Timed, output_tokens: int | None, overlapped: bool) -> bool:
+def only_this_call(
+    before: Timed, after: Timed, output_tokens: int | None, overlapped: bool
+) -> bool:
     """True when the window between the two readings provably held this call alone.
 
     ``before`` was complete before the call's request went out and ``after`` was taken after it
@@ -336,8 +350,11 @@ def only_this_call(before: Timed, after: Timed, output_tokens: int | None, overl
         return False
     if a.finished_requests - b.finished_requests != 1:
         return False
-    if output_tokens is not None and b.generation_tokens is not None \
-            and a.generation_tokens is not None:
+    if (
+        output_tokens is not None
+        and b.generation_tokens is not None
+        and a.generation_tokens is not None
+    ):
         # Every verification step yields tokens: any other request's drafts in the window
         # would have moved this counter past the call's own usage.
         return a.generation_tokens - b.generation_tokens == output_tokens

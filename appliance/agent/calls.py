@@ -21,7 +21,9 @@ from .attribution import WORKER, Figures
 from .config import AgentConfig
 from .metrics import AgentMetrics
 
-_role: contextvars.ContextVar[str | None] = contextvars.ContextVar("appliance_agent_role", default=None)
+_role: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "appliance_agent_role", default=None
+)
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,11 @@ class Call:
         self.window = self.settings.server.begin()
         self.window.snapshots = self._wants_snapshots()
         attrs = spans.request_attributes(
-            self.operation, kwargs, self.settings.address, self.settings.port, self.role,
+            self.operation,
+            kwargs,
+            self.settings.address,
+            self.settings.port,
+            self.role,
             self.settings.config.capture_content,
         )
         self.span = self.settings.tracer.start_span(
@@ -128,8 +134,9 @@ class Call:
             kwargs = self._begin()
             if self.window.snapshots:
                 cfg = self.settings.config
-                self.settings.server.prepare(self.window, self.settings.metrics,
-                                             cfg.snapshot_timeout, cfg.failure_cooldown)
+                self.settings.server.prepare(
+                    self.window, self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown
+                )
             self._sent()
             return kwargs
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
@@ -144,8 +151,9 @@ class Call:
             kwargs = self._begin()
             if self.window.snapshots:
                 cfg = self.settings.config
-                await self.settings.server.aprepare(self.window, self.settings.metrics,
-                                                    cfg.snapshot_timeout, cfg.failure_cooldown)
+                await self.settings.server.aprepare(
+                    self.window, self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown
+                )
             self._sent()
             return kwargs
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
@@ -174,7 +182,9 @@ class Call:
                     self.finish_reasons.append(str(choice.finish_reason))
                 if self.settings.config.capture_content:
                     msg = getattr(choice, "message", None)
-                    self.content.append(getattr(msg, "content", None) or getattr(choice, "text", "") or "")
+                    self.content.append(
+                        getattr(msg, "content", None) or getattr(choice, "text", "") or ""
+                    )
             self.extra = getattr(resp, "model_extra", None)
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
@@ -194,7 +204,9 @@ class Call:
                     self.finish_reasons.append(str(choice.finish_reason))
                 if self.settings.config.capture_content:
                     delta = getattr(choice, "delta", None)
-                    self.content.append(getattr(delta, "content", None) or getattr(choice, "text", None) or "")
+                    self.content.append(
+                        getattr(delta, "content", None) or getattr(choice, "text", None) or ""
+                    )
             usage = getattr(chunk, "usage", None)
             if usage is not None:
                 self._usage(usage)
@@ -280,8 +292,11 @@ class Call:
                 srv.after_done()
             w = self.window
             fig = attribution.from_readings(
-                srv.before(w), after, self.response_model or self.model,
-                overlapped=w.overlapped, output_tokens=self.output_tokens,
+                srv.before(w),
+                after,
+                self.response_model or self.model,
+                overlapped=w.overlapped,
+                output_tokens=self.output_tokens,
             )
             self._close(fig, None)
         except Exception:  # noqa: BLE001 - telemetry never raises
@@ -353,12 +368,19 @@ class Call:
                 m.accepted.labels(**labels).inc(fig.accepted)
         if self.settings.on_call is not None:
             record = CallRecord(
-                role=self.role, operation=self.operation, model=model, stream=self.stream,
-                outcome=outcome, error_type=None if error is None else type(error).__qualname__,
-                duration_s=duration, time_to_first_chunk_s=self.ttfc,
-                input_tokens=self.input_tokens, output_tokens=self.output_tokens,
+                role=self.role,
+                operation=self.operation,
+                model=model,
+                stream=self.stream,
+                outcome=outcome,
+                error_type=None if error is None else type(error).__qualname__,
+                duration_s=duration,
+                time_to_first_chunk_s=self.ttfc,
+                input_tokens=self.input_tokens,
+                output_tokens=self.output_tokens,
                 chunks=self.chunks if self.stream else None,
-                finish_reasons=tuple(self.finish_reasons), figures=fig,
+                finish_reasons=tuple(self.finish_reasons),
+                figures=fig,
                 response_id=self.response_id,
             )
             try:

@@ -22,13 +22,13 @@ ATTRIBUTIONS = ("auto", "request", "counters", "off")
 class AgentConfig:
     """How the agent attributes MTP figures and how long it may spend doing so.
 
-    ``attribution``: ``auto`` uses the response's per-request figures when the server sends them
-    and ``/metrics`` snapshots otherwise; ``request`` never snapshots; ``counters`` always does;
-    ``off`` records spans without MTP figures. ``snapshot_timeout`` bounds ONE ``/metrics`` read
-    (connect, read and the whole body). Reads run off the caller's path, except one before a
-stream without ``include_usage`` (no usage comes back to prove the window with).
-    ``failure_cooldown`` skips snapshots for that many seconds after one failed, so a hanging
-    endpoint costs one bound per cooldown, not one per call.
+        ``attribution``: ``auto`` uses the response's per-request figures when the server sends them
+        and ``/metrics`` snapshots otherwise; ``request`` never snapshots; ``counters`` always does;
+        ``off`` records spans without MTP figures. ``snapshot_timeout`` bounds ONE ``/metrics`` read
+        (connect, read and the whole body). Reads run off the caller's path, except one before a
+    stream without ``include_usage`` (no usage comes back to prove the window with).
+        ``failure_cooldown`` skips snapshots for that many seconds after one failed, so a hanging
+        endpoint costs one bound per cooldown, not one per call.
     """
 
     attribution: Attribution = "auto"

@@ -57,19 +57,42 @@ def build(registry: CollectorRegistry | None = None) -> AgentMetrics:
     # prometheus-client appends ``_total`` to counters itself.
     return AgentMetrics(
         registry=reg,
-        acceptance=Histogram("gemma4_agent_call_acceptance", "Per-call MTP draft acceptance",
-                             rm, buckets=ACCEPTANCE_BUCKETS, registry=reg),
-        tokens_per_step=Histogram("gemma4_agent_call_tokens_per_step",
-                                  "Per-call mean tokens per engine step (1 + accepted/drafts)",
-                                  rm, buckets=TOKENS_PER_STEP_BUCKETS, registry=reg),
-        draft_tokens=Counter("gemma4_agent_drafted_tokens", "Draft tokens proposed for exact calls",
-                        rm, registry=reg),
-        accepted=Counter("gemma4_agent_accepted_tokens", "Draft tokens accepted for exact calls",
-                         rm, registry=reg),
-        calls=Counter("gemma4_agent_calls", "Calls through the agent", (*rm, "source", "outcome"),
-                      registry=reg),
-        duration=Histogram("gemma4_agent_call_duration_seconds", "Call duration as the caller saw it",
-                           rm, buckets=DURATION_BUCKETS, registry=reg),
+        acceptance=Histogram(
+            "gemma4_agent_call_acceptance",
+            "Per-call MTP draft acceptance",
+            rm,
+            buckets=ACCEPTANCE_BUCKETS,
+            registry=reg,
+        ),
+        tokens_per_step=Histogram(
+            "gemma4_agent_call_tokens_per_step",
+            "Per-call mean tokens per engine step (1 + accepted/drafts)",
+            rm,
+            buckets=TOKENS_PER_STEP_BUCKETS,
+            registry=reg,
+        ),
+        draft_tokens=Counter(
+            "gemma4_agent_drafted_tokens", "Draft tokens proposed for exact calls", rm, registry=reg
+        ),
+        accepted=Counter(
+            "gemma4_agent_accepted_tokens",
+            "Draft tokens accepted for exact calls",
+            rm,
+            registry=reg,
+        ),
+        calls=Counter(
+            "gemma4_agent_calls",
+            "Calls through the agent",
+            (*rm, "source", "outcome"),
+            registry=reg,
+        ),
+        duration=Histogram(
+            "gemma4_agent_call_duration_seconds",
+            "Call duration as the caller saw it",
+            rm,
+            buckets=DURATION_BUCKETS,
+            registry=reg,
+        ),
         errors=Counter("gemma4_agent_errors", "The agent's own failures", ("kind",), registry=reg),
     )
 

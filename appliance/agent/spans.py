@@ -55,7 +55,11 @@ def span_name(operation: str, model: str | None) -> str:
 
 
 def request_attributes(
-    operation: str, kwargs: dict, address: str | None, port: int | None, role: str,
+    operation: str,
+    kwargs: dict,
+    address: str | None,
+    port: int | None,
+    role: str,
     capture_content: bool,
 ) -> dict[str, Any]:
     """The attributes known before the call; unset values are left out."""
@@ -86,8 +90,11 @@ def figures_attributes(fig) -> dict[str, Any]:
     """The ``gen_ai.vllm.mtp.*`` attributes of a :class:`~.attribution.Figures`."""
     attrs: dict[str, Any] = {MTP_SOURCE: fig.source, MTP_SHARED: fig.shared, MTP_STATUS: fig.status}
     for key, value in (
-        (MTP_DRAFTS, fig.drafts), (MTP_DRAFT_TOKENS, fig.draft_tokens), (MTP_ACCEPTED, fig.accepted),
-        (MTP_ACCEPTANCE, fig.acceptance), (MTP_TOKENS_PER_STEP, fig.tokens_per_step),
+        (MTP_DRAFTS, fig.drafts),
+        (MTP_DRAFT_TOKENS, fig.draft_tokens),
+        (MTP_ACCEPTED, fig.accepted),
+        (MTP_ACCEPTANCE, fig.acceptance),
+        (MTP_TOKENS_PER_STEP, fig.tokens_per_step),
     ):
         if value is not None:
             attrs[key] = value

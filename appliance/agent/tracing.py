@@ -25,7 +25,9 @@ def exporting(env: dict[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     if env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none":
         return False
-    return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    return bool(
+        env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
 
 
 def setup_tracing(env: dict[str, str] | None = None) -> TracerProvider:
@@ -43,15 +45,22 @@ def setup_tracing(env: dict[str, str] | None = None) -> TracerProvider:
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         return provider
     if kind != "otlp":
-        raise UsageError(f"OTEL_TRACES_EXPORTER={kind!r} is not supported", fix="otlp, console or none")
-    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip()
+        raise UsageError(
+            f"OTEL_TRACES_EXPORTER={kind!r} is not supported", fix="otlp, console or none"
+        )
+    protocol = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    ).strip()
     if protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     elif protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:
-        raise UsageError(f"OTLP protocol {protocol!r} is not supported", fix="http/protobuf or grpc")
+        raise UsageError(
+            f"OTLP protocol {protocol!r} is not supported", fix="http/protobuf or grpc"
+        )
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(**_endpoint(env, protocol))))
     return provider
 

@@ -1,4 +1,5 @@
-"""The canary set: the shipped one (package data) and an operator's JSONL that extends or replaces it.
+"""The canary set: the shipped one (package data) and an operator's JSONL that extends or
+replaces it.
 
 One JSON object per line, blank lines skipped::
 

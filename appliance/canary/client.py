@@ -2,8 +2,9 @@
 
 ``return_token_ids`` (vLLM's extension of the chat API; read in 0.32's chat protocol) puts the
 generated ids in ``choices[0].token_ids``. An engine that does not know it answers without them
-(its request model ignores extra keys), and the canary then compares that record by text. The request is non-streaming: the canary wants the
-final answer, not timings. Errors are the family of :mod:`appliance.vllm_client`.
+(its request model ignores extra keys), and the canary then compares that record by text. The
+request is non-streaming: the canary wants the final answer, not timings. Errors are the family
+of :mod:`appliance.vllm_client`.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ def _when(ts: float | None) -> str:
 
 def _entry_line(e: history.Entry) -> str:
     took = f"{e.finished - e.started:.0f}s" if e.finished else "-"
-    line = f"{_when(e.started)}  {e.kind:<8} {e.outcome:<11} {e.from_image or '-'} -> {e.to_image}  ({took})"
+    move = f"{e.from_image or '-'} -> {e.to_image}"
+    line = f"{_when(e.started)}  {e.kind:<8} {e.outcome:<11} {move}  ({took})"
     if e.error:
         line += f"\n    {e.error}"
     return line

@@ -16,8 +16,13 @@ def devmodel() -> None:
 
 @devmodel.command(name="build")
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--drafter", type=click.Choice(dm.DRAFTER_KINDS), default="copy", show_default=True,
-              help="copy: accepted almost always; random: accepted almost never.")
+@click.option(
+    "--drafter",
+    type=click.Choice(dm.DRAFTER_KINDS),
+    default="copy",
+    show_default=True,
+    help="copy: accepted almost always; random: accepted almost never.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same weights.")
 def devmodel_build(directory: Path, drafter: str, seed: int) -> None:
     """Write a tiny target and drafter into DIRECTORY (new or empty).

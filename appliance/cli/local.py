@@ -46,16 +46,27 @@ def local() -> None:
 @click.option("--profile", "profile_name", default="cpu-tiny-mtp", show_default=True)
 @click.option("--port", type=int, default=None, help="Default: a free port on 127.0.0.1.")
 @click.option("--drafter", type=click.Choice(DRAFTER_KINDS), default="copy", show_default=True)
-@click.option("--model-dir", type=click.Path(path_type=Path), default=None,
-              help="A directory from `appliance devmodel build` (default: cached per user).")
+@click.option(
+    "--model-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A directory from `appliance devmodel build` (default: cached per user).",
+)
 def local_serve(profile_name: str, port: int | None, drafter: str, model_dir: Path | None) -> None:
     """Serve PROFILE in the foreground until Ctrl-C or SIGTERM; then stop every process."""
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
-        with engine.serve(profile_name, port=port, drafter=drafter, model_dir=model_dir,
-                          progress=progress_printer(profile_name)) as eng:
-            click.echo(f"serving {eng.profile.served_model_name} at {eng.url}/v1 "
-                       f"(log: {eng.log_path})", err=False)
+        with engine.serve(
+            profile_name,
+            port=port,
+            drafter=drafter,
+            model_dir=model_dir,
+            progress=progress_printer(profile_name),
+        ) as eng:
+            click.echo(
+                f"serving {eng.profile.served_model_name} at {eng.url}/v1 (log: {eng.log_path})",
+                err=False,
+            )
             sys.stdout.flush()
             signal.pause()
     except (KeyboardInterrupt, _Stop):

@@ -1,4 +1,4 @@
-"""``appliance models``: put the profile's target and drafter in the instance's cache, check them."""
+"""``appliance models``: the profile's target and drafter into the instance's cache, checked."""
 
 from __future__ import annotations
 

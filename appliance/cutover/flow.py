@@ -265,9 +265,15 @@ def cutover(
             if not rollback:
                 why = "NOT rolled back (--no-rollback)"
             else:
-                why = f"NOT rolled back: {env_path} named no previous {envfile.IMAGE_KEY} to return to"
+                why = (
+                    f"NOT rolled back: {env_path} named no previous {envfile.IMAGE_KEY} "
+                    "to return to"
+                )
             if current_ref:
-                fix = f"the unit runs {image}; `appliance rollback {instance}` returns to {current_ref}"
+                fix = (
+                    f"the unit runs {image}; `appliance rollback {instance}` returns to "
+                    f"{current_ref}"
+                )
             else:
                 fix = (
                     f"the unit runs {image}; `appliance cutover {instance} IMAGE` to a working one"
@@ -292,7 +298,8 @@ def cutover(
             _finish(ctx, entry, "failed", entry.error, saved)
             raise RollbackFailed(
                 f"{kind} of {instance} failed: {failure}; the rollback to {current_ref} ALSO "
-                f"failed gate {back.gate!r}: {back.detail}\nlast journal lines of {unit}:\n{journal}"
+                f"failed gate {back.gate!r}: {back.detail}\n"
+                f"last journal lines of {unit}:\n{journal}"
             ) from None
         entry.error = failure
         _finish(ctx, entry, "rolled_back", failure, saved)

@@ -84,7 +84,7 @@ class _Run:
             raise self.fail(name, f"the engine exited and systemd restarted the unit ({st.sub})")
 
     def wait(self, name: str, probe: Callable[[], str | None], what: str) -> str:
-        """Poll ``probe`` (returns a detail when passed, None to keep waiting) until the deadline."""
+        """Poll ``probe`` (a detail when passed, None to keep waiting) until the deadline."""
         last_note = self.t0
         last_err = ""
         while True:

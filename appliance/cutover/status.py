@@ -86,4 +86,5 @@ def _which(entry: Entry, env: envfile.EnvFile) -> str:
         return f"new: the env file names {entry.to_image} (the cutover's target)"
     if image == entry.from_image:
         return f"old: the env file names {entry.from_image} (as before the cutover)"
-    return f"neither: the env file names {image}, the cutover was {entry.from_image} -> {entry.to_image}"
+    move = f"{entry.from_image} -> {entry.to_image}"
+    return f"neither: the env file names {image}, the cutover was {move}"

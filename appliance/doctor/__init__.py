@@ -5,8 +5,8 @@ evidence it was based on). Doctor never changes anything: it reads ``/health``, 
 ``/v1/models``, and runs the MTP probe (:mod:`appliance.probe`: counters, one short generation
 unless ``generate=False``, counters again); with an instance it reads the instance's files
 (:mod:`appliance.instance_facts`), checks its models as the serve script does before every start
-(:func:`appliance.models.verify.verify` quick) and asks Docker. ``/v1`` calls carry the API key (:func:`appliance.apikey.resolve`); the key is never
-printed or put into the report.
+(:func:`appliance.models.verify.verify` quick) and asks Docker. ``/v1`` calls carry the API key
+(:func:`appliance.apikey.resolve`); the key is never printed or put into the report.
 
 One job per module: ``report`` (the records), ``engine`` (vLLM, model, MTP), ``host`` (the
 installed instance and GPUs); this module runs them in order.

@@ -85,7 +85,7 @@ def model_check(models, profile: Profile | None) -> Check:
 
 
 def mtp_checks(p: Probe, profile: Profile | None) -> list[Check]:
-    """``mtp.counters`` (the probe's verdict against the profile) and ``mtp.per_request_metrics``."""
+    """``mtp.counters`` (the probe's verdict for the profile) and ``mtp.per_request_metrics``."""
     want = profile.mtp if profile else None
     name = profile.name if profile else None
     ev = p.evidence()

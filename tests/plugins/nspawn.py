@@ -135,7 +135,7 @@ class Machine:
     log_path: Path
 
     def enter_argv(self) -> list[str]:
-        """The command prefix that runs a program inside the machine (namespaces, root, clean env)."""
+        """The command prefix running a program inside the machine (namespaces, root, clean env)."""
         return [
             "nsenter",
             "--target",
