@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Self
 
 import httpx
@@ -42,7 +42,8 @@ class Generation:
     MTP one chunk carries 1 + accepted tokens). ``spec`` is the response's
     ``metrics.speculative_decoding`` block when the server sends one (vLLM >= 0.32 with
     ``--per-request-spec-decode-metrics``). For a streamed generation, ``chunk_times`` holds the
-    seconds from sending to each chunk that carried a choice.
+    seconds from sending to each chunk that carried a choice. ``token_ids`` are the output's ids
+    when asked for (vLLM's ``return_token_ids``) and sent; ``seconds`` is the whole request.
     """
 
     model: str
@@ -53,6 +54,8 @@ class Generation:
     spec: specdecode.Delta | None = None
     chunk_times: tuple[float, ...] = ()
     usage: dict = field(default_factory=dict)
+    token_ids: tuple[int, ...] | None = None
+    seconds: float = 0.0
 
 
 class VLLMClient:
@@ -133,6 +136,7 @@ class VLLMClient:
         temperature: float = 0.0,
         seed: int | None = None,
         stream: bool = False,
+        token_ids: bool = False,
         timeout: float | httpx.Timeout | None = None,
     ) -> Generation:
         """One chat completion of ``prompt`` (a user message, or the messages themselves).
@@ -151,6 +155,10 @@ class VLLMClient:
         }
         if seed is not None:
             payload["seed"] = seed
+        if token_ids:
+            # vLLM's extension: the output ids in choices[0].token_ids. An engine that does not
+            # know it ignores the key and answers without them (token_ids stays None).
+            payload["return_token_ids"] = True
         if stream:
             payload |= {"stream": True, "stream_options": {"include_usage": True}}
         path = "/v1/chat/completions"
@@ -158,9 +166,11 @@ class VLLMClient:
         kw = {} if timeout is None else {"timeout": timeout}
         try:
             if not stream:
+                start = time.perf_counter()
                 resp = self._http.post(path, json=payload, **kw)
                 self._check_generation(resp, url)
-                return _generation(url, model, resp.json(), (), None)
+                gen = _generation(url, model, resp.json(), (), None)
+                return replace(gen, seconds=round(time.perf_counter() - start, 4))
             start = time.perf_counter()  # TTFT counts from the send, headers included
             with self._http.stream("POST", path, json=payload, **kw) as resp:
                 self._check_generation(resp, url)
@@ -254,12 +264,15 @@ def _generation(
         # Counting chunks instead would be wrong under MTP; refuse rather than guess.
         hint = " (stream_options.include_usage unsupported?)" if streamed else ""
         raise EngineError(f"{url} sent no usage.completion_tokens{hint}")
+    ids = None
     if streamed is None:
         try:
             choice = body["choices"][0]
             text = (choice.get("message") or {}).get("content") or ""
             finish = choice.get("finish_reason")
-        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raw_ids = choice.get("token_ids")
+            ids = tuple(int(i) for i in raw_ids) if isinstance(raw_ids, list) else None
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
             raise EngineError(f"{url} answered without choices") from exc
     else:
         text, finish = streamed
@@ -272,4 +285,5 @@ def _generation(
         spec=specdecode.from_response_metrics(body),
         chunk_times=times,
         usage=usage,
+        token_ids=ids,
     )

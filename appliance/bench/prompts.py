@@ -10,11 +10,11 @@ less so), which is why the sets are separate and reported separately.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .. import jsonl
 from ..errors import UsageError
 
 SHIPPED = ("prose", "code", "structured")
@@ -44,14 +44,7 @@ class PromptSet:
 def parse_jsonl(text: str, name: str) -> PromptSet:
     """Parse JSONL text into a :class:`PromptSet`; errors name the file and line number."""
     prompts: list[Prompt] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{name} line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{where}: invalid JSON ({exc.msg})") from exc
+    for lineno, where, obj in jsonl.records(text, name):
         prompts.append(_prompt(obj, where, default_id=f"{Path(name).stem}-{lineno}"))
     if not prompts:
         raise UsageError(f"{name} has no prompts", fix="one JSON object per line with a 'prompt'")

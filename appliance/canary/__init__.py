@@ -6,8 +6,8 @@ version can quietly change it. The canary runs a small fixed set greedily agains
 keeps every answer with its token ids, and later compares a second run against it.
 
 One job per module: ``checks`` (exact / regex / JSON-shape checks), ``cases`` (the shipped set
-and an operator's JSONL), ``client`` (one greedy request with token ids), ``record`` (run a set,
-save and load records), ``compare`` (pass rate and token parity under a policy), ``policy`` (a
+and an operator's JSONL), ``record`` (run a set through ``VLLMClient.generate`` with token
+ids, save and load records), ``compare`` (pass rate and token parity under a policy), ``policy`` (a
 profile's ``[canary]`` table), ``gate`` (before/after for the cutover).
 """
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .. import jsonl
 from ..errors import UsageError
 from . import checks
 
@@ -68,14 +69,7 @@ def parse_jsonl(text: str, name: str) -> tuple[Case, ...]:
     """Every case in ``text`` (the content of file ``name``); errors name the file and line."""
     out: list[Case] = []
     seen: dict[str, int] = {}
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{name} line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{where}: invalid JSON ({exc.msg})") from exc
+    for lineno, where, obj in jsonl.records(text, name):
         case = _case(obj, where)
         if case.id in seen:
             raise UsageError(f"{where}: id {case.id!r} already used on line {seen[case.id]}")

@@ -19,7 +19,6 @@ from ..errors import EngineError, UsageError
 from ..fsutil import write_atomic
 from ..vllm_client import VLLMClient
 from .cases import CanarySet
-from .client import CanaryClient
 
 FORMAT = "appliance-canary-record/1"
 DEFAULT_MAX_TOKENS = 64
@@ -137,10 +136,16 @@ def run(
     started = time.time()
     t0 = time.perf_counter()
     outputs = []
-    with CanaryClient(url, api_key=api_key) as client:
+    # Generous: a 31B model answers the whole set one prompt at a time, each up to max_tokens.
+    with VLLMClient(url, api_key=api_key, timeout=300.0) as client:
         for case in cset.cases:
-            ans = client.answer(
-                model, case.messages, max_tokens=settings.max_tokens, seed=settings.seed
+            ans = client.generate(
+                model,
+                list(case.messages),
+                settings.max_tokens,
+                temperature=0.0,
+                seed=settings.seed,
+                token_ids=True,
             )
             passed = case.check.passes(ans.text) if case.check is not None else None
             outputs.append(

@@ -18,7 +18,7 @@ from ..canary import record as records
 from ..cutover import envfile
 from ..cutover.paths import Layout
 from ..profiles import get
-from .options import api_key_options, resolve_key, root_option
+from .options import api_key_options, resolve_key, root_option, url_option
 
 
 @click.group()
@@ -35,13 +35,7 @@ def _instance_image(instance: str | None, root: Path) -> str | None:
 
 
 @canary.command("record")
-@click.option(
-    "--url",
-    default="http://127.0.0.1:8000",
-    show_default=True,
-    envvar="APPLIANCE_URL",
-    help="Base URL of the vLLM server.",
-)
+@url_option
 @click.option(
     "--out",
     type=click.Path(path_type=Path, dir_okay=False),

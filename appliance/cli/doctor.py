@@ -10,17 +10,11 @@ import click
 
 from .. import doctor as lib
 from ..profiles import get
-from .options import api_key_options, resolve_key, root_option
+from .options import api_key_options, resolve_key, root_option, url_option
 
 
 @click.command()
-@click.option(
-    "--url",
-    default="http://127.0.0.1:8000",
-    show_default=True,
-    envvar="APPLIANCE_URL",
-    help="Base URL of the vLLM server.",
-)
+@url_option
 @click.option(
     "--instance",
     default=None,

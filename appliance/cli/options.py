@@ -55,3 +55,13 @@ def resolve_key(
     ):
         raise UsageError("give --api-key or --api-key-file, not both")
     return apikey.resolve(api_key, api_key_file, instance, root)
+
+
+# The engine to talk to: doctor's, canary's.
+url_option = click.option(
+    "--url",
+    default="http://127.0.0.1:8000",
+    show_default=True,
+    envvar="APPLIANCE_URL",
+    help="Base URL of the vLLM server.",
+)
