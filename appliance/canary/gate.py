@@ -64,20 +64,19 @@ def _cases(plan: Plan):
     return plan.cases
 
 
-def before(
+def _record(
     plan: Plan,
     url: str,
     model: str,
+    when: str,
     *,
-    api_key: str | None = None,
-    image: str | None = None,
-    save_to: Path | None = None,
-    progress: Progress | None = None,
+    api_key: str | None,
+    image: str | None,
+    save_to: Path | None,
+    say: Progress,
 ) -> Record:
-    """Record the serving (old) image's answers; saved to ``save_to`` when given."""
-    say = progress or (lambda _m: None)
     cases = _cases(plan)
-    say(f"canary: recording {len(cases.cases)} prompts on {image or url} before the restart")
+    say(f"canary: recording {len(cases.cases)} prompts on {image or url}{when}")
     rec = records.run(
         cases,
         url,
@@ -91,6 +90,30 @@ def before(
         records.save(rec, save_to)
     say(rec.cost())
     return rec
+
+
+def before(
+    plan: Plan,
+    url: str,
+    model: str,
+    *,
+    api_key: str | None = None,
+    image: str | None = None,
+    save_to: Path | None = None,
+    progress: Progress | None = None,
+) -> Record:
+    """Record the serving (old) image's answers; saved to ``save_to`` when given."""
+    say = progress or (lambda _m: None)
+    return _record(
+        plan,
+        url,
+        model,
+        " before the restart",
+        api_key=api_key,
+        image=image,
+        save_to=save_to,
+        say=say,
+    )
 
 
 def after(
@@ -110,19 +133,7 @@ def after(
     ``not result.ok``); engine errors propagate as :class:`appliance.errors.EngineError`.
     """
     say = progress or (lambda _m: None)
-    say(f"canary: recording {len(_cases(plan).cases)} prompts on {image or url}")
-    rec = records.run(
-        _cases(plan),
-        url,
-        model,
-        api_key=api_key,
-        settings=plan.settings,
-        image=image,
-        profile=plan.profile,
-    )
-    if save_to is not None:
-        records.save(rec, save_to)
-    say(rec.cost())
+    rec = _record(plan, url, model, "", api_key=api_key, image=image, save_to=save_to, say=say)
     result = Result(baseline, rec, compare(baseline, rec, plan.policy))
     say(result.summary())
     return result
