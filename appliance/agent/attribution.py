@@ -373,12 +373,15 @@ def from_readings(
     """Figures from the readings around a call (see the module docstring for the rules)."""
     if before is None or after is None:
         return UNKNOWN_FAILED
-    bs, as_ = before.reading.snapshot, after.reading.snapshot
-    names = {m for (m, _) in (*bs.series, *as_.series)}
-    d = specdecode.delta(bs, as_, model if model in names else None)
-    if d.status == "absent":
+    # The one rule (specdecode.attribute), with this agent's stronger proof of being alone.
+    att = specdecode.attribute(
+        before.reading.snapshot,
+        after.reading.snapshot,
+        model,
+        overlapped=not only_this_call(before, after, output_tokens, overlapped),
+    )
+    if att.source == "absent":
         return Figures("absent", "absent")
-    if d.status == "reset":
+    if att.source == "unknown":
         return Figures("unknown", "reset")
-    shared = not only_this_call(before, after, output_tokens, overlapped)
-    return Figures.from_delta(d, "shared" if shared else "counters", shared=shared)
+    return Figures.from_delta(att.delta, att.source, shared=att.source == "shared")
