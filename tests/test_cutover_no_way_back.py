@@ -8,6 +8,8 @@ systemd is test_cutover_systemd.py's.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -50,3 +52,31 @@ def test_with_no_rollback_it_names_the_flag(mtp_instance, preflight_images):
     assert result.exit_code == 4, result.output
     assert "NOT rolled back (--no-rollback)" in result.output
     assert f"`appliance rollback i1` returns to {preflight_images['pre-mtp']}" in result.output
+
+
+def test_rollback_goes_ahead_when_the_image_it_leaves_is_gone(mtp_instance, preflight_images):
+    """The emergency a rollback exists for: the current image was removed (or is broken).
+
+    The old code refused, naming `--no-rollback`, an option `rollback` does not have.
+    """
+    layout = Layout(mtp_instance.root)
+    gone = "gemma4-vllm:removed-by-accident"
+    env = mtp_instance.env_path
+    env.write_text(env.read_text().replace(preflight_images["pre-mtp"], gone))
+    slot = {"image": preflight_images["pre-mtp"], "recorded": 0, "entry": "e0"}
+    layout.rollback_slot("i1").parent.mkdir(parents=True, exist_ok=True)
+    layout.rollback_slot("i1").write_text(json.dumps(slot) + "\n")
+    args = ["rollback", "i1", "--root", str(mtp_instance.root), "--timeout", "5"]
+    result = CliRunner().invoke(cli, args, env=NO_SYSTEMCTL)
+    # It went ahead: the env file names the rollback target, and the restart was attempted
+    # (it fails here only because this host has no systemctl).
+    assert f"VLLM_IMAGE={preflight_images['pre-mtp']}" in env.read_text()
+    assert "--no-rollback" not in result.output
+    assert f"the current image {gone} cannot be inspected" in result.output
+    error = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
+    assert len(error) == 1, result.output
+    assert "failed gate 'restart'" in error[0]
+    assert f"NOT rolled back: the image it left, {gone}, cannot be inspected" in error[0]
+    assert result.exit_code == 4, result.output
+    [entry] = history.entries(layout.history_file("i1"))
+    assert (entry.kind, entry.outcome, entry.from_image) == ("rollback", "failed", gone)

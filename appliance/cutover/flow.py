@@ -200,11 +200,14 @@ def cutover(
     kind: history.Kind = "cutover",
     canary: bool | None = None,
     canary_files: tuple[Path, ...] = (),
+    way_back_required: bool = True,
 ) -> Entry:
     """Move ``instance`` to ``image`` through the gates; on failure, back to where it was.
 
     ``canary``: run the output canary (None: the profile's ``[canary] enabled``);
     ``canary_files``: the operator's JSONL cases, added to the shipped set.
+    ``way_back_required``: refuse when the current image cannot be the way back (a rollback
+    goes ahead instead: a missing or broken current image is what it is there for).
     """
     check_instance(instance)
     imageref.validate(image)
@@ -218,14 +221,21 @@ def cutover(
     check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
     current_ref = tgt.image
     old: ImageInfo | None = None
+    unusable: str | None = None  # why the current image cannot be the way back
     if current_ref and rollback:
         try:
             old = inspect_image(ctx, current_ref)
         except (PreflightError, UsageError) as exc:
-            raise PreflightError(
-                f"the current image cannot be the way back: {exc}",
-                fix="restore it first, or pass --no-rollback to go without a way back",
-            ) from exc
+            if way_back_required:
+                raise PreflightError(
+                    f"the current image cannot be the way back: {exc}",
+                    fix="restore it first, or pass --no-rollback to go without a way back",
+                ) from exc
+            unusable = str(exc)
+            ctx.progress(
+                f"warning: the current image {current_ref} cannot be inspected ({unusable}): "
+                f"going ahead; if {image} fails too there is no way back"
+            )
 
     with locks.hold(layout.lock_file(instance), instance, f"{kind} to {image}") as held:
         # Read again under the lock: the file a concurrent cutover left is the one we replace.
@@ -264,12 +274,14 @@ def cutover(
             _finish(ctx, entry, "failed", failure, saved)
             if not rollback:
                 why = "NOT rolled back (--no-rollback)"
+            elif unusable:
+                why = f"NOT rolled back: the image it left, {current_ref}, cannot be inspected"
             else:
                 why = (
                     f"NOT rolled back: {env_path} named no previous {envfile.IMAGE_KEY} "
                     "to return to"
                 )
-            if current_ref:
+            if current_ref and not unusable:
                 fix = (
                     f"the unit runs {image}; `appliance rollback {instance}` returns to "
                     f"{current_ref}"
@@ -423,7 +435,14 @@ def rollback(ctx: Context, instance: str, *, timeout: float = DEFAULT_TIMEOUT) -
         )
     # A deliberate return to a pre-MTP image is what a rollback is for: MTP off is allowed.
     return cutover(
-        ctx, instance, image, timeout=timeout, allow_no_mtp=True, kind="rollback", canary=False
+        ctx,
+        instance,
+        image,
+        timeout=timeout,
+        allow_no_mtp=True,
+        kind="rollback",
+        canary=False,
+        way_back_required=False,
     )
 
 
