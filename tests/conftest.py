@@ -66,6 +66,25 @@ def baseline_engine() -> Iterator[local.LocalEngine]:
     yield from _engine("cpu-tiny")
 
 
+# The slowest tier a test belongs to, for the wall-time table printed at the end of a run.
+TIERS = ("systemd", "docker", "soak", "engine", "bench")
+_tier_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    tier = next((t for t in TIERS if t in report.keywords), "fast")
+    _tier_seconds[tier] = _tier_seconds.get(tier, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _tier_seconds:
+        return
+    terminalreporter.section("wall time by tier (setup + call + teardown)")
+    for tier in (*TIERS, "fast"):
+        if tier in _tier_seconds:
+            terminalreporter.write_line(f"{tier:>8}: {_tier_seconds[tier] / 60:5.1f} min")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus) -> None:
     if not os.environ.get("APPLIANCE_NO_SKIP"):
