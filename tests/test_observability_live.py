@@ -97,6 +97,7 @@ def test_dashboards_rules_and_alerts_live(mtp_engine, prometheus_server):
         config = scrape.render(
             scrape.ScrapeTargets(
                 engine=(f"cpu-tiny={engine_target}",),
+                engine_files=(),
                 agent=(f"127.0.0.1:{agent_port}",),
                 state=(f"127.0.0.1:{state_port}",),
                 scrape_interval="1s",

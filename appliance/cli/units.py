@@ -68,6 +68,8 @@ def _report(result: units.WriteResult) -> None:
         click.echo(f"unchanged {path}")
     for path in result.removed:
         click.echo(f"removed   {path}")
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
 
 
 @click.command()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from . import file_sd
 from . import names as n
 
 
@@ -12,9 +13,12 @@ from . import names as n
 class ScrapeTargets:
     """Where each job scrapes; the defaults are the appliance's loopback ports."""
 
-    # "NAME=ADDRESS" scrapes ADDRESS with instance="NAME": the appliance instance name the state
-    # metrics carry, so engine figures join the running image (before/after a cutover).
-    engine: tuple[str, ...] = ("31b=127.0.0.1:8050",)
+    # The engines come from the file `appliance install` keeps (file_sd.py): every installed
+    # instance's own port, labelled with its instance name.
+    engine_files: tuple[str, ...] = (file_sd.CONFIG_RELATIVE,)
+    # Static engines besides: "NAME=ADDRESS" scrapes ADDRESS with instance="NAME": the appliance
+    # instance name the state metrics carry, so engine figures join the running image.
+    engine: tuple[str, ...] = ()
     agent: tuple[str, ...] = ("127.0.0.1:9464",)
     # node_exporter with --collector.textfile.directory on the appliance's state directory.
     state: tuple[str, ...] = ("127.0.0.1:9100",)
@@ -35,19 +39,36 @@ def render(t: ScrapeTargets = ScrapeTargets()) -> str:
         "scrape_configs:",
     ]
     jobs = (
-        (n.JOB_ENGINE, t.engine, False, "vLLM's own /metrics (speculative decoding, latency)."),
-        (n.JOB_AGENT, t.agent, False, "The MTP telemetry agent's exporter (per-role, per-call)."),
+        (
+            n.JOB_ENGINE,
+            t.engine,
+            t.engine_files,
+            False,
+            "vLLM's own /metrics (speculative decoding, latency), one per installed instance.",
+        ),
+        (
+            n.JOB_AGENT,
+            t.agent,
+            (),
+            False,
+            "The MTP telemetry agent's exporter (per-role, per-call).",
+        ),
         # honor_labels: the textfile's `instance` label is the appliance instance name and must
         # win over the scrape address node_exporter would otherwise stamp on it.
-        (n.JOB_STATE, t.state, True, "Appliance state via node_exporter's textfile collector."),
+        (n.JOB_STATE, t.state, (), True, "Appliance state via node_exporter's textfile collector."),
     )
-    for job, targets, honor, why in jobs:
-        if not targets:
+    for job, targets, files, honor, why in jobs:
+        if not targets and not files:
             continue
         lines += [f"  # {why}", f"  - job_name: {json.dumps(job)}"]
         if honor:
             lines.append("    honor_labels: true")
-        lines.append("    static_configs:")
+        if files:
+            # Relative to this file's directory; `appliance install` writes it on the host.
+            lines += ["    file_sd_configs:", "      - files:"]
+            lines += [f"          - {json.dumps(f)}" for f in files]
+        if targets:
+            lines.append("    static_configs:")
         for name, address in _named(targets):
             lines += ["      - targets:", f"          - {json.dumps(address)}"]
             if name:

@@ -22,7 +22,9 @@ from ..cutover import lock as locks
 from ..cutover.systemd import Systemd
 from ..errors import UsageError
 from ..fsutil import write_atomic
+from ..observability import file_sd
 from ..profiles import Profile, get
+from . import instance as instances
 from .instance import PROFILE_KEY
 from .template import (
     ENV_DIR,
@@ -48,6 +50,7 @@ class WriteResult:
     written: list[Path] = field(default_factory=list)
     unchanged: list[Path] = field(default_factory=list)
     removed: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -156,7 +159,42 @@ def install(
     if old.exists():
         old.unlink()
         result.removed.append(old)
+    _write_scrape_targets(root, result)
     return result
+
+
+def scrape_targets_file(root: Path | str) -> Path:
+    """The Prometheus file_sd file listing this host's engines (observability/file_sd.py)."""
+    return Path(root) / _rel(file_sd.TARGETS_DIR) / file_sd.ENGINE_FILE
+
+
+def _write_scrape_targets(root: Path, result: WriteResult) -> None:
+    """Rewrite the engines' scrape targets from the installed instances; an instance whose env
+    file cannot be read is left out with a warning (it does not serve as installed either)."""
+    targets = []
+    for name in installed_instances(root):
+        try:
+            inst = instances.read(root, name)
+        except UsageError as e:
+            result.warnings.append(f"instance {name} left out of the scrape targets: {e}")
+            continue
+        targets.append(file_sd.EngineTarget(name, inst.profile.name, inst.host, inst.port))
+    path = scrape_targets_file(root)
+    if not targets:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            result.removed.append(path)
+        return
+    data = file_sd.render(targets).encode()
+    try:
+        same = path.read_bytes() == data
+    except FileNotFoundError:
+        same = False
+    if same:
+        result.unchanged.append(path)
+    else:
+        write_atomic(path, data, mode=0o644)
+        result.written.append(path)
 
 
 def installed_instances(root: Path | str) -> list[str]:
@@ -216,6 +254,7 @@ def uninstall(
                     result.removed.append(shared)
             with contextlib.suppress(OSError):
                 (root / p.script).parent.rmdir()  # only when empty
+        _write_scrape_targets(root, result)
         if systemd is not None:
             systemd.daemon_reload()
     return result
