@@ -407,6 +407,10 @@ def _chat(url: str, max_tokens: int = 24) -> dict:
         "model": devmodel.SERVED_NAME,
         "messages": [{"role": "user", "content": "hello hello"}],
         "max_tokens": max_tokens,
+        # Greedy: MTP drafts are greedy, so under sampling (vLLM's default temperature 1 with
+        # this model's generation config) a draft is accepted only with the target's
+        # probability of it, and a short run of the tiny model can accept none.
+        "temperature": 0,
     }
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
     r.raise_for_status()
