@@ -26,6 +26,12 @@ CANARY_OK = "gemma4_appliance_canary_ok"
 CANARY_PARITY = "gemma4_appliance_canary_parity"
 CANARY_PASS_RATE = "gemma4_appliance_canary_pass_rate"
 CANARY_SECONDS = "gemma4_appliance_canary_seconds"
+# The instance's unit as `systemctl show` reports it (issue 11): a crash loop that hit the start
+# limit leaves the unit `failed`, which nothing else on the dashboards would show.
+UNIT_STATE = "gemma4_appliance_unit_state"
+UNIT_RESTARTS = "gemma4_appliance_unit_restarts"
+# systemd's ActiveState values: one series each, 1 for the current one.
+UNIT_STATES = ("active", "activating", "deactivating", "reloading", "inactive", "failed")
 
 KINDS = ("cutover", "rollback")
 OUTCOMES = ("ok", "rolled_back", "failed")
@@ -78,6 +84,44 @@ class CanaryState:
 
 
 @dataclass(frozen=True)
+class UnitStatus:
+    """An instance's unit now: ``ActiveState``, ``SubState``, ``Result`` and ``NRestarts``."""
+
+    active: str  # one of UNIT_STATES, or "unknown" (systemd did not say)
+    sub: str = ""  # running, auto-restart, dead, failed, ...
+    result: str = ""  # success, exit-code, start-limit-hit, timeout, ...
+    restarts: int = 0  # automatic restarts since the last start by hand or reset-failed
+
+    @classmethod
+    def from_show(cls, props: Mapping[str, str]) -> UnitStatus:
+        """From ``systemctl show`` properties (``{"ActiveState": "failed", ...}``)."""
+        try:
+            restarts = int(props.get("NRestarts") or 0)
+        except ValueError:
+            restarts = 0
+        return cls(
+            active=props.get("ActiveState") or "unknown",
+            sub=props.get("SubState", ""),
+            result=props.get("Result", ""),
+            restarts=restarts,
+        )
+
+
+SHOW_PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts")
+
+
+def unit_status(systemd, unit: str) -> UnitStatus:
+    """``unit``'s status from ``systemctl show`` through ``systemd`` (an
+    :class:`appliance.cutover.systemd.Systemd`); ``unknown`` when systemctl cannot say."""
+    from .errors import ApplianceError
+
+    try:
+        return UnitStatus.from_show(systemd.show(unit, *SHOW_PROPERTIES))
+    except ApplianceError:
+        return UnitStatus("unknown")
+
+
+@dataclass(frozen=True)
 class InstanceState:
     """One appliance instance: the image it runs now and its cutover history counts."""
 
@@ -89,6 +133,7 @@ class InstanceState:
     events: Mapping[tuple[str, str], int] = field(default_factory=dict)
     last_cutover: float | None = None  # unix seconds of the last cutover or rollback
     canary: CanaryState | None = None  # the last cutover that ran the output canary
+    unit: UnitStatus | None = None  # the unit's state when the textfile was written
 
 
 def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
@@ -143,7 +188,26 @@ def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
         ["instance", "side"],
         registry=reg,
     )
+    unit_state = Gauge(
+        UNIT_STATE,
+        "1 for the instance's unit's current systemd ActiveState, 0 for the others "
+        "(failed: the engine crashed and systemd gave up, e.g. at the start limit).",
+        ["instance", "state", "result"],
+        registry=reg,
+    )
+    unit_restarts = Gauge(
+        UNIT_RESTARTS,
+        "Automatic restarts of the instance's unit (systemd NRestarts; 0 after reset-failed).",
+        ["instance"],
+        registry=reg,
+    )
     for s in states:
+        if (u := s.unit) is not None:
+            for state in UNIT_STATES:
+                unit_state.labels(s.instance, state, u.result if state == u.active else "").set(
+                    1 if state == u.active else 0
+                )
+            unit_restarts.labels(s.instance).set(u.restarts)
         info.labels(s.instance, s.image, s.vllm_version, "true" if s.mtp else "false").set(1)
         for (kind, outcome), count in sorted(s.events.items()):
             if kind not in KINDS or outcome not in OUTCOMES:

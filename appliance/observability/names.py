@@ -37,6 +37,7 @@ IMAGE_INFO = Selector("gemma4_appliance_image_info")
 CUTOVER_EVENTS = Selector("gemma4_appliance_cutover_events_total")
 LAST_CUTOVER = Selector("gemma4_appliance_last_cutover_timestamp_seconds")
 LAST_CANARY = Selector("gemma4_appliance_last_canary_timestamp_seconds")
+UNIT_STATE = Selector("gemma4_appliance_unit_state")
 
 # Series Prometheus makes itself for every target.
 UP = Selector("up")

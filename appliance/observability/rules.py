@@ -37,6 +37,8 @@ class Thresholds:
     min_draft_tokens_per_s: float = 1.0
     counters_flat_for: str = "10m"
     engine_down_for: str = "2m"
+    # None: a failed unit stays failed until an operator acts (restarts show as activating).
+    unit_failed_for: str | None = None
     kv_cache_max: float = 0.95
     kv_cache_for: str = "10m"
     # Per-call extremes (gotchas/per-call-acceptance-extremes.md). The edges are bucket bounds
@@ -269,6 +271,23 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
                 "summary": "vLLM engine {{ $labels.instance }} is down",
                 "description": "The scrape of {{ $labels.instance }} has failed for "
                 f"{t.engine_down_for}.",
+            },
+        ),
+        Rule(
+            "Gemma4InstanceFailed",
+            n.UNIT_STATE.where(state="failed").expr.eq(1),
+            "The instance's unit is failed: systemd gave up restarting it (start limit, or an "
+            "exit it does not restart); it stays down until an operator acts.",
+            alert=True,
+            for_=t.unit_failed_for,
+            labels={"severity": "critical"},
+            annotations={
+                "summary": "Instance {{ $labels.instance }} failed ({{ $labels.result }})",
+                "description": "systemd stopped restarting gemma4-vllm@{{ $labels.instance }} "
+                "(result {{ $labels.result }}): read `journalctl -u "
+                "gemma4-vllm@{{ $labels.instance }}`, fix the cause, then `systemctl "
+                "reset-failed` and start it, or `appliance rollback {{ $labels.instance }}`. "
+                "See gotchas/unit-restarts-and-start-limit.md.",
             },
         ),
         Rule(

@@ -193,13 +193,58 @@ def _context_tar(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-def build_derived(client, parent_id: str) -> dict[str, str]:
+# ---- an image that crashes right after becoming healthy (the unit's start limit, issue 11) ----
+
+CRASH_TAG = "0.32.0-mtp-crash-after-health"
+CRASH_EXIT = 3
+CRASH_AFTER_S = 8
+
+_CRASH_SERVER = f"""\
+# The MTP image's labels with a stand-in for vLLM: /health answers 200 on the --host and --port
+# the serve script passes, then the process exits {CRASH_EXIT} after {CRASH_AFTER_S} s. A test image
+# (tests/plugins/docker_engine.py): an engine that dies right after start-up, without a minute of
+# model loading per start of the crash loop.
+import http.server, sys, threading, time
+args = sys.argv[1:]
+host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+server = http.server.ThreadingHTTPServer((host, port), Health)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+print(f"crash-after-health: /health on {{host}}:{{port}}, exit in {CRASH_AFTER_S} s", flush=True)
+time.sleep({CRASH_AFTER_S})
+print("crash-after-health: exiting {CRASH_EXIT}", flush=True)
+sys.exit({CRASH_EXIT})
+"""
+
+
+def _crash_recipe(parent_id: str) -> dict[str, dict[str, bytes]]:
+    return {
+        CRASH_TAG: {
+            "Dockerfile": (
+                f"FROM {parent_id}\n"
+                "COPY crash-after-health.py /opt/gemma4-appliance/crash-after-health.py\n"
+                'ENTRYPOINT ["python3", "/opt/gemma4-appliance/crash-after-health.py"]\n'
+                'LABEL org.opencontainers.image.description="cpu-mtp labels; becomes healthy, '
+                'then exits 3 (unit start-limit tests)"\n'
+            ).encode(),
+            "crash-after-health.py": _CRASH_SERVER.encode(),
+        }
+    }
+
+
+def build_derived(client, parent_id: str, recipes=None) -> dict[str, str]:
     """Build (or find by a digest label: a label lookup when present) the images derived from
-    the MTP image; returns tag -> full reference."""
+    the MTP image (``recipes``: tag -> build context; the canary's by default); returns tag ->
+    full reference."""
     import hashlib
 
     refs = {}
-    for tag, files in _derived_recipes(parent_id).items():
+    for tag, files in (recipes or _derived_recipes(parent_id)).items():
         ref = f"{CANARY_TEST_REPO}:{tag}"
         h = hashlib.sha256(b"v2\0" + parent_id.encode())
         for name, data in sorted(files.items()):
@@ -234,3 +279,13 @@ if pytest is not None:
         machine on top of the exact ``cpu-mtp`` image; warm: a label lookup."""
         refs = build_derived(docker_engine, appliance_images["cpu-mtp"].image_id)
         return {"label-off": refs[NO_MTP_TAG], "changed-template": refs[CHANGED_TEMPLATE_TAG]}
+
+
+if pytest is not None:
+
+    @pytest.fixture(scope="session")
+    def crash_image(docker_engine, appliance_images) -> str:
+        """The MTP image's labels and serve arguments, with an engine that answers /health and
+        exits 3 a few seconds later: every start of the unit succeeds, then crashes."""
+        parent = appliance_images["cpu-mtp"].image_id
+        return build_derived(docker_engine, parent, _crash_recipe(parent))[CRASH_TAG]

@@ -1,0 +1,188 @@
+"""The unit keeps the engine serving, and gives up on a crash loop (issue 11), under real systemd.
+
+The shared instance (tests/plugins/systemd_instance.py: cpu-tiny-mtp in a booted nspawn machine,
+the host's Docker) is used as an operator's box is:
+
+- the engine core dies (SIGKILL to the ``VLLM::EngineCore`` process inside the container, seen
+  from the host): vLLM's API server then shuts down and exits 0 (vllm#48966), and the unit must
+  come back by itself and serve, with counters restarted from zero, which the counter arithmetic
+  reports as a reset;
+- an image that crashes right after becoming healthy (tests/plugins/docker_engine.py) loops
+  until systemd's start limit, ends ``failed``, and the state metrics say so; the instance is
+  then put back on the MTP image for the tests after these.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+from plugins.docker_engine import CRASH_AFTER_S, CRASH_EXIT
+from plugins.systemd_instance import MTP_IMAGE, SystemdInstance
+from prometheus_client import generate_latest
+
+from appliance import specdecode, state_metrics
+from appliance.cutover.systemd import Systemd
+from appliance.units import template
+
+pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
+
+MODEL = "gemma4-tiny"
+ENGINE_CORE_TITLE = "VLLM::EngineCore"
+
+
+def engine_core_pids(container: str) -> list[int]:
+    """Host pids of the container's vLLM engine core processes (``docker top``)."""
+    out = subprocess.run(
+        ["docker", "top", container, "-eo", "pid,args"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    pids = []
+    for line in out.splitlines()[1:]:
+        pid, _, args = line.strip().partition(" ")
+        if args.strip() == ENGINE_CORE_TITLE:
+            pids.append(int(pid))
+    return pids
+
+
+def api_server_pid(container: str) -> int:
+    """The container's first process (vLLM's API server, under the entry point's exec)."""
+    out = subprocess.run(
+        ["docker", "inspect", "--format", "{{.State.Pid}}", container],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return int(out.strip())
+
+
+def unit_journal(inst: SystemdInstance, since: str) -> str:
+    """systemd's and the unit's journal lines since ``since`` (a journalctl --since value)."""
+    return inst.machine.run(
+        "journalctl", "--no-pager", "-o", "cat", "-u", inst.unit, "--since", since, check=False
+    ).stdout
+
+
+def machine_now(inst: SystemdInstance) -> str:
+    return inst.machine.run("date", "+%Y-%m-%d %H:%M:%S").stdout.strip()
+
+
+def test_an_engine_core_that_dies_is_restarted_and_serves_again(systemd_instance):
+    inst = systemd_instance
+    inst.ensure(MTP_IMAGE)
+    resp = inst.chat("before the crash", max_tokens=16)
+    assert resp.status_code == 200, resp.text
+    before = specdecode.parse(inst.metrics())
+    assert before.total(MODEL) is not None and before.total(MODEL).drafts > 0
+    invocation, restarts = inst.show("InvocationID"), int(inst.show("NRestarts") or 0)
+    since = machine_now(inst)
+
+    cores = engine_core_pids(inst.container)
+    assert len(cores) == 1, cores
+    api = api_server_pid(inst.container)
+    assert api not in cores  # the engine core, not the API server
+    os.kill(cores[0], signal.SIGKILL)
+
+    # The API server notices, shuts down "gracefully" and exits 0: with Restart=on-failure the
+    # unit stayed down here (inactive, Result=success). Now systemd restarts it.
+    deadline = time.monotonic() + 120
+    while inst.show("InvocationID") == invocation and inst.show("SubState") == "running":
+        assert time.monotonic() < deadline, unit_journal(inst, since)[-3000:]
+        time.sleep(0.5)
+    journal = unit_journal(inst, since)
+    state = (inst.show("ActiveState"), inst.show("SubState"), inst.show("Result"))
+    assert state[0] != "inactive", (state, journal[-3000:])
+    inst.wait_restarted(invocation)
+    journal = unit_journal(inst, since)
+    print(f"\nafter SIGKILL of {ENGINE_CORE_TITLE} {cores[0]}: unit {state}")
+    # The old engine's end: the API server exited 0 (no "Failed with result"), and systemd
+    # restarted it anyway.
+    assert "Scheduled restart job" in journal, journal[-3000:]
+    assert "Failed with result" not in journal, journal[-3000:]
+    assert not re.search(r"Main process exited, code=exited, status=[1-9]", journal), journal
+    assert int(inst.show("NRestarts")) == restarts + 1
+    assert inst.machine.is_active(inst.unit) == "active"
+
+    # It serves again, with counters that started again from zero.
+    fresh = specdecode.parse(inst.metrics())
+    resp = inst.chat("after the crash", max_tokens=16)
+    assert resp.status_code == 200, resp.text
+    after = specdecode.parse(inst.metrics())
+    f = fresh.total(MODEL)
+    assert f is None or (f.drafts, f.draft_tokens, f.accepted) == (0, 0, 0), f
+    since_restart = specdecode.delta(fresh, after, MODEL)
+    assert since_restart.status == "ok" and since_restart.drafts > 0, since_restart
+    assert after.total(MODEL).drafts == since_restart.drafts  # counted from zero
+    # Across the crash the public arithmetic reports a reset, never a (negative or stale) delta.
+    across = specdecode.delta(before, after, MODEL)
+    assert across.status == "reset" and across.drafts is None and across.acceptance is None
+
+
+def test_a_crash_loop_ends_failed_at_the_start_limit_and_reaches_the_state_metrics(
+    systemd_instance, crash_image
+):
+    """Every start of the crash image succeeds (the unit goes active on /health), then the
+    engine exits 3: the rendered unit's own RestartSec and StartLimitBurst, no test override."""
+    inst = systemd_instance
+    burst = int(inst.show("StartLimitBurst"))
+    assert burst == template.START_LIMIT_BURST
+    since = machine_now(inst)
+    inst.set_image(crash_image)
+    try:
+        inst.machine.systemctl("reset-failed", inst.unit, check=False)
+        inst.machine.systemctl("restart", "--no-block", inst.unit)
+        restart_sec = template.RESTART_SEC
+        deadline = time.monotonic() + (burst + 1) * (restart_sec + CRASH_AFTER_S + 60)
+        while (active := inst.show("ActiveState")) != "failed":
+            assert time.monotonic() < deadline, (active, unit_journal(inst, since)[-4000:])
+            time.sleep(1)
+        journal = unit_journal(inst, since)
+        print(f"\ncrash loop: {inst.show('Result')} after {inst.show('NRestarts')} restarts")
+        # systemd 252 keeps the first failure's result (the engine's exit) when the restart
+        # after it is refused at the start limit: the journal line says it was the limit.
+        result = inst.show("Result")
+        assert result in ("exit-code", "start-limit-hit"), journal[-3000:]
+        # burst starts ran (the first by hand); the restart after the last was refused.
+        assert int(inst.show("NRestarts")) >= burst - 1
+        # Every start got to healthy before the engine died: a crash after start-up.
+        assert journal.count("vLLM healthy on") == burst, journal[-4000:]
+        assert journal.count(f"status={CRASH_EXIT}/") >= burst, journal[-4000:]
+        assert "Start request repeated too quickly" in journal, journal[-3000:]
+        time.sleep(restart_sec + 5)
+        assert inst.show("ActiveState") == "failed"  # systemd does not try again by itself
+
+        # The state metrics read it from systemctl show, and the alert's series is 1.
+        status = state_metrics.unit_status(Systemd(tuple(inst.machine.enter_argv())), inst.unit)
+        assert (status.active, status.result) == ("failed", result), status
+        state = state_metrics.InstanceState(inst.instance, crash_image, "0.32.0", True, unit=status)
+        text = generate_latest(state_metrics.build_registry([state])).decode()
+        line = (
+            f'{state_metrics.UNIT_STATE}{{instance="{inst.instance}",result="{result}",'
+            'state="failed"} 1.0'
+        )
+        assert line in text.splitlines(), text
+        assert re.search(rf'{state_metrics.UNIT_STATE}{{instance="{inst.instance}",result="",'
+                         r'state="active"} 0\.0', text)  # fmt: skip
+    finally:
+        # What the operator does: fix the image, reset-failed, start. Later tests need it.
+        inst.set_image(MTP_IMAGE)
+        inst.restart()
+    assert inst.machine.is_active(inst.unit) == "active"
+    assert inst.chat("after the crash loop", max_tokens=4).status_code == 200
+
+
+def test_stop_is_not_restarted_and_logs_the_drain(systemd_instance):
+    """Restart=always restarts any exit, but never a `systemctl stop`."""
+    inst = systemd_instance
+    inst.ensure(MTP_IMAGE)
+    since = machine_now(inst)
+    inst.machine.systemctl("stop", inst.unit, timeout=180)
+    try:
+        time.sleep(template.RESTART_SEC + 5)
+        assert inst.show("ActiveState") == "inactive", unit_journal(inst, since)
+        journal = unit_journal(inst, since)
+        assert re.search(r"container gemma4-vllm-systest stopped after \d+ s", journal), journal
+    finally:
+        inst.restart()
