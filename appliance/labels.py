@@ -21,6 +21,15 @@ VLLM_VERSION = "io.gemma4-appliance.vllm.version"
 MTP = "io.gemma4-appliance.mtp"
 # Set on containers (not images) by the serve script: which unit instance runs the container.
 INSTANCE = "io.gemma4-appliance.instance"
+# "true" when the image's entry point (docker/entrypoint.sh) reads the API key from its stdin
+# when ``API_KEY_STDIN_ENV=1`` (the serve script runs ``docker run -i`` with the key file as
+# stdin), or from a secret file mounted at ``API_KEY_PATH``, so the key never enters the
+# container's config (``docker inspect``). An image without it gets the key as ``--env
+# VLLM_API_KEY`` (the old path, kept so a rollback to an image built by an older appliance still
+# serves with its key). gotchas/api-key-scope.md.
+API_KEY_STDIN = "io.gemma4-appliance.api-key-stdin"
+API_KEY_STDIN_ENV = "GEMMA4_API_KEY_STDIN"
+API_KEY_PATH = "/run/secrets/vllm-api-key"
 
 TRUE = "true"
 FALSE = "false"
@@ -34,6 +43,11 @@ PER_REQUEST_METRICS_MIN_VLLM = "0.32.0"
 def supports_mtp(labels: Mapping[str, str] | None) -> bool:
     """True only when the image says outright that it serves Gemma 4 MTP (absent means no)."""
     return (labels or {}).get(MTP, "").strip().lower() == TRUE
+
+
+def reads_api_key_stdin(labels: Mapping[str, str] | None) -> bool:
+    """True when the image's entry point reads the API key from its stdin (``API_KEY_STDIN``)."""
+    return (labels or {}).get(API_KEY_STDIN, "").strip().lower() == TRUE
 
 
 def vllm_version(labels: Mapping[str, str] | None) -> str | None:

@@ -527,3 +527,90 @@ def test_a_new_base_forgets_superseded_ones(appliance_images, docker_engine, tmp
         docker_engine.images.get(stale)
     docker_engine.images.get(current)  # the base the CPU images sit on stays
     assert [p.name for p in tmp_path.iterdir()] == [f"{current.split(':')[1]}.tar"]
+
+
+# --- the API key file (issue 11: secrets stay secret) ------------------------------------------
+
+# The image's vLLM replaced by a script that prints what the entry point handed it, mounted over
+# vllm_main.py: the real image and the real entry point, without an engine start.
+_SHOW_KEY = "import os, sys\nprint(repr(os.environ.get('VLLM_API_KEY')), sys.argv[1:])\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "via"),
+    [
+        (b"k3y-Value_1.~+/=\n", "stdin"),
+        (b"k3y-Value_1\r\n", "stdin"),  # CRLF: the same key for the engine and Python's strip()
+        (b"k3y-Value_1\r\n", "file"),
+        (b"\r\n  k3y-Value_1 \t\r\n\r\n", "stdin"),
+        (b"", "stdin"),
+        (b" \r\n", "file"),
+        (b"two words\n", "stdin"),
+        (b"k$y\n", "stdin"),
+        ("k\u00e9y\n".encode(), "stdin"),
+    ],
+)
+def test_the_entry_point_reads_the_key_by_the_appliances_rule(
+    appliance_images, tmp_path, content, via
+):
+    """The key on stdin (what the serve script does) or in a mounted secret file: the same key
+    as appliance/apikey.py reads, or exit 78 and one line that does not show it."""
+    import subprocess
+
+    from appliance import apikey
+    from appliance.errors import UsageError
+
+    image = appliance_images["cpu-mtp"]
+    assert image.labels[labels.API_KEY_STDIN] == "true"
+    key_file, show = tmp_path / "api-key", tmp_path / "show.py"
+    key_file.write_bytes(content)
+    key_file.chmod(0o600)  # as `appliance install` writes it
+    show.write_text(_SHOW_KEY)
+    how = (
+        ["--interactive", "--env", f"{labels.API_KEY_STDIN_ENV}=1"]
+        if via == "stdin"
+        else ["--volume", f"{key_file}:{labels.API_KEY_PATH}:ro"]
+    )
+    with key_file.open("rb") as stdin:
+        proc = subprocess.run(
+            ["docker", "run", "--rm", "--pull", "never", "--cap-drop", "ALL"]
+            + ["--security-opt", "no-new-privileges", "--network", "none", *how]
+            + ["--volume", f"{show}:/opt/gemma4-appliance/vllm_main.py:ro"]
+            + [image.image_id, "/models/target", "--port", "1"],
+            stdin=stdin,
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    try:
+        want = apikey.parse(content.decode(), str(key_file))
+    except UsageError:
+        assert proc.returncode == 78 and out == "", (out, err)
+        assert len(err.strip().splitlines()) == 1 and "API key" in err
+        assert not (content.strip() and content.strip().decode() in err)
+        return
+    assert proc.returncode == 0, err
+    assert out.strip() == f"{want!r} ['serve', '/models/target', '--port', '1']"
+
+
+def test_without_a_key_file_the_entry_point_leaves_the_environment_alone(
+    appliance_images, tmp_path
+):
+    """An older serve script passes --env VLLM_API_KEY: the new image still serves it."""
+    import subprocess
+
+    show = tmp_path / "show.py"
+    show.write_text(_SHOW_KEY)
+    base = ["docker", "run", "--rm", "--pull", "never", "--network", "none"]
+    base += ["--volume", f"{show}:/opt/gemma4-appliance/vllm_main.py:ro"]
+    image = appliance_images["cpu-mtp"].image_id
+    out = subprocess.run(
+        [*base, "--env", "VLLM_API_KEY=from-env", image, "m"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.stdout.strip() == "'from-env' ['serve', 'm']", out.stderr
+    out = subprocess.run([*base, image, "m"], capture_output=True, text=True, check=False)
+    assert out.stdout.strip() == "None ['serve', 'm']", out.stderr

@@ -73,3 +73,98 @@ def test_every_shipped_profile_file_loads():
     assert {"cpu-tiny-mtp", "cpu-tiny", "l4x4-31b-mtp", "l4x4-31b"} <= set(names)
     for prof in names.values():
         assert prof.serve_args(devmodel="/m")[0]
+
+
+# --- the engine container's privileges and media fetching (issue 11, least privilege) ---------
+
+
+def _container_args(name: str) -> tuple[list[str], list[str]]:
+    """(serve records, docker records) of the args file ``appliance install`` writes."""
+    from appliance.units import template
+
+    records = template.args_records(profiles.get(name), [])
+    return [v for k, v in records if k == "serve"], [v for k, v in records if k == "docker"]
+
+
+def _opt(args: list[str], flag: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == flag]
+
+
+@pytest.mark.parametrize("name", sorted(profiles.all_profiles()))
+def test_every_profile_runs_its_container_without_privileges(name):
+    prof = profiles.get(name)
+    serve, docker = _container_args(name)
+    assert _opt(docker, "--cap-drop") == ["ALL"]
+    assert "--cap-add" not in docker and "--privileged" not in docker
+    assert _opt(docker, "--security-opt") == ["no-new-privileges"]
+    assert "--init" in docker
+    assert int(_opt(docker, "--pids-limit")[0]) > 0
+    assert "--ulimit" not in docker  # see CONTAINER_LIMITS: above dockerd's limit, no start
+    # Shared memory: a private /dev/shm, except the GPU tensor-parallel profiles (NCCL).
+    tp_gpu = prof.hardware.device == "cuda" and prof.tensor_parallel_size > 1
+    assert _opt(docker, "--ipc") == (["host"] if tp_gpu else [])
+    assert len(_opt(docker, "--shm-size")) == (0 if tp_gpu else 1)
+    # No media URL is fetched: one allowed domain that never resolves, and no redirects.
+    (domains,) = _opt(serve, "--allowed-media-domains")
+    assert domains.endswith(".invalid") and "," not in domains
+    assert "VLLM_MEDIA_URL_ALLOW_REDIRECTS=0" in _opt(docker, "--env")
+
+
+class _CountingServer:
+    """A loopback-only HTTP service that counts the requests it gets (a PNG for any GET)."""
+
+    PNG = bytes.fromhex(
+        "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+        "1f15c4890000000d49444154789c6300010000050001"
+        "0d0a2db40000000049454e44ae426082"
+    )
+
+    def __enter__(self):
+        import http.server
+        import threading
+
+        outer = self
+        self.requests: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.requests.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(outer.PNG)))
+                self.end_headers()
+                self.wfile.write(outer.PNG)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/secret.png"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_vllm_refuses_to_fetch_media_from_loopback_with_the_profiles_arguments():
+    """vLLM's own media fetcher (the real 0.32 code in .venv), configured from the args file's
+    --allowed-media-domains, refuses a URL on a loopback service, which sees no request. The
+    tiny CPU model is text-only, so the engine refuses any image before fetching it: this is
+    where the flag's effect can be seen (the systemd tier checks the flag reaches the engine)."""
+    from vllm.multimodal.media.connector import MediaConnector
+
+    serve, _docker = _container_args("cpu-tiny-mtp")
+    (domains,) = _opt(serve, "--allowed-media-domains")
+    with _CountingServer() as srv:
+        # Without the restriction vLLM fetches it: the test can fail.
+        image = MediaConnector().fetch_image(srv.url)
+        assert image.size == (1, 1) and srv.requests == ["/secret.png"]
+        srv.requests.clear()
+        guarded = MediaConnector(allowed_media_domains=domains.split(","))
+        with pytest.raises(ValueError, match="allowed domains"):
+            guarded.fetch_image(srv.url)
+        with pytest.raises(ValueError, match="allowed domains"):
+            guarded.fetch_image(srv.url.replace("127.0.0.1", "localhost"))
+        assert srv.requests == []

@@ -33,7 +33,7 @@ from appliance.units import instance, template
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_SCRIPT = REPO / "appliance" / "units" / "serve.sh"
-SHIPPED = sorted(profiles.all_profiles())
+SHIPPED = sorted(n for n, p in profiles.all_profiles().items() if p.multinode is None)
 MIG = "mig24-e4b-mtp"
 # What the serve script runs besides bash builtins, docker left out: it stops at its first call.
 # (`run` checks the models with the rest before docker: stat, od, grep, sed, tr.)
@@ -233,15 +233,100 @@ def test_unit_runs_the_one_script_with_the_instance_its_env_file_restart_policy_
         f"ExecStartPost={serve_path} %i wait-healthy",
         f"ExecStop={serve_path} %i stop",
         f"ExecStopPost=-{serve_path} %i remove",
-        "Restart=on-failure",
+        # always: vLLM exits 0 when its engine core dies (vllm#48966); issue 11.
+        "Restart=always",
         "RestartPreventExitStatus=78",
-        "StartLimitBurst=5",
     ):
         assert line in unit.splitlines(), line
     timeout = next(x for x in unit.splitlines() if x.startswith("TimeoutStartSec="))
     assert int(timeout.split("=")[1]) >= 2 * 471  # the seed's 31B load, with margin
     # The unit is the same for every instance and profile: nothing of a profile is in it.
     assert files_of_render("cpu-tiny", "y")["unit"] == unit
+
+
+def unit_settings(unit: str) -> dict[str, str]:
+    """``KEY=VALUE`` lines of a unit (the last assignment of a key wins, as in systemd)."""
+    out = {}
+    for line in unit.splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, value = line.split("=", 1)
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_start_limit_trips_when_every_start_fails_slowly(name):
+    """systemd counts starts in a fixed window of StartLimitIntervalSec and refuses the start
+    after StartLimitBurst of them. The slowest crash loop: each start hangs to TimeoutStartSec,
+    then waits RestartSec. The start after the burst must still fall inside the window (with
+    margin for the stop commands), or a broken image is reloaded forever (issue 11)."""
+    unit = unit_settings(files_of_render(name, "x")["unit"])
+    burst = int(unit["StartLimitBurst"])
+    interval = int(unit["StartLimitIntervalSec"])
+    start_timeout, restart_sec = int(unit["TimeoutStartSec"]), int(unit["RestartSec"])
+    stop_timeout = int(unit["TimeoutStopSec"])
+    # Starts of the slowest loop, relative to the first; the last is the one to refuse.
+    starts = [k * (start_timeout + restart_sec) for k in range(burst + 1)]
+    assert starts[-1] < interval, (burst, interval, start_timeout, restart_sec)
+    # The margin covers a stop that takes its whole timeout after each hung start.
+    assert starts[-1] + burst * stop_timeout <= interval
+    assert 2 <= burst <= 5  # a transient failure gets a retry; a broken image few reloads
+    timing = template.unit_timing(profiles.get(name))
+    assert (
+        interval
+        == template.start_limit_interval(
+            timing.start_timeout_s, timing.restart_sec, timing.start_limit_burst
+        )
+        == burst * (start_timeout + restart_sec) + template.START_LIMIT_MARGIN_S
+    )
+
+
+def security_exposure(root: Path, name: str) -> tuple[float, str]:
+    """``systemd-analyze security --offline=yes`` of instance ``name``: (exposure, output)."""
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed (scripts/setup-system.sh)")
+    proc = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", f"--root={root}",
+         "--no-pager", units.unit_name(name)],
+        check=False, capture_output=True, text=True,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out)
+    assert m, out
+    return float(m.group(1)), out
+
+
+def test_the_unit_is_hardened_to_an_exposure_of_at_most_2_5(tmp_path):
+    root = verify_root(tmp_path)
+    units.install("cpu-tiny-mtp", "x", root=root)
+    exposure, out = security_exposure(root, "x")
+    print(f"\nsystemd-analyze security --offline=yes: exposure {exposure}")
+    assert exposure <= 2.5, out
+    unit = (root / units.paths("x").unit).read_text()
+    settings = unit_settings(unit)
+    # The probe reaches loopback only; the Docker socket and the probe's families, nothing else.
+    assert (settings["IPAddressDeny"], settings["IPAddressAllow"]) == ("any", "localhost")
+    assert settings["RestrictAddressFamilies"] == "AF_UNIX AF_INET AF_INET6"
+    assert settings["CapabilityBoundingSet"] == "" and settings["ProtectSystem"] == "strict"
+    # One directive a line, each of the [Service] section's settings preceded by its reason
+    # somewhere above in a comment block: no bare trailing settings after a blank line.
+    assert all(" " not in k for k in settings), settings
+    # Not vacuous: the same unit without its hardening scores as the review found (9.4 UNSAFE).
+    bare = "\n".join(
+        ln for ln in unit.splitlines()
+        if not ln.startswith(tuple(HARDENING)) and not ln.startswith("NoNewPrivileges=")
+    )  # fmt: skip
+    (root / units.paths("x").unit).write_text(bare + "\n")
+    assert security_exposure(root, "x")[0] > 9.0
+
+
+HARDENING = (
+    "CapabilityBoundingSet=", "AmbientCapabilities=", "ProtectSystem=", "ProtectHome=",
+    "PrivateTmp=", "PrivateMounts=", "PrivateDevices=", "ProtectKernel", "ProtectControlGroups=",
+    "ProtectClock=", "ProtectHostname=", "ProtectProc=", "ProcSubset=", "RestrictNamespaces=",
+    "RestrictRealtime=", "RestrictSUIDSGID=", "LockPersonality=", "MemoryDenyWriteExecute=",
+    "KeyringMode=", "SystemCall", "RestrictAddressFamilies=", "IPAddress", "UMask=",
+)  # fmt: skip
 
 
 def files_of_render(profile: str, name: str) -> dict[str, str]:
@@ -260,10 +345,12 @@ def test_args_carry_the_profile_flags_and_mtp_only_as_mtp_records():
     assert "VLLM_HOST=127.0.0.1" in f["env"].splitlines()
     assert of_kind(f["args"], "mtp")[0] == "--speculative-config"
     assert "--speculative-config" not in serve_args
-    assert of_kind(f["args"], "docker")[:2] == ["--ipc", "host"]
+    # One GPU: a private /dev/shm (only tensor-parallel GPU profiles share the host's IPC).
+    assert "--shm-size" in of_kind(f["args"], "docker")
     assert of_kind(f["args"], "require") == ["VLLM_GPUS", "HF_CACHE_DIR", "VLLM_CACHE_DIR"]
     cpu = files_of_render("cpu-tiny-mtp", "c")
-    assert of_kind(cpu["args"], "docker")[:2] == ["--shm-size", "1g"]
+    cpu_docker = of_kind(cpu["args"], "docker")
+    assert cpu_docker[cpu_docker.index("--shm-size") + 1] == "1g"
     assert of_kind(cpu["args"], "serve")[0] == "/models/target"
     assert of_kind(cpu["args"], "mtp") == [
         "--speculative-config",
@@ -284,6 +371,8 @@ def test_args_records_are_the_profiles_exact_serve_arguments():
         expected = prof.serve_args(devmodel=dm, speculative=False)
         i = expected.index("--host")
         del expected[i : i + 4]  # --host H --port P: from the env file
+        # Then the media guard (tests/test_profile_args.py).
+        expected += ["--allowed-media-domains", units.template.MEDIA_DOMAIN_NONE]
         assert of_kind(args, "serve") == expected, name
         assert of_kind(args, "mtp") == prof.speculative_args(devmodel=dm), name
 
@@ -349,7 +438,8 @@ def test_shell_in_profile_tokens_is_one_argument_and_never_runs(tmp_path, no_doc
     args = (tmp_path / units.paths("h").args).read_text()
     serve_args = of_kind(args, "serve")
     assert serve_args[serve_args.index("--served-model-name") + 1] == SHELL_TOKENS[0]
-    assert serve_args[-len(SHELL_TOKENS) + 1 :] == list(SHELL_TOKENS[1:])
+    # The profile's extra flags, then the media guard every args file ends with.
+    assert serve_args[-len(SHELL_TOKENS) - 1 : -2] == list(SHELL_TOKENS[1:])
     assert f"EVIL={SHELL_TOKENS[0]}" in of_kind(args, "docker")
     env_text = (tmp_path / units.paths("h").env).read_text()
     assert "touch" not in env_text
@@ -439,7 +529,8 @@ def test_install_is_idempotent(tmp_path):
     units.install("l4x4-31b-mtp", "ref", root=tmp_path)
     before = snapshot(tmp_path)
     result = units.install("l4x4-31b-mtp", "ref", root=tmp_path)
-    assert result.written == [] and result.removed == [] and len(result.unchanged) == 5
+    # the unit, serve script, env, args, key and the scrape targets
+    assert result.written == [] and result.removed == [] and len(result.unchanged) == 6
     assert snapshot(tmp_path) == before
     cli_result = run("install", "-p", "l4x4-31b-mtp", "-i", "ref", "--root", str(tmp_path))
     assert "wrote" not in cli_result.output and snapshot(tmp_path) == before
@@ -852,3 +943,94 @@ def test_args_name_each_model_and_the_drafter_types_the_check_accepts():
     )
     with pytest.raises(UsageError, match="is not a hub repo id"):
         template.args_records(dataclasses.replace(pinned, model="../x"), [])
+
+
+# --- stop and remove (issue 11) ----------------------------------------------------------------
+
+
+def test_a_stop_that_fails_is_logged_and_fails_not_discarded():
+    """The real docker client against a daemon that does not answer: `stop` used to discard
+    the error and exit 0, so a stop that never reached the container went unnoticed."""
+    docker_cli = shutil.which("docker")
+    if docker_cli is None:
+        pytest.skip("no docker client (scripts/setup-system.sh)")
+    env = dict(os.environ, DOCKER_HOST="unix:///nonexistent/docker.sock")
+    for command, says in (("stop", "docker stop gemma4-vllm-x failed"),
+                          ("remove", "the Docker daemon does not answer")):  # fmt: skip
+        proc = subprocess.run(
+            ["bash", str(SOURCE_SCRIPT), "x", command],
+            env=env, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert proc.returncode != 0, (command, proc.stderr)
+        assert f"gemma4-vllm@x: {says}: Cannot connect to the Docker daemon" in proc.stderr
+    # The spelling: -t (`--time` is deprecated).
+    assert 'docker stop -t "$STOP_GRACE_S"' in SOURCE_SCRIPT.read_text()
+
+
+FAKE_DOCKER_AUTO_REMOVING = """#!/bin/bash
+# Docker finishing an auto-removal (--rm): inspect still finds the container twice, `rm` answers
+# as dockerd does then, and then the container is gone.
+state="$FAKE_STATE"
+n=0
+if [[ -e "$state" ]]; then n=$(<"$state"); fi
+echo "$*" >> "$state.log"
+case "$1 $2" in
+  "container inspect")
+    echo $((n + 1)) > "$state"
+    if ((n < 2)); then echo 1234; exit 0; fi
+    echo "Error: No such container: gemma4-vllm-x" >&2; exit 1 ;;
+  "rm --force")
+    echo "Error response from daemon: removal of container gemma4-vllm-x is already in progress" >&2
+    exit 1 ;;
+  "version --format") echo 27.5.1 ;;
+  *) echo "unexpected: $*" >&2; exit 99 ;;
+esac
+"""
+
+
+def test_remove_waits_for_a_container_docker_is_still_auto_removing(tmp_path, no_docker_path):
+    """A fake docker: the race (the engine exited, dockerd is still removing its --rm container
+    when ExecStartPre runs) cannot be produced on demand with the real daemon. The old script
+    failed the start on docker's "removal ... already in progress"."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "docker"
+    fake.write_text(FAKE_DOCKER_AUTO_REMOVING)
+    fake.chmod(0o755)
+    (bin_dir / "sleep").symlink_to(shutil.which("sleep"))  # remove waits a second per look
+    state = tmp_path / "state"
+    env = dict(os.environ, PATH=f"{bin_dir}:{no_docker_path}", FAKE_STATE=str(state))
+    proc = subprocess.run(
+        [shutil.which("bash"), str(SOURCE_SCRIPT), "x", "remove"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (0, "")
+    calls = (tmp_path / "state.log").read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["container", "rm", "container", "rm", "container",
+                                             "version"]  # fmt: skip
+
+
+def test_the_units_state_reaches_the_state_metrics_one_series_per_state():
+    from prometheus_client import generate_latest
+
+    from appliance import state_metrics
+
+    show = {"ActiveState": "failed", "SubState": "failed", "Result": "start-limit-hit",
+            "NRestarts": "2"}  # fmt: skip
+    status = state_metrics.UnitStatus.from_show(show)
+    assert (status.active, status.result, status.restarts) == ("failed", "start-limit-hit", 2)
+    reg = state_metrics.build_registry(
+        [state_metrics.InstanceState("31b", "img:1", "0.32.0", True, unit=status)]
+    )
+    lines = [
+        ln for ln in generate_latest(reg).decode().splitlines()
+        if ln.startswith(state_metrics.UNIT_STATE + "{")
+    ]  # fmt: skip
+    on = [ln for ln in lines if ln.endswith(" 1.0")]
+    assert on == [
+        'gemma4_appliance_unit_state{instance="31b",result="start-limit-hit",state="failed"} 1.0'
+    ]
+    assert len(lines) == len(state_metrics.UNIT_STATES)
+    # An instance whose unit was not looked at has no unit series at all (not "inactive").
+    reg = state_metrics.build_registry([state_metrics.InstanceState("a", "i", "0.32.0", True)])
+    assert state_metrics.UNIT_STATE + "{" not in generate_latest(reg).decode()

@@ -1,7 +1,8 @@
 """The reviewed examples committed under ``systemd/``.
 
 :func:`example_files` renders them with :func:`render` for every shipped profile (instance named
-after it), so a reviewer reads exactly what ``appliance install`` writes: the one unit
+after it; multi-node profiles are appliance.multinode's), so a reviewer reads exactly what
+``appliance install`` writes: the one unit
 (``systemd/gemma4-vllm@.service``) and one env file and one args file per profile
 (``systemd/env/``, ``systemd/args/``). The one serve script is not generated: it is read where
 it lives, ``appliance/units/serve.sh``. ``appliance generate`` (``appliance.generate``) writes
@@ -29,6 +30,8 @@ def example_files() -> dict[str, RenderedFile]:
     """Every example, keyed by its path in the repository."""
     out: dict[str, RenderedFile] = {}
     for name, profile in sorted(all_profiles().items()):
+        if profile.multinode is not None:
+            continue  # rendered by appliance.multinode (a head and a worker unit), not here
         p = paths(name)
         files = render(profile, name, EXAMPLE_OPTIONS.get(name))
         out[f"{UNIT_DIR}/{PurePosixPath(p.unit).name}"] = files[p.unit]

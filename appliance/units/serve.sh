@@ -16,8 +16,10 @@
 #   reaches docker.
 # - /etc/gemma4-vllm/INSTANCE.args, which `appliance install` generates from the profile: one
 #   "KIND VALUE" record a line, read with `read -r` into arrays (never sourced or evaluated).
-# - /etc/gemma4-vllm/INSTANCE.api-key (0600): read into the environment and handed to the
-#   container by name, so the key is never on a command line, in `print`'s output or the journal.
+# - /etc/gemma4-vllm/INSTANCE.api-key (0600): checked, never read into this script, and given
+#   to the container on its stdin, whose entry point hands it to vLLM (read_api_key below), so
+#   the key is never on a command line, in `print`'s output, the journal, `bash -x` output or
+#   `docker inspect`.
 #
 # Before it starts the engine, `run` checks that the models the args file names are on this host
 # and look complete (check_models below: exit 78 with one line naming the model and the command
@@ -35,11 +37,14 @@ set -euo pipefail
 readonly EX_CONFIG=78  # the unit does not restart on this: a restart cannot fix configuration
 readonly ARGS_FORMAT=1
 readonly STOP_GRACE_S=60  # vLLM drains in-flight requests on SIGTERM (the unit allows 90 s)
+readonly REMOVE_WAIT_S=30  # how long `remove` waits for Docker to finish an auto-removal
 # Image labels (ADR 0003, appliance/labels.py; a test keeps these equal to it).
 readonly LABEL_MTP=io.gemma4-appliance.mtp
 readonly LABEL_VLLM_VERSION=io.gemma4-appliance.vllm.version
 readonly LABEL_VERSION=org.opencontainers.image.version
 readonly LABEL_INSTANCE=io.gemma4-appliance.instance
+readonly LABEL_API_KEY_STDIN=io.gemma4-appliance.api-key-stdin
+readonly MAX_API_KEY_BYTES=4096  # a generated key is 43 characters
 # The first vLLM release with --per-request-spec-decode-metrics; older engines reject the flag.
 readonly PER_REQUEST_METRICS_MIN_VLLM=0.32.0
 # Where a CPU profile's tiny model pair is mounted (the args name /models/target, /models/drafter).
@@ -146,10 +151,21 @@ check_env() {
     || die_config "VLLM_GPUS=$VLLM_GPUS in $ENV_FILE: expected all, a count or device=..."
 }
 
-# read_api_key: the key file's content by appliance/apikey.py's rule (surrounding whitespace,
-# CRLF included, is not part of the key; empty is an error; URL-safe characters only).
+# read_api_key: how the key reaches vLLM, in KEY_ARGS and KEY_STDIN, by appliance/apikey.py's
+# rule (surrounding whitespace, CRLF included, is not part of the key; empty is an error;
+# letters, digits and ._~+/=- only). An image labelled io.gemma4-appliance.api-key-stdin=true
+# gets the key FILE as the stdin of `docker run -i` (KEY_STDIN), and its entry point reads it
+# (docker/entrypoint.sh): the key is never read here, not into a variable (`bash -x` prints
+# those), not into docker's arguments or the container's config (`docker inspect` shows --env
+# values to anyone with the socket). Its bytes travel over the Docker socket: a bind mount's
+# source would be resolved on dockerd's filesystem, which is not this script's under nspawn or a
+# remote DOCKER_HOST (a missing source becomes an empty directory). The file is only checked,
+# through pipes. An image without the label (built by an older appliance: the rollback target
+# after an upgrade) gets the old path: the key in this script's environment, passed by name as
+# --env VLLM_API_KEY, so `docker inspect` shows it; a journal line says so.
+# gotchas/api-key-scope.md.
 read_api_key() {
-  KEY_ARGS=()
+  KEY_ARGS=() KEY_STDIN=/dev/null
   if [[ ! -e "$API_KEY_FILE" ]]; then
     case "$VLLM_HOST" in
       127.0.0.1 | ::1 | localhost)
@@ -159,15 +175,32 @@ read_api_key() {
       *) die_config "no API key file $API_KEY_FILE: refusing to serve on $VLLM_HOST without one" ;;
     esac
   fi
-  local key
-  key="$(<"$API_KEY_FILE")" || die_config "cannot read API key file $API_KEY_FILE"
-  key="${key#"${key%%[![:space:]]*}"}"
-  key="${key%"${key##*[![:space:]]}"}"
-  [[ -n "$key" ]] || die_config "API key file $API_KEY_FILE is empty"
-  [[ "$key" =~ ^[A-Za-z0-9._~+/=-]+$ ]] \
+  [[ -f "$API_KEY_FILE" && -r "$API_KEY_FILE" ]] \
+    || die_config "cannot read API key file $API_KEY_FILE (a regular file, readable by root)"
+  local size
+  size="$(stat -L -c %s -- "$API_KEY_FILE")" || die_config "cannot read API key file $API_KEY_FILE"
+  ((size <= MAX_API_KEY_BYTES)) \
+    || die_config "API key file $API_KEY_FILE has $size bytes: a key is at most $MAX_API_KEY_BYTES"
+  # The rule, on the file's bytes through pipes: every whitespace byte becomes a space, the ends
+  # are trimmed, what is left must be one run of safe characters. Nothing here holds the key.
+  LC_ALL=C tr -s '\r\n\t\v\f ' ' ' < "$API_KEY_FILE" | LC_ALL=C grep -q '[^ ]' \
+    || die_config "API key file $API_KEY_FILE is empty"
+  LC_ALL=C tr '\r\n\t\v\f' '     ' < "$API_KEY_FILE" | LC_ALL=C sed -e 's/^ *//' -e 's/ *$//' \
+    | LC_ALL=C grep -qx '[A-Za-z0-9._~+/=-]*' \
     || die_config "API key file $API_KEY_FILE holds characters outside letters, digits and ._~+/=-"
-  VLLM_API_KEY="$key"
+  if [[ "$(image_label "$LABEL_API_KEY_STDIN")" == true ]]; then
+    KEY_ARGS=(--interactive --env GEMMA4_API_KEY_STDIN=1)
+    KEY_STDIN="$API_KEY_FILE"
+    return 0
+  fi
+  log "image $VLLM_IMAGE is not labelled $LABEL_API_KEY_STDIN=true (built by an older appliance): the API key goes to the container as --env VLLM_API_KEY, visible in \`docker inspect\`; rebuild the image with \`appliance image build\` to keep it out"
+  # The old path still keeps the key out of `bash -x`: tracing is off while it is read.
+  local trace=0
+  if [[ $- == *x* ]]; then trace=1; fi
+  { set +x; } 2>/dev/null
+  VLLM_API_KEY="$(LC_ALL=C tr '\r\n\t\v\f' '     ' < "$API_KEY_FILE" | LC_ALL=C sed -e 's/^ *//' -e 's/ *$//')"
   export VLLM_API_KEY
+  if ((trace)); then set -x; fi
   KEY_ARGS=(--env VLLM_API_KEY)
 }
 
@@ -509,7 +542,12 @@ health_status() {
 
 wait_healthy() {
   check_endpoint
-  local start=$SECONDS next_note=60
+  local start=$SECONDS next_note=60 probe_hint=""
+  case "$HEALTH_HOST" in
+    127.* | ::1 | localhost) ;;
+    # The unit's IPAddressAllow=localhost blocks the probe to any other address.
+    *) probe_hint="; the unit lets the probe reach only loopback: add a drop-in with IPAddressAllow=$HEALTH_HOST" ;;
+  esac
   until [[ "$(health_status)" =~ ^HTTP/1\.[01]\ 200 ]]; do
     # systemd lets ExecStartPost run on after the main process exited: without this, an engine
     # that dies at start (a broken image) held the unit "activating" until TimeoutStartSec.
@@ -518,12 +556,65 @@ wait_healthy() {
       exit 1
     fi
     if ((SECONDS - start >= next_note)); then
-      log "waiting for vLLM /health on ${HEALTH_HOST}:${VLLM_PORT} ($((SECONDS - start)) s)"
+      log "waiting for vLLM /health on ${HEALTH_HOST}:${VLLM_PORT} ($((SECONDS - start)) s)${probe_hint}"
       next_note=$((next_note + 60))
     fi
     sleep 2
   done
   log "vLLM healthy on ${HEALTH_HOST}:${VLLM_PORT} after $((SECONDS - start)) s"
+}
+
+# ---- stop and remove ---------------------------------------------------------------------------
+
+# gone OUTPUT: true when docker's error OUTPUT says the container does not exist.
+gone() { [[ "$1" == *"No such container"* ]]; }
+
+# stop_container (ExecStop): stop the container, giving vLLM STOP_GRACE_S to drain in-flight
+# requests before docker kills it. A container already gone is fine (the engine exited by itself
+# and --rm removed it); any other failure is logged and fails the stop, which systemd records.
+stop_container() {
+  local out start=$SECONDS
+  if out="$(docker stop -t "$STOP_GRACE_S" "$CONTAINER" 2>&1 >/dev/null)"; then
+    if ((SECONDS - start >= STOP_GRACE_S)); then
+      log "vLLM did not drain within ${STOP_GRACE_S} s: docker killed container $CONTAINER"
+    else
+      log "container $CONTAINER stopped after $((SECONDS - start)) s"
+    fi
+    return 0
+  fi
+  if gone "$out"; then
+    log "container $CONTAINER already gone"
+    return 0
+  fi
+  log "docker stop $CONTAINER failed: ${out//$'\n'/ }"
+  return 1
+}
+
+# remove_container (ExecStartPre, ExecStopPost): remove a container left behind by a crash or a
+# killed daemon. A container Docker is still auto-removing (--rm: "removal ... already in
+# progress") is waited for; a daemon that does not answer, or a removal that fails, is logged and
+# fails the start.
+remove_container() {
+  local out deadline=$((SECONDS + REMOVE_WAIT_S))
+  while docker container inspect --format '{{.Id}}' "$CONTAINER" >/dev/null 2>&1; do
+    if out="$(docker rm --force "$CONTAINER" 2>&1 >/dev/null)" || gone "$out"; then
+      return 0
+    fi
+    if [[ "$out" != *"already in progress"* ]]; then
+      log "docker rm $CONTAINER failed: ${out//$'\n'/ }"
+      return 1
+    fi
+    if ((SECONDS >= deadline)); then
+      log "container $CONTAINER is still being removed after ${REMOVE_WAIT_S} s: ${out//$'\n'/ }"
+      return 1
+    fi
+    sleep 1
+  done
+  # Only "no such container" is fine: a daemon that does not answer fails the start.
+  if ! out="$(docker version --format '{{.Server.Version}}' 2>&1 >/dev/null)"; then
+    log "the Docker daemon does not answer: ${out//$'\n'/ }"
+    return 1
+  fi
 }
 
 main() {
@@ -540,26 +631,22 @@ main() {
   case "$2" in
     run)
       docker_command run
-      exec docker "${DOCKER_ARGS[@]}"
+      exec docker "${DOCKER_ARGS[@]}" < "$KEY_STDIN"
       ;;
     print)
       docker_command
       printf '%q ' docker "${DOCKER_ARGS[@]}"
+      if [[ "$KEY_STDIN" != /dev/null ]]; then printf '< %q' "$KEY_STDIN"; fi
       printf '\n'
       ;;
     wait-healthy)
       wait_healthy
       ;;
     stop)
-      docker stop --time "$STOP_GRACE_S" "$CONTAINER" >/dev/null 2>&1 || true
+      stop_container
       ;;
     remove)
-      # Only "no such container" is fine; a daemon that does not answer fails the start.
-      if docker container inspect "$CONTAINER" >/dev/null 2>&1; then
-        docker rm --force "$CONTAINER" >/dev/null
-      else
-        docker version --format '{{.Server.Version}}' >/dev/null
-      fi
+      remove_container
       ;;
     *)
       usage

@@ -43,14 +43,38 @@ SERVE_SCRIPT = f"{LIBEXEC_DIR}/serve"
 UNIT_DIR = "/etc/systemd/system"
 DATA_DIR = "/var/lib/gemma4-vllm"
 CONTAINER_MODEL_DIR = "/models"  # where a CPU profile's tiny model pair is mounted
+# The only media domain vLLM may fetch from: a name that never resolves, so none is fetched.
+MEDIA_DOMAIN_NONE = "media-fetching-disabled.invalid"
+# Least privilege for the engine container, every profile (tested on the CPU images).
+CONTAINER_LIMITS = (
+    # No capability at all: vLLM runs as root in the container but needs none. Root still owns
+    # the caches and weights the unit mounts (owner permissions: no CAP_DAC_OVERRIDE needed).
+    "--cap-drop",
+    "ALL",
+    "--security-opt",
+    "no-new-privileges",
+    # Docker's init as PID 1: reaps vLLM's worker processes and forwards docker stop's SIGTERM.
+    "--init",
+    # A fork bomb stops here. Counts threads: the tiny CPU engine ran 73 on 2 cores (torch and
+    # OpenMP threads grow with the cores); a 4-GPU host's workers a few hundred.
+    "--pids-limit",
+    "4096",
+)
+# No --ulimit nofile: vLLM's attempt to raise its open-files limit fails without
+# CAP_SYS_RESOURCE (a warning), and it keeps dockerd's limit; a --ulimit above dockerd's own hard
+# limit stops the container at create ("error setting rlimit type 7", seen on this host).
 DEFAULT_IMAGE = "gemma4-vllm:latest"
 ARGS_FORMAT = 1  # the serve script refuses an args file of another format
 
 START_TIMEOUT_S = 1800
+RESTART_SEC = 15
 STOP_GRACE_S = 60  # vLLM drains in-flight requests on SIGTERM (the serve script's STOP_GRACE_S)
 STOP_TIMEOUT_S = STOP_GRACE_S + 30
-START_LIMIT_BURST = 5
-START_LIMIT_INTERVAL_S = 4 * START_TIMEOUT_S
+START_LIMIT_BURST = 3
+# systemd counts starts in a fixed window and refuses the one after the burst: the window must
+# hold burst starts that each hang to the start timeout and wait the restart delay, or a slowly
+# failing image is reloaded forever (issue 11). The margin covers ExecStartPre/ExecStopPost.
+START_LIMIT_MARGIN_S = 600
 
 # Docker container names and systemd instance names both; no dots first, no slashes.
 _INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -217,6 +241,40 @@ def serve_script_text() -> str:
     return resources.files(__package__).joinpath("serve.sh").read_text()
 
 
+@dataclass(frozen=True)
+class UnitTiming:
+    """The unit's restart and start-limit timings (one unit serves every profile)."""
+
+    start_timeout_s: int
+    restart_sec: int
+    stop_timeout_s: int
+    start_limit_burst: int
+    start_limit_interval_s: int
+    start_limit_margin_s: int = START_LIMIT_MARGIN_S
+
+
+def start_limit_interval(start_timeout_s: int, restart_sec: int, burst: int) -> int:
+    """The smallest ``StartLimitIntervalSec`` that still trips when every start fails slowly:
+    ``burst`` starts, each hanging to ``start_timeout_s`` then waiting ``restart_sec``, plus
+    :data:`START_LIMIT_MARGIN_S`."""
+    return burst * (start_timeout_s + restart_sec) + START_LIMIT_MARGIN_S
+
+
+def unit_timing(profile: Profile | None = None) -> UnitTiming:
+    """The timings the unit is rendered with. ``profile`` is accepted for the arithmetic's
+    tests: the unit is shared by every instance, so its timeouts are the largest any shipped
+    profile needs (the 31B models' loads), the same for all."""
+    return UnitTiming(
+        start_timeout_s=START_TIMEOUT_S,
+        restart_sec=RESTART_SEC,
+        stop_timeout_s=STOP_TIMEOUT_S,
+        start_limit_burst=START_LIMIT_BURST,
+        start_limit_interval_s=start_limit_interval(
+            START_TIMEOUT_S, RESTART_SEC, START_LIMIT_BURST
+        ),
+    )
+
+
 def _env() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.PackageLoader("appliance.units", "templates"),
@@ -283,13 +341,24 @@ def args_records(profile: Profile, env_keys: list[str]) -> list[tuple[str, str]]
     """The args file's records, ``(kind, value)``, in order (see ``serve.sh`` for the kinds)."""
     devmodel = CONTAINER_MODEL_DIR if profile.uses_devmodel else None
     serve = _without_endpoint(profile.serve_args(devmodel=devmodel, speculative=False))
-    if profile.hardware.device == "cpu":
-        # Docker's default 64 MiB /dev/shm kills the CPU engine at start ("Insufficient space").
-        docker = ["--shm-size", "1g"]
+    # Gemma 4 is multimodal and vLLM fetches image URLs from the host's network (the container
+    # has host networking): a caller could make it GET loopback-only services. vLLM refuses any
+    # http(s) media URL whose host is not listed; the only name listed is one that never resolves
+    # (RFC 6761 .invalid), so no URL is fetched at all. data: URLs still work; file: URLs need
+    # --allowed-local-media-path, which no profile sets. In vLLM since 0.11 (0.19 and 0.32 here).
+    serve += ["--allowed-media-domains", MEDIA_DOMAIN_NONE]
+    docker = list(CONTAINER_LIMITS)
+    if profile.hardware.device == "cuda" and profile.tensor_parallel_size > 1:
+        # The tensor-parallel workers' NCCL talks through shared memory. vLLM's docs allow
+        # --shm-size here too, but that was never run on GPUs in this project: keep the host's IPC
+        # namespace, the configuration the reference host was tested with.
+        docker += ["--ipc", "host"]
     else:
-        # vLLM's workers (tensor parallelism, NCCL) talk through shared memory: the host's IPC.
-        docker = ["--ipc", "host"]
-    for key, value in {**OFFLINE_ENV, **profile.env}.items():
+        # A private /dev/shm, big enough: Docker's default 64 MiB kills the CPU engine at start
+        # ("Insufficient space in /dev/shm"); a single GPU's engine needs it for its processes.
+        docker += ["--shm-size", "1g" if profile.hardware.device == "cpu" else "16g"]
+    # Redirects off: an allowed media host must not bounce vLLM to another one.
+    for key, value in {**OFFLINE_ENV, "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0", **profile.env}.items():
         docker += ["--env", f"{key}={value}"]
     records = [("format", str(ARGS_FORMAT)), ("profile", profile.name)]
     records += [("serve", a) for a in serve]
@@ -346,6 +415,11 @@ def render(
     opts = options or Options()
     check_instance(instance)
     prof = get(profile) if isinstance(profile, str) else profile
+    if prof.multinode is not None:
+        raise UsageError(
+            f"profile {prof.name} serves one model across {prof.multinode.nodes} hosts",
+            fix=f"appliance multinode install --profile {prof.name} (a head and worker units)",
+        )
     _check_profile(prof)
     pv.require_valid(prof)
     values = env_values(prof, instance, opts)
@@ -361,11 +435,8 @@ def render(
         "width": max(len(kind) for kind, _ in records),
         "args_format": ARGS_FORMAT,
         "gpus_hint": "one MIG slice per instance" if prof.hardware.mig else "default all",
-        "start_timeout_s": START_TIMEOUT_S,
+        "timing": unit_timing(prof),
         "stop_grace_s": STOP_GRACE_S,
-        "stop_timeout_s": STOP_TIMEOUT_S,
-        "start_limit_burst": START_LIMIT_BURST,
-        "start_limit_interval_s": START_LIMIT_INTERVAL_S,
         "per_request_min_vllm": labels.PER_REQUEST_METRICS_MIN_VLLM,
     }
     env = _env()
