@@ -94,6 +94,9 @@ def _host(tmp_path: Path) -> Layout:
     )
     layout.saved_env("a").parent.mkdir(parents=True)
     layout.saved_env("a").write_text("VLLM_IMAGE=gemma4-vllm:saved\n")
+    # The slot a killed cutover's recovery puts back; b's cutover had no slot before (empty).
+    layout.saved_slot("a").write_text(json.dumps({"instance": "a", "image": "gemma4-vllm:older"}))
+    layout.saved_slot("b").write_text("")
     return layout
 
 
@@ -106,6 +109,7 @@ def test_references_read_env_files_rollback_slots_and_saved_env(tmp_path):
         ("a", "rollback", "gemma4-vllm:0.19.0"),
         ("a", "rollback", "sha256:1"),
         ("a", "saved-env", "gemma4-vllm:saved"),
+        ("a", "saved-slot", "gemma4-vllm:older"),
     }
 
 

@@ -5,6 +5,7 @@ Thin: each command builds a :class:`appliance.cutover.flow.Context` and calls th
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from pathlib import Path
 
@@ -13,12 +14,15 @@ import click
 from ..cutover import flow, history
 from ..cutover import lock as locks
 from ..cutover.paths import Layout
+from ..cutover.status import describe_running
 from ..cutover.status import status as get_status
 from .options import root_option
 
 
 def _progress(msg: str) -> None:
-    click.echo(msg, err=True)
+    # After an SSH hang-up the terminal is gone (EIO): the cutover's way back must go on.
+    with contextlib.suppress(OSError):
+        click.echo(msg, err=True)
 
 
 def _context(root: Path, progress: bool = True) -> flow.Context:
@@ -85,6 +89,12 @@ def _canary_line(entries: list[history.Entry]) -> str:
     type=click.Path(path_type=Path, dir_okay=False),
     help="Your JSONL canary cases, added to the shipped set (repeatable).",
 )
+@click.option(
+    "--allow-unit-overrides",
+    is_flag=True,
+    help="Go ahead although a drop-in or a second EnvironmentFile may set VLLM_IMAGE for the "
+    "unit (the gates still check the image the container runs).",
+)
 @root_option
 def cutover(
     instance: str,
@@ -94,9 +104,13 @@ def cutover(
     allow_no_mtp: bool,
     canary: bool | None,
     canary_file: tuple[Path, ...],
+    allow_unit_overrides: bool,
     root: Path,
 ) -> None:
     """Move INSTANCE to IMAGE: restart, gate, and roll back automatically on failure.
+
+    Ctrl-C, SIGTERM or a hang-up during the gates rolls back too. If the cutover is killed
+    outright, `appliance status INSTANCE` prints the recovery command.
 
     \b
     Example:
@@ -111,6 +125,7 @@ def cutover(
         allow_no_mtp=allow_no_mtp,
         canary=canary,
         canary_files=canary_file,
+        allow_unit_overrides=allow_unit_overrides,
     )
     click.echo(f"{instance}: now on {entry.to_image} (was {entry.from_image}); gates passed")
     if entry.canary:
@@ -128,8 +143,18 @@ def cutover(
 )
 @root_option
 def rollback(instance: str, timeout: float, root: Path) -> None:
-    """Return INSTANCE to its previous image, through the same gates."""
+    """Return INSTANCE to its previous image, through the same gates.
+
+    After a cutover that was killed (SIGKILL, power loss), return to where it started instead
+    (the env file saved before it) and close its history entry."""
     entry = flow.rollback(_context(root), instance, timeout=timeout)
+    if entry.interrupted == "killed":
+        back = flow.recovery_image(entry)
+        click.echo(
+            f"{instance}: recovered the interrupted {entry.kind} "
+            f"({entry.from_image} -> {entry.to_image}): on {back}; gates passed"
+        )
+        return
     click.echo(
         f"{instance}: rolled back to {entry.to_image} (was {entry.from_image}); gates passed"
     )
@@ -149,6 +174,18 @@ def status(instance: str | None, root: Path) -> None:
         st = get_status(ctx, name)
         click.echo(f"{st.instance}  ({st.unit}: {st.unit_state})")
         click.echo(f"  image:      {st.image or '-'}")
+        if st.running_id is not None:
+            flag = ""
+            if st.mismatch:
+                flag = (
+                    "  MISMATCH: not the env file's image (a drop-in or a second "
+                    "EnvironmentFile sets VLLM_IMAGE?)"
+                )
+            click.echo(f"  running:    {describe_running(st)}{flag}")
+        elif st.running_error:
+            click.echo(f"  running:    {st.running_error}")
+        else:
+            click.echo("  running:    - (no container)")
         if st.image_info:
             i = st.image_info
             click.echo(
@@ -166,7 +203,13 @@ def status(instance: str | None, root: Path) -> None:
         if st.in_progress:
             click.echo(f"  busy:       pid {st.in_progress.pid}: {st.in_progress.action}")
         if st.interrupted:
-            click.echo(f"  INTERRUPTED cutover; env file is the {st.interrupted}")
+            last = st.entries[-1]
+            click.echo(
+                f"  INTERRUPTED {last.kind} {last.from_image or '-'} -> {last.to_image} "
+                f"(pid {last.pid} was killed); env file is the {st.interrupted}"
+            )
+            click.echo(f"  recover:    {st.recovery}")
+            click.echo(f"              ({st.recovery_note})")
         click.echo(f"  canary:     {_canary_line(st.entries)}")
         for e in st.entries:
             click.echo("  " + _entry_line(e).replace("\n", "\n  "))

@@ -3,18 +3,24 @@
 cutover(instance, image):
   preflight (nothing touched yet): reference valid, the output canary's set valid (when on),
   image present locally (never pulled), labels compatible with the instance's profile, the
-  current image present too (it is the way back)
+  current image present too (it is the way back), nothing else sets VLLM_IMAGE for the unit
+  (a second EnvironmentFile, a drop-in)
   -> lock the instance -> canary "before" on the old image (an engine error refuses the
-  cutover, still untouched) -> history "started" -> save the env file's bytes, record the
-  current image as the rollback target -> write VLLM_IMAGE atomically -> restart -> gates
+  cutover, still untouched) -> history "started" -> save the env file's bytes and the rollback
+  slot's, record the current image as the rollback target -> write VLLM_IMAGE atomically
+  -> restart -> gates (the running container's image ID among them)
   -> canary "after" on the new image, compared with "before" (the last gate)
   -> ok: history "ok"
-  -> a gate failed: write the saved bytes back, restart, same gates for the old image
+  -> a gate failed, or SIGINT/SIGTERM/SIGHUP arrived (signals.py): write the saved bytes back,
+     restart, same gates for the old image (further signals are ignored meanwhile)
      -> history "rolled_back", exit non-zero saying what failed and that it rolled back
      -> the way back failed too: history "failed", exit non-zero with the unit's journal.
 
 rollback(instance) is a cutover to the image in the rollback slot, through the same gates,
-without the canary (the way back must not wait on, or be refused by, a comparison).
+without the canary (the way back must not wait on, or be refused by, a comparison). When the
+last cutover was killed (SIGKILL, power loss: its history entry has no end), rollback is
+:func:`recover` instead: back to where that cutover started (the saved env file's bytes and
+rollback slot), through the gates, and the killed entry is closed.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from ..units.instance import read as read_instance
 from . import envfile, gates, history, metrics
 from . import lock as locks
 from .history import Entry, Gate
-from .paths import Layout, check_instance
+from .paths import ENV_DIR, Layout, check_instance
+from .signals import Interrupted, guard
 from .systemd import Systemd, SystemdError
 
 Progress = Callable[[str], None]
@@ -62,6 +69,12 @@ class RollbackFailed(ApplianceError):
     """The new image failed and the way back failed too (or was not allowed)."""
 
     exit_code = 4
+
+
+class CutoverInterrupted(ApplianceError):
+    """A signal stopped the cutover before anything was touched."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True)
@@ -165,6 +178,83 @@ def _expect(inst: Instance, image: ImageInfo, api_key: str | None) -> gates.Expe
         vllm_version=image.vllm_version,
         mtp=inst.profile.mtp and image.mtp,
         api_key=api_key,
+        container=inst.container,
+        image=image.ref,
+        image_id=image.id,
+    )
+
+
+def running_image_id(ctx: Context, container: str) -> str | None:
+    """The ID of the image ``container`` runs (``docker inspect -f '{{.Image}}'``); None when
+    there is no such container."""
+    import docker
+
+    try:
+        return ctx.docker().containers.get(container).attrs.get("Image") or None
+    except docker.errors.NotFound:
+        return None
+    except docker.errors.DockerException as exc:
+        raise EngineError(f"cannot inspect container {container}: {exc}") from exc
+
+
+def unit_overrides(ctx: Context, inst: Instance) -> list[str]:
+    """What besides the instance's env file could set ``VLLM_IMAGE`` for its unit: another
+    ``EnvironmentFile`` (a later one wins), or a drop-in that names ``VLLM_IMAGE``. Empty when
+    the unit is not loaded. Raises :class:`SystemdError` when systemd cannot be asked."""
+    unit = inst.unit
+    props = ctx.systemd.show(unit, "LoadState", "DropInPaths")
+    if props.get("LoadState") == "not-found":
+        return []
+    own = f"/{ENV_DIR}/{inst.name}.env"
+    files = [v.split(" (", 1)[0] for v in ctx.systemd.show_all(unit, "EnvironmentFiles") if v]
+    problems = []
+    if files and files != [own]:
+        problems.append(f"{unit} reads {len(files)} EnvironmentFile(s): {', '.join(files)}")
+        for f in files:
+            if f == own:
+                continue
+            try:
+                value = envfile.parse(_under(ctx, f).read_bytes(), f).get(envfile.IMAGE_KEY)
+            except (OSError, ApplianceError) as exc:
+                problems.append(f"{f} cannot be read ({exc})")
+                continue
+            if value is not None:
+                problems.append(f"{f} sets {envfile.IMAGE_KEY}={value}")
+    for d in props.get("DropInPaths", "").split():
+        try:
+            text = _under(ctx, d).read_text(errors="replace")
+        except OSError:
+            continue
+        if envfile.IMAGE_KEY in text:
+            problems.append(f"drop-in {d} names {envfile.IMAGE_KEY}")
+    return problems
+
+
+def _under(ctx: Context, path: str) -> Path:
+    return ctx.layout.root / path.lstrip("/")
+
+
+def check_unit_overrides(ctx: Context, inst: Instance, *, allow: bool) -> None:
+    """Refuse (or, with ``allow``, warn) when something besides the env file may set the image:
+    the cutover would edit a file the unit does not go by."""
+    try:
+        problems = unit_overrides(ctx, inst)
+    except SystemdError as exc:
+        ctx.progress(f"warning: cannot check {inst.unit} for overrides ({exc})")
+        return
+    if not problems:
+        return
+    what = "; ".join(problems)
+    if allow:
+        ctx.progress(
+            f"warning: {what}; going ahead (--allow-unit-overrides): the image gate checks "
+            "what the container really runs"
+        )
+        return
+    raise PreflightError(
+        f"{inst.unit} may not run the image {inst.env_path.name} names: {what}",
+        fix="remove the override (then `systemctl daemon-reload`), or pass "
+        "--allow-unit-overrides (the gates still check the running container's image)",
     )
 
 
@@ -201,6 +291,7 @@ def cutover(
     canary: bool | None = None,
     canary_files: tuple[Path, ...] = (),
     way_back_required: bool = True,
+    allow_unit_overrides: bool = False,
 ) -> Entry:
     """Move ``instance`` to ``image`` through the gates; on failure, back to where it was.
 
@@ -208,6 +299,8 @@ def cutover(
     ``canary_files``: the operator's JSONL cases, added to the shipped set.
     ``way_back_required``: refuse when the current image cannot be the way back (a rollback
     goes ahead instead: a missing or broken current image is what it is there for).
+    ``allow_unit_overrides``: warn instead of refusing when a drop-in or another env file may
+    set the image (:func:`unit_overrides`).
     """
     check_instance(instance)
     imageref.validate(image)
@@ -219,6 +312,7 @@ def cutover(
     plan = canaries.plan(tgt.profile, root=layout.root, enabled=canary, files=canary_files)
     new = inspect_image(ctx, image)
     check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
+    check_unit_overrides(ctx, tgt, allow=allow_unit_overrides)
     current_ref = tgt.image
     old: ImageInfo | None = None
     unusable: str | None = None  # why the current image cannot be the way back
@@ -237,14 +331,22 @@ def cutover(
                 f"going ahead; if {image} fails too there is no way back"
             )
 
-    with locks.hold(layout.lock_file(instance), instance, f"{kind} to {image}") as held:
+    lock = locks.hold(layout.lock_file(instance), instance, f"{kind} to {image}")
+    with lock as held, guard(ctx.progress) as sig:
         # Read again under the lock: the file a concurrent cutover left is the one we replace.
         env = envfile.read(env_path)
         current_ref = env.get(envfile.IMAGE_KEY)
         ctx.progress(f"{kind} {instance}: {current_ref} -> {image}")
         # While the old image serves, before anything is written: an engine that cannot answer
-        # the canary refuses the cutover with nothing touched.
-        baseline = _canary_before(ctx, plan, tgt, api_key, current_ref)
+        # the canary refuses the cutover with nothing touched; so does a signal.
+        try:
+            baseline = _canary_before(ctx, plan, tgt, api_key, current_ref)
+        except Interrupted as stop:
+            raise CutoverInterrupted(
+                f"{kind} of {instance} interrupted by {stop.name} before anything was touched"
+            ) from None
+        # The history line, the saved files and the slot go together: a signal waits for them.
+        sig.defer()
         entry = Entry.begin(instance, kind, current_ref, image)
         held.note(entry.id)
         hist = layout.history_file(instance)
@@ -254,20 +356,38 @@ def cutover(
         write_atomic(saved, env.raw, mode=0o600)
         slot_path = layout.rollback_slot(instance)
         slot_before = slot_path.read_bytes() if slot_path.exists() else None
+        # Kept until the cutover ends, for `appliance rollback` after a kill (recover()).
+        write_atomic(layout.saved_slot(instance), slot_before or b"", mode=0o644)
         if current_ref and current_ref != image:
             _write_slot(layout, instance, current_ref, entry.id)
 
         unit = tgt.unit
+        touched = False
         try:
+            sig.arm()  # a signal that came meanwhile interrupts here, before the env write
+            touched = True
             write_atomic(env_path, env.with_value(envfile.IMAGE_KEY, image))
             entry.gates = _restart_and_wait(ctx, unit, _expect(tgt, new, api_key), timeout)
             if baseline is not None:
                 _canary_after(ctx, plan, baseline, tgt, api_key, image, entry)
+            sig.hold()  # every gate passed: a signal from here on is too late to matter
         except gates.GateFailed as failed:
             entry.gates = failed.gates
             failure = f"{image} failed gate {failed.gate!r}: {failed.detail}"
+        except Interrupted as stop:
+            entry.gates = _interrupted_gates(stop, entry.gates)
+            entry.interrupted = stop.name
+            failure = f"interrupted by {stop.name} during the gates of {image}"
+            ctx.progress(f"{failure}: returning to {current_ref or 'the previous env file'}")
         else:
             return _finish(ctx, entry, "ok", None, saved)
+        sig.hold()  # the way back is not interrupted by the operator's next Ctrl-C or hang-up
+        if not touched:
+            # Stopped before the env file was written: the unit was never touched.
+            _restore_slot(slot_path, slot_before)
+            entry.error = f"{failure}; stopped before the env file was written, nothing changed"
+            _finish(ctx, entry, "rolled_back", entry.error, saved)
+            raise CutoverInterrupted(f"{kind} of {instance} {entry.error}")
 
         if not rollback or old is None:
             entry.error = failure
@@ -295,10 +415,7 @@ def cutover(
         ctx.progress(f"rolling back {instance} to {current_ref}")
         write_atomic(env_path, env.raw)
         # We are back where we were: the rollback target is what it was before.
-        if slot_before is None:
-            slot_path.unlink(missing_ok=True)
-        else:
-            write_atomic(slot_path, slot_before)
+        _restore_slot(slot_path, slot_before)
         try:
             entry.rollback_gates = _restart_and_wait(ctx, unit, _expect(tgt, old, api_key), timeout)
         except gates.GateFailed as back:
@@ -315,10 +432,25 @@ def cutover(
             ) from None
         entry.error = failure
         _finish(ctx, entry, "rolled_back", failure, saved)
+        what = "was" if entry.interrupted else "failed:"
         raise CutoverFailed(
-            f"{kind} of {instance} failed: {failure}; rolled back to {current_ref}, "
+            f"{kind} of {instance} {what} {failure}; rolled back to {current_ref}, "
             "which passed the gates and is serving"
         )
+
+
+def _restore_slot(slot_path: Path, before: bytes | None) -> None:
+    if before is None:
+        slot_path.unlink(missing_ok=True)
+    else:
+        write_atomic(slot_path, before)
+
+
+def _interrupted_gates(stop: Interrupted, so_far: list[Gate]) -> list[Gate]:
+    """The gates up to a signal, and the interruption as the failed one."""
+    done = list(stop.gates if stop.gates is not None else so_far)
+    at = done[-1].seconds if done else 0.0
+    return [*done, Gate("interrupted", False, at, f"{stop.name} received")]
 
 
 def _canary_before(
@@ -399,16 +531,27 @@ def _canary_after(
         raise gates.GateFailed(gate.name, gate.detail, entry.gates)
 
 
-def _restart_and_wait(ctx: Context, unit: str, expect: gates.Expect, timeout: float) -> list[Gate]:
-    ctx.progress(f"restarting {unit}")
-    expect = dataclasses.replace(expect, previous_invocation=ctx.systemd.invocation_id(unit))
-    try:
-        ctx.systemd.restart(unit)
-    except SystemdError as exc:
-        raise gates.GateFailed(
-            "restart", str(exc), [Gate("restart", False, 0.0, str(exc))]
-        ) from exc
-    return gates.wait(ctx.systemd, expect, timeout=timeout, progress=ctx.progress)
+def _restart_and_wait(
+    ctx: Context, unit: str, expect: gates.Expect, timeout: float, *, restart: bool = True
+) -> list[Gate]:
+    """Restart ``unit`` and gate it; ``restart=False`` gates the engine already running (any
+    start counts)."""
+    if restart:
+        ctx.progress(f"restarting {unit}")
+        expect = dataclasses.replace(expect, previous_invocation=ctx.systemd.invocation_id(unit))
+        try:
+            ctx.systemd.restart(unit)
+        except SystemdError as exc:
+            raise gates.GateFailed(
+                "restart", str(exc), [Gate("restart", False, 0.0, str(exc))]
+            ) from exc
+    return gates.wait(
+        ctx.systemd,
+        expect,
+        timeout=timeout,
+        progress=ctx.progress,
+        running_image=lambda c: running_image_id(ctx, c),
+    )
 
 
 def _finish(
@@ -420,13 +563,18 @@ def _finish(
     history.append(ctx.layout.history_file(entry.instance), entry)
     with contextlib.suppress(FileNotFoundError):
         saved.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        ctx.layout.saved_slot(entry.instance).unlink()
     _write_metrics(ctx)
     return entry
 
 
 def rollback(ctx: Context, instance: str, *, timeout: float = DEFAULT_TIMEOUT) -> Entry:
-    """Return ``instance`` to the image in its rollback slot, through the same gates."""
+    """Return ``instance`` to the image in its rollback slot, through the same gates; after a
+    killed cutover, :func:`recover` it instead."""
     check_instance(instance)
+    if interrupted_entry(ctx.layout, instance) is not None:
+        return recover(ctx, instance, timeout=timeout)
     image = rollback_image(ctx.layout, instance)
     if not image:
         raise UsageError(
@@ -444,6 +592,122 @@ def rollback(ctx: Context, instance: str, *, timeout: float = DEFAULT_TIMEOUT) -
         canary=False,
         way_back_required=False,
     )
+
+
+# ---- after a kill ------------------------------------------------------------------------
+
+
+def interrupted_entry(layout: Layout, instance: str, *, locked: bool = False) -> Entry | None:
+    """The last history entry when its process died without writing an end (SIGKILL, power
+    loss), else None. ``locked``: the caller holds the instance's lock (no live holder)."""
+    live: frozenset[str] = frozenset()
+    if not locked:
+        holder = locks.current_holder(layout.lock_file(instance))
+        if holder is not None:
+            return None  # still running: not interrupted
+    found = history.entries(layout.history_file(instance), live_ids=live)
+    return found[-1] if found and found[-1].outcome == "interrupted" else None
+
+
+def recovery_image(entry: Entry) -> str | None:
+    """Where recovering ``entry`` goes: a killed cutover back to the image it left, a killed
+    rollback on to the image it was returning to."""
+    return entry.from_image if entry.kind == "cutover" else entry.to_image
+
+
+def recovery_command(layout: Layout, instance: str) -> str:
+    """The one command that recovers a killed cutover of ``instance``."""
+    root = "" if layout.root == Path("/") else f" --root {layout.root}"
+    return f"appliance rollback {instance}{root}"
+
+
+def recover(ctx: Context, instance: str, *, timeout: float = DEFAULT_TIMEOUT) -> Entry:
+    """Finish a cutover or rollback whose process was killed: write back the env file saved
+    before it (its exact bytes, or the image it left when none was saved) and the rollback slot,
+    restart unless that image is already what runs, gate it, and close the killed history entry
+    (``rolled_back``, ``interrupted: killed``)."""
+    check_instance(instance)
+    layout = ctx.layout
+    tgt = target(ctx, instance)
+    api_key = tgt.api_key()
+    with (
+        locks.hold(layout.lock_file(instance), instance, f"recovery of {instance}") as held,
+        guard(ctx.progress) as sig,
+    ):
+        sig.hold()  # recovery is the way back: not interrupted half-way
+        entry = interrupted_entry(layout, instance, locked=True)
+        if entry is None:
+            raise UsageError(
+                f"instance {instance} has no interrupted cutover to recover",
+                fix=f"`appliance status {instance}` shows its state",
+            )
+        image = recovery_image(entry)
+        if not image:
+            raise UsageError(
+                f"the interrupted {entry.kind} of {instance} started from no "
+                f"{envfile.IMAGE_KEY}: there is nothing to return to",
+                fix=f"`appliance cutover {instance} IMAGE` to a working image",
+            )
+        info = inspect_image(ctx, image)
+        held.note(entry.id)
+        env = envfile.read(tgt.env_path)
+        saved = layout.saved_env(instance)
+        raw = env.with_value(envfile.IMAGE_KEY, image)
+        if entry.kind == "cutover" and saved.exists():
+            prev = saved.read_bytes()
+            if envfile.parse(prev, str(saved)).get(envfile.IMAGE_KEY) == image:
+                raw = prev  # byte-identical to before the killed cutover
+            saved_slot = layout.saved_slot(instance)
+            if saved_slot.exists():
+                _restore_slot(layout.rollback_slot(instance), saved_slot.read_bytes() or None)
+        unit = tgt.unit
+        ctx.progress(
+            f"recovering the interrupted {entry.kind} of {instance} "
+            f"({entry.from_image} -> {entry.to_image}): returning to {image}"
+        )
+        in_place = (
+            raw == env.raw
+            and ctx.systemd.state(unit).active == "active"
+            and _running_or_none(ctx, tgt.container) == info.id
+        )
+        write_atomic(tgt.env_path, raw)
+        entry.interrupted = "killed"
+        why = f"interrupted: the appliance (pid {entry.pid}) was killed"
+        try:
+            if in_place:
+                ctx.progress(f"{unit} already runs {image}: gating it without a restart")
+            got = _restart_and_wait(
+                ctx, unit, _expect(tgt, info, api_key), timeout, restart=not in_place
+            )
+        except gates.GateFailed as failed:
+            got = failed.gates
+            entry.error = f"{why}; recovery to {image} failed gate {failed.gate!r}: {failed.detail}"
+            _set_gates(entry, got)
+            _finish(ctx, entry, "failed", entry.error, saved)
+            journal = ctx.systemd.journal(unit, JOURNAL_LINES)
+            raise RollbackFailed(
+                f"recovery of {instance} failed: {entry.error}\n"
+                f"last journal lines of {unit}:\n{journal}"
+            ) from None
+        _set_gates(entry, got)
+        outcome: history.Outcome = "rolled_back" if entry.kind == "cutover" else "ok"
+        entry.error = f"{why}; recovered by `{recovery_command(layout, instance)}`: on {image}"
+        return _finish(ctx, entry, outcome, entry.error, saved)
+
+
+def _set_gates(entry: Entry, got: list[Gate]) -> None:
+    # A killed cutover's way back is its rollback; a killed rollback's completion its gates.
+    if entry.kind == "cutover":
+        entry.rollback_gates = got
+    else:
+        entry.gates = got
+
+
+def _running_or_none(ctx: Context, container: str) -> str | None:
+    try:
+        return running_image_id(ctx, container)
+    except EngineError:
+        return None
 
 
 def _write_metrics(ctx: Context) -> None:

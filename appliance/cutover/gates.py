@@ -1,6 +1,8 @@
 """The gates a restarted instance must pass before a cutover counts as done.
 
-In order, against one deadline: the unit is active; ``/health`` answers 200; the expected model
+In order, against one deadline: the unit is active; the running container was started from the
+target image (its image ID, so an override drop-in or a second env file that keeps the old image
+cannot pass for the new one); ``/health`` answers 200; the expected model
 is served (and, when the image's labels name a vLLM version, ``/version`` says that version, so
 an old engine still answering cannot pass for the new one); one real generation returns tokens;
 and for an image that runs Gemma 4 MTP, the speculative-decoding counters moved on that
@@ -18,6 +20,7 @@ from .. import probe
 from ..errors import ApplianceError, EngineError
 from ..vllm_client import VLLMClient
 from .history import Gate
+from .signals import Interrupted
 from .systemd import Systemd
 
 Progress = Callable[[str], None]
@@ -36,6 +39,15 @@ class Expect:
     api_key: str | None = None
     # The InvocationID before the restart: "active" counts only for a newer start.
     previous_invocation: str = ""
+    # The container and the image it must run (reference and ID); no image gate when unset.
+    container: str = ""
+    image: str = ""
+    image_id: str | None = None
+
+
+# The ID of the image a container runs (None while there is no such container); EngineError
+# when the engine cannot be asked.
+RunningImage = Callable[[str], str | None]
 
 
 class GateFailed(ApplianceError):
@@ -111,12 +123,26 @@ def wait(
     *,
     timeout: float,
     progress: Progress = lambda _msg: None,
+    running_image: RunningImage | None = None,
 ) -> list[Gate]:
-    """Wait for every gate; returns them, or raises :class:`GateFailed` at the first failure."""
+    """Wait for every gate; returns them, or raises :class:`GateFailed` at the first failure.
+
+    An :class:`~appliance.cutover.signals.Interrupted` on the way carries the gates so far."""
     run = _Run(expect, systemd, time.monotonic() + timeout, progress)
-    run.restarts0 = systemd.restarts(expect.unit)
+    try:
+        return _wait(run, running_image)
+    except Interrupted as exc:
+        exc.gates = list(run.gates)
+        raise
+
+
+def _wait(run: _Run, running_image: RunningImage | None) -> list[Gate]:
+    expect = run.expect
+    run.restarts0 = run.systemd.restarts(expect.unit)
     with VLLMClient(expect.base_url, timeout=10.0, api_key=expect.api_key) as client:
         _unit_active(run)
+        if running_image is not None and expect.image_id:
+            _running_image(run, running_image)
         run.passed(
             "health",
             run.wait(
@@ -138,6 +164,30 @@ def _unit_active(run: _Run) -> None:
         return "active" if st.active == "active" and new and not st.job else None
 
     run.passed("unit", run.wait("unit", probe, f"{unit} to be active"))
+
+
+def _short(image_id: str) -> str:
+    return image_id.removeprefix("sha256:")[:12]
+
+
+def _running_image(run: _Run, running_image: RunningImage) -> None:
+    """The container the unit started runs the target image (by ID, not by name)."""
+    e = run.expect
+
+    def probe() -> str | None:
+        got = running_image(e.container)
+        if got is None:
+            return None  # between the unit's start and docker run: keep waiting
+        if got != e.image_id:
+            raise run.fail(
+                "image",
+                f"container {e.container} runs image {_short(got)}, not {e.image} "
+                f"({_short(e.image_id)}): something else sets VLLM_IMAGE for the unit "
+                "(a drop-in or a second EnvironmentFile: see `appliance status`)",
+            )
+        return f"{e.container} runs {e.image} ({_short(got)})"
+
+    run.passed("image", run.wait("image", probe, f"container {e.container}"))
 
 
 def _served(run: _Run, client: VLLMClient) -> None:

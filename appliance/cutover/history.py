@@ -53,6 +53,9 @@ class Entry:
     # The output canary's figures (appliance.canary.Result.figures, plus its cost); None when
     # the canary did not run (off, or a rollback).
     canary: dict | None = None
+    # What interrupted it: a signal's name (SIGINT, SIGTERM, SIGHUP), or "killed" when a later
+    # `appliance rollback` finished an entry whose process died without an end line.
+    interrupted: str | None = None
 
     @classmethod
     def begin(cls, instance: str, kind: Kind, from_image: str | None, to_image: str) -> Entry:

@@ -52,6 +52,11 @@ class Layout:
         """The env file as it was before the cutover in progress (byte-identical copy)."""
         return self.state_dir / "cutover" / f"{check_instance(instance)}.env.prev"
 
+    def saved_slot(self, instance: str) -> Path:
+        """The rollback slot as it was before the cutover in progress (its bytes; empty when
+        there was none), so that recovering a killed cutover puts it back too."""
+        return self.state_dir / "cutover" / f"{check_instance(instance)}.slot.prev"
+
     def canary_record(self, instance: str, side: str) -> Path:
         """The output canary's record of the cutover in progress (``side``: before, after)."""
         return self.state_dir / "canary" / f"{check_instance(instance)}.{side}.json"

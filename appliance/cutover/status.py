@@ -1,8 +1,12 @@
 """What an instance is doing now: image, labels, unit state, health, MTP, and its history.
 
-After a cutover was killed half-way, the history's last entry is ``interrupted`` and
-:attr:`Status.interrupted` says which env file is in place: the old one or the new one (the env
-file is replaced atomically, so it is always one of them).
+Beside the env file's image it shows the image the running container was started from (by ID),
+and flags a mismatch: something else (a drop-in, a second env file) sets the image.
+
+After a cutover was killed half-way (SIGKILL, power loss), the history's last entry is
+``interrupted``; :attr:`Status.interrupted` says which env file is in place (the old one or the
+new one: it is replaced atomically, so it is always one of them) and what the container runs,
+and :attr:`Status.recovery` is the one command that gets back to a gated state.
 """
 
 from __future__ import annotations
@@ -10,11 +14,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import ApplianceError, EngineError
-from ..units.template import unit_name
+from ..units.template import container_name, unit_name
 from ..vllm_client import VLLMClient
 from . import envfile, history
 from . import lock as locks
-from .flow import Context, ImageInfo, inspect_image, rollback_image, target
+from .flow import (
+    Context,
+    ImageInfo,
+    inspect_image,
+    recovery_command,
+    recovery_image,
+    rollback_image,
+    running_image_id,
+    target,
+)
 from .history import Entry
 from .paths import check_instance
 
@@ -35,6 +48,15 @@ class Status:
     rollback_image: str | None = None
     in_progress: locks.Holder | None = None
     interrupted: str | None = None
+    # The one command that recovers an interrupted cutover, and what it does.
+    recovery: str | None = None
+    recovery_note: str | None = None
+    # The running container's image: its ID, the tags that ID has here, and whether it differs
+    # from the env file's image (None when either is unknown).
+    running_id: str | None = None
+    running_tags: list[str] = field(default_factory=list)
+    running_error: str | None = None
+    mismatch: bool | None = None
     # Why the instance's URL or key could not be read (e.g. installed by an older appliance).
     instance_error: str | None = None
     entries: list[Entry] = field(default_factory=list)
@@ -55,13 +77,28 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     )
     all_entries = history.entries(layout.history_file(instance), live_ids=live)
     st.entries = all_entries[-last:]
-    if all_entries and all_entries[-1].outcome == "interrupted":
-        st.interrupted = _which(all_entries[-1], env)
     if st.image:
         try:
             st.image_info = inspect_image(ctx, st.image)
         except ApplianceError as exc:
             st.image_error = str(exc)
+    _running(ctx, st)
+    if all_entries and all_entries[-1].outcome == "interrupted":
+        last = all_entries[-1]
+        st.interrupted = _which(last, env) + "; " + _runs(st)
+        back = recovery_image(last)
+        if back:
+            st.recovery = recovery_command(layout, instance)
+            saved = layout.saved_env(instance)
+            how = (
+                f"writes back {saved} (the env file before it)"
+                if last.kind == "cutover" and saved.exists()
+                else f"sets {envfile.IMAGE_KEY}={back}"
+            )
+            st.recovery_note = f"returns to {back} through the gates; {how}"
+        else:
+            st.recovery = f"appliance cutover {instance} IMAGE"
+            st.recovery_note = "the interrupted cutover started from no image: choose one"
     try:
         tgt = target(ctx, instance)
         api_key = tgt.api_key()
@@ -79,11 +116,45 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     return st
 
 
+def _running(ctx: Context, st: Status) -> None:
+    """Fill in the running container's image and whether it is the env file's."""
+    container = container_name(st.instance)
+    try:
+        st.running_id = running_image_id(ctx, container)
+    except ApplianceError as exc:
+        st.running_error = str(exc)
+        return
+    if st.running_id is None:
+        return
+    try:
+        st.running_tags = list(ctx.docker().images.get(st.running_id).tags or [])
+    except Exception:  # noqa: BLE001 - the ID alone still answers the question
+        st.running_tags = []
+    if st.image_info is not None:
+        st.mismatch = st.running_id != st.image_info.id
+
+
+def _runs(st: Status) -> str:
+    if st.running_id is None:
+        return f"no container runs ({st.unit} is {st.unit_state})"
+    return f"the container runs {describe_running(st)}"
+
+
+def describe_running(st: Status) -> str:
+    """The running container's image: its tags (or short ID)."""
+    if st.running_id is None:
+        return "-"
+    short = st.running_id.removeprefix("sha256:")[:12]
+    # The env file's reference when it is one of the running image's tags, else all of them.
+    tags = [st.image] if st.image in st.running_tags else st.running_tags
+    return f"{', '.join(tags)} ({short})" if tags else short
+
+
 def _which(entry: Entry, env: envfile.EnvFile) -> str:
     """Which side of an interrupted cutover the env file is on."""
     image = env.get(envfile.IMAGE_KEY)
     if image == entry.to_image and image != entry.from_image:
-        return f"new: the env file names {entry.to_image} (the cutover's target)"
+        return f"new: the env file names {entry.to_image} (the cutover's target, never gated)"
     if image == entry.from_image:
         return f"old: the env file names {entry.from_image} (as before the cutover)"
     move = f"{entry.from_image} -> {entry.to_image}"

@@ -100,6 +100,13 @@ class Systemd:
         out = self._check("systemctl", "show", unit, *(f"--property={p}" for p in props))
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
+    def show_all(self, unit: str, prop: str) -> list[str]:
+        """Every value systemd prints for ``prop`` (list properties such as ``EnvironmentFiles``
+        come one line per item)."""
+        out = self._check("systemctl", "show", unit, f"--property={prop}")
+        head = f"{prop}="
+        return [line[len(head) :] for line in out.splitlines() if line.startswith(head)]
+
     def state(self, unit: str) -> UnitState:
         """Active state, pending job, restart count and invocation of ``unit``, in one call."""
         try:

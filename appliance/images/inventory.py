@@ -97,7 +97,8 @@ def _images_in_json(data: object, key: str = "") -> list[str]:
 
 
 def references(root: Path = Path("/")) -> list[Reference]:
-    """Every image reference in the instances' env files, rollback slots and saved env files."""
+    """Every image reference in the instances' env files, rollback slots and what a cutover
+    saved (env file, slot)."""
     layout = Layout(Path(root))
     refs: list[Reference] = []
     for path in sorted(layout.env_dir.glob("*.env")):
@@ -116,6 +117,14 @@ def references(root: Path = Path("/")) -> list[Reference]:
         value = _env_value(path, IMAGE_KEY)
         if value:
             refs.append(Reference(path.name[: -len(".env.prev")], "saved-env", value, path))
+    # The slot a killed cutover's recovery puts back (empty when there was none).
+    for path in sorted((layout.state_dir / "cutover").glob("*.slot.prev")):
+        try:
+            data = json.loads(path.read_text() or "null")
+        except (OSError, ValueError):
+            continue
+        for value in _images_in_json(data):
+            refs.append(Reference(path.name[: -len(".slot.prev")], "saved-slot", value, path))
     return refs
 
 
