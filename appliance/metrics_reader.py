@@ -12,9 +12,12 @@ client raises ``EngineError`` / ``NotVLLMError``).
 from __future__ import annotations
 
 import asyncio
+import http.client
+import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlencode, urlsplit
 
 import httpx
 
@@ -132,6 +135,137 @@ async def aread(url: str, *, timeout: float, client: httpx.AsyncClient | None = 
     finally:
         if own:
             await http.aclose()
+
+
+class SplitReader:
+    """One kept-alive connection to ``url`` whose read is split in two halves: :meth:`send`
+    puts the filtered GET on the wire (no wait: a few bytes on an idle, open connection) and
+    :meth:`receive`, later and on another thread, reads the answer, bounded by ``timeout``.
+
+    The telemetry agent sends its after-read this way as the call ends, before the caller can
+    send its next request, and receives it off the caller's path. Only one read at a time: a
+    :meth:`send` while one is outstanding, or without a recently used connection (the server
+    may have closed it), returns False and the caller reads the usual way instead.
+    """
+
+    IDLE_S = 2.0  # reuse a connection idle for less than this (vLLM's keep-alive is 5 s)
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or "127.0.0.1"
+        self._port = parts.port or (443 if self._https else 80)
+        self._target = (parts.path or "/") + "?" + urlencode(PARAMS)
+        self.url = url
+        self._conn: http.client.HTTPConnection | None = None
+        self._busy = False
+        self._idle_since = 0.0
+        self._lock = threading.Lock()
+
+    def send(self) -> bool:
+        """Send the request now on the warm connection; False when there is none free."""
+        with self._lock:
+            if self._busy or self._conn is None:
+                return False
+            if time.monotonic() - self._idle_since > self.IDLE_S:
+                return False
+            self._busy = True
+        try:
+            self._conn.request("GET", self._target)
+            return True
+        except (OSError, http.client.HTTPException):
+            self._drop()
+            return False
+        except BaseException:  # interrupted mid-request: no half-sent connection left
+            self._drop()
+            raise
+
+    def receive(self, timeout: float) -> Reading:
+        """The answer to :meth:`send` within ``timeout`` (:class:`MetricsReadError` on failure;
+        the connection is free again either way)."""
+        try:
+            return self._answer(timeout)
+        except BaseException:  # a failed or interrupted read leaves no half-read connection
+            self._drop()
+            raise
+
+    def read(self, timeout: float) -> Reading | None:
+        """Send and receive at once, on this thread (on a fresh connection when the kept one is
+        idle too long, or once more on a fresh one when the kept one turns out closed);
+        ``None`` when a read is outstanding on the connection (read another way)."""
+        with self._lock:
+            if self._busy:
+                return None
+            self._busy = True
+            if self._conn is not None and time.monotonic() - self._idle_since > self.IDLE_S:
+                self._conn.close()
+                self._conn = None
+            reused = self._conn is not None
+        try:
+            return self._send_and_answer(timeout)
+        except MetricsReadError as exc:
+            if not reused or exc.kind != "unreachable":
+                raise
+        with self._lock:  # the server closed the kept connection: _drop freed it, take it back
+            if self._busy:
+                return None
+            self._busy = True
+        return self._send_and_answer(timeout)
+
+    def _send_and_answer(self, timeout: float) -> Reading:
+        try:
+            if self._conn is None:
+                cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+                self._conn = cls(self._host, self._port, timeout=timeout)
+            self._conn.request("GET", self._target)
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop()
+            raise MetricsReadError("unreachable", f"cannot reach {self.url}: {exc}") from exc
+        except BaseException:
+            self._drop()
+            raise
+        return self.receive(timeout)
+
+    def _answer(self, timeout: float) -> Reading:
+        conn = self._conn
+        deadline = time.monotonic() + timeout
+        try:
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            resp = conn.getresponse()
+            body = bytearray()
+            while chunk := resp.read(65536):  # each gap bounded; the whole by the deadline
+                body += chunk
+                if time.monotonic() > deadline:
+                    raise MetricsReadError("timeout", f"{self.url} took longer than {timeout} s")
+            reading = parse(resp.status, bytes(body), self.url)
+        except TimeoutError as exc:
+            raise MetricsReadError("timeout", f"{self.url} timed out after {timeout} s") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise MetricsReadError("unreachable", f"cannot reach {self.url}: {exc}") from exc
+        with self._lock:
+            if resp.will_close:
+                conn.close()
+                self._conn = None
+            self._busy = False
+            self._idle_since = time.monotonic()
+        return reading
+
+    def receive_nothing(self) -> None:
+        """Give up on a sent request's answer: the connection is closed, the next read opens
+        another."""
+        self._drop()
+
+    def _drop(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn, self._busy = None, False
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's connection and lock are not ours."""
+        self._lock = threading.Lock()
+        self._conn, self._busy = None, False
 
 
 def engine_error(exc: MetricsReadError, base_url: str) -> EngineError:

@@ -8,10 +8,11 @@ same plain chat call, interleaved in rotating order, through:
 - the seed's method: a full ``/metrics`` scrape and parse before and after the bare call.
 
 and prints, side by side, the bare median and, for the other two, the median and p99 of the
-time added to the bare call of the same round, the ``/metrics`` reads per call and the share of
-calls with exact figures. Interleaving puts other calls between two agent calls, which is foreign
-traffic to the agent's proof, so a second block sends agent calls back to back (against bare
-calls back to back): the cost and exactness of sequential calls. Figures, not assertions:
+time added to the bare call of the same round, the ``/metrics`` reads per call (all of them, and
+those on the caller's own thread) and the share of calls with exact figures. Interleaving puts
+other calls between two agent calls, which is foreign traffic to the agent's proof, so a second
+block sends agent calls back to back (against bare calls back to back): the cost and exactness
+of sequential calls. Figures, not assertions:
 
     .venv/bin/python benchmarks/agent_overhead.py --calls 200
     .venv/bin/python benchmarks/agent_overhead.py --counters-url http://127.0.0.1:8000  # reuse
@@ -23,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import statistics
+import threading
 import time
 
 import httpx
@@ -64,13 +66,25 @@ class Bench:
         self.url = url
         server = attribution.server_for(url + specdecode.SNAPSHOT_PATH)
         self.reads = 0
+        self.caller_reads = 0  # reads on the caller's own thread (on its path)
         real_read = server.read
+        caller = threading.current_thread()
 
         def counted(*args, **kwargs):
             self.reads += 1
+            self.caller_reads += threading.current_thread() is caller
             return real_read(*args, **kwargs)
 
         server.read = counted  # counts the agent's /metrics reads; the reads stay real
+        self.early = 0  # after-reads whose request went out as the call ended
+        real_send = server.send_early
+
+        def counted_send():
+            sent = real_send()
+            self.early += sent is not None
+            return sent
+
+        server.send_early = counted_send
 
     def call_bare(self) -> None:
         self.bare.chat.completions.create(**self.kw)
@@ -101,7 +115,7 @@ def interleaved(b: Bench, calls: int) -> dict:
             fn()
     agent.flush(30)
     b.records.clear()
-    b.reads = 0
+    b.reads = b.caller_reads = b.early = 0
     order = [("bare", b.call_bare), ("agent", b.call_agent), ("seed", b.call_seed)]
     bare, added = [], {"agent": [], "seed": []}
     for i in range(calls):
@@ -114,6 +128,8 @@ def interleaved(b: Bench, calls: int) -> dict:
         "bare": bare,
         "added": added,
         "reads": b.reads / calls,
+        "caller_reads": b.caller_reads / calls,
+        "early": b.early / calls,
         "exact": _exact_share(b.records),
     }
 
@@ -122,14 +138,21 @@ def back_to_back(b: Bench, calls: int) -> dict:
     """Agent calls in a row against bare calls in a row (blocks of 10, alternating)."""
     agent.flush(30)
     b.records.clear()
-    b.reads = 0
+    b.reads = b.caller_reads = b.early = 0
     bare, ours = [], []
     for _ in range(max(1, calls // 10)):
         bare += [b.timed(b.call_bare) for _ in range(10)]
         ours += [b.timed(b.call_agent) for _ in range(10)]
     n = len(ours)
     diffs = [o - statistics.median(bare) for o in ours]
-    return {"bare": bare, "added": diffs, "reads": b.reads / n, "exact": _exact_share(b.records)}
+    return {
+        "bare": bare,
+        "added": diffs,
+        "reads": b.reads / n,
+        "caller_reads": b.caller_reads / n,
+        "early": b.early / n,
+        "exact": _exact_share(b.records),
+    }
 
 
 @contextlib.contextmanager
@@ -160,7 +183,7 @@ def main() -> None:
     print(f"{args.calls} rounds, {args.max_tokens} tokens per call, medians and p99 in ms")
     print(
         f"{'path':<20} {'run':<26} {'bare med':>8} {'added med':>9} {'added p99':>9} "
-        f"{'reads/call':>10} {'exact':>6}"
+        f"{'reads/call':>10} {'on caller':>9} {'exact':>6}"
     )
     for name, (url, prof) in paths.items():
         with _engine(url, prof) as u:
@@ -173,18 +196,24 @@ def main() -> None:
             ):
                 d = r["added"][who]
                 reads = f"{r['reads']:.2f}" if who == "agent" else "2 (full)"
+                on_caller = f"{r['caller_reads']:.2f}" if who == "agent" else "2 (full)"
                 exact = f"{r['exact']:.0%}" if who == "agent" else "-"
                 print(
                     f"{name:<20} {label:<26} {bare_med:>8.2f} {statistics.median(d) * ms:>9.2f}"
-                    f" {_pct(d, 0.99) * ms:>9.2f} {reads:>10} {exact:>6}"
+                    f" {_pct(d, 0.99) * ms:>9.2f} {reads:>10} {on_caller:>9} {exact:>6}"
                 )
             s = back_to_back(b, args.calls)
             print(
                 f"{name:<20} {'agent, back to back':<26} "
                 f"{statistics.median(s['bare']) * ms:>8.2f} "
                 f"{statistics.median(s['added']) * ms:>9.2f} {_pct(s['added'], 0.99) * ms:>9.2f} "
-                f"{s['reads']:>10.2f} {s['exact']:>6.0%}"
+                f"{s['reads']:>10.2f} {s['caller_reads']:>9.2f} {s['exact']:>6.0%}"
             )
+            if r["reads"] or s["reads"]:
+                print(
+                    f"{'':<20} after-reads sent as the call ended: interleaved "
+                    f"{r['early']:.0%}, back to back {s['early']:.0%}"
+                )
 
 
 if __name__ == "__main__":

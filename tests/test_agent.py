@@ -634,3 +634,174 @@ def test_no_request_text_in_error_status_without_content_capture(mtp_engine):
     assert span.status.status_code == StatusCode.ERROR
     assert span.status.description == "BadRequestError"
     assert "secret" not in str(span.attributes) and str(bare.value)
+
+
+# -- the snapshot path off the caller's path (issue 13 part 2) ----------------------------------
+
+
+def _movement(url, fn):
+    with VLLMClient(url) as obs:
+        from appliance import specdecode
+
+        before = obs.snapshot()
+        out = fn()
+        assert agent.flush(30)
+        return out, specdecode.delta(before, obs.snapshot())
+
+
+def test_the_call_returns_before_its_after_read_and_the_span_ends_later_exact(
+    mtp_counters_engine, bad_metrics
+):
+    # The after-read (the agent's 2nd read) is the engine's real page, answered 2 s late.
+    late = bad_metrics("late", upstream=mtp_counters_engine.url, slow_hits=(2,), slow_s=2.0)
+    t = Traced(mtp_counters_engine.url, metrics_url=late.url, snapshot_timeout=5.0)
+
+    def call():
+        resp = _plain(t.client, 24)
+        returned, returned_ns = time.monotonic(), time.time_ns()
+        unfinished = len(t.exporter.get_finished_spans())
+        return resp, returned, returned_ns, unfinished
+
+    (resp, returned, returned_ns, unfinished), d = _movement(mtp_counters_engine.url, call)
+    assert resp.usage.completion_tokens == 24
+    # The caller was back before the after-read was even answered, and its span was open then.
+    assert late.answered_at and returned < late.answered_at[0]
+    assert unfinished == 0
+    (span,) = t.spans  # ended later, on the agent's thread, stamped with the call's own end
+    assert span.end_time <= returned_ns
+    (rec,) = t.records
+    assert rec.figures.source == "counters" and not rec.figures.shared
+    assert (rec.figures.drafts, rec.figures.draft_tokens, rec.figures.accepted) == (
+        d.drafts,
+        d.draft_tokens,
+        d.accepted,
+    )
+    assert span.attributes["gen_ai.vllm.mtp.draft_tokens"] == d.draft_tokens
+
+
+def test_back_to_back_calls_stay_exact_while_the_previous_after_read_is_in_flight(
+    mtp_counters_engine, bad_metrics
+):
+    # Call 1's after-read takes the engine's page at once but answers 1.5 s late, so call 2's
+    # request goes out while that read is still in flight: it can be call 2's before-reading only
+    # through call 1's token proof (attribution.Server.certify), not by being complete first.
+    late = bad_metrics("late", upstream=mtp_counters_engine.url, slow_hits=(2,), slow_s=1.5)
+    t = Traced(mtp_counters_engine.url, metrics_url=late.url, snapshot_timeout=5.0)
+
+    def two():
+        _plain(t.client, 24)
+        assert late.fetched.wait(20)
+        _plain(t.client, 16)
+        return time.monotonic()
+
+    returned, d = _movement(mtp_counters_engine.url, two)
+    assert returned < late.answered_at[0]  # call 2 never waited for call 1's after-read
+    figs = [r.figures for r in t.records]
+    assert [f.source for f in figs] == ["counters", "counters"]
+    assert [r.output_tokens for r in t.records] == [24, 16]
+    for field in ("drafts", "draft_tokens", "accepted"):
+        assert sum(getattr(f, field) for f in figs) == getattr(d, field)
+    # Foreign traffic (another client) between two calls: the window holds it, so shared.
+    _plain(t.bare, 8)
+    _plain(t.client, 16)
+    assert t.records[-1].figures.source == "shared"
+    # The chain restarts by itself: the next call, after the previous read completed, is exact.
+    assert agent.flush(30)
+    _, d = _movement(mtp_counters_engine.url, lambda: _plain(t.client, 16))
+    last = t.records[-1].figures
+    assert last.source == "counters" and last.draft_tokens == d.draft_tokens
+
+
+def test_a_full_backlog_degrades_to_unknown_and_is_counted(mtp_counters_engine, monkeypatch):
+    t = Traced(mtp_counters_engine.url)
+    _plain(t.client, 8)  # the server's first read, on the caller's path
+    assert t.records[0].figures.source in ("counters", "shared")
+    monkeypatch.setattr(agent.attribution.Worker, "MAX_BACKLOG", 0)
+    bare = _plain(t.bare, 8)
+    _same_result(_plain(t.client, 8), bare)
+    rec = t.records[-1]
+    assert (rec.figures.source, rec.figures.status) == ("unknown", "skipped")
+    assert t.errors("backlog") == 1
+    assert t.spans[-1].attributes["gen_ai.vllm.mtp.status"] == "skipped"
+    assert agent.attribution.server_for(mtp_counters_engine.url + "/metrics/")._pending == 0
+
+
+def test_a_fork_while_the_agent_lock_is_held_does_not_deadlock_the_child(mtp_counters_engine):
+    import os
+
+    t = Traced(mtp_counters_engine.url)
+    _plain(t.client, 8)
+    srv = agent.attribution.server_for(mtp_counters_engine.url + "/metrics/")
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with srv._lock:  # another thread of the parent holds the agent's lock at fork time
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    held.wait(5)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one call through the agent, its figures, then out
+        code = 1
+        try:
+            os.close(r)
+            child = Traced(mtp_counters_engine.url)
+            _plain(child.client, 8)
+            os.write(w, child.records[0].figures.source.encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    release.set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child deadlocked on a lock held at fork time")
+    got = os.read(r, 100).decode()
+    os.close(r)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert got in ("counters", "shared")
+    _plain(t.client, 8)  # the parent goes on as before
+    assert len(t.records) == 2
+
+
+def test_exit_flushes_pending_figures_before_the_tracer_provider_shuts_down(
+    mtp_counters_engine, bad_metrics, tmp_path
+):
+    import subprocess
+    import sys
+
+    # The process exits while its call's after-read is still in flight (answered 1 s late).
+    # The provider is made after importing the agent, so its atexit shutdown was registered
+    # later than the agent's import: the agent's flush must still run first.
+    late = bad_metrics("late", upstream=mtp_counters_engine.url, slow_hits=(2,), slow_s=1.0)
+    script = tmp_path / "app.py"
+    script.write_text(
+        "import openai\n"
+        "from appliance import agent\n"
+        "provider = agent.setup_tracing({'OTEL_TRACES_EXPORTER': 'console'})\n"
+        "client = agent.instrument(\n"
+        f"    openai.OpenAI(base_url={mtp_counters_engine.url + '/v1'!r}, api_key='x'),\n"
+        "    tracer_provider=provider,\n"
+        f"    config=agent.AgentConfig(metrics_url={late.url!r}, snapshot_timeout=5.0),\n"
+        ")\n"
+        f"client.chat.completions.create(model={MODEL!r}, max_tokens=8,\n"
+        "    messages=[{'role': 'user', 'content': 'hi'}])\n"
+        "print('returned', flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("returned")
+    assert late.answered_at  # the after-read was answered after the script's last line
+    assert '"gen_ai.vllm.mtp.source": "counters"' in out.stdout

@@ -198,8 +198,11 @@ def test_snapshot_rules_on_the_real_capture():
     # Each part of the proof, broken alone, makes the call shared:
     assert fig(before, moved, overlapped=True).source == "shared"  # another call of ours
     assert fig(before, moved, out=23).source == "shared"  # someone else's tokens in the window
+    # With usage, a request running at the after-read does not matter: with a token inside the
+    # window it would have moved the token counter (out=23 above); without one it drafted none.
     busy = _timed(_with(moved_text, **{"vllm:num_requests_running": "1.0"}), 3.0)
-    assert fig(before, busy).shared  # something running at the after-read
+    assert fig(before, busy).source == "counters"
+    assert fig(before, busy, out=None).shared  # without usage it does
     two = _timed(
         _with(
             moved_text, **{'vllm:request_success_total{engine="0",finished_reason="stop"': "1.0"}
@@ -233,6 +236,70 @@ def test_the_reading_before_a_call_was_complete_before_its_request_went_out():
 
     srv._record(dataclasses.replace(reading, at=w.sent + 0.01), sent=w.sent - 0.0005)
     assert srv.before(w).reading is reading
+
+
+def _seq(text: str, tokens: float, finished: float) -> str:
+    return _with(
+        text,
+        **{
+            "vllm:generation_tokens_total": str(tokens),
+            'vllm:request_success_total{engine="0",finished_reason="length"': str(finished),
+        },
+    )
+
+
+def test_a_certified_after_read_is_the_next_calls_before_even_while_in_flight():
+    # Back to back: call 1 ends at t=2.0, its after-read R1 is sent at 2.01 but only complete at
+    # 2.5; call 2 went out at 2.1, while R1 was in flight. R1 is the next call's before-reading
+    # only once call 1's proof showed R1 holds no other request's tokens.
+    srv = attribution.Server("http://127.0.0.1:9/metrics/")
+
+    def rec(text, sent):
+        return srv._record(metrics_reader.parse(200, text.encode()), sent=sent)
+
+    # R0: 64 tokens, 1 request finished (the capture), complete at ~1.0.
+    r0 = srv._record(metrics_reader.parse(200, CAPTURE.encode()), sent=0.9)
+    r0.got = r0.clean_from = 1.0
+    call1 = srv.begin()
+    call1.sent, call1.finished = 1.5, 2.0
+    srv.end(call1)
+    assert srv.before(call1) is r0
+    r1 = rec(_seq(CAPTURE, 88, 2), 2.01)
+    r1.got = r1.clean_from = 2.5
+    call2 = srv.begin()
+    call2.sent = 2.1
+    # Not certified yet: R1 was still in flight when call 2 went out; only R0 qualifies.
+    assert srv.before(call2) is r0
+    fig1 = attribution.from_readings(r0, r1, "gemma4-tiny", overlapped=False, output_tokens=24)
+    assert fig1.source == "counters"
+    srv.certify(r0, r1, call1.finished)
+    assert r1.clean_from == 2.0  # nothing sent after call 1's end is in R1
+    assert srv.before(call2) is r1
+    # Call 2's own proof, from the certified R1 (running there may be call 2 itself).
+    call2.finished = 3.0
+    srv.end(call2)
+    r2 = rec(_seq(CAPTURE, 112, 3), 3.01)
+    r1_busy = attribution.Timed(
+        metrics_reader.parse(200, _with(_seq(CAPTURE, 88, 2), **{RUN: "1.0"}).encode()), 2.01, 2.5
+    )
+    r1_busy.clean_from = 2.0
+    assert (
+        attribution.from_readings(r1_busy, r2, None, overlapped=False, output_tokens=24).source
+        == "counters"
+    )
+    # Foreign tokens in call 1's window: no proof, no certificate; R1 stays "complete at 2.5".
+    srv2 = attribution.Server("http://127.0.0.1:9/metrics/")
+    f1 = attribution.Timed(metrics_reader.parse(200, _seq(CAPTURE, 95, 2).encode()), 2.01, 2.5)
+    assert (
+        attribution.from_readings(r0, f1, None, overlapped=False, output_tokens=24).source
+        == "shared"
+    )
+    assert f1.clean_from == 2.5
+    srv2._readings.extend([r0, f1])
+    assert srv2.before(call2) is r0  # a window holding both calls: shared at its end
+
+
+RUN = "vllm:num_requests_running"
 
 
 def test_windows_are_identities_and_end_once():

@@ -56,7 +56,10 @@ def flush(timeout: float = 5.0) -> bool:
 
     Figures that need a ``/metrics`` after-read are completed on the agent's background thread
     after the call returns. Call this before reading ``on_call`` records you depend on, or
-    before shutting down a tracer provider yourself (it also runs at interpreter exit).
+    before shutting down a tracer provider yourself. At interpreter exit it runs on its own
+    (``atexit``, bounded to 2 s), ahead of the exit shutdown of any tracer provider created
+    before the client was instrumented. Called from an ``on_call`` callback it returns False
+    at once (the callback runs on the agent's thread).
     """
     return attribution.WORKER.flush(timeout)
 
@@ -76,6 +79,8 @@ def instrument(
     with :func:`serve_metrics`); ``on_call`` receives a :class:`CallRecord` after each call.
     """
     cfg = config or AgentConfig.from_env()
+    # Ahead of the exit handlers registered so far (e.g. this provider's own shutdown).
+    attribution.register_exit_flush()
     provider = tracer_provider or trace.get_tracer_provider()
     base = str(client.base_url)
     parts = urlsplit(base)

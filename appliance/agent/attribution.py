@@ -5,34 +5,38 @@ Order of preference (see adr/0006-telemetry-agent.md):
 1. The response's own ``metrics.speculative_decoding`` block (vLLM >= 0.29 with
    ``--per-request-spec-decode-metrics``): exact, immune to overlap and restarts, no extra HTTP
    request. Source ``request``.
-2. The ``/metrics`` counter delta between a reading complete before the call's request went out
-   and one taken after the call ended. Exact (source ``counters``) only when the window provably
-   held this call alone; otherwise ``shared``. The proof (:func:`only_this_call`): no other call
-   of this process overlapped it; nothing was running at the after-read; exactly one request
+2. The ``/metrics`` counter delta between a reading that holds none of the call's tokens
+   (:meth:`Server.before`) and one taken after the call ended. Exact (source ``counters``) only
+   when the window provably held this call alone; otherwise ``shared``. The proof
+   (:func:`only_this_call`): no other call of this process overlapped it; exactly one request
    finished in the window (``vllm:request_success_total``, every finish reason); and the
    server's ``vllm:generation_tokens_total`` moved by exactly this call's own
    ``usage.completion_tokens``. Every verification step yields at least one token, so another
    request's drafts in the window would have moved that counter past the call's usage. Without
-   usage (a stream without ``include_usage``), nothing may be running at the before-read
-   either.
+   usage (a stream without ``include_usage``), nothing may be running at either read.
 3. ``absent`` when the server has no speculative decoding; ``unknown`` when the figures cannot
    be known (a read failed, or the counters reset between the reads).
 
 The after-read, and everything that waits on it (figures, span end, metrics, ``on_call``), runs
-on one background thread (:class:`Worker`), off the caller's path. The reading before a call is
-the newest one complete before its request went out, usually the previous call's after-read:
-sequential calls cost one read each. The caller waits for it only when that after-read is still
-in flight (calls back to back), and reads itself only for a server's first call. A read still in
-flight when the request goes out cannot be shown to precede the call's first token; measured, on
-a loaded host it often does not. When foreign
-traffic moved the counters in between, the proof fails and the call is ``shared``. Every read is
-bounded and every failure is counted, never raised.
+on one background thread (:class:`Worker`), off the caller's path; the caller never waits for a
+read (it reads itself only for a server's first call). The reading before a call is the newest
+one that provably holds none of the call's tokens: one complete before its request went out, or
+a *certified* after-read (:meth:`Server.certify`): the previous call's after-read, even while it
+is still in flight when the next request goes out, once that previous call's own proof showed
+the server's token counter moved by exactly its usage (then the reading holds no token of any
+request sent after the previous call ended, see :meth:`Server.certify`). So sequential calls
+cost one read each, none on the caller's path. Foreign traffic between two calls fails a proof
+and makes the calls ``shared``; the next call that finds an after-read pending then waits for it
+(bounded) once, so the chain restarts. A stream without usage cannot certify anything: it
+always waits for a pending after-read, as before. Every read is bounded
+and every failure is counted, never raised.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import logging
 import os
 import queue
@@ -88,13 +92,21 @@ UNKNOWN_FAILED = Figures("unknown", "failed")
 UNKNOWN_SKIPPED = Figures("unknown", "skipped")
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Timed:
-    """A reading with when its request went out and when its answer was complete (monotonic)."""
+    """A reading with when its request went out and when its answer was complete (monotonic).
+
+    ``clean_from``: the reading holds no token of any request sent after this time. ``got`` (the
+    page was complete) unless :meth:`Server.certify` proved an earlier time.
+    """
 
     reading: Reading
     sent: float
     got: float
+    clean_from: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.clean_from = self.clean_from or self.got
 
 
 @dataclass(eq=False)  # identity, not value: two calls' windows are never "the same window"
@@ -104,6 +116,8 @@ class Window:
     overlapped: bool = False
     snapshots: bool = False
     sent: float = 0.0  # when the call's request went out (monotonic)
+    finished: float = 0.0  # when the call ended for the caller (monotonic)
+    quiet_before: bool = False  # no usage to prove with: wait for a pending after-read
     ended: bool = False
 
 
@@ -113,8 +127,14 @@ class Window:
 class Worker:
     """One daemon thread running the agent's reads and the work that waits on them, in order.
 
+    Bounded: :meth:`offer` refuses work past ``MAX_BACKLOG`` queued jobs (the call then gets
+    ``unknown``/``skipped`` figures, counted as ``gemma4_agent_errors_total{kind="backlog"}``).
     ``put`` is a ``queue.SimpleQueue.put``: reentrant, so a garbage-collection finalizer may call
-    it while the interrupted thread holds any lock (it takes none of the agent's).
+    it while the interrupted thread holds any lock (it takes none of the agent's); those jobs are
+    tiny and network-free. Exit: :func:`_exit_flush` runs at interpreter exit, registered again
+    whenever a client is instrumented or the thread starts, so it runs before the ``atexit``
+    shutdown of any tracer provider created earlier. Fork: the child starts with an empty queue
+    and fresh locks (:func:`_after_fork`); the parent's queued jobs stay the parent's.
     """
 
     MAX_BACKLOG = 512
@@ -125,12 +145,16 @@ class Worker:
         self._start_lock = threading.Lock()
         self._pid = os.getpid()
 
+    def _reset_after_fork(self) -> None:
+        self._q, self._thread, self._start_lock = queue.SimpleQueue(), None, threading.Lock()
+        self._pid = os.getpid()
+
     def start(self) -> None:
         """Start the thread (from a normal call path, never from a finalizer)."""
         if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
             return
         with self._start_lock:
-            if self._pid != os.getpid():  # a forked child inherits the queue, not the thread
+            if self._pid != os.getpid():  # forked without the hook (it is registered at import)
                 self._q, self._pid = queue.SimpleQueue(), os.getpid()
                 self._thread = None
             if self._thread is None or not self._thread.is_alive():
@@ -138,9 +162,18 @@ class Worker:
                     target=self._run, name="appliance-agent", daemon=True
                 )
                 self._thread.start()
+                register_exit_flush()
 
     def busy(self) -> bool:
         return self._q.qsize() >= self.MAX_BACKLOG
+
+    def offer(self, fn: Callable[[], None]) -> bool:
+        """Queue ``fn`` unless the backlog is full (False: the caller degrades and counts it)."""
+        if self.busy():
+            return False
+        self.start()
+        self._q.put(fn)
+        return True
 
     def put(self, fn: Callable[[], None]) -> None:
         self._q.put(fn)
@@ -155,15 +188,32 @@ class Worker:
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until everything queued so far has run; False if ``timeout`` passed first."""
-        if self._thread is None or not self._thread.is_alive():
+        if self._thread is None or not self._thread.is_alive() or self._pid != os.getpid():
             return self._q.empty()
+        if threading.current_thread() is self._thread:
+            return False  # called from a job (an on_call callback): waiting on itself
         done = threading.Event()
         self._q.put(done.set)
         return done.wait(timeout)
 
 
 WORKER = Worker()
-atexit.register(WORKER.flush, 2.0)  # spans finish before the tracer provider's own atexit flush
+EXIT_FLUSH_S = 2.0  # at most this long at exit: every queued read is bounded anyway
+
+
+def _exit_flush() -> None:
+    WORKER.flush(EXIT_FLUSH_S)
+
+
+def register_exit_flush() -> None:
+    """(Re)register the exit flush: ``atexit`` runs last-registered first, so this puts the
+    agent's flush ahead of every exit handler registered so far, such as the shutdown of a
+    tracer provider created before the client was instrumented (its spans are still exported)."""
+    atexit.unregister(_exit_flush)
+    atexit.register(_exit_flush)
+
+
+register_exit_flush()
 
 
 # --- one server -------------------------------------------------------------------------------
@@ -179,10 +229,17 @@ class Server:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _skip_until: float = 0.0
     _http: httpx.Client | None = None
+    _split: metrics_reader.SplitReader | None = None  # the worker's kept-alive connection
     _ahttp: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     # The newest readings (sent order), candidates for the next calls' before-reading.
     _readings: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
     _pending: int = 0  # after-reads queued on the worker and not yet done
+    # Whether the newest reading is expected to start the next call's window cleanly (a fresh
+    # read, or an after-read sent as its call ended and whose call's proof held). When not, the
+    # next call waits once for a pending after-read, so back-to-back calls get a clean window
+    # again after a broken chain, and a server that cannot keep a connection open for the early
+    # send costs a wait per call rather than its exactness.
+    _chain: bool = False
     _changed: threading.Condition | None = None
 
     def __post_init__(self) -> None:
@@ -212,22 +269,25 @@ class Server:
 
     # -- the reading before a call ----------------------------------------------------------------
     def _needs(self, w: Window) -> str:
-        """What ``w`` needs before its request goes out: ``wait`` for a pending after-read (the
-        previous call's, which is then this call's before), ``read`` (no reading yet), or
-        nothing (an older reading is reused; the proof at the end says if it holds)."""
+        """What ``w`` needs before its request goes out: ``read`` (no reading yet: a server's
+        first call), ``wait`` for a pending after-read (a call without usage, which cannot use a
+        certified reading; or the first call after a broken chain, see ``_chain``), or nothing
+        (the before-reading is picked after the call, on the worker: see :meth:`before`)."""
         with self._lock:
-            if self._pending and not w.overlapped:
+            if not self._readings and not self._pending:
+                return "read"
+            if self._pending and not w.overlapped and (w.quiet_before or not self._chain):
                 return "wait"
-            return "" if self._readings else "read"
+            return ""
 
     def prepare(self, w: Window, metrics: AgentMetrics, timeout: float, cooldown: float) -> None:
-        """Make sure a reading precedes the call (sync; at most one bounded wait or read)."""
+        """Make sure a reading can precede the call (sync; at most one bounded wait or read)."""
         need = self._needs(w)
         if need == "wait":
             with self._changed:
                 self._changed.wait_for(lambda: not self._pending, timeout)
         elif need == "read":
-            self.read(metrics, timeout, cooldown)
+            self.chained(self.read(metrics, timeout, cooldown) is not None)
 
     async def aprepare(
         self, w: Window, metrics: AgentMetrics, timeout: float, cooldown: float
@@ -241,7 +301,11 @@ class Server:
             while self._pending and time.monotonic() < deadline:
                 await asyncio.sleep(0.0005)
         elif need == "read":
-            await self.aread(metrics, timeout, cooldown)
+            self.chained(await self.aread(metrics, timeout, cooldown) is not None)
+
+    def chained(self, ok: bool) -> None:
+        """Whether the newest reading starts the next window cleanly (see ``_chain``)."""
+        self._chain = ok
 
     def after_queued(self) -> None:
         with self._lock:
@@ -271,19 +335,67 @@ class Server:
         self._skip_until = time.monotonic() + cooldown
         metrics.error("metrics_" + exc.kind)
 
-    def read(self, metrics: AgentMetrics, timeout: float, cooldown: float) -> Timed | None:
-        """One bounded read, recorded as a candidate; ``None`` (one counted error) on failure."""
-        if self._cooling(metrics):
+    def send_early(self) -> float | None:
+        """Put the after-read's request on the wire now, as the call ends (the caller's thread:
+        a few bytes on a warm connection, no wait); when it went out, or ``None``.
+
+        Sent before the caller can send its next request, the page is nearly always rendered
+        before that request's first token, so this call's proof, and the certificate that lets
+        the next call start from this reading, rarely fail for it (a leak only makes the calls
+        ``shared``: the proof checks, the order is not assumed)."""
+        if time.monotonic() < self._skip_until:
+            return None
+        split = self._split
+        if split is None:
             return None
         sent = time.monotonic()
+        return sent if split.send() else None
+
+    def drop_early(self) -> None:
+        """Forget a :meth:`send_early` nobody will receive (its connection is closed)."""
+        if self._split is not None:
+            self._split.receive_nothing()
+
+    def read(
+        self,
+        metrics: AgentMetrics,
+        timeout: float,
+        cooldown: float,
+        early: float | None = None,
+    ) -> Timed | None:
+        """One bounded read, recorded as a candidate; ``None`` (one counted error) on failure.
+
+        ``early``: the answer to :meth:`send_early`'s request, sent then."""
+        if early is None and self._cooling(metrics):
+            return None
+        sent = early if early is not None else time.monotonic()
         try:
-            if self._http is None:
-                self._http = httpx.Client()
-            reading = metrics_reader.read(self.metrics_url, timeout=timeout, client=self._http)
+            reading = None
+            if early is not None:
+                try:
+                    reading = self._split.receive(timeout)
+                except metrics_reader.MetricsReadError as exc:
+                    if exc.kind != "unreachable":
+                        raise
+                    sent = time.monotonic()  # the kept-alive connection was closed: once more
+            if reading is None:
+                reading = self._read_now(timeout)
         except metrics_reader.MetricsReadError as exc:
             self._failed(metrics, exc, cooldown)
             return None
         return self._record(reading, sent)
+
+    def _read_now(self, timeout: float) -> Reading:
+        with self._lock:
+            if self._split is None:
+                self._split = metrics_reader.SplitReader(self.metrics_url)
+            split = self._split
+        reading = split.read(timeout)  # also warms the connection for the next send_early
+        if reading is not None:
+            return reading
+        if self._http is None:  # the kept-alive connection is busy: another one
+            self._http = httpx.Client()
+        return metrics_reader.read(self.metrics_url, timeout=timeout, client=self._http)
 
     async def aread(self, metrics: AgentMetrics, timeout: float, cooldown: float) -> Timed | None:
         """The async twin of :meth:`read`, on a client bound to the running loop."""
@@ -304,17 +416,57 @@ class Server:
         return self._record(reading, sent)
 
     def before(self, w: Window) -> Timed | None:
-        """The newest reading complete before the call's request went out."""
+        """The newest reading that holds none of the call's tokens (``clean_from`` before the
+        call's request went out): complete before it, or certified (:meth:`certify`)."""
         with self._lock:
             readings = list(self._readings)
         for t in reversed(readings):
-            if t.got < w.sent:
+            if t.clean_from < w.sent:
                 return t
         return None
+
+    def certify(self, before: Timed, after: Timed, finished: float) -> None:
+        """Record what a call's token proof showed about its after-read.
+
+        Given: ``before`` held none of the call's tokens, ``after`` was sent after the call
+        ended (so it holds all of them), and the server's generation-token counter moved between
+        them by exactly the call's own ``usage.completion_tokens``. Then no other request moved
+        that counter in between: ``after`` holds, for every other request, exactly the tokens
+        ``before`` held. So ``after`` holds no token of any request sent after both
+        ``before.clean_from`` and the call's end (such a request is not the call, and ``before``
+        held none of its tokens), even if ``after`` was still in flight when it was sent. A
+        request with no token in a reading has no drafts in it either: every verification step
+        yields at least one token.
+        """
+        with self._lock:
+            after.clean_from = min(after.clean_from, max(before.clean_from, finished))
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: fresh locks, no connections or windows of the parent's."""
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._active = set()
+        self._pending = 0
+        self._chain = False
+        self._split = None  # the parent's socket: left open for the parent
+        self._http = None
+        self._ahttp = weakref.WeakKeyDictionary()
 
 
 _servers: dict[str, Server] = {}
 _servers_lock = threading.Lock()
+
+
+def _after_fork() -> None:
+    global _servers_lock
+    # A lock held by another thread at fork time would stay held forever in the child.
+    _servers_lock = threading.Lock()
+    WORKER._reset_after_fork()
+    for srv in _servers.values():
+        srv.reset_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def server_for(metrics_url: str) -> Server:
@@ -340,11 +492,13 @@ def only_this_call(
 ) -> bool:
     """True when the window between the two readings provably held this call alone.
 
-    ``before`` was complete before the call's request went out and ``after`` was taken after it
-    ended (the caller picks them so). See the module docstring for the rule.
+    ``before`` holds none of the call's tokens and ``after`` was taken after it ended (the
+    caller picks them so). See the module docstring for the rule. With usage, the running gauge
+    does not matter: a request still running at either read with no token inside the window has
+    no drafts inside it, and one with a token there moves the token counter past the usage.
     """
     b, a = before.reading, after.reading
-    if overlapped or a.snapshot.running is None or a.snapshot.running > 0:
+    if overlapped:
         return False
     if b.finished_requests is None or a.finished_requests is None:
         return False
@@ -359,7 +513,7 @@ def only_this_call(
         # would have moved this counter past the call's own usage.
         return a.generation_tokens - b.generation_tokens == output_tokens
     # Without usage: nothing running at either read and one request finished in between.
-    return b.snapshot.running == 0
+    return b.snapshot.running == 0 and a.snapshot.running == 0
 
 
 def from_readings(
@@ -373,13 +527,14 @@ def from_readings(
     """Figures from the readings around a call (see the module docstring for the rules)."""
     if before is None or after is None:
         return UNKNOWN_FAILED
+    alone = only_this_call(before, after, output_tokens, overlapped)
+    b, a = before.reading.snapshot, after.reading.snapshot
+    if alone:
+        # The proof already accounts for requests running at either read (only_this_call), and
+        # the request running at a certified before-reading may be this very call.
+        b, a = dataclasses.replace(b, running=0.0), dataclasses.replace(a, running=0.0)
     # The one rule (specdecode.attribute), with this agent's stronger proof of being alone.
-    att = specdecode.attribute(
-        before.reading.snapshot,
-        after.reading.snapshot,
-        model,
-        overlapped=not only_this_call(before, after, output_tokens, overlapped),
-    )
+    att = specdecode.attribute(b, a, model, overlapped=not alone)
     if att.source == "absent":
         return Figures("absent", "absent")
     if att.source == "unknown":

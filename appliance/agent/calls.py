@@ -7,6 +7,7 @@ caller only ever sees the bare client's result or exception. :meth:`Call.finish`
 from __future__ import annotations
 
 import contextvars
+import functools
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -107,6 +108,7 @@ class Call:
         kwargs = self._kwargs
         self.window = self.settings.server.begin()
         self.window.snapshots = self._wants_snapshots()
+        self.window.quiet_before = not self.usage_expected
         attrs = spans.request_attributes(
             self.operation,
             kwargs,
@@ -243,10 +245,12 @@ class Call:
         return Figures("unknown", "missing"), False
 
     def finish(self, error: BaseException | None = None) -> None:
-        """End of the call (sync or async: no I/O here). Once.
+        """End of the call (sync or async: no waiting here). Once.
 
-        When the figures need an after-read, it and everything after it (span end, metrics,
-        ``on_call``) run on the agent's background thread; the caller returns at once.
+        When the figures need an after-read, its request is sent now on a warm connection (a
+        few bytes, :meth:`attribution.Server.send_early`) and its answer, and everything after
+        it (span end, metrics, ``on_call``), are handled on the agent's background thread; the
+        caller returns at once.
         """
         if self._done:
             return
@@ -256,21 +260,38 @@ class Call:
         deferred = False
         try:
             if self.window is not None:
+                self.window.finished = time.monotonic()
                 self.settings.server.end(self.window)  # the call is over at the server
             if error is not None:
                 fig, read = UNKNOWN_ERROR, False
             else:
                 fig, read = self._figures_without_after()
             if read:
-                if WORKER.busy():
-                    self.settings.metrics.error("metrics_skipped")
-                    fig = attribution.UNKNOWN_SKIPPED
-                else:
-                    WORKER.start()
-                    self.settings.server.after_queued()
-                    WORKER.put(self._complete)
-                    deferred = True
-                    return
+                srv = self.settings.server
+                srv.after_queued()
+                early = None
+                try:
+                    if not WORKER.busy():
+                        early = srv.send_early()
+                    if early is None:
+                        # Read later by the worker, this page may be rendered after the next
+                        # call's first token: the next call waits for it instead.
+                        srv.chained(False)
+                    if WORKER.offer(functools.partial(self._complete, early)):
+                        deferred = True
+                        return
+                except BaseException:  # Ctrl-C mid-send: nothing left pending or half-sent
+                    if not deferred:
+                        if early is not None:
+                            srv.drop_early()
+                        srv.after_done()
+                    raise
+                # The worker's backlog is full: no figures rather than an unbounded queue.
+                if early is not None:
+                    srv.drop_early()
+                srv.after_done()
+                self.settings.metrics.error("backlog")
+                fig = attribution.UNKNOWN_SKIPPED
             self._close(fig, error)
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
@@ -282,22 +303,32 @@ class Call:
     async def afinish(self, error: BaseException | None = None) -> None:
         self.finish(error)
 
-    def _complete(self) -> None:
-        """On the background thread: the after-read, the figures, then span, metrics, record."""
+    def _complete(self, early: float | None = None) -> None:
+        """On the background thread: the after-read (its request already sent when ``early``),
+        the figures, then span, metrics, record."""
         try:
             cfg, srv = self.settings.config, self.settings.server
             try:
-                after = srv.read(self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown)
+                after = srv.read(
+                    self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown, early
+                )
             finally:
                 srv.after_done()
             w = self.window
+            before = srv.before(w)
             fig = attribution.from_readings(
-                srv.before(w),
+                before,
                 after,
                 self.response_model or self.model,
                 overlapped=w.overlapped,
                 output_tokens=self.output_tokens,
             )
+            certified = fig.source == "counters" and self.output_tokens is not None
+            if certified:
+                # The token proof held: the next call may start from this after-read even if
+                # its request went out while the read was in flight (Server.certify).
+                srv.certify(before, after, w.finished)
+            srv.chained(certified)
             self._close(fig, None)
         except Exception:  # noqa: BLE001 - telemetry never raises
             self._agent_failed()

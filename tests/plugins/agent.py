@@ -121,14 +121,19 @@ class FakeMetrics:
     url: str
     hits: int = 0
     release: threading.Event = field(default_factory=threading.Event)
+    fetched: threading.Event = field(default_factory=threading.Event)  # "late": page taken
+    answered_at: list[float] = field(default_factory=list)  # monotonic, per delayed answer
 
 
 @pytest.fixture
 def bad_metrics() -> Iterator[Callable[..., FakeMetrics]]:
     """Factory: ``bad_metrics(mode)`` with mode ``500``, ``garbage``, ``hang``, ``pages``
-    (``pages=[text, ...]`` answered one per read, the last one repeated) or ``slow``: the live
+    (``pages=[text, ...]`` answered one per read, the last one repeated), ``slow``: the live
     page of ``upstream`` (a real engine), relayed with its query, after ``slow_s`` seconds on the
-    reads numbered in ``slow_hits`` (a /metrics read slow enough to interrupt, on demand)."""
+    reads numbered in ``slow_hits`` (a /metrics read slow enough to interrupt, on demand), or
+    ``late``: the same, but the live page is taken at once (``fetched`` is set) and answered
+    ``slow_s`` seconds later (a read still in flight long after the engine rendered it: a loaded
+    server's answer queued behind its other work)."""
     servers: list[tuple[ThreadingHTTPServer, FakeMetrics]] = []
 
     def make(
@@ -142,6 +147,10 @@ def bad_metrics() -> Iterator[Callable[..., FakeMetrics]]:
         state = FakeMetrics(url="")
 
         class Handler(BaseHTTPRequestHandler):
+            # "late" keeps its connections open like vLLM's server (the agent then sends its
+            # after-read as the call ends); the others close after each answer.
+            protocol_version = "HTTP/1.1" if mode == "late" else "HTTP/1.0"
+
             def do_GET(self):
                 state.hits += 1
                 if mode == "hang":
@@ -154,6 +163,13 @@ def bad_metrics() -> Iterator[Callable[..., FakeMetrics]]:
                         state.release.wait(slow_s)
                     live = urllib.request.urlopen(upstream + self.path, timeout=10)
                     body, code = live.read(), live.status
+                elif mode == "late":
+                    live = urllib.request.urlopen(upstream + self.path, timeout=10)
+                    body, code = live.read(), live.status
+                    if state.hits in slow_hits:
+                        state.fetched.set()
+                        state.release.wait(slow_s)
+                        state.answered_at.append(time.monotonic())
                 elif mode == "garbage":
                     body, code = b"\x00\xffnot { prometheus at all\n<html>", 200
                 else:
