@@ -13,6 +13,7 @@ import click
 
 from ..cutover import flow, history
 from ..cutover import lock as locks
+from ..cutover import metrics as cutover_metrics
 from ..cutover.paths import Layout
 from ..cutover.status import describe_running
 from ..cutover.status import status as get_status
@@ -27,6 +28,16 @@ def _progress(msg: str) -> None:
 
 def _context(root: Path, progress: bool = True) -> flow.Context:
     return flow.Context(layout=Layout(root), progress=_progress if progress else (lambda _m: None))
+
+
+def _docker_or_none():
+    """A Docker client, or None when the engine cannot be reached (labels then read unknown)."""
+    import docker
+
+    try:
+        return docker.from_env()
+    except docker.errors.DockerException:
+        return None
 
 
 def _when(ts: float | None) -> str:
@@ -162,14 +173,22 @@ def rollback(instance: str, timeout: float, root: Path) -> None:
 
 @click.command(name="status")
 @click.argument("instance", required=False)
+@click.option(
+    "--write-metrics",
+    is_flag=True,
+    help="Also rewrite the state-metrics textfile (units' states included); for a timer.",
+)
 @root_option
-def status(instance: str | None, root: Path) -> None:
+def status(instance: str | None, write_metrics: bool, root: Path) -> None:
     """Image, labels, unit state, health, MTP and recent history of INSTANCE (or of all)."""
     layout = Layout(root)
     names = [instance] if instance else sorted(p.stem for p in layout.env_dir.glob("*.env"))
     if not names:
         click.echo(f"no instances under {layout.env_dir}")
     ctx = _context(root, progress=False)
+    if write_metrics:
+        # Cutovers write it too; between them only this refresh shows a unit that gave up.
+        click.echo(f"wrote {cutover_metrics.write(layout, _docker_or_none(), ctx.systemd)}")
     for name in names:
         st = get_status(ctx, name)
         click.echo(f"{st.instance}  ({st.unit}: {st.unit_state})")

@@ -713,6 +713,6 @@ def _running_or_none(ctx: Context, container: str) -> str | None:
 def _write_metrics(ctx: Context) -> None:
     """Refresh the state-metrics textfile; a failure is reported, never fails the cutover."""
     try:
-        metrics.write(ctx.layout, ctx.docker_client)
+        metrics.write(ctx.layout, ctx.docker_client, ctx.systemd)
     except (OSError, ApplianceError) as exc:
         ctx.progress(f"warning: state metrics not written: {exc}")

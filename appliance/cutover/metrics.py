@@ -16,8 +16,12 @@ from . import envfile, history
 from .paths import Layout
 
 
-def states(layout: Layout, docker_client=None) -> list[state_metrics.InstanceState]:
-    """One :class:`state_metrics.InstanceState` per installed instance."""
+def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metrics.InstanceState]:
+    """One :class:`state_metrics.InstanceState` per installed instance; with ``systemd`` (an
+    :class:`appliance.cutover.systemd.Systemd`) each carries its unit's state, so a unit that
+    gave up at its start limit reaches the alert."""
+    from ..units.template import unit_name  # here: units imports this package
+
     out = []
     for env_path in sorted(layout.env_dir.glob("*.env")):
         instance = env_path.stem
@@ -52,11 +56,18 @@ def states(layout: Layout, docker_client=None) -> list[state_metrics.InstanceSta
                 events=Counter((e.kind, e.outcome) for e in done),
                 last_cutover=max((e.finished or e.started for e in done), default=None),
                 canary=last_canary,
+                unit=(
+                    state_metrics.unit_status(systemd, unit_name(instance))
+                    if systemd is not None
+                    else None
+                ),
             )
         )
     return out
 
 
-def write(layout: Layout, docker_client=None) -> Path:
-    """Write the state textfile for every instance under ``layout``."""
-    return state_metrics.write_textfile(layout.metrics_textfile(), states(layout, docker_client))
+def write(layout: Layout, docker_client=None, systemd=None) -> Path:
+    """Write the state textfile for every instance under ``layout`` (see :func:`states`)."""
+    return state_metrics.write_textfile(
+        layout.metrics_textfile(), states(layout, docker_client, systemd)
+    )
