@@ -66,6 +66,22 @@ class Canary:
 
 
 @dataclass(frozen=True)
+class Multinode:
+    """The optional ``[multinode]`` table: one model served across ``nodes`` hosts with vLLM's own
+    multi-node (``--nnodes``/``--node-rank``/``--master-addr``/``--master-port``, workers
+    ``--headless``). ``master_addr``/``master_port``: the head's rendezvous address on the
+    cluster network; ``nccl_socket_ifname``/``gloo_socket_ifname``: the cluster network's
+    interface, exported on every node (``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``). Every
+    node runs the group's one ``VLLM_IMAGE`` (appliance/multinode)."""
+
+    nodes: int = 2
+    master_addr: str = ""
+    master_port: int = 29500
+    nccl_socket_ifname: str = ""
+    gloo_socket_ifname: str = ""
+
+
+@dataclass(frozen=True)
 class Profile:
     """One serving configuration of Gemma 4 on vLLM."""
 
@@ -77,6 +93,7 @@ class Profile:
     revision: str | None = None  # the target's pinned hub revision (a commit), when pinned
     dtype: str = "auto"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -92,6 +109,7 @@ class Profile:
     min_vllm: str = "0.19.0"
     hardware: Hardware = field(default_factory=Hardware)
     canary: Canary = field(default_factory=Canary)
+    multinode: Multinode | None = None  # one model across several hosts (appliance/multinode)
     env: dict[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
 
@@ -125,6 +143,8 @@ class Profile:
         args += ["--dtype", self.dtype]
         if self.tensor_parallel_size != 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.pipeline_parallel_size != 1:
+            args += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
         for flag, value in (
             ("--max-model-len", self.max_model_len),
             ("--max-num-batched-tokens", self.max_num_batched_tokens),
@@ -181,6 +201,8 @@ def from_dict(data: dict, where: str = "profile") -> Profile:
             data["hardware"] = _build(Hardware, data["hardware"], f"{where} [hardware]")
         if "canary" in data:
             data["canary"] = _build(Canary, data["canary"], f"{where} [canary]")
+        if "multinode" in data:
+            data["multinode"] = _build(Multinode, data["multinode"], f"{where} [multinode]")
         if "extra_args" in data:
             data["extra_args"] = tuple(data["extra_args"])
         return _build(Profile, data, where)

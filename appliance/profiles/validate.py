@@ -8,6 +8,7 @@ broken combination is caught on the operator's terminal, not after a 471 s model
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -164,6 +165,8 @@ def _k(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
 
 
 def _parallelism(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    if p.multinode is not None:
+        return  # parallelism across nodes: _multinode
     tp, hw = p.tensor_parallel_size, p.hardware
     if tp < 1:
         yield Finding("error", "tensor-parallel", f"tensor_parallel_size = {tp}", "use >= 1")
@@ -263,6 +266,156 @@ def _exposure(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
         )
 
 
+# An interface for NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME: names or prefixes, comma-separated,
+# optionally "^" (exclude) or "=" (exact) first, as NCCL reads it.
+_IFNAME = re.compile(r"[=^]?[A-Za-z0-9_.:-]{1,15}(,[A-Za-z0-9_.:-]{1,15})*")
+_LOOPBACK_IF = re.compile(r"[=^]?lo([,:]|$)")
+
+
+def _multinode(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    """One model across nodes: the world size, the rendezvous address, the interfaces."""
+    mn, hw = p.multinode, p.hardware
+    if mn is None:
+        return
+    tp, pp = p.tensor_parallel_size, p.pipeline_parallel_size
+    if mn.nodes < 2:
+        yield Finding(
+            "error",
+            "multinode-nodes",
+            f"[multinode] nodes = {mn.nodes}",
+            "use nodes >= 2, or drop [multinode] for a single host",
+        )
+        return
+    if tp < 1 or pp < 1:
+        yield Finding(
+            "error",
+            "multinode-parallel",
+            f"tensor_parallel_size = {tp}, pipeline_parallel_size = {pp}",
+            "use >= 1 for both",
+        )
+        return
+    # The CPU engine runs one rank per node (a process); a GPU node one rank per GPU.
+    per_node = 1 if hw.device == "cpu" else hw.gpus
+    if hw.device != "cpu" and per_node < 1:
+        yield Finding(
+            "error",
+            "gpus",
+            f"[hardware] gpus = {hw.gpus} for a {hw.device} profile",
+            "state how many GPUs each node has",
+        )
+    elif tp * pp != mn.nodes * per_node:
+        yield Finding(
+            "error",
+            "multinode-parallel",
+            f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} = {tp * pp}, but "
+            f"{mn.nodes} nodes x {per_node} {'rank' if hw.device == 'cpu' else 'GPU'}(s) = "
+            f"{mn.nodes * per_node}: vLLM needs one rank per device across the nodes",
+            f"make TP x PP = {mn.nodes * per_node} (e.g. TP = GPUs per node, PP = nodes)",
+        )
+    if hw.mig:
+        yield Finding(
+            "error",
+            "mig",
+            "a MIG profile cannot span nodes",
+            "drop [multinode] or mig",
+        )
+    yield from _master(p)
+    yield from _interfaces(p)
+
+
+def _master(p: Profile) -> Iterable[Finding]:
+    mn = p.multinode
+    assert mn is not None
+    try:
+        addr = ipaddress.ip_address(mn.master_addr)
+    except ValueError:
+        yield Finding(
+            "error",
+            "multinode-master",
+            f"[multinode] master_addr {mn.master_addr!r} is not an IP address",
+            "name the head's address on the cluster network as an IP (a host name may resolve "
+            "to its public address)",
+        )
+        return
+    if addr.is_unspecified:
+        yield Finding(
+            "error",
+            "multinode-master",
+            f"[multinode] master_addr {addr} is every address: the rendezvous port would be "
+            "open on the public network too",
+            "use the head's address on the cluster network",
+        )
+    elif p.hardware.device == "cpu":
+        if not addr.is_loopback:
+            yield Finding(
+                "error",
+                "multinode-master",
+                f"[multinode] master_addr {addr}: the CPU profiles run every node on one host",
+                "use 127.0.0.1",
+            )
+    elif addr.is_loopback:
+        yield Finding(
+            "error",
+            "multinode-master",
+            f"[multinode] master_addr {addr} is loopback: the other nodes cannot reach it",
+            "use the head's address on the cluster network",
+        )
+    elif addr.is_global:
+        yield Finding(
+            "error",
+            "multinode-master",
+            f"[multinode] master_addr {addr} is a public address: torch.distributed's "
+            "rendezvous has no authentication",
+            "use the head's address on a private cluster network (e.g. 10.0.0.0/8, "
+            "192.168.0.0/16, fd00::/8)",
+        )
+    if not 1024 <= mn.master_port <= 65535 or mn.master_port == p.port:
+        yield Finding(
+            "error",
+            "multinode-master",
+            f"[multinode] master_port = {mn.master_port}",
+            f"use a free port from 1024 to 65535 other than the API port {p.port}",
+        )
+
+
+def _interfaces(p: Profile) -> Iterable[Finding]:
+    mn = p.multinode
+    assert mn is not None
+    named = {"gloo_socket_ifname": mn.gloo_socket_ifname}
+    if p.hardware.device != "cpu":
+        named["nccl_socket_ifname"] = mn.nccl_socket_ifname
+    for key, value in named.items():
+        if not value:
+            yield Finding(
+                "error",
+                "multinode-interface",
+                f"[multinode] {key} is not set: NCCL/Gloo pick the first interface they find, "
+                "often docker0 or the public one, and the ranks hang at start-up",
+                f"set {key} to the cluster network's interface (e.g. enp1s0f0)",
+            )
+        elif not _IFNAME.fullmatch(value):
+            yield Finding(
+                "error",
+                "multinode-interface",
+                f"[multinode] {key} = {value!r} is not an interface name list",
+                "use e.g. enp1s0f0, or ^docker,lo to exclude",
+            )
+        elif p.hardware.device != "cpu" and _LOOPBACK_IF.match(value):
+            yield Finding(
+                "error",
+                "multinode-interface",
+                f"[multinode] {key} = {value!r} is loopback: it does not leave the host",
+                "use the cluster network's interface",
+            )
+    if p.hardware.device == "cpu" and mn.nccl_socket_ifname:
+        yield Finding(
+            "warning",
+            "multinode-interface",
+            "[multinode] nccl_socket_ifname on a CPU profile: the CPU engine talks Gloo only",
+            "drop it",
+        )
+
+
 RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
     _batched_tokens,
     _fp8_kv_on_ada,
@@ -271,6 +424,7 @@ RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
     _parallelism,
     _drafter,
     _exposure,
+    _multinode,
 )
 
 

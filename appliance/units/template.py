@@ -275,9 +275,11 @@ def unit_timing(profile: Profile | None = None) -> UnitTiming:
     )
 
 
-def _env() -> jinja2.Environment:
+def jinja_env(package: str = "appliance.units") -> jinja2.Environment:
+    """The one Jinja setup of the unit templates (``package``'s ``templates/``): strict,
+    unescaped, newlines kept."""
     return jinja2.Environment(
-        loader=jinja2.PackageLoader("appliance.units", "templates"),
+        loader=jinja2.PackageLoader(package, "templates"),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
@@ -439,7 +441,7 @@ def render(
         "stop_grace_s": STOP_GRACE_S,
         "per_request_min_vllm": labels.PER_REQUEST_METRICS_MIN_VLLM,
     }
-    env = _env()
+    env = jinja_env()
     p = paths(instance)
     # In the order they are written: what the others refer to first, the unit last.
     return {

@@ -1,0 +1,211 @@
+"""Multi-node profiles, their validation and the head/worker units (issue 15 part 2), fast.
+
+The real pair under systemd is tests/test_multinode_systemd.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from appliance import multinode, profiles, units
+from appliance.cutover import envfile
+from appliance.errors import UsageError
+from appliance.profiles import validate as pv
+
+MULTINODE = ["spark2-31b-nvfp4-mtp", "l4x4x2-31b-mtp", "cpu-tiny-mtp-2node"]
+SINGLE = sorted(n for n, p in profiles.all_profiles().items() if p.multinode is None)
+
+
+def codes(prof) -> set[str]:
+    return {f.code for f in pv.errors(pv.check(prof))}
+
+
+def with_mn(name: str, **kw) -> profiles.Profile:
+    prof = profiles.get(name)
+    assert prof.multinode is not None
+    return dataclasses.replace(prof, multinode=dataclasses.replace(prof.multinode, **kw))
+
+
+@pytest.mark.parametrize("name", MULTINODE)
+def test_shipped_multinode_profiles_are_valid(name):
+    assert pv.check(profiles.get(name)) == []
+
+
+def test_single_node_profiles_have_no_multinode_and_their_args_are_unchanged():
+    for name in SINGLE:
+        args = profiles.get(name).serve_args(devmodel="/m")
+        assert "--pipeline-parallel-size" not in args and "--nnodes" not in args
+
+
+def test_tp_times_pp_must_equal_the_devices_across_nodes():
+    spark = profiles.get("spark2-31b-nvfp4-mtp")  # 2 nodes x 1 GPU, TP 2
+    assert "multinode-parallel" in codes(dataclasses.replace(spark, tensor_parallel_size=1))
+    l4 = profiles.get("l4x4x2-31b-mtp")  # 2 nodes x 4 GPUs, TP 4 x PP 2
+    assert "--pipeline-parallel-size" in l4.serve_args()
+    bad = dataclasses.replace(l4, pipeline_parallel_size=1)
+    (finding,) = [f for f in pv.check(bad) if f.code == "multinode-parallel"]
+    assert "4 x 1 = 4" in finding.message and "2 nodes x 4 GPU(s) = 8" in finding.message
+    cpu = profiles.get("cpu-tiny-mtp-2node")
+    assert "multinode-parallel" in codes(dataclasses.replace(cpu, tensor_parallel_size=4))
+    # A single-host CPU profile with TP 2 is still refused (the old rule, unchanged).
+    assert "tensor-parallel" in codes(dataclasses.replace(cpu, multinode=None))
+
+
+@pytest.mark.parametrize(
+    ("name", "addr", "why"),
+    [
+        ("spark2-31b-nvfp4-mtp", "0.0.0.0", "every address"),
+        ("spark2-31b-nvfp4-mtp", "8.8.8.8", "public address"),
+        ("spark2-31b-nvfp4-mtp", "127.0.0.1", "loopback"),
+        ("spark2-31b-nvfp4-mtp", "spark-a.example.com", "not an IP address"),
+        ("cpu-tiny-mtp-2node", "10.0.0.1", "one host"),
+    ],
+)
+def test_the_rendezvous_address_is_on_the_cluster_network_only(name, addr, why):
+    found = [f for f in pv.check(with_mn(name, master_addr=addr)) if f.code == "multinode-master"]
+    assert found and why in found[0].message
+
+
+def test_the_interconnect_interfaces_must_be_named():
+    found = pv.check(with_mn("spark2-31b-nvfp4-mtp", nccl_socket_ifname=""))
+    assert any("nccl_socket_ifname is not set" in f.message for f in found)
+    found = pv.check(with_mn("l4x4x2-31b-mtp", gloo_socket_ifname="lo"))
+    assert any(f.code == "multinode-interface" and "loopback" in f.message for f in found)
+    found = pv.check(with_mn("l4x4x2-31b-mtp", gloo_socket_ifname="eth0; rm"))
+    assert "multinode-interface" in {f.code for f in found}
+    assert "multinode-interface" in codes(with_mn("cpu-tiny-mtp-2node", gloo_socket_ifname=""))
+
+
+def test_multinode_table_rejects_unknown_fields():
+    data = {
+        "name": "x",
+        "description": "d",
+        "model": "m",
+        "served_model_name": "s",
+        "multinode": {"nodes": 2, "master_address": "10.0.0.1"},
+    }
+    with pytest.raises(UsageError, match=r"\[multinode\].*master_address"):
+        profiles.from_dict(data)
+
+
+# --- the units --------------------------------------------------------------------------------
+
+
+def _install(root: Path, name: str, node: multinode.Node, **kw) -> None:
+    opts = units.Options(image="gemma4-vllm:0.32.0-mtp", **kw)
+    if profiles.get(name).uses_devmodel:
+        opts = dataclasses.replace(opts, model_dir="/srv/tiny")
+    multinode.install(name, "grp", node, root=root, options=opts)
+
+
+def _records(root: Path, role: str) -> list[tuple[str, str]]:
+    text = (root / multinode.args_path("grp", role)).read_text()
+    return [tuple(line.split(" ", 1)) for line in text.splitlines() if line and line[0] != "#"]
+
+
+def _serve(records) -> list[str]:
+    return [v.strip() for k, v in records if k == "serve"]
+
+
+def test_head_and_worker_args_differ_only_in_rank_and_headless(tmp_path):
+    _install(tmp_path, "spark2-31b-nvfp4-mtp", multinode.Node(roles=("head", "worker")))
+    head, worker = _serve(_records(tmp_path, "head")), _serve(_records(tmp_path, "worker"))
+    assert head[head.index("--node-rank") + 1] == "0"
+    assert worker[worker.index("--node-rank") + 1] == "1"
+    assert worker[-1] == "--headless" and "--headless" not in head
+    for args in (head, worker):
+        assert args[args.index("--nnodes") + 1] == "2"
+        assert args[args.index("--master-addr") + 1] == "192.168.100.10"
+    docker = [v.strip() for k, v in _records(tmp_path, "head") if k == "docker"]
+    assert "NCCL_SOCKET_IFNAME=enp1s0f0np0" in docker
+    assert "GLOO_SOCKET_IFNAME=enp1s0f0np0" in docker
+    # One env file, one VLLM_IMAGE, for both units.
+    env = envfile.read(tmp_path / multinode.env_path("grp"))
+    assert env.get("VLLM_IMAGE") == "gemma4-vllm:0.32.0-mtp"
+    for name in (multinode.HEAD_TEMPLATE, multinode.WORKER_TEMPLATE):
+        unit = (tmp_path / "etc/systemd/system" / name).read_text()
+        assert "EnvironmentFile=/etc/gemma4-vllm/%i.env" in unit
+
+
+def test_a_bad_rank_or_a_single_node_profile_renders_nothing(tmp_path):
+    with pytest.raises(UsageError, match="rank 2"):
+        _install(tmp_path, "spark2-31b-nvfp4-mtp", multinode.Node(roles=("worker",), rank=2))
+    with pytest.raises(UsageError, match="no \\[multinode\\]"):
+        _install(tmp_path, "l4x4-31b-mtp", multinode.Node())
+    assert not any(tmp_path.rglob("*.env"))
+
+
+def test_the_head_is_bound_to_a_local_worker_only(tmp_path):
+    both, head_only = tmp_path / "both", tmp_path / "head"
+    _install(both, "cpu-tiny-mtp-2node", multinode.Node(roles=("head", "worker")))
+    _install(head_only, "cpu-tiny-mtp-2node", multinode.Node(roles=("head",)))
+    dropin = (both / multinode.dropin_path("grp")).read_text()
+    assert "BindsTo=gemma4-vllm-worker@%i.service" in dropin
+    assert "PartOf=gemma4-vllm-worker@%i.service" in dropin
+    upholds = (both / multinode.worker_dropin_path("grp")).read_text()
+    assert "Upholds=gemma4-vllm-head@%i.service" in upholds
+    assert not (head_only / multinode.dropin_path("grp")).exists()
+    head = (head_only / "etc/systemd/system" / multinode.HEAD_TEMPLATE).read_text()
+    # Across hosts: a start gate that generates, and a timer that generates through the head.
+    assert "ExecStartPost=/usr/local/libexec/gemma4-vllm/node %i wait-generates" in head
+    assert "Restart=always" in head
+    assert (head_only / "etc/systemd/system" / multinode.PROBE_TIMER).exists()
+
+
+def test_images_must_agree_across_nodes():
+    assert multinode.require_one_image({"a": "x:1", "b": "x:1"}) == "x:1"
+    with pytest.raises(UsageError, match="a: x:1, b: x:2"):
+        multinode.require_one_image({"a": "x:1", "b": "x:2"})
+
+
+def _verify_root(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+    return root
+
+
+@pytest.mark.parametrize("name", MULTINODE)
+def test_rendered_units_pass_systemd_analyze_verify_silently(tmp_path, name):
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed (scripts/setup-system.sh)")
+    root = _verify_root(tmp_path)
+    _install(root, name, multinode.Node(roles=("head", "worker")))
+    names = [multinode.unit_name("grp", r) for r in multinode.ROLES]
+    names += ["gemma4-vllm-probe@grp.service", "gemma4-vllm-probe@grp.timer"]
+    proc = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", *names],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
+
+
+def test_node_script_passes_shellcheck():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (scripts/setup-system.sh)")
+    script = Path(multinode.__file__).with_name("node.sh")
+    proc = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True, check=False)
+    assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
+
+
+def test_cli_install_is_idempotent_and_names_the_first_unit(tmp_path):
+    from click.testing import CliRunner
+
+    from appliance.cli import cli
+
+    argv = ["multinode", "install", "-p", "spark2-31b-nvfp4-mtp", "-g", "grp", "--role"]
+    argv += ["worker", "--rank", "1", "--image", "gemma4-vllm:0.32.0-mtp", "--root", str(tmp_path)]
+    first = CliRunner().invoke(cli, argv)
+    assert first.exit_code == 0, first.output
+    assert "systemctl enable --now gemma4-vllm-worker@grp.service" in first.output
+    assert (tmp_path / multinode.args_path("grp", "worker")).exists()
+    assert not (tmp_path / multinode.args_path("grp", "head")).exists()
+    again = CliRunner().invoke(cli, argv)
+    assert again.exit_code == 0 and "unchanged" in again.output
+    bad = CliRunner().invoke(cli, [*argv[:7], "worker", "--rank", "5", "--root", str(tmp_path)])
+    assert bad.exit_code != 0 and "rank 5" in bad.output

@@ -1,0 +1,82 @@
+"""A multi-node group for real (issue 15 part 2): head + worker units under real systemd in
+nspawn, each running the CPU image through the serve script, vLLM's own multi-node with
+tensor parallelism 2 across the two "nodes" (tests/plugins/multinode.py).
+
+The order of the tests matters only for time: one group, moved by every test."""
+
+from __future__ import annotations
+
+import pytest
+from plugins.multinode import GROUP, MTP_IMAGE
+
+from appliance import multinode
+from appliance.cutover import envfile, history
+from appliance.multinode import cutover as mcut
+
+pytestmark = [pytest.mark.systemd, pytest.mark.multinode]
+
+
+def _serves_with_mtp(group) -> None:
+    before = group.counters()
+    resp = group.chat("the pair answers", max_tokens=24)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] > 0
+    after = group.counters()
+    assert before is not None and after is not None
+    assert after.drafts > before.drafts
+    assert after.accepted > before.accepted
+
+
+def test_the_worker_starts_first_and_the_head_serves_with_mtp(multinode_group):
+    g = multinode_group
+    m = g.machine
+    assert m.is_active(g.worker) == "active" and m.is_active(g.head) == "active"
+    # Start order: the worker's engine started before the head's (After= in the drop-in).
+    assert 0 < g.started_at(g.worker) < g.started_at(g.head)
+    # One engine across two processes: the head is rank 0 of 2, the worker headless.
+    head_cmd = g.docker.containers.get(multinode.container_name(GROUP, "head")).attrs["Args"]
+    worker_cmd = g.docker.containers.get(multinode.container_name(GROUP, "worker")).attrs["Args"]
+    assert "--headless" in worker_cmd and "--headless" not in head_cmd
+    assert head_cmd[head_cmd.index("--node-rank") + 1] == "0"
+    assert worker_cmd[worker_cmd.index("--node-rank") + 1] == "1"
+    assert head_cmd[head_cmd.index("--tensor-parallel-size") + 1] == "2"
+    _serves_with_mtp(g)
+
+
+def test_cutover_moves_both_nodes_and_rollback_brings_both_back(multinode_group):
+    g = multinode_group
+    ctx, hosts = g.context(), g.hosts()
+    old_id = g.container_image_id("head")
+    entry = mcut.cutover(ctx, GROUP, g.derived_image, hosts, timeout=900)
+    assert entry.outcome == "ok", entry
+    names = [gate.name for gate in entry.gates]
+    assert {"unit", "image", "health", "generation"} <= set(names) and "worker machine" in names
+    env = envfile.read(g.machine.root / multinode.env_path(GROUP))
+    assert env.get(envfile.IMAGE_KEY) == g.derived_image
+    new_id = g.docker.images.get(g.derived_image).id
+    assert new_id != old_id
+    assert g.container_image_id("head") == g.container_image_id("worker") == new_id
+    _serves_with_mtp(g)
+
+    back = mcut.rollback(ctx, GROUP, hosts, timeout=900)
+    assert back.outcome == "ok" and back.kind == "rollback" and back.to_image == MTP_IMAGE
+    assert g.container_image_id("head") == g.container_image_id("worker") == old_id
+    entries = history.entries(ctx.layout.history_file(GROUP))
+    assert [(e.kind, e.outcome) for e in entries][-2:] == [("cutover", "ok"), ("rollback", "ok")]
+    _serves_with_mtp(g)
+
+
+def test_a_dead_worker_takes_the_head_down_and_both_come_back_in_order(multinode_group):
+    g = multinode_group
+    m = g.machine
+    head_inv = g.show(g.head, "InvocationID")
+    worker_inv = g.show(g.worker, "InvocationID")
+    # The worker's engine dies (kill -9 of its container's processes), as a crashed node would.
+    g.docker.containers.get(multinode.container_name(GROUP, "worker")).kill("SIGKILL")
+    # Without unit dependencies the head would keep answering /health 200 here (the trap this
+    # guards against); with BindsTo=/PartOf= systemd takes it down and restarts both.
+    g.wait_new_start(g.worker, worker_inv)
+    g.wait_new_start(g.head, head_inv)
+    assert m.is_active(g.worker) == "active" and m.is_active(g.head) == "active"
+    assert 0 < g.started_at(g.worker) < g.started_at(g.head)
+    _serves_with_mtp(g)
