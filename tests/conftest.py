@@ -27,6 +27,8 @@ pytest_plugins: list[str] = [
     "plugins.agent",
     "plugins.systemd_instance",
     "plugins.hub",
+    "plugins.multinode",
+    "plugins.fleet",
 ]
 
 
@@ -67,7 +69,7 @@ def baseline_engine() -> Iterator[local.LocalEngine]:
 
 
 # The slowest tier a test belongs to, for the wall-time table printed at the end of a run.
-TIERS = ("systemd", "docker", "soak", "engine", "bench")
+TIERS = ("fleet", "multinode", "systemd", "docker", "soak", "engine", "bench")
 _tier_seconds: dict[str, float] = {}
 
 

@@ -18,10 +18,12 @@ from .cutover import cutover, history_, rollback, status
 from .demo import demo
 from .devmodel import devmodel
 from .doctor import doctor
+from .fleet import fleet
 from .generate import generate
 from .images import image
 from .local import local
 from .models import models
+from .multinode import multinode_group
 from .profiles import profiles
 from .units import install, render, uninstall
 
@@ -57,11 +59,13 @@ cli.add_command(rollback)
 cli.add_command(status)
 cli.add_command(history_)
 cli.add_command(generate)
+cli.add_command(multinode_group)
 cli.add_command(render)
 cli.add_command(install)
 cli.add_command(uninstall)
 cli.add_command(image)
 cli.add_command(models)
+cli.add_command(fleet)
 
 
 def main() -> None:

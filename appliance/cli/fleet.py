@@ -1,0 +1,151 @@
+"""``appliance fleet``: what the fleet playbooks (deploy/ansible) run on each host. Thin."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import ApplianceError, UsageError
+from ..fleet import hosts, soak
+from ..fsutil import write_atomic
+from ..units.instance import read as read_instance
+from .options import root_option
+
+
+@click.group(name="fleet")
+def fleet() -> None:
+    """Per-host steps of a fleet rollout: counters before a cutover, the canary's soak, status."""
+
+
+def _instance(root: Path, name: str):
+    inst = read_instance(root, name)
+    return inst, inst.api_key()
+
+
+@fleet.command(name="snapshot")
+@click.argument("instance")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="Where to write the reading (JSON): the soak's pre-cutover figures.",
+)
+@root_option
+def snapshot(instance: str, out: Path, root: Path) -> None:
+    """Save INSTANCE's vLLM counters now (before a cutover), for `fleet soak --before`."""
+    inst, key = _instance(root, instance)
+    reading = soak.read(inst.base_url, key)
+    write_atomic(out, soak.dumps(reading))
+    w = soak.window(None, reading)
+    click.echo(
+        f"{instance}: {w.requests} answers, {w.spec.drafts or 0} drafts, acceptance "
+        f"{soak._pct(w.spec.acceptance)} since the server started -> {out}"
+    )
+
+
+@fleet.command(name="soak")
+@click.argument("instance")
+@click.option(
+    "--before",
+    "before_file",
+    type=click.Path(path_type=Path, dir_okay=False, exists=True),
+    required=True,
+    help="The reading `fleet snapshot` saved before the cutover.",
+)
+@click.option("--seconds", type=click.FloatRange(min=0), default=60.0, show_default=True)
+@click.option(
+    "--probe-requests",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Requests the soak sends itself, spread over the window (for a canary without "
+    "traffic of its own).",
+)
+@click.option("--max-acceptance-drop", type=float, default=0.10, show_default=True)
+@click.option("--max-tokens-per-step-drop", type=float, default=0.10, show_default=True)
+@click.option("--max-error-rate-rise", type=float, default=0.01, show_default=True)
+@click.option("--min-drafts", type=int, default=10, show_default=True)
+@click.option("--min-requests", type=int, default=3, show_default=True)
+@click.option("--json", "json_", is_flag=True, help="Print the verdict as JSON.")
+@root_option
+def soak_(
+    instance: str,
+    before_file: Path,
+    seconds: float,
+    probe_requests: int,
+    max_acceptance_drop: float,
+    max_tokens_per_step_drop: float,
+    max_error_rate_rise: float,
+    min_drafts: int,
+    min_requests: int,
+    json_: bool,
+    root: Path,
+) -> None:
+    """Soak INSTANCE after its cutover; exit 1 when it regressed against --before."""
+    thresholds = soak.Thresholds(
+        max_acceptance_drop, max_tokens_per_step_drop, max_error_rate_rise, min_drafts, min_requests
+    )
+    before = soak.loads(before_file.read_text())
+    inst, key = _instance(root, instance)
+    run = soak.Soak(inst.base_url, inst.served_model, key, seconds, probe_requests)
+    run.thresholds = thresholds
+    verdict = soak.run(run, before, progress=lambda m: click.echo(m, err=True))
+    if json_:
+        click.echo(json.dumps(verdict.to_dict(), indent=2))
+    else:
+        b, s = verdict.before, verdict.soak
+        for label, w in (("before", b), ("soak", s)):
+            click.echo(
+                f"{label:>6}: {w.requests} answers, error rate {soak._pct(w.error_rate)}, "
+                f"{w.spec.drafts or 0} drafts, acceptance {soak._pct(w.spec.acceptance)}, "
+                f"tokens per step {soak._pct(w.spec.tokens_per_step)}"
+            )
+        for note in verdict.notes:
+            click.echo(f"  note: {note}")
+    if not verdict.ok:
+        raise ApplianceError(
+            f"{instance}: the soak found a regression: " + "; ".join(verdict.regressions),
+            fix="the rollout stops; the playbook rolls back every host it cut over",
+        )
+    click.echo(f"{instance}: soak passed")
+
+
+@fleet.command(name="status")
+@click.argument("instance")
+@click.option("--json", "json_", is_flag=True, help="One JSON object.")
+@root_option
+def status(instance: str, json_: bool, root: Path) -> None:
+    """INSTANCE on this host: env file's image, running container's image, MTP, acceptance."""
+    st = hosts.host_status(instance, root)
+    if json_:
+        click.echo(json.dumps(st.to_dict()))
+        return
+    for key, value in st.to_dict().items():
+        click.echo(f"{key:>16}: {'-' if value is None else value}")
+
+
+@fleet.command(name="targets")
+@click.argument("inventory", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True))
+@click.option("--group", default=hosts.DEFAULT_GROUP, show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="The file_sd JSON to write (default: stdout).",
+)
+def targets(inventory: Path, group: str, out: Path | None) -> None:
+    """Prometheus file_sd targets for INVENTORY (`ansible-inventory --list` JSON; - = stdin)."""
+    text = sys.stdin.read() if str(inventory) == "-" else inventory.read_text()
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{inventory}: not JSON: {exc}") from None
+    rendered = hosts.render_targets(hosts.targets_from_inventory(data, group))
+    if out is None:
+        click.echo(rendered, nl=False)
+    else:
+        write_atomic(out, rendered)
+        click.echo(f"{out}: {len(json.loads(rendered))} hosts")

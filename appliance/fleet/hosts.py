@@ -1,0 +1,148 @@
+"""A fleet's hosts: one host's status for the fleet playbooks, and Prometheus targets for all.
+
+:func:`host_status` is what ``appliance fleet status INSTANCE --json`` prints on each host (the
+playbook collects it): the env file's image, the running container's image (they differ while a
+restart is pending or after a hand edit), the unit, health, MTP state and the acceptance since
+the server started.
+
+:func:`targets_from_inventory` turns ``ansible-inventory --list`` output into a Prometheus
+file_sd JSON: one group per host, labelled ``host`` (the inventory name) as well as ``instance``
+(the appliance instance) and ``profile``. The ``host`` label is what keeps two hosts' series
+apart: a fleet usually runs the same instance name everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..cutover import flow
+from ..cutover.paths import Layout
+from ..cutover.status import status
+from ..errors import ApplianceError, UsageError
+from ..observability.file_sd import EngineTarget
+from ..units.template import check_instance, container_name
+from . import soak
+
+DEFAULT_GROUP = "gemma4"
+
+
+@dataclass
+class HostStatus:
+    """One instance on one host, for the fleet's status table."""
+
+    instance: str
+    unit_state: str
+    env_image: str | None
+    container_image: str | None
+    healthy: bool | None
+    mtp: bool | None
+    acceptance: float | None  # since the server started; None without MTP traffic
+    tokens_per_step: float | None
+    rollback_image: str | None
+    last: str | None  # the last cutover/rollback: "kind outcome from -> to"
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def running_image(instance: str) -> str | None:
+    """The image the instance's container was started from (None: no such container)."""
+    proc = subprocess.run(
+        ["docker", "inspect", "--format", "{{.Config.Image}}", container_name(instance)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
+def host_status(instance: str, root: Path = Path("/")) -> HostStatus:
+    """Gather :class:`HostStatus` for ``instance`` (read only)."""
+    ctx = flow.Context(layout=Layout(root))
+    st = status(ctx, instance, last=1)
+    last = None
+    if st.entries:
+        e = st.entries[-1]
+        last = f"{e.kind} {e.outcome} {e.from_image or '-'} -> {e.to_image}"
+    out = HostStatus(
+        instance=instance,
+        unit_state=st.unit_state,
+        env_image=st.image,
+        container_image=running_image(instance),
+        healthy=st.healthy,
+        mtp=st.speculative,
+        acceptance=None,
+        tokens_per_step=None,
+        rollback_image=st.rollback_image,
+        last=last,
+        error=st.instance_error,
+    )
+    if st.healthy and st.url:
+        try:
+            key = flow.target(ctx, instance).api_key()
+            since_start = soak.window(None, soak.read(st.url, key)).spec
+            out.acceptance = since_start.acceptance
+            out.tokens_per_step = since_start.tokens_per_step
+        except ApplianceError as exc:
+            out.error = str(exc)
+    return out
+
+
+def targets_from_inventory(inventory: dict, group: str = DEFAULT_GROUP) -> list[dict]:
+    """file_sd groups for the hosts of ``group`` in ``ansible-inventory --list`` output.
+
+    Per host: the scrape address is ``appliance_scrape_address`` if set, else ``ansible_host``,
+    else the inventory name; the port is ``appliance_port``; ``appliance_instance`` and
+    ``appliance_profile`` become labels.
+    """
+    if not isinstance(inventory, dict) or "_meta" not in inventory:
+        raise UsageError(
+            "not `ansible-inventory --list` output (no _meta)",
+            fix="ansible-inventory -i INVENTORY --list > inventory.json",
+        )
+    hostvars = inventory["_meta"].get("hostvars", {})
+    hosts = _hosts_of(inventory, group)
+    if not hosts:
+        raise UsageError(f"no hosts in group {group!r} of the inventory")
+    groups = []
+    for name in sorted(hosts):
+        hv = hostvars.get(name, {})
+        missing = [k for k in ("appliance_instance", "appliance_port") if k not in hv]
+        if missing:
+            raise UsageError(f"host {name}: no {', '.join(missing)} in the inventory")
+        address = str(hv.get("appliance_scrape_address") or hv.get("ansible_host") or name)
+        try:
+            port = int(hv["appliance_port"])
+        except (TypeError, ValueError):
+            raise UsageError(f"host {name}: appliance_port is not a number") from None
+        instance = check_instance(str(hv["appliance_instance"]))
+        target = EngineTarget(instance, str(hv.get("appliance_profile", "")), address, port)
+        labels = {"host": name, "instance": instance}
+        if target.profile:
+            labels["profile"] = target.profile
+        groups.append({"targets": [target.address], "labels": labels})
+    return groups
+
+
+def _hosts_of(inventory: dict, group: str) -> set[str]:
+    """Every host of ``group`` and of its child groups."""
+    seen: set[str] = set()
+    stack, hosts = [group], set()
+    while stack:
+        g = stack.pop()
+        if g in seen:
+            continue
+        seen.add(g)
+        entry = inventory.get(g) or {}
+        hosts.update(entry.get("hosts", []))
+        stack.extend(entry.get("children", []))
+    return hosts
+
+
+def render_targets(groups: list[dict]) -> str:
+    """The file_sd JSON text (stable bytes)."""
+    return json.dumps(groups, indent=2) + "\n"

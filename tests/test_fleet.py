@@ -1,0 +1,163 @@
+"""The fleet playbooks (deploy/ansible) with real ansible-core against two real hosts.
+
+Two systemd machines reached over SSH (tests/plugins/fleet.py), each serving its own instance of
+cpu-tiny-mtp on the real CPU images through the host's Docker engine. The tests run in order
+and share the hosts: install (twice: the second run changes nothing), roll the MTP image out
+over both (starting from pre-MTP; the canary soaked against its own figures), roll the broken
+image out (stops at the canary, which the appliance rolls back; the other host untouched),
+roll the fleet back, and scrape both hosts from one Prometheus with the fleet's targets.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from plugins.fleet import Fleet
+from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE, PRE_MTP_IMAGE
+
+pytestmark = [pytest.mark.fleet, pytest.mark.systemd]
+
+
+def _ok(run) -> None:
+    assert run.returncode == 0, run.output[-6000:]
+
+
+def _on(fleet: Fleet, name: str, image: str) -> None:
+    h = fleet.host(name)
+    assert h.env_image() == image
+    assert h.container() == image
+    assert h.container("{{.State.Running}}") == "true"
+
+
+def test_install_twice_second_run_changes_nothing(fleet: Fleet):
+    first = fleet.playbook("install")
+    _ok(first)
+    for h in fleet.hosts:
+        assert first.changed(h.name) > 0
+        assert first.recap[h.name]["failed"] == 0
+        _on(fleet, h.name, PRE_MTP_IMAGE)
+        assert h.machine.is_active(f"gemma4-vllm@{h.instance}.service") == "active"
+        assert (
+            h.machine.systemctl("is-enabled", f"gemma4-vllm@{h.instance}.service").stdout.strip()
+            == "enabled"
+        )
+    second = fleet.playbook("install")
+    _ok(second)
+    assert {h: second.changed(h) for h in second.recap} == {"fleet-a": 0, "fleet-b": 0}
+
+
+def test_rollout_of_the_mtp_image_canary_first(fleet: Fleet):
+    run = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
+    _ok(run)
+    for h in fleet.hosts:
+        _on(fleet, h.name, MTP_IMAGE)
+    a, b = fleet.host("fleet-a").history(), fleet.host("fleet-b").history()
+    assert [(e["kind"], e["outcome"], e["from_image"], e["to_image"]) for e in a] == [
+        ("cutover", "ok", PRE_MTP_IMAGE, MTP_IMAGE)
+    ]
+    assert [(e["kind"], e["outcome"]) for e in b] == [("cutover", "ok")]
+    # Canary first, soaked, and only then the next batch.
+    assert a[0]["finished"] <= b[0]["started"]
+    assert "fleet-a: soak passed" in run.output
+    assert "no pre-cutover MTP figures to compare (MTP was off)" in run.output
+    assert "soak passed" not in run.output.split("fleet-b")[-1]
+    # The status playbook: env and running image, MTP on and accepted.
+    out = fleet.workdir / "status.json"
+    _ok(fleet.playbook("status", fleet_status_file=str(out)))
+    status = json.loads(out.read_text())
+    for name in ("fleet-a", "fleet-b"):
+        s = status[name]
+        assert (s["env_image"], s["container_image"], s["mtp"]) == (MTP_IMAGE, MTP_IMAGE, True)
+        assert s["unit_state"] == "active"
+        assert s["rollback_image"] == PRE_MTP_IMAGE
+    # The copy drafter is accepted almost always; the canary served the soak's probes.
+    assert status["fleet-a"]["acceptance"] > 0.5
+    again = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
+    _ok(again)
+    assert {h: again.changed(h) for h in again.recap} == {"fleet-a": 0, "fleet-b": 0}
+
+
+def test_rollout_of_a_broken_image_stops_at_the_canary(fleet: Fleet):
+    b = fleet.host("fleet-b")
+    b_started = b.container("{{.State.StartedAt}}")
+    b_history = b.history()
+    run = fleet.playbook("rollout", rollout_image=BROKEN_IMAGE)
+    assert run.returncode != 0, run.output[-4000:]
+    assert "rollout of gemma4-vllm:0.32.0-mtp-broken stopped at fleet-a" in run.output
+    # The canary: the appliance's own way back put it on its old image, through the gates.
+    _on(fleet, "fleet-a", MTP_IMAGE)
+    last = fleet.host("fleet-a").history()[-1]
+    assert (last["kind"], last["outcome"], last["to_image"]) == (
+        "cutover",
+        "rolled_back",
+        BROKEN_IMAGE,
+    )
+    # The other host: never touched (same container, same history), and never tried.
+    _on(fleet, "fleet-b", MTP_IMAGE)
+    assert b.container("{{.State.StartedAt}}") == b_started
+    assert b.history() == b_history
+    assert "fleet-b" not in run.recap or run.recap["fleet-b"]["changed"] == 0
+
+
+def test_fleet_rollback_to_the_previous_image(fleet: Fleet):
+    run = fleet.playbook("rollback")
+    _ok(run)
+    for h in fleet.hosts:
+        _on(fleet, h.name, PRE_MTP_IMAGE)
+        last = h.history()[-1]
+        assert (last["kind"], last["outcome"], last["to_image"]) == (
+            "rollback",
+            "ok",
+            PRE_MTP_IMAGE,
+        )
+
+
+def test_prometheus_scrapes_both_hosts_by_host_and_instance(fleet: Fleet, prometheus_server):
+    targets = fleet.workdir / "engines.json"
+    _ok(fleet.playbook("prometheus-targets", targets_file=str(targets)))
+    groups = json.loads(targets.read_text())
+    assert sorted((g["labels"]["host"], g["labels"]["instance"]) for g in groups) == [
+        ("fleet-a", "fleet-a"),
+        ("fleet-b", "fleet-b"),
+    ]
+    config = (
+        "global:\n  scrape_interval: 1s\n"
+        "scrape_configs:\n  - job_name: vllm\n    file_sd_configs:\n"
+        "      - files: [targets/engines.json]\n"
+    )
+    prom = prometheus_server(config, {"targets/engines.json": targets.read_text()})
+    deadline = time.monotonic() + 30
+    found: list[dict] = []
+    while time.monotonic() < deadline:
+        found = prom.query("vllm:num_requests_running")
+        if len({r["metric"].get("host") for r in found}) == 2:
+            break
+        time.sleep(0.5)
+    # The dashboards' instance variable (label_values(vllm:num_requests_running, instance))
+    # lists both hosts' instances; each series carries its host.
+    assert sorted((r["metric"]["host"], r["metric"]["instance"]) for r in found) == [
+        ("fleet-a", "fleet-a"),
+        ("fleet-b", "fleet-b"),
+    ]
+
+
+def test_a_soak_regression_rolls_the_canary_back_and_stops(fleet: Fleet):
+    """The soak judges the canary after a cutover that passed every gate; a verdict of "no"
+    rolls back every host the rollout moved. The regression here is the soak's own rule that
+    too little traffic is no evidence (min_requests above what its probes send): the one
+    regression a healthy CPU engine can be made to show for real."""
+    b = fleet.host("fleet-b")
+    b_started = b.container("{{.State.StartedAt}}")
+    b_history = b.history()
+    run = fleet.playbook("rollout", rollout_image=MTP_IMAGE, rollout_min_requests=1000)
+    assert run.returncode != 0, run.output[-4000:]
+    assert "the soak found a regression: too little traffic" in run.output
+    assert "rollout of gemma4-vllm:0.32.0-mtp stopped at fleet-a" in run.output
+    a_entries = [(e["kind"], e["outcome"], e["to_image"]) for e in fleet.host("fleet-a").history()]
+    assert a_entries[-2:] == [("cutover", "ok", MTP_IMAGE), ("rollback", "ok", PRE_MTP_IMAGE)]
+    _on(fleet, "fleet-a", PRE_MTP_IMAGE)
+    _on(fleet, "fleet-b", PRE_MTP_IMAGE)
+    assert b.container("{{.State.StartedAt}}") == b_started
+    assert b.history() == b_history
