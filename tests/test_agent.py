@@ -562,7 +562,17 @@ def test_keyboard_interrupt_mid_metrics_read_ends_the_span_and_leaves_no_window(
 
     slow = bad_metrics("slow", upstream=mtp_counters_engine.url, slow_hits=(1,), slow_s=3.0)
     t = Traced(mtp_counters_engine.url, metrics_url=slow.url, snapshot_timeout=5.0)
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))  # a real Ctrl-C
+
+    def ctrl_c_inside_the_read():
+        # A real Ctrl-C, once the agent is provably inside the slowed read (a fixed delay lands
+        # elsewhere on a loaded host).
+        deadline = time.monotonic() + 60
+        while slow.hits < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Thread(target=ctrl_c_inside_the_read, daemon=True)
     timer.start()
     with pytest.raises(KeyboardInterrupt):
         list(
