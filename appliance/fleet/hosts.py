@@ -13,7 +13,6 @@ apart: a fleet usually runs the same instance name everywhere.
 
 from __future__ import annotations
 
-import json
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from ..cutover import flow
 from ..cutover.paths import Layout
 from ..cutover.status import status
 from ..errors import ApplianceError, UsageError
+from ..observability import file_sd
 from ..observability.file_sd import EngineTarget
 from ..units.template import check_instance, container_name
 from . import soak
@@ -120,11 +120,8 @@ def targets_from_inventory(inventory: dict, group: str = DEFAULT_GROUP) -> list[
         except (TypeError, ValueError):
             raise UsageError(f"host {name}: appliance_port is not a number") from None
         instance = check_instance(str(hv["appliance_instance"]))
-        target = EngineTarget(instance, str(hv.get("appliance_profile", "")), address, port)
-        labels = {"host": name, "instance": instance}
-        if target.profile:
-            labels["profile"] = target.profile
-        groups.append({"targets": [target.address], "labels": labels})
+        profile = str(hv.get("appliance_profile", ""))
+        groups.append(EngineTarget(instance, profile, address, port, node=name).group())
     return groups
 
 
@@ -144,5 +141,5 @@ def _hosts_of(inventory: dict, group: str) -> set[str]:
 
 
 def render_targets(groups: list[dict]) -> str:
-    """The file_sd JSON text (stable bytes)."""
-    return json.dumps(groups, indent=2) + "\n"
+    """The file_sd JSON text (stable bytes): the format ``appliance install`` writes."""
+    return file_sd.dump(groups)

@@ -26,12 +26,14 @@ CONFIG_RELATIVE = f"targets/{ENGINE_FILE}"
 
 @dataclass(frozen=True)
 class EngineTarget:
-    """One engine to scrape: the appliance instance, its profile and its address."""
+    """One engine to scrape: the appliance instance, its profile and its address; ``node``,
+    the inventory host, labels it across a fleet (instances of equal names on many hosts)."""
 
     instance: str
     profile: str
     host: str
     port: int
+    node: str = ""
 
     @property
     def address(self) -> str:
@@ -39,11 +41,21 @@ class EngineTarget:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
+    def group(self) -> dict:
+        """This target's file_sd group: its address, labelled ``host`` (when a fleet's),
+        ``instance`` and ``profile`` (when known)."""
+        labels = {"host": self.node} if self.node else {}
+        labels["instance"] = self.instance
+        if self.profile:
+            labels["profile"] = self.profile
+        return {"targets": [self.address], "labels": labels}
+
+
+def dump(groups: Iterable[dict]) -> str:
+    """file_sd JSON text for ``groups``, stable bytes."""
+    return json.dumps(list(groups), indent=2) + "\n"
+
 
 def render(targets: Iterable[EngineTarget]) -> str:
-    """The file_sd JSON for ``targets``: one group per instance, sorted, stable bytes."""
-    groups = [
-        {"targets": [t.address], "labels": {"instance": t.instance, "profile": t.profile}}
-        for t in sorted(targets, key=lambda t: t.instance)
-    ]
-    return json.dumps(groups, indent=2) + "\n"
+    """The file_sd JSON for ``targets``: one group per target, sorted by host and instance."""
+    return dump(t.group() for t in sorted(targets, key=lambda t: (t.node, t.instance)))
