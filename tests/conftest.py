@@ -38,8 +38,22 @@ def pytest_report_header(config) -> list[str]:
     return [f"vllm {vllm.__version__} (CPU build)"]
 
 
+# The session's engines live for the whole run, beside the other stream's engines (scripts/test.sh
+# runs two at once): 64 MiB of KV cache each (thousands of tokens of the tiny model) instead of the
+# profile's 1 GiB, which vLLM's CPU worker touches at start. VLLM_CPU_KVCACHE_SPACE would override
+# the flag, so it goes.
+SESSION_KV_CACHE_BYTES = 64 << 20
+
+
 def _engine(profile, **kwargs) -> Iterator[local.LocalEngine]:
-    with local.serve(profile, timeout=900, **kwargs) as eng:
+    prof = profiles.get(profile) if isinstance(profile, str) else profile
+    env = {k: v for k, v in prof.env.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    with local.serve(
+        dataclasses.replace(prof, env=env),
+        extra_args=["--kv-cache-memory-bytes", str(SESSION_KV_CACHE_BYTES)],
+        timeout=900,
+        **kwargs,
+    ) as eng:
         yield eng
 
 
@@ -66,6 +80,40 @@ def mtp_counters_engine() -> Iterator[local.LocalEngine]:
 def baseline_engine() -> Iterator[local.LocalEngine]:
     """cpu-tiny: the same target, no speculative decoding."""
     yield from _engine("cpu-tiny")
+
+
+# Two streams (scripts/test.sh runs both at once, one pytest each: `--stream machines`, `--stream
+# host`). Each process has its own session fixtures, so a fixture must live in ONE stream or it
+# starts twice: the booted systemd machines (the shared instance, the multi-node pair) in one;
+# the local engines, the Docker tier and the fleet's two hosts in the other, about as long.
+STREAMS = ("machines", "host")
+
+
+def stream(item: pytest.Item) -> str:
+    """The stream of a test: ``machines`` for systemd tests except the fleet's, else ``host``."""
+    if "systemd" in item.keywords and "fleet" not in item.keywords:
+        return "machines"
+    return "host"
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--stream",
+        choices=STREAMS,
+        help="run only this stream's tests (scripts/test.sh runs the two side by side)",
+    )
+
+
+def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
+    only = config.getoption("--stream")
+    if only:
+        keep = [i for i in items if stream(i) == only]
+        config.hook.pytest_deselected(items=[i for i in items if stream(i) != only])
+        items[:] = keep
+    # Within a stream: what needs no image first (the other stream may be building them), the
+    # fleet last. sort() is stable: collection order within each rank.
+    rank = {"fleet": 2, "docker": 1}
+    items.sort(key=lambda i: next((r for k, r in rank.items() if k in i.keywords), 0))
 
 
 # The slowest tier a test belongs to, for the wall-time table printed at the end of a run.

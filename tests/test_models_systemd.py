@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,8 +37,17 @@ def _show(m: nspawn.Machine, unit: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def test_a_broken_model_dir_fails_the_unit_once_with_78_and_one_line(tmp_path, docker_engine):
-    model_dir = tmp_path / "models"
+@pytest.fixture
+def host_dir() -> Iterator[Path]:
+    """A scratch directory outside /tmp: the unit has PrivateTmp=yes, so a MODEL_DIR under the
+    host's /tmp is an empty directory, or none, from inside the unit."""
+    path = Path(tempfile.mkdtemp(prefix="modeltest-", dir=nspawn.CACHE.parent))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_broken_model_dir_fails_the_unit_once_with_78_and_one_line(host_dir, docker_engine):
+    model_dir = host_dir / "models"
     shutil.copytree(devmodel.cached("copy").root, model_dir)
     weights = model_dir / "target" / "model.safetensors"
     size = weights.stat().st_size

@@ -459,6 +459,8 @@ def test_shell_in_profile_tokens_is_one_argument_and_never_runs(tmp_path, no_doc
         ("VLLM_PORT", "70000", "is not a TCP port"),
         ("VLLM_IMAGE", f"x$(touch {MARK})", "is not a valid image reference"),
         ("VLLM_CACHE_DIR", "/tmp/a b", "is not a plain absolute path"),
+        ("MODEL_DIR", "/var/tmp/gemma4-no-such-dir", "the unit has a private /tmp"),
+        ("MODEL_DIR", "/srv/gemma4-no-such-dir", "/srv/gemma4-no-such-dir in /"),
         ("VLLM_GPUS", "all;id", "expected all, a count or device="),
         ("APPLIANCE_PROFILE", "cpu-tiny", "but /"),
         ("VLLM_HOST", "", "VLLM_HOST is not set"),

@@ -145,6 +145,12 @@ check_env() {
     check_path "$key"
   done
   if [[ -n "${MODEL_DIR:-}" && ! -d "$MODEL_DIR" ]]; then
+    case "$MODEL_DIR/" in
+      # The unit runs with PrivateTmp=yes: the host's /tmp and /var/tmp are not what it sees.
+      /tmp/* | /var/tmp/*)
+        die_config "MODEL_DIR=$MODEL_DIR in $ENV_FILE is not a directory (the unit has a private /tmp and /var/tmp: keep models elsewhere, e.g. /var/lib/gemma4-vllm/models)"
+        ;;
+    esac
     die_config "MODEL_DIR=$MODEL_DIR in $ENV_FILE is not a directory"
   fi
   [[ "${VLLM_GPUS:-all}" =~ ^(all|[0-9]+|device=[A-Za-z0-9:,/_-]+)$ ]] \

@@ -16,7 +16,7 @@ import pytest
 
 from appliance import labels
 
-from .docker_engine import tiny_rootfs
+from .docker_engine import machine_lock, tiny_rootfs
 
 TEST_REPO = "gemma4-cutover-test"
 
@@ -48,20 +48,22 @@ def preflight_images(cutover_docker) -> dict[str, str]:
     import docker
 
     refs = {}
-    for tag, found in PREFLIGHT_IMAGES.items():
-        refs[tag] = f"{TEST_REPO}:{tag}"
-        try:
-            if (cutover_docker.images.get(refs[tag]).labels or {}).items() >= found.items():
-                continue  # imported by an earlier session: re-importing would leave dangling ones
-        except docker.errors.ImageNotFound:
-            pass
-        changes = [f'LABEL {k}="{v}"' for k, v in found.items()] or ["LABEL unrelated=1"]
-        cutover_docker.api.import_image_from_data(
-            tiny_rootfs("cutover preflight test image"),
-            repository=TEST_REPO,
-            tag=tag,
-            changes=changes,
-        )
+    with machine_lock("images"):
+        for tag, found in PREFLIGHT_IMAGES.items():
+            refs[tag] = f"{TEST_REPO}:{tag}"
+            try:
+                if (cutover_docker.images.get(refs[tag]).labels or {}).items() >= found.items():
+                    # Imported by an earlier session: re-importing would leave dangling ones.
+                    continue
+            except docker.errors.ImageNotFound:
+                pass
+            changes = [f'LABEL {k}="{v}"' for k, v in found.items()] or ["LABEL unrelated=1"]
+            cutover_docker.api.import_image_from_data(
+                tiny_rootfs("cutover preflight test image"),
+                repository=TEST_REPO,
+                tag=tag,
+                changes=changes,
+            )
     return refs
 
 

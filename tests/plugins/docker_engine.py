@@ -16,6 +16,8 @@ Run as a script (``python tests/plugins/docker_engine.py``) it just makes sure d
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import os
 import shutil
@@ -28,6 +30,20 @@ from pathlib import Path
 
 SOCKET = Path("/var/run/docker.sock")
 CACHE = Path(os.environ.get("APPLIANCE_SYSTEM_CACHE", "/var/cache/gemma4-appliance")) / "docker"
+
+
+@contextlib.contextmanager
+def machine_lock(name: str) -> Iterator[None]:
+    """An exclusive lock per machine (``flock`` on a file in the cache): the suite runs in two
+    pytest-xdist workers, and only one may start dockerd or build (or import) an image at a time;
+    the other then finds it done."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f"{name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _answers(timeout: float = 2.0) -> bool:
@@ -50,6 +66,13 @@ def _answers(timeout: float = 2.0) -> bool:
 def ensure_dockerd(timeout: float = 60.0) -> subprocess.Popen | None:
     """Start dockerd unless one answers; return the process this call started, else None."""
     if _answers():
+        return None
+    with machine_lock("dockerd"):
+        return _start_dockerd(timeout)
+
+
+def _start_dockerd(timeout: float) -> subprocess.Popen | None:
+    if _answers():  # the other worker started it while this one waited for the lock
         return None
     dockerd = shutil.which("dockerd") or "/usr/sbin/dockerd"
     if not os.path.exists(dockerd):
@@ -108,10 +131,11 @@ if pytest is not None:
         ``gemma4-vllm:0.32.0-mtp-broken``). Cold: a few minutes each; warm: a label lookup."""
         from appliance.images import build
 
-        return {
-            name: build.build(docker_engine, name)
-            for name in ("cpu-mtp", "cpu-pre-mtp", "cpu-broken")
-        }
+        with machine_lock("images"):
+            return {
+                name: build.build(docker_engine, name)
+                for name in ("cpu-mtp", "cpu-pre-mtp", "cpu-broken")
+            }
 
 
 if __name__ == "__main__":
@@ -241,6 +265,11 @@ def build_derived(client, parent_id: str, recipes=None) -> dict[str, str]:
     """Build (or find by a digest label: a label lookup when present) the images derived from
     the MTP image (``recipes``: tag -> build context; the canary's by default); returns tag ->
     full reference."""
+    with machine_lock("images"):
+        return _build_derived(client, parent_id, recipes)
+
+
+def _build_derived(client, parent_id: str, recipes) -> dict[str, str]:
     import hashlib
 
     refs = {}

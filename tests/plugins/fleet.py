@@ -259,7 +259,9 @@ def _remove_containers() -> None:
         )
 
 
-@pytest.fixture(scope="session")
+# Module scope: only tests/test_fleet.py uses the two hosts; their engines must not stay up (and
+# hold ~6 GB) for the rest of the run.
+@pytest.fixture(scope="module")
 def fleet(appliance_images) -> Iterator[Fleet]:
     """Two booted hosts reachable by Ansible, nothing installed yet (the tests install)."""
     nspawn.ensure_rootfs(PACKAGES)  # once, before the parallel boots

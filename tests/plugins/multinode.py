@@ -39,6 +39,7 @@ from appliance.engine.local import free_port
 from appliance.multinode import cutover as mcut
 
 from . import nspawn
+from .docker_engine import machine_lock
 
 GROUP = "mn2test"
 MACHINE = "gemma4-multinode"
@@ -55,6 +56,11 @@ VLLM_CACHE = nspawn.CACHE.parent / "multinode-vllm-cache"
 def build_derived_image(client, parent_id: str) -> str:
     """``gemma4-multinode-test:0.32.0-mtp-b``: the MTP image with one label more (its own ID;
     the build-digest label overridden so the image builder never takes it for cpu-mtp)."""
+    with machine_lock("images"):
+        return _build_derived_image(client, parent_id)
+
+
+def _build_derived_image(client, parent_id: str) -> str:
     want = f"test-multinode-{parent_id.removeprefix('sha256:')[:16]}"
     found = client.images.list(filters={"label": f"{BUILD_DIGEST_LABEL}={want}"})
     if found:
@@ -165,7 +171,8 @@ class Group:
         )
 
 
-@pytest.fixture(scope="session")
+# Module scope: only tests/test_multinode_systemd.py uses the pair; its engines go down after it.
+@pytest.fixture(scope="module")
 def multinode_group(appliance_images, docker_engine) -> Iterator[Group]:
     """Group ``mn2test`` installed in machine ``gemma4-multinode`` (head and worker on one host),
     started the operator's way (``systemctl start gemma4-vllm-head@mn2test``: BindsTo= pulls the

@@ -15,7 +15,7 @@ import pytest
 
 from appliance import labels
 
-from .docker_engine import tiny_rootfs
+from .docker_engine import machine_lock, tiny_rootfs
 
 UNITS_REPO = "gemma4-units-test"
 
@@ -50,25 +50,27 @@ def serve_images() -> dict[str, str]:
             pytest.skip("no Docker engine answers and no docker_engine plugin to start one")
         ensure_dockerd()
     refs = {}
-    for tag, wanted in SERVE_IMAGES.items():
-        ref = refs[tag] = f"{UNITS_REPO}:{tag}"
-        have = subprocess.run(
-            ["docker", "image", "inspect", "--format", "{{json .Config.Labels}}", ref],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if have.returncode == 0 and all(f'"{k}":"{v}"' in have.stdout for k, v in wanted.items()):
-            continue
-        cmd = ["docker", "import"]
-        for k, v in wanted.items() or {"unrelated": "1"}.items():
-            cmd += ["--change", f'LABEL {k}="{v}"']
-        subprocess.run(
-            [*cmd, "-", ref],
-            input=tiny_rootfs("serve script test image"),
-            check=True,
-            capture_output=True,
-        )
+    with machine_lock("images"):
+        for tag, wanted in SERVE_IMAGES.items():
+            ref = refs[tag] = f"{UNITS_REPO}:{tag}"
+            have = subprocess.run(
+                ["docker", "image", "inspect", "--format", "{{json .Config.Labels}}", ref],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            labelled = all(f'"{k}":"{v}"' in have.stdout for k, v in wanted.items())
+            if have.returncode == 0 and labelled:
+                continue
+            cmd = ["docker", "import"]
+            for k, v in wanted.items() or {"unrelated": "1"}.items():
+                cmd += ["--change", f'LABEL {k}="{v}"']
+            subprocess.run(
+                [*cmd, "-", ref],
+                input=tiny_rootfs("serve script test image"),
+                check=True,
+                capture_output=True,
+            )
     return refs
 
 
