@@ -51,6 +51,7 @@ def test_output_is_deterministic_with_stable_unique_ids():
         assert len(ids) == len(set(ids))
         assert {v["name"] for v in board["templating"]["list"]} == {
             "datasource",
+            "host",
             "instance",
             "model_name",
             "role",

@@ -12,19 +12,26 @@ from .panels import Annotation, Dashboard, Layout, Panel, Target, Variable
 from .promql import Expr, agg, histogram_quantile, increase, ratio, recorded, sum_rate
 
 RATE = "$__rate_interval"
-ENGINE = {"instance": "$instance", "model_name": "$model_name"}
+# `host`: the fleet's file_sd labels each engine with its inventory host (equal instance names on
+# many hosts); a single host has no such label, which the variable's All (.*) matches.
+ENGINE = {"host": "$host", "instance": "$instance", "model_name": "$model_name"}
 ROLE = {"role": "$role", "model": "$model_name"}
-BY_ENGINE = ("instance", "model_name")
-BY_DP_ENGINE = ("instance", "engine")  # vLLM's `engine` label: one per data-parallel engine
+BY_ENGINE = ("host", "instance", "model_name")
+BY_DP_ENGINE = ("host", "instance", "engine")  # vLLM's `engine` label: one per data-parallel engine
 LATENCY_QUANTILES = (0.5, 0.9, 0.99)
 
 VARIABLES = (
     Variable("datasource", "Datasource"),
-    Variable("instance", "Instance", "label_values(vllm:num_requests_running, instance)"),
+    Variable("host", "Host", "label_values(vllm:num_requests_running, host)"),
+    Variable(
+        "instance",
+        "Instance",
+        'label_values(vllm:num_requests_running{host=~"$host"}, instance)',
+    ),
     Variable(
         "model_name",
         "Model",
-        'label_values(vllm:num_requests_running{instance=~"$instance"}, model_name)',
+        'label_values(vllm:num_requests_running{host=~"$host", instance=~"$instance"}, model_name)',
     ),
     Variable("role", "Role", "label_values(gemma4_agent_calls_total, role)"),
 )

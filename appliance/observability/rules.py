@@ -16,12 +16,17 @@ from prometheus_client.utils import floatToGoString
 from . import names as n
 from .promql import Expr, Selector, agg, histogram_quantile, rate, ratio, recorded, sum_rate
 
-ENGINE_BY = ("instance", "model_name")
+# `host` is carried where the scrape has it (a fleet's file_sd, appliance.observability.file_sd):
+# two hosts serving instances of one name stay two series. The recorded names keep their
+# `instance_...` level, so queries and dashboards built on them keep working.
+ENGINE_BY = ("host", "instance", "model_name")
 ROLE_BY = ("role", "model")
+# The instance in an alert's summary, with its host where the scrape labels one (a fleet).
+ON_INSTANCE = "{{ $labels.instance }}{{ with $labels.host }} on host {{ . }}{{ end }}"
 SHORT = "1m"  # dashboards: reacts within a minute at a 15 s scrape
 LONG = "5m"  # alerts and per-role distributions: enough calls per window to mean something
 EXTREMES = "15m"  # per-call extremes: enough long calls per role for a share to mean something
-IMAGE_BY = ("instance", "image")
+IMAGE_BY = ("host", "instance", "image")
 QUANTILES = (0.1, 0.5, 0.9)
 
 
@@ -107,10 +112,10 @@ def by_image(sel: Selector, window: str) -> Expr:
     """
     # One image per instance even where an old and a new series overlap for a scrape.
     info = Expr(
-        f"topk by (instance) (1, {agg('max', IMAGE_BY, n.IMAGE_INFO.expr).text})",
+        f"topk by (host, instance) (1, {agg('max', IMAGE_BY, n.IMAGE_INFO.expr).text})",
         n.IMAGE_INFO.expr.metrics,
     )
-    return agg("sum", IMAGE_BY, rate(sel, window).mul_on(info, ("instance",), ("image",)))
+    return agg("sum", IMAGE_BY, rate(sel, window).mul_on(info, ("host", "instance"), ("image",)))
 
 
 def _bucket_rate(le: float, window: str) -> Expr:
@@ -238,7 +243,7 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
             for_=t.acceptance_for,
             labels={"severity": "warning"},
             annotations={
-                "summary": "MTP draft acceptance low on {{ $labels.instance }}",
+                "summary": f"MTP draft acceptance low on {ON_INSTANCE}",
                 "description": "Draft acceptance of {{ $labels.model_name }} is "
                 "{{ $value | humanizePercentage }} (floor "
                 f"{t.acceptance_min:.0%}) for {t.acceptance_for}: the drafter "
@@ -254,7 +259,7 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
             for_=t.counters_flat_for,
             labels={"severity": "critical"},
             annotations={
-                "summary": "MTP configured but not drafting on {{ $labels.instance }}",
+                "summary": f"MTP configured but not drafting on {ON_INSTANCE}",
                 "description": "{{ $labels.model_name }} generates tokens but its "
                 "speculative-decoding drafts counter has not moved for "
                 f"{t.counters_flat_for}: MTP is not paying at all.",
@@ -268,7 +273,7 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
             for_=t.engine_down_for,
             labels={"severity": "critical"},
             annotations={
-                "summary": "vLLM engine {{ $labels.instance }} is down",
+                "summary": f"vLLM engine {ON_INSTANCE} is down",
                 "description": "The scrape of {{ $labels.instance }} has failed for "
                 f"{t.engine_down_for}.",
             },
@@ -298,7 +303,7 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
             for_=t.kv_cache_for,
             labels={"severity": "warning"},
             annotations={
-                "summary": "KV cache near full on {{ $labels.instance }}",
+                "summary": f"KV cache near full on {ON_INSTANCE}",
                 "description": "KV cache usage of {{ $labels.model_name }} is "
                 "{{ $value | humanizePercentage }} for "
                 f"{t.kv_cache_for} (limit {t.kv_cache_max:.0%}).",
