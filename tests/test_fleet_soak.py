@@ -293,3 +293,69 @@ def test_playbooks_pass_ansible_syntax_check(playbook, tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_targets_playbook_writes_engine_and_state_targets_by_host(tmp_path):
+    """The real prometheus-targets playbook on the example inventory (it runs on the controller
+    only): engines and each host's appliance state, both labelled host, which the dashboards'
+    image join needs (engine and state series meet on host and instance)."""
+    import os
+    import sys
+
+    ansible_dir = Path(__file__).resolve().parents[1] / "deploy" / "ansible"
+    engines, state = tmp_path / "engines.json", tmp_path / "state.json"
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(ansible_dir / "ansible.cfg"),
+        ANSIBLE_HOME=str(tmp_path),
+        ANSIBLE_LOCAL_TEMP=str(tmp_path / "tmp"),
+    )
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            "-i",
+            str(ansible_dir / "inventory.example.yml"),
+            str(ansible_dir / "playbooks" / "prometheus-targets.yml"),
+            "-e",
+            f"targets_file={engines}",
+            "-e",
+            f"state_targets_file={state}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ansible_dir,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [(g["targets"], g["labels"]["host"]) for g in json.loads(engines.read_text())] == [
+        (["10.0.0.11:8050"], "l4-01"),
+        (["10.0.0.12:8050"], "l4-02"),
+        (["10.0.0.13:8050"], "l4-03"),
+    ]
+    assert json.loads(state.read_text()) == [
+        {"targets": ["10.0.0.11:9100"], "labels": {"host": "l4-01"}},
+        {"targets": ["10.0.0.12:9100"], "labels": {"host": "l4-02"}},
+        {"targets": ["10.0.0.13:9100"], "labels": {"host": "l4-03"}},
+    ]
+
+
+def test_state_targets_take_the_state_port_and_refuse_a_bad_one():
+    inv = _inventory(
+        **{
+            "box-a": {"appliance_instance": "31b", "appliance_port": 8050,
+                      "appliance_state_port": 9200},
+            "box-b": {"appliance_instance": "31b", "appliance_port": 8050,
+                      "appliance_state_port": "nine"},
+        }
+    )  # fmt: skip
+    with pytest.raises(UsageError, match="host box-b: appliance_state_port is not a number"):
+        hosts.state_targets_from_inventory(inv)
+    inv["_meta"]["hostvars"]["box-b"]["appliance_state_port"] = 70000
+    with pytest.raises(UsageError, match="host box-b: appliance_state_port 70000 is not a TCP"):
+        hosts.state_targets_from_inventory(inv)
+    del inv["_meta"]["hostvars"]["box-b"]["appliance_state_port"]
+    assert hosts.state_targets_from_inventory(inv) == [
+        {"targets": ["box-a:9200"], "labels": {"host": "box-a"}},
+        {"targets": ["box-b:9100"], "labels": {"host": "box-b"}},
+    ]

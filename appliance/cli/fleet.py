@@ -136,7 +136,13 @@ def status(instance: str, json_: bool, root: Path) -> None:
     default=None,
     help="The file_sd JSON to write (default: stdout).",
 )
-def targets(inventory: Path, group: str, out: Path | None) -> None:
+@click.option(
+    "--state-out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Also write each host's appliance-state target (labelled host) to this file_sd JSON.",
+)
+def targets(inventory: Path, group: str, out: Path | None, state_out: Path | None) -> None:
     """Prometheus file_sd targets for INVENTORY (`ansible-inventory --list` JSON; - = stdin)."""
     text = sys.stdin.read() if str(inventory) == "-" else inventory.read_text()
     try:
@@ -144,6 +150,10 @@ def targets(inventory: Path, group: str, out: Path | None) -> None:
     except ValueError as exc:
         raise UsageError(f"{inventory}: not JSON: {exc}") from None
     rendered = hosts.render_targets(hosts.targets_from_inventory(data, group))
+    if state_out is not None:
+        state = hosts.render_targets(hosts.state_targets_from_inventory(data, group))
+        write_atomic(state_out, state)
+        click.echo(f"{state_out}: {len(json.loads(state))} hosts' state", err=out is None)
     if out is None:
         click.echo(rendered, nl=False)
     else:

@@ -7,8 +7,9 @@ the server started.
 
 :func:`targets_from_inventory` turns ``ansible-inventory --list`` output into a Prometheus
 file_sd JSON: one group per host, labelled ``host`` (the inventory name) as well as ``instance``
-(the appliance instance) and ``profile``. The ``host`` label is what keeps two hosts' series
-apart: a fleet usually runs the same instance name everywhere.
+(the appliance instance) and ``profile``; :func:`state_targets_from_inventory` does the same for
+each host's appliance state. The ``host`` label is what keeps two hosts' series apart: a fleet
+usually runs the same instance name everywhere.
 """
 
 from __future__ import annotations
@@ -99,6 +100,33 @@ def targets_from_inventory(inventory: dict, group: str = DEFAULT_GROUP) -> list[
     else the inventory name; the port is ``appliance_port``; ``appliance_instance`` and
     ``appliance_profile`` become labels.
     """
+    groups = []
+    for name, hv in _hostvars(inventory, group):
+        missing = [k for k in ("appliance_instance", "appliance_port") if k not in hv]
+        if missing:
+            raise UsageError(f"host {name}: no {', '.join(missing)} in the inventory")
+        port = _port(name, hv, "appliance_port")
+        instance = check_instance(str(hv["appliance_instance"]))
+        profile = str(hv.get("appliance_profile", ""))
+        groups.append(EngineTarget(instance, profile, _address(name, hv), port, node=name).group())
+    return groups
+
+
+def state_targets_from_inventory(inventory: dict, group: str = DEFAULT_GROUP) -> list[dict]:
+    """file_sd groups for each host's appliance state (node_exporter's textfile collector, port
+    ``appliance_state_port``, default 9100), labelled ``host`` like the engines: the dashboards
+    join an engine to its running image on host and instance."""
+    return [
+        {
+            "targets": [f"{_address(name, hv)}:{_port(name, hv, 'appliance_state_port', 9100)}"],
+            "labels": {"host": name},
+        }
+        for name, hv in _hostvars(inventory, group)
+    ]
+
+
+def _hostvars(inventory: dict, group: str) -> list[tuple[str, dict]]:
+    """(name, variables) of every host of ``group``, sorted by name."""
     if not isinstance(inventory, dict) or "_meta" not in inventory:
         raise UsageError(
             "not `ansible-inventory --list` output (no _meta)",
@@ -108,21 +136,21 @@ def targets_from_inventory(inventory: dict, group: str = DEFAULT_GROUP) -> list[
     hosts = _hosts_of(inventory, group)
     if not hosts:
         raise UsageError(f"no hosts in group {group!r} of the inventory")
-    groups = []
-    for name in sorted(hosts):
-        hv = hostvars.get(name, {})
-        missing = [k for k in ("appliance_instance", "appliance_port") if k not in hv]
-        if missing:
-            raise UsageError(f"host {name}: no {', '.join(missing)} in the inventory")
-        address = str(hv.get("appliance_scrape_address") or hv.get("ansible_host") or name)
-        try:
-            port = int(hv["appliance_port"])
-        except (TypeError, ValueError):
-            raise UsageError(f"host {name}: appliance_port is not a number") from None
-        instance = check_instance(str(hv["appliance_instance"]))
-        profile = str(hv.get("appliance_profile", ""))
-        groups.append(EngineTarget(instance, profile, address, port, node=name).group())
-    return groups
+    return [(name, hostvars.get(name, {})) for name in sorted(hosts)]
+
+
+def _address(name: str, hv: dict) -> str:
+    return str(hv.get("appliance_scrape_address") or hv.get("ansible_host") or name)
+
+
+def _port(name: str, hv: dict, key: str, default: int | None = None) -> int:
+    try:
+        port = int(hv[key] if default is None else hv.get(key, default))
+    except (TypeError, ValueError):
+        raise UsageError(f"host {name}: {key} is not a number") from None
+    if not 0 < port < 65536:
+        raise UsageError(f"host {name}: {key} {port} is not a TCP port")
+    return port
 
 
 def _hosts_of(inventory: dict, group: str) -> set[str]:
