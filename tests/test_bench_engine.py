@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -285,42 +284,7 @@ def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):
     assert "95% CI" in res.output and "9 equal, 0 differ" in res.output
 
 
-def test_sweep_k_recommendation_backed_by_printed_figures(tmp_path):
-    out = tmp_path / "sweep.json"
-    res = CliRunner().invoke(
-        cli,
-        [
-            "bench",
-            "--sweep-k",
-            "1,3",
-            "--prompts",
-            "prose",
-            "--limit",
-            "2",
-            "--max-tokens",
-            "64",
-            "--runs",
-            "3",
-            "--json-output",
-            str(out),
-        ],
-    )
-    assert res.exit_code == 0, res.output
-    print(res.output)
-    rows = re.findall(
-        r"^\| (\d+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \| (.+) \|$",
-        res.output,
-        re.MULTILINE,
-    )
-    printed = {int(k): float(tpot) for k, tpot, _, _ in rows}
-    assert sorted(printed) == [1, 3]
-    rec = int(re.search(r"Recommended num_speculative_tokens: \*\*(\d+)\*\*", res.output)[1])
-    assert printed[rec] == min(printed.values())
-    for k, _, tps, pos in rows:
-        assert len(pos.split(" / ")) == int(k)  # acceptance per draft position, k of them
-        assert float(tps) > 1.5
-    art = json.loads(out.read_text())["sweep"]
-    assert art["recommended_k"] == rec
+# The k sweep (two engines of its own) is checked with its report: tests/test_reports.py.
 
 
 def test_api_key_file_lets_bench_through(api_key_engine, tmp_path):

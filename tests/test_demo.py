@@ -40,9 +40,12 @@ def test_demo_json_records_add_up_to_the_engines_counter_deltas():
     assert "healthy after" in out.stderr
 
 
-def test_demo_table_shows_per_call_rows_and_totals():
+def test_demo_table_shows_per_call_rows_and_totals_and_writes_the_report(tmp_path):
+    """One embedded engine for both: the table on stdout, the HTML report beside it (its
+    figures against the record: tests/test_reports.py)."""
+    page = tmp_path / "demo.html"
     out = subprocess.run(
-        [APPLIANCE, "demo", "--calls", "2", "--max-tokens", "16"],
+        [APPLIANCE, "demo", "--calls", "2", "--max-tokens", "16", "--report", str(page)],
         capture_output=True,
         check=False,
         text=True,
@@ -55,3 +58,6 @@ def test_demo_table_shows_per_call_rows_and_totals():
     assert lines[3].split()[:3] == ["2", "stream", "16"]
     assert lines[4].startswith(" all")
     assert lines[5].startswith("engine counters over the demo: ok")
+    text = page.read_text()
+    assert 'id="chart-call-acceptance"' in text and 'data-path="calls.1.tokens_per_step"' in text
+    assert [p.name for p in tmp_path.iterdir()] == ["demo.html"]  # no temp file left behind

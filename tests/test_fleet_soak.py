@@ -251,7 +251,8 @@ def test_targets_cli_writes_a_file_promtool_accepts(tmp_path):
         cwd=conf,
     )
     assert sd.returncode == 0, sd.stderr
-    found = [t["labels"] for t in json.loads(sd.stdout)]
+    # Sorted: promtool lists the discovered targets in no fixed order.
+    found = sorted((t["labels"] for t in json.loads(sd.stdout)), key=lambda t: t["__address__"])
     assert [(t["__address__"], t["host"], t["instance"]) for t in found] == [
         ("box-a:8050", "box-a", "31b"),
         ("box-b:8050", "box-b", "31b"),
