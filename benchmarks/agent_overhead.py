@@ -12,7 +12,9 @@ time added to the bare call of the same round, the ``/metrics`` reads per call (
 those on the caller's own thread) and the share of calls with exact figures. Interleaving puts
 other calls between two agent calls, which is foreign traffic to the agent's proof, so a second
 block sends agent calls back to back (against bare calls back to back): the cost and exactness
-of sequential calls. Figures, not assertions:
+of sequential calls. A third block takes the engine out of the difference: each call's
+client-side time (its wall time less its time on the wire, timed in the OpenAI client's
+transport), agent less bare, per round. Figures, not assertions:
 
     .venv/bin/python benchmarks/agent_overhead.py --calls 200
     .venv/bin/python benchmarks/agent_overhead.py --counters-url http://127.0.0.1:8000  # reuse
@@ -42,6 +44,44 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+class WireClock(httpx.HTTPTransport):
+    """The OpenAI client's transport, timing the wire: the request sent and the response read
+    (the engine's work included). A call's client-side time is its wall time less this: what
+    the client, and the agent around it, spend of the caller's time, without the engine's
+    jitter, which in an end-to-end difference is larger than the agent's cost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        t0 = time.perf_counter()
+        response = super().handle_request(request)
+        self.seconds += time.perf_counter() - t0
+        inner = response.stream
+
+        clock = self
+
+        class Timed(httpx.SyncByteStream):
+            def __iter__(self):
+                it = iter(inner)
+                while True:
+                    t = time.perf_counter()
+                    try:
+                        chunk = next(it)
+                    except StopIteration:
+                        clock.seconds += time.perf_counter() - t
+                        return
+                    clock.seconds += time.perf_counter() - t
+                    yield chunk
+
+            def close(self) -> None:
+                inner.close()
+
+        response.stream = Timed()
+        return response
+
+
 class Bench:
     """The three ways of calling one engine, with the agent's reads counted."""
 
@@ -52,10 +92,19 @@ class Bench:
             "max_tokens": max_tokens,
             "temperature": 0,
         }
-        self.bare = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        self.wire = {"bare": WireClock(), "agent": WireClock()}
+        self.bare = openai.OpenAI(
+            base_url=url + "/v1",
+            api_key="unused",
+            http_client=httpx.Client(transport=self.wire["bare"]),
+        )
         self.records: list[agent.CallRecord] = []
         self.traced = agent.instrument(
-            openai.OpenAI(base_url=url + "/v1", api_key="unused"),
+            openai.OpenAI(
+                base_url=url + "/v1",
+                api_key="unused",
+                http_client=httpx.Client(transport=self.wire["agent"]),
+            ),
             role="bench",
             config=agent.AgentConfig(),
             tracer_provider=TracerProvider(),
@@ -102,6 +151,28 @@ class Bench:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+
+    def client_side(self, who: str, fn) -> float:
+        """``fn``'s wall time less its time on the wire (see :class:`WireClock`)."""
+        before = self.wire[who].seconds
+        took = self.timed(fn)
+        return took - (self.wire[who].seconds - before)
+
+
+def client_side(b: Bench, calls: int) -> dict:
+    """Bare and agent calls alternating; per round, the agent's client-side time less the bare
+    call's: the time the agent adds on the caller's thread."""
+    for _ in range(3):
+        b.call_bare()
+        b.call_agent()
+    agent.flush(30)
+    b.records.clear()
+    added = []
+    for i in range(calls):
+        pair = [("bare", b.call_bare), ("agent", b.call_agent)]
+        took = {who: b.client_side(who, fn) for who, fn in (pair if i % 2 else pair[::-1])}
+        added.append(took["agent"] - took["bare"])
+    return {"added": added, "exact": _exact_share(b.records)}
 
 
 def _exact_share(records: list[agent.CallRecord]) -> float:
@@ -208,6 +279,12 @@ def main() -> None:
                 f"{statistics.median(s['bare']) * ms:>8.2f} "
                 f"{statistics.median(s['added']) * ms:>9.2f} {_pct(s['added'], 0.99) * ms:>9.2f} "
                 f"{s['reads']:>10.2f} {s['caller_reads']:>9.2f} {s['exact']:>6.0%}"
+            )
+            c = client_side(b, args.calls)
+            print(
+                f"{name:<20} {'agent, client side only':<26} {'-':>8} "
+                f"{statistics.median(c['added']) * ms:>9.3f} {_pct(c['added'], 0.99) * ms:>9.3f}"
+                f" {'':>10} {'':>9} {c['exact']:>6.0%}"
             )
             if r["reads"] or s["reads"]:
                 print(
