@@ -263,36 +263,42 @@ def test_targets_cli_writes_a_file_promtool_accepts(tmp_path):
     assert {**series[0], "host": ""} == {**series[1], "host": ""}
 
 
+ANSIBLE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "ansible"
+
+
+def _playbook(tmp_path: Path, playbook: str, *args: str) -> subprocess.CompletedProcess:
+    """The real ansible-playbook on the example inventory, its state under ``tmp_path``."""
+    import os
+    import sys
+
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"),
+        ANSIBLE_HOME=str(tmp_path),
+        ANSIBLE_LOCAL_TEMP=str(tmp_path / "tmp"),
+    )
+    return subprocess.run(
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            "-i",
+            str(ANSIBLE_DIR / "inventory.example.yml"),
+            *args,
+            str(ANSIBLE_DIR / "playbooks" / f"{playbook}.yml"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ANSIBLE_DIR,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize(
     "playbook", ["install", "rollout", "rollback", "status", "prometheus-targets"]
 )
 def test_playbooks_pass_ansible_syntax_check(playbook, tmp_path):
     """The real ansible-playbook parses every shipped playbook and the role it includes."""
-    import os
-    import sys
-
-    repo = Path(__file__).resolve().parents[1]
-    ansible_dir = repo / "deploy" / "ansible"
-    env = dict(
-        os.environ,
-        ANSIBLE_CONFIG=str(ansible_dir / "ansible.cfg"),
-        ANSIBLE_HOME=str(tmp_path),
-        ANSIBLE_LOCAL_TEMP=str(tmp_path / "tmp"),
-    )
-    proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "ansible-playbook"),
-            "-i",
-            str(ansible_dir / "inventory.example.yml"),
-            "--syntax-check",
-            str(ansible_dir / "playbooks" / f"{playbook}.yml"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ansible_dir,
-        check=False,
-    )
+    proc = _playbook(tmp_path, playbook, "--syntax-check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -300,33 +306,14 @@ def test_targets_playbook_writes_engine_and_state_targets_by_host(tmp_path):
     """The real prometheus-targets playbook on the example inventory (it runs on the controller
     only): engines and each host's appliance state, both labelled host, which the dashboards'
     image join needs (engine and state series meet on host and instance)."""
-    import os
-    import sys
-
-    ansible_dir = Path(__file__).resolve().parents[1] / "deploy" / "ansible"
     engines, state = tmp_path / "engines.json", tmp_path / "state.json"
-    env = dict(
-        os.environ,
-        ANSIBLE_CONFIG=str(ansible_dir / "ansible.cfg"),
-        ANSIBLE_HOME=str(tmp_path),
-        ANSIBLE_LOCAL_TEMP=str(tmp_path / "tmp"),
-    )
-    proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "ansible-playbook"),
-            "-i",
-            str(ansible_dir / "inventory.example.yml"),
-            str(ansible_dir / "playbooks" / "prometheus-targets.yml"),
-            "-e",
-            f"targets_file={engines}",
-            "-e",
-            f"state_targets_file={state}",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ansible_dir,
-        check=False,
+    proc = _playbook(
+        tmp_path,
+        "prometheus-targets",
+        "-e",
+        f"targets_file={engines}",
+        "-e",
+        f"state_targets_file={state}",
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [(g["targets"], g["labels"]["host"]) for g in json.loads(engines.read_text())] == [
