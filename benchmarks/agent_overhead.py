@@ -58,28 +58,28 @@ class WireClock(httpx.HTTPTransport):
         t0 = time.perf_counter()
         response = super().handle_request(request)
         self.seconds += time.perf_counter() - t0
-        inner = response.stream
-
-        clock = self
-
-        class Timed(httpx.SyncByteStream):
-            def __iter__(self):
-                it = iter(inner)
-                while True:
-                    t = time.perf_counter()
-                    try:
-                        chunk = next(it)
-                    except StopIteration:
-                        clock.seconds += time.perf_counter() - t
-                        return
-                    clock.seconds += time.perf_counter() - t
-                    yield chunk
-
-            def close(self) -> None:
-                inner.close()
-
-        response.stream = Timed()
+        response.stream = _TimedStream(response.stream, self)
         return response
+
+
+class _TimedStream(httpx.SyncByteStream):
+    """A response body whose reads count as time on the wire of ``clock``."""
+
+    def __init__(self, inner: httpx.SyncByteStream, clock: WireClock) -> None:
+        self.inner, self.clock = inner, clock
+
+    def __iter__(self):
+        it = iter(self.inner)
+        while True:
+            t = time.perf_counter()
+            chunk = next(it, None)
+            self.clock.seconds += time.perf_counter() - t
+            if chunk is None:
+                return
+            yield chunk
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class Bench:

@@ -107,9 +107,9 @@ def pytest_addoption(parser) -> None:
 def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     only = config.getoption("--stream")
     if only:
-        keep = [i for i in items if stream(i) == only]
-        config.hook.pytest_deselected(items=[i for i in items if stream(i) != only])
-        items[:] = keep
+        theirs = {i.nodeid for i in items if stream(i) != only}
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid in theirs])
+        items[:] = [i for i in items if i.nodeid not in theirs]
     # Within a stream: what needs no image first (the other stream may be building them), the
     # fleet last. sort() is stable: collection order within each rank.
     rank = {"fleet": 2, "docker": 1}

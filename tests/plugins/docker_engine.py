@@ -34,9 +34,9 @@ CACHE = Path(os.environ.get("APPLIANCE_SYSTEM_CACHE", "/var/cache/gemma4-applian
 
 @contextlib.contextmanager
 def machine_lock(name: str) -> Iterator[None]:
-    """An exclusive lock per machine (``flock`` on a file in the cache): the suite runs in two
-    pytest-xdist workers, and only one may start dockerd or build (or import) an image at a time;
-    the other then finds it done."""
+    """An exclusive lock per machine (``flock`` on a file in the cache): scripts/test.sh runs two
+    pytest processes at once, and only one may start dockerd or build (or import) an image at a
+    time; the other then finds it done."""
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / f"{name}.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -72,7 +72,7 @@ def ensure_dockerd(timeout: float = 60.0) -> subprocess.Popen | None:
 
 
 def _start_dockerd(timeout: float) -> subprocess.Popen | None:
-    if _answers():  # the other worker started it while this one waited for the lock
+    if _answers():  # the other pytest started it while this one waited
         return None
     dockerd = shutil.which("dockerd") or "/usr/sbin/dockerd"
     if not os.path.exists(dockerd):
