@@ -137,15 +137,11 @@ async def aread(url: str, *, timeout: float, client: httpx.AsyncClient | None = 
             await http.aclose()
 
 
-class SplitReader:
-    """One kept-alive connection to ``url`` whose read is split in two halves: :meth:`send`
-    puts the filtered GET on the wire (no wait: a few bytes on an idle, open connection) and
-    :meth:`receive`, later and on another thread, reads the answer, bounded by ``timeout``.
-
-    The telemetry agent sends its after-read this way as the call ends, before the caller can
-    send its next request, and receives it off the caller's path. Only one read at a time: a
-    :meth:`send` while one is outstanding, or without a recently used connection (the server
-    may have closed it), returns False and the caller reads the usual way instead.
+class KeptReader:
+    """Filtered reads of ``url`` on one kept-alive connection (the telemetry agent reads the
+    same page once per call: a fresh connection each time would cost a handshake and a
+    server-side accept). Only one read at a time: :meth:`read` returns ``None`` while another
+    is outstanding and the caller reads the usual way instead.
     """
 
     IDLE_S = 2.0  # reuse a connection idle for less than this (vLLM's keep-alive is 5 s)
@@ -161,33 +157,6 @@ class SplitReader:
         self._busy = False
         self._idle_since = 0.0
         self._lock = threading.Lock()
-
-    def send(self) -> bool:
-        """Send the request now on the warm connection; False when there is none free."""
-        with self._lock:
-            if self._busy or self._conn is None:
-                return False
-            if time.monotonic() - self._idle_since > self.IDLE_S:
-                return False
-            self._busy = True
-        try:
-            self._conn.request("GET", self._target)
-            return True
-        except (OSError, http.client.HTTPException):
-            self._drop()
-            return False
-        except BaseException:  # interrupted mid-request: no half-sent connection left
-            self._drop()
-            raise
-
-    def receive(self, timeout: float) -> Reading:
-        """The answer to :meth:`send` within ``timeout`` (:class:`MetricsReadError` on failure;
-        the connection is free again either way)."""
-        try:
-            return self._answer(timeout)
-        except BaseException:  # a failed or interrupted read leaves no half-read connection
-            self._drop()
-            raise
 
     def read(self, timeout: float) -> Reading | None:
         """Send and receive at once, on this thread (on a fresh connection when the kept one is
@@ -224,7 +193,11 @@ class SplitReader:
         except BaseException:
             self._drop()
             raise
-        return self.receive(timeout)
+        try:
+            return self._answer(timeout)
+        except BaseException:  # a failed or interrupted read leaves no half-read connection
+            self._drop()
+            raise
 
     def _answer(self, timeout: float) -> Reading:
         conn = self._conn
@@ -251,21 +224,11 @@ class SplitReader:
             self._idle_since = time.monotonic()
         return reading
 
-    def receive_nothing(self) -> None:
-        """Give up on a sent request's answer: the connection is closed, the next read opens
-        another."""
-        self._drop()
-
     def _drop(self) -> None:
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
             self._conn, self._busy = None, False
-
-    def reset_after_fork(self) -> None:
-        """In a forked child: the parent's connection and lock are not ours."""
-        self._lock = threading.Lock()
-        self._conn, self._busy = None, False
 
 
 def engine_error(exc: MetricsReadError, base_url: str) -> EngineError:

@@ -14,7 +14,9 @@ other calls between two agent calls, which is foreign traffic to the agent's pro
 block sends agent calls back to back (against bare calls back to back): the cost and exactness
 of sequential calls. A third block takes the engine out of the difference: each call's
 client-side time (its wall time less its time on the wire, timed in the OpenAI client's
-transport), agent less bare, per round. Figures, not assertions:
+transport), agent less bare, per round, printed beside the same difference between two bare
+calls of the round (the floor: what the measurement reads when there is nothing to find).
+Figures, not assertions:
 
     .venv/bin/python benchmarks/agent_overhead.py --calls 200
     .venv/bin/python benchmarks/agent_overhead.py --counters-url http://127.0.0.1:8000  # reuse
@@ -125,15 +127,6 @@ class Bench:
             return real_read(*args, **kwargs)
 
         server.read = counted  # counts the agent's /metrics reads; the reads stay real
-        self.early = 0  # after-reads whose request went out as the call ended
-        real_send = server.send_early
-
-        def counted_send():
-            sent = real_send()
-            self.early += sent is not None
-            return sent
-
-        server.send_early = counted_send
 
     def call_bare(self) -> None:
         self.bare.chat.completions.create(**self.kw)
@@ -161,18 +154,22 @@ class Bench:
 
 def client_side(b: Bench, calls: int) -> dict:
     """Bare and agent calls alternating; per round, the agent's client-side time less the bare
-    call's: the time the agent adds on the caller's thread."""
+    call's: the time the agent adds on the caller's thread. ``floor``: the same difference
+    between two bare calls of the round (one more bare call each round): what this
+    measurement reads when there is nothing to find, the host's own noise."""
     for _ in range(3):
         b.call_bare()
         b.call_agent()
     agent.flush(30)
     b.records.clear()
-    added = []
+    added, floor = [], []
     for i in range(calls):
-        pair = [("bare", b.call_bare), ("agent", b.call_agent)]
-        took = {who: b.client_side(who, fn) for who, fn in (pair if i % 2 else pair[::-1])}
+        calls_of_round = [("bare", b.call_bare), ("agent", b.call_agent), ("bare2", b.call_bare)]
+        order = calls_of_round[i % 3 :] + calls_of_round[: i % 3]
+        took = {who: b.client_side(who.rstrip("2"), fn) for who, fn in order}
         added.append(took["agent"] - took["bare"])
-    return {"added": added, "exact": _exact_share(b.records)}
+        floor.append(took["bare2"] - took["bare"])
+    return {"added": added, "floor": floor, "exact": _exact_share(b.records)}
 
 
 def _exact_share(records: list[agent.CallRecord]) -> float:
@@ -186,7 +183,7 @@ def interleaved(b: Bench, calls: int) -> dict:
             fn()
     agent.flush(30)
     b.records.clear()
-    b.reads = b.caller_reads = b.early = 0
+    b.reads = b.caller_reads = 0
     order = [("bare", b.call_bare), ("agent", b.call_agent), ("seed", b.call_seed)]
     bare, added = [], {"agent": [], "seed": []}
     for i in range(calls):
@@ -200,7 +197,6 @@ def interleaved(b: Bench, calls: int) -> dict:
         "added": added,
         "reads": b.reads / calls,
         "caller_reads": b.caller_reads / calls,
-        "early": b.early / calls,
         "exact": _exact_share(b.records),
     }
 
@@ -209,7 +205,7 @@ def back_to_back(b: Bench, calls: int) -> dict:
     """Agent calls in a row against bare calls in a row (blocks of 10, alternating)."""
     agent.flush(30)
     b.records.clear()
-    b.reads = b.caller_reads = b.early = 0
+    b.reads = b.caller_reads = 0
     bare, ours = [], []
     for _ in range(max(1, calls // 10)):
         bare += [b.timed(b.call_bare) for _ in range(10)]
@@ -221,7 +217,6 @@ def back_to_back(b: Bench, calls: int) -> dict:
         "added": diffs,
         "reads": b.reads / n,
         "caller_reads": b.caller_reads / n,
-        "early": b.early / n,
         "exact": _exact_share(b.records),
     }
 
@@ -281,15 +276,13 @@ def main() -> None:
                 f"{s['reads']:>10.2f} {s['caller_reads']:>9.2f} {s['exact']:>6.0%}"
             )
             c = client_side(b, args.calls)
-            print(
-                f"{name:<20} {'agent, client side only':<26} {'-':>8} "
-                f"{statistics.median(c['added']) * ms:>9.3f} {_pct(c['added'], 0.99) * ms:>9.3f}"
-                f" {'':>10} {'':>9} {c['exact']:>6.0%}"
-            )
-            if r["reads"] or s["reads"]:
+            for label, d, exact in (
+                ("agent, client side only", c["added"], f"{c['exact']:.0%}"),
+                ("  floor: bare less bare", c["floor"], "-"),
+            ):
                 print(
-                    f"{'':<20} after-reads sent as the call ended: interleaved "
-                    f"{r['early']:.0%}, back to back {s['early']:.0%}"
+                    f"{name:<20} {label:<26} {'-':>8} {statistics.median(d) * ms:>9.3f}"
+                    f" {_pct(d, 0.99) * ms:>9.3f} {'':>10} {'':>9} {exact:>6}"
                 )
 
 

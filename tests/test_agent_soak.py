@@ -290,8 +290,9 @@ def test_soak_restart_cancel_abandon(tmp_path):
                 assert server.in_flight() == 0
                 b1 = obs.snapshot()
                 storm.use("sequential")
-                for i in range(3):
+                for i in range(3):  # each after the previous one's figures are known
                     storm.sync.chat.completions.create(**storm._kw(i, False))
+                    assert agent.flush(30)
                 assert agent.flush(30)
                 seq = [r for r in records if r.role == "sequential"]
                 assert [r.figures.source for r in seq] == ["counters"] * 3

@@ -261,7 +261,7 @@ def test_a_certified_after_read_is_the_next_calls_before_even_while_in_flight():
     r0 = srv._record(metrics_reader.parse(200, CAPTURE.encode()), sent=0.9)
     r0.got = r0.clean_from = 1.0
     call1 = srv.begin()
-    call1.sent, call1.finished = 1.5, 2.0
+    call1.sent, call1.finished, call1.tokens = 1.5, 2.0, 24
     srv.end(call1)
     assert srv.before(call1) is r0
     r1 = rec(_seq(CAPTURE, 88, 2), 2.01)
@@ -272,11 +272,11 @@ def test_a_certified_after_read_is_the_next_calls_before_even_while_in_flight():
     assert srv.before(call2) is r0
     fig1 = attribution.from_readings(r0, r1, "gemma4-tiny", overlapped=False, output_tokens=24)
     assert fig1.source == "counters"
-    srv.certify(r0, r1, call1.finished)
+    assert srv.certify(r0, r1)
     assert r1.clean_from == 2.0  # nothing sent after call 1's end is in R1
     assert srv.before(call2) is r1
     # Call 2's own proof, from the certified R1 (running there may be call 2 itself).
-    call2.finished = 3.0
+    call2.finished, call2.tokens = 3.0, 24
     srv.end(call2)
     r2 = rec(_seq(CAPTURE, 112, 3), 3.01)
     r1_busy = attribution.Timed(
@@ -294,7 +294,8 @@ def test_a_certified_after_read_is_the_next_calls_before_even_while_in_flight():
         attribution.from_readings(r0, f1, None, overlapped=False, output_tokens=24).source
         == "shared"
     )
-    assert f1.clean_from == 2.5
+    srv2._ended.append(call1)
+    assert not srv2.certify(r0, f1) and f1.clean_from == 2.5
     srv2._readings.extend([r0, f1])
     assert srv2.before(call2) is r0  # a window holding both calls: shared at its end
 
@@ -359,3 +360,67 @@ def test_the_reader_parses_the_real_capture_with_the_work_counters(bad_metrics):
     reading = metrics_reader.read(fake.url + "/metrics/", timeout=2)
     assert reading.snapshot.speculative and reading.snapshot.running == 0
     assert (reading.generation_tokens, reading.finished_requests) == (64, 1)
+
+
+def test_a_leak_makes_two_calls_shared_and_the_next_after_read_certifies_both():
+    # Call 1's after-read R1 went out after call 2's request and holds 3 of call 2's tokens: call
+    # 1 is shared and R1 is not certified. Call 2's window starts at R0, so it holds call 1 too:
+    # shared. But R2 moved the token counter by exactly calls 1 + 2's usage since R0, so R2 is
+    # certified and call 3 starts from it: the chain goes on without anyone waiting.
+    srv = attribution.Server("http://127.0.0.1:9/metrics/")
+
+    def rec(tokens, finished, sent, got):
+        t = srv._record(metrics_reader.parse(200, _seq(CAPTURE, tokens, finished).encode()), sent)
+        t.got = t.clean_from = got
+        return t
+
+    r0 = rec(64, 1, 0.9, 1.0)
+    call1 = srv.begin()
+    call1.sent, call1.finished, call1.tokens = 1.5, 2.0, 24
+    srv.end(call1)
+    call2 = srv.begin()
+    call2.sent = 2.1
+    r1 = rec(64 + 24 + 3, 1, 2.2, 2.5)
+    fig1 = attribution.from_readings(r0, r1, None, overlapped=False, output_tokens=24)
+    assert fig1.source == "shared"
+    assert not srv.certify(r0, r1) and r1.clean_from == 2.5
+    call2.finished, call2.tokens = 3.0, 16
+    srv.end(call2)
+    assert srv.before(call2) is r0
+    r2 = rec(64 + 24 + 16, 3, 3.01, 3.2)
+    fig2 = attribution.from_readings(r0, r2, None, overlapped=False, output_tokens=16)
+    assert fig2.source == "shared"  # two requests finished in its window
+    assert srv.certify(r0, r2) and r2.clean_from == 3.0
+    call3 = srv.begin()
+    call3.sent = 3.05
+    assert srv.before(call3) is r2
+    # One more token than the own calls' usage: someone else's, no certificate.
+    r2x = attribution.Timed(metrics_reader.parse(200, _seq(CAPTURE, 105, 3).encode()), 3.01, 3.2)
+    assert not srv.certify(r0, r2x) and r2x.clean_from == 3.2
+    # An own call of unknown usage (cancelled mid-stream) in the window: no certificate either.
+    gone = srv.begin()
+    gone.sent, gone.finished = 3.06, 3.07
+    srv.end(gone)
+    r3 = rec(104 + 8, 4, 3.1, 3.3)
+    assert not srv.certify(r2, r3)
+
+
+def test_after_foreign_traffic_a_call_waits_for_the_pending_read_at_most_once_a_second(
+    monkeypatch,
+):
+    srv = attribution.Server("http://127.0.0.1:9/metrics/")
+    srv._record(metrics_reader.parse(200, CAPTURE.encode()), sent=0.0)
+    srv.after_queued()  # an after-read is pending
+    srv.chained(False)  # and the last proof failed
+    first, second = srv.begin(), srv.begin()
+    srv.end(first)
+    assert srv._needs(second) == ""  # it overlapped another call: a wait would not help
+    srv.end(second)
+    assert srv._needs(attribution.Window()) == "wait"
+    assert srv._needs(attribution.Window()) == ""  # not again within RESTART_EVERY_S
+    assert srv._needs(attribution.Window(quiet_before=True)) == "wait"  # no usage: always
+    monkeypatch.setattr(attribution, "RESTART_EVERY_S", 0.0)
+    srv._restart_at = 0.0
+    assert srv._needs(attribution.Window()) == "wait"
+    srv.chained(True)
+    assert srv._needs(attribution.Window()) == ""  # a certified chain needs no wait

@@ -18,18 +18,23 @@ Order of preference (see adr/0006-telemetry-agent.md):
    be known (a read failed, or the counters reset between the reads).
 
 The after-read, and everything that waits on it (figures, span end, metrics, ``on_call``), runs
-on one background thread (:class:`Worker`), off the caller's path; the caller never waits for a
-read (it reads itself only for a server's first call). The reading before a call is the newest
-one that provably holds none of the call's tokens: one complete before its request went out, or
-a *certified* after-read (:meth:`Server.certify`): the previous call's after-read, even while it
-is still in flight when the next request goes out, once that previous call's own proof showed
-the server's token counter moved by exactly its usage (then the reading holds no token of any
-request sent after the previous call ended, see :meth:`Server.certify`). So sequential calls
-cost one read each, none on the caller's path. Foreign traffic between two calls fails a proof
-and makes the calls ``shared``; the next call that finds an after-read pending then waits for it
-(bounded) once, so the chain restarts. A stream without usage cannot certify anything: it
-always waits for a pending after-read, as before. Every read is bounded
-and every failure is counted, never raised.
+on one background thread (:class:`Worker`), off the caller's path: the caller neither reads nor
+sends anything for it (a request sent from the caller's thread as its call ends was measured at
+1.4-2.4 ms there on a 2-core host: the server woken to render the page takes the caller's CPU).
+The reading before a call is the newest one that provably holds none of the call's tokens: one
+complete before its request went out, or a *certified* after-read (:meth:`Server.certify`): one
+whose token counter moved, since a clean reading, by exactly the usage of this process's own
+calls that ended before it was sent; it then holds no token of any request sent after the last
+of them ended, even if that request went out while the read was still in flight. So sequential
+calls cost one read each, none on the caller's path. The worker sends the after-read as soon as
+it runs, usually just after the caller's next request: the page is nearly always rendered before
+that request's first token, and when it is not, the proof fails, the two calls it touches are
+``shared`` and the next after-read certifies both together, so the chain goes on. Foreign traffic
+between two calls fails every proof; then a call that finds an after-read pending waits for it
+(bounded), at most once a second per server (``RESTART_EVERY_S``), so back-to-back calls get a
+clean window again without the waits showing in the caller's p99. A stream without usage cannot
+use a certified reading: it always waits for a pending after-read. Every read is bounded and every
+failure is counted, never raised.
 """
 
 from __future__ import annotations
@@ -119,6 +124,7 @@ class Window:
     finished: float = 0.0  # when the call ended for the caller (monotonic)
     quiet_before: bool = False  # no usage to prove with: wait for a pending after-read
     ended: bool = False
+    tokens: int | None = None  # the call's usage.completion_tokens; None: unknown
 
 
 # --- the background thread ------------------------------------------------------------------
@@ -229,18 +235,19 @@ class Server:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _skip_until: float = 0.0
     _http: httpx.Client | None = None
-    _split: metrics_reader.SplitReader | None = None  # the worker's kept-alive connection
+    _kept: metrics_reader.KeptReader | None = None  # a kept-alive connection
     _ahttp: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     # The newest readings (sent order), candidates for the next calls' before-reading.
     _readings: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
     _pending: int = 0  # after-reads queued on the worker and not yet done
     # Whether the newest reading is expected to start the next call's window cleanly (a fresh
-    # read, or an after-read sent as its call ended and whose call's proof held). When not, the
-    # next call waits once for a pending after-read, so back-to-back calls get a clean window
-    # again after a broken chain, and a server that cannot keep a connection open for the early
-    # send costs a wait per call rather than its exactness.
+    # read, or a certified after-read). When not, the next call may wait for a pending
+    # after-read (see _needs), so back-to-back calls get a clean window again.
     _chain: bool = False
     _changed: threading.Condition | None = None
+    _restart_at: float = 0.0  # no restart wait before this (monotonic): see RESTART_EVERY_S
+    # This process's calls to the server, as they ended (certify's own calls).
+    _ended: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
 
     def __post_init__(self) -> None:
         self._changed = threading.Condition(self._lock)
@@ -257,11 +264,13 @@ class Server:
         return w
 
     def end(self, w: Window) -> None:
-        """Close ``w`` (once; later calls are no-ops)."""
+        """Close ``w`` (once; later calls are no-ops). Set ``w.tokens`` first when known."""
         with self._lock:
             if not w.ended:
                 w.ended = True
                 self._active.discard(w)
+                if w.sent:
+                    self._ended.append(w)
 
     def in_flight(self) -> int:
         with self._lock:
@@ -271,12 +280,19 @@ class Server:
     def _needs(self, w: Window) -> str:
         """What ``w`` needs before its request goes out: ``read`` (no reading yet: a server's
         first call), ``wait`` for a pending after-read (a call without usage, which cannot use a
-        certified reading; or the first call after a broken chain, see ``_chain``), or nothing
-        (the before-reading is picked after the call, on the worker: see :meth:`before`)."""
+        certified reading; or, at most once per ``RESTART_EVERY_S``, the first call after a
+        broken chain, see ``_chain``), or nothing (the before-reading is picked after the call,
+        on the worker: see :meth:`before`)."""
         with self._lock:
             if not self._readings and not self._pending:
                 return "read"
-            if self._pending and not w.overlapped and (w.quiet_before or not self._chain):
+            if not self._pending or w.overlapped:
+                return ""
+            if w.quiet_before:
+                return "wait"
+            now = time.monotonic()
+            if not self._chain and now >= self._restart_at:
+                self._restart_at = now + RESTART_EVERY_S
                 return "wait"
             return ""
 
@@ -335,51 +351,13 @@ class Server:
         self._skip_until = time.monotonic() + cooldown
         metrics.error("metrics_" + exc.kind)
 
-    def send_early(self) -> float | None:
-        """Put the after-read's request on the wire now, as the call ends (the caller's thread:
-        a few bytes on a warm connection, no wait); when it went out, or ``None``.
-
-        Sent before the caller can send its next request, the page is nearly always rendered
-        before that request's first token, so this call's proof, and the certificate that lets
-        the next call start from this reading, rarely fail for it (a leak only makes the calls
-        ``shared``: the proof checks, the order is not assumed)."""
-        if time.monotonic() < self._skip_until:
-            return None
-        split = self._split
-        if split is None:
+    def read(self, metrics: AgentMetrics, timeout: float, cooldown: float) -> Timed | None:
+        """One bounded read, recorded as a candidate; ``None`` (one counted error) on failure."""
+        if self._cooling(metrics):
             return None
         sent = time.monotonic()
-        return sent if split.send() else None
-
-    def drop_early(self) -> None:
-        """Forget a :meth:`send_early` nobody will receive (its connection is closed)."""
-        if self._split is not None:
-            self._split.receive_nothing()
-
-    def read(
-        self,
-        metrics: AgentMetrics,
-        timeout: float,
-        cooldown: float,
-        early: float | None = None,
-    ) -> Timed | None:
-        """One bounded read, recorded as a candidate; ``None`` (one counted error) on failure.
-
-        ``early``: the answer to :meth:`send_early`'s request, sent then."""
-        if early is None and self._cooling(metrics):
-            return None
-        sent = early if early is not None else time.monotonic()
         try:
-            reading = None
-            if early is not None:
-                try:
-                    reading = self._split.receive(timeout)
-                except metrics_reader.MetricsReadError as exc:
-                    if exc.kind != "unreachable":
-                        raise
-                    sent = time.monotonic()  # the kept-alive connection was closed: once more
-            if reading is None:
-                reading = self._read_now(timeout)
+            reading = self._read_now(timeout)
         except metrics_reader.MetricsReadError as exc:
             self._failed(metrics, exc, cooldown)
             return None
@@ -387,10 +365,10 @@ class Server:
 
     def _read_now(self, timeout: float) -> Reading:
         with self._lock:
-            if self._split is None:
-                self._split = metrics_reader.SplitReader(self.metrics_url)
-            split = self._split
-        reading = split.read(timeout)  # also warms the connection for the next send_early
+            if self._kept is None:
+                self._kept = metrics_reader.KeptReader(self.metrics_url)
+            kept = self._kept
+        reading = kept.read(timeout)
         if reading is not None:
             return reading
         if self._http is None:  # the kept-alive connection is busy: another one
@@ -425,21 +403,35 @@ class Server:
                 return t
         return None
 
-    def certify(self, before: Timed, after: Timed, finished: float) -> None:
-        """Record what a call's token proof showed about its after-read.
+    def certify(self, before: Timed, after: Timed) -> bool:
+        """Lower ``after.clean_from`` when the token counter proves it; whether it did.
 
-        Given: ``before`` held none of the call's tokens, ``after`` was sent after the call
-        ended (so it holds all of them), and the server's generation-token counter moved between
-        them by exactly the call's own ``usage.completion_tokens``. Then no other request moved
-        that counter in between: ``after`` holds, for every other request, exactly the tokens
-        ``before`` held. So ``after`` holds no token of any request sent after both
-        ``before.clean_from`` and the call's end (such a request is not the call, and ``before``
-        held none of its tokens), even if ``after`` was still in flight when it was sent. A
-        request with no token in a reading has no drafts in it either: every verification step
-        yields at least one token.
+        Given ``before`` (no token of any request sent after ``before.clean_from``) and
+        ``after``, let *own* be this process's calls to the server sent after
+        ``before.clean_from`` that ended before ``after`` was sent: each has none of its tokens
+        in ``before`` and all of them in ``after``. When the generation-token counter moved by
+        exactly their summed usage, no other request moved it in between: ``after`` holds, for
+        every other request, exactly the tokens ``before`` held. A request sent after both
+        ``before.clean_from`` and the last own call's end is not one of them and ``before``
+        holds none of its tokens, so ``after`` holds none either, even if ``after`` was still in
+        flight when it was sent. A request with no token in a reading has no drafts in it
+        either: every verification step yields at least one token. One own call is the common
+        case (its own proof held); several when a leak made the previous call ``shared``.
         """
+        b, a = before.reading.generation_tokens, after.reading.generation_tokens
+        if b is None or a is None:
+            return False
         with self._lock:
-            after.clean_from = min(after.clean_from, max(before.clean_from, finished))
+            own = [
+                w for w in self._ended if before.clean_from < w.sent and w.finished <= after.sent
+            ]
+            if not own or any(w.tokens is None for w in own):
+                return False  # an own call of unknown usage (failed, cancelled) may hold tokens
+            if a - b != sum(w.tokens for w in own):
+                return False
+            last = max(w.finished for w in own)
+            after.clean_from = min(after.clean_from, max(before.clean_from, last))
+        return True
 
     def reset_after_fork(self) -> None:
         """In a forked child: fresh locks, no connections or windows of the parent's."""
@@ -448,11 +440,15 @@ class Server:
         self._active = set()
         self._pending = 0
         self._chain = False
-        self._split = None  # the parent's socket: left open for the parent
+        self._ended = collections.deque(maxlen=256)
+        self._kept = None  # the parent's socket: left open for the parent
         self._http = None
         self._ahttp = weakref.WeakKeyDictionary()
 
 
+# After foreign traffic broke the chain, a call waits for the pending after-read (to start from
+# a clean reading) at most this often per server: each wait is a read's latency on the caller.
+RESTART_EVERY_S = 1.0
 _servers: dict[str, Server] = {}
 _servers_lock = threading.Lock()
 

@@ -7,7 +7,6 @@ caller only ever sees the bare client's result or exception. :meth:`Call.finish`
 from __future__ import annotations
 
 import contextvars
-import functools
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -247,10 +246,8 @@ class Call:
     def finish(self, error: BaseException | None = None) -> None:
         """End of the call (sync or async: no waiting here). Once.
 
-        When the figures need an after-read, its request is sent now on a warm connection (a
-        few bytes, :meth:`attribution.Server.send_early`) and its answer, and everything after
-        it (span end, metrics, ``on_call``), are handled on the agent's background thread; the
-        caller returns at once.
+        When the figures need an after-read, it and everything after it (span end, metrics,
+        ``on_call``) are queued for the agent's background thread; the caller returns at once.
         """
         if self._done:
             return
@@ -261,6 +258,8 @@ class Call:
         try:
             if self.window is not None:
                 self.window.finished = time.monotonic()
+                if error is None:  # a failed call's usage is unknown, its tokens may not be
+                    self.window.tokens = self.output_tokens
                 self.settings.server.end(self.window)  # the call is over at the server
             if error is not None:
                 fig, read = UNKNOWN_ERROR, False
@@ -269,26 +268,15 @@ class Call:
             if read:
                 srv = self.settings.server
                 srv.after_queued()
-                early = None
                 try:
-                    if not WORKER.busy():
-                        early = srv.send_early()
-                    if early is None:
-                        # Read later by the worker, this page may be rendered after the next
-                        # call's first token: the next call waits for it instead.
-                        srv.chained(False)
-                    if WORKER.offer(functools.partial(self._complete, early)):
+                    if WORKER.offer(self._complete):
                         deferred = True
                         return
-                except BaseException:  # Ctrl-C mid-send: nothing left pending or half-sent
+                except BaseException:  # Ctrl-C mid-offer: nothing left pending
                     if not deferred:
-                        if early is not None:
-                            srv.drop_early()
                         srv.after_done()
                     raise
                 # The worker's backlog is full: no figures rather than an unbounded queue.
-                if early is not None:
-                    srv.drop_early()
                 srv.after_done()
                 self.settings.metrics.error("backlog")
                 fig = attribution.UNKNOWN_SKIPPED
@@ -303,15 +291,12 @@ class Call:
     async def afinish(self, error: BaseException | None = None) -> None:
         self.finish(error)
 
-    def _complete(self, early: float | None = None) -> None:
-        """On the background thread: the after-read (its request already sent when ``early``),
-        the figures, then span, metrics, record."""
+    def _complete(self) -> None:
+        """On the background thread: the after-read, the figures, then span, metrics, record."""
         try:
             cfg, srv = self.settings.config, self.settings.server
             try:
-                after = srv.read(
-                    self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown, early
-                )
+                after = srv.read(self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown)
             finally:
                 srv.after_done()
             w = self.window
@@ -323,12 +308,9 @@ class Call:
                 overlapped=w.overlapped,
                 output_tokens=self.output_tokens,
             )
-            certified = fig.source == "counters" and self.output_tokens is not None
-            if certified:
-                # The token proof held: the next call may start from this after-read even if
-                # its request went out while the read was in flight (Server.certify).
-                srv.certify(before, after, w.finished)
-            srv.chained(certified)
+            # When the token counter proves it, the next call may start from this after-read
+            # even if its request went out while the read was in flight (Server.certify).
+            srv.chained(before is not None and after is not None and srv.certify(before, after))
             self._close(fig, None)
         except Exception:  # noqa: BLE001 - telemetry never raises
             self._agent_failed()
