@@ -15,7 +15,8 @@ block sends agent calls back to back (against bare calls back to back): the cost
 of sequential calls. A third block takes the engine out of the difference: each call's
 client-side time (its wall time less its time on the wire, timed in the OpenAI client's
 transport), agent less bare, per round, printed beside the same difference between two bare
-calls of the round (the floor: what the measurement reads when there is nothing to find).
+calls of the round (the floor: what the measurement reads when there is nothing to find) and
+the time spent inside the agent's own steps on the caller's thread (its direct cost).
 Figures, not assertions:
 
     .venv/bin/python benchmarks/agent_overhead.py --calls 200
@@ -37,7 +38,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from appliance import agent, profiles, specdecode
-from appliance.agent import attribution
+from appliance.agent import attribution, calls
 from appliance.engine import local
 
 
@@ -127,12 +128,32 @@ class Bench:
             return real_read(*args, **kwargs)
 
         server.read = counted  # counts the agent's /metrics reads; the reads stay real
+        # The agent's own steps on the caller's thread (start, reading the response, finish),
+        # timed around the real methods: its direct cost, without the OpenAI client's.
+        self.inside: list[float] = []
+        self._inside_call = 0.0
+        for name in ("start", "on_response", "finish"):
+            setattr(calls.Call, name, self._timing(getattr(calls.Call, name), caller))
+
+    def _timing(self, method, caller: threading.Thread):
+        def timed(call, *args, **kwargs):
+            if threading.current_thread() is not caller:
+                return method(call, *args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return method(call, *args, **kwargs)
+            finally:
+                self._inside_call += time.perf_counter() - t0
+
+        return timed
 
     def call_bare(self) -> None:
         self.bare.chat.completions.create(**self.kw)
 
     def call_agent(self) -> None:
+        self._inside_call = 0.0
         self.traced.chat.completions.create(**self.kw)
+        self.inside.append(self._inside_call)
 
     def call_seed(self) -> None:
         # The seed's agent: two full scrapes of /metrics, each parsed, around the bare call.
@@ -162,6 +183,7 @@ def client_side(b: Bench, calls: int) -> dict:
         b.call_agent()
     agent.flush(30)
     b.records.clear()
+    b.inside.clear()
     added, floor = [], []
     for i in range(calls):
         calls_of_round = [("bare", b.call_bare), ("agent", b.call_agent), ("bare2", b.call_bare)]
@@ -169,7 +191,12 @@ def client_side(b: Bench, calls: int) -> dict:
         took = {who: b.client_side(who.rstrip("2"), fn) for who, fn in order}
         added.append(took["agent"] - took["bare"])
         floor.append(took["bare2"] - took["bare"])
-    return {"added": added, "floor": floor, "exact": _exact_share(b.records)}
+    return {
+        "added": added,
+        "floor": floor,
+        "inside": list(b.inside),
+        "exact": _exact_share(b.records),
+    }
 
 
 def _exact_share(records: list[agent.CallRecord]) -> float:
@@ -279,6 +306,7 @@ def main() -> None:
             for label, d, exact in (
                 ("agent, client side only", c["added"], f"{c['exact']:.0%}"),
                 ("  floor: bare less bare", c["floor"], "-"),
+                ("  inside the agent's steps", c["inside"], "-"),
             ):
                 print(
                     f"{name:<20} {label:<26} {'-':>8} {statistics.median(d) * ms:>9.3f}"

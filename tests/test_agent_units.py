@@ -405,7 +405,7 @@ def test_a_leak_makes_two_calls_shared_and_the_next_after_read_certifies_both():
     assert not srv.certify(r2, r3)
 
 
-def test_after_foreign_traffic_a_call_waits_for_the_pending_read_at_most_once_a_second(
+def test_after_foreign_traffic_a_call_waits_for_the_pending_read_at_most_once_in_a_while(
     monkeypatch,
 ):
     srv = attribution.Server("http://127.0.0.1:9/metrics/")

@@ -31,7 +31,7 @@ it runs, usually just after the caller's next request: the page is nearly always
 that request's first token, and when it is not, the proof fails, the two calls it touches are
 ``shared`` and the next after-read certifies both together, so the chain goes on. Foreign traffic
 between two calls fails every proof; then a call that finds an after-read pending waits for it
-(bounded), at most once a second per server (``RESTART_EVERY_S``), so back-to-back calls get a
+(bounded), at most once every 5 s per server (``RESTART_EVERY_S``), so back-to-back calls get a
 clean window again without the waits showing in the caller's p99. A stream without usage cannot
 use a certified reading: it always waits for a pending after-read. Every read is bounded and every
 failure is counted, never raised.
@@ -448,7 +448,7 @@ class Server:
 
 # After foreign traffic broke the chain, a call waits for the pending after-read (to start from
 # a clean reading) at most this often per server: each wait is a read's latency on the caller.
-RESTART_EVERY_S = 1.0
+RESTART_EVERY_S = 5.0
 _servers: dict[str, Server] = {}
 _servers_lock = threading.Lock()
 
