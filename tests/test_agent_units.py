@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -405,9 +406,7 @@ def test_a_leak_makes_two_calls_shared_and_the_next_after_read_certifies_both():
     assert not srv.certify(r2, r3)
 
 
-def test_after_foreign_traffic_a_call_waits_for_the_pending_read_at_most_once_in_a_while(
-    monkeypatch,
-):
+def test_after_foreign_traffic_a_call_waits_for_the_pending_read_now_and_then():
     srv = attribution.Server("http://127.0.0.1:9/metrics/")
     srv._record(metrics_reader.parse(200, CAPTURE.encode()), sent=0.0)
     srv.after_queued()  # an after-read is pending
@@ -416,11 +415,28 @@ def test_after_foreign_traffic_a_call_waits_for_the_pending_read_at_most_once_in
     srv.end(first)
     assert srv._needs(second) == ""  # it overlapped another call: a wait would not help
     srv.end(second)
-    assert srv._needs(attribution.Window()) == "wait"
-    assert srv._needs(attribution.Window()) == ""  # not again within RESTART_EVERY_S
+    waited = attribution.Window()
+    assert srv._needs(waited) == "wait"
+    assert srv._needs(attribution.Window()) == ""  # not again within a second
     assert srv._needs(attribution.Window(quiet_before=True)) == "wait"  # no usage: always
-    monkeypatch.setattr(attribution, "RESTART_EVERY_S", 0.0)
+    # The wait did not make the call exact (foreign traffic goes on): the next one comes later.
+    waited.finished = time.monotonic()
+    srv.restarted(waited, exact=False)
+    assert srv._restart_every == 2 * attribution.RESTART_MIN_S
+    assert srv._restart_at == waited.finished + 2 * attribution.RESTART_MIN_S
+    srv.restarted(attribution.Window(), exact=True)  # not the call that waited: ignored
+    assert srv._restart_every == 2 * attribution.RESTART_MIN_S
+    for _ in range(10):  # never slower than RESTART_MAX_S
+        srv._restart_at = 0.0
+        w = attribution.Window()
+        assert srv._needs(w) == "wait"
+        srv.restarted(w, exact=False)
+    assert srv._restart_every == attribution.RESTART_MAX_S
     srv._restart_at = 0.0
-    assert srv._needs(attribution.Window()) == "wait"
+    w = attribution.Window()
+    assert srv._needs(w) == "wait"
+    srv.restarted(w, exact=True)  # it paid off: back to the shortest interval
+    assert srv._restart_every == attribution.RESTART_MIN_S
+    srv._restart_at = 0.0
     srv.chained(True)
     assert srv._needs(attribution.Window()) == ""  # a certified chain needs no wait

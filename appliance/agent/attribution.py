@@ -31,8 +31,9 @@ it runs, usually just after the caller's next request: the page is nearly always
 that request's first token, and when it is not, the proof fails, the two calls it touches are
 ``shared`` and the next after-read certifies both together, so the chain goes on. Foreign traffic
 between two calls fails every proof; then a call that finds an after-read pending waits for it
-(bounded), at most once every 5 s per server (``RESTART_EVERY_S``), so back-to-back calls get a
-clean window again without the waits showing in the caller's p99. A stream without usage cannot
+(bounded), at most once a second per server, and less often while such waits do not pay off
+(:meth:`Server.restarted`), so back-to-back calls get a clean window again and a server whose
+foreign traffic never stops costs no waits. A stream without usage cannot
 use a certified reading: it always waits for a pending after-read. Every read is bounded and every
 failure is counted, never raised.
 """
@@ -224,6 +225,12 @@ register_exit_flush()
 
 # --- one server -------------------------------------------------------------------------------
 
+# After foreign traffic broke the chain, a call waits for the pending after-read (to start from
+# a clean reading) at most this often per server (each wait is a read's latency on the caller),
+# backing off to RESTART_MAX_S while the waits do not pay off (Server.restarted).
+RESTART_MIN_S = 1.0
+RESTART_MAX_S = 60.0
+
 
 @dataclass
 class Server:
@@ -245,7 +252,9 @@ class Server:
     # after-read (see _needs), so back-to-back calls get a clean window again.
     _chain: bool = False
     _changed: threading.Condition | None = None
-    _restart_at: float = 0.0  # no restart wait before this (monotonic): see RESTART_EVERY_S
+    _restart_at: float = 0.0  # no restart wait before this (monotonic): see restarted()
+    _restart_every: float = RESTART_MIN_S
+    _restart_window: Window | None = None  # the call that waited last
     # This process's calls to the server, as they ended (certify's own calls).
     _ended: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
 
@@ -280,8 +289,8 @@ class Server:
     def _needs(self, w: Window) -> str:
         """What ``w`` needs before its request goes out: ``read`` (no reading yet: a server's
         first call), ``wait`` for a pending after-read (a call without usage, which cannot use a
-        certified reading; or, at most once per ``RESTART_EVERY_S``, the first call after a
-        broken chain, see ``_chain``), or nothing (the before-reading is picked after the call,
+        certified reading; or, now and then (:meth:`restarted`), the first call after a broken
+        chain, see ``_chain``), or nothing (the before-reading is picked after the call,
         on the worker: see :meth:`before`)."""
         with self._lock:
             if not self._readings and not self._pending:
@@ -292,7 +301,8 @@ class Server:
                 return "wait"
             now = time.monotonic()
             if not self._chain and now >= self._restart_at:
-                self._restart_at = now + RESTART_EVERY_S
+                self._restart_at = now + self._restart_every
+                self._restart_window = w
                 return "wait"
             return ""
 
@@ -318,6 +328,21 @@ class Server:
                 await asyncio.sleep(0.0005)
         elif need == "read":
             self.chained(await self.aread(metrics, timeout, cooldown) is not None)
+
+    def restarted(self, w: Window, exact: bool) -> None:
+        """Learn from a call's figures whether its restart wait paid off: the next wait may come
+        a second later when it did (back-to-back calls after foreign traffic), and twice as late
+        as the last one, up to a minute, while it did not (foreign traffic that never stops: the
+        waits cannot make any call exact there)."""
+        with self._lock:
+            if w is not self._restart_window:
+                return
+            self._restart_window = None
+            if exact:
+                self._restart_every = RESTART_MIN_S
+            else:
+                self._restart_every = min(2 * self._restart_every, RESTART_MAX_S)
+            self._restart_at = w.finished + self._restart_every
 
     def chained(self, ok: bool) -> None:
         """Whether the newest reading starts the next window cleanly (see ``_chain``)."""
@@ -446,9 +471,6 @@ class Server:
         self._ahttp = weakref.WeakKeyDictionary()
 
 
-# After foreign traffic broke the chain, a call waits for the pending after-read (to start from
-# a clean reading) at most this often per server: each wait is a read's latency on the caller.
-RESTART_EVERY_S = 5.0
 _servers: dict[str, Server] = {}
 _servers_lock = threading.Lock()
 

@@ -311,6 +311,7 @@ class Call:
             # When the token counter proves it, the next call may start from this after-read
             # even if its request went out while the read was in flight (Server.certify).
             srv.chained(before is not None and after is not None and srv.certify(before, after))
+            srv.restarted(w, fig.exact)
             self._close(fig, None)
         except Exception:  # noqa: BLE001 - telemetry never raises
             self._agent_failed()
