@@ -147,8 +147,8 @@ def bad_metrics() -> Iterator[Callable[..., FakeMetrics]]:
         state = FakeMetrics(url="")
 
         class Handler(BaseHTTPRequestHandler):
-            # "late" keeps its connections open like vLLM's server (the agent then sends its
-            # after-read as the call ends); the others close after each answer.
+            # "late" keeps its connections open like vLLM's server (the agent then reads on
+            # one kept-alive connection); the others close after each answer.
             protocol_version = "HTTP/1.1" if mode == "late" else "HTTP/1.0"
 
             def do_GET(self):
