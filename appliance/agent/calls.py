@@ -273,8 +273,7 @@ class Call:
                         deferred = True
                         return
                 except BaseException:  # Ctrl-C mid-offer: nothing left pending
-                    if not deferred:
-                        srv.after_done()
+                    srv.after_done()
                     raise
                 # The worker's backlog is full: no figures rather than an unbounded queue.
                 srv.after_done()
