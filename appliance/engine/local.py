@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,6 +32,11 @@ OFFLINE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
+
+# Left out of the engine's environment: with it (some hosts set it for every process), each of
+# vLLM's three processes (API server, engine core, worker; spawned, not forked) compiled its
+# ~3,000 modules again at every start, twice the start time of reading the bytecode cache.
+DROPPED_ENV = ("PYTHONDONTWRITEBYTECODE",)
 
 Progress = Callable[[float, str], None]
 
@@ -79,11 +85,32 @@ class LocalEngine:
             self.process.wait(timeout=5)
 
 
+# Ports for engines come from below the kernel's ephemeral range (32768-60999 by default): the
+# kernel hands those to every client socket, and a port picked there could be taken by one (a
+# soak opens thousands) in the minute before vLLM binds it. Random, so that two processes picking
+# at once rarely meet; never the same twice in one process.
+PORT_RANGE = (20000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, outside the ephemeral range."""
+    low, high = PORT_RANGE
+    with contextlib.suppress(OSError, ValueError):
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        high = max(low + 1000, min(high, ephemeral_low))
+    for _ in range(1000):
+        port = random.randrange(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise EngineError(f"no free TCP port on 127.0.0.1 in {low}-{high}")
 
 
 def engine_command(args: list[str]) -> list[str]:
@@ -121,29 +148,53 @@ def serve(
             fix="run it through its systemd unit on a GPU host; locally use cpu-tiny-mtp",
         )
     mdir = resolve_model_dir(prof, drafter, model_dir)
-    port = port or free_port()
+    inherited = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
+    full_env = {**inherited, **OFFLINE_ENV, **prof.env, **(env or {})}
+    # A port this call picked can still be taken before vLLM binds it: then once more on another.
+    tries = 1 if port else 3
+    for attempt in range(1, tries + 1):
+        engine = _start(prof, port or free_port(), mdir, extra_args, full_env, log_path)
+        try:
+            wait_healthy(engine, timeout=timeout, progress=progress)
+        except EngineError:
+            engine.stop()
+            if attempt < tries and "address already in use" in engine.log_tail(50).lower():
+                continue
+            raise
+        except BaseException:
+            engine.stop()
+            raise
+        break
+    try:
+        engine.pids()
+        yield engine
+    finally:
+        engine.stop()
+
+
+def _start(
+    prof: Profile,
+    port: int,
+    mdir: Path | None,
+    extra_args: list[str] | tuple[str, ...],
+    env: dict[str, str],
+    log_path: Path | None,
+) -> LocalEngine:
     args = ["serve", *prof.serve_args(devmodel=mdir, host="127.0.0.1", port=port), *extra_args]
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"vllm-{prof.name}-{port}-", suffix=".log")
         os.close(fd)
         log_path = Path(name)
-    full_env = {**os.environ, **OFFLINE_ENV, **prof.env, **(env or {})}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             engine_command(args),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=full_env,
+            env=env,
             start_new_session=True,  # one process group to signal, whatever vLLM forks
         )
-    engine = LocalEngine(prof, f"http://127.0.0.1:{port}", port, proc, log_path, mdir)
-    try:
-        wait_healthy(engine, timeout=timeout, progress=progress)
-        engine.pids()
-        yield engine
-    finally:
-        engine.stop()
+    return LocalEngine(prof, f"http://127.0.0.1:{port}", port, proc, log_path, mdir)
 
 
 def wait_healthy(engine: LocalEngine, *, timeout: float, progress: Progress | None) -> None:
