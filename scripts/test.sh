@@ -9,28 +9,54 @@ cd "$(dirname "$0")/.."
 if [ "$(id -u)" = 0 ]; then
   scripts/setup-system.sh
 fi
+# Some hosts set this for every process: then each Python process of the run (vLLM's three per
+# engine start among them) compiled its modules again instead of reading the bytecode cache.
+unset PYTHONDONTWRITEBYTECODE
 scripts/setup.sh
-# Lint and formatting first: a minute saved for a style slip, before the slow tiers start.
-.venv/bin/ruff check appliance tests benchmarks
-.venv/bin/ruff format --check appliance tests benchmarks
+
+lint() {
+  .venv/bin/ruff check appliance tests benchmarks
+  .venv/bin/ruff format --check appliance tests benchmarks
+}
 if [ "$#" -gt 0 ] || [ "${APPLIANCE_TEST_STREAMS:-2}" = 1 ]; then
+  lint
   exec .venv/bin/python -m pytest "$@"
 fi
 
+# The cold work (images, rootfs, tiny models, npm schema) starts now, beside the lint and the
+# first tests; the fixtures that need it wait for it (tests/prefetch.py).
+run_dir="$(mktemp -d)"
+.venv/bin/python tests/prefetch.py > "$run_dir/prefetch.log" 2>&1 &
+echo $! > "$run_dir/prefetch.pid"
+# Stopped with the run (Ctrl-C, CI's timeout): what this run started goes down with it, nothing
+# else on the machine. SIGINT, so that pytest tears its machines and engines down.
+stop() {
+  local f
+  for f in "$run_dir"/*.pid; do
+    kill -INT "$(cat "$f")" 2>/dev/null || true
+  done
+}
+trap stop EXIT
+lint
+
 # One stream: pytest for its tests, every line prefixed (sed -u: lines appear as they end).
 run_stream() {
-  set -o pipefail
-  .venv/bin/python -m pytest --stream "$1" --durations=20 2>&1 | sed -u "s/^/[$1] /"
+  .venv/bin/python -m pytest --stream "$1" --durations=20 > >(sed -u "s/^/[$1] /") 2>&1 &
+  echo $! > "$run_dir/$1.pid"
+  wait $!
 }
+start=$SECONDS
 run_stream machines &
 machines=$!
-# Stopped with the run (Ctrl-C, CI's timeout): the machines stream goes down with it.
-trap 'pkill -f -- "pytest --stream machines" || true' EXIT
 set +e
 run_stream host
 host_rc=$?
 wait "$machines"
 machines_rc=$?
+set -e
 trap - EXIT
-echo "streams: host exit ${host_rc}, machines exit ${machines_rc}"
+wait "$(cat "$run_dir/prefetch.pid")" 2>/dev/null || true
+cat "$run_dir/prefetch.log"
+rm -rf "$run_dir"
+echo "streams: host exit ${host_rc}, machines exit ${machines_rc}; pytest $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s, whole run ${SECONDS} s"
 [ "$host_rc" = 0 ] && [ "$machines_rc" = 0 ]

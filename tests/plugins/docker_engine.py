@@ -25,7 +25,7 @@ import signal
 import subprocess
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 SOCKET = Path("/var/run/docker.sock")
@@ -124,18 +124,47 @@ if pytest is not None:
                 started.wait(timeout=60)
 
     @pytest.fixture(scope="session")
-    def appliance_images(docker_engine) -> dict[str, object]:
-        """The CPU images, built (or found already built) through ``appliance.images.build``:
-        ``{"cpu-mtp": BuildResult, "cpu-pre-mtp": ..., "cpu-broken": ...}``, tagged per the
-        scheme (``gemma4-vllm:0.32.0-mtp``/``mtp``/``latest``, ``gemma4-vllm:0.19.0``/``pre-mtp``,
+    def appliance_images(docker_engine) -> Images:
+        """The CPU images, each built (or found already built) through
+        ``appliance.images.build`` when a test first asks for it: ``images["cpu-mtp"]`` is a
+        BuildResult, tagged per the scheme (``gemma4-vllm:0.32.0-mtp``/``mtp``/``latest``;
+        ``cpu-pre-mtp``: ``gemma4-vllm:0.19.0``/``pre-mtp``; ``cpu-broken``:
         ``gemma4-vllm:0.32.0-mtp-broken``). Cold: a few minutes each; warm: a label lookup."""
-        from appliance.images import build
+        return Images(docker_engine)
 
-        with machine_lock("images"):
-            return {
-                name: build.build(docker_engine, name)
-                for name in ("cpu-mtp", "cpu-pre-mtp", "cpu-broken")
-            }
+
+IMAGE_TARGETS = ("cpu-mtp", "cpu-broken", "cpu-pre-mtp")
+
+
+class Images(Mapping):
+    """The suite's CPU images by target, each built on first use under the machine's image
+    lock: the other pytest process, or tests/prefetch.py, then finds it built (a label lookup).
+    Lazy, so that tests of the MTP image need not wait for the 9 GB pre-MTP one."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.built: dict[str, object] = {}
+
+    def __getitem__(self, target: str):
+        if target not in IMAGE_TARGETS:
+            raise KeyError(target)
+        if target not in self.built:
+            self.built[target] = build_image(self.client, target)
+        return self.built[target]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(IMAGE_TARGETS)
+
+    def __len__(self) -> int:
+        return len(IMAGE_TARGETS)
+
+
+def build_image(client, target: str):
+    """Build one of the suite's CPU images (or find it built), under the machine's image lock."""
+    from appliance.images import build
+
+    with machine_lock("images"):
+        return build.build(client, target)
 
 
 if __name__ == "__main__":
@@ -246,7 +275,7 @@ sys.exit({CRASH_EXIT})
 """
 
 
-def _crash_recipe(parent_id: str) -> dict[str, dict[str, bytes]]:
+def crash_recipe(parent_id: str) -> dict[str, dict[str, bytes]]:
     return {
         CRASH_TAG: {
             "Dockerfile": (
@@ -317,4 +346,4 @@ if pytest is not None:
         """The MTP image's labels and serve arguments, with an engine that answers /health and
         exits 3 a few seconds later: every start of the unit succeeds, then crashes."""
         parent = appliance_images["cpu-mtp"].image_id
-        return build_derived(docker_engine, parent, _crash_recipe(parent))[CRASH_TAG]
+        return build_derived(docker_engine, parent, crash_recipe(parent))[CRASH_TAG]

@@ -10,13 +10,13 @@ dockerd, next to the images the docker tier built.
 API (for tests):
 
 - ``ensure_rootfs(packages=()) -> Path``: the pristine rootfs (``debootstrap --variant=minbase
-  --include=systemd,systemd-sysv,dbus[,packages]``), cached per machine under
-  ``/var/cache/gemma4-appliance/nspawn/`` (first time 40-120 s, ~250 MB). D-Bus, logind and the
-  console getty are masked (see ``MASKED_UNITS``): boot to "running" then takes ~14 s with the
-  copy, poweroff ~6 s.
-- ``boot(name, binds=(), docker=True, docker_stub_unit=True, packages=()) -> Machine`` (a context
-  manager): copies the rootfs to a temporary directory, boots it, waits until systemd is up, and
-  powers it off (then deletes the copy) on exit.
+  --include=systemd,systemd-sysv,dbus,openssh-server,python3[,packages]``), cached per machine
+  under ``/var/cache/gemma4-appliance/nspawn/`` (first time 40-120 s, ~300 MB; one builder at a
+  time, the others wait and reuse it). D-Bus, logind, sshd and the console getty are masked (see
+  ``MASKED_UNITS``): boot to "running" then takes ~14 s with the copy, poweroff ~6 s.
+- ``boot(name, binds=(), docker=True, docker_stub_unit=True, packages=(), unmask=()) -> Machine``
+  (a context manager): copies the rootfs to a temporary directory, boots it, waits until systemd
+  is up, and powers it off (then deletes the copy) on exit.
 - ``Machine``: ``root`` (the container's / as a host path: write files there, e.g. with
   ``m.write("/etc/systemd/system/x.service", text)``), ``run(*argv)`` (runs a command inside, in
   all the container's namespaces, via nsenter: no machined needed), ``systemctl(*args)``,
@@ -33,6 +33,7 @@ to is the host's (bound in), not one inside the container.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -45,10 +46,18 @@ from pathlib import Path
 
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
-BASE_PACKAGES = ("systemd", "systemd-sysv", "dbus")
+# One rootfs for every machine: the fleet's hosts need sshd and a Python for Ansible; the others
+# boot the same tree with sshd masked (one debootstrap per machine, not one per variant).
+BASE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "openssh-server", "python3")
 CACHE = Path(os.environ.get("APPLIANCE_SYSTEM_CACHE", "/var/cache/gemma4-appliance")) / "nspawn"
 DOCKER_SOCKET = Path("/var/run/docker.sock")
-MASKED_UNITS = ("console-getty.service", "dbus.service", "dbus.socket", "systemd-logind.service")
+MASKED_UNITS = (
+    "console-getty.service",
+    "dbus.service",
+    "dbus.socket",
+    "systemd-logind.service",
+    "ssh.service",
+)
 
 DOCKER_STUB_UNIT = """\
 # Stand-in written by tests/plugins/nspawn.py: the Docker engine these units use is the HOST's,
@@ -74,13 +83,22 @@ def ensure_rootfs(packages: Sequence[str] = ()) -> Path:
     """The pristine systemd rootfs with ``packages`` added, made once per machine."""
     include = sorted({*BASE_PACKAGES, *packages})
     extra = [p for p in include if p not in BASE_PACKAGES]
-    # v2: the masked units; bump it when the rootfs recipe changes.
-    root = CACHE / "-".join([SUITE, *extra, "systemd-v2"])
+    # v3: sshd and python3 in the base, sshd masked; bump it when the rootfs recipe changes.
+    root = CACHE / "-".join([SUITE, *extra, "systemd-v3"])
     if (root / ".complete").exists():
         return root
     if shutil.which("debootstrap") is None or shutil.which("systemd-nspawn") is None:
         raise NspawnError("needs debootstrap and systemd-container: run scripts/setup-system.sh")
     CACHE.mkdir(parents=True, exist_ok=True)
+    # Two pytest processes and the prefetch (tests/prefetch.py) may all want it at once.
+    with open(CACHE / "rootfs.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / ".complete").exists():
+            _debootstrap(root, include)
+    return root
+
+
+def _debootstrap(root: Path, include: list[str]) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=CACHE))
     try:
         proc = subprocess.run(
@@ -103,18 +121,16 @@ def ensure_rootfs(packages: Sequence[str] = ()) -> Path:
         # Masked: a login prompt on a console nobody reads; and D-Bus, which cannot set up
         # inotify or its fd limit in this sandbox and then holds boot ~90 s waiting for systemd
         # (logind needs it). Nothing the tests use needs the bus: systemctl as root talks to
-        # systemd's private socket.
+        # systemd's private socket. sshd: only the fleet's hosts run it (boot(unmask=...)).
         for unit in MASKED_UNITS:
             (staging / "etc/systemd/system" / unit).symlink_to("/dev/null")
         (staging / ".complete").write_text(" ".join(include) + "\n")
-        if root.exists():  # a concurrent builder finished first
-            shutil.rmtree(staging)
-        else:
-            staging.rename(root)
+        if root.exists():  # a run killed half-way
+            shutil.rmtree(root)
+        staging.rename(root)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return root
 
 
 def _docker_client_binary() -> Path:
@@ -260,13 +276,17 @@ def boot(
     docker_stub_unit: bool = True,
     packages: Sequence[str] = (),
     boot_timeout: float = 90,
+    unmask: Sequence[str] = (),
 ) -> Iterator[Machine]:
-    """Boot a fresh copy of the cached rootfs; power it off and delete the copy afterwards."""
+    """Boot a fresh copy of the cached rootfs (``unmask``: masked units this machine runs);
+    power it off and delete the copy afterwards."""
     pristine = ensure_rootfs(packages)
     workdir = Path(tempfile.mkdtemp(prefix=f"nspawn-{name}-", dir=CACHE))
     root = workdir / "root"
     subprocess.run(["cp", "-a", "--reflink=auto", str(pristine), str(root)], check=True)
     (root / ".complete").unlink(missing_ok=True)
+    for unit in unmask:
+        (root / "etc/systemd/system" / unit).unlink()
     cmd = [
         "systemd-nspawn",
         "--quiet",

@@ -23,6 +23,8 @@ import pytest
 
 from appliance.engine.local import free_port
 
+from .docker_engine import machine_lock
+
 PROMETHEUS = os.environ.get("APPLIANCE_PROMETHEUS", "/usr/bin/prometheus")
 PROMTOOL = os.environ.get("APPLIANCE_PROMTOOL", "/usr/bin/promtool")
 GRAFANA_SCHEMA_VERSION = "13.2.3"
@@ -116,9 +118,9 @@ def _schema_dir() -> Path:
     )
 
 
-@pytest.fixture(scope="session")
-def grafana_schema() -> Path:
-    """A directory whose node_modules hold @grafana/schema and typescript, pinned exactly."""
+def ensure_grafana_schema() -> Path:
+    """A directory whose node_modules hold @grafana/schema and typescript, pinned exactly
+    (installed once per machine; tests/prefetch.py may have done it already)."""
     d = _schema_dir()
     tsc = d / "node_modules" / "typescript" / "bin" / "tsc"
     types = d / "node_modules" / "@grafana" / "schema" / "package.json"
@@ -126,27 +128,41 @@ def grafana_schema() -> Path:
         return d
     npm = shutil.which("npm")
     if npm is None:
-        pytest.fail("npm missing: the dashboard schema check needs node + npm (apt nodejs npm)")
+        raise RuntimeError(
+            "npm missing: the dashboard schema check needs node + npm (apt nodejs npm)"
+        )
     d.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run(
-        [
-            npm,
-            "install",
-            "--no-audit",
-            "--no-fund",
-            "--no-save",
-            "--prefix",
-            str(d),
-            f"@grafana/schema@{GRAFANA_SCHEMA_VERSION}",
-            f"typescript@{TYPESCRIPT_VERSION}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    with machine_lock("grafana-schema"):
+        if tsc.exists() and types.exists():
+            return d
+        res = subprocess.run(
+            [
+                npm,
+                "install",
+                "--no-audit",
+                "--no-fund",
+                "--no-save",
+                "--prefix",
+                str(d),
+                f"@grafana/schema@{GRAFANA_SCHEMA_VERSION}",
+                f"typescript@{TYPESCRIPT_VERSION}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
     if res.returncode != 0 or not tsc.exists():
-        pytest.fail(
+        raise RuntimeError(
             f"npm install of @grafana/schema failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}"
         )
     return d
+
+
+@pytest.fixture(scope="session")
+def grafana_schema() -> Path:
+    """A directory whose node_modules hold @grafana/schema and typescript, pinned exactly."""
+    try:
+        return ensure_grafana_schema()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
