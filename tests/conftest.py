@@ -7,14 +7,22 @@ the suite must never go green by skipping the real-engine tiers.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import hypothesis
 import pytest
 
 from appliance import profiles
 from appliance.engine import local
+
+# Property tests run beside engines on 2 cores: hypothesis' 200 ms deadline per example failed
+# them by timing alone. The examples and their shrinking stay the same.
+hypothesis.settings.register_profile("suite", deadline=None)
+hypothesis.settings.load_profile("suite")
 
 # Plugins that others import come first, so pytest registers (and assert-rewrites) them itself.
 pytest_plugins: list[str] = [
@@ -38,48 +46,119 @@ def pytest_report_header(config) -> list[str]:
     return [f"vllm {vllm.__version__} (CPU build)"]
 
 
-# The session's engines live for the whole run, beside the other stream's engines (scripts/test.sh
-# runs two at once): 64 MiB of KV cache each (thousands of tokens of the tiny model) instead of the
-# profile's 1 GiB, which vLLM's CPU worker touches at start. VLLM_CPU_KVCACHE_SPACE would override
-# the flag, so it goes.
+# The session's engines run beside the other stream's engines (scripts/test.sh runs two at once):
+# 64 MiB of KV cache each (thousands of tokens of the tiny model) instead of the profile's 1 GiB,
+# which vLLM's CPU worker touches at start. VLLM_CPU_KVCACHE_SPACE would override the flag, so it
+# goes.
 SESSION_KV_CACHE_BYTES = 64 << 20
 
 
-def _engine(profile, **kwargs) -> Iterator[local.LocalEngine]:
-    prof = profiles.get(profile) if isinstance(profile, str) else profile
+def _profile(name: str, per_request: bool = True) -> profiles.Profile:
+    prof = profiles.get(name)
     env = {k: v for k, v in prof.env.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-    with local.serve(
-        dataclasses.replace(prof, env=env),
-        extra_args=["--kv-cache-memory-bytes", str(SESSION_KV_CACHE_BYTES)],
-        timeout=900,
-        **kwargs,
-    ) as eng:
-        yield eng
+    prof = dataclasses.replace(prof, env=env)
+    if not per_request:
+        prof = dataclasses.replace(prof, per_request_spec_decode_metrics=None)
+    return prof
+
+
+def _api_key_args() -> list[str]:
+    from plugins.http_servers import API_KEY  # a plugin: imported once pytest registered it
+
+    return ["--api-key", API_KEY]
+
+
+# fixture name -> how that engine is started: its profile, drafter and extra arguments.
+SESSION_ENGINES: dict[str, Callable[[], tuple[profiles.Profile, str, list[str]]]] = {
+    "mtp_engine": lambda: (_profile("cpu-tiny-mtp"), "copy", []),
+    "mtp_random_engine": lambda: (_profile("cpu-tiny-mtp"), "random", []),
+    "mtp_counters_engine": lambda: (_profile("cpu-tiny-mtp", per_request=False), "copy", []),
+    "baseline_engine": lambda: (_profile("cpu-tiny"), "copy", []),
+    "api_key_engine": lambda: (_profile("cpu-tiny-mtp"), "copy", _api_key_args()),
+}
+
+
+class SessionEngines:
+    """The session's engines: each started by its first test, stopped right after its last.
+
+    Held to the end of the session, five idle engines (about 2.5 GiB each) sat beside the Docker
+    tier's, the fleet's and the other stream's engines on a 24 GiB machine. The users of each
+    are counted once the run's tests are known; tests that reach an engine another way than by
+    naming its fixture (or a fixture that needs it) would find it stopped, so there are none."""
+
+    def __init__(self) -> None:
+        self.users: collections.Counter[str] = collections.Counter()
+        self.running: dict[str, contextlib.ExitStack] = {}
+
+    def count(self, items: list[pytest.Item]) -> None:
+        self.users = collections.Counter(
+            name for item in items for name in SESSION_ENGINES if name in item.fixturenames
+        )
+
+    def serve(self, name: str) -> Iterator[local.LocalEngine]:
+        """Start engine ``name``, yield it, stop it (unless its last user already did)."""
+        prof, drafter, extra = SESSION_ENGINES[name]()
+        extra = [*extra, "--kv-cache-memory-bytes", str(SESSION_KV_CACHE_BYTES)]
+        with contextlib.ExitStack() as stack:
+            self.running[name] = stack
+            yield stack.enter_context(
+                local.serve(prof, drafter=drafter, extra_args=extra, timeout=900)
+            )
+            self.running.pop(name, None)
+
+    def release(self, item: pytest.Item) -> None:
+        """After ``item`` (and what only it needed) is torn down: stop engines it was last of."""
+        for name in SESSION_ENGINES:
+            if name in item.fixturenames:
+                self.users[name] -= 1
+                if self.users[name] <= 0 and name in self.running:
+                    self.running.pop(name).close()
+
+
+_engines = SessionEngines()
+
+
+def pytest_collection_finish(session) -> None:
+    _engines.count(session.items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    # After the wrapped teardown, every fixture that nextitem does not need is already gone.
+    try:
+        return (yield)
+    finally:
+        _engines.release(item)
 
 
 @pytest.fixture(scope="session")
 def mtp_engine() -> Iterator[local.LocalEngine]:
     """cpu-tiny-mtp with the copy drafter (acceptance ~1), per-request metrics on."""
-    yield from _engine("cpu-tiny-mtp", drafter="copy")
+    yield from _engines.serve("mtp_engine")
 
 
 @pytest.fixture(scope="session")
 def mtp_random_engine() -> Iterator[local.LocalEngine]:
     """cpu-tiny-mtp with the random drafter (acceptance ~0)."""
-    yield from _engine("cpu-tiny-mtp", drafter="random")
+    yield from _engines.serve("mtp_random_engine")
 
 
 @pytest.fixture(scope="session")
 def mtp_counters_engine() -> Iterator[local.LocalEngine]:
     """cpu-tiny-mtp, copy drafter, per-request metrics OFF: only /metrics counters (0.21-style)."""
-    prof = dataclasses.replace(profiles.get("cpu-tiny-mtp"), per_request_spec_decode_metrics=None)
-    yield from _engine(prof, drafter="copy")
+    yield from _engines.serve("mtp_counters_engine")
 
 
 @pytest.fixture(scope="session")
 def baseline_engine() -> Iterator[local.LocalEngine]:
     """cpu-tiny: the same target, no speculative decoding."""
-    yield from _engine("cpu-tiny")
+    yield from _engines.serve("baseline_engine")
+
+
+@pytest.fixture(scope="session")
+def api_key_engine() -> Iterator[local.LocalEngine]:
+    """cpu-tiny-mtp (copy drafter) guarding /v1 with ``API_KEY``, like an installed instance."""
+    yield from _engines.serve("api_key_engine")
 
 
 # Two streams (scripts/test.sh runs both at once, one pytest each: `--stream machines`, `--stream
@@ -111,9 +190,13 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
         config.hook.pytest_deselected(items=[i for i in items if i.nodeid in theirs])
         items[:] = [i for i in items if i.nodeid not in theirs]
     # Within a stream: what needs no image first (the other stream may be building them), the
-    # fleet last. sort() is stable: collection order within each rank.
+    # fleet last; modules that need the pre-MTP image (the last one built) after the others.
+    # sort() is stable: collection order within each rank.
     rank = {"fleet": 2, "docker": 1}
-    items.sort(key=lambda i: next((r for k, r in rank.items() if k in i.keywords), 0))
+    late = {i.module for i in items if "pre_mtp_image" in i.fixturenames}
+    items.sort(
+        key=lambda i: (next((r for k, r in rank.items() if k in i.keywords), 0), i.module in late)
+    )
 
 
 # The slowest tier a test belongs to, for the wall-time table printed at the end of a run.
@@ -126,13 +209,20 @@ def pytest_runtest_logreport(report) -> None:
     _tier_seconds[tier] = _tier_seconds.get(tier, 0.0) + report.duration
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter) -> None:
-    if not _tier_seconds:
-        return
-    terminalreporter.section("wall time by tier (setup + call + teardown)")
-    for tier in (*TIERS, "fast"):
-        if tier in _tier_seconds:
-            terminalreporter.write_line(f"{tier:>8}: {_tier_seconds[tier] / 60:5.1f} min")
+    if _tier_seconds:
+        terminalreporter.section("wall time by tier (setup + call + teardown)")
+        for tier in (*TIERS, "fast"):
+            if tier in _tier_seconds:
+                terminalreporter.write_line(f"{tier:>8}: {_tier_seconds[tier] / 60:5.1f} min")
+    # Last, where nobody scrolls past them: a run green with skips is not a full run.
+    skipped = terminalreporter.stats.get("skipped", [])
+    if skipped:
+        terminalreporter.section(f"{len(skipped)} skipped (CI fails on any)", red=True)
+        for rep in skipped:
+            reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+            terminalreporter.write_line(f"SKIPPED {rep.nodeid}: {reason}")
 
 
 @pytest.hookimpl(trylast=True)

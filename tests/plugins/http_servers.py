@@ -3,8 +3,9 @@
 - ``plain_http_server``: a real HTTP server that is not vLLM (Python's ``http.server``).
 - ``routed_http_server``: a factory for a real HTTP server answering fixed routes; only for
   faults a real vLLM cannot be made to produce (the test using it says which).
-- ``api_key_engine``: the real CPU engine (cpu-tiny-mtp, copy drafter) started with vLLM's
-  ``--api-key``, as an installed instance runs; session-scoped so doctor and bench share one.
+
+``API_KEY`` guards the session's ``api_key_engine`` (tests/conftest.py), as an installed instance's
+key does.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
-
-from appliance.engine import local
 
 API_KEY = "test-key-7f3a9c"  # not a secret: it guards a throwaway engine on 127.0.0.1
 
@@ -78,12 +77,3 @@ def routed_http_server() -> Iterator[Callable[[dict[str, Route]], str]]:
     yield start
     for srv in servers:
         _stop(srv)
-
-
-@pytest.fixture(scope="session")
-def api_key_engine() -> Iterator[local.LocalEngine]:
-    """cpu-tiny-mtp (copy drafter) guarding /v1 with ``API_KEY``, like an installed instance."""
-    with local.serve(
-        "cpu-tiny-mtp", drafter="copy", timeout=900, extra_args=["--api-key", API_KEY]
-    ) as eng:
-        yield eng
