@@ -24,7 +24,14 @@ from appliance import canary, specdecode
 from appliance.cutover import history
 from appliance.cutover.paths import Layout
 
-pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
+# pre_mtp_image: built on first use; the machines stream runs this module after those that need
+# no pre-MTP image (tests/conftest.py).
+pytestmark = [
+    pytest.mark.systemd,
+    pytest.mark.docker,
+    pytest.mark.engine,
+    pytest.mark.usefixtures("pre_mtp_image"),
+]
 
 TIMEOUT = "600"
 

@@ -9,14 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from appliance import demo as demo_lib
+
 pytestmark = pytest.mark.engine
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 
 
-def test_demo_json_records_add_up_to_the_engines_counter_deltas():
+def test_demo_json_records_add_up_to_the_engines_counter_deltas(tmp_path):
+    """One embedded engine, as the README's command starts it: the JSON record on stdout, the
+    HTML report beside it (its figures against the record: tests/test_reports.py)."""
+    page = tmp_path / "demo.html"
     out = subprocess.run(
-        [APPLIANCE, "demo", "--json", "--calls", "4", "--max-tokens", "48"],
+        [APPLIANCE, "demo", "--json", "--calls", "4", "--max-tokens", "48", "--report", str(page)],
         capture_output=True,
         check=False,
         text=True,
@@ -38,26 +43,17 @@ def test_demo_json_records_add_up_to_the_engines_counter_deltas():
     assert report["totals"]["acceptance"] == engine["acceptance"]  # over the sums, one formula
     assert "drafted" not in json.dumps(report)  # vLLM's names, the same from counter to JSON
     assert "healthy after" in out.stderr
+    text = page.read_text()
+    assert 'id="chart-call-acceptance"' in text and 'data-path="calls.1.tokens_per_step"' in text
+    assert [p.name for p in tmp_path.iterdir()] == ["demo.html"]  # no temp file left behind
 
 
-def test_demo_table_shows_per_call_rows_and_totals_and_writes_the_report(tmp_path):
-    """One embedded engine for both: the table on stdout, the HTML report beside it (its
-    figures against the record: tests/test_reports.py)."""
-    page = tmp_path / "demo.html"
-    out = subprocess.run(
-        [APPLIANCE, "demo", "--calls", "2", "--max-tokens", "16", "--report", str(page)],
-        capture_output=True,
-        check=False,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+def test_demo_table_shows_per_call_rows_and_totals(mtp_engine):
+    """The table the README's command prints (without --json), on the session's engine: the
+    command's own engine start is shown above."""
+    lines = demo_lib.format_table(demo_lib.run(mtp_engine.url, calls=2, max_tokens=16)).splitlines()
     assert lines[1].split()[:5] == ["call", "mode", "out_tok", "drafts", "draft_tok"]
     assert lines[2].split()[:3] == ["1", "plain", "16"]
     assert lines[3].split()[:3] == ["2", "stream", "16"]
     assert lines[4].startswith(" all")
     assert lines[5].startswith("engine counters over the demo: ok")
-    text = page.read_text()
-    assert 'id="chart-call-acceptance"' in text and 'data-path="calls.1.tokens_per_step"' in text
-    assert [p.name for p in tmp_path.iterdir()] == ["demo.html"]  # no temp file left behind

@@ -57,11 +57,12 @@ def test_unit_in_nspawn_runs_the_env_files_image_on_the_host_engine(
     try:
         m.wait_active("harness@h1.service")
         assert _running_image(docker_engine, "harness-h1") == appliance_images["cpu-mtp"].image_id
-        m.write("/etc/gemma4-vllm/h1.env", "VLLM_IMAGE=gemma4-vllm:pre-mtp\n")
+        # Another image: the broken one serves nothing, but it sleeps as well as any.
+        m.write("/etc/gemma4-vllm/h1.env", "VLLM_IMAGE=gemma4-vllm:0.32.0-mtp-broken\n")
         m.systemctl("restart", "harness@h1.service")
         m.wait_active("harness@h1.service")
-        pre = appliance_images["cpu-pre-mtp"].image_id
-        assert _running_image(docker_engine, "harness-h1") == pre
+        other = appliance_images["cpu-broken"].image_id
+        assert _running_image(docker_engine, "harness-h1") == other
         assert "Started" in m.journal("harness@h1.service")
     finally:
         m.systemctl("stop", "harness@h1.service", check=False)

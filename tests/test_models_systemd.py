@@ -13,7 +13,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,12 +26,11 @@ from appliance.engine.local import free_port
 pytestmark = [pytest.mark.systemd, pytest.mark.docker]
 
 INSTANCE = "modeltest"
-RESTART_SEC_S = 15  # RestartSec= in the unit: a restart would have come by then
 
 
 def _show(m: nspawn.Machine, unit: str) -> dict[str, str]:
     out = m.systemctl(
-        "show", "-p", "ActiveState,Result,ExecMainStatus,NRestarts", unit, check=False
+        "show", "-p", "ActiveState,SubState,Result,ExecMainStatus,NRestarts", unit, check=False
     ).stdout
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
@@ -63,15 +61,15 @@ def test_a_broken_model_dir_fails_the_unit_once_with_78_and_one_line(host_dir, d
         m.daemon_reload()
         m.systemctl("start", unit, check=False, timeout=120)
         state = _show(m, unit)
+        # Failed, and no restart scheduled: until RestartSec runs out, a restart to come shows as
+        # ActiveState activating, SubState auto-restart.
         assert state == {
             "ActiveState": "failed",
+            "SubState": "failed",
             "Result": "exit-code",
             "ExecMainStatus": "78",
             "NRestarts": "0",
         }, m.journal(unit)
-        # Past RestartSec: still failed, never restarted.
-        time.sleep(RESTART_SEC_S + 5)
-        assert _show(m, unit) == state, m.journal(unit)
         journal = m.run(
             "journalctl",
             "--no-pager",

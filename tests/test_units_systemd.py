@@ -22,7 +22,14 @@ from appliance.cutover.systemd import Systemd
 from appliance.engine.local import OFFLINE_ENV, free_port
 from appliance.units import instance
 
-pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
+# pre_mtp_image: built on first use; the machines stream runs this module after those that need
+# no pre-MTP image (tests/conftest.py).
+pytestmark = [
+    pytest.mark.systemd,
+    pytest.mark.docker,
+    pytest.mark.engine,
+    pytest.mark.usefixtures("pre_mtp_image"),
+]
 
 MODEL = "gemma4-tiny"
 

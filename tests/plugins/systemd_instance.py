@@ -205,6 +205,8 @@ def _upgrade_from_the_old_layout(inst: SystemdInstance) -> Upgrade:
     if install.returncode != 0:
         raise nspawn.NspawnError(f"appliance install failed:\n{install.stderr}")
     env_after = envfile.read(inst.env_path).values
+    key_path = inst.root / units.paths(inst.instance).api_key
+    key_path.write_bytes(key_path.read_bytes().strip() + b"\r\n")
     inst.machine.daemon_reload()
     inst.restart()
     return Upgrade(exec_start, served, key, old["script"], install, env_after)
@@ -217,12 +219,13 @@ def systemd_instance(appliance_images) -> Iterator[SystemdInstance]:
     container go at session end.
 
     The images come from ``appliance_images`` (tests/plugins/docker_engine.py): built through
-    ``appliance image build`` when missing, a label lookup when present."""
-    for target, ref in (
-        ("cpu-mtp", MTP_IMAGE),
-        ("cpu-pre-mtp", PRE_MTP_IMAGE),
-        ("cpu-broken", BROKEN_IMAGE),
-    ):
+    ``appliance image build`` when missing, a label lookup when present. The pre-MTP image is
+    not waited for here: tests that use it ask for ``pre_mtp_image``.
+
+    The key file is written with CRLF line endings before the engine first starts on the new
+    layout (the same key): the engine and every Python client must read the same key from it,
+    and every test of the session shows they do (tests/test_secrets_systemd.py checks it)."""
+    for target, ref in (("cpu-mtp", MTP_IMAGE), ("cpu-broken", BROKEN_IMAGE)):
         assert ref in appliance_images[target].tags, (target, appliance_images[target].tags)
     model_dir = devmodel.cached("copy").root
     VLLM_CACHE.mkdir(parents=True, exist_ok=True)
@@ -238,3 +241,12 @@ def systemd_instance(appliance_images) -> Iterator[SystemdInstance]:
             subprocess.run(
                 ["docker", "rm", "--force", inst.container], capture_output=True, check=False
             )
+
+
+@pytest.fixture(scope="session")
+def pre_mtp_image(appliance_images) -> str:
+    """``gemma4-vllm:pre-mtp`` (vLLM 0.19, no MTP: the seed's rollback image), built on first use.
+    The machines stream runs the modules that need it last (tests/conftest.py), so the 9 GB
+    build goes on while the others run."""
+    assert PRE_MTP_IMAGE in appliance_images["cpu-pre-mtp"].tags
+    return PRE_MTP_IMAGE
