@@ -8,8 +8,9 @@ on, so every cutover here runs it unless the test says ``--no-canary``.
 The CLI runs as a subprocess on the host with ``--root`` at the machine's root and
 ``APPLIANCE_SYSTEMD_PREFIX`` entering the machine, on the one instance the session shares
 (tests/plugins/systemd_instance.py). Tests run in file order and each starts from the image it
-names with ``ensure`` (a no-op when the previous test left it there), so the whole file costs
-about nine engine starts.
+names with ``ensure`` (a no-op when the previous test left it there), in an order that costs
+about eight engine starts, two of them on the slower pre-MTP image (the seed's replay, last, which
+leaves the instance there for tests/test_units_systemd.py).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _serves(inst: SystemdInstance, image: str, speculative: bool) -> None:
 )
 def test_refused_before_the_service_is_touched(systemd_instance, image, code, message):
     inst = systemd_instance
-    inst.ensure(PRE_MTP_IMAGE)
+    inst.ensure(MTP_IMAGE)
     pid, invocation = inst.main_pid(), inst.show("InvocationID")
     env_before, entries_before = inst.env_path.read_bytes(), len(_history(inst))
     r = inst.appliance("cutover", inst.instance, image)
@@ -73,28 +74,98 @@ def test_cutover_to_a_broken_image_rolls_back_and_the_env_file_is_byte_identical
     systemd_instance,
 ):
     inst = systemd_instance
-    inst.ensure(PRE_MTP_IMAGE)
+    inst.ensure(MTP_IMAGE)
     before = inst.env_path.read_bytes()
     r = inst.appliance("cutover", inst.instance, BROKEN_IMAGE, "--timeout", TIMEOUT)
     assert r.returncode == 1, r.stderr
     assert f"{BROKEN_IMAGE} failed gate" in r.stderr
-    assert f"rolled back to {PRE_MTP_IMAGE}, which passed the gates and is serving" in r.stderr
+    assert f"rolled back to {MTP_IMAGE}, which passed the gates and is serving" in r.stderr
     assert inst.env_path.read_bytes() == before
     assert inst.machine.is_active(inst.unit) == "active"
     # The unit noticed at once that the engine died (not after TimeoutStartSec).
     assert "before vLLM /health answered" in inst.machine.journal(inst.unit, 400)
-    _serves(inst, PRE_MTP_IMAGE, speculative=False)
+    _serves(inst, MTP_IMAGE, speculative=True)
     e = _history(inst)[-1]
     assert (e.kind, e.outcome, e.from_image, e.to_image) == (
         "cutover",
         "rolled_back",
-        PRE_MTP_IMAGE,
+        MTP_IMAGE,
         BROKEN_IMAGE,
     )
     assert e.gates and not e.gates[-1].ok
     assert e.rollback_gates and all(g.ok for g in e.rollback_gates)
     h = inst.appliance("history", inst.instance)
-    assert f"rolled_back {PRE_MTP_IMAGE} -> {BROKEN_IMAGE}" in h.stdout
+    assert f"rolled_back {MTP_IMAGE} -> {BROKEN_IMAGE}" in h.stdout
+
+
+def test_two_concurrent_cutovers_exactly_one_proceeds_and_mtp_on_keeps_every_answer(
+    systemd_instance, canary_images
+):
+    """Two cutovers at once: exactly one proceeds. It switches MTP on within one vLLM version
+    (the MTP image with its MTP label off -> the MTP image): its canary finds every answer
+    token-identical, as lossless speculative decoding must (the copy drafter here; the random
+    drafter's parity is shown on the engine in tests/test_canary_engine.py)."""
+    inst = systemd_instance
+    inst.ensure(canary_images["label-off"])
+    _serves(inst, canary_images["label-off"], speculative=False)
+    entries_before = len(_history(inst))
+    argv, env = inst.appliance_argv("cutover", inst.instance, MTP_IMAGE, "--timeout", TIMEOUT)
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=1200) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 3], outs
+    busy = next(err for p, (_out, err) in zip(procs, outs, strict=True) if p.returncode == 3)
+    assert "busy" in busy.lower() or "in progress" in busy.lower(), busy
+    entries = _history(inst)
+    assert len(entries) == entries_before + 1 and entries[-1].outcome == "ok"
+    _serves(inst, MTP_IMAGE, speculative=True)
+    c = entries[-1].canary
+    print("MTP on within vLLM 0.32 canary:", c["summary"])
+    assert (c["verdict"], c["identical"], c["outputs"]) == ("pass", 14, 14)
+    assert c["by_text"] is False and c["version_changed"] is False and c["parity"] == 1.0
+    assert entries[-1].gates[-2].name == "mtp" and "drafts +" in entries[-1].gates[-2].detail
+
+
+def test_an_image_that_changes_the_answers_fails_the_canary_and_is_rolled_back(
+    systemd_instance, canary_images
+):
+    """Same vLLM, same labels, MTP working, every other gate passes: only the chat template
+    differs, so every greedy answer changes, and the canary rolls the cutover back."""
+    inst = systemd_instance
+    inst.ensure(MTP_IMAGE)
+    changed = canary_images["changed-template"]
+    before = inst.env_path.read_bytes()
+    r = inst.appliance("cutover", inst.instance, changed, "--timeout", TIMEOUT)
+    assert r.returncode == 1, r.stderr
+    assert f"{changed} failed gate 'canary': canary FAILED: token parity" in r.stderr
+    assert "on one vLLM version (0.32.0)" in r.stderr
+    assert f"rolled back to {MTP_IMAGE}, which passed the gates and is serving" in r.stderr
+    assert inst.env_path.read_bytes() == before
+    _serves(inst, MTP_IMAGE, speculative=True)
+    e = _history(inst)[-1]
+    assert (e.outcome, e.from_image, e.to_image) == ("rolled_back", MTP_IMAGE, changed)
+    assert [g.name for g in e.gates] == [
+        "unit",
+        "image",
+        "health",
+        "model",
+        "generation",
+        "mtp",
+        "canary",
+    ]
+    assert all(g.ok for g in e.gates[:-1]) and not e.gates[-1].ok
+    assert e.rollback_gates and all(g.ok for g in e.rollback_gates)
+    c = e.canary
+    print("changed chat template canary:", c["summary"])
+    assert c["verdict"] == "fail" and c["version_changed"] is False and c["parity"] < 1.0
+    assert c["median_first_divergence"] is not None
+    s = inst.appliance("status", inst.instance)
+    assert "canary:     canary FAILED: token parity" in s.stdout
+    prom = Layout(inst.root).metrics_textfile().read_text()
+    assert f'gemma4_appliance_canary_ok{{instance="{inst.instance}"}} 0.0' in prom
 
 
 def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
@@ -168,73 +239,3 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     assert "health:     200" in s.stdout and "MTP:        off" in s.stdout
     assert "canary:     not run by the last rollback" in s.stdout
     assert _history(inst)[-1].canary is None
-
-
-def test_two_concurrent_cutovers_exactly_one_proceeds_and_mtp_on_keeps_every_answer(
-    systemd_instance, canary_images
-):
-    """Two cutovers at once: exactly one proceeds. It switches MTP on within one vLLM version
-    (the MTP image with its MTP label off -> the MTP image): its canary finds every answer
-    token-identical, as lossless speculative decoding must (the copy drafter here; the random
-    drafter's parity is shown on the engine in tests/test_canary_engine.py)."""
-    inst = systemd_instance
-    inst.ensure(canary_images["label-off"])
-    _serves(inst, canary_images["label-off"], speculative=False)
-    entries_before = len(_history(inst))
-    argv, env = inst.appliance_argv("cutover", inst.instance, MTP_IMAGE, "--timeout", TIMEOUT)
-    procs = [
-        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
-    outs = [p.communicate(timeout=1200) for p in procs]
-    codes = sorted(p.returncode for p in procs)
-    assert codes == [0, 3], outs
-    busy = next(err for p, (_out, err) in zip(procs, outs, strict=True) if p.returncode == 3)
-    assert "busy" in busy.lower() or "in progress" in busy.lower(), busy
-    entries = _history(inst)
-    assert len(entries) == entries_before + 1 and entries[-1].outcome == "ok"
-    _serves(inst, MTP_IMAGE, speculative=True)
-    c = entries[-1].canary
-    print("MTP on within vLLM 0.32 canary:", c["summary"])
-    assert (c["verdict"], c["identical"], c["outputs"]) == ("pass", 14, 14)
-    assert c["by_text"] is False and c["version_changed"] is False and c["parity"] == 1.0
-    assert entries[-1].gates[-2].name == "mtp" and "drafts +" in entries[-1].gates[-2].detail
-
-
-def test_an_image_that_changes_the_answers_fails_the_canary_and_is_rolled_back(
-    systemd_instance, canary_images
-):
-    """Same vLLM, same labels, MTP working, every other gate passes: only the chat template
-    differs, so every greedy answer changes, and the canary rolls the cutover back."""
-    inst = systemd_instance
-    inst.ensure(MTP_IMAGE)
-    changed = canary_images["changed-template"]
-    before = inst.env_path.read_bytes()
-    r = inst.appliance("cutover", inst.instance, changed, "--timeout", TIMEOUT)
-    assert r.returncode == 1, r.stderr
-    assert f"{changed} failed gate 'canary': canary FAILED: token parity" in r.stderr
-    assert "on one vLLM version (0.32.0)" in r.stderr
-    assert f"rolled back to {MTP_IMAGE}, which passed the gates and is serving" in r.stderr
-    assert inst.env_path.read_bytes() == before
-    _serves(inst, MTP_IMAGE, speculative=True)
-    e = _history(inst)[-1]
-    assert (e.outcome, e.from_image, e.to_image) == ("rolled_back", MTP_IMAGE, changed)
-    assert [g.name for g in e.gates] == [
-        "unit",
-        "image",
-        "health",
-        "model",
-        "generation",
-        "mtp",
-        "canary",
-    ]
-    assert all(g.ok for g in e.gates[:-1]) and not e.gates[-1].ok
-    assert e.rollback_gates and all(g.ok for g in e.rollback_gates)
-    c = e.canary
-    print("changed chat template canary:", c["summary"])
-    assert c["verdict"] == "fail" and c["version_changed"] is False and c["parity"] < 1.0
-    assert c["median_first_divergence"] is not None
-    s = inst.appliance("status", inst.instance)
-    assert "canary:     canary FAILED: token parity" in s.stdout
-    prom = Layout(inst.root).metrics_textfile().read_text()
-    assert f'gemma4_appliance_canary_ok{{instance="{inst.instance}"}} 0.0' in prom

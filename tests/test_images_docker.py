@@ -448,20 +448,39 @@ def test_pre_mtp_image_serves_without_speculative_decoding(appliance_images, doc
 
 
 @pytest.mark.engine
-def test_pre_mtp_image_given_the_mtp_flag_fails_to_start(appliance_images, docker_engine):
-    """Why the labels matter: the same rollback image, handed the MTP config, never serves."""
+@pytest.mark.parametrize(
+    ("spec", "fatal"),
+    [
+        # The profile's own flag, exactly what the serve script adds for an MTP-labelled image:
+        # 0.19's transformers does not even know the Gemma 4 assistant (drafter) checkpoint.
+        (None, "validation error for SpeculativeConfig"),
+        # The method alone (the drafter left out): 0.19 has no "mtp" speculative method.
+        ({"method": "mtp", "num_speculative_tokens": 2}, "Unsupported speculative method: 'mtp'"),
+    ],
+    ids=["profile-flag", "method-only"],
+)
+def test_pre_mtp_image_given_the_mtp_flag_fails_to_start(
+    appliance_images, docker_engine, spec, fatal
+):
+    """Why the labels matter: the same rollback image, handed the MTP config as the serve script
+    would hand it to an MTP-labelled image, never serves."""
     port = free_port()
-    args = profiles.get("cpu-tiny").serve_args(devmodel="/models", host="127.0.0.1", port=port)
-    spec = {"method": "mtp", "model": "/models/drafter", "num_speculative_tokens": 2}
-    args += ["--speculative-config", json.dumps(spec)]
+    prof = profiles.get("cpu-tiny-mtp")
+    args = prof.serve_args(devmodel="/models", host="127.0.0.1", port=port, speculative=False)
+    if spec is None:
+        args += prof.speculative_args(devmodel="/models")
+    else:
+        args += ["--speculative-config", json.dumps(spec)]
     with _engine_container(docker_engine, appliance_images["cpu-pre-mtp"].image_id, args) as c:
         status = c.wait(timeout=600)
         logs = c.logs().decode(errors="replace")
     assert status["StatusCode"] != 0
-    # vLLM 0.19 dies validating the speculative config: its transformers does not know the
-    # drafter (`gemma4_assistant`) and its vLLM has no `mtp` method. Either way: no server.
-    assert "SpeculativeConfig" in logs, logs[-3000:]
+    lines = [ln.strip() for ln in logs.splitlines() if fatal in ln]
+    assert lines, logs[-3000:]
     assert "Application startup complete" not in logs
+    print(
+        f"\npre-mtp image, {spec or 'the profile flag'}: exit {status['StatusCode']}: {lines[-1]}"
+    )
 
 
 def test_official_image_dockerfile_adds_entry_point_and_labels(

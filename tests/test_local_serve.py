@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from appliance.engine import local
 from appliance.engine.local import _alive, _descendants, free_port
 
 pytestmark = pytest.mark.engine
@@ -68,3 +70,20 @@ def test_gpu_profile_is_refused_locally_with_the_fix():
     )
     assert result.returncode == 2
     assert "needs 4x NVIDIA L4" in result.stderr and "cpu-tiny-mtp" in result.stderr
+
+
+def test_a_picked_port_taken_before_the_engine_binds_it_is_replaced(monkeypatch):
+    """A FAKE of one step, the race itself: another socket binding the picked port in the minute
+    before vLLM does cannot be made to happen on demand. So the first port handed out here is
+    one this test already listens on (vLLM then fails to bind it, for real); the second is a
+    real free one, where the engine must end up serving."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", free_port()))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks = iter([taken])
+        real = local.free_port
+        monkeypatch.setattr(local, "free_port", lambda: next(picks, None) or real())
+        with local.serve("cpu-tiny", timeout=900) as eng:
+            assert eng.port != taken and next(picks, None) is None  # the taken one was tried
+            assert httpx.get(f"{eng.url}/health", timeout=5).status_code == 200

@@ -2,10 +2,10 @@
 
 One instance (tests/plugins/systemd_instance.py) serves throughout, installed by the old layout
 and upgraded in place before the first test (the first test checks that upgrade); the tests run
-in file order: the MTP image first, then the same unit switched to the pre-MTP image (vLLM 0.19)
-by editing the env file and restarting, which is the rollback path the image labels make safe.
-The last test shows why the labels matter: the same pre-MTP image given the MTP flag does not
-start.
+in file order: the pre-MTP image (vLLM 0.19) first, where tests/test_cutover_systemd.py left the
+unit by editing the env file and restarting (the rollback path the image labels make safe), then
+the same unit on the MTP image. Why the labels matter (the pre-MTP image given the MTP flag does
+not start) is shown without systemd, in tests/test_images_docker.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from plugins.systemd_instance import MTP_IMAGE, PRE_MTP_IMAGE, SystemdInstance
 
 from appliance import profiles, specdecode, units
 from appliance.cutover.systemd import Systemd
-from appliance.engine.local import OFFLINE_ENV, free_port
+from appliance.engine.local import free_port
 from appliance.units import instance
 
 # pre_mtp_image: built on first use; the machines stream runs this module after those that need
@@ -66,6 +66,22 @@ def test_an_instance_of_the_old_layout_is_upgraded_in_place_and_keeps_serving(sy
     assert (rec.port, rec.base_url) == (inst.port, inst.url)
     assert inst.machine.is_active(inst.unit) == "active"
     assert inst.chat("after the upgrade", max_tokens=4).status_code == 200
+
+
+def test_the_pre_mtp_image_serves_without_speculative_decoding(systemd_instance):
+    """The whole rollback: one line of the env file, and a restart (tests/test_cutover_systemd.py
+    leaves the instance there, by exactly that)."""
+    inst = systemd_instance
+    inst.ensure(PRE_MTP_IMAGE)
+    assert inst.container_image() == PRE_MTP_IMAGE
+    journal = _invocation_journal(inst)
+    assert "vLLM 0.19.0, Gemma 4 MTP false" in journal
+    assert "serving without speculative decoding" in journal
+    assert "Traceback" not in journal and not re.search(r"\bERROR\b", journal), journal[-3000:]
+    resp = inst.chat("count with me", max_tokens=12)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 12
+    assert not specdecode.parse(inst.metrics()).speculative
 
 
 def test_the_unit_runs_the_container_of_vllm_image_with_mtp(systemd_instance):
@@ -122,56 +138,6 @@ def test_the_api_key_is_never_in_the_journal_or_a_command_line(systemd_instance)
         check=True,
     ).stdout
     assert "--speculative-config" in args and key not in args
-
-
-def test_the_pre_mtp_image_serves_without_speculative_decoding(systemd_instance):
-    inst = systemd_instance
-    inst.set_image(PRE_MTP_IMAGE)  # the whole rollback: one line of the env file, and a restart
-    inst.restart()
-    assert inst.container_image() == PRE_MTP_IMAGE
-    journal = _invocation_journal(inst)
-    assert "vLLM 0.19.0, Gemma 4 MTP false" in journal
-    assert "serving without speculative decoding" in journal
-    assert "Traceback" not in journal and not re.search(r"\bERROR\b", journal), journal[-3000:]
-    resp = inst.chat("count with me", max_tokens=12)
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["usage"]["completion_tokens"] == 12
-    assert not specdecode.parse(inst.metrics()).speculative
-
-
-@pytest.mark.parametrize(
-    ("config", "fatal"),
-    [
-        # The profile's own flag, exactly what the serve script adds for an MTP-labelled image:
-        # 0.19's transformers does not even know the Gemma 4 assistant (drafter) checkpoint.
-        (None, "validation error for SpeculativeConfig"),
-        # The method alone (the drafter left out): 0.19 has no "mtp" speculative method.
-        ('{"method":"mtp","num_speculative_tokens":2}', "Unsupported speculative method: 'mtp'"),
-    ],
-    ids=["profile-flag", "method-only"],
-)
-def test_the_pre_mtp_image_given_the_mtp_flag_fails_to_start(systemd_instance, config, fatal):
-    """The pre-MTP image run as the serve script would run an MTP-labelled image: it does not
-    start. Why the script reads the label instead of passing the flag to every image."""
-    inst = systemd_instance
-    prof = profiles.get("cpu-tiny-mtp")
-    spec = prof.speculative_args(devmodel="/models")
-    if config is not None:
-        spec = ["--speculative-config", config]
-    env = [a for k, v in {**OFFLINE_ENV, **prof.env}.items() for a in ("--env", f"{k}={v}")]
-    port = free_port()
-    argv = [
-        "docker", "run", "--rm", "--pull", "never", "--network", "host", "--shm-size", "1g",
-        "--volume", f"{inst.model_dir}:/models:ro", *env, PRE_MTP_IMAGE,
-        *prof.serve_args(devmodel="/models", host="127.0.0.1", port=port, speculative=False),
-        *spec,
-    ]  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
-    out = proc.stdout + proc.stderr
-    lines = [ln.strip() for ln in out.splitlines() if fatal in ln]
-    assert proc.returncode != 0 and lines, out[-3000:]
-    assert "Application startup complete" not in out
-    print(f"\npre-mtp image with {spec[1]}: exit {proc.returncode}: {lines[-1]}")
 
 
 def test_uninstall_disables_a_second_instance_and_leaves_the_first_serving(systemd_instance):
