@@ -188,7 +188,11 @@ def multinode_group(appliance_images, docker_engine) -> Iterator[Group]:
         prof, multinode=dataclasses.replace(prof.multinode, master_port=free_port())
     )
     port = free_port()
-    with nspawn.boot(MACHINE, binds=[(str(model_dir), str(model_dir))]) as m:
+    # The names (group, containers, its socket folder) are fixed: a second run waits for them.
+    with (
+        machine_lock(f"group-{GROUP}"),
+        nspawn.boot(MACHINE, binds=[(str(model_dir), str(model_dir))]) as m,
+    ):
         group = Group(m, port, docker_engine, derived)
         try:
             multinode.install(

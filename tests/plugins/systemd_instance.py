@@ -38,6 +38,7 @@ from appliance.engine.local import free_port
 from appliance.fsutil import write_atomic
 
 from . import nspawn
+from .docker_engine import machine_lock
 from .units import OLD_LAYOUT_INSTANCE, install_old_layout
 
 INSTANCE = OLD_LAYOUT_INSTANCE  # "systest"
@@ -229,7 +230,11 @@ def systemd_instance(appliance_images) -> Iterator[SystemdInstance]:
         assert ref in appliance_images[target].tags, (target, appliance_images[target].tags)
     model_dir = devmodel.cached("copy").root
     VLLM_CACHE.mkdir(parents=True, exist_ok=True)
-    with nspawn.boot("gemma4-systest", binds=[(str(model_dir), str(model_dir))]) as m:
+    # The names (instance, container) are fixed: a second run on this host waits for them.
+    with (
+        machine_lock(f"instance-{INSTANCE}"),
+        nspawn.boot("gemma4-systest", binds=[(str(model_dir), str(model_dir))]) as m,
+    ):
         inst = SystemdInstance(m, INSTANCE, free_port(), model_dir)
         try:
             inst.upgrade = _upgrade_from_the_old_layout(inst)
