@@ -35,6 +35,8 @@ pytestmark = [
 ]
 
 TIMEOUT = "600"
+# Every gate of a cutover with the canary on, in order.
+GATES = ["unit", "image", "health", "model", "generation", "mtp", "canary"]
 
 
 def _history(inst: SystemdInstance) -> list[history.Entry]:
@@ -147,15 +149,7 @@ def test_an_image_that_changes_the_answers_fails_the_canary_and_is_rolled_back(
     _serves(inst, MTP_IMAGE, speculative=True)
     e = _history(inst)[-1]
     assert (e.outcome, e.from_image, e.to_image) == ("rolled_back", MTP_IMAGE, changed)
-    assert [g.name for g in e.gates] == [
-        "unit",
-        "image",
-        "health",
-        "model",
-        "generation",
-        "mtp",
-        "canary",
-    ]
+    assert [g.name for g in e.gates] == GATES
     assert all(g.ok for g in e.gates[:-1]) and not e.gates[-1].ok
     assert e.rollback_gates and all(g.ok for g in e.rollback_gates)
     c = e.canary
@@ -183,15 +177,7 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
         PRE_MTP_IMAGE,
         MTP_IMAGE,
     )
-    assert [g.name for g in e.gates] == [
-        "unit",
-        "image",
-        "health",
-        "model",
-        "generation",
-        "mtp",
-        "canary",
-    ]
+    assert [g.name for g in e.gates] == GATES
     assert all(g.ok for g in e.gates)
     slot = json.loads(Layout(inst.root).rollback_slot(inst.instance).read_text())
     assert slot["image"] == PRE_MTP_IMAGE
