@@ -4,11 +4,16 @@ A reader (systemd, Prometheus, an operator's editor, the next command after a cr
 content or the new content, never a partial file: write a temporary file in the same directory,
 set its mode before any data (a secret is never readable by others), fsync, rename over the
 target, then fsync the directory so the rename itself survives a power cut.
+
+A writer killed between its temporary file and the rename (SIGKILL, the OOM killer, systemd's
+final kill) cannot clean up: its pid is in the temporary file's name, and the next write of the
+same file removes those whose writer is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import tempfile
 from pathlib import Path
@@ -29,7 +34,10 @@ def write_atomic(path: Path | str, data: bytes | str, *, mode: int | None = None
     if mode is None:
         mode = (st.st_mode & 0o7777) if st else 0o644
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    _remove_orphans(path)
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp"
+    )
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)
@@ -49,3 +57,23 @@ def write_atomic(path: Path | str, data: bytes | str, *, mode: int | None = None
     finally:
         os.close(dir_fd)
     return path
+
+
+def _remove_orphans(path: Path) -> None:
+    """Remove the temporary files of ``path``'s killed writers (their pid no longer runs)."""
+    prefix = f".{path.name}."
+    for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid = tmp.name[len(prefix) :].split(".", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -172,6 +172,10 @@ def test_sigkill_mid_write_leaves_old_or_new_never_part(tmp_path):
         proc.wait()
         got = target.read_bytes()
         assert got in (a, b), f"kill {i}: env file is partial ({len(got)} bytes)"
+    # The killed writers' temporary files (full copies, secrets among them for a key file) go
+    # with the next write of the file.
+    write_atomic(target, a)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["i.env"]
 
 
 @pytest.mark.parametrize("value", ["80x0", "0", "70000"])
