@@ -56,8 +56,14 @@ def test_second_holder_gets_a_clear_error_naming_the_first(tmp_path):
 def test_lock_is_per_instance(tmp_path):
     proc = _holder(tmp_path / "i1.lock")
     try:
-        with lock.hold(tmp_path / "i2.lock", "i2", "rollback"):
-            pass
+        with lock.hold(tmp_path / "i2.lock", "i2", "rollback") as held:
+            # i2 is ours while i1 stays the other process's: each lock file names its holder.
+            assert (held.instance, held.holder.pid) == ("i2", os.getpid())
+            i2 = lock.current_holder(tmp_path / "i2.lock")
+            assert i2 is not None and (i2.pid, i2.action) == (os.getpid(), "rollback")
+            i1 = lock.current_holder(tmp_path / "i1.lock")
+            assert i1 is not None and (i1.pid, i1.entry_id) == (proc.pid, "abc123")
+        assert lock.current_holder(tmp_path / "i2.lock") is None
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -266,11 +266,14 @@ def test_targets_cli_writes_a_file_promtool_accepts(tmp_path):
 ANSIBLE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "ansible"
 
 
-def _playbook(tmp_path: Path, playbook: str, *args: str) -> subprocess.CompletedProcess:
-    """The real ansible-playbook on the example inventory, its state under ``tmp_path``."""
+def _playbook(tmp_path: Path, playbook: str | Path, *args: str) -> subprocess.CompletedProcess:
+    """The real ansible-playbook on the example inventory, its state under ``tmp_path``:
+    a shipped playbook by name, or any playbook file by path."""
     import os
     import sys
 
+    if not isinstance(playbook, Path):
+        playbook = ANSIBLE_DIR / "playbooks" / f"{playbook}.yml"
     env = dict(
         os.environ,
         ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"),
@@ -283,7 +286,7 @@ def _playbook(tmp_path: Path, playbook: str, *args: str) -> subprocess.Completed
             "-i",
             str(ANSIBLE_DIR / "inventory.example.yml"),
             *args,
-            str(ANSIBLE_DIR / "playbooks" / f"{playbook}.yml"),
+            str(playbook),
         ],
         capture_output=True,
         text=True,
@@ -300,6 +303,24 @@ def test_playbooks_pass_ansible_syntax_check(playbook, tmp_path):
     """The real ansible-playbook parses every shipped playbook and the role it includes."""
     proc = _playbook(tmp_path, playbook, "--syntax-check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("shipped", "broken", "says"),
+    [
+        ("  tasks:\n", "  taks:\n", "'taks' is not a valid attribute for a Play"),
+        ("tasks_from: rollback.yml", "tasks_from: rollbak.yml", "rollbak.yml"),
+    ],
+)
+def test_the_syntax_check_rejects_a_broken_playbook(tmp_path, shipped, broken, says):
+    """The check above can fail: a copy of a shipped playbook with one slip is refused."""
+    text = (ANSIBLE_DIR / "playbooks" / "rollback.yml").read_text()
+    assert text.count(shipped) == 1
+    copy = tmp_path / "rollback.yml"
+    copy.write_text(text.replace(shipped, broken))
+    proc = _playbook(tmp_path, copy, "--syntax-check")
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert says in proc.stdout + proc.stderr
 
 
 def test_targets_playbook_writes_engine_and_state_targets_by_host(tmp_path):

@@ -1,14 +1,17 @@
-"""``appliance models``: pull from a real hub endpoint on 127.0.0.1, export/import, verify.
+"""``appliance models``: pull from a stand-in hub on 127.0.0.1, export/import, verify.
 
-The hub is tests/plugins/hub.py (a real HTTP server); the client is the real huggingface_hub
-pointed at it with HF_ENDPOINT. The models are the tiny pair from appliance.devmodel, under
-hub-style repo ids given by a profile file of the test's own.
+The hub is tests/plugins/hub.py: a real HTTP server standing in for the whole Hugging Face Hub
+API, because no hub is reachable from these machines or from CI and its gating and resume faults
+cannot be produced on demand. The client is the real huggingface_hub (the version the stand-in
+mimics, checked below) pointed at it with HF_ENDPOINT. The models are the tiny pair from
+appliance.devmodel, under hub-style repo ids given by a profile file of the test's own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,9 +20,17 @@ import tarfile
 import time
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 from click.testing import CliRunner
-from plugins.hub import DRAFTER_REPO, HUB_TOKEN, TARGET_REPO, HubFile, HubRepo
+from plugins.hub import (
+    DRAFTER_REPO,
+    HUB_CLIENT_VERSION,
+    HUB_TOKEN,
+    TARGET_REPO,
+    HubFile,
+    HubRepo,
+)
 
 from appliance import profiles, units
 from appliance.cli import cli
@@ -102,6 +113,20 @@ def pulled(tmp_path, local_hub, profile_file, token_file) -> Path:
     )
     assert result.exit_code == 0, result.output
     return cache_dir
+
+
+def test_the_stand_in_hub_mimics_the_installed_client():
+    """plugins/hub.py answers as the hub answers one huggingface_hub release: another one may
+    ask for other routes or headers, so an upgrade fails here until the stand-in is checked
+    against it and HUB_CLIENT_VERSION bumped with the pin."""
+    constraints = (Path(__file__).resolve().parents[1] / "constraints.txt").read_text()
+    pinned = re.search(r"^huggingface_hub==(\S+)$", constraints, re.MULTILINE)
+    assert pinned is not None, "constraints.txt no longer pins huggingface_hub"
+    assert (pinned.group(1), huggingface_hub.__version__) == (HUB_CLIENT_VERSION,) * 2, (
+        f"the stand-in hub mimics huggingface_hub {HUB_CLIENT_VERSION}; constraints.txt pins "
+        f"{pinned.group(1)}, {huggingface_hub.__version__} is installed: check tests/plugins/"
+        "hub.py against the new client, then bump HUB_CLIENT_VERSION"
+    )
 
 
 def _snapshot(cache_dir: Path, repo_id: str) -> Path:
@@ -436,8 +461,12 @@ def test_manifest_paths_cannot_escape_the_cache(pulled, profile_file, tmp_path):
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["models"][0]["files"][0]["path"] = "../../../etc/passwd"
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    got = _run(["import", *_args(profile_file, tmp_path / "fresh"), "--from", str(copy)])
+    fresh = tmp_path / "fresh"
+    got = _run(["import", *_args(profile_file, fresh), "--from", str(copy)])
     assert got.exit_code == 2 and "bad file path" in got.output
+    # Refused before anything was laid: the cache holds its lock file and nothing else.
+    laid = sorted(p.relative_to(fresh).as_posix() for p in fresh.rglob("*"))
+    assert laid == ["hub", f"hub/{cache.LOCK_NAME}"]
 
 
 def test_location_defaults(tmp_path):

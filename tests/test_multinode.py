@@ -171,7 +171,7 @@ def _verify_root(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("name", MULTINODE)
 def test_rendered_units_pass_systemd_analyze_verify_silently(tmp_path, name):
     if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed (scripts/setup-system.sh)")
+        pytest.fail("systemd-analyze is not installed (scripts/setup-system.sh)")
     root = _verify_root(tmp_path)
     _install(root, name, multinode.Node(roles=("head", "worker")))
     names = [multinode.unit_name("grp", r) for r in multinode.ROLES]
@@ -187,7 +187,7 @@ def test_rendered_units_pass_systemd_analyze_verify_silently(tmp_path, name):
 
 def test_node_script_passes_shellcheck():
     if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed (scripts/setup-system.sh)")
+        pytest.fail("shellcheck is not installed (scripts/setup-system.sh)")
     script = Path(multinode.__file__).with_name("node.sh")
     proc = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True, check=False)
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")

@@ -5,6 +5,7 @@ recording rule and alert is then evaluated through Prometheus' HTTP API."""
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -124,8 +125,11 @@ def test_dashboards_rules_and_alerts_live(mtp_engine, prometheus_server):
             prom,
         )
         calls = _traffic(mtp_engine.url, agent_reg, seconds=20)
-        time.sleep(4)  # a few scrapes and rule evaluations after the last call
+        assert agent.flush(30)  # every call's figures are in the agent's registry
+        _settle(prom, since=time.time())
         at = time.time()
+        # Prometheus holds the agent's every call (the poll above waited for the final scrape).
+        assert _values(prom.query("sum(gemma4_agent_calls_total)", at)) == [calls]
 
         results: dict[tuple[str, str], list[dict]] = {}
         for fname, build in DASHBOARDS.items():
@@ -198,6 +202,39 @@ def test_dashboards_rules_and_alerts_live(mtp_engine, prometheus_server):
 
 def _values(result: list[dict]) -> list[float]:
     return [round(float(s["value"][1]), 4) for s in result]
+
+
+def _settle(prom, since: float, timeout: float = 60) -> None:
+    """Wait until every target was scraped after ``since`` (wall clock), then every rule group
+    evaluated twice after that (a rule reading a series that another group records sees its
+    final value), so queries from the time this returns see the final figures. Fails at the
+    deadline saying what is behind."""
+    waits = ("every target scraped", "every rule group evaluated", "... and evaluated again")
+    mark, deadline = since, time.monotonic() + timeout
+    for waiting_for in waits:
+        while True:
+            if waiting_for == waits[0]:
+                data = httpx.get(prom.url + "/api/v1/targets", timeout=10).json()["data"]
+                last = {t["scrapeUrl"]: t["lastScrape"] for t in data["activeTargets"]}
+            else:
+                data = httpx.get(prom.url + "/api/v1/rules", timeout=10).json()["data"]
+                last = {g["name"]: g["lastEvaluation"] for g in data["groups"]}
+            behind = {k: v for k, v in last.items() if _unix(v) <= mark}
+            if last and not behind:
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"Prometheus did not catch up within {timeout} s of the last call: waiting "
+                    f"for {waiting_for} after {mark}, behind: {behind or last}; "
+                    f"log {Path(prom.log_path).read_text()[-1500:]}"
+                )
+            time.sleep(0.2)
+        mark = time.time()  # what was reported so far is stored: the next wait starts here
+
+
+def _unix(rfc3339: str) -> float:
+    """Prometheus' API timestamps (RFC 3339, nanoseconds) as Unix seconds."""
+    return datetime.fromisoformat(rfc3339).timestamp()
 
 
 def _wait(cond, timeout: float, prom) -> None:

@@ -121,7 +121,7 @@ def test_every_shipped_profile_has_committed_env_and_args_and_one_script_serves_
 
 def shellcheck(path: Path) -> subprocess.CompletedProcess:
     if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed (scripts/setup-system.sh)")
+        pytest.fail("shellcheck is not installed (scripts/setup-system.sh)")
     return subprocess.run(["shellcheck", str(path)], check=False, capture_output=True, text=True)
 
 
@@ -175,7 +175,7 @@ def verify_root(tmp_path: Path) -> Path:
 
 def verify(root: Path, *names: str) -> subprocess.CompletedProcess:
     if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed (scripts/setup-system.sh)")
+        pytest.fail("systemd-analyze is not installed (scripts/setup-system.sh)")
     # A template is verified through an instance name: that resolves %i in every path.
     return subprocess.run(
         ["systemd-analyze", "verify", f"--root={root}", *map(units.unit_name, names)],
@@ -284,7 +284,7 @@ def test_the_start_limit_trips_when_every_start_fails_slowly(name):
 def security_exposure(root: Path, name: str) -> tuple[float, str]:
     """``systemd-analyze security --offline=yes`` of instance ``name``: (exposure, output)."""
     if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed (scripts/setup-system.sh)")
+        pytest.fail("systemd-analyze is not installed (scripts/setup-system.sh)")
     proc = subprocess.run(
         ["systemd-analyze", "security", "--offline=yes", f"--root={root}",
          "--no-pager", units.unit_name(name)],
@@ -955,7 +955,7 @@ def test_a_stop_that_fails_is_logged_and_fails_not_discarded():
     the error and exit 0, so a stop that never reached the container went unnoticed."""
     docker_cli = shutil.which("docker")
     if docker_cli is None:
-        pytest.skip("no docker client (scripts/setup-system.sh)")
+        pytest.fail("no docker client (scripts/setup-system.sh)")
     env = dict(os.environ, DOCKER_HOST="unix:///nonexistent/docker.sock")
     for command, says in (("stop", "docker stop gemma4-vllm-x failed"),
                           ("remove", "the Docker daemon does not answer")):  # fmt: skip

@@ -1,7 +1,7 @@
 """A fleet of two real hosts for the ``fleet`` tier: systemd machines reached by Ansible over SSH.
 
 Each host is a systemd-nspawn machine (tests/plugins/nspawn.py: real systemd 252, the host's
-Docker engine bound in) of the suite's rootfs with ``openssh-server`` and ``python3`` added. The
+Docker engine bound in) of the suite's one rootfs, with its ``openssh-server`` unmasked. The
 machines share the host's network namespace, so each sshd listens on its own 127.0.0.1 port
 (``Port``/``ListenAddress`` in ``/etc/ssh/sshd_config.d/fleet.conf``), with a host key of its
 own and key-only root login. All of that is one directory per host bound at
@@ -40,12 +40,13 @@ from appliance.cutover import envfile
 from appliance.engine.local import free_port
 
 from . import nspawn
+from .docker_engine import machine_lock
 from .systemd_instance import PRE_MTP_IMAGE, PROFILE, VLLM_CACHE
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = REPO / "deploy" / "ansible"
 VENV_BIN = Path(sys.executable).parent
-PACKAGES = ("openssh-server", "python3")
+SSHD = ("ssh.service",)  # masked in the suite's rootfs; these hosts run it
 HOSTS = (("fleet-a", "gemma4-fleet-a"), ("fleet-b", "gemma4-fleet-b"))  # (instance, machine)
 RECAP = re.compile(r"^(\S+)\s+:\s+ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)")
 
@@ -78,10 +79,15 @@ class FleetHost:
         return proc.stdout.strip()
 
     def history(self) -> list[dict]:
-        """The instance's cutover history as stored (oldest first)."""
+        """The instance's cutover history as stored (oldest first); raises when it cannot be read
+        (an instance with no history reads as ``[]``: `appliance history` exits 0 then), so two
+        failed reads never compare equal."""
         proc = self.machine.run("appliance", "history", self.instance, "--json", check=False)
         if proc.returncode != 0:
-            return []
+            raise RuntimeError(
+                f"{self.name}: `appliance history {self.instance} --json` exited "
+                f"{proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+            )
         return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
@@ -264,10 +270,12 @@ def _remove_containers() -> None:
 @pytest.fixture(scope="module")
 def fleet(appliance_images) -> Iterator[Fleet]:
     """Two booted hosts reachable by Ansible, nothing installed yet (the tests install)."""
-    nspawn.ensure_rootfs(PACKAGES)  # once, before the parallel boots
+    # The hosts start on the pre-MTP image and roll out to the MTP one.
+    assert PRE_MTP_IMAGE in appliance_images["cpu-pre-mtp"].tags
+    assert "gemma4-vllm:0.32.0-mtp" in appliance_images["cpu-mtp"].tags
+    nspawn.ensure_rootfs()  # once, before the parallel boots
     model_dir = devmodel.cached("copy").root
     VLLM_CACHE.mkdir(parents=True, exist_ok=True)
-    _remove_containers()  # a previous run killed half-way
     workdir = Path(tempfile.mkdtemp(prefix="appliance-fleet-"))
     key = workdir / "id_ed25519"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
@@ -284,10 +292,13 @@ def fleet(appliance_images) -> Iterator[Fleet]:
         specs.append((instance, machine, ssh_port, vllm_port, binds))
 
     def boot(spec):
-        cm = nspawn.boot(spec[1], binds=spec[4], packages=PACKAGES)
+        cm = nspawn.boot(spec[1], binds=spec[4], unmask=SSHD)
         return cm, cm.__enter__()
 
     with contextlib.ExitStack() as stack:
+        # The names (instances, containers) are fixed: a second run on this host waits for them.
+        stack.enter_context(machine_lock("fleet"))
+        _remove_containers()  # a previous run killed half-way
         start = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
             futures = [pool.submit(boot, s) for s in specs]

@@ -1,11 +1,20 @@
-"""A Hugging Face Hub endpoint on 127.0.0.1 serving the tiny models, for ``appliance models pull``.
+"""A stand-in for the Hugging Face Hub on 127.0.0.1 serving the tiny models, for ``appliance models
+pull``: a real HTTP server, but the whole hub service is this file, not only its faults.
 
-A real HTTP server speaking the part of the hub API that ``huggingface_hub``'s
-``snapshot_download`` uses: repo info (``/api/models/R[/revision/REV]``, with ``sha`` and
-``siblings``), the recursive tree listing (``/api/models/R/tree/REV``), and
-``/R/resolve/REV/PATH`` (HEAD and GET, ``ETag`` = sha256 for LFS files and the git blob id
-otherwise, ``X-Repo-Commit``, ``Range`` answered with 206). Repos may be gated: then a request
-without the right bearer token gets the hub's 401 ``X-Error-Code: GatedRepo``.
+Why a stand-in: no hub is reachable from these machines or from CI (nothing outside the host is,
+at test time), and the faults the pull must survive cannot be produced on demand on the real
+hub: a gated repo answering 401 to a request without the token, a connection dropped midway
+that the client must resume with a Range request, a download slow enough to kill midway.
+
+It mimics the hub as seen by one client release, ``huggingface_hub`` :data:`HUB_CLIENT_VERSION`
+(the version constraints.txt pins): the part of the API its ``snapshot_download`` uses, i.e.
+repo info (``/api/models/R[/revision/REV]``, with ``sha`` and ``siblings``), the recursive tree
+listing (``/api/models/R/tree/REV``), and ``/R/resolve/REV/PATH`` (HEAD and GET, ``ETag`` =
+sha256 for LFS files and the git blob id otherwise, ``X-Repo-Commit``, ``Range`` answered with
+206). Repos may be gated: then a request without the right bearer token gets the hub's 401
+``X-Error-Code: GatedRepo``. Another client release may ask for other routes or headers, so
+test_models.py fails when the installed ``huggingface_hub`` or the pin is not
+:data:`HUB_CLIENT_VERSION`: an upgrade forces a look at this file (then bump the constant).
 
 Faults, set per file on the running hub: ``throttle`` (bytes per second, so a test can kill a
 download midway) and ``drop_after`` (close the connection once after N body bytes: the client
@@ -33,6 +42,8 @@ from appliance.models import cache
 TARGET_REPO = "appliance-test/gemma4-tiny-it"
 DRAFTER_REPO = "appliance-test/gemma4-tiny-it-assistant"
 HUB_TOKEN = "hf_testTokenNotASecret4d1e"  # guards a throwaway hub on 127.0.0.1
+# The huggingface_hub release this stand-in answers as (constraints.txt pins the same).
+HUB_CLIENT_VERSION = "2.4.0"
 
 
 @dataclass
