@@ -12,31 +12,35 @@ fi
 # Some hosts set this for every process: then each Python process of the run (vLLM's three per
 # engine start among them) compiled its modules again instead of reading the bytecode cache.
 unset PYTHONDONTWRITEBYTECODE
-scripts/setup.sh
-
 lint() {
   .venv/bin/ruff check appliance tests benchmarks
   .venv/bin/ruff format --check appliance tests benchmarks
 }
 if [ "$#" -gt 0 ] || [ "${APPLIANCE_TEST_STREAMS:-2}" = 1 ]; then
+  scripts/setup.sh
   lint
   exec .venv/bin/python -m pytest "$@"
 fi
 
-# The cold work (images, rootfs, tiny models, npm schema) starts now, beside the lint and the
-# first tests; the fixtures that need it wait for it (tests/prefetch.py).
+# The cold work starts first, in the background (tests/prefetch.py): the debootstraps and wheel
+# downloads beside the venv's install, then the images, tiny models and npm schema beside the
+# lint and the first tests. The fixtures that need a piece wait for it.
 run_dir="$(mktemp -d)"
-.venv/bin/python tests/prefetch.py > "$run_dir/prefetch.log" 2>&1 &
-echo $! > "$run_dir/prefetch.pid"
 # Stopped with the run (Ctrl-C, CI's timeout): what this run started goes down with it, nothing
 # else on the machine. SIGINT, so that pytest tears its machines and engines down.
 stop() {
   local f
   for f in "$run_dir"/*.pid; do
-    kill -INT "$(cat "$f")" 2>/dev/null || true
+    [ -e "$f" ] && kill -INT "$(cat "$f")" 2>/dev/null
   done
+  return 0
 }
 trap stop EXIT
+python3 tests/prefetch.py system > "$run_dir/prefetch-system.log" 2>&1 &
+echo $! > "$run_dir/prefetch-system.pid"
+scripts/setup.sh
+.venv/bin/python tests/prefetch.py venv > "$run_dir/prefetch-venv.log" 2>&1 &
+echo $! > "$run_dir/prefetch-venv.pid"
 lint
 
 # One stream: pytest for its tests, every line prefixed (sed -u: lines appear as they end).
@@ -45,7 +49,7 @@ run_stream() {
   echo $! > "$run_dir/$1.pid"
   wait $!
 }
-start=$SECONDS
+tests_start=$SECONDS
 run_stream machines &
 machines=$!
 set +e
@@ -55,8 +59,9 @@ wait "$machines"
 machines_rc=$?
 set -e
 trap - EXIT
-wait "$(cat "$run_dir/prefetch.pid")" 2>/dev/null || true
-cat "$run_dir/prefetch.log"
+wait
+cat "$run_dir"/prefetch-*.log
 rm -rf "$run_dir"
-echo "streams: host exit ${host_rc}, machines exit ${machines_rc}; pytest $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s, whole run ${SECONDS} s"
+took() { echo "$(( $1 / 60 )) min $(( $1 % 60 )) s"; }
+echo "streams: host exit ${host_rc}, machines exit ${machines_rc}; setup and lint $(took "$tests_start"), tests $(took $((SECONDS - tests_start))), whole run $(took "$SECONDS")"
 [ "$host_rc" = 0 ] && [ "$machines_rc" = 0 ]

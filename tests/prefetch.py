@@ -1,16 +1,20 @@
 """The suite's cold work, started by scripts/test.sh in the background before pytest.
 
 On a brand-new machine the first tests of each stream would otherwise wait, one after the other,
-for the Docker engine, the CPU images (a 4 GB wheelhouse download for the pre-MTP one), the
-nspawn rootfs (a debootstrap), the tiny model pairs and the npm schema. Here they run side by
-side while the lint and the first tests go on: downloads and disk writes, little CPU.
+for the CPU images (debootstrap, a 5 GB wheel download, the builds), the nspawn rootfs (another
+debootstrap), the tiny model pairs and the npm schema. Here they run side by side, in two stages:
+
+- ``system``: what needs only the standard library, started before the project's venv exists
+  (the two debootstraps and the wheelhouses download while scripts/setup.sh installs);
+- ``venv``: what needs the venv, started right after it (dockerd, the image builds, the tiny
+  models, the npm schema), while the lint and the first tests run.
 
 Each step is the same function the tests' fixtures call, idempotent and locked per machine: a
 fixture that needs a thing before this script made it waits on the lock, then finds it done (or
 makes it itself, and reports a failure as a test error). So this script only moves work earlier;
 its own failures are printed and never fail the run.
 
-Usage: ``python tests/prefetch.py`` (prints one line per step with its wall time).
+Usage: ``python3 tests/prefetch.py system|venv`` (one line per step with its wall time).
 """
 
 from __future__ import annotations
@@ -22,15 +26,36 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+sys.path[:0] = [str(TESTS), str(REPO)]
 
-from plugins import docker_engine, nspawn, observability
 
-from appliance import devmodel
+def base_rootfs() -> str:
+    from appliance.images import base, build
+
+    return base.make_rootfs_tar(build.DOCKER_DIR, build.system_cache()).name
+
+
+def nspawn_rootfs() -> str:
+    from plugins import nspawn
+
+    return str(nspawn.ensure_rootfs())
+
+
+def wheelhouses() -> str:
+    from appliance.images import build, wheelhouse
+
+    locks = sorted((build.DOCKER_DIR / "cpu").glob("vllm-*.lock"))
+    with concurrent.futures.ThreadPoolExecutor(len(locks)) as pool:
+        done = pool.map(lambda p: wheelhouse.ensure_wheelhouse(p, build.system_cache()), locks)
+        return ", ".join(f"{p.name} -> {d.name}" for p, d in zip(locks, done, strict=True))
 
 
 def images() -> str:
     """dockerd, then every image, in the order the streams first need them."""
+    from plugins import docker_engine
+
     import docker
 
     docker_engine.ensure_dockerd()
@@ -46,23 +71,21 @@ def images() -> str:
     return "cpu-mtp, cpu-broken, derived, cpu-pre-mtp"
 
 
-def rootfs() -> str:
-    return str(nspawn.ensure_rootfs())
-
-
 def models() -> str:
+    from appliance import devmodel
+
     return ", ".join(devmodel.cached(d).root.name for d in ("copy", "random"))
 
 
 def schema() -> str:
+    from plugins import observability
+
     return str(observability.ensure_grafana_schema())
 
 
-STEPS: dict[str, Callable[[], str]] = {
-    "images": images,
-    "rootfs": rootfs,
-    "models": models,
-    "grafana schema": schema,
+STAGES: dict[str, dict[str, Callable[[], str]]] = {
+    "system": {"base rootfs": base_rootfs, "nspawn rootfs": nspawn_rootfs, "wheels": wheelhouses},
+    "venv": {"images": images, "models": models, "grafana schema": schema},
 }
 
 
@@ -78,13 +101,16 @@ def _timed(name: str, step: Callable[[], str]) -> str:
     return f"prefetch {name}: {time.monotonic() - start:.0f} s ({what})"
 
 
-def main() -> int:
-    with concurrent.futures.ThreadPoolExecutor(len(STEPS)) as pool:
-        futures = [pool.submit(_timed, name, step) for name, step in STEPS.items()]
+def main(stage: str) -> int:
+    steps = STAGES[stage]
+    with concurrent.futures.ThreadPoolExecutor(len(steps)) as pool:
+        futures = [pool.submit(_timed, name, step) for name, step in steps.items()]
         for fut in concurrent.futures.as_completed(futures):
             print(fut.result(), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if len(sys.argv) != 2 or sys.argv[1] not in STAGES:
+        sys.exit(f"usage: {sys.argv[0]} {'|'.join(STAGES)}")
+    sys.exit(main(sys.argv[1]))

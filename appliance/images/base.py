@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ApplianceError
-from .files import digest
+from .files import digest, held
 
 BASE_REPOSITORY = "gemma4-appliance-base"
 SUITE = "bookworm"
@@ -53,6 +53,13 @@ def make_rootfs_tar(docker_dir: Path, cache_dir: Path) -> Path:
     tarball = cache_dir / "rootfs" / f"{ref.split(':', 1)[1]}.tar"
     if tarball.exists():
         return tarball
+    with held(tarball.with_suffix(".lock")):
+        if not tarball.exists():  # made by the build we waited for
+            _debootstrap(docker_dir, tarball)
+    return tarball
+
+
+def _debootstrap(docker_dir: Path, tarball: Path) -> None:
     if shutil.which("debootstrap") is None:
         raise ApplianceError(
             "debootstrap is not installed", fix="run scripts/setup-system.sh (apt debootstrap)"
@@ -82,7 +89,6 @@ def make_rootfs_tar(docker_dir: Path, cache_dir: Path) -> Path:
             ["tar", "--numeric-owner", "-C", str(root), "-cf", str(partial), "."], check=True
         )
         partial.replace(tarball)
-    return tarball
 
 
 def ensure_base(client, docker_dir: Path, cache_dir: Path) -> BaseImage:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ApplianceError
-from .files import digest
+from .files import digest, held
 from .lock import read_lock
 
 
@@ -41,7 +41,13 @@ def ensure_wheelhouse(lock: Path, cache_dir: Path) -> Path:
     target = wheelhouse_dir(lock, cache_dir)
     if (target / ".complete").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with held(target.with_name(f".{target.name}.lock")):
+        if not (target / ".complete").exists():  # made by the download we waited for
+            _download_all(lock, target)
+    return target
+
+
+def _download_all(lock: Path, target: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         pins = read_lock(lock)
@@ -53,14 +59,12 @@ def ensure_wheelhouse(lock: Path, cache_dir: Path) -> Path:
             tail = "\n".join(failed[0].stderr.strip().splitlines()[-10:])
             raise ApplianceError(f"downloading the wheels of {lock.name} failed:\n{tail}")
         (staging / ".complete").write_text("\n".join(pins) + "\n")
-        if target.exists():  # a concurrent download finished first; keep theirs
-            shutil.rmtree(staging)
-        else:
-            staging.replace(target)
+        if target.exists():  # a download killed half-way
+            shutil.rmtree(target)
+        staging.replace(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return target
 
 
 def _download(pins: list[str], dest: Path) -> subprocess.CompletedProcess:

@@ -17,7 +17,6 @@ Run as a script (``python tests/plugins/docker_engine.py``) it just makes sure d
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import os
 import shutil
@@ -28,6 +27,8 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from appliance.images.files import held
+
 SOCKET = Path("/var/run/docker.sock")
 CACHE = Path(os.environ.get("APPLIANCE_SYSTEM_CACHE", "/var/cache/gemma4-appliance")) / "docker"
 
@@ -37,13 +38,8 @@ def machine_lock(name: str) -> Iterator[None]:
     """An exclusive lock per machine (``flock`` on a file in the cache): scripts/test.sh runs two
     pytest processes at once, and only one may start dockerd or build (or import) an image at a
     time; the other then finds it done."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f"{name}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with held(CACHE / f"{name}.lock"):
+        yield
 
 
 def _answers(timeout: float = 2.0) -> bool:

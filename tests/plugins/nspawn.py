@@ -33,7 +33,6 @@ to is the host's (bound in), not one inside the container.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import signal
@@ -43,6 +42,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from appliance.images.files import held
 
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
@@ -91,8 +92,7 @@ def ensure_rootfs(packages: Sequence[str] = ()) -> Path:
         raise NspawnError("needs debootstrap and systemd-container: run scripts/setup-system.sh")
     CACHE.mkdir(parents=True, exist_ok=True)
     # Two pytest processes and the prefetch (tests/prefetch.py) may all want it at once.
-    with open(CACHE / "rootfs.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with held(CACHE / "rootfs.lock"):
         if not (root / ".complete").exists():
             _debootstrap(root, include)
     return root
