@@ -27,11 +27,15 @@ fi
 # lint and the first tests. The fixtures that need a piece wait for it.
 run_dir="$(mktemp -d)"
 # Stopped with the run (Ctrl-C, CI's timeout): what this run started goes down with it, nothing
-# else on the machine. SIGINT, so that pytest tears its machines and engines down.
+# else on the machine. The streams get SIGINT, so that pytest tears its machines and engines down
+# (tests/conftest.py takes it back from the shell, which ignores it in background jobs).
 stop() {
   local f
   for f in "$run_dir"/*.pid; do
-    [ -e "$f" ] && kill -INT "$(cat "$f")" 2>/dev/null
+    case "$f" in
+      */prefetch-*) kill -TERM "$(cat "$f")" 2>/dev/null ;;
+      *) kill -INT "$(cat "$f")" 2>/dev/null ;;
+    esac
   done
   return 0
 }

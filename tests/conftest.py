@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import signal
 from collections.abc import Callable, Iterator
 
 import hypothesis
@@ -173,6 +174,14 @@ def stream(item: pytest.Item) -> str:
     if "systemd" in item.keywords and "fleet" not in item.keywords:
         return "machines"
     return "host"
+
+
+def pytest_configure(config) -> None:
+    # scripts/test.sh starts each stream in the background, where the shell sets SIGINT to
+    # ignored, and stops a stream with SIGINT so that it tears its machines and engines down:
+    # KeyboardInterrupt it is, as in a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser) -> None:
