@@ -120,6 +120,21 @@ def test_an_engine_core_that_dies_is_restarted_and_serves_again(systemd_instance
     assert across.status == "reset" and across.drafts is None and across.acceptance is None
 
 
+def test_stop_is_not_restarted_and_logs_the_drain(systemd_instance):
+    """Restart=always restarts any exit, but never a `systemctl stop`. The unit is left stopped:
+    the crash loop below starts it on its own image (an engine start saved), and any later test
+    starts it again with ``ensure``."""
+    inst = systemd_instance
+    inst.ensure(MTP_IMAGE)
+    since = machine_now(inst)
+    inst.machine.systemctl("stop", inst.unit, timeout=180)
+    # No restart scheduled: one to come would show as SubState auto-restart.
+    state = (inst.show("ActiveState"), inst.show("SubState"))
+    assert state == ("inactive", "dead"), unit_journal(inst, since)
+    journal = unit_journal(inst, since)
+    assert re.search(r"container gemma4-vllm-systest stopped after \d+ s", journal), journal
+
+
 def test_a_crash_loop_ends_failed_at_the_start_limit_and_reaches_the_state_metrics(
     systemd_instance, crash_image
 ):
@@ -177,19 +192,3 @@ def test_a_crash_loop_ends_failed_at_the_start_limit_and_reaches_the_state_metri
         inst.restart()
     assert inst.machine.is_active(inst.unit) == "active"
     assert inst.chat("after the crash loop", max_tokens=4).status_code == 200
-
-
-def test_stop_is_not_restarted_and_logs_the_drain(systemd_instance):
-    """Restart=always restarts any exit, but never a `systemctl stop`."""
-    inst = systemd_instance
-    inst.ensure(MTP_IMAGE)
-    since = machine_now(inst)
-    inst.machine.systemctl("stop", inst.unit, timeout=180)
-    try:
-        # No restart scheduled: one to come would show as SubState auto-restart.
-        state = (inst.show("ActiveState"), inst.show("SubState"))
-        assert state == ("inactive", "dead"), unit_journal(inst, since)
-        journal = unit_journal(inst, since)
-        assert re.search(r"container gemma4-vllm-systest stopped after \d+ s", journal), journal
-    finally:
-        inst.restart()
