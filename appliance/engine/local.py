@@ -156,15 +156,12 @@ def serve(
         engine = _start(prof, port or free_port(), mdir, extra_args, full_env, log_path)
         try:
             wait_healthy(engine, timeout=timeout, progress=progress)
-        except EngineError:
+            break
+        except BaseException as exc:
             engine.stop()
-            if attempt < tries and "address already in use" in engine.log_tail(50).lower():
-                continue
-            raise
-        except BaseException:
-            engine.stop()
-            raise
-        break
+            lost = "address already in use" in engine.log_tail(50).lower()
+            if not (isinstance(exc, EngineError) and lost and attempt < tries):
+                raise
     try:
         engine.pids()
         yield engine
