@@ -3,7 +3,7 @@
 Two systemd machines reached over SSH (tests/plugins/fleet.py), each serving its own instance of
 cpu-tiny-mtp on the real CPU images through the host's Docker engine. The tests run in order
 and share the hosts: install (twice: the second run changes nothing), roll the MTP image out
-over both (starting from pre-MTP; the canary soaked against its own figures), roll the broken
+over both (starting with MTP off; the canary soaked against its own figures), roll the broken
 image out (stops at the canary, which the appliance rolls back; the other host untouched),
 roll the fleet back, and scrape both hosts from one Prometheus with the fleet's targets.
 """
@@ -14,8 +14,8 @@ import json
 import time
 
 import pytest
-from plugins.fleet import Fleet
-from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE, PRE_MTP_IMAGE
+from plugins.fleet import OFF_IMAGE, Fleet
+from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE
 
 pytestmark = [pytest.mark.fleet, pytest.mark.systemd]
 
@@ -37,7 +37,7 @@ def test_install_twice_second_run_changes_nothing(fleet: Fleet):
     for h in fleet.hosts:
         assert first.changed(h.name) > 0
         assert first.recap[h.name]["failed"] == 0
-        _on(fleet, h.name, PRE_MTP_IMAGE)
+        _on(fleet, h.name, OFF_IMAGE)
         assert h.machine.is_active(f"gemma4-vllm@{h.instance}.service") == "active"
         assert (
             h.machine.systemctl("is-enabled", f"gemma4-vllm@{h.instance}.service").stdout.strip()
@@ -55,7 +55,7 @@ def test_rollout_of_the_mtp_image_canary_first(fleet: Fleet):
         _on(fleet, h.name, MTP_IMAGE)
     a, b = fleet.host("fleet-a").history(), fleet.host("fleet-b").history()
     assert [(e["kind"], e["outcome"], e["from_image"], e["to_image"]) for e in a] == [
-        ("cutover", "ok", PRE_MTP_IMAGE, MTP_IMAGE)
+        ("cutover", "ok", OFF_IMAGE, MTP_IMAGE)
     ]
     assert [(e["kind"], e["outcome"]) for e in b] == [("cutover", "ok")]
     # Canary first, soaked, and only then the next batch.
@@ -71,7 +71,7 @@ def test_rollout_of_the_mtp_image_canary_first(fleet: Fleet):
         s = status[name]
         assert (s["env_image"], s["container_image"], s["mtp"]) == (MTP_IMAGE, MTP_IMAGE, True)
         assert s["unit_state"] == "active"
-        assert s["rollback_image"] == PRE_MTP_IMAGE
+        assert s["rollback_image"] == OFF_IMAGE
     # The copy drafter is accepted almost always; the canary served the soak's probes.
     assert status["fleet-a"]["acceptance"] > 0.5
     again = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
@@ -105,12 +105,12 @@ def test_fleet_rollback_to_the_previous_image(fleet: Fleet):
     run = fleet.playbook("rollback")
     _ok(run)
     for h in fleet.hosts:
-        _on(fleet, h.name, PRE_MTP_IMAGE)
+        _on(fleet, h.name, OFF_IMAGE)
         last = h.history()[-1]
         assert (last["kind"], last["outcome"], last["to_image"]) == (
             "rollback",
             "ok",
-            PRE_MTP_IMAGE,
+            OFF_IMAGE,
         )
 
 
@@ -156,8 +156,8 @@ def test_a_soak_regression_rolls_the_canary_back_and_stops(fleet: Fleet):
     assert "the soak found a regression: too little traffic" in run.output
     assert "rollout of gemma4-vllm:0.32.0-mtp stopped at fleet-a" in run.output
     a_entries = [(e["kind"], e["outcome"], e["to_image"]) for e in fleet.host("fleet-a").history()]
-    assert a_entries[-2:] == [("cutover", "ok", MTP_IMAGE), ("rollback", "ok", PRE_MTP_IMAGE)]
-    _on(fleet, "fleet-a", PRE_MTP_IMAGE)
-    _on(fleet, "fleet-b", PRE_MTP_IMAGE)
+    assert a_entries[-2:] == [("cutover", "ok", MTP_IMAGE), ("rollback", "ok", OFF_IMAGE)]
+    _on(fleet, "fleet-a", OFF_IMAGE)
+    _on(fleet, "fleet-b", OFF_IMAGE)
     assert b.container("{{.State.StartedAt}}") == b_started
     assert b.history() == b_history
