@@ -199,12 +199,14 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
         config.hook.pytest_deselected(items=[i for i in items if i.nodeid in theirs])
         items[:] = [i for i in items if i.nodeid not in theirs]
     # Within a stream: what needs no image first (the other stream may be building them), the
-    # fleet last; modules that need the pre-MTP image (the last one built) after the others.
+    # fleet last; tests that need the pre-MTP image (the last one built) after the others.
     # sort() is stable: collection order within each rank.
     rank = {"fleet": 2, "docker": 1}
-    late = {i.module for i in items if "pre_mtp_image" in i.fixturenames}
     items.sort(
-        key=lambda i: (next((r for k, r in rank.items() if k in i.keywords), 0), i.module in late)
+        key=lambda i: (
+            next((r for k, r in rank.items() if k in i.keywords), 0),
+            "pre_mtp_image" in i.fixturenames,
+        )
     )
 
 

@@ -22,14 +22,7 @@ from appliance.cutover.systemd import Systemd
 from appliance.engine.local import free_port
 from appliance.units import instance
 
-# pre_mtp_image: built on first use; the machines stream runs this module after those that need
-# no pre-MTP image (tests/conftest.py).
-pytestmark = [
-    pytest.mark.systemd,
-    pytest.mark.docker,
-    pytest.mark.engine,
-    pytest.mark.usefixtures("pre_mtp_image"),
-]
+pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
 
 MODEL = "gemma4-tiny"
 
@@ -68,9 +61,12 @@ def test_an_instance_of_the_old_layout_is_upgraded_in_place_and_keeps_serving(sy
     assert inst.chat("after the upgrade", max_tokens=4).status_code == 200
 
 
+# pre_mtp_image: built on first use. The machines stream runs the tests that need it after the
+# others (tests/conftest.py): this one after tests/test_cutover_systemd.py, whose seed replay
+# leaves the instance on the pre-MTP image by exactly this (no engine start of its own).
+@pytest.mark.usefixtures("pre_mtp_image")
 def test_the_pre_mtp_image_serves_without_speculative_decoding(systemd_instance):
-    """The whole rollback: one line of the env file, and a restart (tests/test_cutover_systemd.py
-    leaves the instance there, by exactly that)."""
+    """The whole rollback: one line of the env file, and a restart."""
     inst = systemd_instance
     inst.ensure(PRE_MTP_IMAGE)
     assert inst.container_image() == PRE_MTP_IMAGE
