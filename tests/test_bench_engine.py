@@ -212,7 +212,7 @@ def test_tpot_agrees_with_vllm_bench_serve(mtp_engine, tmp_path):
     # Each prompt twice: the same requests, in the same order, for both tools.
     texts = [p.text for p in pset.prompts] * 2
     data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    n, out_len = len(texts), 256
+    n, out_len = len(texts), 96
     with _engine_yields_cpu(mtp_engine):
         ours = _appliance_bench(mtp_engine.url, data, out_len, tmp_path)
         theirs = _vllm_bench_serve(
