@@ -170,8 +170,10 @@ def test_cli_record_and_compare_end_to_end(baseline_engine, mtp_random_engine, t
     base = ["canary", "record", "--profile", "cpu-tiny-mtp", "--root", str(tmp_path / "root")]
     r = runner.invoke(cli, [*base, "--url", baseline_engine.url, "--out", str(a)])
     assert r.exit_code == 0, r.output
+    max_tokens = profiles.get("cpu-tiny-mtp").canary.max_tokens  # the profile's run settings
     assert re.search(
-        r"canary: 14 prompts in [\d.]+ s \([\d.]+ s per prompt, max_tokens 64\)", r.output
+        rf"canary: 14 prompts in [\d.]+ s \([\d.]+ s per prompt, max_tokens {max_tokens}\)",
+        r.output,
     ), r.output
     r = runner.invoke(
         cli, [*base, "--url", mtp_random_engine.url, "--out", str(b), "--instance", "tiny"]
