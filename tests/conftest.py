@@ -165,13 +165,17 @@ def api_key_engine() -> Iterator[local.LocalEngine]:
 # Two streams (scripts/test.sh runs both at once, one pytest each: `--stream machines`, `--stream
 # host`). Each process has its own session fixtures, so a fixture must live in ONE stream or it
 # starts twice: the booted systemd machines (the shared instance, the multi-node pair) in one;
-# the local engines, the Docker tier and the fleet's two hosts in the other, about as long.
+# the session's local engines, the Docker tier and the fleet's two hosts in the other. The soak
+# (engines of its own, 3-4 minutes) goes with the machines, so that both take about as long.
 STREAMS = ("machines", "host")
 
 
 def stream(item: pytest.Item) -> str:
-    """The stream of a test: ``machines`` for systemd tests except the fleet's, else ``host``."""
+    """The stream of a test: ``machines`` for systemd tests except the fleet's and for the soak
+    tier, else ``host``."""
     if "systemd" in item.keywords and "fleet" not in item.keywords:
+        return "machines"
+    if "soak" in item.keywords:
         return "machines"
     return "host"
 
