@@ -173,11 +173,8 @@ STREAMS = ("machines", "host")
 def stream(item: pytest.Item) -> str:
     """The stream of a test: ``machines`` for systemd tests except the fleet's and for the soak
     tier, else ``host``."""
-    if "systemd" in item.keywords and "fleet" not in item.keywords:
-        return "machines"
-    if "soak" in item.keywords:
-        return "machines"
-    return "host"
+    kw = item.keywords
+    return "machines" if ("systemd" in kw and "fleet" not in kw) or "soak" in kw else "host"
 
 
 def pytest_configure(config) -> None:
