@@ -166,15 +166,17 @@ def api_key_engine() -> Iterator[local.LocalEngine]:
 # host`). Each process has its own session fixtures, so a fixture must live in ONE stream or it
 # starts twice: the booted systemd machines (the shared instance, the multi-node pair) in one;
 # the session's local engines, the Docker tier and the fleet's two hosts in the other. The soak
-# (engines of its own, 3-4 minutes) goes with the machines, so that both take about as long.
+# and the other tests that start engines of their own only (3-4 minutes, and 1) go with the
+# machines, so that both take about as long (21-23 minutes each on a quiet 2-core host).
 STREAMS = ("machines", "host")
 
 
 def stream(item: pytest.Item) -> str:
-    """The stream of a test: ``machines`` for systemd tests except the fleet's and for the soak
-    tier, else ``host``."""
+    """The stream of a test: ``machines`` for systemd tests except the fleet's, for the soak tier
+    and for tests with engines of their own only, else ``host``."""
     kw = item.keywords
-    return "machines" if ("systemd" in kw and "fleet" not in kw) or "soak" in kw else "host"
+    alone = "soak" in kw or "own_engines" in kw
+    return "machines" if ("systemd" in kw and "fleet" not in kw) or alone else "host"
 
 
 def pytest_configure(config) -> None:

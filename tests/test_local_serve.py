@@ -15,7 +15,7 @@ import pytest
 from appliance.engine import local
 from appliance.engine.local import _alive, _descendants, free_port
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.own_engines]
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 
