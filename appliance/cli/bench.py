@@ -11,9 +11,10 @@ import click
 from .. import instance_facts, reports
 from ..bench import prompts, report, runner, sweep
 from ..devmodel import DRAFTER_KINDS
+from ..endpoint import Endpoint
 from ..errors import UsageError
 from ..profiles import get
-from .options import api_key_options, resolve_key, root_option
+from .options import endpoint_options
 
 
 def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
@@ -37,7 +38,10 @@ def _progress(total: int, label: str):
 
 
 @click.command()
-@click.option("--url", default=None, help="Bench one endpoint.")
+@endpoint_options(
+    profile_help="Profile recorded in the artifact; the sweep's profile (default cpu-tiny-mtp).",
+    default_url=None,
+)
 @click.option("--mtp-url", default=None, help="Paired: the MTP endpoint ...")
 @click.option("--baseline-url", default=None, help="... and the same model without MTP.")
 @click.option(
@@ -47,22 +51,11 @@ def _progress(total: int, label: str):
 )
 @click.option("--k-url", multiple=True, help="K=URL: an already running server for that k.")
 @click.option(
-    "--profile",
-    "profile_name",
-    default=None,
-    help="Profile recorded in the artifact; the sweep's profile (default cpu-tiny-mtp).",
-)
-@click.option(
     "--drafter",
     type=click.Choice(DRAFTER_KINDS),
     default="copy",
     show_default=True,
     help="Tiny drafter for the local k sweep.",
-)
-@click.option(
-    "--instance",
-    default=None,
-    help="Record this instance's image labels (and use its API key file).",
 )
 @click.option(
     "--prompts",
@@ -103,17 +96,13 @@ def _progress(total: int, label: str):
     default=None,
     help="Write a self-contained HTML report (charts inline) of the same record.",
 )
-@root_option
-@api_key_options
 def bench(
-    url,
+    endpoint: Endpoint,
     mtp_url,
     baseline_url,
     sweep_k,
     k_url,
-    profile_name,
     drafter,
-    instance,
     sets,
     prompt_file,
     limit,
@@ -123,22 +112,26 @@ def bench(
     temperature,
     seed,
     json_output,
-    root,
-    api_key,
-    api_key_file,
     report_html,
 ) -> None:
     """Measure an endpoint, MTP against its baseline, or several k; Markdown on stdout.
 
+    NAME: an installed instance, benched on its own URL with its key, its profile and its image's
+    labels recorded.
+
     \b
     Examples:
+      appliance bench 31b --runs 5
       appliance bench --url http://127.0.0.1:8050 --runs 5
       appliance bench --mtp-url http://127.0.0.1:8001 --baseline-url http://127.0.0.1:8002
       appliance bench --sweep-k 1,2,3,4 --limit 1 --max-tokens 64
     """
+    url, instance = endpoint.url, endpoint.instance
     modes = [bool(url), bool(mtp_url or baseline_url), bool(sweep_k)]
     if sum(modes) != 1:
-        raise UsageError("give exactly one of --url, --mtp-url with --baseline-url, --sweep-k")
+        raise UsageError(
+            "give exactly one of NAME (or --url), --mtp-url with --baseline-url, --sweep-k"
+        )
     if bool(mtp_url) != bool(baseline_url):
         raise UsageError("paired bench needs both --mtp-url and --baseline-url")
     # Validate every input before touching a server: bad input costs nothing and writes nothing.
@@ -151,13 +144,12 @@ def bench(
         temperature,
         seed,
     )
-    profile = get(profile_name) if profile_name else None
+    profile = endpoint.profile
     if report_html:
         reports.check_target(report_html)
     # One key for every endpoint given by URL (the local sweep's engines have none).
-    key = resolve_key(api_key, api_key_file, instance, root)
-    secret = key.value if key else None
-    labels = instance_facts.read(instance, root).image_labels if instance else None
+    secret = endpoint.secret
+    labels = instance_facts.read(instance, endpoint.root).image_labels if instance else None
     env = report.environment(profile, labels)
 
     if sweep_k:

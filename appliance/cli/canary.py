@@ -17,8 +17,9 @@ from ..canary import cases as canary_cases
 from ..canary import record as records
 from ..cutover import envfile
 from ..cutover.paths import Layout
+from ..endpoint import Endpoint
 from ..profiles import get
-from .options import api_key_options, resolve_key, root_option, url_option
+from .options import endpoint_options
 
 
 @click.group()
@@ -35,7 +36,9 @@ def _instance_image(instance: str | None, root: Path) -> str | None:
 
 
 @canary.command("record")
-@url_option
+@endpoint_options(
+    profile_help="Take max_tokens, seed and the operator's set from this profile's [canary] table."
+)
 @click.option(
     "--out",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -43,12 +46,6 @@ def _instance_image(instance: str | None, root: Path) -> str | None:
     help="Write the record (JSON) here, atomically.",
 )
 @click.option("--model", default=None, help="Served model name (default: the one it serves).")
-@click.option(
-    "--profile",
-    "profile_name",
-    default=None,
-    help="Take max_tokens, seed and the operator's set from this profile's [canary] table.",
-)
 @click.option(
     "--canary-file",
     multiple=True,
@@ -61,54 +58,49 @@ def _instance_image(instance: str | None, root: Path) -> str | None:
 @click.option(
     "--image",
     default=None,
-    help="Image reference to record (default: the --instance's VLLM_IMAGE).",
+    help="Image reference to record (default: the instance's VLLM_IMAGE).",
 )
-@click.option("--instance", default=None, help="Use this instance's API key file (and image).")
-@root_option
-@api_key_options
 def canary_record(
-    url: str,
+    endpoint: Endpoint,
     out: Path,
     model: str | None,
-    profile_name: str | None,
     canary_file: tuple[Path, ...],
     replace_set: bool,
     max_tokens: int | None,
     seed: int | None,
     image: str | None,
-    instance: str | None,
-    root: Path,
-    api_key: str | None,
-    api_key_file: Path | None,
 ) -> None:
     """Run the canary set greedily against one endpoint and save the answers with token ids.
 
+    NAME: an installed instance: its URL, profile, API key and image are used unless given.
+
     \b
     Example (around a raw restart):
-      appliance canary record --instance 31b --url http://127.0.0.1:8050 --out before.json
+      appliance canary record 31b --out before.json
       systemctl restart gemma4-vllm@31b
-      appliance canary record --instance 31b --url http://127.0.0.1:8050 --out after.json
+      appliance canary record 31b --out after.json
       appliance canary compare before.json after.json --profile l4x4-31b-mtp
     """
     # Every input is validated before a request is sent or a file written.
-    if profile_name:
+    url, instance, root = endpoint.url, endpoint.instance, endpoint.root
+    profile = endpoint.profile
+    if profile:
         plan = lib.plan(
-            get(profile_name),
+            profile,
             root=root,
             enabled=True,
             files=canary_file,
             replace=replace_set or None,
         )
         cset, settings = plan.cases, plan.settings
-        model = model or get(profile_name).served_model_name
+        model = model or profile.served_model_name
     else:
         cset, settings = canary_cases.resolve(canary_file, replace=replace_set), lib.Settings()
     settings = lib.Settings(
         max_tokens=settings.max_tokens if max_tokens is None else max_tokens,
         seed=settings.seed if seed is None else seed,
     )
-    key = resolve_key(api_key, api_key_file, instance, root)
-    secret = key.value if key else None
+    secret = endpoint.secret
     image = image or _instance_image(instance, root)
     model = model or records.served_model(url, secret)
     click.echo(
@@ -123,7 +115,7 @@ def canary_record(
         api_key=secret,
         settings=settings,
         image=image,
-        profile=profile_name,
+        profile=profile.name if profile else None,
         progress=lambda m: click.echo(m, err=True),
     )
     lib.save(rec, out)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import click
 
-from .. import apikey
+from .. import endpoint
 from ..errors import UsageError
 
 # One meaning everywhere: where the host's /etc and /var/lib are (an image being built, a test
@@ -43,25 +44,58 @@ def api_key_options(f):
     )(f)
 
 
-def resolve_key(
-    api_key: str | None, api_key_file: Path | None, instance: str | None, root: Path
-) -> apikey.ApiKey | None:
-    """The key the options name; a key from the environment gives way to --api-key-file."""
-    ctx = click.get_current_context()
-    if (
-        api_key
-        and api_key_file
-        and ctx.get_parameter_source("api_key") == click.core.ParameterSource.COMMANDLINE
-    ):
-        raise UsageError("give --api-key or --api-key-file, not both")
-    return apikey.resolve(api_key, api_key_file, instance, root)
+def endpoint_options(*, profile_help: str, default_url: str | None = endpoint.DEFAULT_URL):
+    """The one way to name an engine (doctor, bench, canary record): ``[NAME]``, ``--instance``,
+    ``--url``, ``--profile``, ``--root`` and the API key options, handed to the command as one
+    ``endpoint`` (:func:`appliance.endpoint.resolve`)."""
 
+    def decorate(f):
+        @functools.wraps(f)
+        def wrapper(name, instance, url, profile_name, root, api_key, api_key_file, **kwargs):
+            ctx = click.get_current_context()
+            source = click.core.ParameterSource
+            if (
+                api_key
+                and api_key_file
+                and ctx.get_parameter_source("api_key") == (source.COMMANDLINE)
+            ):
+                raise UsageError("give --api-key or --api-key-file, not both")
+            typed = ctx.get_parameter_source("url") == source.COMMANDLINE
+            ep = endpoint.resolve(
+                instance=endpoint.pick_instance(name, instance),
+                url=url if typed else None,
+                env_url=None if typed else url,
+                profile_name=profile_name,
+                api_key=api_key,
+                api_key_file=api_key_file,
+                root=root,
+                default=default_url,
+            )
+            return f(endpoint=ep, **kwargs)
 
-# The engine to talk to: doctor's, canary's.
-url_option = click.option(
-    "--url",
-    default="http://127.0.0.1:8000",
-    show_default=True,
-    envvar="APPLIANCE_URL",
-    help="Base URL of the vLLM server.",
-)
+        for option in reversed(
+            [
+                click.argument("name", required=False, metavar="[NAME]"),
+                click.option(
+                    "--instance",
+                    default=None,
+                    metavar="NAME",
+                    help="The installed instance (the same as NAME): its URL, profile and key.",
+                ),
+                click.option(
+                    "--url",
+                    default=None,
+                    envvar="APPLIANCE_URL",
+                    show_envvar=True,
+                    help="An engine's base URL; wins over the instance's "
+                    f"[default: the instance's, else {default_url or 'none'}].",
+                ),
+                click.option("--profile", "profile_name", default=None, help=profile_help),
+                root_option,
+                api_key_options,
+            ]
+        ):
+            wrapper = option(wrapper)
+        return wrapper
+
+    return decorate
