@@ -14,11 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from .errors import ApplianceError
+from .errors import ApplianceError, UsageError
 from .fsutil import write_atomic
 
 COMMAND = "appliance generate"
 FIX = f"run: {COMMAND}"
+PROJECT = 'name = "gemma4-appliance"'  # the line of pyproject.toml that marks a checkout
 # Written by hand beside generated files, in any owned folder.
 HAND_WRITTEN = frozenset({"README.md"})
 
@@ -107,8 +108,24 @@ def _strays(repo: Path, src: Source, produced: dict[str, GeneratedFile]) -> list
     return out
 
 
+def require_checkout(repo: Path) -> None:
+    """Refuse a folder that is not a checkout of this repository (its pyproject.toml): run
+    anywhere else, generate would scatter the repository's folders into it."""
+    try:
+        ours = PROJECT in (repo / "pyproject.toml").read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        ours = False
+    if not ours:
+        raise UsageError(
+            f"{repo.resolve()} is not a checkout of the appliance (no pyproject.toml naming "
+            "gemma4-appliance)",
+            fix="run it at the repository's top, or give --repo",
+        )
+
+
 def _run(repo: Path, *, write: bool, only: list[Source] | None) -> Result:
     repo = Path(repo)
+    require_checkout(repo)
     result = Result()
     for src in only if only is not None else sources():
         produced = src.files()

@@ -69,3 +69,23 @@ def test_history_of_an_invalid_instance_name_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(cli, ["history", "../etc", "--root", str(tmp_path)])
     assert result.exit_code == 2
     assert "invalid instance name '../etc'" in result.output
+
+
+def test_history_and_status_of_an_unknown_instance_is_one_line_and_exit_2(tmp_path):
+    for argv in (["history", "nosuch"], ["status", "nosuch"]):
+        result = CliRunner().invoke(cli, [*argv, "--root", str(tmp_path)])
+        assert result.exit_code == 2, result.output
+        assert result.output == (
+            f"Error: no instance nosuch: no {tmp_path}/etc/gemma4-vllm/nosuch.env and no history"
+            " (`appliance status` lists the installed instances)\n"
+        )
+
+
+def test_history_of_an_installed_instance_without_cutovers_says_so(tmp_path):
+    env = Layout(tmp_path).env_file("fresh")
+    env.parent.mkdir(parents=True)
+    env.write_text("VLLM_IMAGE=gemma4-vllm:mtp\n")
+    result = CliRunner().invoke(cli, ["history", "fresh", "--root", str(tmp_path)])
+    assert (result.exit_code, result.output) == (0, "fresh: no cutover or rollback yet\n")
+    result = CliRunner().invoke(cli, ["history", "fresh", "--json", "--root", str(tmp_path)])
+    assert (result.exit_code, result.output) == (0, "")

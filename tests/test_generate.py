@@ -33,6 +33,7 @@ def repo_copy(tmp_path: Path) -> Path:
     for folder in sorted(folders):
         if (REPO / folder).is_dir():
             shutil.copytree(REPO / folder, tmp_path / folder, dirs_exist_ok=True)
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
     return tmp_path
 
 
@@ -94,3 +95,14 @@ def test_generate_is_idempotent(repo_copy: Path) -> None:
 def test_a_producer_problem_fails_check(repo_copy: Path) -> None:
     broken = gen.Source("broken", dict, (), lambda: ["series x is used but not defined"])
     assert gen.check(repo_copy, only=[broken]) == ["series x is used but not defined"]
+
+
+def test_outside_a_checkout_nothing_is_written(tmp_path: Path) -> None:
+    for args in ([], ["--check"]):
+        res = CliRunner().invoke(cli, ["generate", "--repo", str(tmp_path), *args])
+        assert res.exit_code == 2, res.output
+        assert res.output == (
+            f"Error: {tmp_path} is not a checkout of the appliance (no pyproject.toml naming "
+            "gemma4-appliance) (run it at the repository's top, or give --repo)\n"
+        )
+    assert list(tmp_path.iterdir()) == []

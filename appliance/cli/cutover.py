@@ -182,6 +182,8 @@ def rollback(instance: str, timeout: float, root: Path) -> None:
 def status(instance: str | None, write_metrics: bool, root: Path) -> None:
     """Image, labels, unit state, health, MTP and recent history of INSTANCE (or of all)."""
     layout = Layout(root)
+    if instance:
+        layout.require_known(instance)
     names = [instance] if instance else sorted(p.stem for p in layout.env_dir.glob("*.env"))
     if not names:
         click.echo(f"no instances under {layout.env_dir}")
@@ -241,9 +243,13 @@ def status(instance: str | None, write_metrics: bool, root: Path) -> None:
 def history_(instance: str, json_: bool, root: Path) -> None:
     """Every cutover and rollback of INSTANCE, oldest first, with gate timings."""
     layout = Layout(root)
+    layout.require_known(instance)
     holder = locks.current_holder(layout.lock_file(instance))
     live = frozenset({holder.entry_id} if holder and holder.entry_id else ())
-    for e in history.entries(layout.history_file(instance), live_ids=live):
+    entries = history.entries(layout.history_file(instance), live_ids=live)
+    if not entries and not json_:
+        click.echo(f"{instance}: no cutover or rollback yet")
+    for e in entries:
         if json_:
             click.echo(e.to_json())
             continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UsageError
 from ..units.template import ENV_DIR as _ENV_DIR
 from ..units.template import check_instance  # one rule for unit, files and cutover
 
@@ -60,6 +61,15 @@ class Layout:
     def canary_record(self, instance: str, side: str) -> Path:
         """The output canary's record of the cutover in progress (``side``: before, after)."""
         return self.state_dir / "canary" / f"{check_instance(instance)}.{side}.json"
+
+    def require_known(self, instance: str) -> None:
+        """Refuse a name this host has never seen: no env file and no history (an uninstalled
+        instance's history is kept, and stays readable)."""
+        if not (self.env_file(instance).exists() or self.history_file(instance).exists()):
+            raise UsageError(
+                f"no instance {instance}: no {self.env_file(instance)} and no history",
+                fix="`appliance status` lists the installed instances",
+            )
 
     def metrics_textfile(self) -> Path:
         return self.state_dir / "metrics" / "gemma4_appliance.prom"
