@@ -19,6 +19,16 @@ import tempfile
 from pathlib import Path
 
 
+def private_dir(path: Path | str) -> Path:
+    """``path`` as a directory only its owner may enter (0700), created with its parents; an
+    existing one is tightened (state directories made by an older appliance were 0755)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
 def write_atomic(path: Path | str, data: bytes | str, *, mode: int | None = None) -> Path:
     """Replace ``path`` with ``data``; ``mode`` defaults to the existing file's mode, else 0644.
 

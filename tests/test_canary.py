@@ -285,6 +285,7 @@ def test_record_round_trips_and_bad_files_are_refused(tmp_path):
     path = canary.save(rec, tmp_path / "r.json")
     assert canary.load(path) == rec
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left beside it
+    assert path.stat().st_mode & 0o777 == 0o600  # the model's answers: the owner's alone
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(UsageError, match=r"bad.json is not a canary record"):
         canary.load(tmp_path / "bad.json")

@@ -20,11 +20,12 @@ def _done(e: Entry, outcome: str) -> Entry:
 
 
 def test_begin_and_end_lines_merge_into_one_entry(tmp_path):
-    path = tmp_path / "h.jsonl"
+    path = tmp_path / "history" / "h.jsonl"
     e = Entry.begin("i1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:mtp")
     history.append(path, e)
     history.append(path, _done(e, "ok"))
     assert len(path.read_text().splitlines()) == 2  # append-only: the begin line stays
+    assert path.parent.stat().st_mode & 0o777 == 0o700  # its folder: root's alone
     [got] = history.entries(path)
     assert (got.outcome, got.from_image, got.to_image) == (
         "ok",

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 
@@ -146,3 +150,78 @@ def test_a_lock_that_cannot_be_created_is_one_clear_line(tmp_path, where):
     assert msg.startswith(f"cannot open the cutover lock {path}: ")
     assert f"cutover and rollback need root, or write access to {path.parent}" in msg
     assert err.value.exit_code == 1
+
+
+# Holds a shared flock on the lock file for as long as it lives, the way any process that can
+# open the file can: `flock -s` in a user's shell would do the same.
+_SQUATTER = """
+import fcntl, sys, time
+try:
+    f = open(sys.argv[1])
+except PermissionError:
+    print("refused", flush=True)
+    sys.exit(0)
+fcntl.flock(f, fcntl.LOCK_SH)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _squatter(path: Path, *user: str) -> tuple[subprocess.Popen, str]:
+    # The system python: another user may not enter the venv's home.
+    proc = subprocess.Popen([*user, "/usr/bin/python3", "-c", _SQUATTER, str(path)], stdout=PIPE)
+    return proc, proc.stdout.readline().decode().strip()
+
+
+@pytest.fixture
+def state_dir():
+    """A state directory other users may enter, like /var/lib/gemma4-appliance (0755)."""
+    d = Path(tempfile.mkdtemp(prefix="appliance-state-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d)
+
+
+def test_another_user_cannot_open_the_lock_and_keep_cutovers_busy(state_dir):
+    path = state_dir / "locks" / "i1.lock"
+    with lock.hold(path, "i1", "cutover to x:1"):
+        pass
+    nobody = ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups"]
+    proc, said = _squatter(path, *nobody)
+    try:
+        assert said == "refused"  # else its shared flock makes the rollback below busy
+        with lock.hold(path, "i1", "rollback"):
+            pass
+    finally:
+        proc.kill()
+        proc.wait()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+def test_a_lock_made_by_an_older_appliance_is_tightened(state_dir):
+    path = state_dir / "locks" / "i1.lock"
+    path.parent.mkdir(mode=0o755)
+    path.touch(mode=0o644)
+    with lock.hold(path, "i1", "cutover to x:1"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+
+
+def test_a_holder_that_never_wrote_is_unknown_not_the_last_writers_dead_pid(tmp_path):
+    path = tmp_path / "locks" / "i1.lock"
+    gone = _holder(path)  # writes its pid and action, then dies
+    os.kill(gone.pid, signal.SIGKILL)
+    gone.wait()
+    proc, said = _squatter(path)
+    try:
+        assert said == "held"
+        with pytest.raises(lock.LockBusy) as err, lock.hold(path, "i1", "rollback"):
+            pass
+        assert str(err.value) == (
+            "instance i1 is busy: a cutover or rollback is in progress (an unknown process) "
+            "(wait for it to finish, then check `appliance status`)"
+        )
+    finally:
+        proc.kill()
+        proc.wait()

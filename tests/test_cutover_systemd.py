@@ -196,6 +196,14 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     layout = Layout(inst.root)
     before = canary.load(layout.canary_record(inst.instance, "before"))
     assert before.vllm_version == "0.19.0"
+    # The model's answers, the lock and the saved env file: root's alone.
+    assert {d.name: d.stat().st_mode & 0o777 for d in layout.private_dirs(inst.instance)} == {
+        "locks": 0o700,
+        "history": 0o700,
+        "rollback": 0o700,
+        "cutover": 0o700,
+        "canary": 0o700,
+    }
     assert all(o.token_ids and len(o.token_ids) == o.completion_tokens for o in before.outputs)
     # Its cost is printed and kept: per prompt and in all, before and after.
     assert "canary: recording 14 prompts on gemma4-vllm:pre-mtp before the restart" in r.stderr

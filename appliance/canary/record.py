@@ -181,9 +181,10 @@ def run(
 
 
 def save(record: Record, path: Path | str) -> Path:
-    """Write ``record`` as JSON, atomically (a reader never sees half a record)."""
+    """Write ``record`` as JSON, atomically (a reader never sees half a record), owner-only:
+    it holds the model's answers to the operator's prompts."""
     body = json.dumps(record.to_dict(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    return write_atomic(path, body, mode=0o644)
+    return write_atomic(path, body, mode=0o600)
 
 
 def load(path: Path | str) -> Record:

@@ -39,7 +39,7 @@ from .. import canary as canaries
 from .. import imageref, labels
 from ..canary.gate import GATE as CANARY_GATE
 from ..errors import ApplianceError, EngineError, UsageError
-from ..fsutil import write_atomic
+from ..fsutil import private_dir, write_atomic
 from ..profiles import Profile
 from ..units.instance import Instance
 from ..units.instance import read as read_instance
@@ -333,6 +333,8 @@ def cutover(
 
     lock = locks.hold(layout.lock_file(instance), instance, f"{kind} to {image}")
     with lock as held, guard(ctx.progress) as sig:
+        for d in layout.private_dirs(instance):
+            private_dir(d)
         # Read again under the lock: the file a concurrent cutover left is the one we replace.
         env = envfile.read(env_path)
         current_ref = env.get(envfile.IMAGE_KEY)

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
+from ..fsutil import private_dir
+
 Kind = Literal["cutover", "rollback"]
 # ok: the new image passed the gates. rolled_back: it failed them and the previous image is
 # serving again. failed: it failed and so did the way back (or --no-rollback was given).
@@ -84,7 +86,7 @@ class Entry:
 
 def append(path: Path, entry: Entry) -> None:
     """Append ``entry`` as one line, durably."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     line = (entry.to_json() + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

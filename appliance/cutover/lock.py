@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ApplianceError
+from ..fsutil import private_dir
 
 
 class LockBusy(ApplianceError):
@@ -70,8 +71,11 @@ def hold(path: Path, instance: str, action: str) -> Iterator[InstanceLock]:
     """Hold the instance's lock for the block, or raise :class:`LockBusy` (within
     :data:`BUSY_RETRY_S`) when another cutover or rollback holds it."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Owner only: any user who can open the file can hold a shared flock on it, and every
+        # cutover and rollback of the instance is then busy for as long as that user likes.
+        private_dir(path.parent)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)  # a lock file made by an older appliance was 0644
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
         raise LockUnavailable(
@@ -81,7 +85,7 @@ def hold(path: Path, instance: str, action: str) -> Iterator[InstanceLock]:
     try:
         if not _acquire(fd):
             h = read_holder(path)
-            who = f"pid {h.pid}, {h.action}" if h.pid else "another process"
+            who = f"pid {h.pid}, {h.action}" if h.pid and _alive(h.pid) else "an unknown process"
             raise LockBusy(
                 f"instance {instance} is busy: a cutover or rollback is in progress ({who})",
                 fix="wait for it to finish, then check `appliance status`",
@@ -89,6 +93,18 @@ def hold(path: Path, instance: str, action: str) -> Iterator[InstanceLock]:
         yield InstanceLock(fd, instance, action)
     finally:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` exists (the file names the last writer, which may be long gone while
+    another process holds the lock without writing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _acquire(fd: int) -> bool:

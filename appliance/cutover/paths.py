@@ -62,6 +62,21 @@ class Layout:
         """The output canary's record of the cutover in progress (``side``: before, after)."""
         return self.state_dir / "canary" / f"{check_instance(instance)}.{side}.json"
 
+    def private_dirs(self, instance: str) -> tuple[Path, ...]:
+        """The state directories holding ``instance``'s lock, history, rollback slot, saved env
+        file and canary records (model output): root's alone (0700). The metrics folder is not
+        one: the node exporter reads it."""
+        return tuple(
+            p.parent
+            for p in (
+                self.lock_file(instance),
+                self.history_file(instance),
+                self.rollback_slot(instance),
+                self.saved_env(instance),
+                self.canary_record(instance, "before"),
+            )
+        )
+
     def require_known(self, instance: str) -> None:
         """Refuse a name this host has never seen: no env file and no history (an uninstalled
         instance's history is kept, and stays readable)."""
