@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -154,6 +158,45 @@ def test_tracing_from_otel_env():
     ) == {"endpoint": "http://h:4318/v1/traces"}
     with pytest.raises(UsageError):
         tracing.setup_tracing({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+
+
+_EXITS_WITH_A_SPAN = """
+from appliance import agent
+provider = agent.setup_tracing()
+provider.get_tracer("t").start_span("last").end()
+print("span ended", flush=True)
+"""
+
+
+def test_a_process_exits_while_its_collector_never_answers():
+    """The collector takes the connection and never answers, and the exporter would wait 10
+    minutes for it (its timeout, set so). The exit flush gives up after EXIT_EXPORT_S and says
+    so: the export cannot have finished, so the line is there whatever the host's load. (The
+    SDK's own exit waited 30 s here, and said nothing.)"""
+    with socket.socket() as collector:
+        collector.bind(("127.0.0.1", 0))
+        collector.listen()
+        env = {
+            **os.environ,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.getsockname()[1]}",
+            "OTEL_EXPORTER_OTLP_TIMEOUT": "600",
+        }
+        proc = subprocess.run(
+            [sys.executable, "-c", _EXITS_WITH_A_SPAN],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,  # only a hang fails here: the line below is what proves the bound
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        conn, _ = collector.accept()  # the export did reach it, and was left hanging
+        conn.close()
+    assert (proc.returncode, proc.stdout) == (0, "span ended\n"), proc.stderr
+    assert proc.stderr == (
+        "exiting without the last spans: the collector took no export within "
+        f"{tracing.EXIT_EXPORT_S:.1f} s\n"
+    )
 
 
 def _with(text: str, **changes: str) -> str:

@@ -9,7 +9,10 @@ Read by the SDK itself: ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES`` (the
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import threading
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -17,7 +20,11 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 from ..errors import UsageError
 
+_log = logging.getLogger(__name__)
 DEFAULT_SERVICE = "gemma4-agent"
+# At interpreter exit, the provider's last export gets this long. Unbounded, a process whose
+# collector is down waited out the exporter's retries (7.5 s measured) before it could exit.
+EXIT_EXPORT_S = 2.0
 
 
 def exporting(env: dict[str, str] | None = None) -> bool:
@@ -37,7 +44,8 @@ def setup_tracing(env: dict[str, str] | None = None) -> TracerProvider:
         env["OTEL_SERVICE_NAME"] = DEFAULT_SERVICE
     # Resource.create() reads only os.environ; merge what ``env`` says over its defaults.
     resource = Resource.create().merge(_resource_from(env))
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    atexit.register(_bounded_shutdown, provider)
     kind = env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
     if kind == "none":
         return provider
@@ -63,6 +71,18 @@ def setup_tracing(env: dict[str, str] | None = None) -> TracerProvider:
         )
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(**_endpoint(env, protocol))))
     return provider
+
+
+def _bounded_shutdown(provider: TracerProvider, bound: float = EXIT_EXPORT_S) -> None:
+    """Shut ``provider`` down at exit, waiting at most ``bound`` seconds for its last export:
+    a span the collector did not take by then is lost, the process exits anyway."""
+    worker = threading.Thread(target=provider.shutdown, name="otel-exit-flush", daemon=True)
+    worker.start()
+    worker.join(bound)
+    if worker.is_alive():
+        _log.warning(
+            "exiting without the last spans: the collector took no export within %.1f s", bound
+        )
 
 
 def _resource_from(env: dict[str, str]) -> Resource:
