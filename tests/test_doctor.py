@@ -300,3 +300,19 @@ def test_instance_key_file_under_root_is_used(api_key_engine, tmp_path):
     assert res.exit_code == 0 and _check(body, "model.served")["status"] == "ok", res.output
     assert _check(body, "mtp.counters")["status"] == "ok"
     assert API_KEY not in res.output
+
+
+@pytest.mark.parametrize(
+    ("server", "label", "status", "summary"),
+    [
+        ("0.32.0rc1+cpu", "0.32.0", "ok", "vLLM 0.32.0rc1+cpu"),
+        ("0.32.0", "0.21.0", "fail", "server says vLLM 0.32.0, image label says 0.21.0"),
+        ("0.19.0", None, "fail", "vLLM 0.19.0 is older than cpu-tiny-mtp needs (0.32.0)"),
+        ("dev", None, "fail", "the server's vLLM version 'dev' is unreadable"),
+    ],
+)
+def test_the_version_check_reads_versions_one_way(server, label, status, summary):
+    from appliance.doctor.engine import version_check
+
+    c = version_check(server, profiles.get("cpu-tiny-mtp"), label)
+    assert (c.status, c.summary) == (status, summary)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from appliance import labels
+from appliance import labels, versions
 from appliance.cli import cli
 from appliance.cutover.paths import Layout
 from appliance.errors import UsageError
@@ -59,7 +59,7 @@ def test_unlabelled_image_is_refused():
     ("version", "mtp"), [("0.19.0", False), ("0.20.2", False), ("0.21.0", True), ("0.32.0", True)]
 )
 def test_mtp_starts_at_the_labels_minimum(version, mtp):
-    assert scheme.vllm_has_mtp(version) is mtp
+    assert versions.has_mtp(version) is mtp
 
 
 @pytest.mark.parametrize("bad", ["", "latest", "0.32.0; rm -rf /", "0.32 .0", "v0.32.0"])

@@ -33,10 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.version import InvalidVersion, Version
-
 from .. import canary as canaries
-from .. import imageref, labels
+from .. import imageref, labels, versions
 from ..canary.gate import GATE as CANARY_GATE
 from ..errors import ApplianceError, EngineError, UsageError
 from ..fsutil import private_dir, write_atomic
@@ -135,13 +133,6 @@ def inspect_image(ctx: Context, ref: str) -> ImageInfo:
     )
 
 
-def _has_mtp_engine(version: str) -> bool:
-    try:
-        return Version(version) >= Version(labels.MTP_MIN_VLLM)
-    except InvalidVersion:
-        return False
-
-
 def check_compatible(image: ImageInfo, profile: Profile, *, allow_no_mtp: bool) -> None:
     """Refuse an image whose labels cannot serve ``profile`` (clear error naming both)."""
     if image.vllm_version is None:
@@ -150,7 +141,7 @@ def check_compatible(image: ImageInfo, profile: Profile, *, allow_no_mtp: bool) 
             "image and its engine cannot be checked",
             fix="build it with `appliance image build`",
         )
-    if image.mtp and not _has_mtp_engine(image.vllm_version):
+    if image.mtp and not versions.has_mtp(image.vllm_version):
         raise PreflightError(
             f"image {image.ref} is labelled {labels.MTP}=true but its vLLM {image.vllm_version} "
             f"has no Gemma 4 MTP (needs >= {labels.MTP_MIN_VLLM})",

@@ -22,11 +22,11 @@ from ..errors import EngineError
 from ..profiles import Profile
 from ..units import check_instance
 from ..vllm_client import VLLMClient, normalise_base_url
-from .engine import model_check, mtp_checks, version_check, version_tuple
+from .engine import model_check, mtp_checks, version_check
 from .host import gpu_check, instance_checks, visible_gpus
 from .report import Check, DoctorReport, Status
 
-__all__ = ["Check", "DoctorReport", "Status", "run", "version_tuple", "visible_gpus"]
+__all__ = ["Check", "DoctorReport", "Status", "run", "visible_gpus"]
 
 
 def run(

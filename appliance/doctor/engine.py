@@ -6,23 +6,12 @@ give; doctor only maps it to ok / warn / fail against what the profile expects.
 
 from __future__ import annotations
 
-import re
-
 from .. import labels as image_labels
+from .. import versions
+from ..errors import UsageError
 from ..probe import Probe
 from ..profiles import Profile
 from .report import Check, Status
-
-
-def version_tuple(v: str) -> tuple[int, ...]:
-    """``"0.32.0rc1+cpu"`` -> ``(0, 32, 0)``: the leading numeric release only."""
-    out = []
-    for part in v.split("+")[0].split("."):
-        m = re.match(r"\d+", part)
-        if not m:
-            break
-        out.append(int(m.group()))
-    return tuple(out)
 
 
 def version_check(version: str, profile: Profile | None, label_version: str | None) -> Check:
@@ -32,25 +21,27 @@ def version_check(version: str, profile: Profile | None, label_version: str | No
         "profile_min": profile.min_vllm if profile else None,
         "image_label": label_version,
     }
-    if profile and version_tuple(version) < version_tuple(profile.min_vllm):
+    try:
+        versions.parse(version)
+    except UsageError:
+        return Check(
+            "vllm.version", "fail", f"the server's vLLM version {version!r} is unreadable", ev
+        )
+    if profile and versions.older(version, profile.min_vllm):
         return Check(
             "vllm.version",
             "fail",
             f"vLLM {version} is older than {profile.name} needs ({profile.min_vllm})",
             ev,
         )
-    if (
-        profile
-        and profile.mtp
-        and version_tuple(version) < version_tuple(image_labels.MTP_MIN_VLLM)
-    ):
+    if profile and profile.mtp and not versions.has_mtp(version):
         return Check(
             "vllm.version",
             "fail",
             f"vLLM {version} has no Gemma 4 MTP (needs {image_labels.MTP_MIN_VLLM})",
             ev,
         )
-    if label_version and version_tuple(label_version) != version_tuple(version):
+    if label_version and not _same_release(label_version, version):
         return Check(
             "vllm.version",
             "fail",
@@ -58,6 +49,13 @@ def version_check(version: str, profile: Profile | None, label_version: str | No
             ev,
         )
     return Check("vllm.version", "ok", f"vLLM {version}", ev)
+
+
+def _same_release(label: str, server: str) -> bool:
+    try:
+        return versions.same_release(label, server)
+    except UsageError:  # a label that is no version matches nothing
+        return False
 
 
 def model_check(models, profile: Profile | None) -> Check:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import labels
+from .. import labels, versions
 from ..errors import ApplianceError, UsageError
 from . import base, scheme, targets, wheelhouse
 from .files import digest
@@ -95,7 +95,7 @@ def build(
             f"target {target.name} is vLLM {target.vllm_version}, not {vllm_version}",
             fix="leave out --vllm-version for CPU targets",
         )
-    mtp = scheme.vllm_has_mtp(version)
+    mtp = versions.has_mtp(scheme.check_version(version))
     start = time.monotonic()
     steps: dict[str, float] = {}
     buildargs = {

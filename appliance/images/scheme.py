@@ -16,9 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from packaging.version import InvalidVersion, Version
-
-from .. import labels
+from .. import labels, versions
 from ..errors import UsageError
 
 REPOSITORY = "gemma4-vllm"
@@ -50,18 +48,14 @@ def check_repository(repo: str) -> str:
 
 
 def check_version(version: str) -> str:
+    """``version`` if it is a version that can be part of a tag, else a UsageError."""
     try:
-        Version(version)
-    except InvalidVersion as exc:
-        raise UsageError(f"invalid vLLM version {version!r}", fix="e.g. 0.32.0") from exc
+        versions.parse(version)
+    except UsageError:
+        raise UsageError(f"invalid vLLM version {version!r}", fix="e.g. 0.32.0") from None
     if not re.fullmatch(r"[0-9][0-9A-Za-z.]*", version):
         raise UsageError(f"invalid vLLM version {version!r}", fix="e.g. 0.32.0")
     return version
-
-
-def vllm_has_mtp(version: str) -> bool:
-    """True when vLLM ``version`` serves Gemma 4 MTP (``labels.MTP_MIN_VLLM`` and later)."""
-    return Version(check_version(version)) >= Version(labels.MTP_MIN_VLLM)
 
 
 def version_tag(version: str, mtp: bool, broken: bool = False) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from .. import labels
+from .. import labels, versions
 from ..errors import UsageError
 from . import DEVMODEL, Profile
 
@@ -46,24 +46,6 @@ class Finding:
 
 class ProfileError(UsageError):
     """A profile with validation errors."""
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """``"0.21.0"`` -> ``(0, 21, 0)``; suffixes such as ``+cpu`` or ``rc1`` are ignored."""
-    parts = []
-    for piece in version.split("+", 1)[0].split("."):
-        digits = re.match(r"\d+", piece)
-        if digits is None:
-            break
-        parts.append(int(digits.group()))
-    if not parts:
-        raise UsageError(f"not a version: {version!r}", fix="expected e.g. 0.21.0")
-    return tuple(parts)
-
-
-def older(version: str, than: str) -> bool:
-    """True when ``version`` sorts before ``than``."""
-    return version_tuple(version) < version_tuple(than)
 
 
 def _batched_tokens(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
@@ -109,7 +91,7 @@ def _fp8_kv_on_ada(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
 def _mtp_version(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
     if not p.mtp:
         return
-    if older(p.min_vllm, labels.MTP_MIN_VLLM):
+    if not versions.has_mtp(p.min_vllm):
         yield Finding(
             "error",
             "mtp-min-vllm",
@@ -117,7 +99,7 @@ def _mtp_version(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
             f"{p.min_vllm}: an older engine fails with \"Unsupported speculative method: 'mtp'\"",
             f'set min_vllm = "{labels.MTP_MIN_VLLM}" or remove [speculative]',
         )
-    if vllm_version is not None and older(vllm_version, labels.MTP_MIN_VLLM):
+    if vllm_version is not None and not versions.has_mtp(vllm_version):
         yield Finding(
             "error",
             "mtp-old-vllm",
@@ -129,7 +111,7 @@ def _mtp_version(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
     if (
         p.per_request_spec_decode_metrics
         and vllm_version is not None
-        and older(vllm_version, labels.PER_REQUEST_METRICS_MIN_VLLM)
+        and not versions.has_per_request_metrics(vllm_version)
     ):
         yield Finding(
             "warning",
@@ -431,7 +413,7 @@ RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
 def check(profile: Profile, *, vllm_version: str | None = None) -> list[Finding]:
     """Every finding for ``profile`` (errors first), optionally for a given vLLM version."""
     if vllm_version is not None:
-        version_tuple(vllm_version)  # a malformed version is a usage error, not a finding
+        versions.parse(vllm_version)  # a malformed version is a usage error, not a finding
     found = [f for rule in RULES for f in rule(profile, vllm_version)]
     return sorted(found, key=lambda f: f.level != "error")
 
