@@ -684,23 +684,31 @@ def _movement(url, fn):
         return out, specdecode.delta(before, obs.snapshot())
 
 
+# How long a "late" after-read is held at most: the test releases it as soon as the caller is
+# back. A caller that waited for it instead would be back only after this, and fail.
+LATE_S = 60.0
+
+
 def test_the_call_returns_before_its_after_read_and_the_span_ends_later_exact(
     mtp_counters_engine, bad_metrics
 ):
-    # The after-read (the agent's 2nd read) is the engine's real page, answered 2 s late.
-    late = bad_metrics("late", upstream=mtp_counters_engine.url, slow_hits=(2,), slow_s=2.0)
-    t = Traced(mtp_counters_engine.url, metrics_url=late.url, snapshot_timeout=5.0)
+    # The after-read (the agent's 2nd read) is the engine's real page, answered only once the
+    # caller is back (``release``): the order is made, not timed.
+    late = bad_metrics("late", upstream=mtp_counters_engine.url, slow_hits=(2,), slow_s=LATE_S)
+    t = Traced(mtp_counters_engine.url, metrics_url=late.url, snapshot_timeout=LATE_S)
 
     def call():
         resp = _plain(t.client, 24)
-        returned, returned_ns = time.monotonic(), time.time_ns()
+        returned_ns = time.time_ns()
         unfinished = len(t.exporter.get_finished_spans())
-        return resp, returned, returned_ns, unfinished
+        in_flight = late.fetched.is_set() and not late.answered_at
+        late.release.set()
+        return resp, returned_ns, unfinished, in_flight
 
-    (resp, returned, returned_ns, unfinished), d = _movement(mtp_counters_engine.url, call)
+    (resp, returned_ns, unfinished, in_flight), d = _movement(mtp_counters_engine.url, call)
     assert resp.usage.completion_tokens == 24
-    # The caller was back before the after-read was even answered, and its span was open then.
-    assert late.answered_at and returned < late.answered_at[0]
+    # The caller was back while its after-read was still unanswered, and its span was open then.
+    assert in_flight and late.answered_at
     assert unfinished == 0
     (span,) = t.spans  # ended later, on the agent's thread, stamped with the call's own end
     assert span.end_time <= returned_ns
@@ -717,20 +725,23 @@ def test_the_call_returns_before_its_after_read_and_the_span_ends_later_exact(
 def test_back_to_back_calls_stay_exact_while_the_previous_after_read_is_in_flight(
     mtp_counters_engine, bad_metrics
 ):
-    # Call 1's after-read takes the engine's page at once but answers 1.5 s late, so call 2's
-    # request goes out while that read is still in flight: it can be call 2's before-reading only
-    # through call 1's token proof (attribution.Server.certify), not by being complete first.
-    late = bad_metrics("late", upstream=mtp_counters_engine.url, slow_hits=(2,), slow_s=1.5)
-    t = Traced(mtp_counters_engine.url, metrics_url=late.url, snapshot_timeout=5.0)
+    # Call 1's after-read takes the engine's page at once but answers only after call 2 is back
+    # (``release``), so call 2's request goes out while that read is still in flight: it can be
+    # call 2's before-reading only through call 1's token proof (attribution.Server.certify),
+    # not by being complete first.
+    late = bad_metrics("late", upstream=mtp_counters_engine.url, slow_hits=(2,), slow_s=LATE_S)
+    t = Traced(mtp_counters_engine.url, metrics_url=late.url, snapshot_timeout=LATE_S)
 
     def two():
         _plain(t.client, 24)
         assert late.fetched.wait(20)
         _plain(t.client, 16)
-        return time.monotonic()
+        in_flight = not late.answered_at
+        late.release.set()
+        return in_flight
 
-    returned, d = _movement(mtp_counters_engine.url, two)
-    assert returned < late.answered_at[0]  # call 2 never waited for call 1's after-read
+    in_flight, d = _movement(mtp_counters_engine.url, two)
+    assert in_flight  # call 2 never waited for call 1's after-read
     figs = [r.figures for r in t.records]
     assert [f.source for f in figs] == ["counters", "counters"]
     assert [r.output_tokens for r in t.records] == [24, 16]
@@ -831,10 +842,11 @@ def test_exit_flushes_pending_figures_before_the_tracer_provider_shuts_down(
     import subprocess
     import sys
 
-    # The process exits while its call's after-read is still in flight (answered 1 s late).
-    # The provider is made after importing the agent, so its atexit shutdown was registered
-    # later than the agent's import: the agent's flush must still run first.
-    late = bad_metrics("late", upstream=mtp_counters_engine.url, slow_hits=(2,), slow_s=1.0)
+    # The process exits while its call's after-read is still in flight: answered only once the
+    # script printed its last line. The provider is made after importing the agent, so its
+    # atexit shutdown was registered later than the agent's import: the agent's flush must
+    # still run first.
+    late = bad_metrics("late", upstream=mtp_counters_engine.url, slow_hits=(2,), slow_s=LATE_S)
     script = tmp_path / "app.py"
     script.write_text(
         "import openai\n"
@@ -849,10 +861,13 @@ def test_exit_flushes_pending_figures_before_the_tracer_provider_shuts_down(
         "    messages=[{'role': 'user', 'content': 'hi'}])\n"
         "print('returned', flush=True)\n"
     )
-    out = subprocess.run(
-        [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("returned")
+    first = proc.stdout.readline()
+    late.release.set()  # the script is past its last line: now the after-read may answer
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert first == "returned\n"
     assert late.answered_at  # the after-read was answered after the script's last line
-    assert '"gen_ai.vllm.mtp.source": "counters"' in out.stdout
+    assert '"gen_ai.vllm.mtp.source": "counters"' in rest
