@@ -30,6 +30,10 @@ from appliance.vllm_client import VLLMClient
 pytestmark = pytest.mark.engine
 
 MODEL = "gemma4-tiny"
+# How long a slowed or late /metrics read is held at most: each test releases it as soon as
+# what it needs happened (a cancel inside it, a caller back before it); a caller that waited
+# for it instead would be back only after this, and fail.
+LATE_S = 60.0
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 CAPTURE = Path(__file__).parent / "data" / "metrics-vllm-0.32-mtp.txt"
 
@@ -550,11 +554,13 @@ def _sequential_sources(t, n=2):
 def test_cancelled_task_mid_metrics_read_ends_the_span_and_leaves_no_window(
     mtp_counters_engine, bad_metrics
 ):
-    # The first /metrics read is slowed (the real engine's page, relayed 3 s late) so the task
-    # can be cancelled while the agent is inside it: a stream without include_usage reads
+    # The first /metrics read is held (the real engine's page, relayed once released) so the
+    # task can be cancelled while the agent is inside it: a stream without include_usage reads
     # before the request on the caller's path.
-    slow = bad_metrics("slow", upstream=mtp_counters_engine.url, slow_hits=(1,), slow_s=3.0)
-    t = Traced(mtp_counters_engine.url, is_async=True, metrics_url=slow.url, snapshot_timeout=5.0)
+    slow = bad_metrics("slow", upstream=mtp_counters_engine.url, slow_hits=(1,), slow_s=LATE_S)
+    t = Traced(
+        mtp_counters_engine.url, is_async=True, metrics_url=slow.url, snapshot_timeout=LATE_S
+    )
 
     async def cancelled():
         task = asyncio.create_task(
@@ -585,8 +591,8 @@ def test_keyboard_interrupt_mid_metrics_read_ends_the_span_and_leaves_no_window(
     import os
     import signal
 
-    slow = bad_metrics("slow", upstream=mtp_counters_engine.url, slow_hits=(1,), slow_s=3.0)
-    t = Traced(mtp_counters_engine.url, metrics_url=slow.url, snapshot_timeout=5.0)
+    slow = bad_metrics("slow", upstream=mtp_counters_engine.url, slow_hits=(1,), slow_s=LATE_S)
+    t = Traced(mtp_counters_engine.url, metrics_url=slow.url, snapshot_timeout=LATE_S)
 
     def ctrl_c_inside_the_read():
         # A real Ctrl-C, once the agent is provably inside the slowed read (a fixed delay lands
@@ -682,11 +688,6 @@ def _movement(url, fn):
         out = fn()
         assert agent.flush(30)
         return out, specdecode.delta(before, obs.snapshot())
-
-
-# How long a "late" after-read is held at most: the test releases it as soon as the caller is
-# back. A caller that waited for it instead would be back only after this, and fail.
-LATE_S = 60.0
 
 
 def test_the_call_returns_before_its_after_read_and_the_span_ends_later_exact(
