@@ -90,3 +90,21 @@ def test_history_of_an_installed_instance_without_cutovers_says_so(tmp_path):
     assert (result.exit_code, result.output) == (0, "fresh: no cutover or rollback yet\n")
     result = CliRunner().invoke(cli, ["history", "fresh", "--json", "--root", str(tmp_path)])
     assert (result.exit_code, result.output) == (0, "")
+
+
+def test_status_json_is_one_object_per_instance_with_its_history(tmp_path):
+    from appliance import units
+    from appliance.profiles import get
+
+    for name in ("a1", "b2"):
+        units.install(get("cpu-tiny"), name, root=tmp_path, options=units.Options(port=9))
+    e = Entry.begin("a1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:mtp")
+    history.append(Layout(tmp_path).history_file("a1"), _done(e, "rolled_back"))
+    result = CliRunner().invoke(cli, ["status", "--json", "--root", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    a1, b2 = (json.loads(line) for line in result.output.splitlines())
+    assert (a1["instance"], a1["unit"], b2["instance"]) == ("a1", "gemma4-vllm@a1.service", "b2")
+    assert a1["url"] == "http://127.0.0.1:9" and a1["healthy"] is False  # nothing listens on 9
+    assert [x["outcome"] for x in a1["entries"]] == ["rolled_back"] and b2["entries"] == []
+    one = CliRunner().invoke(cli, ["status", "b2", "--json", "--root", str(tmp_path)])
+    assert json.loads(one.output)["instance"] == "b2"

@@ -6,7 +6,9 @@ Thin: each command builds a :class:`appliance.cutover.flow.Context` and calls th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
+import json
 from pathlib import Path
 
 import click
@@ -178,14 +180,15 @@ def rollback(instance: str, timeout: float, root: Path) -> None:
     is_flag=True,
     help="Also rewrite the state-metrics textfile (units' states included); for a timer.",
 )
+@click.option("--json", "json_", is_flag=True, help="One JSON object per instance and line.")
 @root_option
-def status(instance: str | None, write_metrics: bool, root: Path) -> None:
+def status(instance: str | None, write_metrics: bool, json_: bool, root: Path) -> None:
     """Image, labels, unit state, health, MTP and recent history of INSTANCE (or of all)."""
     layout = Layout(root)
     if instance:
         layout.require_known(instance)
     names = [instance] if instance else sorted(p.stem for p in layout.env_dir.glob("*.env"))
-    if not names:
+    if not names and not json_:
         click.echo(f"no instances under {layout.env_dir}")
     ctx = _context(root, progress=False)
     if write_metrics:
@@ -193,6 +196,9 @@ def status(instance: str | None, write_metrics: bool, root: Path) -> None:
         click.echo(f"wrote {cutover_metrics.write(layout, _docker_or_none(), ctx.systemd)}")
     for name in names:
         st = get_status(ctx, name)
+        if json_:
+            click.echo(json.dumps(dataclasses.asdict(st), sort_keys=True, default=str))
+            continue
         click.echo(f"{st.instance}  ({st.unit}: {st.unit_state})")
         click.echo(f"  image:      {st.image or '-'}")
         if st.running_id is not None:
