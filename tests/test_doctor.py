@@ -86,7 +86,7 @@ def test_models_check_of_an_instance_under_root(tmp_path):
     )
     assert check.status == "ok", check
     assert check.summary.startswith(f"models ok: target {model_dir}/target (6 files")
-    assert check.evidence["full_check"] == "appliance models verify --instance a"
+    assert check.evidence["full_check"] == "appliance models verify a"
     (model_dir / "drafter/model.safetensors").write_bytes(b"\x08")  # truncated to 1 byte
     report = doctor.run(dead, instance="a", root=root, docker_client=_dead_docker())
     check = report.get("instance.models")

@@ -390,7 +390,7 @@ def test_verify_instance_reads_profile_and_cache_from_the_env_file(pulled, tmp_p
     line = result.output.strip()
     assert "target google/gemma-4-31B-it: not in the model cache " in line
     assert str(root / "var/lib/gemma4-vllm/huggingface/hub") in line
-    assert f"appliance models pull --instance 31b --root {root}" in line
+    assert f"appliance models pull 31b --root {root}" in line
     assert len(line.splitlines()) == 1
 
 
@@ -488,10 +488,7 @@ def test_location_defaults(tmp_path):
 # the first docker call, so a complete cache gets as far as "image ... is not on this host".
 
 SCRIPT_TOOLS = ("sort", "head", "stat", "od", "grep", "sed", "tr")
-SCRIPT_FIX = (
-    "fix: appliance models pull --instance h; "
-    "air-gapped: appliance models import --instance h --from COPY"
-)
+SCRIPT_FIX = "fix: appliance models pull h; air-gapped: appliance models import h --from COPY"
 
 
 @pytest.fixture()
@@ -621,5 +618,5 @@ def test_doctor_checks_the_instance_models_quick_with_the_fix(pulled, profile_fi
     check = models_check(inst, root)
     assert check.status == "fail"
     assert f"target {TARGET_REPO}: file {SHARD} missing" in check.summary
-    assert f"fix: appliance models pull --instance h --root {root}" in check.summary
-    assert check.evidence["full_check"] == "appliance models verify --instance h"
+    assert f"fix: appliance models pull h --root {root}" in check.summary
+    assert check.evidence["full_check"] == "appliance models verify h"

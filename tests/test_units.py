@@ -503,9 +503,7 @@ def test_the_script_refuses_a_bad_instance_name_or_command(tmp_path):
 
 
 def test_install_writes_every_file_with_its_mode(tmp_path):
-    result = run(
-        "install", "--profile", "cpu-tiny-mtp", "--instance", "t1", "--root", str(tmp_path)
-    )
+    result = run("install", "t1", "--profile", "cpu-tiny-mtp", "--root", str(tmp_path))
     assert result.exit_code == 0, result.output
     p = units.paths("t1")
     modes = {
@@ -534,7 +532,7 @@ def test_install_is_idempotent(tmp_path):
     # the unit, serve script, env, args, key and the scrape targets
     assert result.written == [] and result.removed == [] and len(result.unchanged) == 6
     assert snapshot(tmp_path) == before
-    cli_result = run("install", "-p", "l4x4-31b-mtp", "-i", "ref", "--root", str(tmp_path))
+    cli_result = run("install", "-p", "l4x4-31b-mtp", "ref", "--root", str(tmp_path))
     assert "wrote" not in cli_result.output and snapshot(tmp_path) == before
 
 
@@ -550,7 +548,7 @@ def test_install_keeps_the_image_values_host_and_port_already_there(tmp_path):
     # What a cutover does: rewrite the one assignment.
     env_path.write_bytes(envfile.read(env_path).with_value("VLLM_IMAGE", "gemma4-vllm:pre-mtp"))
     # No --profile: the one the env file names.
-    assert run("install", "-i", "c", "--root", str(tmp_path)).exit_code == 0
+    assert run("install", "c", "--root", str(tmp_path)).exit_code == 0
     inst = instance.read(tmp_path, "c")
     assert (inst.image, inst.host, inst.port) == ("gemma4-vllm:pre-mtp", "::1", 8123)
     assert inst.base_url == "http://[::1]:8123"
@@ -564,7 +562,7 @@ def test_install_keeps_the_image_values_host_and_port_already_there(tmp_path):
 
 
 def test_install_without_a_profile_needs_one_named_somewhere(tmp_path):
-    result = run("install", "-i", "new", "--root", str(tmp_path))
+    result = run("install", "new", "--root", str(tmp_path))
     assert result.exit_code == 2
     assert "instance new names no profile" in result.output and "--profile" in result.output
     assert list(tmp_path.iterdir()) == []
@@ -581,9 +579,7 @@ def test_install_tightens_a_key_file_readable_by_others(tmp_path):
 
 
 def test_render_out_writes_the_same_tree_without_a_key(tmp_path):
-    result = run(
-        "render", "-p", MIG, "-i", "slice1", "--gpus", "device=0:1", "--out", str(tmp_path)
-    )
+    result = run("render", "-p", MIG, "slice1", "--gpus", "device=0:1", "--out", str(tmp_path))
     assert result.exit_code == 0, result.output
     p = units.paths("slice1")
     assert (tmp_path / p.unit).is_file() and (tmp_path / p.script).is_file()
@@ -641,7 +637,7 @@ def test_install_upgrades_an_instance_of_the_old_layout_in_place(tmp_path):
     with pytest.raises(UsageError, match="APPLIANCE_PROFILE is not set"):
         instance.read(root, "systest")
 
-    result = run("install", "-p", "cpu-tiny-mtp", "-i", "systest", "--root", str(root))
+    result = run("install", "-p", "cpu-tiny-mtp", "systest", "--root", str(root))
     assert result.exit_code == 0, result.output
     assert f"removed   {old['script']}" in result.output
     assert not old["script"].exists()
@@ -682,7 +678,7 @@ def test_uninstall_removes_the_instance_and_the_shared_files_with_the_last(tmp_p
         k: v for k, v in snapshot(tmp_path).items() if "small" in k or "gemma4-vllm@." in k
     }
 
-    result = run("uninstall", "-i", "big", "--root", str(tmp_path))
+    result = run("uninstall", "big", "--root", str(tmp_path))
     assert result.exit_code == 0, result.output
     for rel in (
         "etc/gemma4-vllm/big.env",
@@ -697,14 +693,14 @@ def test_uninstall_removes_the_instance_and_the_shared_files_with_the_last(tmp_p
     assert {k: after[k] for k in small_before} == small_before  # the other instance untouched
     assert (tmp_path / units.paths("small").script).exists()
 
-    result = run("uninstall", "-i", "small", "--purge", "--root", str(tmp_path))
+    result = run("uninstall", "small", "--purge", "--root", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert not layout.history_file("small").exists() and not layout.rollback_slot("small").exists()
     assert not (tmp_path / "usr/local/libexec/gemma4-vllm").exists()
     assert not (tmp_path / units.paths("small").unit).exists()
     assert layout.history_file("big").exists()  # big was not purged
 
-    result = run("uninstall", "-i", "small", "--root", str(tmp_path))
+    result = run("uninstall", "small", "--root", str(tmp_path))
     assert result.exit_code == 2 and "instance small is not installed" in result.output
 
 
@@ -712,32 +708,32 @@ def test_uninstall_removes_an_old_layout_instance_too(tmp_path):
     old = install_old_layout(
         tmp_path, port=18555, image="gemma4-vllm:mtp", model_dir="/m", vllm_cache_dir="/c"
     )
-    assert run("uninstall", "-i", "systest", "--root", str(tmp_path)).exit_code == 0
+    assert run("uninstall", "systest", "--root", str(tmp_path)).exit_code == 0
     assert not any(path.exists() for path in old.values())
 
 
 # --- bad inputs: a clear one-line error, exit 2, and the tree unchanged --------------------------
 
 BAD = [
-    (["-p", "cpu-tiny", "-i", "../etc"], "invalid instance name '../etc'"),
-    (["-p", "cpu-tiny", "-i", "a b"], "invalid instance name 'a b'"),
-    (["-p", "cpu-tiny", "-i", "-x"], "invalid instance name '-x'"),
-    (["-p", "cpu-tiny", "-i", "x.service"], "invalid instance name 'x.service'"),
-    (["-p", "cpu-tiny", "-i", "a" * 65], "invalid instance name"),
-    (["-p", "nope", "-i", "x"], "unknown profile 'nope'"),
-    (["-p", "cpu-tiny", "-i", "x", "--image", "gemma4 vllm:mtp"], "invalid image reference"),
-    (["-p", "cpu-tiny", "-i", "x", "--image", "x;rm -rf /"], "invalid image reference"),
-    (["-p", "cpu-tiny", "-i", "x", "--image", "x:$(id)"], "invalid image reference"),
-    (["-p", "cpu-tiny", "-i", "x", "--image", "Gemma4:mtp"], "invalid image reference"),
-    (["-p", "cpu-tiny", "-i", "x", "--image", "x:`id`"], "invalid image reference"),
-    (["-p", MIG, "-i", "x"], "runs one instance per MIG slice"),
-    (["-p", "l4x4-31b-mtp", "-i", "x", "--gpus", "all;id"], "invalid GPU selection"),
-    (["-p", "cpu-tiny", "-i", "x", "--gpus", "all"], "runs on the CPU"),
-    (["-p", "cpu-tiny", "-i", "x", "--port", "70000"], "port 70000 is not a TCP port"),
-    (["-p", "cpu-tiny", "-i", "x", "--host", "$(id)"], "host '$(id)' is not an IP address"),
-    (["-p", "cpu-tiny", "-i", "x", "--model-dir", "rel/path"], "not a plain absolute path"),
-    (["-p", "cpu-tiny", "-i", "x", "--model-dir", "/a b"], "not a plain absolute path"),
-    (["-p", "l4x4-31b", "-i", "x", "--model-dir", "/m"], "tiny dev model profiles only"),
+    (["-p", "cpu-tiny", "../etc"], "invalid instance name '../etc'"),
+    (["-p", "cpu-tiny", "a b"], "invalid instance name 'a b'"),
+    (["-p", "cpu-tiny", "--", "-x"], "invalid instance name '-x'"),
+    (["-p", "cpu-tiny", "x.service"], "invalid instance name 'x.service'"),
+    (["-p", "cpu-tiny", "a" * 65], "invalid instance name"),
+    (["-p", "nope", "x"], "unknown profile 'nope'"),
+    (["-p", "cpu-tiny", "x", "--image", "gemma4 vllm:mtp"], "invalid image reference"),
+    (["-p", "cpu-tiny", "x", "--image", "x;rm -rf /"], "invalid image reference"),
+    (["-p", "cpu-tiny", "x", "--image", "x:$(id)"], "invalid image reference"),
+    (["-p", "cpu-tiny", "x", "--image", "Gemma4:mtp"], "invalid image reference"),
+    (["-p", "cpu-tiny", "x", "--image", "x:`id`"], "invalid image reference"),
+    (["-p", MIG, "x"], "runs one instance per MIG slice"),
+    (["-p", "l4x4-31b-mtp", "x", "--gpus", "all;id"], "invalid GPU selection"),
+    (["-p", "cpu-tiny", "x", "--gpus", "all"], "runs on the CPU"),
+    (["-p", "cpu-tiny", "x", "--port", "70000"], "port 70000 is not a TCP port"),
+    (["-p", "cpu-tiny", "x", "--host", "$(id)"], "host '$(id)' is not an IP address"),
+    (["-p", "cpu-tiny", "x", "--model-dir", "rel/path"], "not a plain absolute path"),
+    (["-p", "cpu-tiny", "x", "--model-dir", "/a b"], "not a plain absolute path"),
+    (["-p", "l4x4-31b", "x", "--model-dir", "/m"], "tiny dev model profiles only"),
 ]
 
 
@@ -753,7 +749,7 @@ def installed(tmp_path) -> Path:
 def test_bad_input_is_a_clear_error_and_writes_nothing(installed, command, args, message):
     before = snapshot(installed)
     where = ["--root", str(installed)] if command == "install" else ["--out", str(installed)]
-    result = run(command, *args, *where)
+    result = run(command, *where, *args)
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0]
@@ -771,7 +767,7 @@ def test_an_invalid_image_already_in_the_env_file_is_refused(installed):
     env_path = installed / units.paths("x").env
     env_path.write_text(env_path.read_text().replace("gemma4-vllm:latest", "bad image"))
     before = snapshot(installed)
-    result = run("install", "-p", "cpu-tiny-mtp", "-i", "x", "--root", str(installed))
+    result = run("install", "-p", "cpu-tiny-mtp", "x", "--root", str(installed))
     assert result.exit_code == 2 and "invalid image reference 'bad image'" in result.output
     assert snapshot(installed) == before
 
@@ -780,7 +776,7 @@ def test_an_env_file_systemd_could_read_differently_is_refused_by_install(instal
     env_path = installed / units.paths("x").env
     env_path.write_text(env_path.read_text() + "# note \\\nVLLM_IMAGE=other:1\n")
     before = snapshot(installed)
-    result = run("install", "-p", "cpu-tiny-mtp", "-i", "x", "--root", str(installed))
+    result = run("install", "-p", "cpu-tiny-mtp", "x", "--root", str(installed))
     assert result.exit_code == 2
     assert f"{env_path}:" in result.output and "comment ending in a backslash" in result.output
     assert snapshot(installed) == before
@@ -1036,3 +1032,19 @@ def test_the_units_state_reaches_the_state_metrics_one_series_per_state():
     # An instance whose unit was not looked at has no unit series at all (not "inactive").
     reg = state_metrics.build_registry([state_metrics.InstanceState("a", "i", "0.32.0", True)])
     assert state_metrics.UNIT_STATE + "{" not in generate_latest(reg).decode()
+
+
+def test_the_old_instance_option_still_works_and_names_the_new_form(tmp_path):
+    argv = ["install", "-i", "old", "-p", "cpu-tiny", "--root", str(tmp_path)]
+    result = CliRunner().invoke(cli, argv, prog_name="appliance")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "warning: --instance is deprecated: write `appliance install old`\n"
+    assert (tmp_path / units.paths("old").env).is_file()
+    both = run("uninstall", "new", "--instance", "old", "--root", str(tmp_path))
+    assert both.exit_code == 2
+    assert "two instances named: 'new' and --instance 'old'" in both.output
+    neither = CliRunner().invoke(cli, ["uninstall", "--root", str(tmp_path)], prog_name="appliance")
+    assert (neither.exit_code, neither.output) == (
+        2,
+        "Error: appliance uninstall needs the instance's NAME\n",
+    )

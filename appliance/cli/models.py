@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from .. import endpoint
 from ..models import EX_CONFIG, ModelsNotReady, importer, pull, token, verify, where
 from ..models import export as export_mod
 from .options import root_option
@@ -21,9 +22,11 @@ def _where(fn):
         type=click.Path(dir_okay=False, path_type=Path),
         help="A profile TOML file of your own.",
     )
+    @click.argument("name", required=False, metavar="[NAME]")
     @click.option(
         "--instance",
-        help="An installed instance: its env file names the profile "
+        metavar="NAME",
+        help="The installed instance (the same as NAME): its env file names the profile "
         "(APPLIANCE_PROFILE) and the cache (HF_CACHE_DIR).",
     )
     @click.option(
@@ -34,13 +37,13 @@ def _where(fn):
     )
     @root_option
     @functools.wraps(fn)
-    def wrapper(profile, profile_file, instance, hf_cache_dir, root, **kwargs):
+    def wrapper(name, profile, profile_file, instance, hf_cache_dir, root, **kwargs):
         kwargs.setdefault("token_file", None)
         loc = where.locate(
             root=root,
             profile=profile,
             profile_file=profile_file,
-            instance=instance,
+            instance=endpoint.pick_instance(name, instance),
             hf_cache_dir=hf_cache_dir,
             token_file=kwargs.pop("token_file"),
         )

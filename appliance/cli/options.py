@@ -44,6 +44,29 @@ def api_key_options(f):
     )(f)
 
 
+def instance_name(f):
+    """The instance as the positional ``NAME``, the one spelling; ``--instance``/``-i`` (the
+    old one) still works for a release, hidden, with one line on stderr naming the new form.
+    The command receives ``instance``."""
+
+    @functools.wraps(f)
+    def wrapper(name, old_instance, **kwargs):
+        ctx = click.get_current_context()
+        if old_instance is not None:
+            if name is not None and name != old_instance:
+                raise UsageError(f"two instances named: {name!r} and --instance {old_instance!r}")
+            click.echo(
+                f"warning: --instance is deprecated: write `{ctx.command_path} {old_instance}`",
+                err=True,
+            )
+        if (name or old_instance) is None:
+            raise UsageError(f"{ctx.command_path} needs the instance's NAME")
+        return f(instance=name or old_instance, **kwargs)
+
+    wrapper = click.option("--instance", "-i", "old_instance", hidden=True, default=None)(wrapper)
+    return click.argument("name", required=False, metavar="NAME")(wrapper)
+
+
 def endpoint_options(*, profile_help: str, default_url: str | None = endpoint.DEFAULT_URL):
     """The one way to name an engine (doctor, bench, canary record): ``[NAME]``, ``--instance``,
     ``--url``, ``--profile``, ``--root`` and the API key options, handed to the command as one

@@ -9,7 +9,7 @@ import click
 
 from .. import units
 from ..cutover.systemd import Systemd
-from .options import root_option
+from .options import instance_name, root_option
 
 
 def instance_options(profile_required: bool):
@@ -26,7 +26,6 @@ def instance_options(profile_required: bool):
                 click.option(
                     "--profile", "-p", "profile", required=profile_required, help=profile_help
                 ),
-                click.option("--instance", "-i", required=True, help="Unit instance name."),
                 click.option(
                     "--image", help="VLLM_IMAGE (default: kept, else gemma4-vllm:latest)."
                 ),
@@ -73,22 +72,26 @@ def _report(result: units.WriteResult) -> None:
 
 
 @click.command()
+@instance_name
 @instance_options(profile_required=True)
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output dir.")
 def render(profile: str, instance: str, out: str, **kw) -> None:
-    """Render an instance's unit, env and args files and the serve script into --out (review)."""
+    """Render instance NAME's unit, env and args files and the serve script into --out."""
     _report(units.render_to(profile, instance, Path(out), _options(kw)))
 
 
 @click.command()
+@instance_name
 @instance_options(profile_required=False)
 @root_option
 def install(profile: str | None, instance: str, root: Path, **kw) -> None:
-    """Install an instance: the shared unit and serve script, its env file (values kept), args
-    file and API key (0600). Upgrades an instance installed by the old layout in place.
+    """Install instance NAME: the shared unit and serve script, its env file (values kept),
+    args file and API key (0600). Upgrades an instance installed by the old layout in place.
 
     \b
-    Then: systemctl daemon-reload && systemctl enable --now gemma4-vllm@INSTANCE
+    Example:
+      appliance install 31b --profile l4x4-31b-mtp --image gemma4-vllm:0.32.0-mtp
+      systemctl daemon-reload && systemctl enable --now gemma4-vllm@31b
     """
     result = units.install(profile, instance, root=root, options=_options(kw))
     _report(result)
@@ -101,11 +104,11 @@ def install(profile: str | None, instance: str, root: Path, **kw) -> None:
 
 
 @click.command()
-@click.option("--instance", "-i", required=True, help="Unit instance name.")
+@instance_name
 @click.option("--purge", is_flag=True, help="Also remove its cutover history and rollback slot.")
 @root_option
 def uninstall(instance: str, purge: bool, root: Path) -> None:
-    """Stop and disable an instance and remove what install wrote for it (the shared unit and
+    """Stop and disable instance NAME and remove what install wrote for it (the shared unit and
     serve script with the last instance). systemctl is called only when --root is /."""
     systemd = Systemd.from_env() if root == Path("/") else None
     _report(units.uninstall(instance, root=root, purge=purge, systemd=systemd))

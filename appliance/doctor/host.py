@@ -108,7 +108,7 @@ def models_check(inst: Instance, root: Path = Path("/")) -> Check:
             ev = {"hf_cache_dir": str(loc.hf_home)}
     except ApplianceError as exc:
         return Check("instance.models", "fail", str(exc), {})
-    ev["full_check"] = f"appliance models verify --instance {inst.name}"
+    ev["full_check"] = f"appliance models verify {inst.name}"
     if report.ok:
         return Check("instance.models", "ok", report.summary(), ev)
     ev["problems"] = [p.line() for p in report.problems]

@@ -30,7 +30,7 @@ class Location:
     hf_home: Path  # HF_CACHE_DIR: what the container sees as /root/.cache/huggingface
     token_file: Path
     token_file_explicit: bool
-    selector: tuple[str, ...]  # how a fix command names the same models, e.g. --instance 31b
+    selector: tuple[str, ...]  # how a fix command names the same models, e.g. 31b --root R
 
     @property
     def hub(self) -> Path:
@@ -94,12 +94,12 @@ def locate(
             if not name:
                 raise UsageError(
                     f"{env.path} names no APPLIANCE_PROFILE",
-                    fix=f"re-run appliance install --instance {instance}, or pass --profile",
+                    fix=f"re-run appliance install {instance}, or pass --profile",
                 )
             prof = profiles.get(name)
         if cache is None and (value := env.get("HF_CACHE_DIR")):
             cache = under_root(root, value)
-        selector = ["--instance", instance, *selector]
+        selector = [instance, *selector]
     if prof is None:
         raise UsageError("say which models", fix="pass --instance, --profile or --profile-file")
     if cache is None:

@@ -96,9 +96,7 @@ def from_env(root: Path | str, name: str, env: envfile.EnvFile) -> Instance:
     :func:`read`)."""
     root = Path(root)
     p = paths(name)
-    upgrade = (
-        f"re-run `appliance install --instance {name} --profile PROFILE` (it upgrades in place)"
-    )
+    upgrade = f"re-run `appliance install {name} --profile PROFILE` (it upgrades in place)"
 
     def required(key: str) -> str:
         value = env.get(key)

@@ -78,7 +78,7 @@ read_args() {
   SERVE_ARGS=() MTP_ARGS=() PER_REQUEST_ARGS=() DOCKER_OPTS=() REQUIRED=() ARGS_PROFILE=""
   MODELS=() DRAFTER_TYPES=()
   [[ -r "$ARGS_FILE" ]] \
-    || die_config "cannot read $ARGS_FILE (written by \`appliance install --instance $INSTANCE\`)"
+    || die_config "cannot read $ARGS_FILE (written by \`appliance install $INSTANCE\`)"
   while read -r kind value || [[ -n "$kind" ]]; do
     case "$kind" in
       '' | '#'*) ;;
@@ -130,7 +130,7 @@ check_env() {
   [[ "$VLLM_IMAGE" =~ ^[A-Za-z0-9][A-Za-z0-9._/:@-]*$ ]] \
     || die_config "VLLM_IMAGE=$VLLM_IMAGE in $ENV_FILE is not a valid image reference"
   [[ "${APPLIANCE_PROFILE:-}" == "$ARGS_PROFILE" ]] \
-    || die_config "APPLIANCE_PROFILE=${APPLIANCE_PROFILE:-} in $ENV_FILE, but $ARGS_FILE is profile $ARGS_PROFILE: run \`appliance install --instance $INSTANCE --profile ${APPLIANCE_PROFILE:-PROFILE}\`"
+    || die_config "APPLIANCE_PROFILE=${APPLIANCE_PROFILE:-} in $ENV_FILE, but $ARGS_FILE is profile $ARGS_PROFILE: run \`appliance install $INSTANCE --profile ${APPLIANCE_PROFILE:-PROFILE}\`"
   check_endpoint
   local key
   for key in "${REQUIRED[@]}"; do
@@ -222,7 +222,7 @@ read_api_key() {
 # single-file model's weights, no download left half-done, each file's size where the hub's
 # listing (trees/COMMIT.json) gives it, each safetensors file as long as its header says, and a
 # drafter whose config.json names an allowed model_type and the target's width. It reads no
-# weight data: `appliance models verify --instance I` is the full check (every file's hash).
+# weight data: `appliance models verify I` is the full check (every file's hash).
 
 readonly MAX_SAFETENSORS_HEADER=104857600  # appliance/models/verify.py's _MAX_HEADER
 
@@ -400,7 +400,7 @@ check_drafter() {
 
 check_models() {
   if ((${#MODELS[@]} == 0)); then
-    log "$ARGS_FILE names no models (written by an older appliance): not checked at start; re-run \`appliance install --instance $INSTANCE\` to check them"
+    log "$ARGS_FILE names no models (written by an older appliance): not checked at start; re-run \`appliance install $INSTANCE\` to check them"
     return 0
   fi
   local value role layout name revision rest fix="" target_dir="" drafter_name="" drafter_dir=""
@@ -419,7 +419,7 @@ check_models() {
       hub)
         [[ -n "${HF_CACHE_DIR:-}" ]] || die_config "HF_CACHE_DIR is not set in $ENV_FILE"
         check_hub_model "$role" "$name" "$revision"
-        fix="fix: appliance models pull --instance $INSTANCE; air-gapped: appliance models import --instance $INSTANCE --from COPY"
+        fix="fix: appliance models pull $INSTANCE; air-gapped: appliance models import $INSTANCE --from COPY"
         ;;
       dir)
         [[ -n "${MODEL_DIR:-}" && -z "$revision" ]] || die_config "MODEL_DIR is not set in $ENV_FILE"
@@ -447,7 +447,7 @@ check_models() {
   fi
   local n=${#MODEL_PROBLEMS[@]} shown tail=""
   if ((n == 0)); then
-    log "models present: $(printf '%s, ' "${checked[@]}" | sed 's/, $//') (quick check; \`appliance models verify --instance $INSTANCE\` hashes them)"
+    log "models present: $(printf '%s, ' "${checked[@]}" | sed 's/, $//') (quick check; \`appliance models verify $INSTANCE\` hashes them)"
     return 0
   fi
   shown="$(printf '%s; ' "${MODEL_PROBLEMS[@]:0:3}")"

@@ -202,7 +202,7 @@ def _upgrade_from_the_old_layout(inst: SystemdInstance) -> Upgrade:
     exec_start = inst.show("ExecStart")
     served = inst.chat("before the upgrade", max_tokens=4).status_code
     key = inst.api_key
-    install = inst.appliance("install", "--instance", inst.instance, "--profile", PROFILE)
+    install = inst.appliance("install", inst.instance, "--profile", PROFILE)
     if install.returncode != 0:
         raise nspawn.NspawnError(f"appliance install failed:\n{install.stderr}")
     env_after = envfile.read(inst.env_path).values
