@@ -7,11 +7,15 @@ reviewer can diff two hosts' profiles field by field.
 
 from __future__ import annotations
 
+import functools
 import json
 import tomllib
-from dataclasses import dataclass, field, fields
+import typing
+from dataclasses import MISSING, dataclass, field, fields
 from importlib import resources
 from pathlib import Path
+
+import pydantic
 
 from ..errors import UsageError
 
@@ -184,30 +188,54 @@ def _fill(value: str, devmodel: str | None) -> str:
 
 
 def _build(cls, data: dict, where: str):
+    """``cls(**data)`` once every key is a field of ``cls`` and every value has the field's type
+    (pydantic's strict check of that one type: ``"four"`` is no int, ``1`` no bool)."""
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: expected a table, got {data!r}")
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UsageError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    required = [
+        f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+    ]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise UsageError(f"{where}: missing field(s) {', '.join(missing)}")
+    hints = typing.get_type_hints(cls)
+    for name, value in data.items():
+        try:
+            _adapter(hints[name]).validate_python(value, strict=True)
+        except pydantic.ValidationError as exc:
+            err = exc.errors()[0]
+            at = ".".join(map(str, (name, *err["loc"])))
+            raise UsageError(f"{where}: {at} = {err['input']!r}: {err['msg']}") from None
     return cls(**data)
 
 
+@functools.cache
+def _adapter(kind) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(kind)
+
+
+_TABLES = {
+    "speculative": Speculative,
+    "hardware": Hardware,
+    "canary": Canary,
+    "multinode": Multinode,
+}
+
+
 def from_dict(data: dict, where: str = "profile") -> Profile:
-    """Build a :class:`Profile` from parsed TOML, rejecting unknown fields."""
+    """Build a :class:`Profile` from parsed TOML; an unknown or missing field, or a value of
+    the wrong type, is one UsageError naming the file, the table and the field."""
     data = dict(data)
-    try:
-        if "speculative" in data:
-            data["speculative"] = _build(Speculative, data["speculative"], f"{where} [speculative]")
-        if "hardware" in data:
-            data["hardware"] = _build(Hardware, data["hardware"], f"{where} [hardware]")
-        if "canary" in data:
-            data["canary"] = _build(Canary, data["canary"], f"{where} [canary]")
-        if "multinode" in data:
-            data["multinode"] = _build(Multinode, data["multinode"], f"{where} [multinode]")
-        if "extra_args" in data:
-            data["extra_args"] = tuple(data["extra_args"])
-        return _build(Profile, data, where)
-    except TypeError as exc:
-        raise UsageError(f"{where}: {exc}") from exc
+    for key, cls in _TABLES.items():
+        if key in data:
+            data[key] = _build(cls, data[key], f"{where} [{key}]")
+    if isinstance(data.get("extra_args"), list):
+        data["extra_args"] = tuple(data["extra_args"])
+    return _build(Profile, data, where)
 
 
 def load_file(path: Path | str) -> Profile:
