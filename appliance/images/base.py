@@ -102,11 +102,17 @@ def ensure_base(client, docker_dir: Path, cache_dir: Path) -> BaseImage:
         pass
     start = time.monotonic()
     tarball = make_rootfs_tar(docker_dir, cache_dir)
-    repo, tag = ref.split(":", 1)
-    client.api.import_image_from_file(
-        str(tarball), repository=repo, tag=tag, changes=['CMD ["/bin/bash"]']
-    )
-    _forget_older_bases(client, ref, tarball)
+    # Two builds of different targets may start at once: one imports, the other then finds it.
+    with held(tarball.with_suffix(".import.lock")):
+        try:
+            return BaseImage(ref, client.images.get(ref).id, 0.0, True)
+        except docker.errors.ImageNotFound:
+            pass
+        repo, tag = ref.split(":", 1)
+        client.api.import_image_from_file(
+            str(tarball), repository=repo, tag=tag, changes=['CMD ["/bin/bash"]']
+        )
+        _forget_older_bases(client, ref, tarball)
     return BaseImage(ref, client.images.get(ref).id, time.monotonic() - start, False)
 
 

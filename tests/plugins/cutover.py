@@ -48,7 +48,7 @@ def preflight_images(cutover_docker) -> dict[str, str]:
     import docker
 
     refs = {}
-    with machine_lock("images"):
+    with machine_lock("test-images"):
         for tag, found in PREFLIGHT_IMAGES.items():
             refs[tag] = f"{TEST_REPO}:{tag}"
             try:

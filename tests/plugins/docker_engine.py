@@ -133,9 +133,9 @@ IMAGE_TARGETS = ("cpu-mtp", "cpu-broken", "cpu-pre-mtp")
 
 
 class Images(Mapping):
-    """The suite's CPU images by target, each built on first use under the machine's image
-    lock: the other pytest process, or tests/prefetch.py, then finds it built (a label lookup).
-    Lazy, so that tests of the MTP image need not wait for the 9 GB pre-MTP one."""
+    """The suite's CPU images by target, each built on first use under the machine's lock of
+    that image: the other pytest process, or tests/prefetch.py, then finds it built (a label
+    lookup). Lazy, so that tests of the MTP image need not wait for the 9 GB pre-MTP one."""
 
     def __init__(self, client) -> None:
         self.client = client
@@ -156,10 +156,12 @@ class Images(Mapping):
 
 
 def build_image(client, target: str):
-    """Build one of the suite's CPU images (or find it built), under the machine's image lock."""
+    """Build one of the suite's CPU images (or find it built), under the machine's lock of that
+    image: a test that needs the MTP image finds it while the 9 GB pre-MTP one still builds
+    (one lock for all kept the first multinode test waiting 6 minutes on a brand-new host)."""
     from appliance.images import build
 
-    with machine_lock("images"):
+    with machine_lock(f"image-{target}"):
         return build.build(client, target)
 
 
@@ -290,7 +292,7 @@ def build_derived(client, parent_id: str, recipes=None) -> dict[str, str]:
     """Build (or find by a digest label: a label lookup when present) the images derived from
     the MTP image (``recipes``: tag -> build context; the canary's by default); returns tag ->
     full reference."""
-    with machine_lock("images"):
+    with machine_lock("test-images"):
         return _build_derived(client, parent_id, recipes)
 
 

@@ -56,7 +56,7 @@ VLLM_CACHE = nspawn.CACHE.parent / "multinode-vllm-cache"
 def build_derived_image(client, parent_id: str) -> str:
     """``gemma4-multinode-test:0.32.0-mtp-b``: the MTP image with one label more (its own ID;
     the build-digest label overridden so the image builder never takes it for cpu-mtp)."""
-    with machine_lock("images"):
+    with machine_lock("test-images"):
         return _build_derived_image(client, parent_id)
 
 

@@ -50,7 +50,7 @@ def serve_images() -> dict[str, str]:
             pytest.fail("no Docker engine answers and no docker_engine plugin to start one")
         ensure_dockerd()
     refs = {}
-    with machine_lock("images"):
+    with machine_lock("test-images"):
         for tag, wanted in SERVE_IMAGES.items():
             ref = refs[tag] = f"{UNITS_REPO}:{tag}"
             have = subprocess.run(
