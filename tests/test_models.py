@@ -299,6 +299,11 @@ def test_verify_passes_on_a_pulled_cache_and_checks_every_hash(pulled, profile_f
     report = mv.verify(where.locate(profile_file=profile_file, hf_cache_dir=pulled))
     assert report.ok and [m.hashed for m in report.models] == [m.files for m in report.models]
     assert all(m.files >= 5 for m in report.models)
+    as_json = json.loads(_run(["verify", "--json", *_args(profile_file, pulled)]).output)
+    assert as_json["ok"] and as_json["problems"] == [] and as_json["fix"] is None
+    assert [(m["role"], m["hashed"]) for m in as_json["models"]] == [
+        (m.spec.role, m.hashed) for m in report.models
+    ]
 
 
 def _fails(profile_file, cache_dir, *flags):
@@ -314,6 +319,14 @@ def test_verify_missing_model(tmp_path, profile_file):
     line = _fails(profile_file, tmp_path / "empty", "--quick")
     assert f"target {TARGET_REPO}: not in the model cache" in line
     assert f"drafter {DRAFTER_REPO}: not in the model cache" in line
+    res = _run(["verify", "--json", *_args(profile_file, tmp_path / "empty")])
+    body = json.loads(res.output)
+    assert res.exit_code == 78 and not body["ok"]
+    assert [(p["role"], p["repo_id"]) for p in body["problems"]] == [
+        ("target", TARGET_REPO),
+        ("drafter", DRAFTER_REPO),
+    ]
+    assert body["fix"].startswith(f"fix: appliance models pull --profile-file {profile_file}")
 
 
 def test_verify_missing_shard(pulled, profile_file):

@@ -4,6 +4,7 @@ traceback: `profiles validate --file` on TOMLs an operator wrote."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from pathlib import Path
 
@@ -88,3 +89,20 @@ def test_a_missing_field_is_named(tmp_path):
     path.write_text('name = "x"\ndescription = "d"\nmodel = "m"\n')
     res = CliRunner().invoke(cli, ["profiles", "validate", "--file", str(path)])
     assert (res.exit_code, res.output) == (2, "Error: x.toml: missing field(s) served_model_name\n")
+
+
+def test_profiles_list_and_show_have_json():
+    rows = [
+        json.loads(line)
+        for line in CliRunner().invoke(cli, ["profiles", "list", "--json"]).output.splitlines()
+    ]
+    assert sorted(r["name"] for r in rows) == sorted(profiles.all_profiles())
+    tiny = next(r for r in rows if r["name"] == "cpu-tiny-mtp")
+    assert (tiny["mtp"], tiny["num_speculative_tokens"], tiny["errors"]) == (True, 2, 0)
+    shown = json.loads(CliRunner().invoke(cli, ["profiles", "show", "cpu-tiny", "--json"]).output)
+    assert shown["argv"] == [
+        "vllm",
+        "serve",
+        *profiles.get("cpu-tiny").serve_args(devmodel="$DEVMODEL"),
+    ]
+    assert shown["findings"] == []

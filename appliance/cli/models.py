@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import click
@@ -126,9 +127,16 @@ def models_import(loc: where.Location, source: Path) -> None:
     is_flag=True,
     help="Presence and sizes only, no hashing, one line of output (for every start).",
 )
-def models_verify(loc: where.Location, quick: bool) -> None:
+@click.option("--json", "json_", is_flag=True, help="Print the outcome as one JSON object.")
+def models_verify(loc: where.Location, quick: bool, json_: bool) -> None:
     """Check both models are in the cache, complete and the right ones. Exit 78 (EX_CONFIG)
     with one line per problem, each naming the model and the command that fixes it."""
+    if json_:
+        report = verify.verify(loc, quick=quick)
+        click.echo(json.dumps(report.to_dict(loc.fix()), sort_keys=True))
+        if not report.ok:
+            raise SystemExit(EX_CONFIG)
+        return
     _require(loc, quick=quick, one_line=quick)
 
 

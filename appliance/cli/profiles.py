@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shlex
 
 import click
@@ -23,9 +25,23 @@ def _status(findings: list[pv.Finding]) -> str:
 
 
 @profiles.command(name="list")
-def profiles_list() -> None:
+@click.option("--json", "json_", is_flag=True, help="One JSON object per profile and line.")
+def profiles_list(json_: bool) -> None:
     """List the shipped profiles with their validation status."""
     shipped = sorted(prof.all_profiles().items())
+    if json_:
+        for name, p in shipped:
+            findings = pv.check(p)
+            row = {
+                "name": name,
+                "mtp": p.mtp,
+                "num_speculative_tokens": p.speculative.num_speculative_tokens if p.mtp else None,
+                "errors": len(pv.errors(findings)),
+                "warnings": len(findings) - len(pv.errors(findings)),
+                "description": p.description,
+            }
+            click.echo(json.dumps(row, sort_keys=True))
+        return
     width = max(len(name) for name, _ in shipped)
     for name, p in shipped:
         mtp = f"mtp k={p.speculative.num_speculative_tokens}" if p.mtp else "no-spec"
@@ -35,11 +51,17 @@ def profiles_list() -> None:
 
 @profiles.command(name="show")
 @click.argument("name")
-def profiles_show(name: str) -> None:
+@click.option("--json", "json_", is_flag=True, help="The command's argv and the findings as JSON.")
+def profiles_show(name: str, json_: bool) -> None:
     """Print the exact `vllm serve` command of profile NAME (findings go to stderr)."""
     p = prof.get(name)
     model_dir = "$DEVMODEL" if p.uses_devmodel else None
-    click.echo(shlex.join(["vllm", "serve", *p.serve_args(devmodel=model_dir)]))
+    argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir)]
+    if json_:
+        findings = [dataclasses.asdict(f) for f in pv.check(p)]
+        click.echo(json.dumps({"name": p.name, "argv": argv, "findings": findings}))
+        return
+    click.echo(shlex.join(argv))
     for finding in pv.check(p):
         click.echo(str(finding), err=True)
 

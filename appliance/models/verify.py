@@ -15,6 +15,7 @@ bash subset of ``quick`` with the same messages; this module is the full check.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from dataclasses import dataclass, field
@@ -87,6 +88,27 @@ class Report:
                 f"({m.files} files, {_gb(m.bytes)}, {checked} checked)"
             )
         return "models ok: " + "; ".join(parts)
+
+    def to_dict(self, fix: str) -> dict:
+        """The outcome as data (``models verify --json``): what was found per model, and each
+        problem with the command that fixes it."""
+        return {
+            "ok": self.ok,
+            "quick": self.quick,
+            "models": [
+                {
+                    "role": m.spec.role,
+                    "repo_id": m.spec.repo_id,
+                    "commit": m.commit,
+                    "files": m.files,
+                    "bytes": m.bytes,
+                    "hashed": m.hashed,
+                }
+                for m in self.models
+            ],
+            "problems": [dataclasses.asdict(p) for p in self.problems],
+            "fix": None if self.ok else fix,
+        }
 
     def one_line(self, fix: str) -> str:
         """The whole outcome as one line (the unit's start-time check logs exactly this)."""
