@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cutover.paths import Layout
 from .errors import UsageError
+from .host.layout import Layout
 
 # token_urlsafe's alphabet plus the base64 and "." characters: enough for any generated key,
 # nothing a shell, a header or an env file could read two ways.

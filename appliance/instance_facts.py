@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cutover import envfile
 from .errors import ApplianceError
+from .host import envfile
 from .units import UNIT_TEMPLATE, container_name, paths
 from .units.instance import Instance, from_env
 from .units.template import UNIT_DIR

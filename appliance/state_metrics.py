@@ -112,7 +112,7 @@ SHOW_PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts")
 
 def unit_status(systemd, unit: str) -> UnitStatus:
     """``unit``'s status from ``systemctl show`` through ``systemd`` (an
-    :class:`appliance.cutover.systemd.Systemd`); ``unknown`` when systemctl cannot say."""
+    :class:`appliance.host.systemd.Systemd`); ``unknown`` when systemctl cannot say."""
     from .errors import ApplianceError
 
     try:

@@ -20,8 +20,8 @@ from appliance.canary.record import Output, Record, Settings
 from appliance.cli import cli
 from appliance.cutover import history, metrics
 from appliance.cutover.history import Entry, Gate
-from appliance.cutover.paths import Layout
 from appliance.engine.local import free_port
+from appliance.host.layout import Layout
 
 
 def _tree(tmp_path) -> InstanceTree:

@@ -17,10 +17,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance.cli import cli
-from appliance.cutover import envfile
-from appliance.cutover.paths import Layout
 from appliance.errors import UsageError
 from appliance.fsutil import write_atomic
+from appliance.host import envfile
+from appliance.host.layout import Layout
 
 SEED_LIKE = (
     b"# gemma4-vllm@31b: written by appliance install\n"

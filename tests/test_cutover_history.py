@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from appliance.cli import cli
 from appliance.cutover import history
 from appliance.cutover.history import Entry, Gate
-from appliance.cutover.paths import Layout
+from appliance.host.layout import Layout
 
 
 def _done(e: Entry, outcome: str) -> Entry:

@@ -33,7 +33,7 @@ from plugins.systemd_instance import MTP_IMAGE, REPO, SystemdInstance
 
 from appliance import specdecode
 from appliance.cutover import history
-from appliance.cutover.paths import Layout
+from appliance.host.layout import Layout
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
 

@@ -14,12 +14,12 @@ from subprocess import PIPE
 
 import pytest
 
-from appliance.cutover import lock
+from appliance.host import lock
 
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from appliance.cutover import lock
+from appliance.host import lock
 with lock.hold(Path(sys.argv[1]), "i1", "cutover to gemma4-vllm:mtp") as held:
     held.note("abc123")
     print("held", flush=True)
@@ -80,7 +80,7 @@ def test_no_holder_when_the_file_does_not_exist(tmp_path):
 _READER = """
 import sys
 from pathlib import Path
-from appliance.cutover import lock
+from appliance.host import lock
 path = Path(sys.argv[1])
 print("reading", flush=True)
 n = 0
@@ -94,7 +94,7 @@ while True:  # what `appliance status` and `history` do, as fast as they can, un
 _ACQUIRER = """
 import sys, time
 from pathlib import Path
-from appliance.cutover import lock
+from appliance.host import lock
 busy = held = 0
 end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:  # cutovers, one after another, for that long

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.cutover import history, metrics
 from appliance.cutover.history import Entry
-from appliance.cutover.paths import Layout
+from appliance.host.layout import Layout
 
 pytestmark = pytest.mark.docker
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from appliance.cli import cli
 from appliance.cutover import history
-from appliance.cutover.paths import Layout
+from appliance.host.layout import Layout
 
 pytestmark = pytest.mark.docker
 

@@ -109,8 +109,8 @@ def test_rollback_without_a_recorded_target_is_refused(mtp_instance):
 _HOLD = """
 import sys, time
 from pathlib import Path
-from appliance.cutover import lock
-from appliance.cutover.paths import Layout
+from appliance.host import lock
+from appliance.host.layout import Layout
 layout = Layout(Path(sys.argv[1]))
 with lock.hold(layout.lock_file("i1"), "i1", "cutover to gemma4-vllm:mtp"):
     print("held", flush=True)

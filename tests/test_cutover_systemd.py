@@ -23,7 +23,7 @@ from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE, PRE_MTP_IMAGE, Sys
 
 from appliance import canary, specdecode
 from appliance.cutover import history
-from appliance.cutover.paths import Layout
+from appliance.host.layout import Layout
 
 # pre_mtp_image: built on first use; the machines stream runs this module after those that need
 # no pre-MTP image (tests/conftest.py).

@@ -288,7 +288,7 @@ def test_api_key_engine_needs_the_key(api_key_engine, tmp_path):
 
 @pytest.mark.engine
 def test_instance_key_file_under_root_is_used(api_key_engine, tmp_path):
-    from appliance.cutover.paths import Layout
+    from appliance.host.layout import Layout
 
     key = Layout(tmp_path).api_key_file("tiny")
     key.parent.mkdir(parents=True)

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from appliance import labels, versions
 from appliance.cli import cli
-from appliance.cutover.paths import Layout
 from appliance.errors import UsageError
+from appliance.host.layout import Layout
 from appliance.images import base, inventory, lock, scheme, targets
 from appliance.images.build import DOCKER_DIR
 

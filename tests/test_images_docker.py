@@ -23,8 +23,8 @@ from plugins.docker_engine import tiny_rootfs
 
 from appliance import devmodel, labels, profiles, specdecode
 from appliance.cli import cli
-from appliance.cutover.paths import Layout
 from appliance.engine.local import free_port
+from appliance.host.layout import Layout
 from appliance.images import scheme
 
 pytestmark = pytest.mark.docker

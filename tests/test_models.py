@@ -34,8 +34,8 @@ from plugins.hub import (
 
 from appliance import profiles, units
 from appliance.cli import cli
-from appliance.cutover import envfile
 from appliance.doctor.host import models_check
+from appliance.host import envfile
 from appliance.models import cache, where
 from appliance.models import verify as mv
 from appliance.units import instance

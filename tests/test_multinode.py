@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from appliance import multinode, profiles, units
-from appliance.cutover import envfile
 from appliance.errors import UsageError
+from appliance.host import envfile
 from appliance.profiles import validate as pv
 
 MULTINODE = ["spark2-31b-nvfp4-mtp", "l4x4x2-31b-mtp", "cpu-tiny-mtp-2node"]

@@ -13,7 +13,8 @@ import pytest
 from plugins.multinode import GROUP, MTP_IMAGE
 
 from appliance import multinode
-from appliance.cutover import envfile, history
+from appliance.cutover import history
+from appliance.host import envfile
 from appliance.multinode import cutover as mcut
 
 pytestmark = [pytest.mark.systemd, pytest.mark.multinode]

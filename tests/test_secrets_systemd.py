@@ -30,8 +30,8 @@ import pytest
 from plugins.systemd_instance import MTP_IMAGE, SystemdInstance
 
 from appliance import apikey, labels, units
-from appliance.cutover import envfile
 from appliance.engine.local import free_port
+from appliance.host import envfile
 
 SERVE = "/usr/local/libexec/gemma4-vllm/serve"
 

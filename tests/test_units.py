@@ -24,9 +24,9 @@ from plugins.units import install_old_layout
 
 from appliance import devmodel, generate, labels, profiles, units
 from appliance.cli import cli
-from appliance.cutover import envfile
-from appliance.cutover.paths import Layout
 from appliance.errors import UsageError
+from appliance.host import envfile, names
+from appliance.host.layout import Layout
 from appliance.models import verify as model_verify
 from appliance.profiles.validate import ProfileError
 from appliance.units import instance, template
@@ -160,7 +160,7 @@ def test_the_script_and_python_agree_on_labels_limits_and_names():
     assert int(consts["EX_CONFIG"]) == 78
     assert '[[ "$mtp" == true ]]' in text and labels.TRUE == "true"
     # The instance-name rule: the script's regex is Python's.
-    assert f'[[ "$1" =~ ^{template._INSTANCE.pattern}$ ]]' in text
+    assert f'[[ "$1" =~ ^{names._INSTANCE.pattern}$ ]]' in text
 
 
 # --- systemd-analyze verify ----------------------------------------------------------------------

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from appliance import profiles, units
-from appliance.cutover import envfile
 from appliance.engine.local import free_port
+from appliance.host import envfile
 
 pytestmark = pytest.mark.docker
 

@@ -25,8 +25,8 @@ from plugins.docker_engine import CRASH_AFTER_S, CRASH_EXIT
 from plugins.systemd_instance import MTP_IMAGE, SystemdInstance
 
 from appliance import specdecode, state_metrics
-from appliance.cutover.paths import Layout
-from appliance.cutover.systemd import Systemd
+from appliance.host.layout import Layout
+from appliance.host.systemd import Systemd
 from appliance.units import template
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]

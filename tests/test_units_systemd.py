@@ -18,8 +18,8 @@ import pytest
 from plugins.systemd_instance import MTP_IMAGE, PRE_MTP_IMAGE, SystemdInstance
 
 from appliance import profiles, specdecode, units
-from appliance.cutover.systemd import Systemd
 from appliance.engine.local import free_port
+from appliance.host.systemd import Systemd
 from appliance.units import instance
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]

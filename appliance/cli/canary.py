@@ -15,9 +15,9 @@ import click
 from .. import canary as lib
 from ..canary import cases as canary_cases
 from ..canary import record as records
-from ..cutover import envfile
-from ..cutover.paths import Layout
 from ..endpoint import Endpoint
+from ..host import envfile
+from ..host.layout import Layout
 from ..profiles import get
 from .options import endpoint_options
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import click
 
 from ..cutover import flow, history
-from ..cutover import lock as locks
 from ..cutover import metrics as cutover_metrics
-from ..cutover.paths import Layout
 from ..cutover.status import describe_running
 from ..cutover.status import status as get_status
+from ..host import lock as locks
+from ..host.layout import Layout
 from .options import root_option
 
 

@@ -15,8 +15,8 @@ import click
 
 from .. import multinode, units
 from ..cutover.flow import Context
-from ..cutover.paths import Layout
-from ..cutover.systemd import Systemd
+from ..host.layout import Layout
+from ..host.systemd import Systemd
 from .options import root_option
 
 

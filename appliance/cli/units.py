@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from .. import units
-from ..cutover.systemd import Systemd
+from ..host.systemd import Systemd
 from .options import instance_name, root_option
 
 

@@ -38,15 +38,16 @@ from .. import imageref, labels, versions
 from ..canary.gate import GATE as CANARY_GATE
 from ..errors import ApplianceError, EngineError, UsageError
 from ..fsutil import private_dir, write_atomic
+from ..host import envfile
+from ..host import lock as locks
+from ..host.layout import ENV_DIR, Layout, check_instance
+from ..host.systemd import Systemd, SystemdError
 from ..profiles import Profile
 from ..units.instance import Instance
 from ..units.instance import read as read_instance
-from . import envfile, gates, history, metrics
-from . import lock as locks
+from . import gates, history, metrics
 from .history import Entry, Gate
-from .paths import ENV_DIR, Layout, check_instance
 from .signals import Interrupted, guard
-from .systemd import Systemd, SystemdError
 
 Progress = Callable[[str], None]
 DEFAULT_TIMEOUT = 600.0

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 from .. import probe
 from ..errors import ApplianceError, EngineError
+from ..host.systemd import Systemd
 from ..vllm_client import VLLMClient
 from .history import Gate
 from .signals import Interrupted
-from .systemd import Systemd
 
 Progress = Callable[[str], None]
 POLL = 0.5

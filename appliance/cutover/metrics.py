@@ -12,15 +12,16 @@ from collections import Counter
 from pathlib import Path
 
 from .. import labels, state_metrics
-from . import envfile, history
-from .paths import Layout
+from ..host import envfile
+from ..host.layout import Layout
+from ..host.names import unit_name
+from . import history
 
 
 def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metrics.InstanceState]:
     """One :class:`state_metrics.InstanceState` per installed instance; with ``systemd`` (an
-    :class:`appliance.cutover.systemd.Systemd`) each carries its unit's state, so a unit that
+    :class:`appliance.host.systemd.Systemd`) each carries its unit's state, so a unit that
     gave up at its start limit reaches the alert."""
-    from ..units.template import unit_name  # here: units imports this package
 
     out = []
     for env_path in sorted(layout.env_dir.glob("*.env")):

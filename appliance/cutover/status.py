@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import ApplianceError, EngineError
-from ..units.template import container_name, unit_name
+from ..host import envfile
+from ..host import lock as locks
+from ..host.names import check_instance, container_name, unit_name
 from ..vllm_client import VLLMClient
-from . import envfile, history
-from . import lock as locks
+from . import history
 from .flow import (
     Context,
     ImageInfo,
@@ -29,7 +30,6 @@ from .flow import (
     target,
 )
 from .history import Entry
-from .paths import check_instance
 
 
 @dataclass

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import labels as image_labels
-from ..cutover.paths import ENV_DIR
 from ..errors import ApplianceError
+from ..host.layout import ENV_DIR
 from ..instance_facts import UNIT_DIRS, InstanceFacts
 from ..models import verify, where
 from ..profiles import Profile

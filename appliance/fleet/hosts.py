@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..cutover import flow
-from ..cutover.paths import Layout
 from ..cutover.status import status
 from ..errors import ApplianceError, UsageError
+from ..host.layout import Layout
+from ..host.names import check_instance, container_name
 from ..observability import file_sd
 from ..observability.file_sd import EngineTarget
-from ..units.template import check_instance, container_name
 from . import soak
 
 DEFAULT_GROUP = "gemma4"

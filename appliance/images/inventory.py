@@ -8,7 +8,7 @@ References come from the host's files under an optional ``root`` (tests use a te
 - ``var/lib/gemma4-appliance/cutover/<instance>.env.prev``: the env file saved by a cutover in
   progress (source ``saved-env``).
 
-Paths are the cutover's (:class:`appliance.cutover.paths.Layout`): one layout, two readers.
+Paths are the cutover's (:class:`appliance.host.layout.Layout`): one layout, two readers.
 Every referenced image is protected from pruning (:mod:`appliance.images.prune`).
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import labels
-from ..cutover.paths import Layout
+from ..host.layout import Layout
 from . import scheme
 
 IMAGE_KEY = "VLLM_IMAGE"

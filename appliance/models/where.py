@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import profiles
-from ..cutover import envfile
 from ..errors import UsageError
+from ..host import envfile
+from ..host.names import DATA_DIR, ENV_DIR, check_instance
 from ..profiles import Profile
-from ..units.template import DATA_DIR, ENV_DIR, check_instance
 from . import ModelSpec, specs
 
 DEFAULT_HF_CACHE = f"{DATA_DIR}/huggingface"

@@ -31,9 +31,9 @@ from typing import Literal
 
 import jinja2
 
-from ..cutover import envfile
 from ..errors import UsageError
 from ..fsutil import write_atomic
+from ..host import envfile, names
 from ..profiles import Profile, get
 from ..profiles import validate as pv
 from ..units import template as ut
@@ -77,7 +77,7 @@ class Node:
 
 def check_group(name: str) -> str:
     """``name`` if it is a valid group name, else a UsageError."""
-    ut.check_instance(name)
+    names.check_instance(name)
     if len(name) > _MAX_GROUP:
         raise UsageError(f"group name {name!r} is longer than {_MAX_GROUP} characters")
     return name
@@ -93,7 +93,7 @@ def unit_name(group: str, role: Role) -> str:
 
 
 def container_name(group: str, role: Role) -> str:
-    return ut.container_name(node_instance(group, role))
+    return names.container_name(node_instance(group, role))
 
 
 def _rel(path: str) -> str:
@@ -101,15 +101,15 @@ def _rel(path: str) -> str:
 
 
 def env_path(group: str) -> str:
-    return _rel(f"{ut.ENV_DIR}/{check_group(group)}.env")
+    return _rel(f"{names.ENV_DIR}/{check_group(group)}.env")
 
 
 def args_path(group: str, role: Role) -> str:
-    return _rel(f"{ut.ENV_DIR}/{node_instance(group, role)}.args")
+    return _rel(f"{names.ENV_DIR}/{node_instance(group, role)}.args")
 
 
 def api_key_path(group: str, role: Role) -> str:
-    return _rel(f"{ut.ENV_DIR}/{node_instance(group, role)}.api-key")
+    return _rel(f"{names.ENV_DIR}/{node_instance(group, role)}.api-key")
 
 
 def dropin_path(group: str) -> str:
@@ -235,7 +235,7 @@ def render(
         "profile": prof,
         "instance": node_instance(group, any_role),
         "labels": ut.labels,
-        "env_dir": ut.ENV_DIR,
+        "env_dir": names.ENV_DIR,
         "serve_script": ut.SERVE_SCRIPT,
         "node_script": NODE_SCRIPT,
         "values": values,

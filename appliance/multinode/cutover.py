@@ -19,7 +19,7 @@ compatibility, the lock, the history, the rollback slot's format, the gates), no
        the old image -> "rolled_back" (or "failed" when the way back fails too).
 
 Each host is a :class:`Host`: its root (``/`` on a real host), the systemd it runs (a prefix
-such as ``ssh HOST`` reaches another host's systemctl, see ``appliance.cutover.systemd``) and
+such as ``ssh HOST`` reaches another host's systemctl, see ``appliance.host.systemd``) and
 its Docker client. The history, lock and rollback slot live on the head's host.
 """
 
@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import apikey, imageref, profiles
-from ..cutover import envfile, gates, history
-from ..cutover import lock as locks
+from ..cutover import gates, history
 from ..cutover.flow import (
     Context,
     CutoverFailed,
@@ -46,10 +45,12 @@ from ..cutover.flow import (
     rollback_image,
 )
 from ..cutover.history import Entry, Gate
-from ..cutover.paths import Layout
-from ..cutover.systemd import Systemd, SystemdError
 from ..errors import UsageError
 from ..fsutil import write_atomic
+from ..host import envfile
+from ..host import lock as locks
+from ..host.layout import Layout
+from ..host.systemd import Systemd, SystemdError
 from ..units.template import ANY_ADDRESS
 from . import (
     Node,

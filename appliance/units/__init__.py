@@ -15,20 +15,16 @@
 
 from __future__ import annotations
 
+from ..host.names import ENV_DIR, UNIT_TEMPLATE, check_instance, container_name, unit_name
 from .template import (
     DEFAULT_IMAGE,
-    ENV_DIR,
     LIBEXEC_DIR,
     SERVE_SCRIPT,
-    UNIT_TEMPLATE,
     Options,
     Paths,
     RenderedFile,
-    check_instance,
-    container_name,
     paths,
     render,
-    unit_name,
 )
 from .writer import WriteResult, install, installed_instances, render_to, uninstall, write_tree
 

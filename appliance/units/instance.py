@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import profiles
-from ..cutover import envfile
 from ..errors import UsageError
+from ..host import envfile
+from ..host.names import container_name, unit_name
 from ..profiles import Profile
-from .template import ANY_ADDRESS, check_host, check_port, container_name, paths, unit_name
+from .template import ANY_ADDRESS, check_host, check_port, paths
 
 PROFILE_KEY = "APPLIANCE_PROFILE"
 HOST_KEY = "VLLM_HOST"
@@ -74,7 +75,7 @@ class Instance:
     def api_key(self) -> str | None:
         """The key vLLM requires on ``/v1`` (None when the instance has no key file); the one
         rule of :mod:`appliance.apikey`, so an unreadable, empty or unsafe file is an error."""
-        from .. import apikey  # here: apikey imports cutover.paths, which imports this package
+        from .. import apikey  # here: apikey imports host.layout
 
         return apikey.read(self.api_key_path)
 

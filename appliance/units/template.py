@@ -31,17 +31,15 @@ import jinja2
 from .. import imageref, labels
 from ..engine.local import OFFLINE_ENV
 from ..errors import UsageError
+from ..host.names import DATA_DIR, ENV_DIR, UNIT_TEMPLATE, check_instance
 from ..models import DRAFTER_TYPES, dir_specs
 from ..models import specs as hub_specs
 from ..profiles import Profile, get
 from ..profiles import validate as pv
 
-UNIT_TEMPLATE = "gemma4-vllm@.service"
-ENV_DIR = "/etc/gemma4-vllm"
 LIBEXEC_DIR = "/usr/local/libexec/gemma4-vllm"
 SERVE_SCRIPT = f"{LIBEXEC_DIR}/serve"
 UNIT_DIR = "/etc/systemd/system"
-DATA_DIR = "/var/lib/gemma4-vllm"
 CONTAINER_MODEL_DIR = "/models"  # where a CPU profile's tiny model pair is mounted
 # The only media domain vLLM may fetch from: a name that never resolves, so none is fetched.
 MEDIA_DOMAIN_NONE = "media-fetching-disabled.invalid"
@@ -77,7 +75,6 @@ START_LIMIT_BURST = 3
 START_LIMIT_MARGIN_S = 600
 
 # Docker container names and systemd instance names both; no dots first, no slashes.
-_INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _GPUS = re.compile(r"all|[0-9]+|device=[A-Za-z0-9:,/_-]+")
 _PATH = re.compile(r"/[A-Za-z0-9._/@+-]*")
@@ -142,16 +139,6 @@ class Paths:
         object.__setattr__(self, "env", rel(f"{ENV_DIR}/{self.instance}.env"))
         object.__setattr__(self, "args", rel(f"{ENV_DIR}/{self.instance}.args"))
         object.__setattr__(self, "api_key", rel(f"{ENV_DIR}/{self.instance}.api-key"))
-
-
-def check_instance(name: str) -> str:
-    """``name`` if it is a valid instance name, else a UsageError."""
-    if not _INSTANCE.fullmatch(name or ""):
-        raise UsageError(
-            f"invalid instance name {name!r}",
-            fix="use letters, digits, '-' and '_' (at most 64), starting with a letter or digit",
-        )
-    return name
 
 
 def check_host(host: str, where: str | None = None) -> str:
@@ -221,14 +208,6 @@ def _check_profile(prof: Profile) -> None:
         if not _ENV_KEY.fullmatch(key):
             raise UsageError(f"profile {prof.name}: invalid environment variable name {key!r}")
         check_token(value, f"profile {prof.name}: env {key}")
-
-
-def unit_name(instance: str) -> str:
-    return f"gemma4-vllm@{check_instance(instance)}.service"
-
-
-def container_name(instance: str) -> str:
-    return f"gemma4-vllm-{check_instance(instance)}"
 
 
 def paths(instance: str) -> Paths:

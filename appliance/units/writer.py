@@ -17,17 +17,18 @@ import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
-from ..cutover import envfile
-from ..cutover import lock as locks
-from ..cutover.systemd import Systemd
 from ..errors import UsageError
 from ..fsutil import write_atomic
+from ..host import envfile
+from ..host import lock as locks
+from ..host.layout import Layout
+from ..host.names import ENV_DIR, unit_name
+from ..host.systemd import Systemd
 from ..observability import file_sd
 from ..profiles import Profile, get
 from . import instance as instances
 from .instance import PROFILE_KEY
 from .template import (
-    ENV_DIR,
     LIBEXEC_DIR,
     MODE_SECRET,
     UNIT_DIR,
@@ -36,7 +37,6 @@ from .template import (
     options_from_env,
     paths,
     render,
-    unit_name,
 )
 
 # Where `systemctl enable` links an instance (the unit's WantedBy=).
@@ -217,7 +217,6 @@ def uninstall(
     The shared unit and serve script go with the last instance. Refused while a cutover of the
     instance is in progress (its lock is held).
     """
-    from ..cutover.paths import Layout  # here: cutover.paths imports this package
 
     root = Path(root)
     p = paths(instance)

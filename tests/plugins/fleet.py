@@ -36,8 +36,8 @@ from pathlib import Path
 import pytest
 
 from appliance import __version__, devmodel, units
-from appliance.cutover import envfile
 from appliance.engine.local import free_port
+from appliance.host import envfile
 
 from . import nspawn
 from .docker_engine import CANARY_TEST_REPO, NO_MTP_TAG, machine_lock

@@ -33,9 +33,9 @@ import pytest
 
 from appliance import devmodel, multinode, profiles, specdecode, units
 from appliance.cutover.flow import Context
-from appliance.cutover.paths import Layout
-from appliance.cutover.systemd import Systemd
 from appliance.engine.local import free_port
+from appliance.host.layout import Layout
+from appliance.host.systemd import Systemd
 from appliance.multinode import cutover as mcut
 
 from . import nspawn

@@ -33,9 +33,9 @@ import httpx
 import pytest
 
 from appliance import devmodel, units
-from appliance.cutover import envfile
 from appliance.engine.local import free_port
 from appliance.fsutil import write_atomic
+from appliance.host import envfile
 
 from . import nspawn
 from .docker_engine import machine_lock

@@ -92,7 +92,7 @@ def install_old_layout(
     installed it (tests/data/units-old-layout: its own rendered serve script, the port baked in
     there, an env file naming no profile, host or port), with the given port, image and paths.
     Returns the files by role."""
-    from appliance.cutover import envfile
+    from appliance.host import envfile
 
     out = {}
     for src in sorted(OLD_LAYOUT.rglob("*")):

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from ..units.template import ENV_DIR as _ENV_DIR
-from ..units.template import check_instance  # one rule for unit, files and cutover
+from .names import ENV_DIR as _ENV_DIR
+from .names import check_instance
 
 ENV_DIR = Path(_ENV_DIR).relative_to("/")
 STATE_DIR = Path("var/lib/gemma4-appliance")
