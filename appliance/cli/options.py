@@ -52,16 +52,15 @@ def instance_name(f):
     @functools.wraps(f)
     def wrapper(name, old_instance, **kwargs):
         ctx = click.get_current_context()
+        instance = endpoint.pick_instance(name, old_instance)
+        if instance is None:
+            raise UsageError(f"{ctx.command_path} needs the instance's NAME")
         if old_instance is not None:
-            if name is not None and name != old_instance:
-                raise UsageError(f"two instances named: {name!r} and --instance {old_instance!r}")
             click.echo(
-                f"warning: --instance is deprecated: write `{ctx.command_path} {old_instance}`",
+                f"warning: --instance is deprecated: write `{ctx.command_path} {instance}`",
                 err=True,
             )
-        if (name or old_instance) is None:
-            raise UsageError(f"{ctx.command_path} needs the instance's NAME")
-        return f(instance=name or old_instance, **kwargs)
+        return f(instance=instance, **kwargs)
 
     wrapper = click.option("--instance", "-i", "old_instance", hidden=True, default=None)(wrapper)
     return click.argument("name", required=False, metavar="NAME")(wrapper)
@@ -80,7 +79,7 @@ def endpoint_options(*, profile_help: str, default_url: str | None = endpoint.DE
             if (
                 api_key
                 and api_key_file
-                and ctx.get_parameter_source("api_key") == (source.COMMANDLINE)
+                and ctx.get_parameter_source("api_key") == source.COMMANDLINE
             ):
                 raise UsageError("give --api-key or --api-key-file, not both")
             typed = ctx.get_parameter_source("url") == source.COMMANDLINE

@@ -32,12 +32,13 @@ def profiles_list(json_: bool) -> None:
     if json_:
         for name, p in shipped:
             findings = pv.check(p)
+            errors = len(pv.errors(findings))
             row = {
                 "name": name,
                 "mtp": p.mtp,
                 "num_speculative_tokens": p.speculative.num_speculative_tokens if p.mtp else None,
-                "errors": len(pv.errors(findings)),
-                "warnings": len(findings) - len(pv.errors(findings)),
+                "errors": errors,
+                "warnings": len(findings) - errors,
                 "description": p.description,
             }
             click.echo(json.dumps(row, sort_keys=True))
