@@ -1,9 +1,10 @@
 """The one reader of API key files, with one rule for every caller (doctor, bench, cutover).
 
-The rule, the same as the serve script's: surrounding whitespace (a trailing newline, CRLF line
-endings, spaces) is not part of the key; an empty file is an error, not "no key" (vLLM started
-with an empty key would accept anyone); the key must be made of URL-safe characters, so it can
-never be mangled on its way through a shell, an HTTP header or a container's environment.
+The rule, for the unit's serve program as for every command: surrounding whitespace (a
+trailing newline, CRLF line endings, spaces) is not part of the key; an empty file is an error,
+not "no key" (vLLM started with an empty key would accept anyone); the key must be made of
+URL-safe characters, so it can never be mangled on its way through a shell, an HTTP header or a
+container's environment; a NUL byte or a file over 4 KiB is no key either.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .host.layout import Layout
 # nothing a shell, a header or an env file could read two ways.
 SAFE_KEY = re.compile(r"[A-Za-z0-9._~+/=-]+")
 SAFE_KEY_TEXT = "letters, digits and ._~+/=-"
+MAX_KEY_BYTES = 4096  # a generated key is 43 characters
 
 
 def parse(text: str, where: str) -> str:
@@ -41,7 +43,14 @@ def read(path: Path | str) -> str | None:
     be read, is empty or holds unsafe characters."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(MAX_KEY_BYTES + 1)
+        if len(data) > MAX_KEY_BYTES:
+            raise UsageError(
+                f"API key file {path} holds more than {MAX_KEY_BYTES} bytes: not a key",
+                fix="write the key alone into it",
+            )
+        text = data.decode("utf-8")
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:

@@ -1,12 +1,12 @@
 """The OCI labels an appliance image carries, and what they mean.
 
-One contract shared by the image builder (which writes them), the serve script (which reads them
-with ``docker image inspect`` at every start) and the cutover checks. The serve script adds the
+One contract shared by the image builder (which writes them), the serve program (which reads them
+with ``docker image inspect`` at every start) and the cutover checks. The serve program adds the
 Gemma 4 MTP speculative config only when ``MTP`` is ``"true"``, so pointing ``VLLM_IMAGE`` at a
 ``pre-mtp`` image is a safe rollback: the same unit serves it without speculative decoding.
 
 The image's ENTRYPOINT is ``vllm serve`` (as in the official ``vllm/vllm-openai`` image): the
-serve script passes the model and flags as the container's arguments.
+serve program passes the model and flags as the container's arguments.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ VERSION = "org.opencontainers.image.version"
 VLLM_VERSION = "io.gemma4-appliance.vllm.version"
 # "true" when the image's vLLM serves Gemma 4 MTP (vLLM >= 0.21, PR #41745), else "false".
 MTP = "io.gemma4-appliance.mtp"
-# Set on containers (not images) by the serve script: which unit instance runs the container.
+# Set on containers (not images) by the serve program: which unit instance runs the container.
 INSTANCE = "io.gemma4-appliance.instance"
 # "true" when the image's entry point (docker/entrypoint.sh) reads the API key from its stdin
-# when ``API_KEY_STDIN_ENV=1`` (the serve script runs ``docker run -i`` with the key file as
+# when ``API_KEY_STDIN_ENV=1`` (the serve program runs ``docker run -i`` with the key file as
 # stdin), or from a secret file mounted at ``API_KEY_PATH``, so the key never enters the
 # container's config (``docker inspect``). An image without it gets the key as ``--env
 # VLLM_API_KEY`` (the old path, kept so a rollback to an image built by an older appliance still

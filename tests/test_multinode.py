@@ -5,9 +5,13 @@ The real pair under systemd is tests/test_multinode_systemd.py."""
 from __future__ import annotations
 
 import dataclasses
+import http.server
+import json
 import shutil
 import subprocess
+import threading
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -15,6 +19,7 @@ from appliance import multinode, profiles, units
 from appliance.errors import UsageError
 from appliance.host import envfile
 from appliance.profiles import validate as pv
+from appliance.serve import argsfile
 
 MULTINODE = ["spark2-31b-nvfp4-mtp", "l4x4x2-31b-mtp", "cpu-tiny-mtp-2node"]
 SINGLE = sorted(n for n, p in profiles.all_profiles().items() if p.multinode is None)
@@ -102,25 +107,20 @@ def _install(root: Path, name: str, node: multinode.Node, **kw) -> None:
     multinode.install(name, "grp", node, root=root, options=opts)
 
 
-def _records(root: Path, role: str) -> list[tuple[str, str]]:
-    text = (root / multinode.args_path("grp", role)).read_text()
-    return [tuple(line.split(" ", 1)) for line in text.splitlines() if line and line[0] != "#"]
-
-
-def _serve(records) -> list[str]:
-    return [v.strip() for k, v in records if k == "serve"]
+def _args(root: Path, role: str) -> argsfile.ServeArgs:
+    return argsfile.read(root / multinode.args_path("grp", role))
 
 
 def test_head_and_worker_args_differ_only_in_rank_and_headless(tmp_path):
     _install(tmp_path, "spark2-31b-nvfp4-mtp", multinode.Node(roles=("head", "worker")))
-    head, worker = _serve(_records(tmp_path, "head")), _serve(_records(tmp_path, "worker"))
+    head, worker = _args(tmp_path, "head").serve, _args(tmp_path, "worker").serve
     assert head[head.index("--node-rank") + 1] == "0"
     assert worker[worker.index("--node-rank") + 1] == "1"
     assert worker[-1] == "--headless" and "--headless" not in head
     for args in (head, worker):
         assert args[args.index("--nnodes") + 1] == "2"
         assert args[args.index("--master-addr") + 1] == "192.168.100.10"
-    docker = [v.strip() for k, v in _records(tmp_path, "head") if k == "docker"]
+    docker = _args(tmp_path, "head").docker
     assert "NCCL_SOCKET_IFNAME=enp1s0f0np0" in docker
     assert "GLOO_SOCKET_IFNAME=enp1s0f0np0" in docker
     # One env file, one VLLM_IMAGE, for both units.
@@ -151,7 +151,7 @@ def test_the_head_is_bound_to_a_local_worker_only(tmp_path):
     assert not (head_only / multinode.dropin_path("grp")).exists()
     head = (head_only / "etc/systemd/system" / multinode.HEAD_TEMPLATE).read_text()
     # Across hosts: a start gate that generates, and a timer that generates through the head.
-    assert "ExecStartPost=/usr/local/libexec/gemma4-vllm/node %i wait-generates" in head
+    assert "ExecStartPost=/usr/local/libexec/gemma4-vllm/serve %i-head wait-generates" in head
     assert "Restart=always" in head
     assert (head_only / "etc/systemd/system" / multinode.PROBE_TIMER).exists()
 
@@ -185,12 +185,56 @@ def test_rendered_units_pass_systemd_analyze_verify_silently(tmp_path, name):
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
 
 
-def test_node_script_passes_shellcheck():
-    if shutil.which("shellcheck") is None:
-        pytest.fail("shellcheck is not installed (scripts/setup-system.sh)")
-    script = Path(multinode.__file__).with_name("node.sh")
-    proc = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True, check=False)
-    assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
+class _Head(http.server.BaseHTTPRequestHandler):
+    """A head that answers /health 200 and a completion with ``code`` (500: a worker is gone)."""
+
+    code = 200
+    seen: ClassVar[list[tuple[str, str | None, dict]]] = []
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Head.seen.append((self.path, self.headers.get("Authorization"), body))
+        self.send_response(_Head.code)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_generation_gate_and_probe_send_one_completion_with_the_heads_key(tmp_path):
+    """The head unit's ExecStartPost and the probe timer's service: the serve program asks the
+    head for one completion of the served model with its key; 500 (a worker gone) fails."""
+    _install(tmp_path, "cpu-tiny-mtp-2node", multinode.Node(roles=("head",)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Head)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    key = (tmp_path / multinode.api_key_path("grp", "head")).read_text().strip()
+    env = {
+        **envfile.read(tmp_path / multinode.env_path("grp")).values,
+        "VLLM_PORT": str(server.server_address[1]),
+        "APPLIANCE_ROOT": str(tmp_path),
+        "PATH": "/nonexistent",
+    }
+    program = str(tmp_path / "usr/local/libexec/gemma4-vllm/serve")
+    try:
+        for code, rc in ((200, 0), (500, 1)):
+            _Head.code = code
+            for command in ("wait-generates", "probe"):
+                proc = subprocess.run(
+                    [program, "grp-head", command],
+                    env=env, capture_output=True, text=True, timeout=60, check=False,
+                )  # fmt: skip
+                assert proc.returncode == rc, (command, proc.stderr)
+                if rc:
+                    assert "got 500: a " in proc.stderr and key not in proc.stderr
+    finally:
+        server.shutdown()
+    path, auth, body = _Head.seen[0]
+    assert (path, auth) == ("/v1/completions", f"Bearer {key}")
+    assert body["model"] == _args(tmp_path, "head").served_model_name() and body["max_tokens"] == 2
 
 
 def test_cli_install_is_idempotent_and_names_the_first_unit(tmp_path):

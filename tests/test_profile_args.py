@@ -82,8 +82,8 @@ def _container_args(name: str) -> tuple[list[str], list[str]]:
     """(serve records, docker records) of the args file ``appliance install`` writes."""
     from appliance.units import template
 
-    records = template.args_records(profiles.get(name), [])
-    return [v for k, v in records if k == "serve"], [v for k, v in records if k == "docker"]
+    args = template.serve_args(profiles.get(name), [])
+    return list(args.serve), list(args.docker)
 
 
 def _opt(args: list[str], flag: str) -> list[str]:

@@ -1,5 +1,5 @@
 """``appliance render``, ``install`` and ``uninstall``: an instance's unit,
-env file, args file and the shared serve script, from a profile."""
+env file, args file and the shared serve program, from a profile."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def _report(result: units.WriteResult) -> None:
 @instance_options(profile_required=True)
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output dir.")
 def render(profile: str, instance: str, out: str, **kw) -> None:
-    """Render instance NAME's unit, env and args files and the serve script into --out."""
+    """Render instance NAME's unit, env and args files and the serve program into --out."""
     _report(units.render_to(profile, instance, Path(out), _options(kw)))
 
 
@@ -85,7 +85,7 @@ def render(profile: str, instance: str, out: str, **kw) -> None:
 @instance_options(profile_required=False)
 @root_option
 def install(profile: str | None, instance: str, root: Path, **kw) -> None:
-    """Install instance NAME: the shared unit and serve script, its env file (values kept),
+    """Install instance NAME: the shared unit and serve program, its env file (values kept),
     args file and API key (0600). Upgrades an instance installed by the old layout in place.
 
     \b
@@ -109,6 +109,6 @@ def install(profile: str | None, instance: str, root: Path, **kw) -> None:
 @root_option
 def uninstall(instance: str, purge: bool, root: Path) -> None:
     """Stop and disable instance NAME and remove what install wrote for it (the shared unit and
-    serve script with the last instance). systemctl is called only when --root is /."""
+    serve program with the last instance). systemctl is called only when --root is /."""
     systemd = Systemd.from_env() if root == Path("/") else None
     _report(units.uninstall(instance, root=root, purge=purge, systemd=systemd))

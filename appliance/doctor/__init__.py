@@ -4,7 +4,7 @@ Every check is a :class:`Check` record (``ok`` / ``warn`` / ``fail``, a one-line
 evidence it was based on). Doctor never changes anything: it reads ``/health``, ``/version``,
 ``/v1/models``, and runs the MTP probe (:mod:`appliance.probe`: counters, one short generation
 unless ``generate=False``, counters again); with an instance it reads the instance's files
-(:mod:`appliance.instance_facts`), checks its models as the serve script does before every start
+(:mod:`appliance.instance_facts`), checks its models as the serve program does before every start
 (:func:`appliance.models.verify.verify` quick) and asks Docker. ``/v1`` calls carry the API key
 (:func:`appliance.apikey.resolve`); the key is never printed or put into the report.
 

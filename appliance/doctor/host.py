@@ -51,7 +51,7 @@ def instance_checks(instance: str, facts: InstanceFacts, root: Path = Path("/"))
             )
         )
     elif facts.record_error:
-        # The serve script refuses to start on this too: it is a failure, not a detail.
+        # The serve program refuses to start on this too: it is a failure, not a detail.
         checks.append(
             Check(
                 "instance.env",
@@ -90,7 +90,7 @@ def instance_checks(instance: str, facts: InstanceFacts, root: Path = Path("/"))
 def models_check(inst: Instance, root: Path = Path("/")) -> Check:
     """``instance.models``: the instance's target and drafter are on this host and complete, by
     ``appliance models verify --quick`` (sizes and safetensors headers, no hashing); the check
-    the serve script makes before every start, with the command that fixes it."""
+    the serve program makes before every start, with the command that fixes it."""
     profile = inst.profile
     try:
         if profile.uses_devmodel:
@@ -98,7 +98,7 @@ def models_check(inst: Instance, root: Path = Path("/")) -> Check:
             if not value:
                 return Check("instance.models", "fail", f"MODEL_DIR is not set in {inst.env_path}")
             model_dir = where.under_root(root, value)
-            report = verify.verify_model_dir(model_dir, profile, quick=True)
+            report = verify.verify_model_dir(model_dir, where.dir_specs(profile), quick=True)
             fix = verify.model_dir_fix(str(inst.env_path))
             ev: dict = {"model_dir": str(model_dir)}
         else:

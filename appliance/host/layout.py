@@ -35,6 +35,10 @@ class Layout:
     def env_file(self, instance: str) -> Path:
         return self.env_dir / f"{check_instance(instance)}.env"
 
+    def args_file(self, instance: str) -> Path:
+        """The engine's arguments, from the profile (JSON, written by ``appliance install``)."""
+        return self.env_dir / f"{check_instance(instance)}.args"
+
     def api_key_file(self, instance: str) -> Path:
         """The API key vLLM requires on ``/v1`` (mode 0600, written by ``appliance install``)."""
         return self.env_dir / f"{check_instance(instance)}.api-key"

@@ -9,21 +9,25 @@ a backbone of the target's width. ``quick`` reads no weight data (sizes and head
 can run at every unit start. A tiny dev model pair in ``MODEL_DIR`` (``target/``, ``drafter/``,
 no hub listing) gets the same structure and pair checks (:func:`verify_model_dir`).
 
-The serve script's start-time check (``check_models`` in ``appliance/units/serve.sh``) is the
-bash subset of ``quick`` with the same messages; this module is the full check.
+The unit's serve program runs ``quick`` at every start (:mod:`appliance.serve`), so this module
+uses the standard library only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..profiles import Profile
-from . import DRAFTER_TYPES, ModelSpec, cache, dir_specs
-from .where import Location
+from . import DRAFTER_TYPES, ModelSpec, cache
+
+if TYPE_CHECKING:
+    from .where import Location
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -126,17 +130,23 @@ def _gb(n: int) -> str:
 
 def verify(loc: Location, *, quick: bool = False) -> Report:
     """Check the profile's models in ``loc``'s cache (nothing is written)."""
-    states = [check_cached(loc.hub, spec, quick=quick) for spec in loc.specs]
+    return verify_hub(loc.hub, loc.specs, quick=quick)
+
+
+def verify_hub(hub: Path, specs: Sequence[ModelSpec], *, quick: bool = False) -> Report:
+    """Check the models ``specs`` in the hub cache ``hub`` (nothing is written)."""
+    states = [check_cached(hub, spec, quick=quick) for spec in specs]
     check_pair(states)
     problems = tuple(p for s in states for p in s.problems)
     return Report(tuple(states), problems, quick)
 
 
-def verify_model_dir(model_dir: Path, profile: Profile, *, quick: bool = False) -> Report:
-    """Check a tiny dev model profile's pair in ``model_dir`` (``MODEL_DIR``: no hub listing,
-    so sizes come from the safetensors headers; hashes only where a blob name states one)."""
+def verify_model_dir(model_dir: Path, specs: Sequence[ModelSpec], *, quick: bool = False) -> Report:
+    """Check a tiny dev model pair in ``model_dir`` (``MODEL_DIR``; ``specs`` name directories
+    in it: no hub listing, so sizes come from the safetensors headers; hashes only where a blob
+    name states one)."""
     states = []
-    for spec in dir_specs(profile):
+    for spec in specs:
         path = Path(model_dir) / spec.repo_id
         state = ModelState(ModelSpec(spec.role, str(path)))
         if not path.is_dir():
@@ -149,8 +159,16 @@ def verify_model_dir(model_dir: Path, profile: Profile, *, quick: bool = False) 
     return Report(tuple(states), tuple(p for s in states for p in s.problems), quick)
 
 
+def hub_fix(selector: Sequence[str], pull_extra: Sequence[str] = ()) -> str:
+    """What fixes a missing or broken model in the hub cache, on a connected host and on an
+    air-gapped one; ``selector`` names the models as ``appliance models`` takes them."""
+    pull = shlex.join(["appliance", "models", "pull", *selector, *pull_extra])
+    imp = shlex.join(["appliance", "models", "import", *selector, "--from", "COPY"])
+    return f"fix: {pull}; air-gapped: {imp}"
+
+
 def model_dir_fix(env_path: str) -> str:
-    """What fixes a broken tiny model pair (the serve script's words)."""
+    """What fixes a broken tiny model pair."""
     return (
         "fix: appliance devmodel build DIR (a new or empty directory), "
         f"then MODEL_DIR=DIR in {env_path}"

@@ -15,8 +15,8 @@ from .. import profiles
 from ..errors import UsageError
 from ..host import envfile
 from ..host.names import DATA_DIR, ENV_DIR, check_instance
-from ..profiles import Profile
-from . import ModelSpec, specs
+from ..profiles import DEVMODEL, Profile
+from . import ModelSpec, verify
 
 DEFAULT_HF_CACHE = f"{DATA_DIR}/huggingface"
 DEFAULT_TOKEN_FILE = f"{ENV_DIR}/hf-token"
@@ -48,10 +48,7 @@ class Location:
     def fix(self) -> str:
         """What fixes a missing or broken model, on a connected host and on an air-gapped one."""
         token = ("--token-file", str(self.token_file)) if self.token_file_explicit else ()
-        return (
-            f"fix: {self.command('pull', *token)}; "
-            f"air-gapped: {self.command('import', '--from', 'COPY')}"
-        )
+        return verify.hub_fix(self.selector, token)
 
 
 def under_root(root: Path, host_path: str) -> Path:
@@ -116,3 +113,33 @@ def locate(
         token_file_explicit=explicit,
         selector=tuple(selector),
     )
+
+
+def specs(profile: Profile) -> list[ModelSpec]:
+    """The target and (with speculative decoding) the drafter ``profile`` serves, from the hub."""
+    if profile.uses_devmodel:
+        raise UsageError(
+            f"profile {profile.name} serves the tiny dev models from MODEL_DIR, not the hub",
+            fix="build them with: appliance devmodel build DIR",
+        )
+    out = [ModelSpec("target", profile.model, profile.revision)]
+    spec = profile.speculative
+    if spec is not None and spec.model:
+        out.append(ModelSpec("drafter", spec.model, spec.revision))
+    return out
+
+
+def dir_specs(profile: Profile) -> list[ModelSpec]:
+    """A tiny dev model profile's target and drafter: ``repo_id`` is the directory inside
+    ``MODEL_DIR`` (``target``, ``drafter``)."""
+    prefix = DEVMODEL + "/"
+    out = []
+    for role, model in (
+        ("target", profile.model),
+        ("drafter", profile.speculative.model if profile.speculative else None),
+    ):
+        if model:
+            if not model.startswith(prefix):
+                raise UsageError(f"profile {profile.name}: {role} {model!r} is not in MODEL_DIR")
+            out.append(ModelSpec(role, model[len(prefix) :]))
+    return out

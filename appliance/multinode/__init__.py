@@ -4,7 +4,7 @@ A profile with a ``[multinode]`` table (e.g. ``spark2-31b-nvfp4-mtp``) is served
 vLLM's own multi-node (``--nnodes N --node-rank R --master-addr A --master-port P``), node rank 0
 (the *head*) serving the API, every other node a ``--headless`` *worker*. No Ray, no
 orchestrator of ours: systemd on each host runs one unit per role, and every unit runs the
-appliance's one serve script (``serve <group>-head|<group>-worker ...``) unchanged.
+appliance's one serve program (``serve <group>-head|<group>-worker ...``) unchanged.
 
 Per host, under ``/etc/gemma4-vllm`` (``render``/``install``):
 
@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass
-from importlib import resources
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
@@ -36,6 +35,7 @@ from ..fsutil import write_atomic
 from ..host import envfile, names
 from ..profiles import Profile, get
 from ..profiles import validate as pv
+from ..serve.argsfile import ServeArgs
 from ..units import template as ut
 from ..units.writer import WriteResult, write_tree
 
@@ -47,7 +47,6 @@ PROBE_SERVICE = "gemma4-vllm-probe@.service"
 PROBE_TIMER = "gemma4-vllm-probe@.timer"
 LOCAL_WORKER_DROPIN = "50-local-worker.conf"
 LOCAL_HEAD_DROPIN = "50-local-head.conf"
-NODE_SCRIPT = f"{ut.LIBEXEC_DIR}/node"
 PROBE_INTERVAL_S = 30
 # CPU profiles (every node on one host): vLLM's zmq ipc:// sockets, shared by the containers.
 RPC_DIR = "/run/gemma4-vllm-rpc"
@@ -84,7 +83,7 @@ def check_group(name: str) -> str:
 
 
 def node_instance(group: str, role: Role) -> str:
-    """The serve script's instance of ``role`` in ``group`` (its args, key and container)."""
+    """The serve program's instance of ``role`` in ``group`` (its args, key and container)."""
     return f"{check_group(group)}-{role}"
 
 
@@ -120,10 +119,6 @@ def worker_dropin_path(group: str) -> str:
     return _rel(f"{ut.UNIT_DIR}/{unit_name(group, 'worker')}.d/{LOCAL_HEAD_DROPIN}")
 
 
-def node_script_text() -> str:
-    return resources.files(__package__).joinpath("node.sh").read_text()
-
-
 def require_multinode(profile: Profile) -> Profile:
     """``profile`` if it is a valid multi-node profile, else a UsageError naming the fix."""
     if profile.multinode is None:
@@ -135,9 +130,9 @@ def require_multinode(profile: Profile) -> Profile:
     return profile
 
 
-def node_args(profile: Profile, role: Role, rank: int, group: str) -> list[tuple[str, str]]:
-    """The args file records of one node: the single-node records with the node's multi-node
-    flags after the ``serve`` records and the interconnect variables as ``docker --env``."""
+def node_args(profile: Profile, role: Role, rank: int, group: str) -> ServeArgs:
+    """The args of one node: the single-node args with the node's multi-node flags after the
+    ``serve`` arguments and the interconnect variables as ``docker --env``."""
     mn = profile.multinode
     assert mn is not None
     if role == "head":
@@ -148,7 +143,7 @@ def node_args(profile: Profile, role: Role, rank: int, group: str) -> list[tuple
             fix="give each worker host its own rank, the head is 0",
         )
     keys = list(ut.env_values(profile, "x", ut.Options()))
-    records = ut.args_records(profile, keys)
+    args = ut.serve_args(profile, keys)
     extra = [
         "--nnodes",
         str(mn.nodes),
@@ -161,52 +156,43 @@ def node_args(profile: Profile, role: Role, rank: int, group: str) -> list[tuple
     ]
     if role == "worker":
         extra.append("--headless")
-    last_serve = max(i for i, (kind, _) in enumerate(records) if kind == "serve")
-    records[last_serve + 1 : last_serve + 1] = [("serve", a) for a in extra]
-    docker = []
-    for key, value in (
-        ("NCCL_SOCKET_IFNAME", mn.nccl_socket_ifname),
-        ("GLOO_SOCKET_IFNAME", mn.gloo_socket_ifname),
-    ):
-        if value:
-            docker += [("docker", "--env"), ("docker", f"{key}={value}")]
+    docker = list(args.docker)
     if profile.hardware.device == "cpu":
         # The CPU profiles run every node on ONE host (validated: the rendezvous on loopback).
         # Seen (vLLM 0.32): the pair as hardened containers (--cap-drop ALL, no-new-privileges,
         # --init; private or host IPC, /tmp shared or not) hangs at the first generation ("No
         # available shared memory broadcast block"); with --ipc host and one /tmp, without
         # those three, it generates, as two processes do. A test profile on one host only.
-        records = _host_ipc(records, group)
-    last_docker = max(i for i, (kind, _) in enumerate(records) if kind == "docker")
-    records[last_docker + 1 : last_docker + 1] = docker
-    for kind, value in records:
-        ut.check_token(value, f"profile {profile.name}: {kind} argument")
-    return records
+        docker = _host_ipc(docker, group)
+    for key, value in (
+        ("NCCL_SOCKET_IFNAME", mn.nccl_socket_ifname),
+        ("GLOO_SOCKET_IFNAME", mn.gloo_socket_ifname),
+    ):
+        if value:
+            docker += ["--env", f"{key}={value}"]
+    args = replace(args, serve=(*args.serve, *extra), docker=tuple(docker))
+    ut.check_arguments(args, profile)
+    return args
 
 
 # The single-host container options a one-host CPU pair cannot run with (see _host_ipc).
 _ONE_HOST_DROPPED = {"--cap-drop": 1, "--security-opt": 1, "--init": 0, "--shm-size": 1}
 
 
-def _host_ipc(records: list[tuple[str, str]], group: str) -> list[tuple[str, str]]:
-    """``records`` for two containers that must behave as two processes of one host: the
-    host's IPC and one shared ``/tmp``, without the options listed in ``_ONE_HOST_DROPPED``."""
+def _host_ipc(docker: list[str], group: str) -> list[str]:
+    """``docker`` options for two containers that must behave as two processes of one host:
+    the host's IPC and one shared ``/tmp``, without the options in ``_ONE_HOST_DROPPED``."""
     out = []
     skip = 0
-    for kind, value in records:
+    for value in docker:
         if skip:
             skip -= 1
             continue
-        if kind == "docker" and value in _ONE_HOST_DROPPED:
+        if value in _ONE_HOST_DROPPED:
             skip = _ONE_HOST_DROPPED[value]
             continue
-        out.append((kind, value))
-    last = max(i for i, (kind, _) in enumerate(out) if kind == "docker")
-    shared = f"{RPC_DIR}/{group}"
-    out[last + 1 : last + 1] = [
-        ("docker", a) for a in ("--ipc", "host", "--volume", f"{shared}:/tmp")
-    ]
-    return out
+        out.append(value)
+    return [*out, "--ipc", "host", "--volume", f"{RPC_DIR}/{group}:/tmp"]
 
 
 def _jinja() -> jinja2.Environment:
@@ -237,7 +223,6 @@ def render(
         "labels": ut.labels,
         "env_dir": names.ENV_DIR,
         "serve_script": ut.SERVE_SCRIPT,
-        "node_script": NODE_SCRIPT,
         "values": values,
         "extra_keys": [k for k in values if k not in _FIXED_KEYS],
         "start_timeout_s": START_TIMEOUT_S,
@@ -250,21 +235,17 @@ def render(
     }
     env = _jinja()
     files: dict[str, ut.RenderedFile] = {
-        _rel(ut.SERVE_SCRIPT): ut.RenderedFile(ut.serve_script_text(), ut.MODE_SCRIPT),
-        _rel(NODE_SCRIPT): ut.RenderedFile(node_script_text(), ut.MODE_SCRIPT),
+        _rel(ut.SERVE_SCRIPT): ut.RenderedFile(ut.serve_program(), ut.MODE_PROGRAM),
     }
     for role in node.roles:
-        records = node_args(prof, role, node.rank, group)
-        ctx = {
-            **context,
-            "instance": node_instance(group, role),
-            "role": role,
-            "rank": 0 if role == "head" else node.rank,
-            "records": records,
-            "width": max(len(k) for k, _ in records),
-        }
-        text = env.get_template("node.args.j2").render(ctx)
-        files[args_path(group, role)] = ut.RenderedFile(text, ut.MODE_ARGS)
+        args = node_args(prof, role, node.rank, group)
+        rank = 0 if role == "head" else node.rank
+        about = (
+            f"{names.ENV_DIR}/{node_instance(group, role)}.args: the engine arguments of the "
+            f"{role} of group {group} (node rank {rank} of {prof.multinode.nodes}), from profile "
+            f"{prof.name}. Generated by `appliance multinode install`; do not edit."
+        )
+        files[args_path(group, role)] = ut.RenderedFile(args.to_json(about), ut.MODE_ARGS)
     files[env_path(group)] = ut.RenderedFile(
         env.get_template("group.env.j2").render(context), ut.MODE_ENV
     )

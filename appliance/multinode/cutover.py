@@ -51,7 +51,7 @@ from ..host import envfile
 from ..host import lock as locks
 from ..host.layout import Layout
 from ..host.systemd import Systemd, SystemdError
-from ..units.template import ANY_ADDRESS
+from ..host.values import ANY_ADDRESS
 from . import (
     Node,
     api_key_path,

@@ -136,7 +136,7 @@ class Profile:
     ) -> list[str]:
         """The argument list after ``vllm serve`` (model first, then flags, in fixed order).
 
-        ``speculative=False`` drops the MTP flags: what the serve script does on an image whose
+        ``speculative=False`` drops the MTP flags: what the serve program does on an image whose
         labels say it cannot run Gemma 4 MTP.
         """
         dm = str(devmodel) if devmodel is not None else None

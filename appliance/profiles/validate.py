@@ -106,7 +106,7 @@ def _mtp_version(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
             f"vLLM {vllm_version} has no Gemma 4 MTP (needs >= {labels.MTP_MIN_VLLM})",
             "use an image labelled io.gemma4-appliance.mtp=true, or the profile without MTP",
         )
-    # min_vllm older than the flag is a supported choice (the serve script leaves the flag out
+    # min_vllm older than the flag is a supported choice (the serve program leaves the flag out
     # on such an image); an image actually older than it is worth a word on what it costs.
     if (
         p.per_request_spec_decode_metrics
@@ -117,7 +117,7 @@ def _mtp_version(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
             "warning",
             "per-request-metrics",
             f"vLLM {vllm_version} has no --per-request-spec-decode-metrics (needs >= "
-            f"{labels.PER_REQUEST_METRICS_MIN_VLLM}): the serve script leaves it out, and the "
+            f"{labels.PER_REQUEST_METRICS_MIN_VLLM}): the serve program leaves it out, and the "
             "agent attributes MTP figures from /metrics counters, so calls that overlap are "
             "`shared` (not exact) and each call costs /metrics reads",
             f"use an image of vLLM >= {labels.PER_REQUEST_METRICS_MIN_VLLM} for exact per-call "

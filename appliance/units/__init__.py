@@ -1,8 +1,8 @@
-"""The systemd side of the appliance: one templated unit, one serve script, per-instance files.
+"""The systemd side of the appliance: one templated unit, one serve program, per-instance files.
 
 - :func:`render` ``(profile, instance, options) -> {relative path: RenderedFile(content, mode)}``:
-  the shared unit and serve script, the instance's env file (the operator's) and args file (the
-  profile's engine arguments, data the serve script reads).
+  the shared unit and serve program, the instance's env file (the operator's) and args file (the
+  profile's engine arguments, data the serve program reads).
 - :func:`install` ``(profile, instance, root=Path("/"), options=...)`` writes them under
   ``root`` atomically with their modes, keeps what the env file already says (``VLLM_IMAGE``
   above all), creates the API key file (0600), and upgrades an instance of the old layout.

@@ -4,8 +4,8 @@
 after it; multi-node profiles are appliance.multinode's), so a reviewer reads exactly what
 ``appliance install`` writes: the one unit
 (``systemd/gemma4-vllm@.service``) and one env file and one args file per profile
-(``systemd/env/``, ``systemd/args/``). The one serve script is not generated: it is read where
-it lives, ``appliance/units/serve.sh``. ``appliance generate`` (``appliance.generate``) writes
+(``systemd/env/``, ``systemd/args/``). The one serve program is not an example: it is
+:mod:`appliance.serve`, bundled at install. ``appliance generate`` (``appliance.generate``) writes
 and checks the examples.
 """
 

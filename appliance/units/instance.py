@@ -19,8 +19,9 @@ from .. import profiles
 from ..errors import UsageError
 from ..host import envfile
 from ..host.names import container_name, unit_name
+from ..host.values import ANY_ADDRESS, check_host, check_port
 from ..profiles import Profile
-from .template import ANY_ADDRESS, check_host, check_port, paths
+from .template import paths
 
 PROFILE_KEY = "APPLIANCE_PROFILE"
 HOST_KEY = "VLLM_HOST"

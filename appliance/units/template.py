@@ -5,25 +5,25 @@ the root they are installed under, so ``appliance render --out DIR`` and ``appli
 --root DIR`` lay out the same tree:
 
 - ``etc/systemd/system/gemma4-vllm@.service``: the one templated unit (shared);
-- ``usr/local/libexec/gemma4-vllm/serve``: the one serve script (shared, static:
-  ``appliance/units/serve.sh``);
+- ``usr/local/libexec/gemma4-vllm/serve``: the one serve program (shared: :mod:`appliance.serve`
+  bundled as one zip application);
 - ``etc/gemma4-vllm/<instance>.env``: the operator's values (image, profile, host, port, GPUs,
   paths), read by systemd and by :mod:`appliance.units.instance`;
-- ``etc/gemma4-vllm/<instance>.args``: the profile's engine and docker arguments, one
-  ``KIND VALUE`` record a line, read by the serve script as data.
+- ``etc/gemma4-vllm/<instance>.args``: the profile's engine and docker arguments (JSON,
+  :mod:`appliance.serve.argsfile`), read by the serve program as data.
 
 Profile strings are data, never code: every value that reaches a file is validated first
-(names, host, paths, GPU selection, image) or is an argument token that the serve script only
-ever reads with ``read -r`` (one line each, no control characters). A bad input raises a
+(names, host, paths, GPU selection, image) or is an argument the serve program passes to docker
+as one argument, as is (one line each, no control characters). A bad input raises a
 :class:`~appliance.errors.UsageError` before anything is rendered.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import PurePosixPath
 
 import jinja2
@@ -32,15 +32,19 @@ from .. import imageref, labels
 from ..engine.local import OFFLINE_ENV
 from ..errors import UsageError
 from ..host.names import DATA_DIR, ENV_DIR, UNIT_TEMPLATE, check_instance
-from ..models import DRAFTER_TYPES, dir_specs
-from ..models import specs as hub_specs
+from ..host.values import PATH_KEYS, check_gpus, check_host, check_path, check_port
+from ..models.where import dir_specs
+from ..models.where import specs as hub_specs
 from ..profiles import Profile, get
 from ..profiles import validate as pv
+from ..serve import bundle
+from ..serve import docker as serve_docker
+from ..serve.argsfile import MODEL_NAME, ModelRecord, ServeArgs, check_argument
+from ..serve.container import CONTAINER_MODEL_DIR
 
 LIBEXEC_DIR = "/usr/local/libexec/gemma4-vllm"
 SERVE_SCRIPT = f"{LIBEXEC_DIR}/serve"
 UNIT_DIR = "/etc/systemd/system"
-CONTAINER_MODEL_DIR = "/models"  # where a CPU profile's tiny model pair is mounted
 # The only media domain vLLM may fetch from: a name that never resolves, so none is fetched.
 MEDIA_DOMAIN_NONE = "media-fetching-disabled.invalid"
 # Least privilege for the engine container, every profile (tested on the CPU images).
@@ -62,11 +66,10 @@ CONTAINER_LIMITS = (
 # CAP_SYS_RESOURCE (a warning), and it keeps dockerd's limit; a --ulimit above dockerd's own hard
 # limit stops the container at create ("error setting rlimit type 7", seen on this host).
 DEFAULT_IMAGE = "gemma4-vllm:latest"
-ARGS_FORMAT = 1  # the serve script refuses an args file of another format
 
 START_TIMEOUT_S = 1800
 RESTART_SEC = 15
-STOP_GRACE_S = 60  # vLLM drains in-flight requests on SIGTERM (the serve script's STOP_GRACE_S)
+STOP_GRACE_S = serve_docker.STOP_GRACE_S  # vLLM drains in-flight requests on SIGTERM
 STOP_TIMEOUT_S = STOP_GRACE_S + 30
 START_LIMIT_BURST = 3
 # systemd counts starts in a fixed window and refuses the one after the burst: the window must
@@ -76,24 +79,13 @@ START_LIMIT_MARGIN_S = 600
 
 # Docker container names and systemd instance names both; no dots first, no slashes.
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_GPUS = re.compile(r"all|[0-9]+|device=[A-Za-z0-9:,/_-]+")
-_PATH = re.compile(r"/[A-Za-z0-9._/@+-]*")
-# An IPv4/IPv6 address or a host name; never starts with "-" (it would read as a flag).
-_HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9.:-]{0,252}")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# A hub repo id, a revision or a directory in MODEL_DIR, as the serve script accepts them: each
-# path component starts with a letter or digit (no "..", no leading "-").
-_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
-ANY_ADDRESS = {"0.0.0.0", "::"}
-# The env file keys the serve script reads; a profile's args may require only these.
-PATH_KEYS = ("MODEL_DIR", "HF_CACHE_DIR", "VLLM_CACHE_DIR")
 
 MODE_UNIT = 0o644
 MODE_ENV = 0o644  # no secret in it: the API key has its own 0600 file
 MODE_ARGS = 0o644
-MODE_SCRIPT = 0o755
+MODE_PROGRAM = 0o755
 MODE_SECRET = 0o600
 
 
@@ -101,7 +93,7 @@ MODE_SECRET = 0o600
 class RenderedFile:
     """One file to write: its text and its permission bits."""
 
-    content: str
+    content: str | bytes
     mode: int
 
 
@@ -141,50 +133,6 @@ class Paths:
         object.__setattr__(self, "api_key", rel(f"{ENV_DIR}/{self.instance}.api-key"))
 
 
-def check_host(host: str, where: str | None = None) -> str:
-    """``host`` if it is an IP address or host name vLLM can bind, else a UsageError naming
-    ``where`` it came from."""
-    if not _HOST.fullmatch(host or ""):
-        raise UsageError(
-            f"{where or f'host {host!r}'} is not an IP address or host name",
-            fix="use e.g. 127.0.0.1, ::1, 0.0.0.0 or a host name (letters, digits, '.:-')",
-        )
-    return host
-
-
-def check_port(value: object, where: str = "port") -> int:
-    """``value`` as a TCP port (1-65535), else a UsageError naming ``where`` it came from."""
-    try:
-        port = int(str(value), 10)
-    except ValueError:
-        port = 0
-    if not 0 < port < 65536 or str(value).strip() != str(port):
-        raise UsageError(f"{where} is not a TCP port", fix="set a port number from 1 to 65535")
-    return port
-
-
-def check_path(key: str, value: str) -> str:
-    """``value`` if it is a plain absolute path (it becomes a mount), else a UsageError."""
-    if not _PATH.fullmatch(value) or "/../" in value + "/":
-        raise UsageError(
-            f"{key} {value!r} is not a plain absolute path",
-            fix="use an absolute path of letters, digits and ._/@+-",
-        )
-    return value
-
-
-def check_token(value: str, where: str) -> str:
-    """``value`` if it can be one record of the args file: one line, no control characters,
-    not empty, no surrounding whitespace (the serve script's ``read -r`` would trim it)."""
-    if not value or _CONTROL.search(value) or value != value.strip():
-        raise UsageError(
-            f"{where} {value!r} cannot be passed as one argument",
-            fix="use a non-empty value on one line without control characters or "
-            "surrounding spaces",
-        )
-    return value
-
-
 def _check_profile(prof: Profile) -> None:
     """Refuse a profile whose strings could mean anything but data in a rendered file."""
     if not _PROFILE_NAME.fullmatch(prof.name or ""):
@@ -207,17 +155,19 @@ def _check_profile(prof: Profile) -> None:
     for key, value in prof.env.items():
         if not _ENV_KEY.fullmatch(key):
             raise UsageError(f"profile {prof.name}: invalid environment variable name {key!r}")
-        check_token(value, f"profile {prof.name}: env {key}")
+        check_argument(value, f"profile {prof.name}: env {key}")
 
 
 def paths(instance: str) -> Paths:
-    """The relative paths of ``instance``'s files and of the shared unit and serve script."""
+    """The relative paths of ``instance``'s files and of the shared unit and serve program."""
     return Paths(check_instance(instance))
 
 
-def serve_script_text() -> str:
-    """The one serve script (``appliance/units/serve.sh``), as installed."""
-    return resources.files(__package__).joinpath("serve.sh").read_text()
+@functools.cache
+def serve_program() -> bytes:
+    """The one serve program (:mod:`appliance.serve`, bundled by :mod:`appliance.serve.bundle`),
+    as installed."""
+    return bundle.build()
 
 
 @dataclass(frozen=True)
@@ -282,12 +232,7 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
                 f"profile {profile.name} runs one instance per MIG slice: say which slice",
                 fix="pass --gpus device=GPU:MIG (e.g. device=0:1) or device=MIG-<uuid>",
             )
-        gpus = opts.gpus or "all"
-        if not _GPUS.fullmatch(gpus):
-            raise UsageError(
-                f"invalid GPU selection {gpus!r}", fix="use all, a count, or device=..."
-            )
-        values["VLLM_GPUS"] = gpus
+        values["VLLM_GPUS"] = check_gpus(opts.gpus or "all")
     elif opts.gpus is not None:
         raise UsageError(f"profile {profile.name} runs on the CPU: --gpus does not apply")
     if profile.uses_devmodel:
@@ -309,7 +254,7 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
 
 
 def _without_endpoint(args: list[str]) -> list[str]:
-    """``args`` without ``--host H`` and ``--port P``: the serve script adds them from the env
+    """``args`` without ``--host H`` and ``--port P``: the serve program adds them from the env
     file, where the operator may change them."""
     out = list(args)
     for flag in ("--host", "--port"):
@@ -318,8 +263,9 @@ def _without_endpoint(args: list[str]) -> list[str]:
     return out
 
 
-def args_records(profile: Profile, env_keys: list[str]) -> list[tuple[str, str]]:
-    """The args file's records, ``(kind, value)``, in order (see ``serve.sh`` for the kinds)."""
+def serve_args(profile: Profile, env_keys: list[str]) -> ServeArgs:
+    """The args file's record: the engine and container arguments of ``profile`` and the env
+    keys (of ``env_keys``) the instance must set."""
     devmodel = CONTAINER_MODEL_DIR if profile.uses_devmodel else None
     serve = _without_endpoint(profile.serve_args(devmodel=devmodel, speculative=False))
     # Gemma 4 is multimodal and vLLM fetches image URLs from the host's network (the container
@@ -341,45 +287,62 @@ def args_records(profile: Profile, env_keys: list[str]) -> list[tuple[str, str]]
     # Redirects off: an allowed media host must not bounce vLLM to another one.
     for key, value in {**OFFLINE_ENV, "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0", **profile.env}.items():
         docker += ["--env", f"{key}={value}"]
-    records = [("format", str(ARGS_FORMAT)), ("profile", profile.name)]
-    records += [("serve", a) for a in serve]
-    records += [("mtp", a) for a in profile.speculative_args(devmodel=devmodel)]
-    records += [("per-request", a) for a in profile.per_request_metrics_args()]
-    records += [("docker", a) for a in docker]
-    records += [("require", k) for k in env_keys if k == "VLLM_GPUS" or k in PATH_KEYS]
-    records += model_records(profile)
-    for kind, value in records:
-        check_token(value, f"profile {profile.name}: {kind} argument")
-    return records
+    args = ServeArgs(
+        profile=profile.name,
+        serve=tuple(serve),
+        mtp=tuple(profile.speculative_args(devmodel=devmodel)),
+        per_request=tuple(profile.per_request_metrics_args()),
+        docker=tuple(docker),
+        require=tuple(k for k in env_keys if k == "VLLM_GPUS" or k in PATH_KEYS),
+        models=model_records(profile),
+    )
+    check_arguments(args, profile)
+    return args
 
 
-def model_records(profile: Profile) -> list[tuple[str, str]]:
-    """The ``model`` records (``ROLE hub REPO_ID [REVISION]`` or ``ROLE dir NAME``, NAME inside
-    ``MODEL_DIR``) and, with a drafter, the ``drafter-type`` records: what the serve script checks
-    is on the host before it starts the engine."""
-    records = []
+def check_arguments(args: ServeArgs, profile: Profile) -> None:
+    """Refuse an argument that could not be passed as one (a UsageError naming it)."""
+    for kind in ("serve", "mtp", "per_request", "docker"):
+        for value in getattr(args, kind):
+            check_argument(value, f"profile {profile.name}: {kind} argument")
+
+
+def model_records(profile: Profile) -> tuple[ModelRecord, ...]:
+    """The models the serve program checks are on the host before it starts the engine: the
+    hub's (in ``HF_CACHE_DIR``) or the tiny pair's directories (in ``MODEL_DIR``)."""
     if profile.uses_devmodel:
-        for spec in dir_specs(profile):
-            records.append(("model", f"{spec.role} dir {_model_name(profile, spec.repo_id)}"))
-    else:
-        for spec in hub_specs(profile):
-            value = f"{spec.role} hub {_model_name(profile, spec.repo_id)}"
-            if spec.revision:
-                value += f" {_model_name(profile, spec.revision)}"
-            records.append(("model", value))
-    if any(v.startswith("drafter ") for _, v in records):
-        records += [("drafter-type", t) for t in DRAFTER_TYPES]
-    return records
+        return tuple(
+            ModelRecord(spec.role, "dir", _model_name(profile, spec.repo_id))
+            for spec in dir_specs(profile)
+        )
+    return tuple(
+        ModelRecord(
+            spec.role,
+            "hub",
+            _model_name(profile, spec.repo_id),
+            _model_name(profile, spec.revision) if spec.revision else None,
+        )
+        for spec in hub_specs(profile)
+    )
 
 
 def _model_name(profile: Profile, name: str) -> str:
-    if not _MODEL_NAME.fullmatch(name):
+    if not MODEL_NAME.fullmatch(name):
         raise UsageError(
             f"profile {profile.name}: {name!r} is not a hub repo id, revision or model directory "
-            "the serve script can check",
+            "the serve program can check",
             fix="use ORG/NAME (letters, digits and '._-' in each part)",
         )
     return name
+
+
+def args_text(args: ServeArgs, instance: str) -> str:
+    """The args file of ``instance``."""
+    return args.to_json(
+        f"{ENV_DIR}/{instance}.args: the engine arguments of gemma4-vllm@{instance}.service, "
+        f"from profile {args.profile}. Generated by `appliance install`; do not edit: change the "
+        "profile (or APPLIANCE_PROFILE in the env file) and re-run `appliance install`."
+    )
 
 
 def render(
@@ -404,7 +367,7 @@ def render(
     _check_profile(prof)
     pv.require_valid(prof)
     values = env_values(prof, instance, opts)
-    records = args_records(prof, list(values))
+    args = serve_args(prof, list(values))
     context = {
         "profile": prof,
         "instance": instance,
@@ -412,20 +375,16 @@ def render(
         "env_dir": ENV_DIR,
         "serve_script": SERVE_SCRIPT,
         "values": values,
-        "records": records,
-        "width": max(len(kind) for kind, _ in records),
-        "args_format": ARGS_FORMAT,
         "gpus_hint": "one MIG slice per instance" if prof.hardware.mig else "default all",
         "timing": unit_timing(prof),
         "stop_grace_s": STOP_GRACE_S,
-        "per_request_min_vllm": labels.PER_REQUEST_METRICS_MIN_VLLM,
     }
     env = jinja_env()
     p = paths(instance)
     # In the order they are written: what the others refer to first, the unit last.
     return {
-        p.script: RenderedFile(serve_script_text(), MODE_SCRIPT),
-        p.args: RenderedFile(env.get_template("instance.args.j2").render(context), MODE_ARGS),
+        p.script: RenderedFile(serve_program(), MODE_PROGRAM),
+        p.args: RenderedFile(args_text(args, instance), MODE_ARGS),
         p.env: RenderedFile(env.get_template("instance.env.j2").render(context), MODE_ENV),
         p.unit: RenderedFile(env.get_template(UNIT_TEMPLATE + ".j2").render(context), MODE_UNIT),
     }

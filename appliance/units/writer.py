@@ -67,7 +67,8 @@ def write_tree(root: Path, files: dict[str, RenderedFile]) -> WriteResult:
     result = WriteResult()
     for rel, rendered in files.items():
         path = Path(root) / rel
-        data = rendered.content.encode()
+        data = rendered.content
+        data = data.encode() if isinstance(data, str) else data
         try:
             same = path.read_bytes() == data and (path.stat().st_mode & 0o7777) == rendered.mode
         except FileNotFoundError:
@@ -118,7 +119,7 @@ def install(
     root: Path | str = Path("/"),
     options: Options | None = None,
 ) -> WriteResult:
-    """Install ``instance`` under ``root``: the shared unit and serve script, the instance's
+    """Install ``instance`` under ``root``: the shared unit and serve program, the instance's
     env file, args file and API key.
 
     ``profile`` None re-installs the profile the env file names. Re-running is idempotent
@@ -214,7 +215,7 @@ def uninstall(
     With ``systemd`` (the CLI passes one when ``root`` is ``/``) the unit is stopped and
     disabled first, and systemd reloaded after. The env, args and API key files go, and the
     instance's enablement link; its cutover history and rollback slot stay unless ``purge``.
-    The shared unit and serve script go with the last instance. Refused while a cutover of the
+    The shared unit and serve program go with the last instance. Refused while a cutover of the
     instance is in progress (its lock is held).
     """
 

@@ -1,0 +1,115 @@
+"""The engine's ``docker run`` command: the args file's arguments, the instance's settings, and
+the image's labels deciding the Gemma 4 MTP flags and how the API key travels.
+
+An image not labelled MTP is served without the speculative config, so pointing ``VLLM_IMAGE``
+at a pre-MTP image is a safe rollback. The key never enters an argument or the container's
+config: an image whose entry point reads it from stdin gets the key file as the stdin of
+``docker run -i``; an older image (the rollback target after an upgrade) gets it by name,
+``--env VLLM_API_KEY``, and a journal line says ``docker inspect`` shows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import labels, versions
+from ..host.names import container_name
+from .argsfile import ServeArgs
+from .environment import Settings
+
+CONTAINER_MODEL_DIR = "/models"  # where a CPU profile's tiny model pair is mounted
+
+
+@dataclass(frozen=True)
+class Command:
+    """The docker command to exec, what reaches its stdin and environment, and what to log."""
+
+    argv: list[str]
+    stdin: Path | None = None  # the API key file, for an image that reads it there
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # the old key path only
+    notes: list[str] = field(default_factory=list)
+
+
+def speculative_args(args: ServeArgs, image_labels: Mapping[str, str]) -> tuple[list[str], str]:
+    """The MTP flags this image gets, and the journal line saying why."""
+    if not args.mtp:
+        return [], f"profile {args.profile} has no speculative decoding"
+    if not labels.supports_mtp(image_labels):
+        why = f"image is not labelled {labels.MTP}={labels.TRUE}: serving without speculative"
+        return [], why + " decoding"
+    out = list(args.mtp)
+    version = labels.vllm_version(image_labels)
+    if version and versions.has_per_request_metrics(version):
+        out += args.per_request
+    return out, f"serving with Gemma 4 MTP speculative decoding ({' '.join(args.mtp)})"
+
+
+def command(
+    instance: str,
+    args: ServeArgs,
+    settings: Settings,
+    image_labels: Mapping[str, str],
+    key: str | None,
+    key_file: Path,
+) -> Command:
+    """The ``docker run`` of ``instance``; ``key`` is the checked API key (None: no key file)."""
+    image_version = image_labels.get(labels.VERSION) or "unlabelled"
+    vllm = labels.vllm_version(image_labels) or "unlabelled"
+    mtp = image_labels.get(labels.MTP) or "unlabelled"
+    notes = [f"image {settings.image}: version {image_version}, vLLM {vllm}, Gemma 4 MTP {mtp}"]
+    spec, why = speculative_args(args, image_labels)
+    notes.append(why)
+    key_args: list[str] = []
+    stdin, env = None, {}
+    if key is not None and labels.reads_api_key_stdin(image_labels):
+        key_args = ["--interactive", "--env", f"{labels.API_KEY_STDIN_ENV}=1"]
+        stdin = key_file
+    elif key is not None:
+        notes.append(
+            f"image {settings.image} is not labelled {labels.API_KEY_STDIN}={labels.TRUE} (built "
+            "by an older appliance): the API key goes to the container as --env VLLM_API_KEY, "
+            "visible in `docker inspect`; rebuild the image with `appliance image build` to "
+            "keep it out"
+        )
+        key_args = ["--env", "VLLM_API_KEY"]
+        env = {"VLLM_API_KEY": key}
+    gpu_args: list[str] = []
+    if settings.gpus:
+        # docker reads --gpus as CSV: a device list with commas must be one quoted field.
+        gpus = f'"{settings.gpus}"' if "," in settings.gpus else settings.gpus
+        gpu_args = ["--gpus", gpus]
+    volumes: list[str] = []
+    if settings.model_dir:
+        volumes += ["--volume", f"{settings.model_dir}:{CONTAINER_MODEL_DIR}:ro"]
+    if settings.hf_cache_dir:
+        # Read-write: the hub's offline lookups may still write lock files into the cache.
+        volumes += ["--volume", f"{settings.hf_cache_dir}:/root/.cache/huggingface"]
+    if settings.vllm_cache_dir:
+        volumes += ["--volume", f"{settings.vllm_cache_dir}:/root/.cache/vllm"]
+    argv = [
+        "run",
+        "--rm",
+        "--name",
+        container_name(instance),
+        "--pull",
+        "never",
+        "--label",
+        f"{labels.INSTANCE}={instance}",
+        # Host networking: vLLM binds VLLM_HOST on the host itself, so loopback means loopback.
+        "--network",
+        "host",
+        *args.docker,
+        *gpu_args,
+        *volumes,
+        *key_args,
+        settings.image,
+        *args.serve,
+        "--host",
+        settings.host,
+        "--port",
+        str(settings.port),
+        *spec,
+    ]
+    return Command(argv, stdin, env, notes)

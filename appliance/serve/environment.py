@@ -1,0 +1,92 @@
+"""The instance's settings as the unit gives them (systemd's ``EnvironmentFile=``), checked.
+
+The env file is the operator's and may be edited by hand between two starts: every value is
+checked here, by the rules ``appliance install`` writes them with, before any reaches docker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .. import imageref
+from ..errors import UsageError
+from ..host import values
+from .argsfile import ServeArgs
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The values of one instance's env file that the serve program uses."""
+
+    image: str
+    host: str
+    port: int
+    gpus: str | None
+    model_dir: str | None
+    hf_cache_dir: str | None
+    vllm_cache_dir: str | None
+
+    @property
+    def health_host(self) -> str:
+        return values.probe_host(self.host)
+
+
+def endpoint(env: Mapping[str, str], env_file: str) -> tuple[str, int]:
+    """``VLLM_HOST`` and ``VLLM_PORT``, checked."""
+    host = env.get("VLLM_HOST", "")
+    if not host:
+        raise UsageError(f"VLLM_HOST is not set in {env_file}")
+    values.check_host(host, f"VLLM_HOST={host} in {env_file}")
+    port = env.get("VLLM_PORT", "")
+    if not port:
+        raise UsageError(f"VLLM_PORT is not set in {env_file}")
+    return host, values.check_port(port, f"VLLM_PORT={port} in {env_file}")
+
+
+def settings(env: Mapping[str, str], args: ServeArgs, instance: str, env_file: str) -> Settings:
+    """The checked settings; a UsageError naming the key, its value and ``env_file``."""
+    image = env.get("VLLM_IMAGE", "")
+    if not image:
+        raise UsageError(f"VLLM_IMAGE is not set (expected in {env_file})")
+    try:
+        imageref.validate(image)
+    except UsageError:
+        raise UsageError(
+            f"VLLM_IMAGE={image} in {env_file} is not a valid image reference"
+        ) from None
+    profile = env.get("APPLIANCE_PROFILE", "")
+    if profile != args.profile:
+        raise UsageError(
+            f"APPLIANCE_PROFILE={profile} in {env_file}, but the args file is profile "
+            f"{args.profile}",
+            fix=f"appliance install {instance} --profile {profile or 'PROFILE'}",
+        )
+    host, port = endpoint(env, env_file)
+    for key in args.require:
+        if not env.get(key):
+            raise UsageError(f"{key} is not set in {env_file}")
+    for key in values.PATH_KEYS:
+        if env.get(key):
+            values.check_path(key, env[key], f"{key}={env[key]} in {env_file}")
+    model_dir = env.get("MODEL_DIR") or None
+    if model_dir is not None and not os.path.isdir(model_dir):
+        private = (model_dir + "/").startswith(("/tmp/", "/var/tmp/"))
+        raise UsageError(
+            f"MODEL_DIR={model_dir} in {env_file} is not a directory"
+            + (" (the unit has a private /tmp and /var/tmp)" if private else ""),
+            fix="keep models elsewhere, e.g. /var/lib/gemma4-vllm/models" if private else None,
+        )
+    gpus = env.get("VLLM_GPUS") or None
+    if gpus is not None:
+        values.check_gpus(gpus, f"VLLM_GPUS={gpus} in {env_file}")
+    return Settings(
+        image=image,
+        host=host,
+        port=port,
+        gpus=gpus,
+        model_dir=model_dir,
+        hf_cache_dir=env.get("HF_CACHE_DIR") or None,
+        vllm_cache_dir=env.get("VLLM_CACHE_DIR") or None,
+    )

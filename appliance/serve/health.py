@@ -1,0 +1,79 @@
+"""Is the engine up? ``/health`` (every instance) and one generation (a multi-node head).
+
+Why a generation for a multi-node head: after a worker's death vLLM's head keeps answering
+``/health`` 200 until a request fails (500, EngineDeadError); only then does its engine exit.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import time
+from collections.abc import Callable
+
+POLL_S = 2
+NOTE_EVERY_S = 60
+REQUEST_TIMEOUT_S = 10
+GENERATE_TIMEOUT_S = 120
+
+
+class EngineExited(Exception):
+    """The unit's main process (the engine's container) exited while it was waited for."""
+
+
+def status(
+    host: str, port: int, method: str = "GET", path: str = "/health", *,
+    body: dict | None = None, key: str | None = None, timeout: float = REQUEST_TIMEOUT_S,
+) -> int | None:  # fmt: skip
+    """The HTTP status of one request, None when nothing answers."""
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if key and path.startswith("/v1/"):
+        headers["Authorization"] = f"Bearer {key}"
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request(method, path, json.dumps(body) if body is not None else None, headers)
+        return conn.getresponse().status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def generate(host: str, port: int, model: str, key: str | None) -> int | None:
+    """The status of one two-token completion."""
+    body = {"model": model, "prompt": "ok", "max_tokens": 2, "temperature": 0}
+    return status(host, port, "POST", "/v1/completions", body=body, key=key,
+                  timeout=GENERATE_TIMEOUT_S)  # fmt: skip
+
+
+def main_pid_alive() -> bool:
+    """False once the unit's main process has exited (systemd gives ExecStartPost ``MAINPID``):
+    without this an engine that died at start held the unit "activating" to its timeout."""
+    pid = os.environ.get("MAINPID", "")
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_healthy(
+    host: str, port: int, note: Callable[[str], None], waiting_hint: str = ""
+) -> float:
+    """Return the seconds it took ``/health`` to answer 200; EngineExited if the engine died."""
+    start = time.monotonic()
+    next_note = NOTE_EVERY_S
+    while status(host, port) != 200:
+        if not main_pid_alive():
+            raise EngineExited(os.environ.get("MAINPID", "?"))
+        waited = time.monotonic() - start
+        if waited >= next_note:
+            note(f"waiting for vLLM /health on {host}:{port} ({waited:.0f} s){waiting_hint}")
+            next_note += NOTE_EVERY_S
+        time.sleep(POLL_S)
+    return time.monotonic() - start

@@ -1,0 +1,235 @@
+"""``serve INSTANCE COMMAND``: the unit's commands (see :mod:`appliance.serve`).
+
+Every line goes to stderr, prefixed ``gemma4-vllm@INSTANCE:``, which the journal keeps. Exit 78
+(EX_CONFIG, which the unit never restarts) for a configuration problem, 1 for a failure a
+restart may fix, 2 for a wrong command line.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from .. import apikey
+from ..errors import ApplianceError, UsageError
+from ..host.layout import Layout
+from ..host.names import check_instance, container_name
+from ..host.values import LOOPBACK, probe_host
+from ..models import EX_CONFIG, ModelsNotReady, ModelSpec
+from ..models import verify as model_verify
+from . import argsfile, container, docker, environment, health
+from .argsfile import ServeArgs
+from .environment import Settings
+
+COMMANDS = ("run", "print", "wait-healthy", "wait-generates", "probe", "stop", "remove")
+USAGE = f"usage: serve INSTANCE {'|'.join(COMMANDS)}"
+
+
+class Unit:
+    """One instance's files, as the unit sees them (``APPLIANCE_ROOT`` prefixes them for an
+    instance installed with ``appliance install --root``; the unit never sets it)."""
+
+    def __init__(self, instance: str, env: dict[str, str]) -> None:
+        self.instance = instance
+        self.env = env
+        layout = Layout(Path(env.get("APPLIANCE_ROOT") or "/"))
+        self.env_file = str(layout.env_file(instance))
+        self.args_file = layout.args_file(instance)
+        self.key_file = layout.api_key_file(instance)
+
+    def log(self, line: str) -> None:
+        print(f"gemma4-vllm@{self.instance}: {line}", file=sys.stderr, flush=True)
+
+    def args(self) -> ServeArgs:
+        try:
+            args = argsfile.read(self.args_file)
+        except UsageError as exc:  # the file, not the operator's input: install rewrites it
+            raise UsageError(exc.message, fix=f"appliance install {self.instance}") from None
+        if args.format != argsfile.FORMAT:
+            self.log(
+                f"{self.args_file} is format {args.format} (an older appliance): "
+                f"re-run `appliance install {self.instance}` to update it"
+            )
+        return args
+
+    def key(self, settings: Settings) -> str | None:
+        """The instance's API key by :mod:`appliance.apikey`'s rule; None when it has no key
+        file, which is allowed only when vLLM listens on loopback."""
+        key = apikey.read(self.key_file)
+        if key is None:
+            if settings.host not in LOOPBACK:
+                raise UsageError(
+                    f"no API key file {self.key_file}: refusing to serve on {settings.host} "
+                    "without one",
+                    fix=f"appliance install {self.instance} writes one",
+                )
+            self.log(
+                f"no API key file {self.key_file}: vLLM on {settings.host}:{settings.port} "
+                "accepts any caller on this host"
+            )
+        return key
+
+    def check_models(self, args: ServeArgs, settings: Settings) -> None:
+        """Every model the args name is on this host and looks complete (``models verify
+        --quick``), else a ModelsNotReady naming each problem and the command that fixes it."""
+        if not args.models:
+            self.log(
+                f"{self.args_file} names no models (written by an older appliance): not checked "
+                f"at start; re-run `appliance install {self.instance}` to check them"
+            )
+            return
+        dirs = [m for m in args.models if m.layout == "dir"]
+        hub = [m for m in args.models if m.layout == "hub"]
+        if dirs:
+            if not settings.model_dir:
+                raise UsageError(f"MODEL_DIR is not set in {self.env_file}")
+            specs = [ModelSpec(m.role, m.name) for m in dirs]
+            report = model_verify.verify_model_dir(Path(settings.model_dir), specs, quick=True)
+            fix = model_verify.model_dir_fix(self.env_file)
+        if hub:
+            if not settings.hf_cache_dir:
+                raise UsageError(f"HF_CACHE_DIR is not set in {self.env_file}")
+            specs = [ModelSpec(m.role, m.name, m.revision) for m in hub]
+            report = model_verify.verify_hub(Path(settings.hf_cache_dir) / "hub", specs, quick=True)
+            fix = model_verify.hub_fix([self.instance])
+        if dirs and hub:
+            raise UsageError(f"{self.args_file} mixes models in MODEL_DIR and the hub cache")
+        line = report.one_line(fix)
+        if not report.ok:
+            raise ModelsNotReady(line)
+        self.log(f"{line} (quick check; `appliance models verify {self.instance}` hashes them)")
+
+    def command(self, *, check_models: bool) -> container.Command:
+        """The checked docker command (``run`` checks the models; ``print`` shows the command
+        whether or not the models are there yet)."""
+        args = self.args()
+        settings = environment.settings(self.env, args, self.instance, self.env_file)
+        if check_models:
+            self.check_models(args, settings)
+        # Never pulled: the image must already be on this host (built, loaded or tagged there).
+        image_labels = docker.image_labels(settings.image)
+        if image_labels is None:
+            raise UsageError(
+                f"image {settings.image} is not on this host (the unit never pulls)",
+                fix=f"build or load it, or fix VLLM_IMAGE in {self.env_file}",
+            )
+        key = self.key(settings)
+        cmd = container.command(self.instance, args, settings, image_labels, key, self.key_file)
+        for note in cmd.notes:
+            self.log(note)
+        return cmd
+
+    def endpoint(self) -> tuple[str, int]:
+        host, port = environment.endpoint(self.env, self.env_file)
+        return probe_host(host), port
+
+
+def run(unit: Unit) -> None:
+    """Exec the engine's container: from here on the docker client is the unit's main process."""
+    cmd = unit.command(check_models=True)
+    os.environ.update(cmd.env)
+    if cmd.stdin is not None:
+        fd = os.open(cmd.stdin, os.O_RDONLY)
+        os.dup2(fd, 0)
+        os.close(fd)
+    sys.stdout.flush()
+    os.execvp("docker", ["docker", *cmd.argv])
+
+
+def print_command(unit: Unit) -> None:
+    cmd = unit.command(check_models=False)
+    line = shlex.join(["docker", *cmd.argv])
+    print(f"{line} < {shlex.quote(str(cmd.stdin))}" if cmd.stdin else line)
+
+
+def wait_healthy(unit: Unit) -> None:
+    host, port = unit.endpoint()
+    hint = ""
+    if not (host.startswith("127.") or host in LOOPBACK):
+        # The unit's IPAddressAllow=localhost blocks the probe to any other address.
+        hint = (
+            "; the unit lets the probe reach only loopback: add a drop-in with "
+            f"IPAddressAllow={host}"
+        )
+    took = health.wait_healthy(host, port, unit.log, hint)
+    unit.log(f"vLLM healthy on {host}:{port} after {took:.0f} s")
+
+
+def _generation_target(unit: Unit) -> tuple[str, int, str, str | None]:
+    host, port = unit.endpoint()
+    model = unit.args().served_model_name()
+    if not model:
+        raise UsageError(f"{unit.args_file} names no --served-model-name")
+    return host, port, model, apikey.read(unit.key_file)
+
+
+def wait_generates(unit: Unit) -> None:
+    host, port, model, key = _generation_target(unit)
+    took = health.wait_healthy(host, port, unit.log, ": are the workers up?")
+    code = health.generate(host, port, model, key)
+    if code != 200:
+        raise ApplianceError(
+            f"the head answers /health, but a generation got {code or 'no answer'}: a worker "
+            "is gone (the head's engine exits now)"
+        )
+    unit.log(f"the head generates on {host}:{port} after {took:.0f} s")
+
+
+def probe(unit: Unit) -> None:
+    host, port, model, key = _generation_target(unit)
+    code = health.generate(host, port, model, key)
+    if code != 200:
+        raise ApplianceError(
+            f"a generation through the head got {code or 'no answer'}: a node is gone; the "
+            "head's engine exits and its unit restarts it once every node is back"
+        )
+
+
+def stop(unit: Unit) -> None:
+    unit.log(docker.stop(container_name(unit.instance)))
+
+
+def remove(unit: Unit) -> None:
+    docker.remove(container_name(unit.instance))
+
+
+ACTIONS = {
+    "run": run,
+    "print": print_command,
+    "wait-healthy": wait_healthy,
+    "wait-generates": wait_generates,
+    "probe": probe,
+    "stop": stop,
+    "remove": remove,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; the exit status the unit acts on."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[1] not in ACTIONS:
+        print(USAGE, file=sys.stderr)
+        return 2
+    try:
+        check_instance(argv[0])
+    except UsageError:
+        print(USAGE, file=sys.stderr)
+        return 2
+    unit = Unit(argv[0], dict(os.environ))
+    try:
+        ACTIONS[argv[1]](unit)
+    except health.EngineExited as exc:
+        unit.log(f"the engine exited (main process {exc}) before vLLM /health answered")
+        return 1
+    except docker.DockerError as exc:
+        unit.log(str(exc))
+        return 1
+    except UsageError as exc:
+        unit.log(str(exc))
+        return EX_CONFIG
+    except ApplianceError as exc:
+        unit.log(str(exc))
+        return exc.exit_code
+    return 0
