@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import openai
 
 from . import agent, specdecode
+from .tables import table
 from .vllm_client import VLLMClient
 
 PROMPTS = (
@@ -151,24 +152,31 @@ def _call(client, model: str, prompt: str, max_tokens: int, stream: bool) -> Non
 
 def format_table(report: DemoReport) -> str:
     """The per-call table and totals, as printed by ``appliance demo``."""
-    head = (
-        f"{'call':>4} {'mode':<6} {'out_tok':>7} {'drafts':>6} {'draft_tok':>9} "
-        f"{'accepted':>8} {'accept':>7} {'tok/step':>8} {'source':<8}"
-    )
-    lines = [f"model {report.model} at {report.url}", head]
-    for c in report.calls:
-        lines.append(
-            f"{c.call:>4} {'stream' if c.stream else 'plain':<6} {c.output_tokens:>7} "
-            f"{_n(c.drafts):>6} {_n(c.draft_tokens):>9} {_n(c.accepted):>8} "
-            f"{_f(c.acceptance):>7} {_f(c.tokens_per_step):>8} "
-            f"{c.source + ('*' if c.shared else ''):<8}"
+    headers = ("call", "mode", "out_tok", "drafts", "draft_tok", "accepted", "accept")
+    headers += ("tok/step", "source")
+    rows = [
+        (
+            c.call,
+            "stream" if c.stream else "plain",
+            c.output_tokens,
+            _n(c.drafts),
+            _n(c.draft_tokens),
+            _n(c.accepted),
+            _f(c.acceptance),
+            _f(c.tokens_per_step),
+            c.source + ("*" if c.shared else ""),
         )
+        for c in report.calls
+    ]
     t = report.totals
-    lines.append(
-        f"{'all':>4} {'':<6} {t['output_tokens']:>7} {_n(t['drafts']):>6} "
-        f"{_n(t['draft_tokens']):>9} {_n(t['accepted']):>8} {_f(t['acceptance']):>7} "
-        f"{_f(t['tokens_per_step']):>8}"
+    rows.append(
+        ("all", "", t["output_tokens"], _n(t["drafts"]), _n(t["draft_tokens"]))
+        + (_n(t["accepted"]), _f(t["acceptance"]), _f(t["tokens_per_step"]), "")
     )
+    lines = [
+        f"model {report.model} at {report.url}",
+        table(headers, rows, ">" + "<" + ">" * 6 + "<"),
+    ]
     d = report.engine_delta
     if d is not None:
         lines.append(

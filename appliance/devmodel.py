@@ -16,18 +16,15 @@ acceptance is controllable from the test side, through the real MTP code path.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from .errors import UsageError
 
-DrafterKind = Literal["copy", "random"]
 DRAFTER_KINDS: tuple[str, ...] = ("copy", "random")
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
@@ -123,15 +120,6 @@ def cache_root() -> Path:
         return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "gemma4-appliance"
-
-
-def weight_digest(root: Path | str) -> str:
-    """SHA-256 over every weight file of a pair, to compare two builds."""
-    h = hashlib.sha256()
-    for path in sorted(Path(root).rglob("*.safetensors")):
-        h.update(path.relative_to(root).as_posix().encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
 
 
 # --- generation ------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ UNIT_STATES = ("active", "activating", "deactivating", "reloading", "inactive", 
 
 KINDS = ("cutover", "rollback")
 OUTCOMES = ("ok", "rolled_back", "failed")
-SIDES = ("before", "after")
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ def test_bad_prompt_file_exits_nonzero_without_artifact(tmp_path, content, messa
             f"http://127.0.0.1:{free_port()}",
             "--prompt-file",
             str(f),
-            "--json-output",
+            "--out",
             str(out),
         ],
     )
@@ -88,7 +88,7 @@ def test_unreachable_url_exits_nonzero_without_artifact(tmp_path):
             f"http://127.0.0.1:{free_port()}",
             "--limit",
             "1",
-            "--json-output",
+            "--out",
             str(out),
         ],
     )
@@ -100,7 +100,7 @@ def test_unreachable_url_exits_nonzero_without_artifact(tmp_path):
 def test_non_vllm_server_is_refused_without_artifact(tmp_path, plain_http_server):
     out = tmp_path / "art.json"
     res = CliRunner().invoke(
-        cli, ["bench", "--url", plain_http_server, "--limit", "1", "--json-output", str(out)]
+        cli, ["bench", "--url", plain_http_server, "--limit", "1", "--out", str(out)]
     )
     assert res.exit_code == 1
     assert "/health is not 200" in res.output

@@ -150,7 +150,7 @@ def _appliance_bench(url: str, data, out_len: int, tmp_path) -> list[dict]:
             "1",
             "--warmups",
             "1",
-            "--json-output",
+            "--out",
             str(out),
         ],
         capture_output=True,
@@ -251,7 +251,7 @@ def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):
             "48",
             "--runs",
             "3",
-            "--json-output",
+            "--out",
             str(out),
             "--profile",
             "cpu-tiny-mtp",
@@ -300,7 +300,7 @@ def test_api_key_file_lets_bench_through(api_key_engine, tmp_path):
         "0",
     ]
     out = tmp_path / "art.json"
-    res = CliRunner().invoke(cli, [*args, "--json-output", str(out)], env={"VLLM_API_KEY": None})
+    res = CliRunner().invoke(cli, [*args, "--out", str(out)], env={"VLLM_API_KEY": None})
     assert res.exit_code == 1
     assert "/v1/models answered 401: the API key is missing or wrong" in res.output
     assert not out.exists()
@@ -308,7 +308,7 @@ def test_api_key_file_lets_bench_through(api_key_engine, tmp_path):
     key.write_text(API_KEY + "\n")
     res = CliRunner().invoke(
         cli,
-        [*args, "--api-key-file", str(key), "--json-output", str(out)],
+        [*args, "--api-key-file", str(key), "--out", str(out)],
         env={"VLLM_API_KEY": None},
     )
     assert res.exit_code == 0, res.output

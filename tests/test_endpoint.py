@@ -104,8 +104,10 @@ def test_doctor_canary_and_bench_reach_an_installed_instance_by_name(mtp_engine,
 
     art = tmp_path / "bench.json"
     bench = ["bench", *where, "--limit", "1", "--max-tokens", "8", "--runs", "1", "--warmups", "0"]
+    # The old spelling of --out still writes the artifact, and says the new one.
     res = runner.invoke(cli, [*bench, "--json-output", str(art)], env={"VLLM_API_KEY": None})
     assert res.exit_code == 0, res.output
+    assert f"warning: --json-output is deprecated: write --out {art}" in res.output
     body = json.loads(art.read_text())
     assert body["endpoints"][0]["url"] == mtp_engine.url
     assert body["environment"]["profile"]["name"] == "cpu-tiny-mtp"

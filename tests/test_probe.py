@@ -147,7 +147,7 @@ def _bench_evidence(url: str, tmp_path) -> dict:
             "1",
             "--warmups",
             "0",
-            "--json-output",
+            "--out",
             str(out),
         ],
         env={"VLLM_API_KEY": None},

@@ -80,9 +80,9 @@ def test_every_shipped_profile_file_loads():
 
 def _container_args(name: str) -> tuple[list[str], list[str]]:
     """(serve records, docker records) of the args file ``appliance install`` writes."""
-    from appliance.units import template
+    from appliance.units import engine_args
 
-    args = template.serve_args(profiles.get(name), [])
+    args = engine_args.serve_args(profiles.get(name), [])
     return list(args.serve), list(args.docker)
 
 

@@ -32,7 +32,7 @@ from appliance.models import verify as model_verify
 from appliance.models import where
 from appliance.profiles.validate import ProfileError
 from appliance.serve import argsfile, container, environment
-from appliance.units import instance, template
+from appliance.units import engine_args, instance, template, timing
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(n for n, p in profiles.all_profiles().items() if p.multinode is None)
@@ -234,13 +234,13 @@ def test_the_start_limit_trips_when_every_start_fails_slowly(name):
     # The margin covers a stop that takes its whole timeout after each hung start.
     assert starts[-1] + burst * stop_timeout <= interval
     assert 2 <= burst <= 5  # a transient failure gets a retry; a broken image few reloads
-    timing = template.unit_timing(profiles.get(name))
+    rendered = timing.unit_timing()
     assert (
         interval
-        == template.start_limit_interval(
-            timing.start_timeout_s, timing.restart_sec, timing.start_limit_burst
+        == timing.start_limit_interval(
+            rendered.start_timeout_s, rendered.restart_sec, rendered.start_limit_burst
         )
-        == burst * (start_timeout + restart_sec) + template.START_LIMIT_MARGIN_S
+        == burst * (start_timeout + restart_sec) + timing.START_LIMIT_MARGIN_S
     )
 
 
@@ -335,14 +335,14 @@ def test_args_records_are_the_profiles_exact_serve_arguments():
         i = expected.index("--host")
         del expected[i : i + 4]  # --host H --port P: from the env file
         # Then the media guard (tests/test_profile_args.py).
-        expected += ["--allowed-media-domains", units.template.MEDIA_DOMAIN_NONE]
+        expected += ["--allowed-media-domains", engine_args.MEDIA_DOMAIN_NONE]
         assert of_kind(args, "serve") == expected, name
         assert of_kind(args, "mtp") == prof.speculative_args(devmodel=dm), name
 
 
 def test_the_api_key_reaches_docker_on_stdin_or_by_name_never_as_a_value(tmp_path):
     key_file = tmp_path / "k.api-key"
-    args = template.serve_args(profiles.get("cpu-tiny-mtp"), ["MODEL_DIR"])
+    args = engine_args.serve_args(profiles.get("cpu-tiny-mtp"), ["MODEL_DIR"])
     settings = environment.Settings("img:1", "127.0.0.1", 8000, None, "/m", None, None)
     stdin_image = {labels.API_KEY_STDIN: "true", labels.MTP: "true"}
     cmd = container.command("k", args, settings, stdin_image, "s3cret", key_file)
@@ -924,18 +924,18 @@ def test_a_hand_edited_model_record_cannot_leave_its_directory(tiny_instance, no
 
 
 def test_args_name_each_model_the_check_looks_for():
-    gpu = template.serve_args(profiles.get("h100-31b-mtp"), ["HF_CACHE_DIR"])
+    gpu = engine_args.serve_args(profiles.get("h100-31b-mtp"), ["HF_CACHE_DIR"])
     assert gpu.models == (
         argsfile.ModelRecord("target", "hub", "google/gemma-4-31B-it"),
         argsfile.ModelRecord("drafter", "hub", "google/gemma-4-31B-it-assistant"),
     )
-    cpu = template.serve_args(profiles.get("cpu-tiny"), ["MODEL_DIR"])
+    cpu = engine_args.serve_args(profiles.get("cpu-tiny"), ["MODEL_DIR"])
     assert cpu.models == (argsfile.ModelRecord("target", "dir", "target"),)
     pinned = dataclasses.replace(profiles.get("h100-31b-mtp"), revision="a" * 40)
-    target = template.serve_args(pinned, []).models[0]
+    target = engine_args.serve_args(pinned, []).models[0]
     assert (target.name, target.revision) == ("google/gemma-4-31B-it", "a" * 40)
     with pytest.raises(UsageError, match="is not a hub repo id"):
-        template.serve_args(dataclasses.replace(pinned, model="../x"), [])
+        engine_args.serve_args(dataclasses.replace(pinned, model="../x"), [])
 
 
 # --- stop and remove (issue 11) ----------------------------------------------------------------

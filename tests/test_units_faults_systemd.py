@@ -27,7 +27,7 @@ from plugins.systemd_instance import MTP_IMAGE, SystemdInstance
 from appliance import specdecode, state_metrics
 from appliance.host.layout import Layout
 from appliance.host.systemd import Systemd
-from appliance.units import template
+from appliance.units import timing
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
 
@@ -142,13 +142,13 @@ def test_a_crash_loop_ends_failed_at_the_start_limit_and_reaches_the_state_metri
     engine exits 3: the rendered unit's own RestartSec and StartLimitBurst, no test override."""
     inst = systemd_instance
     burst = int(inst.show("StartLimitBurst"))
-    assert burst == template.START_LIMIT_BURST
+    assert burst == timing.START_LIMIT_BURST
     since = machine_now(inst)
     inst.set_image(crash_image)
     try:
         inst.machine.systemctl("reset-failed", inst.unit, check=False)
         inst.machine.systemctl("restart", "--no-block", inst.unit)
-        restart_sec = template.RESTART_SEC
+        restart_sec = timing.RESTART_SEC
         deadline = time.monotonic() + (burst + 1) * (restart_sec + CRASH_AFTER_S + 60)
         while (active := inst.show("ActiveState")) != "failed":
             assert time.monotonic() < deadline, (active, unit_journal(inst, since)[-4000:])

@@ -88,12 +88,6 @@ def shipped(name: str) -> PromptSet:
     return parse_jsonl(res.read_text(encoding="utf-8"), f"{name}.jsonl")
 
 
-def shipped_path(name: str) -> Path:
-    """Filesystem path of a shipped set (for tools such as ``vllm bench serve``)."""
-    shipped(name)  # validates the name
-    return Path(str(resources.files(__package__).joinpath("prompts", f"{name}.jsonl")))
-
-
 def resolve(
     sets: list[str] | tuple[str, ...] = SHIPPED,
     files: tuple[Path, ...] = (),

@@ -84,11 +84,13 @@ def _progress(total: int, label: str):
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option(
-    "--json-output",
+    "--out",
     type=click.Path(path_type=Path),
     default=None,
+    metavar="FILE",
     help="Write the JSON artifact here (only when the bench succeeds).",
 )
+@click.option("--json-output", "old_out", type=click.Path(path_type=Path), hidden=True)
 @click.option(
     "--report",
     "report_html",
@@ -111,7 +113,8 @@ def bench(
     warmups,
     temperature,
     seed,
-    json_output,
+    out,
+    old_out,
     report_html,
 ) -> None:
     """Measure an endpoint, MTP against its baseline, or several k; Markdown on stdout.
@@ -126,6 +129,9 @@ def bench(
       appliance bench --mtp-url http://127.0.0.1:8001 --baseline-url http://127.0.0.1:8002
       appliance bench --sweep-k 1,2,3,4 --limit 1 --max-tokens 64
     """
+    if old_out is not None:
+        click.echo(f"warning: --json-output is deprecated: write --out {old_out}", err=True)
+        out = out or old_out
     url, instance = endpoint.url, endpoint.instance
     modes = [bool(url), bool(mtp_url or baseline_url), bool(sweep_k)]
     if sum(modes) != 1:
@@ -183,8 +189,8 @@ def bench(
         with _progress(2 * (config.measured_requests + config.warmups), "paired") as tick:
             result = runner.run_paired(mtp, base, config, tick)
         kind = "paired"
-    if json_output:
-        report.write_artifact(json_output, report.artifact(kind, config, env, result))
+    if out:
+        report.write_artifact(out, report.artifact(kind, config, env, result))
     if report_html:  # rendered from the artifact's record: one source for the page and the JSON
         reports.write(report_html, reports.render_bench(report.artifact(kind, config, env, result)))
     click.echo(report.markdown(kind, result))

@@ -10,6 +10,7 @@ import click
 from .. import images
 from ..images import build as image_build
 from ..images import inventory, lock, prune, scheme, targets
+from ..tables import table
 from .options import root_option
 
 REPO_OPTION = click.option(
@@ -94,16 +95,16 @@ def image_list(root: Path, repository: str, json_: bool) -> None:
         miss = [{"instance": r.instance, "source": r.source, "ref": r.ref} for r in missing]
         click.echo(json.dumps({"images": rows, "missing": miss}, indent=2, sort_keys=True))
         return
-    click.echo(f"{'IMAGE ID':<12}  {'VLLM':<8}  {'MTP':<3}  {'SIZE':>8}  {'USED BY':<16}  TAGS")
+    rows = []
     for i in found:
         used = ",".join(i.used_by) or "-"
         if i.rollback_for:
             used += f" (rollback: {','.join(i.rollback_for)})"
         mtp = "yes" if i.mtp else "no"
-        click.echo(
-            f"{i.short_id:<12}  {i.vllm_version or '?':<8}  {mtp:<3}  {_gb(i.size_bytes):>8}  "
-            f"{used:<16}  {' '.join(i.tags) or '<none>'}"
-        )
+        tags = " ".join(i.tags) or "<none>"
+        rows.append((i.short_id, i.vllm_version or "?", mtp, _gb(i.size_bytes), used, tags))
+    headers = ("IMAGE ID", "VLLM", "MTP", "SIZE", "USED BY", "TAGS")
+    click.echo(table(headers, rows, "<<<><<"))
     for r in missing:
         click.echo(
             f"missing: instance {r.instance} ({r.source}) refers to {r.ref}, not in the engine"

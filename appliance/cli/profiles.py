@@ -10,6 +10,7 @@ import click
 
 from .. import profiles as prof
 from ..profiles import validate as pv
+from ..tables import table
 
 
 @click.group()
@@ -43,11 +44,16 @@ def profiles_list(json_: bool) -> None:
             }
             click.echo(json.dumps(row, sort_keys=True))
         return
-    width = max(len(name) for name, _ in shipped)
-    for name, p in shipped:
-        mtp = f"mtp k={p.speculative.num_speculative_tokens}" if p.mtp else "no-spec"
-        status = _status(pv.check(p))
-        click.echo(f"{name:<{width}}  {mtp:<9}  {status:<12}  {p.description}")
+    rows = [
+        (
+            name,
+            f"mtp k={p.speculative.num_speculative_tokens}" if p.mtp else "no-spec",
+            _status(pv.check(p)),
+            p.description,
+        )
+        for name, p in shipped
+    ]
+    click.echo(table(("PROFILE", "SPEC", "STATUS", "DESCRIPTION"), rows))
 
 
 @profiles.command(name="show")

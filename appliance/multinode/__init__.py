@@ -36,6 +36,7 @@ from ..host import envfile, names
 from ..profiles import Profile, get
 from ..profiles import validate as pv
 from ..serve.argsfile import ServeArgs
+from ..units import engine_args
 from ..units import template as ut
 from ..units.writer import WriteResult, write_tree
 
@@ -143,7 +144,7 @@ def node_args(profile: Profile, role: Role, rank: int, group: str) -> ServeArgs:
             fix="give each worker host its own rank, the head is 0",
         )
     keys = list(ut.env_values(profile, "x", ut.Options()))
-    args = ut.serve_args(profile, keys)
+    args = engine_args.serve_args(profile, keys)
     extra = [
         "--nnodes",
         str(mn.nodes),
@@ -171,7 +172,7 @@ def node_args(profile: Profile, role: Role, rank: int, group: str) -> ServeArgs:
         if value:
             docker += ["--env", f"{key}={value}"]
     args = replace(args, serve=(*args.serve, *extra), docker=tuple(docker))
-    ut.check_arguments(args, profile)
+    engine_args.check_arguments(args, profile)
     return args
 
 
@@ -213,7 +214,7 @@ def render(
     if not node.roles or any(r not in ROLES for r in node.roles):
         raise UsageError(f"node roles {node.roles!r}", fix="head, worker or both")
     prof = require_multinode(get(profile) if isinstance(profile, str) else profile)
-    ut._check_profile(prof)  # the single-node renderer's string checks, one rule
+    ut.check_profile(prof)  # the single-node renderer's string checks, one rule
     opts = options or ut.Options()
     values = ut.env_values(prof, group, opts)
     any_role: Role = node.roles[0]

@@ -29,53 +29,20 @@ from pathlib import PurePosixPath
 import jinja2
 
 from .. import imageref, labels
-from ..engine.local import OFFLINE_ENV
 from ..errors import UsageError
 from ..host.names import DATA_DIR, ENV_DIR, UNIT_TEMPLATE, check_instance
-from ..host.values import PATH_KEYS, check_gpus, check_host, check_path, check_port
-from ..models.where import dir_specs
-from ..models.where import specs as hub_specs
+from ..host.values import check_gpus, check_host, check_path, check_port
 from ..profiles import Profile, get
 from ..profiles import validate as pv
 from ..serve import bundle
-from ..serve import docker as serve_docker
-from ..serve.argsfile import MODEL_NAME, ModelRecord, ServeArgs, check_argument
-from ..serve.container import CONTAINER_MODEL_DIR
+from ..serve.argsfile import check_argument
+from .engine_args import args_text, serve_args
+from .timing import STOP_GRACE_S, unit_timing
 
 LIBEXEC_DIR = "/usr/local/libexec/gemma4-vllm"
 SERVE_SCRIPT = f"{LIBEXEC_DIR}/serve"
 UNIT_DIR = "/etc/systemd/system"
-# The only media domain vLLM may fetch from: a name that never resolves, so none is fetched.
-MEDIA_DOMAIN_NONE = "media-fetching-disabled.invalid"
-# Least privilege for the engine container, every profile (tested on the CPU images).
-CONTAINER_LIMITS = (
-    # No capability at all: vLLM runs as root in the container but needs none. Root still owns
-    # the caches and weights the unit mounts (owner permissions: no CAP_DAC_OVERRIDE needed).
-    "--cap-drop",
-    "ALL",
-    "--security-opt",
-    "no-new-privileges",
-    # Docker's init as PID 1: reaps vLLM's worker processes and forwards docker stop's SIGTERM.
-    "--init",
-    # A fork bomb stops here. Counts threads: the tiny CPU engine ran 73 on 2 cores (torch and
-    # OpenMP threads grow with the cores); a 4-GPU host's workers a few hundred.
-    "--pids-limit",
-    "4096",
-)
-# No --ulimit nofile: vLLM's attempt to raise its open-files limit fails without
-# CAP_SYS_RESOURCE (a warning), and it keeps dockerd's limit; a --ulimit above dockerd's own hard
-# limit stops the container at create ("error setting rlimit type 7", seen on this host).
 DEFAULT_IMAGE = "gemma4-vllm:latest"
-
-START_TIMEOUT_S = 1800
-RESTART_SEC = 15
-STOP_GRACE_S = serve_docker.STOP_GRACE_S  # vLLM drains in-flight requests on SIGTERM
-STOP_TIMEOUT_S = STOP_GRACE_S + 30
-START_LIMIT_BURST = 3
-# systemd counts starts in a fixed window and refuses the one after the burst: the window must
-# hold burst starts that each hang to the start timeout and wait the restart delay, or a slowly
-# failing image is reloaded forever (issue 11). The margin covers ExecStartPre/ExecStopPost.
-START_LIMIT_MARGIN_S = 600
 
 # Docker container names and systemd instance names both; no dots first, no slashes.
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -133,7 +100,7 @@ class Paths:
         object.__setattr__(self, "api_key", rel(f"{ENV_DIR}/{self.instance}.api-key"))
 
 
-def _check_profile(prof: Profile) -> None:
+def check_profile(prof: Profile) -> None:
     """Refuse a profile whose strings could mean anything but data in a rendered file."""
     if not _PROFILE_NAME.fullmatch(prof.name or ""):
         raise UsageError(
@@ -168,40 +135,6 @@ def serve_program() -> bytes:
     """The one serve program (:mod:`appliance.serve`, bundled by :mod:`appliance.serve.bundle`),
     as installed."""
     return bundle.build()
-
-
-@dataclass(frozen=True)
-class UnitTiming:
-    """The unit's restart and start-limit timings (one unit serves every profile)."""
-
-    start_timeout_s: int
-    restart_sec: int
-    stop_timeout_s: int
-    start_limit_burst: int
-    start_limit_interval_s: int
-    start_limit_margin_s: int = START_LIMIT_MARGIN_S
-
-
-def start_limit_interval(start_timeout_s: int, restart_sec: int, burst: int) -> int:
-    """The smallest ``StartLimitIntervalSec`` that still trips when every start fails slowly:
-    ``burst`` starts, each hanging to ``start_timeout_s`` then waiting ``restart_sec``, plus
-    :data:`START_LIMIT_MARGIN_S`."""
-    return burst * (start_timeout_s + restart_sec) + START_LIMIT_MARGIN_S
-
-
-def unit_timing(profile: Profile | None = None) -> UnitTiming:
-    """The timings the unit is rendered with. ``profile`` is accepted for the arithmetic's
-    tests: the unit is shared by every instance, so its timeouts are the largest any shipped
-    profile needs (the 31B models' loads), the same for all."""
-    return UnitTiming(
-        start_timeout_s=START_TIMEOUT_S,
-        restart_sec=RESTART_SEC,
-        stop_timeout_s=STOP_TIMEOUT_S,
-        start_limit_burst=START_LIMIT_BURST,
-        start_limit_interval_s=start_limit_interval(
-            START_TIMEOUT_S, RESTART_SEC, START_LIMIT_BURST
-        ),
-    )
 
 
 def jinja_env(package: str = "appliance.units") -> jinja2.Environment:
@@ -253,98 +186,6 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
     return values
 
 
-def _without_endpoint(args: list[str]) -> list[str]:
-    """``args`` without ``--host H`` and ``--port P``: the serve program adds them from the env
-    file, where the operator may change them."""
-    out = list(args)
-    for flag in ("--host", "--port"):
-        i = out.index(flag)
-        del out[i : i + 2]
-    return out
-
-
-def serve_args(profile: Profile, env_keys: list[str]) -> ServeArgs:
-    """The args file's record: the engine and container arguments of ``profile`` and the env
-    keys (of ``env_keys``) the instance must set."""
-    devmodel = CONTAINER_MODEL_DIR if profile.uses_devmodel else None
-    serve = _without_endpoint(profile.serve_args(devmodel=devmodel, speculative=False))
-    # Gemma 4 is multimodal and vLLM fetches image URLs from the host's network (the container
-    # has host networking): a caller could make it GET loopback-only services. vLLM refuses any
-    # http(s) media URL whose host is not listed; the only name listed is one that never resolves
-    # (RFC 6761 .invalid), so no URL is fetched at all. data: URLs still work; file: URLs need
-    # --allowed-local-media-path, which no profile sets. In vLLM since 0.11 (0.19 and 0.32 here).
-    serve += ["--allowed-media-domains", MEDIA_DOMAIN_NONE]
-    docker = list(CONTAINER_LIMITS)
-    if profile.hardware.device == "cuda" and profile.tensor_parallel_size > 1:
-        # The tensor-parallel workers' NCCL talks through shared memory. vLLM's docs allow
-        # --shm-size here too, but that was never run on GPUs in this project: keep the host's IPC
-        # namespace, the configuration the reference host was tested with.
-        docker += ["--ipc", "host"]
-    else:
-        # A private /dev/shm, big enough: Docker's default 64 MiB kills the CPU engine at start
-        # ("Insufficient space in /dev/shm"); a single GPU's engine needs it for its processes.
-        docker += ["--shm-size", "1g" if profile.hardware.device == "cpu" else "16g"]
-    # Redirects off: an allowed media host must not bounce vLLM to another one.
-    for key, value in {**OFFLINE_ENV, "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0", **profile.env}.items():
-        docker += ["--env", f"{key}={value}"]
-    args = ServeArgs(
-        profile=profile.name,
-        serve=tuple(serve),
-        mtp=tuple(profile.speculative_args(devmodel=devmodel)),
-        per_request=tuple(profile.per_request_metrics_args()),
-        docker=tuple(docker),
-        require=tuple(k for k in env_keys if k == "VLLM_GPUS" or k in PATH_KEYS),
-        models=model_records(profile),
-    )
-    check_arguments(args, profile)
-    return args
-
-
-def check_arguments(args: ServeArgs, profile: Profile) -> None:
-    """Refuse an argument that could not be passed as one (a UsageError naming it)."""
-    for kind in ("serve", "mtp", "per_request", "docker"):
-        for value in getattr(args, kind):
-            check_argument(value, f"profile {profile.name}: {kind} argument")
-
-
-def model_records(profile: Profile) -> tuple[ModelRecord, ...]:
-    """The models the serve program checks are on the host before it starts the engine: the
-    hub's (in ``HF_CACHE_DIR``) or the tiny pair's directories (in ``MODEL_DIR``)."""
-    if profile.uses_devmodel:
-        return tuple(
-            ModelRecord(spec.role, "dir", _model_name(profile, spec.repo_id))
-            for spec in dir_specs(profile)
-        )
-    return tuple(
-        ModelRecord(
-            spec.role,
-            "hub",
-            _model_name(profile, spec.repo_id),
-            _model_name(profile, spec.revision) if spec.revision else None,
-        )
-        for spec in hub_specs(profile)
-    )
-
-
-def _model_name(profile: Profile, name: str) -> str:
-    if not MODEL_NAME.fullmatch(name):
-        raise UsageError(
-            f"profile {profile.name}: {name!r} is not a hub repo id, revision or model directory "
-            "the serve program can check",
-            fix="use ORG/NAME (letters, digits and '._-' in each part)",
-        )
-    return name
-
-
-def args_text(args: ServeArgs, instance: str) -> str:
-    """The args file of ``instance``."""
-    return args.to_json(
-        f"{ENV_DIR}/{instance}.args: the engine arguments of gemma4-vllm@{instance}.service, "
-        f"from profile {args.profile}. Generated by `appliance install`; do not edit: change the "
-        "profile (or APPLIANCE_PROFILE in the env file) and re-run `appliance install`."
-    )
-
-
 def render(
     profile: str | Profile,
     instance: str,
@@ -364,7 +205,7 @@ def render(
             f"profile {prof.name} serves one model across {prof.multinode.nodes} hosts",
             fix=f"appliance multinode install --profile {prof.name} (a head and worker units)",
         )
-    _check_profile(prof)
+    check_profile(prof)
     pv.require_valid(prof)
     values = env_values(prof, instance, opts)
     args = serve_args(prof, list(values))
@@ -376,7 +217,7 @@ def render(
         "serve_script": SERVE_SCRIPT,
         "values": values,
         "gpus_hint": "one MIG slice per instance" if prof.hardware.mig else "default all",
-        "timing": unit_timing(prof),
+        "timing": unit_timing(),
         "stop_grace_s": STOP_GRACE_S,
     }
     env = jinja_env()
