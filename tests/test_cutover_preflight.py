@@ -89,6 +89,48 @@ def test_current_image_missing_means_no_way_back(mtp_instance, preflight_images)
     assert mtp_instance.snapshot() == before
 
 
+class _ConcurrentCutoverEnds:
+    """The real Docker client, except that the first look at ``seen`` (the preflight's look at
+    the new image) is where another cutover ends and leaves ``left`` in the env file instead of
+    ``was``: that interleaving (between this cutover's preflight and its lock) cannot be
+    produced on demand with two real processes."""
+
+    def __init__(self, client, seen: str, env_path: Path, was: str, left: str) -> None:
+        self.images = self
+        self._client, self._seen, self._env = client, seen, env_path
+        self._was, self._left = was, left
+
+    def get(self, ref: str):
+        image = self._client.images.get(ref)
+        if ref == self._seen and self._left:
+            self._env.write_text(self._env.read_text().replace(self._was, self._left))
+            self._left = ""
+        return image
+
+
+def test_the_way_back_is_the_image_the_env_file_names_under_the_lock(
+    mtp_instance, preflight_images, cutover_docker, tmp_path
+):
+    """The old code inspected the way back before the lock: a cutover that ended meanwhile left
+    ``gone:1`` in the env file, and this one went ahead with no image to return to."""
+    from appliance.cutover import flow
+    from appliance.cutover.flow import PreflightError
+    from appliance.host.layout import Layout
+    from appliance.host.systemd import Systemd
+
+    new, was = preflight_images["mtp"], preflight_images["pre-mtp"]
+    client = _ConcurrentCutoverEnds(cutover_docker, new, mtp_instance.env_path, was, "gone:1")
+    ctx = flow.Context(
+        layout=Layout(mtp_instance.root),
+        systemd=Systemd(prefix=(str(tmp_path / "no-systemctl"),)),
+        docker_client=client,
+    )
+    with pytest.raises(PreflightError, match="cannot be the way back: image gone:1 is not"):
+        flow.cutover(ctx, mtp_instance.instance, new, canary=False)
+    assert not Layout(mtp_instance.root).history_file(mtp_instance.instance).exists()
+    assert "VLLM_IMAGE=gone:1" in mtp_instance.env_path.read_text()
+
+
 def test_unknown_instance_says_install_first(tmp_path, preflight_images):
     result = CliRunner().invoke(
         cli, ["cutover", "nope", preflight_images["mtp"], "--root", str(tmp_path)]

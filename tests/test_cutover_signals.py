@@ -32,5 +32,9 @@ def test_raise_defer_and_hold(sig):
         with pytest.raises(Interrupted):
             g.arm()  # ... and raised where the flow can take it
         assert g.received == [sig.name] * 3
+        # The way back says how long it may still take: the --timeout bounds it.
+        g.hold(within=90)
+        os.kill(os.getpid(), sig)
+        assert notes[-1].endswith("ignored, going on (it ends within 90 s, the --timeout)")
     assert signal.getsignal(sig) == before
     assert all(os.path.samestat(a, os.fstat(fd)) for a, fd in zip(fds, (1, 2), strict=True))

@@ -122,8 +122,9 @@ def cutover(
 ) -> None:
     """Move INSTANCE to IMAGE: restart, gate, and roll back automatically on failure.
 
-    Ctrl-C, SIGTERM or a hang-up during the gates rolls back too. If the cutover is killed
-    outright, `appliance status INSTANCE` prints the recovery command.
+    Ctrl-C, SIGTERM or a hang-up during the gates rolls back too. The way back is not
+    interrupted by further signals and takes at most --timeout seconds more. If the cutover is
+    killed outright, `appliance status INSTANCE` prints the recovery command.
 
     \b
     Example:

@@ -305,31 +305,19 @@ def cutover(
     new = inspect_image(ctx, image)
     check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
     check_unit_overrides(ctx, tgt, allow=allow_unit_overrides)
-    current_ref = tgt.image
-    old: ImageInfo | None = None
-    unusable: str | None = None  # why the current image cannot be the way back
-    if current_ref and rollback:
-        try:
-            old = inspect_image(ctx, current_ref)
-        except (PreflightError, UsageError) as exc:
-            if way_back_required:
-                raise PreflightError(
-                    f"the current image cannot be the way back: {exc}",
-                    fix="restore it first, or pass --no-rollback to go without a way back",
-                ) from exc
-            unusable = str(exc)
-            ctx.progress(
-                f"warning: the current image {current_ref} cannot be inspected ({unusable}): "
-                f"going ahead; if {image} fails too there is no way back"
-            )
+    # Refused here, nothing is written, not even the lock.
+    old, unusable = _way_back(ctx, tgt.image, image, rollback, way_back_required)
 
     lock = locks.hold(layout.lock_file(instance), instance, f"{kind} to {image}")
     with lock as held, guard(ctx.progress) as sig:
         for d in layout.private_dirs(instance):
             private_dir(d)
-        # Read again under the lock: the file a concurrent cutover left is the one we replace.
+        # Read again under the lock: the file a concurrent cutover left is the one we replace,
+        # and the image it names is the way back.
         env = envfile.read(env_path)
         current_ref = env.get(envfile.IMAGE_KEY)
+        if current_ref != tgt.image:
+            old, unusable = _way_back(ctx, current_ref, image, rollback, way_back_required)
         ctx.progress(f"{kind} {instance}: {current_ref} -> {image}")
         # While the old image serves, before anything is written: an engine that cannot answer
         # the canary refuses the cutover with nothing touched; so does a signal.
@@ -375,7 +363,9 @@ def cutover(
             ctx.progress(f"{failure}: returning to {current_ref or 'the previous env file'}")
         else:
             return _finish(ctx, entry, "ok", None, saved)
-        sig.hold()  # the way back is not interrupted by the operator's next Ctrl-C or hang-up
+        # The way back is not interrupted by the operator's next Ctrl-C or hang-up; it is bounded
+        # by the same --timeout as the gates.
+        sig.hold(within=timeout)
         if not touched:
             # Stopped before the env file was written: the unit was never touched.
             _restore_slot(slot_path, slot_before)
@@ -431,6 +421,28 @@ def cutover(
             f"{kind} of {instance} {what} {failure}; rolled back to {current_ref}, "
             "which passed the gates and is serving"
         )
+
+
+def _way_back(
+    ctx: Context, current_ref: str | None, image: str, rollback: bool, required: bool
+) -> tuple[ImageInfo | None, str | None]:
+    """The image the cutover returns to on failure, and why it cannot when it cannot (a
+    PreflightError when the way back is ``required``)."""
+    if not current_ref or not rollback:
+        return None, None
+    try:
+        return inspect_image(ctx, current_ref), None
+    except (PreflightError, UsageError) as exc:
+        if required:
+            raise PreflightError(
+                f"the current image cannot be the way back: {exc}",
+                fix="restore it first, or pass --no-rollback to go without a way back",
+            ) from exc
+        ctx.progress(
+            f"warning: the current image {current_ref} cannot be inspected ({exc}): "
+            f"going ahead; if {image} fails too there is no way back"
+        )
+        return None, str(exc)
 
 
 def _restore_slot(slot_path: Path, before: bytes | None) -> None:
@@ -628,7 +640,7 @@ def recover(ctx: Context, instance: str, *, timeout: float = DEFAULT_TIMEOUT) ->
         locks.hold(layout.lock_file(instance), instance, f"recovery of {instance}") as held,
         guard(ctx.progress) as sig,
     ):
-        sig.hold()  # recovery is the way back: not interrupted half-way
+        sig.hold(within=timeout)  # recovery is the way back: not interrupted half-way
         entry = interrupted_entry(layout, instance, locked=True)
         if entry is None:
             raise UsageError(

@@ -23,6 +23,7 @@ import os
 import signal
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Literal
 
@@ -47,6 +48,7 @@ class Guard:
     def __init__(self, note: Callable[[str], None]) -> None:
         self.mode: Mode = "raise"
         self.pending: int | None = None
+        self.until: float | None = None  # when the way back ends at the latest
         self.received: list[str] = []
         self._note = note
 
@@ -61,8 +63,11 @@ class Guard:
     def defer(self) -> None:
         self.mode = "defer"
 
-    def hold(self) -> None:
+    def hold(self, within: float | None = None) -> None:
+        """Ignore signals from now on; ``within``: the seconds the way back may still take
+        (said to whoever sends one)."""
         self.mode = "hold"
+        self.until = None if within is None else time.monotonic() + within
 
     def _handle(self, signum: int, _frame) -> None:
         name = signal.Signals(signum).name
@@ -77,7 +82,11 @@ class Guard:
             if self.pending is None:
                 self.pending = signum
             return
-        self._say(f"{name} received while returning to a safe state: ignored, going on")
+        bound = ""
+        if self.until is not None:
+            left = max(0.0, self.until - time.monotonic())
+            bound = f" (it ends within {left:.0f} s, the --timeout)"
+        self._say(f"{name} received while returning to a safe state: ignored, going on{bound}")
 
     def _say(self, msg: str) -> None:
         # After a hang-up the terminal is gone: a write fails with EIO, never the cutover.
