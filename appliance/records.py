@@ -74,12 +74,12 @@ def problem(where: str, exc: pydantic.ValidationError, prefix: tuple = ()) -> Us
     at = ".".join(map(str, (*prefix, *err["loc"])))
     if err["type"] == "missing":
         return UsageError(f"{where}: missing field {at}")
-    if err["type"] == "json_invalid":
+    if not at:  # the record as a whole (not JSON, not an object, its own check): no value
         return UsageError(f"{where}: {err['msg']}")
     shown = repr(err["input"])
     if len(shown) > _SHOWN:
         shown = shown[: _SHOWN - 3] + "..."
-    return UsageError(f"{where}: {at + ' = ' if at else ''}{shown}: {err['msg']}")
+    return UsageError(f"{where}: {at} = {shown}: {err['msg']}")
 
 
 @functools.cache
