@@ -68,6 +68,17 @@ def from_dict(cls, data, where: str):
     return from_json(cls, text, where)
 
 
+def require(data, key: str, want, where: str, fix: str | None = None) -> dict:
+    """``data`` when it is a JSON object whose ``key`` (a format or schema marker) is exactly
+    ``want``, of its type too (``true`` is no schema 1); else one UsageError."""
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: expected a JSON object, got {type(data).__name__}", fix=fix)
+    got = data.get(key)
+    if type(got) is not type(want) or got != want:
+        raise UsageError(f"{where}: {key} = {got!r}, not {want!r}", fix=fix)
+    return data
+
+
 def problem(where: str, exc: pydantic.ValidationError, prefix: tuple = ()) -> UsageError:
     """The first error of ``exc`` as one line: ``WHERE: FIELD = VALUE: REASON``."""
     err = exc.errors()[0]

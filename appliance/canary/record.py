@@ -204,11 +204,7 @@ def from_dict(data: dict, where: str = "canary record") -> Record:
     """A :class:`Record` from its JSON form; anything else is a UsageError naming ``where`` and
     the field (the check is pydantic's, strict: see :mod:`appliance.records`)."""
     fix = "write one with `appliance canary record`"
-    if not isinstance(data, dict):
-        raise UsageError(f"{where}: expected a JSON object, got {type(data).__name__}", fix=fix)
-    if data.get("format") != FORMAT:
-        raise UsageError(f"{where}: format = {data.get('format')!r}, not {FORMAT!r}", fix=fix)
-    record = records.from_dict(Record, data, where)
+    record = records.from_dict(Record, records.require(data, "format", FORMAT, where, fix), where)
     if not record.outputs:
         raise UsageError(f"{where}: outputs: none", fix=fix)
     return record

@@ -70,11 +70,7 @@ class Reading:
         """The inverse of :meth:`to_dict`; a UsageError naming ``where`` and the field for
         anything else."""
         where = f"{where} is not a soak reading"
-        if not isinstance(data, dict):
-            raise UsageError(f"{where}: expected a JSON object", fix=_FIX)
-        if data.get("schema") != SCHEMA:
-            raise UsageError(f"{where}: schema = {data.get('schema')!r}, not {SCHEMA}", fix=_FIX)
-        return records.from_dict(cls, data, where)
+        return records.from_dict(cls, records.require(data, "schema", SCHEMA, where, _FIX), where)
 
 
 def parse(text: str, at: float = 0.0) -> Reading:

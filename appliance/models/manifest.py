@@ -140,8 +140,6 @@ def parse(text: str | bytes, where: str) -> Manifest:
         data = json.loads(text)
     except ValueError as exc:
         raise UsageError(f"{where}: {exc}", fix=fix) from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{where}: expected a JSON object", fix=fix)
-    if data.get("format") != FORMAT:
-        raise UsageError(f"{where}: format = {data.get('format')!r}, not {FORMAT}", fix=fix)
+    records.require(data, "format", FORMAT, where, fix)
+    # "profile" was optional to the reader before: a copy without one still loads.
     return records.from_dict(Manifest, {"profile": "", **data}, where)
