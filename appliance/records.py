@@ -75,7 +75,7 @@ def require(data, key: str, want, where: str, fix: str | None = None) -> dict:
         raise UsageError(f"{where}: expected a JSON object, got {type(data).__name__}", fix=fix)
     got = data.get(key)
     if type(got) is not type(want) or got != want:
-        raise UsageError(f"{where}: {key} = {got!r}, not {want!r}", fix=fix)
+        raise UsageError(f"{where}: {key} = {_shown(got)}, not {want!r}", fix=fix)
     return data
 
 
@@ -87,10 +87,12 @@ def problem(where: str, exc: pydantic.ValidationError, prefix: tuple = ()) -> Us
         return UsageError(f"{where}: missing field {at}")
     if not at:  # the record as a whole (not JSON, not an object, its own check): no value
         return UsageError(f"{where}: {err['msg']}")
-    shown = repr(err["input"])
-    if len(shown) > _SHOWN:
-        shown = shown[: _SHOWN - 3] + "..."
-    return UsageError(f"{where}: {at} = {shown}: {err['msg']}")
+    return UsageError(f"{where}: {at} = {_shown(err['input'])}: {err['msg']}")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
 
 
 @functools.cache

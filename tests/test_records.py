@@ -429,4 +429,10 @@ def test_python_api_readers_take_parsed_data_too():
         data = copy.deepcopy(_canary())
         data["outputs"][1]["passed"] = 1
         canary.record.from_dict(data)
+    data = copy.deepcopy(_canary())
+    data["settings"]["max_tokens"] = 0  # the right type, refused by the record's own check
+    with pytest.raises(UsageError, match="^canary record: canary max_tokens must be at least 1"):
+        canary.record.from_dict(data)
     assert soak.Reading.from_dict(_reading()).requests == 5.0
+    with pytest.raises(UsageError, match=r"reading: schema = \[0, 1, 2, [0-9, ]*\.\.\., not 1 \("):
+        soak.Reading.from_dict({**_reading(), "schema": list(range(40))})
