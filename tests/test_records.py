@@ -21,7 +21,7 @@ from appliance.bench.prompts import Prompt, PromptSet
 from appliance.bench.runner import BenchConfig, Endpoint, EndpointResult, RunRecord
 from appliance.canary.record import Output, Record, Settings
 from appliance.cli import cli
-from appliance.cutover import history
+from appliance.cutover import flow, history
 from appliance.cutover.history import Entry, Gate
 from appliance.errors import UsageError
 from appliance.fleet import soak
@@ -259,6 +259,20 @@ def test_a_crash_cut_history_line_is_skipped_but_a_wrong_typed_one_is_not(tmp_pa
     )
     with pytest.raises(UsageError, match=r"h.jsonl line 2: gates.0.ok = 'yes'"):
         history.entries(path)
+    # The cutover and the rollback read past it: a damaged history never blocks the way back.
+    assert [e.id for e in history.entries(path, strict=False)] == [good["id"]]
+
+
+def test_a_wrong_typed_history_line_does_not_stop_the_rollbacks_look_for_a_killed_cutover(
+    tmp_path,
+):
+    layout = Layout(tmp_path)
+    path = layout.history_file("i1")
+    path.parent.mkdir(parents=True)
+    killed = {**_entry(), "outcome": "started"}
+    path.write_text(json.dumps({**_entry(), "started": [1]}) + "\n" + json.dumps(killed) + "\n")
+    found = flow.interrupted_entry(layout, "i1")
+    assert found is not None and found.id == killed["id"]
 
 
 # --- files written by the code before the typed records --------------------------------------

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from .. import records
+from ..errors import UsageError
 from ..fsutil import private_dir
 
 Kind = Literal["cutover", "rollback"]
@@ -104,9 +105,11 @@ def _last_byte(path: Path) -> bytes:
         return f.read(1)
 
 
-def lines(path: Path) -> list[Entry]:
+def lines(path: Path, *, strict: bool = True) -> list[Entry]:
     """Every line of the history, in file order. A line cut short by a crash (not JSON) is
-    skipped; a whole line with a wrong value is a UsageError naming the file, line and field."""
+    skipped; a whole line with a wrong value is a UsageError naming the file, line and field
+    (``strict=False``: skipped too, for the cutover and rollback, which a damaged history
+    must never stop)."""
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
@@ -117,18 +120,24 @@ def lines(path: Path) -> list[Entry]:
             data = json.loads(raw)
         except ValueError:
             continue  # a line a crash cut short
-        out.append(Entry.from_dict(data, f"{path} line {number}"))
+        try:
+            out.append(Entry.from_dict(data, f"{path} line {number}"))
+        except UsageError:
+            if strict:
+                raise
     return out
 
 
-def entries(path: Path, *, live_ids: frozenset[str] = frozenset()) -> list[Entry]:
+def entries(
+    path: Path, *, live_ids: frozenset[str] = frozenset(), strict: bool = True
+) -> list[Entry]:
     """One entry per cutover, oldest first: its end line, or its begin line marked interrupted.
 
     ``live_ids`` are cutovers known to be still running (their lock is held); those stay
-    ``started``.
+    ``started``. ``strict``: as for :func:`lines`.
     """
     merged: dict[str, Entry] = {}
-    for e in lines(path):
+    for e in lines(path, strict=strict):
         if e.id in merged and e.outcome == "started":
             continue
         merged[e.id] = e
