@@ -2,7 +2,8 @@
 
 The artifact is written only once the whole bench has succeeded, and atomically (temporary file
 in the same directory, then rename), so a failed or interrupted bench never leaves a partial
-artifact behind.
+artifact behind. Its top level is a typed record (:class:`Artifact`): :func:`load` reads one
+back, a wrong type being one line naming the file and the field.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ import sys
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
+from typing import Literal
 
-from .. import __version__
+import pydantic
+
+from .. import __version__, records
+from ..errors import UsageError
 from ..fsutil import write_atomic
 from ..profiles import Profile
 from .runner import BenchConfig, EndpointResult, PairedResult
@@ -56,6 +61,68 @@ def environment(profile: Profile | None = None, image_labels: dict | None = None
     }
 
 
+class _Record(pydantic.BaseModel):
+    # Built in one place and never changed: pydantic's own model, strict, no unknown key.
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Config(_Record):
+    """:class:`BenchConfig` as the artifact holds it (prompt sets by name, their prompt ids)."""
+
+    prompt_sets: dict[str, list[str]]
+    max_tokens: list[int]
+    runs: int
+    warmups: int
+    temperature: float
+    seed: int | None
+
+
+class Environment(_Record):
+    """:func:`environment`'s record."""
+
+    versions: dict[str, str]
+    platform: str
+    machine: str
+    cpus: int | None
+    profile: dict | None
+    image_labels: dict | None
+
+
+# The result section each kind carries; "endpoints" too, but for a sweep (its rows hold theirs).
+SECTIONS = {
+    "single": ("endpoints", "single"),
+    "paired": ("endpoints", "paired"),
+    "sweep": ("sweep",),
+}
+
+
+class Artifact(_Record):
+    """The JSON artifact's top level: what ran, where, and one result section for its kind (the
+    results themselves are the runner's ``to_dict`` records)."""
+
+    kind: Literal["single", "paired", "sweep"]
+    definitions: dict[str, str]
+    config: Config
+    environment: Environment
+    endpoints: list[dict] | None = None
+    single: dict | None = None
+    paired: dict | None = None
+    sweep: dict | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _one_result(self) -> Artifact:
+        want = SECTIONS[self.kind]
+        for name in ("endpoints", "single", "paired", "sweep"):
+            if (getattr(self, name) is not None) != (name in want):
+                verb = "lacks" if name in want else "must not have"
+                raise ValueError(f"a {self.kind} artifact {verb} {name!r}")
+        return self
+
+    def to_dict(self) -> dict:
+        """The artifact's JSON object (the sections of other kinds left out)."""
+        return self.model_dump(exclude_unset=True)
+
+
 def artifact(kind: str, config: BenchConfig, env: dict, result) -> dict:
     """The JSON artifact's content for a single, paired or sweep result."""
     body = {
@@ -72,7 +139,18 @@ def artifact(kind: str, config: BenchConfig, env: dict, result) -> dict:
     else:
         body["endpoints"] = [result.endpoint.to_dict()]
         body["single"] = result.to_dict()
-    return body
+    return Artifact.model_validate(body).to_dict()
+
+
+def load(path: Path | str) -> Artifact:
+    """A bench artifact back from its JSON file; anything else is one UsageError naming the
+    file and the field."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read bench artifact {path}: {exc}") from None
+    return records.from_json(Artifact, text, f"{path} is not a bench artifact")
 
 
 def write_artifact(path: Path | str, body: dict) -> Path:

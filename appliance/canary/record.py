@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import records
 from ..errors import EngineError, UsageError
 from ..fsutil import write_atomic
 from ..vllm_client import VLLMClient
@@ -196,32 +197,14 @@ def load(path: Path | str) -> Record:
         raise UsageError(f"canary record {path} does not exist") from exc
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UsageError(f"cannot read canary record {path}: {exc}") from exc
-    try:
-        return from_dict(data)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UsageError(
-            f"{path} is not a canary record ({type(exc).__name__}: {exc})",
-            fix="write one with `appliance canary record`",
-        ) from exc
+    return from_dict(data, f"{path} is not a canary record")
 
 
-def from_dict(data: dict) -> Record:
-    """A :class:`Record` from its JSON form (KeyError/TypeError/ValueError when it is not one)."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"format is not {FORMAT}")
-    outputs = []
-    for o in data["outputs"]:
-        ids = o["token_ids"]
-        if ids is not None and not all(isinstance(i, int) for i in ids):
-            raise ValueError(f"token_ids of {o['id']} are not integers")
-        outputs.append(Output(**{**o, "token_ids": tuple(ids) if ids is not None else None}))
-    if not outputs:
-        raise ValueError("no outputs")
-    return Record(
-        **{
-            **data,
-            "settings": Settings(**data["settings"]),
-            "sources": tuple(data["sources"]),
-            "outputs": tuple(outputs),
-        }
-    )
+def from_dict(data: dict, where: str = "canary record") -> Record:
+    """A :class:`Record` from its JSON form; anything else is a UsageError naming ``where`` and
+    the field (the check is pydantic's, strict: see :mod:`appliance.records`)."""
+    fix = "write one with `appliance canary record`"
+    record = records.from_dict(Record, records.require(data, "format", FORMAT, where, fix), where)
+    if not record.outputs:
+        raise UsageError(f"{where}: outputs: none", fix=fix)
+    return record

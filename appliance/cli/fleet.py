@@ -88,7 +88,7 @@ def soak_(
     thresholds = soak.Thresholds(
         max_acceptance_drop, max_tokens_per_step_drop, max_error_rate_rise, min_drafts, min_requests
     )
-    before = soak.loads(before_file.read_text())
+    before = soak.loads(before_file.read_text(), str(before_file))
     inst, key = _instance(root, instance)
     run = soak.Soak(inst.base_url, inst.served_model, key, seconds, probe_requests)
     run.thresholds = thresholds

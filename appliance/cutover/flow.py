@@ -611,7 +611,7 @@ def interrupted_entry(layout: Layout, instance: str, *, locked: bool = False) ->
         holder = locks.current_holder(layout.lock_file(instance))
         if holder is not None:
             return None  # still running: not interrupted
-    found = history.entries(layout.history_file(instance), live_ids=live)
+    found = history.entries(layout.history_file(instance), live_ids=live, strict=False)
     return found[-1] if found and found[-1].outcome == "interrupted" else None
 
 

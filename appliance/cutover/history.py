@@ -12,10 +12,12 @@ import json
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from .. import records
+from ..errors import UsageError
 from ..fsutil import private_dir
 
 Kind = Literal["cutover", "rollback"]
@@ -76,12 +78,10 @@ class Entry:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, data: dict) -> Entry:
-        known = {f.name for f in fields(cls)}
-        data = {k: v for k, v in data.items() if k in known}
-        data["gates"] = [Gate(**g) for g in data.get("gates") or []]
-        data["rollback_gates"] = [Gate(**g) for g in data.get("rollback_gates") or []]
-        return cls(**data)
+    def from_dict(cls, data: dict, where: str = "history entry") -> Entry:
+        """An entry from its JSON object; a wrong type is one UsageError naming the field
+        (keys an entry has no field for are ignored: a newer appliance's line stays readable)."""
+        return records.from_dict(cls, data, where)
 
 
 def append(path: Path, entry: Entry) -> None:
@@ -105,29 +105,39 @@ def _last_byte(path: Path) -> bytes:
         return f.read(1)
 
 
-def lines(path: Path) -> list[Entry]:
-    """Every readable line of the history, in file order."""
+def lines(path: Path, *, strict: bool = True) -> list[Entry]:
+    """Every line of the history, in file order. A line cut short by a crash (not JSON) is
+    skipped; a whole line with a wrong value is a UsageError naming the file, line and field
+    (``strict=False``: skipped too, for the cutover and rollback, which a damaged history
+    must never stop)."""
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
         return []
     out = []
-    for raw in text.splitlines():
+    for number, raw in enumerate(text.splitlines(), 1):
         try:
-            out.append(Entry.from_dict(json.loads(raw)))
-        except (ValueError, TypeError):
+            data = json.loads(raw)
+        except ValueError:
             continue  # a line a crash cut short
+        try:
+            out.append(Entry.from_dict(data, f"{path} line {number}"))
+        except UsageError:
+            if strict:
+                raise
     return out
 
 
-def entries(path: Path, *, live_ids: frozenset[str] = frozenset()) -> list[Entry]:
+def entries(
+    path: Path, *, live_ids: frozenset[str] = frozenset(), strict: bool = True
+) -> list[Entry]:
     """One entry per cutover, oldest first: its end line, or its begin line marked interrupted.
 
     ``live_ids`` are cutovers known to be still running (their lock is held); those stay
-    ``started``.
+    ``started``. ``strict``: as for :func:`lines`.
     """
     merged: dict[str, Entry] = {}
-    for e in lines(path):
+    for e in lines(path, strict=strict):
         if e.id in merged and e.outcome == "started":
             continue
         merged[e.id] = e

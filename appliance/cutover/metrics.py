@@ -37,7 +37,7 @@ def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metri
                 found = {}  # a missing image still has a state: its version is unknown
         done = [
             e
-            for e in history.entries(layout.history_file(instance))
+            for e in history.entries(layout.history_file(instance), strict=False)
             if e.outcome in state_metrics.OUTCOMES
         ]
         ran = [e for e in done if e.canary]

@@ -23,17 +23,18 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .. import specdecode
+from .. import records, specdecode
 from ..errors import ApplianceError, EngineError, UsageError
 from ..vllm_client import VLLMClient
 
 HTTP_REQUESTS = "http_requests_total"  # prometheus-fastapi-instrumentator, in vLLM's /metrics
 API_PREFIX = "/v1/"
 SCHEMA = 1
+_FIX = "write it with `appliance fleet snapshot INSTANCE --out FILE`"
 
 # Short, varied prompts: the soak's own traffic when the canary has none of its own.
 PROBE_PROMPTS = (
@@ -62,45 +63,14 @@ class Reading:
         return specdecode.Snapshot({("", "0"): self.counters} if self.counters else {})
 
     def to_dict(self) -> dict:
-        c = self.counters
-        return {
-            "schema": SCHEMA,
-            "at": self.at,
-            "requests": self.requests,
-            "errors": self.errors,
-            "counters": None
-            if c is None
-            else {
-                "drafts": c.drafts,
-                "draft_tokens": c.draft_tokens,
-                "accepted": c.accepted,
-                "accepted_per_pos": list(c.accepted_per_pos),
-                "created": c.created,
-            },
-        }
+        return {"schema": SCHEMA, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> Reading:
-        """The inverse of :meth:`to_dict`; a UsageError for anything else."""
-        try:
-            if data.get("schema") != SCHEMA:
-                raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA}")
-            raw = data["counters"]
-            counters = None
-            if raw is not None:
-                counters = specdecode.Counters(
-                    drafts=float(raw["drafts"]),
-                    draft_tokens=float(raw["draft_tokens"]),
-                    accepted=float(raw["accepted"]),
-                    accepted_per_pos=tuple(float(x) for x in raw["accepted_per_pos"]),
-                    created=None if raw["created"] is None else float(raw["created"]),
-                )
-            return cls(counters, float(data["requests"]), float(data["errors"]), float(data["at"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise UsageError(
-                f"not a soak reading: {exc}",
-                fix="write it with `appliance fleet snapshot INSTANCE --out FILE`",
-            ) from None
+    def from_dict(cls, data: dict, where: str = "input") -> Reading:
+        """The inverse of :meth:`to_dict`; a UsageError naming ``where`` and the field for
+        anything else."""
+        where = f"{where} is not a soak reading"
+        return records.from_dict(cls, records.require(data, "schema", SCHEMA, where, _FIX), where)
 
 
 def parse(text: str, at: float = 0.0) -> Reading:
@@ -329,12 +299,11 @@ def dumps(reading: Reading) -> str:
     return json.dumps(reading.to_dict(), indent=2) + "\n"
 
 
-def loads(text: str) -> Reading:
-    """A reading back from :func:`dumps`' JSON (a UsageError when it is not one)."""
+def loads(text: str, where: str = "input") -> Reading:
+    """A reading back from :func:`dumps`' JSON (a UsageError naming ``where`` and the field when
+    it is not one)."""
     try:
         data = json.loads(text)
     except ValueError as exc:
-        raise UsageError(f"not a soak reading (not JSON): {exc}") from None
-    if not isinstance(data, dict):
-        raise UsageError("not a soak reading (not a JSON object)")
-    return Reading.from_dict(data)
+        raise UsageError(f"{where} is not a soak reading (not JSON): {exc}", fix=_FIX) from None
+    return Reading.from_dict(data, where)

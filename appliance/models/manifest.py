@@ -11,7 +11,11 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import Annotated
 
+import pydantic
+
+from .. import records
 from ..errors import UsageError
 from . import ModelSpec, cache
 
@@ -21,15 +25,42 @@ _REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
+# The checks that keep a manifest read from a copy from writing outside the cache: pydantic runs
+# them after its strict type check when :func:`parse` reads one (they cost nothing otherwise).
+def _check(ok, what: str):
+    def check(value: str) -> str:
+        if not ok(value):
+            raise ValueError(f"bad {what} {value!r}")
+        return value
+
+    return pydantic.AfterValidator(check)
+
+
+def _safe_path(path: str) -> bool:
+    parts = PurePosixPath(path).parts
+    return bool(parts) and not path.startswith("/") and not any(p in ("..", ".", "") for p in parts)
+
+
+RepoId = Annotated[str, _check(lambda v: _REPO.fullmatch(v) and ".." not in v, "repo id")]
+Revision = Annotated[str, _check(lambda v: _REF.fullmatch(v) and ".." not in v, "revision")]
+Commit = Annotated[str, _check(cache.COMMIT.fullmatch, "commit")]
+FilePath = Annotated[str, _check(_safe_path, "file path")]
+Sha256 = Annotated[str, _check(cache.SHA256.fullmatch, "sha256")]
+Blob = Annotated[
+    str, _check(lambda v: cache.SHA256.fullmatch(v) or cache.COMMIT.fullmatch(v), "blob name")
+]
+Size = Annotated[int, pydantic.Field(ge=0)]
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file of one model."""
 
-    path: str  # inside the repo
-    size: int
-    sha256: str
-    blob: str  # the blob's name in a hub cache (its hub etag)
-    tree: cache.TreeEntry
+    path: FilePath  # inside the repo
+    size: Size
+    sha256: Sha256
+    blob: Blob  # the blob's name in a hub cache (its hub etag)
+    tree: Annotated[cache.TreeEntry, pydantic.Field(alias="hub")]  # "hub" in the JSON
 
     def to_json(self) -> dict:
         return {
@@ -46,9 +77,9 @@ class ModelEntry:
     """One model of the copy, at one commit."""
 
     role: str
-    repo_id: str
-    revision: str  # what was asked for (main, or the profile's pin)
-    commit: str
+    repo_id: RepoId
+    revision: Revision  # what was asked for (main, or the profile's pin)
+    commit: Commit
     files: tuple[FileEntry, ...]
 
     def member(self, f: FileEntry) -> str:
@@ -101,44 +132,14 @@ class Manifest:
 
 
 def parse(text: str | bytes, where: str) -> Manifest:
-    """Read a manifest, refusing anything that could write outside the cache."""
+    """Read a manifest: every field of its type (pydantic's strict check) and nothing that could
+    write outside the cache; anything else is one UsageError naming ``where`` and the field."""
+    fix = "make the copy with appliance models export"
+    where = f"{where} is not a model copy manifest"
     try:
         data = json.loads(text)
-        if data.get("format") != FORMAT:
-            raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
-        models = tuple(_model(m) for m in data["models"])
-        return Manifest(str(data.get("profile", "")), models)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise UsageError(
-            f"{where} is not a model copy manifest: {exc}",
-            fix="make the copy with appliance models export",
-        ) from None
-
-
-def _model(m: dict) -> ModelEntry:
-    repo_id, commit = str(m["repo_id"]), str(m["commit"])
-    if not _REPO.fullmatch(repo_id) or ".." in repo_id:
-        raise ValueError(f"bad repo id {repo_id!r}")
-    if not cache.COMMIT.fullmatch(commit):
-        raise ValueError(f"bad commit {commit!r}")
-    revision = str(m["revision"])
-    if not _REF.fullmatch(revision) or ".." in revision:
-        raise ValueError(f"bad revision {revision!r}")
-    files = tuple(_file(f) for f in m["files"])
-    return ModelEntry(str(m["role"]), repo_id, revision, commit, files)
-
-
-def _file(f: dict) -> FileEntry:
-    path = str(f["path"])
-    parts = PurePosixPath(path).parts
-    if not parts or path.startswith("/") or any(p in ("..", ".", "") for p in parts):
-        raise ValueError(f"bad file path {path!r}")
-    blob, sha = str(f["blob"]), str(f["sha256"])
-    if not (cache.SHA256.fullmatch(blob) or cache.COMMIT.fullmatch(blob)):
-        raise ValueError(f"bad blob name {blob!r}")
-    if not cache.SHA256.fullmatch(sha):
-        raise ValueError(f"bad sha256 for {path}")
-    size = int(f["size"])
-    if size < 0:
-        raise ValueError(f"bad size for {path}")
-    return FileEntry(path, size, sha, blob, cache.TreeEntry.from_json(f["hub"]))
+    except ValueError as exc:
+        raise UsageError(f"{where}: {exc}", fix=fix) from None
+    records.require(data, "format", FORMAT, where, fix)
+    # "profile" was optional to the reader before: a copy without one still loads.
+    return records.from_dict(Manifest, {"profile": "", **data}, where)

@@ -7,16 +7,13 @@ reviewer can diff two hosts' profiles field by field.
 
 from __future__ import annotations
 
-import functools
 import json
 import tomllib
-import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-import pydantic
-
+from .. import records
 from ..errors import UsageError
 
 # Placeholder for the tiny dev model directory in CPU profiles; filled in at serve time.
@@ -187,37 +184,6 @@ def _fill(value: str, devmodel: str | None) -> str:
     return value.replace(DEVMODEL, devmodel) if devmodel is not None else value
 
 
-def _build(cls, data: dict, where: str):
-    """``cls(**data)`` once every key is a field of ``cls`` and every value has the field's type
-    (pydantic's strict check of that one type: ``"four"`` is no int, ``1`` no bool)."""
-    if not isinstance(data, dict):
-        raise UsageError(f"{where}: expected a table, got {data!r}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise UsageError(f"{where}: unknown field(s) {', '.join(unknown)}")
-    required = [
-        f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
-    ]
-    missing = [name for name in required if name not in data]
-    if missing:
-        raise UsageError(f"{where}: missing field(s) {', '.join(missing)}")
-    hints = typing.get_type_hints(cls)
-    for name, value in data.items():
-        try:
-            _adapter(hints[name]).validate_python(value, strict=True)
-        except pydantic.ValidationError as exc:
-            err = exc.errors()[0]
-            at = ".".join(map(str, (name, *err["loc"])))
-            raise UsageError(f"{where}: {at} = {err['input']!r}: {err['msg']}") from None
-    return cls(**data)
-
-
-@functools.cache
-def _adapter(kind) -> pydantic.TypeAdapter:
-    return pydantic.TypeAdapter(kind)
-
-
 _TABLES = {
     "speculative": Speculative,
     "hardware": Hardware,
@@ -232,10 +198,10 @@ def from_dict(data: dict, where: str = "profile") -> Profile:
     data = dict(data)
     for key, cls in _TABLES.items():
         if key in data:
-            data[key] = _build(cls, data[key], f"{where} [{key}]")
+            data[key] = records.build(cls, data[key], f"{where} [{key}]")
     if isinstance(data.get("extra_args"), list):
         data["extra_args"] = tuple(data["extra_args"])
-    return _build(Profile, data, where)
+    return records.build(Profile, data, where)
 
 
 def load_file(path: Path | str) -> Profile:

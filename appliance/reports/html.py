@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..bench import report as bench_report
 from ..errors import UsageError
 from ..fsutil import write_atomic
 from . import charts
@@ -588,5 +589,6 @@ def write(path: Path | str, page: str) -> Path:
 
 
 def load_artifact(path: Path | str) -> dict:
-    """A bench artifact from its JSON file, to render it again later."""
-    return json.loads(Path(path).read_text())
+    """A bench artifact from its JSON file, to render it again later (checked: a wrong type is
+    one UsageError naming the file and the field)."""
+    return bench_report.load(path).to_dict()
