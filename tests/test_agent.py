@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import agent, demo
+from appliance.agent.server import server_for
+from appliance.agent.worker import WORKER
 from appliance.engine.local import free_port
 from appliance.vllm_client import VLLMClient
 
@@ -624,7 +626,7 @@ def test_abandoned_stream_collected_while_the_agent_lock_is_held_does_not_deadlo
     # A server of its own (localhost, not 127.0.0.1): its lock is held below.
     url = mtp_engine.url.replace("127.0.0.1", "localhost")
     t = Traced(url)
-    srv = agent.attribution.server_for(url + "/metrics/")
+    srv = server_for(url + "/metrics/")
     done = threading.Event()
 
     def collect_inside_the_lock():
@@ -728,7 +730,7 @@ def test_back_to_back_calls_stay_exact_while_the_previous_after_read_is_in_fligh
 ):
     # Call 1's after-read takes the engine's page at once but answers only after call 2 is back
     # (``release``), so call 2's request goes out while that read is still in flight: it can be
-    # call 2's before-reading only through call 1's token proof (attribution.Server.certify),
+    # call 2's before-reading only through call 1's token proof (server.Server.certify),
     # not by being complete first.
     late = bad_metrics("late", upstream=mtp_counters_engine.url, slow_hits=(2,), slow_s=LATE_S)
     t = Traced(mtp_counters_engine.url, metrics_url=late.url, snapshot_timeout=LATE_S)
@@ -773,12 +775,11 @@ def test_a_full_backlog_degrades_to_unknown_and_is_counted(mtp_counters_engine):
         stuck.set()
         release.wait(60)
 
-    worker = agent.attribution.WORKER
-    worker.put(stuck_job)
+    WORKER.put(stuck_job)
     try:
         assert stuck.wait(30)
-        for _ in range(worker.MAX_BACKLOG):
-            worker.put(lambda: None)
+        for _ in range(WORKER.MAX_BACKLOG):
+            WORKER.put(lambda: None)
         _same_result(_plain(t.client, 8), bare)
     finally:
         release.set()
@@ -786,7 +787,7 @@ def test_a_full_backlog_degrades_to_unknown_and_is_counted(mtp_counters_engine):
     assert (rec.figures.source, rec.figures.status) == ("unknown", "skipped")
     assert t.errors("backlog") == 1
     assert t.spans[-1].attributes["gen_ai.vllm.mtp.status"] == "skipped"
-    assert agent.attribution.server_for(mtp_counters_engine.url + "/metrics/")._pending == 0
+    assert server_for(mtp_counters_engine.url + "/metrics/").pending() == 0
 
 
 def test_a_fork_while_the_agent_lock_is_held_does_not_deadlock_the_child(mtp_counters_engine):
@@ -794,7 +795,7 @@ def test_a_fork_while_the_agent_lock_is_held_does_not_deadlock_the_child(mtp_cou
 
     t = Traced(mtp_counters_engine.url)
     _plain(t.client, 8)
-    srv = agent.attribution.server_for(mtp_counters_engine.url + "/metrics/")
+    srv = server_for(mtp_counters_engine.url + "/metrics/")
     held, release = threading.Event(), threading.Event()
 
     def hold():

@@ -32,7 +32,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from prometheus_client import CollectorRegistry
 
 from appliance import agent, profiles, specdecode
-from appliance.agent import attribution
+from appliance.agent.server import server_for
 from appliance.engine import local
 from appliance.vllm_client import VLLMClient
 
@@ -269,7 +269,7 @@ def test_soak_restart_cancel_abandon(tmp_path):
         )
 
     storm = Storm(instrumented, url)
-    server = attribution.server_for(url + specdecode.SNAPSHOT_PATH)
+    server = server_for(url + specdecode.SNAPSHOT_PATH)
     started = time.monotonic()
     try:
         engine1 = local.serve(counters_profile, port=port, timeout=900)

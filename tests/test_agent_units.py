@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,8 @@ from opentelemetry.semconv.attributes import error_attributes, server_attributes
 from prometheus_client import CollectorRegistry
 
 from appliance import metrics_reader
-from appliance.agent import AgentConfig, attribution, build_registry, metrics, spans, tracing
+from appliance.agent import AgentConfig, build_registry, metrics, rules, spans, tracing
+from appliance.agent.server import RESTART_MAX_S, RESTART_MIN_S, Server, Window
 from appliance.errors import UsageError
 
 CAPTURE = (Path(__file__).parent / "data" / "metrics-vllm-0.32-mtp.txt").read_text()
@@ -56,8 +56,8 @@ def test_contract_buckets():
 def test_removed_helpers_stay_removed():
     # One name per figure: vLLM's ``draft_tokens`` everywhere, no dead aliases.
     assert not hasattr(metrics, "SOURCES") and not hasattr(metrics, "EXACT_SOURCES")
-    assert "draft_tokens" in attribution.Figures.__dataclass_fields__
-    assert "drafted" not in attribution.Figures.__dataclass_fields__
+    assert "draft_tokens" in rules.Figures.__dataclass_fields__
+    assert "drafted" not in rules.Figures.__dataclass_fields__
     assert spans.MTP_DRAFT_TOKENS == "gen_ai.vllm.mtp.draft_tokens"
 
 
@@ -210,9 +210,9 @@ def _with(text: str, **changes: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def _timed(text: str, sent: float, got: float | None = None) -> attribution.Timed:
+def _timed(text: str, sent: float, got: float | None = None) -> rules.Timed:
     reading = metrics_reader.parse(200, text.encode())
-    return attribution.Timed(reading, sent, sent + 0.001 if got is None else got)
+    return rules.Timed(reading, sent, sent + 0.001 if got is None else got)
 
 
 def test_snapshot_rules_on_the_real_capture():
@@ -234,7 +234,7 @@ def test_snapshot_rules_on_the_real_capture():
     assert moved.reading.generation_tokens == 88 and moved.reading.finished_requests == 2
 
     def fig(bef, aft, *, model="gemma4-tiny", overlapped=False, out=24):
-        return attribution.from_readings(bef, aft, model, overlapped=overlapped, output_tokens=out)
+        return rules.from_readings(bef, aft, model, overlapped=overlapped, output_tokens=out)
 
     exact = fig(before, moved)
     assert exact.source == "counters" and exact.drafts == 31 - b.drafts
@@ -267,9 +267,9 @@ def test_snapshot_rules_on_the_real_capture():
 
 
 def test_the_reading_before_a_call_was_complete_before_its_request_went_out():
-    srv = attribution.Server("http://127.0.0.1:9/metrics/")
+    srv = Server("http://127.0.0.1:9/metrics/")
     reading = metrics_reader.parse(200, CAPTURE.encode())
-    srv._record(reading, sent=reading.at - 0.002)
+    srv.record(reading, sent=reading.at - 0.002)
     w = srv.begin()
     w.sent = reading.at - 0.001  # the call went out while that read was still in flight
     assert srv.before(w) is None
@@ -278,7 +278,7 @@ def test_the_reading_before_a_call_was_complete_before_its_request_went_out():
     # A later read still in flight when the call went out is not a candidate.
     import dataclasses
 
-    srv._record(dataclasses.replace(reading, at=w.sent + 0.01), sent=w.sent - 0.0005)
+    srv.record(dataclasses.replace(reading, at=w.sent + 0.01), sent=w.sent - 0.0005)
     assert srv.before(w).reading is reading
 
 
@@ -296,13 +296,13 @@ def test_a_certified_after_read_is_the_next_calls_before_even_while_in_flight():
     # Back to back: call 1 ends at t=2.0, its after-read R1 is sent at 2.01 but only complete at
     # 2.5; call 2 went out at 2.1, while R1 was in flight. R1 is the next call's before-reading
     # only once call 1's proof showed R1 holds no other request's tokens.
-    srv = attribution.Server("http://127.0.0.1:9/metrics/")
+    srv = Server("http://127.0.0.1:9/metrics/")
 
     def rec(text, sent):
-        return srv._record(metrics_reader.parse(200, text.encode()), sent=sent)
+        return srv.record(metrics_reader.parse(200, text.encode()), sent=sent)
 
     # R0: 64 tokens, 1 request finished (the capture), complete at ~1.0.
-    r0 = srv._record(metrics_reader.parse(200, CAPTURE.encode()), sent=0.9)
+    r0 = srv.record(metrics_reader.parse(200, CAPTURE.encode()), sent=0.9)
     r0.got = r0.clean_from = 1.0
     call1 = srv.begin()
     call1.sent, call1.finished, call1.tokens = 1.5, 2.0, 24
@@ -314,7 +314,7 @@ def test_a_certified_after_read_is_the_next_calls_before_even_while_in_flight():
     call2.sent = 2.1
     # Not certified yet: R1 was still in flight when call 2 went out; only R0 qualifies.
     assert srv.before(call2) is r0
-    fig1 = attribution.from_readings(r0, r1, "gemma4-tiny", overlapped=False, output_tokens=24)
+    fig1 = rules.from_readings(r0, r1, "gemma4-tiny", overlapped=False, output_tokens=24)
     assert fig1.source == "counters"
     assert srv.certify(r0, r1)
     assert r1.clean_from == 2.0  # nothing sent after call 1's end is in R1
@@ -323,32 +323,33 @@ def test_a_certified_after_read_is_the_next_calls_before_even_while_in_flight():
     call2.finished, call2.tokens = 3.0, 24
     srv.end(call2)
     r2 = rec(_seq(CAPTURE, 112, 3), 3.01)
-    r1_busy = attribution.Timed(
+    r1_busy = rules.Timed(
         metrics_reader.parse(200, _with(_seq(CAPTURE, 88, 2), **{RUN: "1.0"}).encode()), 2.01, 2.5
     )
     r1_busy.clean_from = 2.0
     assert (
-        attribution.from_readings(r1_busy, r2, None, overlapped=False, output_tokens=24).source
+        rules.from_readings(r1_busy, r2, None, overlapped=False, output_tokens=24).source
         == "counters"
     )
     # Foreign tokens in call 1's window: no proof, no certificate; R1 stays "complete at 2.5".
-    srv2 = attribution.Server("http://127.0.0.1:9/metrics/")
-    f1 = attribution.Timed(metrics_reader.parse(200, _seq(CAPTURE, 95, 2).encode()), 2.01, 2.5)
-    assert (
-        attribution.from_readings(r0, f1, None, overlapped=False, output_tokens=24).source
-        == "shared"
-    )
-    srv2._ended.append(call1)
+    srv2 = Server("http://127.0.0.1:9/metrics/")
+    f1 = rules.Timed(metrics_reader.parse(200, _seq(CAPTURE, 95, 2).encode()), 2.01, 2.5)
+    assert rules.from_readings(r0, f1, None, overlapped=False, output_tokens=24).source == "shared"
+    own = srv2.begin()  # call 1 again, as srv2 saw it
+    own.sent, own.finished, own.tokens = 1.5, 2.0, 24
+    srv2.end(own)
     assert not srv2.certify(r0, f1) and f1.clean_from == 2.5
-    srv2._readings.extend([r0, f1])
-    assert srv2.before(call2) is r0  # a window holding both calls: shared at its end
+    s0, s1 = srv2.record(r0.reading, 0.9), srv2.record(f1.reading, 2.01)
+    s0.got = s0.clean_from = 1.0
+    s1.got = s1.clean_from = 2.5
+    assert srv2.before(call2) is s0  # a window holding both calls: shared at its end
 
 
 RUN = "vllm:num_requests_running"
 
 
 def test_windows_are_identities_and_end_once():
-    srv = attribution.Server("http://127.0.0.1:9/metrics/")
+    srv = Server("http://127.0.0.1:9/metrics/")
     first, second = srv.begin(), srv.begin()
     assert first.overlapped and second.overlapped  # equal by value, never the same window
     # The old code ended each call's window twice, removing a concurrent call's equal window.
@@ -427,10 +428,10 @@ def test_a_leak_makes_two_calls_shared_and_the_next_after_read_certifies_both():
     # 1 is shared and R1 is not certified. Call 2's window starts at R0, so it holds call 1 too:
     # shared. But R2 moved the token counter by exactly calls 1 + 2's usage since R0, so R2 is
     # certified and call 3 starts from it: the chain goes on without anyone waiting.
-    srv = attribution.Server("http://127.0.0.1:9/metrics/")
+    srv = Server("http://127.0.0.1:9/metrics/")
 
     def rec(tokens, finished, sent, got):
-        t = srv._record(metrics_reader.parse(200, _seq(CAPTURE, tokens, finished).encode()), sent)
+        t = srv.record(metrics_reader.parse(200, _seq(CAPTURE, tokens, finished).encode()), sent)
         t.got = t.clean_from = got
         return t
 
@@ -441,21 +442,21 @@ def test_a_leak_makes_two_calls_shared_and_the_next_after_read_certifies_both():
     call2 = srv.begin()
     call2.sent = 2.1
     r1 = rec(64 + 24 + 3, 1, 2.2, 2.5)
-    fig1 = attribution.from_readings(r0, r1, None, overlapped=False, output_tokens=24)
+    fig1 = rules.from_readings(r0, r1, None, overlapped=False, output_tokens=24)
     assert fig1.source == "shared"
     assert not srv.certify(r0, r1) and r1.clean_from == 2.5
     call2.finished, call2.tokens = 3.0, 16
     srv.end(call2)
     assert srv.before(call2) is r0
     r2 = rec(64 + 24 + 16, 3, 3.01, 3.2)
-    fig2 = attribution.from_readings(r0, r2, None, overlapped=False, output_tokens=16)
+    fig2 = rules.from_readings(r0, r2, None, overlapped=False, output_tokens=16)
     assert fig2.source == "shared"  # two requests finished in its window
     assert srv.certify(r0, r2) and r2.clean_from == 3.0
     call3 = srv.begin()
     call3.sent = 3.05
     assert srv.before(call3) is r2
     # One more token than the own calls' usage: someone else's, no certificate.
-    r2x = attribution.Timed(metrics_reader.parse(200, _seq(CAPTURE, 105, 3).encode()), 3.01, 3.2)
+    r2x = rules.Timed(metrics_reader.parse(200, _seq(CAPTURE, 105, 3).encode()), 3.01, 3.2)
     assert not srv.certify(r0, r2x) and r2x.clean_from == 3.2
     # An own call of unknown usage (cancelled mid-stream) in the window: no certificate either.
     gone = srv.begin()
@@ -466,36 +467,39 @@ def test_a_leak_makes_two_calls_shared_and_the_next_after_read_certifies_both():
 
 
 def test_after_foreign_traffic_a_call_waits_for_the_pending_read_now_and_then():
-    srv = attribution.Server("http://127.0.0.1:9/metrics/")
-    srv._record(metrics_reader.parse(200, CAPTURE.encode()), sent=0.0)
+    srv = Server("http://127.0.0.1:9/metrics/")
+    srv.record(metrics_reader.parse(200, CAPTURE.encode()), sent=0.0)
     srv.after_queued()  # an after-read is pending
     srv.chained(False)  # and the last proof failed
+    assert srv.pending() == 1
     first, second = srv.begin(), srv.begin()
     srv.end(first)
-    assert srv._needs(second) == ""  # it overlapped another call: a wait would not help
+    assert srv.needs(second, now=100.0) == ""  # it overlapped another call: a wait would not help
     srv.end(second)
-    waited = attribution.Window()
-    assert srv._needs(waited) == "wait"
-    assert srv._needs(attribution.Window()) == ""  # not again within a second
-    assert srv._needs(attribution.Window(quiet_before=True)) == "wait"  # no usage: always
+    waited = Window()
+    assert srv.needs(waited, now=100.0) == "wait"
+    assert srv.needs(Window(), now=100.9) == ""  # not again within a second
+    assert srv.needs(Window(quiet_before=True), now=100.9) == "wait"  # no usage: always
+
+    def next_wait(w: Window, exact: bool, seconds: float) -> Window:
+        """Learn from ``w``'s figures: the next wait comes exactly ``seconds`` after ``w`` ended;
+        that call, which ends half a second later."""
+        srv.restarted(w, exact)
+        assert srv.needs(Window(), now=w.finished + seconds - 0.01) == ""
+        due = Window()
+        assert srv.needs(due, now=w.finished + seconds) == "wait"
+        due.finished = w.finished + seconds + 0.5
+        return due
+
     # The wait did not make the call exact (foreign traffic goes on): the next one comes later.
-    waited.finished = time.monotonic()
-    srv.restarted(waited, exact=False)
-    assert srv._restart_every == 2 * attribution.RESTART_MIN_S
-    assert srv._restart_at == waited.finished + 2 * attribution.RESTART_MIN_S
-    srv.restarted(attribution.Window(), exact=True)  # not the call that waited: ignored
-    assert srv._restart_every == 2 * attribution.RESTART_MIN_S
-    for _ in range(10):  # never slower than RESTART_MAX_S
-        srv._restart_at = 0.0
-        w = attribution.Window()
-        assert srv._needs(w) == "wait"
-        srv.restarted(w, exact=False)
-    assert srv._restart_every == attribution.RESTART_MAX_S
-    srv._restart_at = 0.0
-    w = attribution.Window()
-    assert srv._needs(w) == "wait"
-    srv.restarted(w, exact=True)  # it paid off: back to the shortest interval
-    assert srv._restart_every == attribution.RESTART_MIN_S
-    srv._restart_at = 0.0
+    waited.finished = 100.2
+    w = next_wait(waited, exact=False, seconds=2 * RESTART_MIN_S)
+    srv.restarted(Window(), exact=True)  # not the call that waited: ignored, still backing off
+    w = next_wait(w, exact=False, seconds=4 * RESTART_MIN_S)
+    for seconds in (8, 16, 32, RESTART_MAX_S, RESTART_MAX_S):  # never slower than RESTART_MAX_S
+        w = next_wait(w, exact=False, seconds=seconds)
+    w = next_wait(w, exact=True, seconds=RESTART_MIN_S)  # it paid off: back to the shortest
     srv.chained(True)
-    assert srv._needs(attribution.Window()) == ""  # a certified chain needs no wait
+    assert srv.needs(Window(), now=w.finished + 1000) == ""  # a certified chain needs no wait
+    srv.after_done()
+    assert srv.pending() == 0

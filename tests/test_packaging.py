@@ -171,6 +171,26 @@ def _installed(name: str) -> bool:
     return True
 
 
+def test_every_data_file_of_the_package_ships_in_the_wheel() -> None:
+    """Templates, profiles and prompt sets are read at run time from the installed package: a
+    file no ``package-data`` glob matches is missing from the wheel (the multinode unit templates
+    were) and only a source checkout works."""
+    import tomllib
+
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["appliance"]
+    package = REPO / "appliance"
+    shipped = {p for g in globs for p in package.glob(g) if p.is_file()}
+    data = {
+        p
+        for p in package.rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+    }
+    assert sorted(str(p.relative_to(package)) for p in data - shipped) == []
+    assert {p for p in shipped if p.match("reports/templates/*.html.j2")}  # the report pages
+
+
 # Imported only by code that runs with the `cpu` extra: the tiny dev models and the CPU engine.
 CPU_EXTRA_IMPORTS = {"torch", "transformers", "safetensors", "tokenizers", "vllm"}
 

@@ -300,6 +300,168 @@ def test_report_path_in_a_missing_directory_fails_before_the_bench_runs(tmp_path
     assert "--report" in res.output and not (target / "r.html").exists()
 
 
+# --- fast: synthetic records through the real artifact builders -------------------------------
+
+# A value an attacker (or an unlucky model card) controls, in every place a name is printed.
+HOSTILE = "<script>alert('x')</script> & \"co\""
+
+
+def _run(label: str, pset: str, pid: str, mt: int, run: int, tps: float, spec: bool, text: str):
+    from appliance.bench.runner import RunRecord
+
+    tpot = 1.0 / tps
+    return RunRecord(
+        label=label,
+        prompt_set=pset,
+        prompt_id=pid,
+        max_tokens=mt,
+        run=run,
+        ttft_s=0.05,
+        tpot_s=tpot,
+        e2el_s=0.05 + tpot * (mt - 1),
+        itl_s=[tpot, 2 * tpot],
+        output_tokens=mt,
+        prompt_tokens=7,
+        chunks=mt // 2,
+        output_tps=tps,
+        output_sha256="0" * 64,
+        spec_source="request" if spec else "absent",
+        spec_status="ok" if spec else "absent",
+        drafts=mt // 3 if spec else None,
+        draft_tokens=2 * (mt // 3) if spec else None,
+        accepted=mt // 3 + run if spec else None,
+        accepted_per_pos=[mt // 3, run] if spec else None,
+        text=text,
+    )
+
+
+def _endpoint_result(label: str, model: str, tps: float, spec: bool, differ: bool = False):
+    from appliance import specdecode
+    from appliance.bench.runner import Endpoint, EndpointResult
+
+    ep = Endpoint(label, "http://127.0.0.1:9/?a=1&b=<2>", model, 2048, "0.32.0", spec)
+    records = [
+        _run(label, pset, f"p{i}", mt, run, tps + mt / 10 + run, spec, f"{label if differ else ''}")
+        for pset in (HOSTILE, "prose")
+        for i in range(2)
+        for mt in (16, 32)
+        for run in (1, 2)
+    ]
+    counters = specdecode.Delta("ok", 20, 40, 25, (15, 10)) if spec else specdecode.Delta("absent")
+    return EndpointResult(ep, records, counters)
+
+
+def _config(temperature: float = 0.0):
+    from appliance.bench.prompts import Prompt, PromptSet
+    from appliance.bench.runner import BenchConfig
+
+    prompts = tuple(Prompt(f"p{i}", ({"role": "user", "content": "hi"},)) for i in range(2))
+    sets = (PromptSet(HOSTILE, prompts), PromptSet("prose", prompts))
+    return BenchConfig(sets, max_tokens=(16, 32), runs=2, temperature=temperature)
+
+
+def bench_artifact(kind: str, variant: str = "") -> dict:
+    """A bench artifact of ``kind`` built by ``bench.report.artifact`` from synthetic runs."""
+    from appliance.bench import report
+    from appliance.bench.runner import PairedResult
+    from appliance.bench.sweep import SweepResult, SweepRow
+
+    temperature = 0.7 if variant == "sampled" else 0.0
+    if kind == "paired":
+        result = PairedResult(
+            _endpoint_result("mtp", HOSTILE, 30.0, True, differ=variant == "differ"),
+            _endpoint_result("baseline", HOSTILE, 20.0, False),
+            temperature,
+        )
+    elif kind == "sweep":
+        result = SweepResult(
+            [SweepRow(k, _endpoint_result(f"k={k}", HOSTILE, 20.0 + k, True)) for k in (1, 3)]
+        )
+    else:
+        result = _endpoint_result("endpoint", HOSTILE, 25.0, variant != "absent")
+    return report.artifact(kind, _config(temperature), report.environment(), result)
+
+
+def demo_record(engine: bool = True) -> dict:
+    """A demo record (``DemoReport.to_dict()``): one call with figures, one without."""
+    from appliance import demo, specdecode
+
+    calls = [
+        demo.DemoCall(1, False, 48, None, 16, 32, 24, 0.75, 2.5, "request"),
+        demo.DemoCall(2, True, 32, 20, None, None, None, None, None, "unknown"),
+    ]
+    delta = specdecode.Delta("ok", 16, 32, 24) if engine else None
+    return demo.DemoReport("http://127.0.0.1:9/?a=1&b=2", HOSTILE, calls, delta).to_dict()
+
+
+BENCH_CASES = [
+    ("paired", "", {"speedup", "per-position", "shape-acceptance", "shape-tpot"}),
+    ("paired", "differ", {"speedup", "per-position", "shape-acceptance", "shape-tpot"}),
+    ("paired", "sampled", {"speedup", "per-position", "shape-acceptance", "shape-tpot"}),
+    ("sweep", "", {"sweep-tps", "sweep-tpot", "sweep-per-position"}),
+    ("single", "", {"per-position", "shape-acceptance", "shape-tpot"}),
+    ("single", "absent", {"shape-tpot"}),
+]
+
+
+def _listed_charts(page: str) -> list[str]:
+    return re.search(r'<body data-charts="([^"]*)"', page)[1].split()
+
+
+@pytest.mark.parametrize(
+    "kind,variant,charts", BENCH_CASES, ids=[f"{k}-{v or 'plain'}" for k, v, _ in BENCH_CASES]
+)
+def test_every_bench_page_prints_its_record_and_nothing_else(kind, variant, charts):
+    record = json.loads(json.dumps(bench_artifact(kind, variant)))
+    page = reports.render_bench(record)
+    parsed = assert_page_matches_record(page, record)
+    assert set(parsed.charts) == charts and _listed_charts(page) == parsed.charts
+    paths = {p for p, _, _ in parsed.values}
+    assert {"kind", "config.max_tokens.1", "definitions.tpot"} <= paths
+    if kind == "paired":
+        assert "paired.speedup.tpot.ratio" in paths and "paired.mtp.groups.3.tpot_s.median" in paths
+        assert "paired.baseline.groups.3.output_tps.median" in paths
+    if variant == "differ":  # the MTP side's outputs differ from the baseline's in every pair
+        assert '<p class="bad">' in page and "paired.parity.differing.15" in paths
+    elif kind == "paired" and not variant:
+        assert '<p class="good">' in page and "paired.parity.equal" in paths
+    if variant == "sampled":
+        assert "paired.parity.reason" in paths and "Not checked:" in page
+    if kind == "sweep":
+        assert {"sweep.recommended_k", "sweep.rows.1.per_position.1"} <= paths
+    if variant == "absent":
+        assert "endpoint: no per-position figures" in page
+
+
+@pytest.mark.parametrize("engine", [True, False], ids=["engine-delta", "no-engine-delta"])
+def test_the_demo_page_prints_its_record_and_nothing_else(engine):
+    record = json.loads(json.dumps(demo_record(engine)))
+    page = reports.render_demo(record)
+    parsed = assert_page_matches_record(page, record)
+    assert _listed_charts(page) == parsed.charts == ["call-acceptance", "call-tokens-per-step"]
+    paths = {p for p, _, _ in parsed.values}
+    assert {"calls.0.acceptance", "calls.1.acceptance", "totals.draft_tokens"} <= paths
+    assert ("engine_counters_delta.draft_tokens" in paths) == engine
+
+
+def test_names_from_the_record_are_text_on_the_page_never_markup():
+    # HOSTILE is the model name, a prompt set's name (so in the charts' labels too) and part of
+    # every differing pair's id; the URLs hold "&" and "<2>".
+    pages = [reports.render_bench(bench_artifact(k, v)) for k, v, _ in BENCH_CASES]
+    pages.append(reports.render_demo(demo_record()))
+    for page in pages:
+        assert "<script" not in page.lower()
+        bare_amp = re.search(r"&(?!(?:[a-zA-Z]+|#\d+|#x[0-9a-fA-F]+);)", page)
+        assert bare_amp is None, page[bare_amp.start() - 60 : bare_amp.end() + 60]
+    parsed = _Values()
+    parsed.feed(pages[1])  # paired, outputs differ
+    texts = {p: t for p, _, t in parsed.values}
+    assert texts["endpoints.0.model"] == HOSTILE  # the very characters, as text
+    assert texts["endpoints.0.url"] == "http://127.0.0.1:9/?a=1&b=<2>"
+    assert texts["paired.mtp.groups.0.prompt_set"] == HOSTILE
+    assert texts["paired.parity.differing.0"].startswith(HOSTILE + "/p0/")
+
+
 # --- real runs --------------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ Adopt it with one line::
 Sync and async clients, streamed and plain ``chat.completions.create`` / ``completions.create``
 are traced; results, exceptions and streams are the bare client's own. Each call gets one CLIENT
 span (OpenTelemetry GenAI conventions, see :mod:`.spans`) with ``gen_ai.vllm.mtp.*`` figures
-attributed per :mod:`.attribution`, and the Prometheus metrics of :mod:`.metrics`.
+attributed per :mod:`.rules`, and the Prometheus metrics of :mod:`.metrics`.
 
 Settings: :class:`AgentConfig` (``APPLIANCE_AGENT_*``) and the standard ``OTEL_*`` variables
 (:func:`setup_tracing`). Prompt and completion text are recorded only when
@@ -27,14 +27,16 @@ from prometheus_client import CollectorRegistry
 
 from .. import __version__, specdecode
 from ..vllm_client import normalise_base_url
-from . import attribution, metrics, spans
-from .attribution import Figures
+from . import metrics, spans
 from .calls import CallRecord, Settings, _role
 from .config import AgentConfig
 from .metrics import build_registry
 from .metrics import serve as serve_metrics
 from .patch import InstrumentedClient
+from .rules import Figures
+from .server import server_for
 from .tracing import exporting, setup_tracing
+from .worker import WORKER, register_exit_flush
 
 __all__ = [
     "AgentConfig",
@@ -61,7 +63,7 @@ def flush(timeout: float = 5.0) -> bool:
     before the client was instrumented. Called from an ``on_call`` callback it returns False
     at once (the callback runs on the agent's thread).
     """
-    return attribution.WORKER.flush(timeout)
+    return WORKER.flush(timeout)
 
 
 def instrument(
@@ -80,7 +82,7 @@ def instrument(
     """
     cfg = config or AgentConfig.from_env()
     # Ahead of the exit handlers registered so far (e.g. this provider's own shutdown).
-    attribution.register_exit_flush()
+    register_exit_flush()
     provider = tracer_provider or trace.get_tracer_provider()
     base = str(client.base_url)
     parts = urlsplit(base)
@@ -89,7 +91,7 @@ def instrument(
         config=cfg,
         tracer=provider.get_tracer("appliance.agent", __version__, schema_url=spans.SCHEMA_URL),
         metrics=metrics.for_registry(registry),
-        server=attribution.server_for(metrics_url),
+        server=server_for(metrics_url),
         address=parts.hostname,
         port=parts.port or (443 if parts.scheme == "https" else 80),
         role=role,

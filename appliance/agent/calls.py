@@ -16,10 +16,12 @@ from typing import Any
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
-from . import attribution, spans
-from .attribution import WORKER, Figures
+from . import rules, spans
 from .config import AgentConfig
 from .metrics import AgentMetrics
+from .rules import Figures
+from .server import Server, Window
+from .worker import WORKER
 
 _role: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "appliance_agent_role", default=None
@@ -56,7 +58,7 @@ class Settings:
     config: AgentConfig
     tracer: trace.Tracer
     metrics: AgentMetrics
-    server: attribution.Server
+    server: Server
     address: str | None
     port: int | None
     role: str
@@ -85,7 +87,7 @@ class Call:
         self.chunks = 0
         self.ttfc: float | None = None
         self.content: list[str] = []
-        self.window: attribution.Window | None = None
+        self.window: Window | None = None
         self.span: trace.Span | None = None
         self.started = time.perf_counter()
         self.ended = self.started
@@ -231,7 +233,7 @@ class Call:
         if mode == "off":
             return Figures("unknown", "skipped"), False
         if mode != "counters":
-            fig = attribution.from_response(self.extra)
+            fig = rules.from_response(self.extra)
             if fig is not None:
                 self.settings.server.per_request = True
                 return fig, False
@@ -278,7 +280,7 @@ class Call:
                 # The worker's backlog is full: no figures rather than an unbounded queue.
                 srv.after_done()
                 self.settings.metrics.error("backlog")
-                fig = attribution.UNKNOWN_SKIPPED
+                fig = rules.UNKNOWN_SKIPPED
             self._close(fig, error)
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
@@ -300,7 +302,7 @@ class Call:
                 srv.after_done()
             w = self.window
             before = srv.before(w)
-            fig = attribution.from_readings(
+            fig = rules.from_readings(
                 before,
                 after,
                 self.response_model or self.model,

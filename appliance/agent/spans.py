@@ -87,7 +87,7 @@ def _is_set(v: Any) -> bool:
 
 
 def figures_attributes(fig) -> dict[str, Any]:
-    """The ``gen_ai.vllm.mtp.*`` attributes of a :class:`~.attribution.Figures`."""
+    """The ``gen_ai.vllm.mtp.*`` attributes of a :class:`~.rules.Figures`."""
     attrs: dict[str, Any] = {MTP_SOURCE: fig.source, MTP_SHARED: fig.shared, MTP_STATUS: fig.status}
     for key, value in (
         (MTP_DRAFTS, fig.drafts),

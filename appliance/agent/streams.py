@@ -14,8 +14,8 @@ import weakref
 
 import wrapt
 
-from .attribution import WORKER
 from .calls import Call
+from .worker import WORKER
 
 
 class SyncStream(wrapt.ObjectProxy):

@@ -9,6 +9,8 @@ charts are matplotlib SVG embedded inline, so the page needs no network to be vi
 
 from __future__ import annotations
 
-from .html import check_target, render_bench, render_demo, write
+from .bench_page import render_bench
+from .demo_page import render_demo
+from .html import check_target, write
 
 __all__ = ["check_target", "render_bench", "render_demo", "write"]
