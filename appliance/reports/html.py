@@ -4,7 +4,6 @@ load a bench artifact back to render it again (the pages: :mod:`.bench_page`, :m
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
