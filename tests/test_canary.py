@@ -4,8 +4,10 @@ record files, and compare's judgement on records (the real-engine runs are test_
 from __future__ import annotations
 
 import dataclasses
+import http.server
 import json
 import socket
+import threading
 
 import pytest
 from click.testing import CliRunner
@@ -14,7 +16,7 @@ from appliance import canary, profiles
 from appliance.canary import cases, checks
 from appliance.canary.record import Output, Record, Settings
 from appliance.cli import cli
-from appliance.errors import UsageError
+from appliance.errors import EngineError, UsageError
 
 
 def _free_port() -> int:
@@ -334,3 +336,43 @@ def test_malformed_set_is_refused_before_any_connection(tmp_path):
     r = CliRunner().invoke(cli, ["canary", "record", "--url", url, "--out", str(out)])
     assert r.exit_code == 1 and "cannot reach" in r.output
     assert not out.exists()
+
+
+# --- the canary's time bound -----------------------------------------------------------------
+
+
+class _HungEngine(http.server.BaseHTTPRequestHandler):
+    """Answers vLLM's /version and /v1/models, then never answers a completion: a hung engine
+    (a real one cannot be made to hang on demand without stopping it for every other test)."""
+
+    release = threading.Event()
+
+    def do_GET(self):
+        body = {"/version": {"version": "0.32.0"}, "/v1/models": {"data": [{"id": "m"}]}}
+        data = json.dumps(body.get(self.path, {})).encode()
+        self.send_response(200 if self.path in body else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        _HungEngine.release.wait(60)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_canary_on_a_hung_engine_fails_within_its_bound_naming_it():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HungEngine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(EngineError) as err:
+            canary.run(cases.shipped(), url, "m", within=1.0)
+    finally:
+        _HungEngine.release.set()
+        server.shutdown()
+    n = len(cases.shipped().cases)
+    assert str(err.value).startswith(f"the canary did not finish within 1 s (0 of {n} prompts")
+    assert "--canary-timeout" in str(err.value)

@@ -17,9 +17,11 @@ from .cases import CanarySet, Case
 from .compare import Comparison, Policy, compare
 from .gate import CanaryFailed, Result, after, before
 from .policy import Plan, plan
+from .record import DEFAULT_WITHIN_S as DEFAULT_TIMEOUT
 from .record import Record, Settings, load, run, save
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "CanaryFailed",
     "CanarySet",
     "Case",

@@ -74,6 +74,7 @@ def _record(
     image: str | None,
     save_to: Path | None,
     say: Progress,
+    within: float,
 ) -> Record:
     cases = _cases(plan)
     say(f"canary: recording {len(cases.cases)} prompts on {image or url}{when}")
@@ -85,6 +86,7 @@ def _record(
         settings=plan.settings,
         image=image,
         profile=plan.profile,
+        within=within,
     )
     if save_to is not None:
         records.save(rec, save_to)
@@ -101,8 +103,10 @@ def before(
     image: str | None = None,
     save_to: Path | None = None,
     progress: Progress | None = None,
+    within: float = records.DEFAULT_WITHIN_S,
 ) -> Record:
-    """Record the serving (old) image's answers; saved to ``save_to`` when given."""
+    """Record the serving (old) image's answers, within ``within`` seconds; saved to
+    ``save_to`` when given."""
     say = progress or (lambda _m: None)
     return _record(
         plan,
@@ -113,6 +117,7 @@ def before(
         image=image,
         save_to=save_to,
         say=say,
+        within=within,
     )
 
 
@@ -126,6 +131,7 @@ def after(
     image: str | None = None,
     save_to: Path | None = None,
     progress: Progress | None = None,
+    within: float = records.DEFAULT_WITHIN_S,
 ) -> Result:
     """Record the new image's answers and judge them against ``baseline`` by the plan's policy.
 
@@ -133,7 +139,9 @@ def after(
     ``not result.ok``); engine errors propagate as :class:`appliance.errors.EngineError`.
     """
     say = progress or (lambda _m: None)
-    rec = _record(plan, url, model, "", api_key=api_key, image=image, save_to=save_to, say=say)
+    rec = _record(
+        plan, url, model, "", api_key=api_key, image=image, save_to=save_to, say=say, within=within
+    )
     result = Result(baseline, rec, compare(baseline, rec, plan.policy))
     say(result.summary())
     return result

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from .. import canary as canaries
 from ..cutover import flow, history
 from ..cutover import metrics as cutover_metrics
 from ..cutover.status import describe_running
@@ -97,6 +98,14 @@ def _canary_line(entries: list[history.Entry]) -> str:
     "compare the new image's after the other gates [default: the profile's [canary] enabled].",
 )
 @click.option(
+    "--canary-timeout",
+    type=click.FloatRange(min=1),
+    default=canaries.DEFAULT_TIMEOUT,
+    show_default=True,
+    help="Seconds the canary may take on each side (the old image's answers before the "
+    "restart, the new image's after the gates), on top of --timeout; slower fails the canary.",
+)
+@click.option(
     "--canary-file",
     multiple=True,
     type=click.Path(path_type=Path, dir_okay=False),
@@ -117,6 +126,7 @@ def cutover(
     allow_no_mtp: bool,
     canary: bool | None,
     canary_file: tuple[Path, ...],
+    canary_timeout: float,
     allow_unit_overrides: bool,
     root: Path,
 ) -> None:
@@ -139,6 +149,7 @@ def cutover(
         allow_no_mtp=allow_no_mtp,
         canary=canary,
         canary_files=canary_file,
+        canary_timeout=canary_timeout,
         allow_unit_overrides=allow_unit_overrides,
     )
     click.echo(f"{instance}: now on {entry.to_image} (was {entry.from_image}); gates passed")

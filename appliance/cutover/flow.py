@@ -284,11 +284,13 @@ def cutover(
     canary_files: tuple[Path, ...] = (),
     way_back_required: bool = True,
     allow_unit_overrides: bool = False,
+    canary_timeout: float = canaries.DEFAULT_TIMEOUT,
 ) -> Entry:
     """Move ``instance`` to ``image`` through the gates; on failure, back to where it was.
 
     ``canary``: run the output canary (None: the profile's ``[canary] enabled``);
-    ``canary_files``: the operator's JSONL cases, added to the shipped set.
+    ``canary_files``: the operator's JSONL cases, added to the shipped set;
+    ``canary_timeout``: the seconds each side of the canary may take (on top of ``timeout``).
     ``way_back_required``: refuse when the current image cannot be the way back (a rollback
     goes ahead instead: a missing or broken current image is what it is there for).
     ``allow_unit_overrides``: warn instead of refusing when a drop-in or another env file may
@@ -322,7 +324,7 @@ def cutover(
         # While the old image serves, before anything is written: an engine that cannot answer
         # the canary refuses the cutover with nothing touched; so does a signal.
         try:
-            baseline = _canary_before(ctx, plan, tgt, api_key, current_ref)
+            baseline = _canary_before(ctx, plan, tgt, api_key, current_ref, canary_timeout)
         except Interrupted as stop:
             raise CutoverInterrupted(
                 f"{kind} of {instance} interrupted by {stop.name} before anything was touched"
@@ -351,7 +353,7 @@ def cutover(
             write_atomic(env_path, env.with_value(envfile.IMAGE_KEY, image))
             entry.gates = _restart_and_wait(ctx, unit, _expect(tgt, new, api_key), timeout)
             if baseline is not None:
-                _canary_after(ctx, plan, baseline, tgt, api_key, image, entry)
+                _canary_after(ctx, plan, baseline, tgt, api_key, image, entry, canary_timeout)
             sig.hold()  # every gate passed: a signal from here on is too late to matter
         except gates.GateFailed as failed:
             entry.gates = failed.gates
@@ -460,7 +462,12 @@ def _interrupted_gates(stop: Interrupted, so_far: list[Gate]) -> list[Gate]:
 
 
 def _canary_before(
-    ctx: Context, plan: canaries.Plan, tgt: Instance, api_key: str | None, image: str | None
+    ctx: Context,
+    plan: canaries.Plan,
+    tgt: Instance,
+    api_key: str | None,
+    image: str | None,
+    within: float,
 ) -> canaries.Record | None:
     """Record the old image's answers (None when the canary is off)."""
     if not plan.enabled:
@@ -479,6 +486,7 @@ def _canary_before(
             image=image,
             save_to=ctx.layout.canary_record(tgt.name, "before"),
             progress=ctx.progress,
+            within=within,
         )
     except EngineError as exc:
         raise PreflightError(
@@ -496,6 +504,7 @@ def _canary_after(
     api_key: str | None,
     image: str,
     entry: Entry,
+    within: float,
 ) -> None:
     """The canary gate: run the set on the new image and judge it against ``baseline``.
 
@@ -513,6 +522,7 @@ def _canary_after(
             image=image,
             save_to=ctx.layout.canary_record(tgt.name, "after"),
             progress=ctx.progress,
+            within=within,
         )
     except (EngineError, UsageError) as exc:
         entry.canary = {
