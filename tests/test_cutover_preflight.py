@@ -114,13 +114,13 @@ def test_the_way_back_is_the_image_the_env_file_names_under_the_lock(
     """The old code inspected the way back before the lock: a cutover that ended meanwhile left
     ``gone:1`` in the env file, and this one went ahead with no image to return to."""
     from appliance.cutover import flow
-    from appliance.cutover.flow import PreflightError
+    from appliance.cutover.context import Context, PreflightError
     from appliance.host.layout import Layout
     from appliance.host.systemd import Systemd
 
     new, was = preflight_images["mtp"], preflight_images["pre-mtp"]
     client = _ConcurrentCutoverEnds(cutover_docker, new, mtp_instance.env_path, was, "gone:1")
-    ctx = flow.Context(
+    ctx = Context(
         layout=Layout(mtp_instance.root),
         systemd=Systemd(prefix=(str(tmp_path / "no-systemctl"),)),
         docker_client=client,

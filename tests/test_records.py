@@ -21,7 +21,7 @@ from appliance.bench.prompts import Prompt, PromptSet
 from appliance.bench.runner import BenchConfig, Endpoint, EndpointResult, RunRecord
 from appliance.canary.record import Output, Record, Settings
 from appliance.cli import cli
-from appliance.cutover import flow, history
+from appliance.cutover import history, recovery
 from appliance.cutover.history import Entry, Gate
 from appliance.errors import UsageError
 from appliance.fleet import soak
@@ -271,7 +271,7 @@ def test_a_wrong_typed_history_line_does_not_stop_the_rollbacks_look_for_a_kille
     path.parent.mkdir(parents=True)
     killed = {**_entry(), "outcome": "started"}
     path.write_text(json.dumps({**_entry(), "started": [1]}) + "\n" + json.dumps(killed) + "\n")
-    found = flow.interrupted_entry(layout, "i1")
+    found = recovery.interrupted_entry(layout, "i1")
     assert found is not None and found.id == killed["id"]
 
 

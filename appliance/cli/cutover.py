@@ -1,6 +1,6 @@
 """``appliance cutover|rollback|status|history``: move an instance between images, safely.
 
-Thin: each command builds a :class:`appliance.cutover.flow.Context` and calls the library.
+Thin: each command builds a :class:`appliance.cutover.context.Context` and calls the library.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pathlib import Path
 import click
 
 from .. import canary as canaries
-from ..cutover import flow, history
+from ..cutover import flow, history, recovery
 from ..cutover import metrics as cutover_metrics
+from ..cutover.context import Context
 from ..cutover.status import describe_running
 from ..cutover.status import status as get_status
 from ..host import lock as locks
@@ -29,8 +30,8 @@ def _progress(msg: str) -> None:
         click.echo(msg, err=True)
 
 
-def _context(root: Path, progress: bool = True) -> flow.Context:
-    return flow.Context(layout=Layout(root), progress=_progress if progress else (lambda _m: None))
+def _context(root: Path, progress: bool = True) -> Context:
+    return Context(layout=Layout(root), progress=_progress if progress else (lambda _m: None))
 
 
 def _docker_or_none():
@@ -172,9 +173,9 @@ def rollback(instance: str, timeout: float, root: Path) -> None:
 
     After a cutover that was killed (SIGKILL, power loss), return to where it started instead
     (the env file saved before it) and close its history entry."""
-    entry = flow.rollback(_context(root), instance, timeout=timeout)
+    entry = recovery.rollback(_context(root), instance, timeout=timeout)
     if entry.interrupted == "killed":
-        back = flow.recovery_image(entry)
+        back = recovery.recovery_image(entry)
         click.echo(
             f"{instance}: recovered the interrupted {entry.kind} "
             f"({entry.from_image} -> {entry.to_image}): on {back}; gates passed"

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from .. import multinode, units
-from ..cutover.flow import Context
+from ..cutover.context import Context
 from ..host.layout import Layout
 from ..host.systemd import Systemd
 from .options import root_option

@@ -5,7 +5,10 @@ A cutover is, underneath, what an operator could do by hand: set ``VLLM_IMAGE`` 
 package adds what the hand path lacks: checks before the service is touched, health gates after
 the restart, an automatic way back, one cutover at a time per instance, and a history.
 
-One job per module: ``paths`` (where things live), ``envfile`` (atomic env file edits),
-``history`` (append-only JSONL), ``lock`` (per-instance flock), ``systemd`` (systemctl and
-journalctl), ``gates`` (is the new engine really serving), ``flow`` (the state machine).
+One job per module: ``context`` (what a cutover talks to), ``preflight`` (the checks before
+anything is touched), ``flow`` (the state machine), ``gates`` (is the new engine really serving),
+``slot`` (the rollback target), ``recovery`` (``rollback``, and a killed cutover's recovery),
+``history`` (append-only JSONL), ``signals`` (Ctrl-C, TERM and a hang-up become the way back),
+``status`` and ``metrics`` (what an operator and Prometheus read). The host's env file, lock and
+systemd calls are :mod:`appliance.host`'s.
 """

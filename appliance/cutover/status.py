@@ -19,17 +19,11 @@ from ..host import lock as locks
 from ..host.names import check_instance, container_name, unit_name
 from ..vllm_client import VLLMClient
 from . import history
-from .flow import (
-    Context,
-    ImageInfo,
-    inspect_image,
-    recovery_command,
-    recovery_image,
-    rollback_image,
-    running_image_id,
-    target,
-)
+from .context import Context
 from .history import Entry
+from .preflight import ImageInfo, inspect_image, running_image_id, target
+from .recovery import recovery_command, recovery_image
+from .slot import rollback_image
 
 
 @dataclass

@@ -18,7 +18,8 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..cutover import flow
+from ..cutover.context import Context
+from ..cutover.preflight import target
 from ..cutover.status import status
 from ..errors import ApplianceError, UsageError
 from ..host.layout import Layout
@@ -63,7 +64,7 @@ def running_image(instance: str) -> str | None:
 
 def host_status(instance: str, root: Path = Path("/")) -> HostStatus:
     """Gather :class:`HostStatus` for ``instance`` (read only)."""
-    ctx = flow.Context(layout=Layout(root))
+    ctx = Context(layout=Layout(root))
     st = status(ctx, instance, last=1)
     last = None
     if st.entries:
@@ -84,7 +85,7 @@ def host_status(instance: str, root: Path = Path("/")) -> HostStatus:
     )
     if st.healthy and st.url:
         try:
-            key = flow.target(ctx, instance).api_key()
+            key = target(ctx, instance).api_key()
             since_start = soak.window(None, soak.read(st.url, key)).spec
             out.acceptance = since_start.acceptance
             out.tokens_per_step = since_start.tokens_per_step

@@ -34,17 +34,11 @@ from pathlib import Path
 
 from .. import apikey, imageref, profiles
 from ..cutover import gates, history
-from ..cutover.flow import (
-    Context,
-    CutoverFailed,
-    ImageInfo,
-    PreflightError,
-    RollbackFailed,
-    check_compatible,
-    inspect_image,
-    rollback_image,
-)
+from ..cutover.context import Context, PreflightError
+from ..cutover.flow import CutoverFailed, RollbackFailed
 from ..cutover.history import Entry, Gate
+from ..cutover.preflight import ImageInfo, check_compatible, inspect_image
+from ..cutover.slot import rollback_image
 from ..errors import UsageError
 from ..fsutil import write_atomic
 from ..host import envfile

@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from appliance import devmodel, multinode, profiles, specdecode, units
-from appliance.cutover.flow import Context
+from appliance.cutover.context import Context
 from appliance.engine.local import free_port
 from appliance.host.layout import Layout
 from appliance.host.systemd import Systemd

@@ -1,0 +1,177 @@
+"""The checks before a cutover touches anything: the image is here (never pulled) and fits
+the profile, the way back is an image that is here too, nothing but the env file sets the
+unit's image."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import imageref, labels, versions
+from ..errors import ApplianceError, EngineError, UsageError
+from ..host import envfile
+from ..host.layout import ENV_DIR
+from ..host.systemd import SystemdError
+from ..profiles import Profile
+from ..units.instance import Instance
+from ..units.instance import read as read_instance
+from .context import Context, PreflightError
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """An image as the local Docker engine knows it."""
+
+    ref: str
+    id: str
+    vllm_version: str | None
+    mtp: bool
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def inspect_image(ctx: Context, ref: str) -> ImageInfo:
+    """The local image ``ref``; never pulls. A missing image is a :class:`PreflightError`."""
+    import docker
+
+    imageref.validate(ref)
+    try:
+        img = ctx.docker().images.get(ref)
+    except docker.errors.ImageNotFound:
+        raise PreflightError(
+            f"image {ref} is not on this host",
+            fix="the appliance never pulls: build it (appliance image build) or docker load it",
+        ) from None
+    except docker.errors.DockerException as exc:
+        raise PreflightError(f"cannot inspect image {ref}: {exc}") from exc
+    found = dict(img.labels or {})
+    return ImageInfo(
+        ref=ref,
+        id=img.id,
+        vllm_version=labels.vllm_version(found),
+        mtp=labels.supports_mtp(found),
+        labels=found,
+    )
+
+
+def check_compatible(image: ImageInfo, profile: Profile, *, allow_no_mtp: bool) -> None:
+    """Refuse an image whose labels cannot serve ``profile`` (clear error naming both)."""
+    if image.vllm_version is None:
+        raise PreflightError(
+            f"image {image.ref} has no {labels.VLLM_VERSION} label, so it is not an appliance "
+            "image and its engine cannot be checked",
+            fix="build it with `appliance image build`",
+        )
+    if image.mtp and not versions.has_mtp(image.vllm_version):
+        raise PreflightError(
+            f"image {image.ref} is labelled {labels.MTP}=true but its vLLM {image.vllm_version} "
+            f"has no Gemma 4 MTP (needs >= {labels.MTP_MIN_VLLM})",
+            fix="rebuild the image: its labels are wrong",
+        )
+    if profile.mtp and not image.mtp and not allow_no_mtp:
+        raise PreflightError(
+            f"profile {profile.name} requests Gemma 4 MTP but image {image.ref} "
+            f"(vLLM {image.vllm_version}) does not support it",
+            fix="choose an MTP image, or return to a pre-MTP image on purpose with "
+            "`appliance rollback` or `--allow-no-mtp`",
+        )
+
+
+def target(ctx: Context, name: str) -> Instance:
+    """The instance's facts (profile, URL, image, key file), read once from its env file."""
+    return read_instance(ctx.layout.root, name)
+
+
+def running_image_id(ctx: Context, container: str) -> str | None:
+    """The ID of the image ``container`` runs (``docker inspect -f '{{.Image}}'``); None when
+    there is no such container."""
+    import docker
+
+    try:
+        return ctx.docker().containers.get(container).attrs.get("Image") or None
+    except docker.errors.NotFound:
+        return None
+    except docker.errors.DockerException as exc:
+        raise EngineError(f"cannot inspect container {container}: {exc}") from exc
+
+
+def unit_overrides(ctx: Context, inst: Instance) -> list[str]:
+    """What besides the instance's env file could set ``VLLM_IMAGE`` for its unit: another
+    ``EnvironmentFile`` (a later one wins), or a drop-in that names ``VLLM_IMAGE``. Empty when
+    the unit is not loaded. Raises :class:`SystemdError` when systemd cannot be asked."""
+    unit = inst.unit
+    props = ctx.systemd.show(unit, "LoadState", "DropInPaths")
+    if props.get("LoadState") == "not-found":
+        return []
+    own = f"/{ENV_DIR}/{inst.name}.env"
+    files = [v.split(" (", 1)[0] for v in ctx.systemd.show_all(unit, "EnvironmentFiles") if v]
+    problems = []
+    if files and files != [own]:
+        problems.append(f"{unit} reads {len(files)} EnvironmentFile(s): {', '.join(files)}")
+        for f in files:
+            if f == own:
+                continue
+            try:
+                value = envfile.parse(_under(ctx, f).read_bytes(), f).get(envfile.IMAGE_KEY)
+            except (OSError, ApplianceError) as exc:
+                problems.append(f"{f} cannot be read ({exc})")
+                continue
+            if value is not None:
+                problems.append(f"{f} sets {envfile.IMAGE_KEY}={value}")
+    for d in props.get("DropInPaths", "").split():
+        try:
+            text = _under(ctx, d).read_text(errors="replace")
+        except OSError:
+            continue
+        if envfile.IMAGE_KEY in text:
+            problems.append(f"drop-in {d} names {envfile.IMAGE_KEY}")
+    return problems
+
+
+def _under(ctx: Context, path: str) -> Path:
+    return ctx.layout.root / path.lstrip("/")
+
+
+def check_unit_overrides(ctx: Context, inst: Instance, *, allow: bool) -> None:
+    """Refuse (or, with ``allow``, warn) when something besides the env file may set the image:
+    the cutover would edit a file the unit does not go by."""
+    try:
+        problems = unit_overrides(ctx, inst)
+    except SystemdError as exc:
+        ctx.progress(f"warning: cannot check {inst.unit} for overrides ({exc})")
+        return
+    if not problems:
+        return
+    what = "; ".join(problems)
+    if allow:
+        ctx.progress(
+            f"warning: {what}; going ahead (--allow-unit-overrides): the image gate checks "
+            "what the container really runs"
+        )
+        return
+    raise PreflightError(
+        f"{inst.unit} may not run the image {inst.env_path.name} names: {what}",
+        fix="remove the override (then `systemctl daemon-reload`), or pass "
+        "--allow-unit-overrides (the gates still check the running container's image)",
+    )
+
+
+def way_back(
+    ctx: Context, current_ref: str | None, image: str, rollback: bool, required: bool
+) -> tuple[ImageInfo | None, str | None]:
+    """The image the cutover returns to on failure, and why it cannot when it cannot (a
+    PreflightError when the way back is ``required``)."""
+    if not current_ref or not rollback:
+        return None, None
+    try:
+        return inspect_image(ctx, current_ref), None
+    except (PreflightError, UsageError) as exc:
+        if required:
+            raise PreflightError(
+                f"the current image cannot be the way back: {exc}",
+                fix="restore it first, or pass --no-rollback to go without a way back",
+            ) from exc
+        ctx.progress(
+            f"warning: the current image {current_ref} cannot be inspected ({exc}): "
+            f"going ahead; if {image} fails too there is no way back"
+        )
+        return None, str(exc)
