@@ -17,6 +17,7 @@ from appliance import metrics_reader
 from appliance.agent import AgentConfig, build_registry, metrics, rules, spans, tracing
 from appliance.agent.server import RESTART_MAX_S, RESTART_MIN_S, Server, Window
 from appliance.errors import UsageError
+from appliance.observability import names as series
 
 CAPTURE = (Path(__file__).parent / "data" / "metrics-vllm-0.32-mtp.txt").read_text()
 
@@ -24,8 +25,11 @@ CAPTURE = (Path(__file__).parent / "data" / "metrics-vllm-0.32-mtp.txt").read_te
 def test_registry_has_exactly_the_contract_names():
     reg = build_registry()
     names = {fam.name for fam in reg.collect()}
-    # prometheus-client reports counter families without ``_total``.
-    expected = {n.removesuffix("_total") for n in metrics.METRIC_NAMES}
+    # The names the dashboards and rules read (the contract); prometheus-client reports counter
+    # families without ``_total``.
+    contract = [v.metric for k, v in vars(series).items() if k.startswith("AGENT_")]
+    assert len(contract) == 7
+    expected = {n.removesuffix("_total") for n in contract}
     assert names == expected
     samples = {s.name for fam in build_registry().collect() for s in fam.samples}
     assert samples == set()  # labelled metrics have no samples until used

@@ -20,17 +20,6 @@ ACCEPTANCE_BUCKETS = (0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0
 TOKENS_PER_STEP_BUCKETS = tuple(1.0 + i * 0.25 for i in range(33))  # 1.0, 1.25, ..., 9.0
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-# Every name the agent exports, for the dashboards' metric check.
-METRIC_NAMES = (
-    "gemma4_agent_call_acceptance",
-    "gemma4_agent_call_tokens_per_step",
-    "gemma4_agent_drafted_tokens_total",
-    "gemma4_agent_accepted_tokens_total",
-    "gemma4_agent_calls_total",
-    "gemma4_agent_call_duration_seconds",
-    "gemma4_agent_errors_total",
-)
-
 
 @dataclass
 class AgentMetrics:

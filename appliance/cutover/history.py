@@ -25,7 +25,6 @@ Kind = Literal["cutover", "rollback"]
 # serving again. failed: it failed and so did the way back (or --no-rollback was given).
 # started: the begin line. interrupted: a begin line whose process never wrote the end.
 Outcome = Literal["started", "ok", "rolled_back", "failed", "interrupted"]
-FINAL = ("ok", "rolled_back", "failed")
 
 
 @dataclass

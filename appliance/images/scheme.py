@@ -26,7 +26,6 @@ PRE_MTP_TAG = "pre-mtp"
 FLOATING_TAGS = (MTP_TAG, LATEST_TAG, PRE_MTP_TAG)
 # Set by the builder: which recipe made the image, and the digest of everything that went in.
 BROKEN = "io.gemma4-appliance.broken"
-VARIANT = "io.gemma4-appliance.variant"
 BUILD_DIGEST = "io.gemma4-appliance.build-digest"
 
 _REPO = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*")
