@@ -572,7 +572,7 @@ _SHOW_KEY = "import os, sys\nprint(repr(os.environ.get('VLLM_API_KEY')), sys.arg
 def test_the_entry_point_reads_the_key_by_the_appliances_rule(
     appliance_images, tmp_path, content, via
 ):
-    """The key on stdin (what the serve script does) or in a mounted secret file: the same key
+    """The key on stdin (what the serve program does) or in a mounted secret file: the same key
     as appliance/apikey.py reads, or exit 78 and one line that does not show it."""
     import subprocess
 

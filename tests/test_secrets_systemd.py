@@ -250,13 +250,3 @@ def test_an_unlabelled_image_gets_the_key_by_name_and_no_output_shows_it(tmp_pat
         assert (proc.returncode, proc.stdout) == (78, ""), proc.stderr
         assert "holds characters outside the safe set" in proc.stderr
         assert shows not in proc.stderr.split(":", 1)[1].replace(str(key_path), "")
-
-
-def test_the_image_entry_point_reads_the_key_where_the_serve_program_sends_it():
-    # The entry point is the image's shell (it runs inside the container, before vLLM).
-    entrypoint = (Path(units.__file__).parents[2] / "docker" / "entrypoint.sh").read_text()
-    assert f'"${{{labels.API_KEY_STDIN_ENV}:-}}" = 1' in entrypoint
-    assert f"KEY_FILE={labels.API_KEY_PATH}\n" in entrypoint
-    for recipe in ("Dockerfile", "cpu/Dockerfile"):
-        text = (Path(units.__file__).parents[2] / "docker" / recipe).read_text()
-        assert f'{labels.API_KEY_STDIN}="true"' in text, recipe
