@@ -7,14 +7,17 @@ import dataclasses
 import http.server
 import json
 import socket
+import statistics
 import threading
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
 
 from appliance import canary, profiles
 from appliance.canary import cases, checks
-from appliance.canary.record import Output, Record, Settings
+from appliance.canary.record import Output, Record, Settings, SpecFigures
 from appliance.cli import cli
 from appliance.errors import EngineError, UsageError
 
@@ -376,3 +379,84 @@ def test_a_canary_on_a_hung_engine_fails_within_its_bound_naming_it():
     n = len(cases.shipped().cases)
     assert str(err.value).startswith(f"the canary did not finish within 1 s (0 of {n} prompts")
     assert "--canary-timeout" in str(err.value)
+
+
+# --- acceptance: how the answers were made (issue 26) -----------------------------------------
+
+
+def _drafted(rec: Record, accepted: dict[str, int], k: int = 2, drafts: int = 10) -> Record:
+    """``rec`` with per-prompt figures: ``drafts`` steps of ``k`` draft tokens each, of which
+    ``accepted[id]`` were accepted (split over the positions front first)."""
+    outs = []
+    for o in rec.outputs:
+        n = accepted[o.id]
+        per_pos = tuple(min(drafts, max(0, n - i * drafts)) for i in range(k))
+        spec = SpecFigures(drafts, drafts * k, n, per_pos, "request")
+        outs.append(dataclasses.replace(o, spec=spec))
+    return dataclasses.replace(rec, outputs=tuple(outs))
+
+
+IDS = {f"p{i}": (i, i + 1) for i in range(5)}
+
+
+def test_same_answers_with_fewer_accepted_drafts_fail_naming_acceptance():
+    before = _drafted(_rec(IDS), dict.fromkeys(IDS, 16))  # 80%
+    after = _drafted(_rec(IDS), dict.fromkeys(IDS, 8))  # 40%
+    c = canary.compare(before, after)
+    assert c.parity == 1.0 and not c.ok
+    assert "draft acceptance fell 80% -> 40% (median drop 40% per prompt, tolerance 10%)" in (
+        c.summary()
+    )
+    assert "tokens per step 2.60 -> 1.80" in c.summary()
+    figs = c.figures()["acceptance"]
+    assert (figs["before"], figs["after"], figs["median_change"]) == (0.8, 0.4, -0.4)
+    assert figs["per_position_before"] == [1.0, 0.6] and figs["per_position_after"] == [0.8, 0.0]
+    # The reverse is a rise: it passes, and the summary says by how much.
+    back = canary.compare(after, before)
+    assert back.verdict == "pass" and "(median change +40%" in back.summary()
+
+
+def test_one_odd_prompt_does_not_decide_and_a_small_drift_is_within_tolerance():
+    before = _drafted(_rec(IDS), dict.fromkeys(IDS, 16))
+    odd = _drafted(_rec(IDS), {**dict.fromkeys(IDS, 16), "p0": 0})
+    assert canary.compare(before, odd).ok
+    drift = _drafted(_rec(IDS), dict.fromkeys(IDS, 15))  # 80% -> 75%
+    assert canary.compare(before, drift).ok
+    assert not canary.compare(before, drift, canary.Policy(max_acceptance_drop=0.04)).ok
+
+
+def test_records_without_figures_compare_on_answers_only_and_say_so():
+    c = canary.compare(_rec(IDS), _drafted(_rec(IDS), dict.fromkeys(IDS, 16)))
+    assert c.verdict == "pass" and c.acceptance is None
+    assert "acceptance not compared (a record has no speculative-decoding figures)" in c.summary()
+
+
+@given(
+    st.lists(st.integers(0, 20), min_size=1, max_size=8),
+    st.lists(st.integers(0, 20), min_size=1, max_size=8),
+)
+def test_the_verdict_follows_the_median_per_prompt_change(before_acc, after_acc):
+    n = min(len(before_acc), len(after_acc))
+    ids = {f"p{i}": (i,) for i in range(n)}
+    b = _drafted(_rec(ids), dict(zip(ids, before_acc)))
+    a = _drafted(_rec(ids), dict(zip(ids, after_acc)))
+    c = canary.compare(b, a)
+    changes = sorted(y / 20 - x / 20 for x, y in zip(before_acc, after_acc))
+    median = statistics.median(changes)
+    assert c.acceptance.median_change == pytest.approx(median)
+    assert c.ok == (median >= -0.1 - 1e-9)
+
+
+def test_a_profile_sets_the_acceptance_tolerance_and_the_cli_can_override_it(tmp_path):
+    before = _drafted(_rec(IDS), dict.fromkeys(IDS, 16))
+    after = _drafted(_rec(IDS), dict.fromkeys(IDS, 13))  # a 15-point drop
+    paths = []
+    for name, rec in (("b", before), ("a", after)):
+        paths.append(str(canary.save(rec, tmp_path / f"{name}.json")))
+    run = CliRunner().invoke
+    res = run(cli, ["canary", "compare", *paths, "--profile", "cpu-tiny-mtp"])
+    assert res.exit_code == 1 and "draft acceptance fell 80% -> 65%" in res.output
+    res = run(cli, ["canary", "compare", *paths, "--max-acceptance-drop", "0.2", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["acceptance"]["median_change"] == -0.15
+    res = run(cli, ["canary", "compare", *paths, "--max-acceptance-drop", "2"])
+    assert res.exit_code == 2 and "max_acceptance_drop must be within 0..1" in res.output

@@ -64,9 +64,9 @@ def test_mtp_on_is_lossless_with_the_copy_drafter(rec_baseline, rec_mtp):
     assert c.passed_before == c.passed_after
 
 
-def test_mtp_on_is_lossless_with_the_random_drafter(rec_baseline, mtp_random_engine):
+def test_mtp_on_is_lossless_with_the_random_drafter(rec_baseline, rec_random):
     # Acceptance ~0: every token comes from the target's own verification, none from a draft.
-    c = canary.compare(rec_baseline, _record(mtp_random_engine), POLICY)
+    c = canary.compare(rec_baseline, rec_random, POLICY)
     assert c.verdict == "pass", c.summary()
     assert c.parity == 1.0
 
@@ -193,3 +193,27 @@ def test_cli_record_and_compare_end_to_end(baseline_engine, mtp_random_engine, t
     )
     assert r.exit_code == 2 and "is empty" in r.output
     assert not c.exists()
+
+
+@pytest.fixture(scope="module")
+def rec_random(mtp_random_engine) -> canary.Record:
+    return _record(mtp_random_engine)
+
+
+def test_the_random_drafter_keeps_every_answer_and_fails_on_acceptance(rec_mtp, rec_random):
+    """The regression the answers cannot show (issue 26): the same target, a drafter whose drafts
+    are never accepted; greedy verification keeps every answer token-identical."""
+    for rec in (rec_mtp, rec_random):
+        assert {o.spec.source for o in rec.outputs} == {"request"}  # vLLM 0.32's own block
+    c = canary.compare(rec_mtp, rec_random, POLICY)
+    assert c.parity == 1.0 and not c.ok
+    assert "draft acceptance fell" in c.summary() and "the same answers" in c.summary()
+    assert c.acceptance.before - c.acceptance.after > 0.5, c.summary()
+    back = canary.compare(rec_random, rec_mtp, POLICY)
+    assert back.ok and "median change +" in back.summary(), back.summary()
+
+
+def test_without_per_request_metrics_the_figures_come_from_the_counters(mtp_counters_engine):
+    rec = _record(mtp_counters_engine)
+    assert {o.spec.source for o in rec.outputs} == {"counters"}
+    assert all(o.spec.drafts > 0 for o in rec.outputs)

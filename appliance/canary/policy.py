@@ -48,7 +48,7 @@ def plan(
     where = f"profile {profile.name} [canary]"
     try:
         settings = Settings(max_tokens=c.max_tokens, seed=c.seed)
-        policy = Policy(min_parity=c.min_parity, max_pass_rate_drop=c.max_pass_rate_drop)
+        policy = Policy.of(c)
     except UsageError as exc:
         raise UsageError(f"{where}: {exc.message}", fix=exc.fix) from exc
     on = c.enabled if enabled is None else enabled

@@ -15,19 +15,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import records
+from .. import records, specdecode
 from ..errors import EngineError, UsageError
 from ..fsutil import write_atomic
 from ..vllm_client import VLLMClient
-
-# The whole set, one prompt at a time: a 31B model answers the 14 shipped prompts in about a
-# minute; five is a hung engine, not a slow one.
-DEFAULT_WITHIN_S = 300.0
 from .cases import CanarySet
 
 FORMAT = "appliance-canary-record/1"
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_SEED = 0
+# The whole set, one prompt at a time: a 31B model answers the 14 shipped prompts in about a
+# minute; five is a hung engine, not a slow one.
+DEFAULT_WITHIN_S = 300.0
 
 Progress = Callable[[str], None]
 
@@ -48,8 +47,43 @@ class Settings:
 
 
 @dataclass(frozen=True)
+class SpecFigures:
+    """How one answer was made: the speculative decoding behind it. ``source`` is ``request``
+    (the response's own block, vLLM 0.32 with per-request metrics) or ``counters`` (the
+    engine's counters around the case; exact, as the canary runs one prompt at a time)."""
+
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    accepted_per_pos: tuple[int, ...]
+    source: str
+
+    @property
+    def acceptance(self) -> float | None:
+        return specdecode.acceptance(self.accepted, self.draft_tokens)
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return specdecode.tokens_per_step(self.accepted, self.drafts)
+
+    @classmethod
+    def of(cls, delta: specdecode.Delta | None, source: str) -> SpecFigures | None:
+        """The figures of a usable delta, else None (no speculative decoding, a reset)."""
+        if delta is None or delta.status != "ok" or delta.drafts is None:
+            return None
+        return cls(
+            delta.drafts,
+            delta.draft_tokens or 0,
+            delta.accepted or 0,
+            tuple(delta.accepted_per_pos or ()),
+            source,
+        )
+
+
+@dataclass(frozen=True)
 class Output:
-    """One case's answer. ``passed`` is None for a case without a check."""
+    """One case's answer. ``passed`` is None for a case without a check; ``spec`` None when the
+    engine drafts nothing (no MTP) or the record is older than the figures."""
 
     id: str
     kind: str
@@ -59,6 +93,7 @@ class Output:
     finish_reason: str | None
     seconds: float
     passed: bool | None = None
+    spec: SpecFigures | None = None
 
 
 @dataclass(frozen=True)
@@ -144,11 +179,13 @@ def run(
     started = time.time()
     t0 = time.perf_counter()
     outputs = []
+    per_request = False  # once the engine sends its own figures, no counters are read
     with VLLMClient(url, api_key=api_key, timeout=within) as client:
         for case in cset.cases:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _too_slow(within, len(outputs), len(cset.cases))
+            counters = None if per_request else _counters(client)
             try:
                 ans = client.generate(
                     model,
@@ -164,6 +201,10 @@ def run(
                     raise _too_slow(within, len(outputs), len(cset.cases)) from None
                 raise
             passed = case.check.passes(ans.text) if case.check is not None else None
+            spec = SpecFigures.of(ans.spec, "request")
+            per_request = per_request or spec is not None
+            if spec is None and counters is not None and (now := _counters(client)) is not None:
+                spec = SpecFigures.of(specdecode.delta(counters, now), "counters")
             outputs.append(
                 Output(
                     id=case.id,
@@ -174,6 +215,7 @@ def run(
                     finish_reason=ans.finish_reason,
                     seconds=ans.seconds,
                     passed=passed,
+                    spec=spec,
                 )
             )
             if progress:
@@ -194,6 +236,15 @@ def run(
         image=image,
         profile=profile,
     )
+
+
+def _counters(client: VLLMClient) -> specdecode.Snapshot | None:
+    """The engine's speculative-decoding counters now; None when they cannot be read (the
+    answers are the canary's first job: their figures are a second one)."""
+    try:
+        return client.snapshot()
+    except EngineError:
+        return None
 
 
 def _too_slow(within: float, answered: int, cases: int) -> EngineError:

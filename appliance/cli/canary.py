@@ -6,6 +6,7 @@ edit): record before, change, record after, compare. The same library code as th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -130,11 +131,18 @@ def canary_record(
     "--profile",
     "profile_name",
     default=None,
-    help="Judge by this profile's [canary] thresholds (default: 100% parity, no task drop).",
+    help="Judge by this profile's [canary] thresholds (default: 100% parity, no task drop, "
+    "acceptance down by at most 0.1).",
 )
 @click.option("--min-parity", type=float, default=None, help="Least share of identical outputs.")
 @click.option(
     "--max-pass-rate-drop", type=float, default=None, help="Largest task pass-rate drop allowed."
+)
+@click.option(
+    "--max-acceptance-drop",
+    type=float,
+    default=None,
+    help="Largest drop of draft acceptance allowed (the median per prompt; default 0.1).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def canary_compare(
@@ -143,6 +151,7 @@ def canary_compare(
     profile_name: str | None,
     min_parity: float | None,
     max_pass_rate_drop: float | None,
+    max_acceptance_drop: float | None,
     as_json: bool,
 ) -> None:
     """Compare two records; exit 0 when the canary passes (warnings included), 1 when it fails.
@@ -151,16 +160,13 @@ def canary_compare(
     Example:
       appliance canary compare before.json after.json --profile l4x4-31b-mtp
     """
-    base = lib.Policy()
-    if profile_name:
-        c = get(profile_name).canary
-        base = lib.Policy(min_parity=c.min_parity, max_pass_rate_drop=c.max_pass_rate_drop)
-    policy = lib.Policy(
-        min_parity=base.min_parity if min_parity is None else min_parity,
-        max_pass_rate_drop=base.max_pass_rate_drop
-        if max_pass_rate_drop is None
-        else max_pass_rate_drop,
-    )
+    base = lib.Policy.of(get(profile_name).canary) if profile_name else lib.Policy()
+    given = {
+        "min_parity": min_parity,
+        "max_pass_rate_drop": max_pass_rate_drop,
+        "max_acceptance_drop": max_acceptance_drop,
+    }
+    policy = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
     b, a = lib.load(before), lib.load(after)
     result = lib.compare(b, a, policy)
     if as_json:

@@ -60,6 +60,7 @@ class Canary:
     enabled: bool = False
     min_parity: float = 1.0
     max_pass_rate_drop: float = 0.0
+    max_acceptance_drop: float = 0.1
     max_tokens: int = 64
     seed: int = 0
     prompts: str = ""
