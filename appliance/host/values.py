@@ -71,3 +71,9 @@ def probe_host(host: str) -> str:
     """The address to ask for ``/health`` of an engine bound to ``host`` (loopback when it
     listens on every address)."""
     return "127.0.0.1" if host in ANY_ADDRESS else host
+
+
+def base_url(host: str, port: int | str) -> str:
+    """Where to reach an engine bound to ``host``:``port`` from this host."""
+    asked = probe_host(host)
+    return f"http://[{asked}]:{port}" if ":" in asked else f"http://{asked}:{port}"

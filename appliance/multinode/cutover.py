@@ -45,7 +45,7 @@ from ..host import envfile
 from ..host import lock as locks
 from ..host.layout import Layout
 from ..host.systemd import Systemd, SystemdError
-from ..host.values import ANY_ADDRESS
+from ..host.values import base_url
 from . import (
     Node,
     api_key_path,
@@ -102,14 +102,10 @@ def _plan(group: str, hosts: Sequence[Host]) -> _Plan:
             f"{prof.multinode.nodes} nodes",
             fix=f"name every worker host once, ranks 1..{prof.multinode.nodes - 1}",
         )
-    host = env.get("VLLM_HOST") or "127.0.0.1"
-    host = "127.0.0.1" if host in ANY_ADDRESS else host
-    host = f"[{host}]" if ":" in host else host
+    url = base_url(env.get("VLLM_HOST") or "127.0.0.1", env.get("VLLM_PORT"))
     key = apikey.read(Path(head.root) / api_key_path(group, "head"))
     workers = [h for h in hosts if "head" not in h.node.roles]
-    return _Plan(
-        group, head, workers, list(hosts), prof, f"http://{host}:{env.get('VLLM_PORT')}", key
-    )
+    return _Plan(group, head, workers, list(hosts), prof, url, key)
 
 
 def _inspect_everywhere(ctx: Context, plan: _Plan, ref: str) -> ImageInfo:

@@ -22,7 +22,7 @@ LAYOUTS = ("hub", "dir")  # the Hugging Face cache in HF_CACHE_DIR, or a directo
 # A hub repo id, a revision or a directory in MODEL_DIR: each path component starts with a
 # letter or digit (no "..", no leading "-"), so a name can never leave its directory.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # no line breaks, no terminal escapes
 _LISTS = ("serve", "mtp", "per_request", "docker", "require")
 # Format 1's record kinds, by the field each fills.
 _V1_KINDS = {"serve": "serve", "mtp": "mtp", "per-request": "per_request", "docker": "docker"}
@@ -91,7 +91,7 @@ class ServeArgs:
 def check_argument(value: object, where: str) -> str:
     """``value`` if it can be one argument: a string, one line, no control characters, not
     empty, no surrounding whitespace."""
-    if not isinstance(value, str) or not value or _CONTROL.search(value) or value != value.strip():
+    if not isinstance(value, str) or not value or CONTROL.search(value) or value != value.strip():
         raise UsageError(
             f"{where} {value!r} cannot be passed as one argument",
             fix="use a non-empty value on one line without control characters or "

@@ -28,10 +28,6 @@ class Settings:
     hf_cache_dir: str | None
     vllm_cache_dir: str | None
 
-    @property
-    def health_host(self) -> str:
-        return values.probe_host(self.host)
-
 
 def endpoint(env: Mapping[str, str], env_file: str) -> tuple[str, int]:
     """``VLLM_HOST`` and ``VLLM_PORT``, checked."""

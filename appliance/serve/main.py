@@ -80,22 +80,20 @@ class Unit:
                 f"at start; re-run `appliance install {self.instance}` to check them"
             )
             return
-        dirs = [m for m in args.models if m.layout == "dir"]
-        hub = [m for m in args.models if m.layout == "hub"]
-        if dirs:
+        layouts = {m.layout for m in args.models}
+        if len(layouts) > 1:
+            raise UsageError(f"{self.args_file} mixes models in MODEL_DIR and the hub cache")
+        specs = [ModelSpec(m.role, m.name, m.revision) for m in args.models]
+        if layouts == {"dir"}:
             if not settings.model_dir:
                 raise UsageError(f"MODEL_DIR is not set in {self.env_file}")
-            specs = [ModelSpec(m.role, m.name) for m in dirs]
             report = model_verify.verify_model_dir(Path(settings.model_dir), specs, quick=True)
             fix = model_verify.model_dir_fix(self.env_file)
-        if hub:
+        else:
             if not settings.hf_cache_dir:
                 raise UsageError(f"HF_CACHE_DIR is not set in {self.env_file}")
-            specs = [ModelSpec(m.role, m.name, m.revision) for m in hub]
             report = model_verify.verify_hub(Path(settings.hf_cache_dir) / "hub", specs, quick=True)
             fix = model_verify.hub_fix([self.instance])
-        if dirs and hub:
-            raise UsageError(f"{self.args_file} mixes models in MODEL_DIR and the hub cache")
         line = report.one_line(fix)
         if not report.ok:
             raise ModelsNotReady(line)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..engine.local import OFFLINE_ENV
 from ..errors import UsageError
 from ..host.names import ENV_DIR
-from ..host.values import PATH_KEYS
+from ..host.values import REQUIRABLE_KEYS
 from ..models.where import dir_specs
 from ..models.where import specs as hub_specs
 from ..profiles import Profile
@@ -80,7 +80,7 @@ def serve_args(profile: Profile, env_keys: list[str]) -> ServeArgs:
         mtp=tuple(profile.speculative_args(devmodel=devmodel)),
         per_request=tuple(profile.per_request_metrics_args()),
         docker=tuple(docker),
-        require=tuple(k for k in env_keys if k == "VLLM_GPUS" or k in PATH_KEYS),
+        require=tuple(k for k in env_keys if k in REQUIRABLE_KEYS),
         models=model_records(profile),
     )
     check_arguments(args, profile)

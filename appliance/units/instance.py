@@ -17,9 +17,9 @@ from pathlib import Path
 
 from .. import profiles
 from ..errors import UsageError
-from ..host import envfile
+from ..host import envfile, values
 from ..host.names import container_name, unit_name
-from ..host.values import ANY_ADDRESS, check_host, check_port
+from ..host.values import check_host, check_port
 from ..profiles import Profile
 from .template import paths
 
@@ -68,10 +68,7 @@ class Instance:
     @property
     def base_url(self) -> str:
         """Where to reach vLLM from this host (an any-address bind is asked on loopback)."""
-        host = "127.0.0.1" if self.host in ANY_ADDRESS else self.host
-        if ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return values.base_url(self.host, self.port)
 
     def api_key(self) -> str | None:
         """The key vLLM requires on ``/v1`` (None when the instance has no key file); the one

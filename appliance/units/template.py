@@ -35,7 +35,7 @@ from ..host.values import check_gpus, check_host, check_path, check_port
 from ..profiles import Profile, get
 from ..profiles import validate as pv
 from ..serve import bundle
-from ..serve.argsfile import check_argument
+from ..serve.argsfile import CONTROL, check_argument
 from .engine_args import args_text, serve_args
 from .timing import STOP_GRACE_S, unit_timing
 
@@ -47,7 +47,6 @@ DEFAULT_IMAGE = "gemma4-vllm:latest"
 # Docker container names and systemd instance names both; no dots first, no slashes.
 _PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 MODE_UNIT = 0o644
 MODE_ENV = 0o644  # no secret in it: the API key has its own 0600 file
@@ -107,7 +106,7 @@ def check_profile(prof: Profile) -> None:
             f"invalid profile name {prof.name!r}",
             fix="use letters, digits and '._-' (at most 64), starting with a letter or digit",
         )
-    if _CONTROL.search(prof.description):
+    if CONTROL.search(prof.description):
         raise UsageError(
             f"profile {prof.name}: the description must be one line without control characters"
         )
