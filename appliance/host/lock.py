@@ -85,7 +85,7 @@ def hold(path: Path, instance: str, action: str) -> Iterator[InstanceLock]:
     try:
         if not _acquire(fd):
             h = read_holder(path)
-            who = f"pid {h.pid}, {h.action}" if h.pid and _alive(h.pid) else "an unknown process"
+            who = f"pid {h.pid}, {h.action}" if h.pid and pid_alive(h.pid) else "an unknown process"
             raise LockBusy(
                 f"instance {instance} is busy: a cutover or rollback is in progress ({who})",
                 fix="wait for it to finish, then check `appliance status`",
@@ -95,9 +95,9 @@ def hold(path: Path, instance: str, action: str) -> Iterator[InstanceLock]:
         os.close(fd)  # closing the descriptor releases the flock
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` exists (the file names the last writer, which may be long gone while
-    another process holds the lock without writing)."""
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts). The lock file names its
+    last writer, which may be long gone while another process holds the lock without writing."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

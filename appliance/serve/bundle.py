@@ -33,6 +33,7 @@ MODULES = (
     "host/__init__.py",
     "host/names.py",
     "host/layout.py",
+    "host/lock.py",
     "host/values.py",
     "models/__init__.py",
     "models/cache.py",

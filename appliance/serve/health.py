@@ -12,6 +12,8 @@ import os
 import time
 from collections.abc import Callable
 
+from ..host.lock import pid_alive
+
 POLL_S = 2
 NOTE_EVERY_S = 60
 REQUEST_TIMEOUT_S = 10
@@ -51,15 +53,7 @@ def main_pid_alive() -> bool:
     """False once the unit's main process has exited (systemd gives ExecStartPost ``MAINPID``):
     without this an engine that died at start held the unit "activating" to its timeout."""
     pid = os.environ.get("MAINPID", "")
-    if not pid.isdigit():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return not pid.isdigit() or pid_alive(int(pid))
 
 
 def wait_healthy(
