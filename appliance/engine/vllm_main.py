@@ -59,7 +59,9 @@ def _fork_a_single_engine_core() -> None:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:  # not a build with the CPU platform
         return
-    update = CpuPlatform.check_and_update_config.__func__
+    update = getattr(getattr(CpuPlatform, "check_and_update_config", None), "__func__", None)
+    if update is None:  # a vLLM without that hook: keep its spawn
+        return
 
     def check_and_update_config(cls, vllm_config) -> None:
         update(cls, vllm_config)
