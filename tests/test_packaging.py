@@ -122,8 +122,9 @@ def _commands() -> list[list[str]]:
     def walk(cmd: click.Command, path: list[str]) -> None:
         out.append(path)
         if isinstance(cmd, click.Group):
-            for name, sub in sorted(cmd.commands.items()):
-                walk(sub, [*path, name])
+            ctx = click.Context(cmd)
+            for name in cmd.list_commands(ctx):
+                walk(cmd.get_command(ctx, name), [*path, name])
 
     walk(cli, [])
     return out
@@ -231,3 +232,20 @@ def test_lazy_imports_are_declared_too(plain_python: Path) -> None:
     missing = res.stdout.split()
     assert missing == [], {m: sorted(_third_party_imports()[m]) for m in missing}
     assert "click" in wanted  # the scan sees imports at all
+
+
+def test_a_command_loads_only_its_own_module() -> None:
+    """`appliance status` starts without the OpenAI SDK, pandas or the other commands' modules
+    (appliance.cli.COMMANDS): each of those costs an operator's every command start."""
+    heavy = ("openai", "pandas", "matplotlib", "appliance.cli.bench", "appliance.cli.demo")
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from appliance.cli import cli\n"
+        "r = CliRunner().invoke(cli, ['status', '--help'])\n"
+        "assert r.exit_code == 0 and 'Usage:' in r.output, r.output\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "[]"

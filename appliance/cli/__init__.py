@@ -6,32 +6,55 @@ with the error's code. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
 
 from .. import __version__
 from ..errors import ApplianceError
-from .bench import bench
-from .canary import canary
-from .cutover import cutover, history_, rollback, status
-from .demo import demo
-from .devmodel import devmodel
-from .doctor import doctor
-from .fleet import fleet
-from .generate import generate
-from .images import image
-from .local import local
-from .models import models
-from .multinode import multinode_group
-from .profiles import profiles
-from .units import install, render, uninstall
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+# Each top-level command and the module that defines it, imported only when the command runs:
+# importing every command's dependencies (the OpenAI SDK, pandas, jinja2, ...) made each
+# `appliance status` take 3 s to start on a 2-core host, most of it for commands not run.
+COMMANDS = {
+    "bench": ("bench", "bench"),
+    "canary": ("canary", "canary"),
+    "cutover": ("cutover", "cutover"),
+    "demo": ("demo", "demo"),
+    "devmodel": ("devmodel", "devmodel"),
+    "doctor": ("doctor", "doctor"),
+    "fleet": ("fleet", "fleet"),
+    "generate": ("generate", "generate"),
+    "history": ("cutover", "history_"),
+    "image": ("images", "image"),
+    "install": ("units", "install"),
+    "local": ("local", "local"),
+    "models": ("models", "models"),
+    "multinode": ("multinode", "multinode_group"),
+    "profiles": ("profiles", "profiles"),
+    "render": ("units", "render"),
+    "rollback": ("cutover", "rollback"),
+    "status": ("cutover", "status"),
+    "uninstall": ("units", "uninstall"),
+}
+
+
 class ApplianceGroup(click.Group):
-    """Turns an ApplianceError anywhere below into ``Error: ...`` and its exit code."""
+    """Turns an ApplianceError anywhere below into ``Error: ...`` and its exit code; loads each
+    command's module on first use (:data:`COMMANDS`)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[cmd_name]
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -45,27 +68,6 @@ class ApplianceGroup(click.Group):
 @click.version_option(__version__, prog_name="appliance")
 def cli() -> None:
     """Serve Gemma 4 on vLLM with Gemma 4 MTP speculative decoding."""
-
-
-cli.add_command(devmodel)
-cli.add_command(local)
-cli.add_command(profiles)
-cli.add_command(demo)
-cli.add_command(doctor)
-cli.add_command(bench)
-cli.add_command(canary)
-cli.add_command(cutover)
-cli.add_command(rollback)
-cli.add_command(status)
-cli.add_command(history_)
-cli.add_command(generate)
-cli.add_command(multinode_group)
-cli.add_command(render)
-cli.add_command(install)
-cli.add_command(uninstall)
-cli.add_command(image)
-cli.add_command(models)
-cli.add_command(fleet)
 
 
 def main() -> None:
