@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -48,6 +50,10 @@ def test_sigterm_stops_every_engine_process(tmp_path):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     finally:
         if proc.poll() is None:
+            # A failed assert above: SIGKILL would orphan the engine, so its processes go too.
+            for pid in _descendants(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.kill()
 
 
