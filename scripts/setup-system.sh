@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # System packages the full test suite uses: Docker engine, systemd-nspawn + debootstrap,
-# Prometheus/promtool, shellcheck, Chromium (the HTML reports' browser test), Node.js (when
-# absent). Needs root (apt). Idempotent.
+# Prometheus/promtool, shellcheck, Chromium (the HTML reports' browser test), the distribution's
+# venv module (scripts/setup.sh), Node.js (when absent). Needs root (apt). Idempotent.
 set -euo pipefail
-packages=(docker.io systemd-container debootstrap prometheus shellcheck chromium)
+packages=(docker.io systemd-container debootstrap prometheus shellcheck chromium python3-venv)
 # Node.js + npm check the dashboards against Grafana's published schema types (tsc).
 command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
 missing=()

@@ -4,7 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python=${PYTHON:-python3}
+# The distribution's Python 3.11 when it has one: Debian builds it with PGO and LTO, pyenv's default
+# build has neither, and vLLM's imports (most of every engine start) run about 13% faster on it.
+default_python() {
+  if /usr/bin/python3 -c 'import sys, ensurepip, venv; sys.exit(sys.version_info[:2] != (3, 11))' \
+    2>/dev/null; then
+    echo /usr/bin/python3
+  else
+    echo python3
+  fi
+}
+python=${PYTHON:-$(default_python)}
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi

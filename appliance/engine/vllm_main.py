@@ -5,8 +5,8 @@ the version of ``vllm`` and dies with PackageNotFoundError. This entry point ans
 lookup from whichever distribution is installed, then hands over to vLLM's own CLI, so
 ``serve`` and ``bench`` behave exactly as upstream.
 
-One more difference, for speed (ADR 0015): a one-process CPU engine forks its engine core, as
-vLLM does on GPUs, instead of spawning it.
+One more difference, for speed (ADR 0015): the CPU engine forks its engine core and workers, as
+vLLM does on GPUs, instead of spawning fresh interpreters.
 """
 
 from __future__ import annotations
@@ -44,14 +44,15 @@ def _is_cpu_build() -> bool:
         return True
 
 
-def _fork_a_single_engine_core() -> None:
-    """Let a CPU engine of world size 1 fork its engine core instead of spawning it.
+def _fork_engine_processes() -> None:
+    """Let the CPU engine fork its engine core and workers instead of spawning them.
 
-    vLLM's CPU platform forces ``spawn`` for every process it starts, for the OpenMP pools of
-    CPU workers. With world size 1 the only child is the engine core (the worker runs inside
-    it), and spawning it imports torch and vLLM a second time: 12-15 s of CPU per start on a
-    2-core host, a third of a tiny engine's start. Forking is vLLM's own default on GPUs. An
-    operator's explicit VLLM_WORKER_MULTIPROC_METHOD is kept; world sizes above 1 keep spawn.
+    vLLM's CPU platform forces ``spawn`` for every process it starts, so each one (the engine
+    core; with tensor parallelism, each worker too) is a fresh interpreter that imports torch
+    and vLLM again: 12-15 s of CPU per process on a 2-core host, a third of a tiny engine's
+    start and most of a multi-node pair's. They are forked before any of them runs a torch
+    operation (vLLM's own default on GPUs). An operator's explicit VLLM_WORKER_MULTIPROC_METHOD
+    is kept.
     """
     if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"):
         return
@@ -65,8 +66,7 @@ def _fork_a_single_engine_core() -> None:
 
     def check_and_update_config(cls, vllm_config) -> None:
         update(cls, vllm_config)
-        if vllm_config.parallel_config.world_size == 1:
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
@@ -78,7 +78,7 @@ def main() -> None:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     _patch_version_lookup()
     if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
-        _fork_a_single_engine_core()
+        _fork_engine_processes()
     from vllm.entrypoints.cli.main import main as vllm_cli
 
     sys.argv[0] = "vllm"
