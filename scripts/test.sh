@@ -6,6 +6,9 @@
 # prefixed with its stream; the run fails if either fails. APPLIANCE_TEST_STREAMS=1: one pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Before any of the run's work: how fast the host runs Python now (runs' times vary with it).
+host_speed="$(python3 benchmarks/host_speed.py)"
+echo "$host_speed"
 if [ "$(id -u)" = 0 ]; then
   scripts/setup-system.sh
 fi
@@ -67,5 +70,5 @@ wait
 cat "$run_dir"/prefetch-*.log
 rm -rf "$run_dir"
 took() { echo "$(( $1 / 60 )) min $(( $1 % 60 )) s"; }
-echo "streams: host exit ${host_rc}, machines exit ${machines_rc}; setup and lint $(took "$tests_start"), tests $(took $((SECONDS - tests_start))), whole run $(took "$SECONDS")"
+echo "streams: host exit ${host_rc}, machines exit ${machines_rc}; setup and lint $(took "$tests_start"), tests $(took $((SECONDS - tests_start))), whole run $(took "$SECONDS"); ${host_speed}"
 [ "$host_rc" = 0 ] && [ "$machines_rc" = 0 ]
