@@ -116,9 +116,11 @@ def test_mtp_on_a_vllm_older_than_0_21_is_an_error():
     assert f.level == "error" and "0.21.0" in f.fix
     f = codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.19.0")["mtp-old-vllm"]
     assert f.level == "error"
-    # 0.21 serves MTP: only the warning on what it costs (no per-request figures).
+    # 0.21 serves MTP: only warnings, on what it costs (no per-request figures) and on the
+    # block-table defect under concurrent load (fixed by 0.32; tests/test_defects.py).
     assert set(codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.21.0")) == {
-        "per-request-metrics"
+        "per-request-metrics",
+        "mtp-block-table-concurrency",
     }
     # The baseline profile is what a pre-MTP (0.19) image serves: fine.
     assert codes(profiles.get("l4x4-31b"), vllm_version="0.19.0") == {}

@@ -5,8 +5,10 @@ evidence it was based on). Doctor never changes anything: it reads ``/health``, 
 ``/v1/models``, and runs the MTP probe (:mod:`appliance.probe`: counters, one short generation
 unless ``generate=False``, counters again); with an instance it reads the instance's files
 (:mod:`appliance.instance_facts`), checks its models as the serve program does before every start
-(:func:`appliance.models.verify.verify` quick) and asks Docker. ``/v1`` calls carry the API key
-(:func:`appliance.apikey.resolve`); the key is never printed or put into the report.
+(:func:`appliance.models.verify.verify` quick) and asks Docker. The published vLLM defects that
+apply to the profile on the server's version are one warning each (``vllm.defect.ID``). ``/v1``
+calls carry the API key (:func:`appliance.apikey.resolve`); the key is never printed or put into
+the report.
 
 One job per module: ``report`` (the records), ``engine`` (vLLM, model, MTP), ``host`` (the
 installed instance and GPUs); this module runs them in order.
@@ -22,7 +24,7 @@ from ..errors import EngineError
 from ..profiles import Profile
 from ..units import check_instance
 from ..vllm_client import VLLMClient, normalise_base_url
-from .engine import model_check, mtp_checks, version_check
+from .engine import defect_checks, model_check, mtp_checks, version_check
 from .host import gpu_check, instance_checks, visible_gpus
 from .report import Check, DoctorReport, Status
 
@@ -106,7 +108,8 @@ def _engine_checks(
         note = f"sent (from {api_key.source})" if api_key else "none sent"
         return [Check("engine.vllm", "fail", str(exc), {"url": client.base_url, "api_key": note})]
     label_v = image_labels.vllm_version(facts.image_labels) if facts else None
-    checks = [version_check(version, profile, label_v), model_check(models, profile)]
+    checks = [version_check(version, profile, label_v), *defect_checks(version, profile)]
+    checks.append(model_check(models, profile))
     served = [m.id for m in models]
     if not served:
         return checks  # nothing to generate with; model.served already says so

@@ -10,7 +10,7 @@ from .. import labels as image_labels
 from .. import versions
 from ..errors import UsageError
 from ..probe import Probe
-from ..profiles import Profile
+from ..profiles import Profile, defects
 from .report import Check, Status
 
 
@@ -49,6 +49,27 @@ def version_check(version: str, profile: Profile | None, label_version: str | No
             ev,
         )
     return Check("vllm.version", "ok", f"vLLM {version}", ev)
+
+
+def defect_checks(version: str, profile: Profile | None) -> list[Check]:
+    """One ``warn`` check per published defect (:mod:`appliance.profiles.defects`) of the
+    server's vLLM ``version`` that applies to ``profile``: the engine runs, so a defect is a
+    risk to name, not a failure. None without a profile or with an unreadable version."""
+    if profile is None:
+        return []
+    try:
+        versions.parse(version)
+    except UsageError:
+        return []  # vllm.version already fails on it
+    return [
+        Check(
+            f"vllm.defect.{d.id}",
+            "warn",
+            f"{d.summary()}; fix: {d.fix}",
+            {"server": version, "affected": d.affected, "fixed_in": d.fixed_in},
+        )
+        for d in defects.applicable(version, defects.Conditions.of(profile))
+    ]
 
 
 def _same_release(label: str, server: str) -> bool:

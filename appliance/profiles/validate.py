@@ -3,7 +3,8 @@
 Each rule is one function returning findings; :func:`check` runs them all. An error is a
 profile that would fail at start-up (or crash later) on its stated hardware; a warning is one
 that runs but is risky. ``appliance render``/``install`` refuse a profile with errors, so a
-broken combination is caught on the operator's terminal, not after a 471 s model load.
+broken combination is caught on the operator's terminal, not after a 471 s model load. The
+published vLLM defects by version are data (:mod:`.defects`): one finding per defect that applies.
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ from typing import Literal
 
 from .. import labels, versions
 from ..errors import UsageError
-from . import DEVMODEL, Profile
+from . import DEVMODEL, Profile, defects
 
 # Gemma 4's largest multimodal item, in tokens (vLLM's max_tokens_per_mm_item for Gemma 4).
 GEMMA4_MM_ITEM_TOKENS = 2496
 # vLLM picks max_num_batched_tokens automatically from GPU memory; under ~70 GB it is 2048.
 AUTO_BATCHED_TOKENS_SMALL_GPU = 2048
 SMALL_GPU_GIB = 70
-# The L4 (Ada, SM 8.9): FP8 KV-cache kernels with the MTP drafter are SM90-only there.
-SM_ADA = "8.9"
 MIN_K, MAX_K = 1, 8
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
@@ -68,24 +67,10 @@ def _batched_tokens(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
         )
 
 
-def _fp8_kv_on_ada(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
-    fp8_kv = (p.kv_cache_dtype or "").startswith("fp8")
-    if fp8_kv and p.mtp and p.hardware.compute_capability == SM_ADA:
-        yield Finding(
-            "error",
-            "fp8-kv-mtp-sm89",
-            f"FP8 KV cache with Gemma 4 MTP on SM {SM_ADA} ({p.hardware.gpu_name or 'L4'}) "
-            "crashes: the kernels it needs are SM90-only (vllm#44879)",
-            "drop kv_cache_dtype (keep the bf16 KV cache), or serve without [speculative]",
-        )
-    if fp8_kv and p.mtp and vllm_version is not None and vllm_version.startswith("0.25.1"):
-        yield Finding(
-            "error",
-            "fp8-kv-mtp-0.25.1",
-            "vLLM 0.25.1 gives the MTP drafter FlashInfer with an FP8 KV cache and crashes at "
-            "init (vllm#48848)",
-            "use another vLLM version or drop kv_cache_dtype",
-        )
+def _known_defects(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    # The published vLLM defects (defects.toml), one finding each, at the table's level.
+    for d in defects.applicable(vllm_version, defects.Conditions.of(p)):
+        yield Finding(d.level, d.id, d.summary(), d.fix)
 
 
 def _mtp_version(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
@@ -400,7 +385,7 @@ def _interfaces(p: Profile) -> Iterable[Finding]:
 
 RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
     _batched_tokens,
-    _fp8_kv_on_ada,
+    _known_defects,
     _mtp_version,
     _k,
     _parallelism,

@@ -1,0 +1,215 @@
+"""The published Gemma 4 MTP defects of vLLM (appliance/profiles/defects.toml): each entry applies
+on an affected version with its conditions and not otherwise; ``profiles validate`` and
+``doctor`` name each that applies on one line; a wrong table entry is one line naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from click.testing import CliRunner
+from plugins.http_servers import Route
+
+from appliance import doctor, profiles
+from appliance.cli import cli
+from appliance.doctor.engine import defect_checks
+from appliance.errors import UsageError
+from appliance.profiles import Speculative, defects
+from appliance.profiles import validate as pv
+
+
+def variant(name: str, **changes) -> profiles.Profile:
+    return dataclasses.replace(profiles.get(name), **changes)
+
+
+def applies(defect_id: str, version: str | None, profile: profiles.Profile) -> bool:
+    found = defects.applicable(version, defects.Conditions.of(profile))
+    return defect_id in {d.id for d in found}
+
+
+# Per entry: (profile that has its conditions, affected versions, unaffected versions, profiles
+# on an affected version that lack a condition). None as a version: none given.
+H100_FP8_KV = variant("h100-31b-mtp", kv_cache_dtype="fp8")
+CASES = {
+    "fp8-kv-mtp-sm89": (
+        variant("l4x4-31b-mtp", kv_cache_dtype="fp8"),
+        ["0.21.0", "0.32.0", None],
+        ["0.19.0", "0.20.2"],
+        [H100_FP8_KV, profiles.get("l4x4-31b-mtp"), variant("l4x4-31b", kv_cache_dtype="fp8")],
+    ),
+    "fp8-kv-mtp-0.25.1": (
+        H100_FP8_KV,
+        ["0.25.1", "0.25.1+cu129"],
+        ["0.25.0", "0.26.0", None],
+        [profiles.get("h100-31b-mtp")],
+    ),
+    "mtp-init-0.25.1": (
+        profiles.get("h100-31b-mtp"),
+        ["0.25.1"],
+        ["0.24.0", "0.25.2", None],
+        [profiles.get("l4x4-31b"), profiles.get("cpu-tiny-mtp")],
+    ),
+    "mtp-draft-kv-scales": (
+        H100_FP8_KV,
+        ["0.21.0", "0.32.0", None],
+        ["0.20.0"],
+        [profiles.get("h100-31b-mtp"), variant("l4x4-31b", kv_cache_dtype="fp8")],
+    ),
+    "mtp-block-table-concurrency": (
+        profiles.get("h100-31b-mtp"),
+        ["0.21.0", "0.31.1"],
+        ["0.32.0", "0.32.0rc1+cpu", None],
+        [profiles.get("rtx5090x2-31b-fp8-mtp"), profiles.get("cpu-tiny-mtp")],  # one sequence
+    ),
+}
+
+
+def test_every_entry_has_its_case():
+    # A new table entry needs its line in CASES (or, checked by a rule, its own test below).
+    table = {d.id for d in defects.table()}
+    checked = {d.id for d in defects.table() if d.checked_by}
+    assert set(CASES) == table - checked and checked == {"drafter"}
+
+
+@pytest.mark.parametrize("defect_id", sorted(CASES))
+def test_entry_applies_on_an_affected_version_with_its_conditions_only(defect_id):
+    prof, hit, miss, lacking = CASES[defect_id]
+    for version in hit:
+        assert applies(defect_id, version, prof), version
+    for version in miss:
+        assert not applies(defect_id, version, prof), version
+    for other in lacking:
+        assert not applies(defect_id, hit[0], other), other.name
+
+
+def test_the_drafter_pairing_is_the_validator_rule_not_a_version_match():
+    entry = next(d for d in defects.table() if d.id == "drafter")
+    assert entry.checked_by == "drafter" and entry.fixed_in == defects.NOT_A_BUG
+    wrong = variant(
+        "l4x4-31b-mtp", speculative=Speculative("mtp", "google/gemma-4-E2B-it-assistant", 2)
+    )
+    assert not applies("drafter", "0.32.0", wrong)  # the rule decides, not the table
+    found = {f.code: f for f in pv.check(wrong, vllm_version="0.32.0")}
+    assert found["drafter"].level == "error" and "31b-it-assistant" in found["drafter"].fix
+    assert "drafter" not in {f.code for f in pv.check(profiles.get("l4x4-31b-mtp"))}
+
+
+def test_no_fixed_in_is_invented():
+    for d in defects.table():
+        assert d.fixed_in in (defects.UNKNOWN, defects.NOT_A_BUG) or d.fixed_in[0].isdigit()
+        assert d.link.startswith("https://github.com/vllm-project/vllm/") and d.fix and d.title
+
+
+def test_validate_names_each_defect_with_its_link_and_fix():
+    found = {f.code: f for f in pv.check(H100_FP8_KV, vllm_version="0.25.1")}
+    init, fp8 = found["mtp-init-0.25.1"], found["fp8-kv-mtp-0.25.1"]
+    assert init.level == "warning" and fp8.level == "error"
+    assert "https://github.com/vllm-project/vllm/issues/48848" in init.message
+    assert "fixed in: unknown" in init.message and "VLLM_USE_V2_MODEL_RUNNER=1" in init.fix
+
+
+def test_cli_validate_prints_one_warning_line_per_defect():
+    args = ["profiles", "validate", "h100-31b-mtp", "--vllm-version", "0.25.1"]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output  # warnings only
+    lines = [ln for ln in res.output.splitlines() if "vllm-project/vllm" in ln]
+    assert len(lines) == 2, res.output
+    init = next(ln for ln in lines if "[mtp-init-0.25.1]" in ln)
+    assert init.startswith("  warning: ") and "issues/48848" in init and "(fix: " in init
+    assert any("[mtp-block-table-concurrency]" in ln and "pull/43982" in ln for ln in lines)
+    # The shipped profiles on the image's own vLLM: nothing to say.
+    res = CliRunner().invoke(cli, ["profiles", "validate", "--vllm-version", "0.32.0"])
+    assert res.exit_code == 0 and "vllm-project/vllm" not in res.output, res.output
+
+
+def test_cli_validate_fails_on_an_error_level_defect(tmp_path):
+    path = tmp_path / "fp8kv.toml"
+    path.write_text(
+        'name = "fp8kv"\ndescription = "x"\nmodel = "google/gemma-4-31B-it"\n'
+        'served_model_name = "m"\nmin_vllm = "0.21.0"\nkv_cache_dtype = "fp8"\n'
+        '[speculative]\nmodel = "google/gemma-4-31B-it-assistant"\n'
+        '[hardware]\ngpus = 1\ngpu_memory_gib = 80\ncompute_capability = "9.0"\n'
+    )
+    args = ["profiles", "validate", "--file", str(path), "--vllm-version", "0.25.1"]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 1
+    assert "error: [fp8-kv-mtp-0.25.1]" in res.output and "warning: [mtp-draft-kv-scales]" in (
+        res.output
+    )
+
+
+def test_doctor_warns_once_per_defect_of_the_servers_version():
+    checks = defect_checks("0.25.1", H100_FP8_KV)
+    assert {c.name for c in checks} == {
+        "vllm.defect.fp8-kv-mtp-0.25.1",
+        "vllm.defect.mtp-init-0.25.1",
+        "vllm.defect.mtp-draft-kv-scales",
+        "vllm.defect.mtp-block-table-concurrency",
+    }
+    assert all(c.status == "warn" and "fix: " in c.summary for c in checks)
+    assert checks[0].evidence["server"] == "0.25.1"
+    assert defect_checks("0.32.0", profiles.get("l4x4-31b-mtp")) == []
+    assert defect_checks("0.25.1", None) == []  # no profile: no conditions to match
+    assert defect_checks("dev", profiles.get("h100-31b-mtp")) == []  # vllm.version fails it
+
+
+def test_doctor_report_names_the_defect_of_a_0_25_1_server(routed_http_server):
+    # A vLLM 0.25.1 cannot run here (the suite's engines are 0.32): a server answering what one
+    # would, with /metrics down so no probe generation is needed.
+    url = routed_http_server(
+        {
+            "/health": Route(200, b""),
+            "/version": Route(200, b'{"version": "0.25.1"}'),
+            "/v1/models": Route(200, b'{"data": [{"id": "gemma-4-31b-it", "max_model_len": 8}]}'),
+            "/metrics": Route(503, b"down", "text/plain"),
+            "/metrics/": Route(503, b"down", "text/plain"),
+        }
+    )
+    report = doctor.run(url, profile=profiles.get("h100-31b-mtp"), generate=False)
+    assert report.get("vllm.version").status == "ok"
+    line = next(ln for ln in report.text().splitlines() if "vllm.defect." in ln)
+    assert line.startswith("WARN vllm.defect.mtp-init-0.25.1: ") and "issues/48848" in line
+
+
+ENTRY = """
+[[defect]]
+id = "x"
+title = "t"
+link = "https://github.com/vllm-project/vllm/issues/1"
+affected = ">=0.21.0"
+fixed_in = "unknown"
+level = "warning"
+fix = "f"
+[defect.needs]
+mtp = true
+"""
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (('affected = ">=0.21.0"', "affected = 0.25"), "[[defect]] x: affected = 0.25: "),
+        (('affected = ">=0.21.0"', 'affected = "=>0.21"'), "affected = '=>0.21': not a version"),
+        (('level = "warning"', 'level = "fatal"'), "[[defect]] x: level = 'fatal': "),
+        (('fixed_in = "unknown"', 'fixed_in = "soon"'), "fixed_in = 'soon': not a version"),
+        (('link = "https://github.com/vllm-project/vllm/issues/1"\n', ""), "missing field(s) link"),
+        (("mtp = true", "gpu = true"), "[[defect]] x [needs]: unknown field(s) gpu"),
+        (("mtp = true", 'mtp = "yes"'), "[needs]: mtp = 'yes': "),
+        (('fix = "f"', 'fix = "f"\nchecked_by = "drafter"'), "goes with checked_by"),
+    ],
+)
+def test_a_wrong_entry_is_one_line_naming_the_field(change, message):
+    old, new = change
+    assert old in ENTRY
+    with pytest.raises(UsageError) as err:
+        defects.load(ENTRY.replace(old, new), "t.toml")
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith("t.toml [[defect]] x")
+
+
+def test_the_table_loads_and_ids_are_unique():
+    assert len(defects.table()) == len(CASES) + 1
+    with pytest.raises(UsageError, match="id x is used twice"):
+        defects.load(ENTRY + ENTRY, "t.toml")
+    assert defects.load(ENTRY, "t.toml")[0].needs == defects.Needs(mtp=True)

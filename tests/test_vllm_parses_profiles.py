@@ -1,0 +1,145 @@
+"""Every shipped profile's `vllm serve` arguments, read by vLLM itself (issue 26 §4).
+
+No GPU profile's command line had ever been read by vLLM: a misspelt flag or a wrong
+speculative-config key would first fail on a GPU host at start. Here the arguments the
+appliance renders (the args file's records, plus the address the serve program adds and a
+multi-node group's node flags) go through the real ``vllm serve`` parser of the vLLM in this
+environment (0.32), then ``AsyncEngineArgs.from_cli_args``, and the speculative config's keys
+and values through vLLM's own ``SpeculativeConfig`` field types: building the whole config needs
+the drafter's weights, its fields do not. Each image's own vLLM is not checked here.
+
+Importing vLLM takes ~20 s: once per module (the ``vllm_serve`` fixture).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Annotated
+
+import pytest
+
+from appliance import profiles
+from appliance.multinode import node_args
+from appliance.units import engine_args
+
+SHIPPED = sorted(profiles.all_profiles())
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmServe:
+    """vLLM's serve parser and the types it hands the arguments to."""
+
+    parser: object
+    engine_args: type
+    validate: object
+    speculative_fields: dict
+
+    def parse(self, argv: list[str]):
+        """(the parsed namespace, the engine arguments) of ``vllm serve ARGV``, as vLLM's serve
+        command makes them."""
+        ns = self.parser.parse_args(argv)
+        self.validate(ns)
+        ns.model = ns.model_tag  # what `vllm serve` does with the positional model
+        return ns, self.engine_args.from_cli_args(ns)
+
+    def speculative_problems(self, config: dict) -> list[str]:
+        """Each key of ``config`` that is no field of vLLM's SpeculativeConfig, or whose value
+        that field's type (with its constraints) refuses."""
+        import pydantic
+
+        problems = []
+        for key, value in config.items():
+            info = self.speculative_fields.get(key)
+            if info is None:
+                problems.append(f"unknown key {key!r}")
+                continue
+            kind = Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation
+            try:
+                pydantic.TypeAdapter(kind).validate_python(value)
+            except pydantic.ValidationError as exc:
+                problems.append(f"{key} = {value!r}: {exc.errors()[0]['msg']}")
+        return problems
+
+
+@pytest.fixture(scope="module")
+def vllm_serve() -> VllmServe:
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    return VllmServe(
+        parser,
+        AsyncEngineArgs,
+        validate_parsed_serve_args,
+        dict(SpeculativeConfig.__pydantic_fields__),
+    )
+
+
+def _argvs(profile: profiles.Profile) -> dict[str, list[str]]:
+    """The engine's argv per node role, as the serve program runs it on an MTP image."""
+    address = ["--host", profile.host, "--port", str(profile.port)]
+    if profile.multinode is None:
+        runs = {"single": engine_args.serve_args(profile, [])}
+    else:
+        runs = {role: node_args(profile, role, 1, "g") for role in ("head", "worker")}
+    return {
+        role: [*args.serve, *address, *args.mtp, *args.per_request] for role, args in runs.items()
+    }
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_vllm_reads_every_shipped_profiles_arguments(vllm_serve, name):
+    profile = profiles.get(name)
+    for role, argv in _argvs(profile).items():
+        ns, ea = vllm_serve.parse(argv)
+        # Each value reached the engine argument it was meant for.
+        assert ea.model == argv[0], role
+        assert ea.served_model_name == [profile.served_model_name]
+        assert ea.tensor_parallel_size == profile.tensor_parallel_size
+        assert ea.pipeline_parallel_size == profile.pipeline_parallel_size
+        assert ea.max_model_len == profile.max_model_len
+        assert ea.max_num_seqs == profile.max_num_seqs
+        assert ea.quantization == profile.quantization
+        assert ea.kv_cache_dtype == (profile.kv_cache_dtype or "auto")
+        assert ea.enforce_eager == profile.enforce_eager
+        if profile.multinode is not None:
+            rank = 0 if role == "head" else 1
+            assert (ea.nnodes, ea.node_rank) == (profile.multinode.nodes, rank)
+            assert ea.master_addr == profile.multinode.master_addr
+            assert ns.headless == (role == "worker")
+        if not profile.mtp:
+            assert ea.speculative_config is None
+            continue
+        spec = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert ea.speculative_config == spec
+        assert vllm_serve.speculative_problems(spec) == []
+
+
+def test_a_misspelt_flag_is_refused(vllm_serve, capsys):
+    # The reference profile's own rendering, with one flag misspelt in its extra_args.
+    bad = dataclasses.replace(
+        profiles.get("l4x4-31b-mtp"), extra_args=("--tensor-parallel-sise", "2")
+    )
+    (argv,) = _argvs(bad).values()
+    with pytest.raises(SystemExit) as exc:
+        vllm_serve.parse(argv)
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --tensor-parallel-sise 2" in capsys.readouterr().err
+    # The check can pass: the same profile, spelt right.
+    (argv,) = _argvs(profiles.get("l4x4-31b-mtp")).values()
+    assert vllm_serve.parse(argv)[1].tensor_parallel_size == 4
+
+
+def test_a_wrong_speculative_config_key_or_value_is_refused(vllm_serve):
+    spec = json.loads(profiles.get("l4x4-31b-mtp").speculative.to_json())
+    assert vllm_serve.speculative_problems(spec) == []
+    misspelt = {**spec, "num_speculative_token": 2}
+    del misspelt["num_speculative_tokens"]
+    assert vllm_serve.speculative_problems(misspelt) == ["unknown key 'num_speculative_token'"]
+    (problem,) = vllm_serve.speculative_problems({**spec, "method": "mpt"})
+    assert problem.startswith("method = 'mpt': ")
+    (problem,) = vllm_serve.speculative_problems({**spec, "num_speculative_tokens": 0})
+    assert problem.startswith("num_speculative_tokens = 0: ")  # vLLM's gt=0 constraint
