@@ -19,10 +19,16 @@ from appliance.vllm_client import VLLMClient
 pytestmark = pytest.mark.engine
 
 POLICY = canary.plan(profiles.get("cpu-tiny-mtp")).policy  # 100% parity, no task drop
+# The tiny target repeats its last input token: 16 tokens show what 64 would (the cpu-tiny-mtp
+# profile's canary runs 16 too), at a quarter of the engine's time (the random drafter's record
+# took two minutes at 64 on a loaded host).
+SETTINGS = canary.Settings(max_tokens=16)
 
 
-def _record(engine, **kw) -> canary.Record:
-    rec = canary.run(cases.shipped(), engine.url, engine.profile.served_model_name, **kw)
+def _record(engine, settings: canary.Settings = SETTINGS) -> canary.Record:
+    rec = canary.run(
+        cases.shipped(), engine.url, engine.profile.served_model_name, settings=settings
+    )
     print(f"{engine.profile.name}: {rec.cost()}")  # the cost, for the gotcha (pytest -s)
     return rec
 
@@ -47,7 +53,7 @@ def _requests_done(url: str) -> float:
 
 def test_record_keeps_token_ids_usage_and_version(rec_baseline):
     assert rec_baseline.vllm_version == "0.32.0"
-    assert rec_baseline.settings == canary.Settings(max_tokens=64, seed=0)
+    assert rec_baseline.settings == canary.Settings(max_tokens=16, seed=0)
     assert len(rec_baseline.outputs) == len(cases.shipped().cases)
     for o in rec_baseline.outputs:
         assert o.token_ids is not None and len(o.token_ids) == o.completion_tokens > 0
@@ -73,15 +79,15 @@ def test_mtp_on_is_lossless_with_the_random_drafter(rec_baseline, rec_random):
 
 def test_a_changed_answer_fails_on_one_version(rec_mtp, mtp_engine):
     # Same engine, same prompts, a shorter answer: what a changed generation config does.
-    short = _record(mtp_engine, settings=canary.Settings(max_tokens=40))
+    short = _record(mtp_engine, settings=canary.Settings(max_tokens=8))
     c = canary.compare(rec_mtp, short, POLICY)
     assert not c.ok
     assert "on one vLLM version (0.32.0)" in c.summary()
-    assert "settings differ (max_tokens 64, seed 0 vs max_tokens 40, seed 0)" in c.summary()
-    # Every answer that ran past 40 tokens diverges exactly where the shorter one stops.
-    long_ones = [o.id for o in rec_mtp.outputs if o.completion_tokens > 40]
+    assert "settings differ (max_tokens 16, seed 0 vs max_tokens 8, seed 0)" in c.summary()
+    # Every answer that ran past 8 tokens diverges exactly where the shorter one stops.
+    long_ones = [o.id for o in rec_mtp.outputs if o.completion_tokens > 8]
     assert long_ones and set(long_ones) <= set(c.differing)
-    assert c.median_first_divergence == 40.0
+    assert c.median_first_divergence == 8.0
 
 
 def test_a_different_system_prompt_is_compared_case_by_case(rec_mtp, mtp_engine, tmp_path):
@@ -102,7 +108,9 @@ def test_a_different_system_prompt_is_compared_case_by_case(rec_mtp, mtp_engine,
         )
     )
     cset = cases.resolve((ops,), replace=True)
-    changed = canary.run(cset, mtp_engine.url, mtp_engine.profile.served_model_name)
+    changed = canary.run(
+        cset, mtp_engine.url, mtp_engine.profile.served_model_name, settings=SETTINGS
+    )
     c = canary.compare(rec_mtp, changed, POLICY)
     assert "the cases' prompts or checks differ between the records" in c.warnings
     # The tiny target greedily repeats its last input token: whether the system message changes
