@@ -19,11 +19,14 @@ from typing import Annotated
 
 import pytest
 
-from appliance import profiles
+from appliance import labels, profiles
 from appliance.multinode import node_args
+from appliance.serve.container import speculative_args
 from appliance.units import engine_args
 
 SHIPPED = sorted(profiles.all_profiles())
+# An MTP image of the vLLM here: the serve program gives it the MTP and per-request flags.
+MTP_IMAGE_LABELS = {labels.MTP: labels.TRUE, labels.VLLM_VERSION: "0.32.0"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +89,8 @@ def _argvs(profile: profiles.Profile) -> dict[str, list[str]]:
     else:
         runs = {role: node_args(profile, role, 1, "g") for role in ("head", "worker")}
     return {
-        role: [*args.serve, *address, *args.mtp, *args.per_request] for role, args in runs.items()
+        role: [*args.serve, *address, *speculative_args(args, MTP_IMAGE_LABELS)[0]]
+        for role, args in runs.items()
     }
 
 

@@ -58,9 +58,9 @@ def defect_checks(version: str, profile: Profile | None) -> list[Check]:
     if profile is None:
         return []
     try:
-        versions.parse(version)
+        found = defects.applicable(version, defects.Conditions.of(profile))
     except UsageError:
-        return []  # vllm.version already fails on it
+        return []  # an unreadable version: vllm.version already fails on it
     return [
         Check(
             f"vllm.defect.{d.id}",
@@ -68,7 +68,7 @@ def defect_checks(version: str, profile: Profile | None) -> list[Check]:
             f"{d.summary()}; fix: {d.fix}",
             {"server": version, "affected": d.affected, "fixed_in": d.fixed_in},
         )
-        for d in defects.applicable(version, defects.Conditions.of(profile))
+        for d in found
     ]
 
 
