@@ -275,6 +275,27 @@ def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):
         for r in paired[side]["runs"]:
             assert r["output_tokens"] == 48
     assert "95% CI" in res.output and "9 equal, 0 differ" in res.output
+    assert paired["acceptance"] is None
+    assert "acceptance not compared: the baseline does not draft" in res.output
+
+
+def test_paired_bench_fails_an_mtp_side_that_drafts_worse(mtp_engine, mtp_random_engine, tmp_path):
+    """The canary's and the soak's acceptance judgement, in the paired bench (issue 26): the
+    random drafter against the copy drafter, same target, same answers, far fewer accepted."""
+    out = tmp_path / "paired.json"
+    args = ["bench", "--mtp-url", mtp_random_engine.url, "--baseline-url", mtp_engine.url]
+    args += ["--limit", "1", "--max-tokens", "16", "--runs", "1", "--warmups", "0"]
+    res = CliRunner().invoke(cli, [*args, "--out", str(out)])
+    assert res.exit_code == 1, res.output
+    assert "Error: the MTP side drafts worse than the baseline: draft acceptance fell" in (
+        res.output
+    )
+    paired = json.loads(out.read_text())["paired"]  # the measurement is kept
+    assert paired["parity"]["differ"] == 0
+    change = paired["acceptance"]
+    assert change["unit"] == "requests" and change["samples"] == 3
+    assert change["before"]["acceptance"] - change["after"]["acceptance"] > 0.5
+    assert change["failures"] and change["failures"][0].startswith("draft acceptance fell")
 
 
 # The k sweep (two engines of its own) is checked with its report: tests/test_reports.py.

@@ -7,13 +7,10 @@ import dataclasses
 import http.server
 import json
 import socket
-import statistics
 import threading
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import given
-from hypothesis import strategies as st
 
 from appliance import canary, profiles
 from appliance.canary import cases, checks
@@ -404,13 +401,15 @@ def test_same_answers_with_fewer_accepted_drafts_fail_naming_acceptance():
     after = _drafted(_rec(IDS), dict.fromkeys(IDS, 8))  # 40%
     c = canary.compare(before, after)
     assert c.parity == 1.0 and not c.ok
-    assert "draft acceptance fell 80% -> 40% (median drop 40% per prompt, tolerance 10%)" in (
+    assert "draft acceptance fell 80% -> 40% (median drop 40% over 5 prompts, tolerance 10%)" in (
         c.summary()
     )
     assert "tokens per step 2.60 -> 1.80" in c.summary()
     figs = c.figures()["acceptance"]
-    assert (figs["before"], figs["after"], figs["median_change"]) == (0.8, 0.4, -0.4)
-    assert figs["per_position_before"] == [1.0, 0.6] and figs["per_position_after"] == [0.8, 0.0]
+    before_figs, after_figs = figs["before"], figs["after"]
+    assert (before_figs["acceptance"], after_figs["acceptance"]) == (0.8, 0.4)
+    assert figs["median_change"] == -0.4 and (figs["samples"], figs["unit"]) == (5, "prompts")
+    assert before_figs["per_position"] == [1.0, 0.6] and after_figs["per_position"] == [0.8, 0.0]
     # The reverse is a rise: it passes, and the summary says by how much.
     back = canary.compare(after, before)
     assert back.verdict == "pass" and "(median change +40%" in back.summary()
@@ -429,22 +428,6 @@ def test_records_without_figures_compare_on_answers_only_and_say_so():
     c = canary.compare(_rec(IDS), _drafted(_rec(IDS), dict.fromkeys(IDS, 16)))
     assert c.verdict == "pass" and c.acceptance is None
     assert "acceptance not compared (a record has no speculative-decoding figures)" in c.summary()
-
-
-@given(
-    st.lists(st.integers(0, 20), min_size=1, max_size=8),
-    st.lists(st.integers(0, 20), min_size=1, max_size=8),
-)
-def test_the_verdict_follows_the_median_per_prompt_change(before_acc, after_acc):
-    n = min(len(before_acc), len(after_acc))
-    ids = {f"p{i}": (i,) for i in range(n)}
-    b = _drafted(_rec(ids), dict(zip(ids, before_acc)))
-    a = _drafted(_rec(ids), dict(zip(ids, after_acc)))
-    c = canary.compare(b, a)
-    changes = sorted(y / 20 - x / 20 for x, y in zip(before_acc, after_acc))
-    median = statistics.median(changes)
-    assert c.acceptance.median_change == pytest.approx(median)
-    assert c.ok == (median >= -0.1 - 1e-9)
 
 
 def test_a_profile_sets_the_acceptance_tolerance_and_the_cli_can_override_it(tmp_path):

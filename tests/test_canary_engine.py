@@ -216,7 +216,7 @@ def test_the_random_drafter_keeps_every_answer_and_fails_on_acceptance(rec_mtp, 
     c = canary.compare(rec_mtp, rec_random, POLICY)
     assert c.parity == 1.0 and not c.ok
     assert "draft acceptance fell" in c.summary() and "the same answers" in c.summary()
-    assert c.acceptance.before - c.acceptance.after > 0.5, c.summary()
+    assert c.acceptance.before.acceptance - c.acceptance.after.acceptance > 0.5, c.summary()
     back = canary.compare(rec_random, rec_mtp, POLICY)
     assert back.ok and "median change +" in back.summary(), back.summary()
 

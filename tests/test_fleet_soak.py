@@ -117,8 +117,8 @@ def test_acceptance_drop_fails():
         page(50, 100, 40, ok=20, created=2e9),
     )
     assert not v.ok
-    assert any("acceptance fell 0.900 -> 0.400" in r for r in v.regressions)
-    assert any("tokens per step fell 2.800 -> 1.800" in r for r in v.regressions)
+    assert "draft acceptance fell 90% -> 40% (drop 50%, tolerance 10%)" in v.regressions
+    assert "tokens per step fell 2.80 -> 1.80 (by 36%, tolerance 10%)" in v.regressions
 
 
 def test_a_small_drop_within_the_thresholds_passes():

@@ -237,6 +237,14 @@ def markdown(kind: str, result) -> str:
             )
         else:
             lines.append(f"- output parity not checked: {par['reason']}")
+        change = result.acceptance_change()
+        if change is None:
+            lines.append("- acceptance not compared: the baseline does not draft")
+        else:
+            failed = result.acceptance_failures()
+            lines.append(
+                f"- {change.summary()}" + (f": FAILED, {'; '.join(failed)}" if failed else "")
+            )
     elif isinstance(result, SweepResult):
         lines += [
             "## k sweep",

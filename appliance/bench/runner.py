@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from .. import probe, specdecode
+from .. import acceptance, probe, specdecode
 from ..errors import EngineError, NotVLLMError, UsageError
 from ..vllm_client import VLLMClient
 from . import stats
@@ -298,11 +298,13 @@ def run_endpoint(
 
 @dataclass
 class PairedResult:
-    """MTP and baseline runs of the same requests, with parity and speedup."""
+    """MTP and baseline runs of the same requests, with parity, speedup and, where the baseline
+    drafts too (an older MTP image), the MTP side's acceptance judged against it."""
 
     mtp: EndpointResult
     baseline: EndpointResult
     temperature: float
+    tolerance: acceptance.Tolerance = field(default_factory=acceptance.Tolerance)
 
     def pairs(self) -> list[tuple[RunRecord, RunRecord]]:
         return list(zip(self.mtp.records, self.baseline.records, strict=True))
@@ -337,17 +339,35 @@ class PairedResult:
         s1, s2 = stats.paired_speedup(tps), stats.paired_speedup(tpot)
         return {"output_tps": s1.to_dict() if s1 else None, "tpot": s2.to_dict() if s2 else None}
 
+    def acceptance_change(self) -> acceptance.Change | None:
+        """Per request, the MTP side's drafting against the baseline's; None when the baseline
+        does not draft (MTP against no MTP: nothing to compare)."""
+        return acceptance.change(((b.spec, m.spec) for m, b in self.pairs()), "requests")
+
+    def acceptance_failures(self) -> tuple[str, ...]:
+        """The drafting regressions beyond ``tolerance``, as the canary and the soak judge them."""
+        change = self.acceptance_change()
+        return () if change is None else change.failures(self.tolerance)
+
     def to_dict(self) -> dict:
+        change = self.acceptance_change()
         return {
             "mtp": self.mtp.to_dict(),
             "baseline": self.baseline.to_dict(),
             "parity": self.parity(),
             "speedup": self.speedup(),
+            "acceptance": None
+            if change is None
+            else {**change.figures(), "failures": list(self.acceptance_failures())},
         }
 
 
 def run_paired(
-    mtp: Endpoint, baseline: Endpoint, config: BenchConfig, progress: Progress | None = None
+    mtp: Endpoint,
+    baseline: Endpoint,
+    config: BenchConfig,
+    progress: Progress | None = None,
+    tolerance: acceptance.Tolerance | None = None,
 ) -> PairedResult:
     """Interleave MTP and baseline request by request, alternating which goes first.
 
@@ -377,4 +397,5 @@ def run_paired(
         EndpointResult(mtp, mrec, specdecode.delta(m0, m_end)),
         EndpointResult(baseline, brec, specdecode.delta(b0, b_end)),
         config.temperature,
+        tolerance or acceptance.Tolerance(),
     )

@@ -8,13 +8,11 @@
   a warning when the version changed: a new engine may legitimately move the numerics (see
   gotchas/canary-across-vllm-versions.md), while an MTP switch, a label or a config change
   within one version must not change a greedy answer.
-- Draft acceptance: how the answers were made. MTP's commonest regression keeps every answer
-  and accepts fewer drafts (slower decoding; vLLM PR 49262). Per prompt with figures on both
-  sides, the change in acceptance (accepted / draft tokens); the median change is the verdict's
-  statistic, so one odd prompt does not decide and a drop across the set always does. A median
-  drop beyond ``policy.max_acceptance_drop`` fails whatever the versions; a rise is a note.
-  Records without figures (no MTP on a side, or written before the figures) compare on answers
-  only, and the summary says so.
+- Draft acceptance: how the answers were made, judged per prompt by :mod:`appliance.acceptance`
+  (the fleet soak's and the paired bench's judgement too). A median drop beyond
+  ``policy.max_acceptance_drop`` fails whatever the versions; a rise is a note. Records without
+  figures (no MTP on a side, or written before the figures) compare on answers only, and the
+  summary says so.
 """
 
 from __future__ import annotations
@@ -23,9 +21,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .. import specdecode
+from .. import acceptance
 from ..errors import UsageError
-from .record import Output, Record, SpecFigures
+from .record import Output, Record
 
 Verdict = Literal["pass", "warn", "fail"]
 HEADS = {"pass": "canary passed", "warn": "canary passed with warnings", "fail": "canary FAILED"}
@@ -77,7 +75,7 @@ class Comparison:
     differing: tuple[str, ...] = ()
     failures: tuple[str, ...] = ()
     warnings: tuple[str, ...] = field(default=())
-    acceptance: Acceptance | None = None  # None: not compared (a side has no figures)
+    acceptance: acceptance.Change | None = None  # None: not compared (a side has no figures)
 
     @property
     def ok(self) -> bool:
@@ -147,79 +145,6 @@ class Comparison:
         }
 
 
-@dataclass(frozen=True)
-class Acceptance:
-    """Draft acceptance before and after over the prompts with figures on both sides."""
-
-    prompts: int
-    before: float  # accepted / draft tokens over those prompts
-    after: float
-    tokens_per_step_before: float | None
-    tokens_per_step_after: float | None
-    median_change: float  # of the per-prompt changes (after - before)
-    per_position_before: tuple[float, ...]
-    per_position_after: tuple[float, ...]
-
-    def summary(self) -> str:
-        steps = ""
-        if self.tokens_per_step_before is not None and self.tokens_per_step_after is not None:
-            steps = (
-                f", tokens per step {self.tokens_per_step_before:.2f} -> "
-                f"{self.tokens_per_step_after:.2f}"
-            )
-        return (
-            f"acceptance {self.before:.0%} -> {self.after:.0%} over {self.prompts} prompts "
-            f"(median change {self.median_change:+.0%}{steps})"
-        )
-
-    def figures(self) -> dict:
-        return {
-            "prompts": self.prompts,
-            "before": round(self.before, 4),
-            "after": round(self.after, 4),
-            "tokens_per_step_before": self.tokens_per_step_before,
-            "tokens_per_step_after": self.tokens_per_step_after,
-            "median_change": round(self.median_change, 4),
-            "per_position_before": [round(p, 4) for p in self.per_position_before],
-            "per_position_after": [round(p, 4) for p in self.per_position_after],
-        }
-
-
-def acceptance(pairs: list[tuple[Output, Output]]) -> Acceptance | None:
-    """The paired acceptance of ``(before, after)`` outputs; None without figures on both
-    sides of any prompt that drafted."""
-    both = [
-        (b.spec, a.spec)
-        for b, a in pairs
-        if b.spec is not None and a.spec is not None and b.spec.draft_tokens and a.spec.draft_tokens
-    ]
-    if not both:
-        return None
-
-    def total(side: int) -> SpecFigures:
-        figs = [p[side] for p in both]
-        width = max(len(f.accepted_per_pos) for f in figs)
-        per_pos = tuple(
-            sum(f.accepted_per_pos[i] for f in figs if i < len(f.accepted_per_pos))
-            for i in range(width)
-        )
-        drafts, tokens = sum(f.drafts for f in figs), sum(f.draft_tokens for f in figs)
-        return SpecFigures(drafts, tokens, sum(f.accepted for f in figs), per_pos, figs[0].source)
-
-    b, a = total(0), total(1)
-    changes = [fa.acceptance - fb.acceptance for fb, fa in both]
-    return Acceptance(
-        prompts=len(both),
-        before=b.acceptance,
-        after=a.acceptance,
-        tokens_per_step_before=b.tokens_per_step,
-        tokens_per_step_after=a.tokens_per_step,
-        median_change=statistics.median(changes),
-        per_position_before=specdecode.per_position(b.accepted_per_pos, b.drafts) or (),
-        per_position_after=specdecode.per_position(a.accepted_per_pos, a.drafts) or (),
-    )
-
-
 def first_divergence(a: Output, b: Output) -> int | None:
     """The index of the first token where ``a`` and ``b`` differ; None when identical or when
     either has no token ids. A strict prefix diverges where the shorter one ends."""
@@ -281,13 +206,13 @@ def compare(before: Record, after: Record, policy: Policy = Policy()) -> Compari
                 f"task pass rate fell {passed_b}/{len(tasks)} -> {passed_a}/{len(tasks)} "
                 f"(by {drop:.0%}, tolerance {policy.max_pass_rate_drop:.0%})"
             )
-    acc = acceptance(pairs)
-    if acc is not None and -acc.median_change > policy.max_acceptance_drop + 1e-9:
-        failures.append(
-            f"draft acceptance fell {acc.before:.0%} -> {acc.after:.0%} (median drop "
-            f"{-acc.median_change:.0%} per prompt, tolerance {policy.max_acceptance_drop:.0%}): "
-            "the same answers, decoded with fewer accepted drafts"
-        )
+    acc = acceptance.change(
+        ((b.spec and b.spec.delta, a.spec and a.spec.delta) for b, a in pairs), "prompts"
+    )
+    if acc is not None:
+        dropped = acc.failures(acceptance.Tolerance(policy.max_acceptance_drop))
+        same = " (the same answers, decoded with fewer accepted drafts)" if not differing else ""
+        failures += [f"{line}{same}" for line in dropped]
     if before.settings != after.settings:
         warnings.append(f"settings differ ({_settings(before)} vs {_settings(after)})")
     if before.set_digest != after.set_digest:

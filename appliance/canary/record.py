@@ -66,6 +66,13 @@ class SpecFigures:
     def tokens_per_step(self) -> float | None:
         return specdecode.tokens_per_step(self.accepted, self.drafts)
 
+    @property
+    def delta(self) -> specdecode.Delta:
+        """The figures as a counter movement, for the arithmetic and judgements that take one."""
+        return specdecode.Delta(
+            "ok", self.drafts, self.draft_tokens, self.accepted, self.accepted_per_pos
+        )
+
     @classmethod
     def of(cls, delta: specdecode.Delta | None, source: str) -> SpecFigures | None:
         """The figures of a usable delta, else None (no speculative decoding, a reset)."""

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import click
 
-from .. import instance_facts, reports
+from .. import acceptance, instance_facts, reports
 from ..bench import prompts, report, runner, sweep
 from ..devmodel import DRAFTER_KINDS
 from ..endpoint import Endpoint
-from ..errors import UsageError
+from ..errors import ApplianceError, UsageError
 from ..profiles import get
 from .options import endpoint_options
 
@@ -48,6 +48,13 @@ def _progress(total: int, label: str):
     "--sweep-k",
     default=None,
     help="k sweep, e.g. 1,2,3,4 (local CPU engine, or --k-url per k on a GPU host).",
+)
+@click.option(
+    "--max-acceptance-drop",
+    type=float,
+    default=None,
+    help="Paired, when the baseline drafts too: the largest median drop in acceptance "
+    "(default: the profile's [canary] figure, else 0.1); beyond it the bench exits 1.",
 )
 @click.option("--k-url", multiple=True, help="K=URL: an already running server for that k.")
 @click.option(
@@ -102,6 +109,7 @@ def bench(
     endpoint: Endpoint,
     mtp_url,
     baseline_url,
+    max_acceptance_drop,
     sweep_k,
     k_url,
     drafter,
@@ -151,6 +159,9 @@ def bench(
         seed,
     )
     profile = endpoint.profile
+    if max_acceptance_drop is None:
+        max_acceptance_drop = profile.canary.max_acceptance_drop if profile else 0.1
+    tolerance = acceptance.Tolerance(max_acceptance_drop)
     if report_html:
         reports.check_target(report_html)
     # One key for every endpoint given by URL (the local sweep's engines have none).
@@ -187,10 +198,12 @@ def bench(
         mtp = runner.open_endpoint(mtp_url, "mtp", secret)
         base = runner.open_endpoint(baseline_url, "baseline", secret)
         with _progress(2 * (config.measured_requests + config.warmups), "paired") as tick:
-            result = runner.run_paired(mtp, base, config, tick)
+            result = runner.run_paired(mtp, base, config, tick, tolerance)
         kind = "paired"
     if out:
         report.write_artifact(out, report.artifact(kind, config, env, result))
     if report_html:  # rendered from the artifact's record: one source for the page and the JSON
         reports.write(report_html, reports.render_bench(report.artifact(kind, config, env, result)))
     click.echo(report.markdown(kind, result))
+    if kind == "paired" and (failed := result.acceptance_failures()):
+        raise ApplianceError(f"the MTP side drafts worse than the baseline: {'; '.join(failed)}")

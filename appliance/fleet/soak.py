@@ -7,7 +7,8 @@ the soak's own probe requests), and :func:`compare` decides whether the new imag
 
 - MTP **acceptance** (accepted / draft tokens) fell by more than ``max_acceptance_drop``
   (absolute), or **tokens per step** (1 + accepted / drafts) by more than
-  ``max_tokens_per_step_drop`` (a fraction of the old figure);
+  ``max_tokens_per_step_drop`` (a fraction of the old figure): :mod:`appliance.acceptance`'s
+  judgement, the canary's and the paired bench's, over one window per side;
 - MTP was on before and is off now (the image lost its drafter);
 - the **error rate** (5xx answers / answers on ``/v1/``) rose by more than
   ``max_error_rate_rise``;
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .. import records, specdecode
+from .. import acceptance, records, specdecode
 from ..errors import ApplianceError, EngineError, UsageError
 from ..vllm_client import VLLMClient
 
@@ -162,6 +163,11 @@ class Thresholds:
         if self.min_drafts < 0 or self.min_requests < 0:
             raise UsageError("min-drafts and min-requests must not be negative")
 
+    @property
+    def tolerance(self) -> acceptance.Tolerance:
+        """The drafting tolerances, for the judgement the canary and the paired bench share."""
+        return acceptance.Tolerance(self.max_acceptance_drop, self.max_tokens_per_step_drop)
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -214,18 +220,9 @@ def compare(before: Window, soak: Window, t: Thresholds = Thresholds()) -> Verdi
             f"{_pct(s.acceptance)}, tokens per step {_pct(s.tokens_per_step)}"
         )
     else:
-        drop = (b.acceptance or 0.0) - (s.acceptance or 0.0)
-        if drop > t.max_acceptance_drop:
-            bad.append(
-                f"acceptance fell {_pct(b.acceptance)} -> {_pct(s.acceptance)} "
-                f"(more than {t.max_acceptance_drop:.3f})"
-            )
-        btps, stps = b.tokens_per_step or 1.0, s.tokens_per_step or 1.0
-        if (btps - stps) / btps > t.max_tokens_per_step_drop:
-            bad.append(
-                f"tokens per step fell {btps:.3f} -> {stps:.3f} "
-                f"(more than {t.max_tokens_per_step_drop:.0%})"
-            )
+        judged = acceptance.change([(b, s)], "windows")
+        if judged is not None:
+            bad += judged.failures(t.tolerance)
     rise = (soak.error_rate or 0.0) - (before.error_rate or 0.0)
     if rise > t.max_error_rate_rise:
         bad.append(
