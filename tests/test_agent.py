@@ -43,14 +43,18 @@ CAPTURE = Path(__file__).parent / "data" / "metrics-vllm-0.32-mtp.txt"
 class Traced:
     """An instrumented client with in-memory spans, its own registry and its call records."""
 
-    def __init__(self, url: str, *, is_async: bool = False, role: str = "worker", **cfg) -> None:
+    def __init__(
+        self, url: str, *, is_async: bool = False, role: str = "worker", http_client=None, **cfg
+    ) -> None:
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
         self.registry = CollectorRegistry()
         self._records: list[agent.CallRecord] = []
         cls = openai.AsyncOpenAI if is_async else openai.OpenAI
-        self.bare = cls(base_url=url + "/v1", api_key="unused", max_retries=0)
+        self.bare = cls(
+            base_url=url + "/v1", api_key="unused", max_retries=0, http_client=http_client
+        )
         # These tests check the attribution, not the bound on one /metrics read (the tests of
         # the bound set it). On a loaded 2-core host a read of a busy engine can outlast the
         # 0.25 s default; the agent then skips reads for its cooldown, and whole tests saw
@@ -329,8 +333,44 @@ def _chunks(stream_iter):
     return [c.model_dump(exclude={"id", "created"}) for c in stream_iter]
 
 
+class _WireTap(httpx.BaseTransport):
+    """A real HTTP transport that also keeps each response body as it came over the wire."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.bodies: dict[str, bytearray] = {}  # by request path
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        resp = self.inner.handle_request(request)
+        body = self.bodies[request.url.path] = bytearray()
+
+        class Tee(httpx.SyncByteStream):
+            def __iter__(self):
+                for part in resp.stream:
+                    body.extend(part)
+                    yield part
+
+            def close(self) -> None:
+                resp.stream.close()
+
+        return httpx.Response(
+            resp.status_code, headers=resp.headers, stream=Tee(), extensions=resp.extensions
+        )
+
+
+def _sse_chunks(body: bytes) -> list[dict]:
+    events = [ln[len("data: ") :] for ln in body.decode().splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return _chunks(
+        openai.types.chat.ChatCompletionChunk.model_validate_json(e) for e in events[:-1]
+    )
+
+
 def test_stream_is_passed_through_unchanged(mtp_engine):
-    t = Traced(mtp_engine.url)
+    # Compared with the bytes of the same call: how the engine groups tokens into chunks depends
+    # on timing (two calls on a loaded host chunked differently and failed a run).
+    tap = _WireTap()
+    t = Traced(mtp_engine.url, http_client=httpx.Client(transport=tap))
     kw = {
         "model": MODEL,
         "messages": MESSAGES,
@@ -339,12 +379,12 @@ def test_stream_is_passed_through_unchanged(mtp_engine):
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    bare = _chunks(t.bare.chat.completions.create(**kw))
     s = t.client.chat.completions.create(**kw)
     assert isinstance(s, openai.Stream)  # the proxy still is what the caller expects
     with s as entered:
         ours = _chunks(entered)
-    assert ours == bare and len(ours) > 3
+    assert ours == _sse_chunks(tap.bodies["/v1/chat/completions"]) and len(ours) > 3
+    assert ours[-1]["usage"]["completion_tokens"] == 30
     assert len(t.spans) == 1  # finished exactly once: on exhaustion, not again on __exit__
 
 
