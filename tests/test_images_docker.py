@@ -19,6 +19,7 @@ import docker.errors
 import httpx
 import pytest
 from click.testing import CliRunner
+from plugins.docker_engine import CACHE as DOCKER_CACHE
 from plugins.docker_engine import tiny_rootfs
 
 from appliance import devmodel, labels, profiles, specdecode
@@ -92,7 +93,14 @@ def test_warm_build_is_a_cache_hit(appliance_images):
 def test_image_holds_the_engine_its_labels_claim(
     appliance_images, docker_engine, target, vllm, torch
 ):
-    code = "import vllm, torch; print(vllm.__version__, torch.__version__)"
+    # Also: the installer stayed out of the image, and it byte-compiled what it installed (a module
+    # no engine start has imported yet has its bytecode).
+    code = (
+        "import importlib.util as u, os, shutil, sys, vllm, torch; "
+        "api = os.path.join(os.path.dirname(vllm.__file__), 'entrypoints/openai/api_server.py'); "
+        "print(vllm.__version__, torch.__version__, shutil.which('uv'), "
+        "os.path.exists('/tmp/installer'), os.path.exists(u.cache_from_source(api)))"
+    )
     out = docker_engine.containers.run(
         appliance_images[target].image_id,
         ["-c", code],
@@ -100,8 +108,9 @@ def test_image_holds_the_engine_its_labels_claim(
         remove=True,
         network_mode="none",
     ).decode()
-    got_vllm, got_torch = out.split()
+    got_vllm, got_torch, *rest = out.split()
     assert got_vllm.startswith(vllm) and got_torch.startswith(torch)
+    assert rest == ["None", "False", "True"], out
     assert appliance_images[target].labels[labels.VLLM_VERSION] == vllm
 
 
@@ -369,18 +378,27 @@ def appliance_base_ref(client) -> str:
 # --- the engines in the images, for real (docker + engine tiers) --------------------------------
 
 
+# The machine's vLLM cache, mounted as a unit mounts its own: vLLM inspects the model's class in
+# a subprocess (10-16 s of CPU) unless this cache already holds the answer for its version.
+VLLM_CACHE = DOCKER_CACHE.parent / "docker-vllm-cache"
+
+
 @contextlib.contextmanager
 def _engine_container(client, image_id: str, args: list[str]):
     """Run an image's entry point (``vllm serve ARGS``) with the tiny models mounted at /models,
     on the host network so it binds the host's 127.0.0.1. Removed afterwards."""
     model = devmodel.cached("copy")
+    VLLM_CACHE.mkdir(parents=True, exist_ok=True)
     container = client.containers.run(
         image_id,
         args,
         detach=True,
         network_mode="host",
         shm_size="512m",  # the default 64 MiB kills the CPU engine at start
-        volumes={str(model.root): {"bind": "/models", "mode": "ro"}},
+        volumes={
+            str(model.root): {"bind": "/models", "mode": "ro"},
+            str(VLLM_CACHE): {"bind": "/root/.cache/vllm", "mode": "rw"},
+        },
         name=f"gemma4-images-test-{uuid.uuid4().hex[:8]}",
     )
     try:

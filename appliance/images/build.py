@@ -121,6 +121,8 @@ def build(
         if not lock.exists():
             raise UsageError(f"no lock {lock}", fix=f"run: appliance image lock {version}")
         files["vllm.lock"] = lock.read_bytes()
+        buildargs["INSTALLER"] = wheelhouse.INSTALLER
+        identity.append(wheelhouse.INSTALLER)
     if target.parent is not None:
         t0 = time.monotonic()
         parent = build(

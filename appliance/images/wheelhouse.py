@@ -26,9 +26,18 @@ from ..errors import ApplianceError
 from .files import digest, held
 from .lock import read_lock
 
+# The build's installer, served beside the lock's wheels and installed in a throwaway venv of the
+# build step: uv unpacks and byte-compiles the wheels in parallel, where pip does one file at a
+# time (the pre-MTP lock's 9 GB of CUDA torch kept one core busy for minutes).
+INSTALLER = "uv==0.13.9"
+
+
+def _pins(lock: Path) -> list[str]:
+    return [*read_lock(lock), INSTALLER]
+
 
 def wheelhouse_dir(lock: Path, cache_dir: Path) -> Path:
-    return cache_dir / "wheels" / digest("\n".join(read_lock(lock)))
+    return cache_dir / "wheels" / digest("\n".join(_pins(lock)))
 
 
 # pip downloads one wheel at a time; the CUDA-built torch of vLLM 0.19's lock alone is a dozen
@@ -37,7 +46,8 @@ DOWNLOADERS = 4
 
 
 def ensure_wheelhouse(lock: Path, cache_dir: Path) -> Path:
-    """Every wheel of ``lock`` in the machine's cache (downloaded with the host's pip if not)."""
+    """Every wheel of ``lock``, and the :data:`INSTALLER`, in the machine's cache (downloaded
+    with the host's pip if not)."""
     target = wheelhouse_dir(lock, cache_dir)
     if (target / ".complete").exists():
         return target
@@ -50,7 +60,7 @@ def ensure_wheelhouse(lock: Path, cache_dir: Path) -> Path:
 def _download_all(lock: Path, target: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        pins = read_lock(lock)
+        pins = _pins(lock)
         shares = [pins[i::DOWNLOADERS] for i in range(DOWNLOADERS)]
         with concurrent.futures.ThreadPoolExecutor(DOWNLOADERS) as pool:
             procs = list(pool.map(lambda share: _download(share, staging), shares))
