@@ -2,17 +2,31 @@
 # System packages the full test suite uses: Docker engine, systemd-nspawn + debootstrap,
 # Prometheus/promtool, shellcheck, Chromium (the HTML reports' browser test), the distribution's
 # venv module (scripts/setup.sh), Node.js (when absent). Needs root (apt). Idempotent.
+# Usage: scripts/setup-system.sh [first|rest]  (default: both)
+#   first: what scripts/setup.sh and the suite's first background work need (the venv module,
+#          debootstrap, systemd-nspawn); rest: the others, which scripts/test.sh installs
+#          beside the venv's install.
 set -euo pipefail
-packages=(docker.io systemd-container debootstrap prometheus shellcheck chromium python3-venv)
+first=(python3-venv debootstrap systemd-container)
+rest=(docker.io prometheus shellcheck chromium)
 # Node.js + npm check the dashboards against Grafana's published schema types (tsc).
-command -v npm >/dev/null 2>&1 || packages+=(nodejs npm)
+command -v npm >/dev/null 2>&1 || rest+=(nodejs npm)
+case "${1:-all}" in
+  first) packages=("${first[@]}") ;;
+  rest) packages=("${rest[@]}") ;;
+  all) packages=("${first[@]}" "${rest[@]}") ;;
+  *) echo "usage: $0 [first|rest]" >&2; exit 2 ;;
+esac
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q
+  # One package list per run: the second half reuses the first's when it is under an hour old.
+  if [ -z "$(find /var/lib/apt/lists -maxdepth 1 -name '*_Packages*' -mmin -60 2>/dev/null)" ]; then
+    apt-get update -q
+  fi
   apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 # apt starts no services here; the test fixtures start dockerd and Prometheus themselves.
