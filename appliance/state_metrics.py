@@ -29,6 +29,10 @@ CANARY_SECONDS = "gemma4_appliance_canary_seconds"
 # The instance's unit as `systemctl show` reports it (issue 11): a crash loop that hit the start
 # limit leaves the unit `failed`, which nothing else on the dashboards would show.
 UNIT_STATE = "gemma4_appliance_unit_state"
+# The instance's acceptance baseline (issue 26): its last passing canary record that drafted.
+# The alert Gemma4AcceptanceBelowBaseline compares the engine's live acceptance with it.
+ACCEPTANCE_BASELINE = "gemma4_appliance_acceptance_baseline"
+TOKENS_PER_STEP_BASELINE = "gemma4_appliance_tokens_per_step_baseline"
 UNIT_RESTARTS = "gemma4_appliance_unit_restarts"
 # systemd's ActiveState values: one series each, 1 for the current one.
 UNIT_STATES = ("active", "activating", "deactivating", "reloading", "inactive", "failed")
@@ -83,6 +87,22 @@ class CanaryState:
 
 
 @dataclass(frozen=True)
+class BaselineState:
+    """The instance's acceptance baseline: draft acceptance (0..1) and tokens per step (>= 1)."""
+
+    acceptance: float
+    tokens_per_step: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.acceptance <= 1.0:
+            raise UsageError(f"baseline acceptance must be within 0..1, not {self.acceptance}")
+        if self.tokens_per_step < 1.0:
+            raise UsageError(
+                f"baseline tokens_per_step must be at least 1, not {self.tokens_per_step}"
+            )
+
+
+@dataclass(frozen=True)
 class UnitStatus:
     """An instance's unit now: ``ActiveState``, ``SubState``, ``Result`` and ``NRestarts``."""
 
@@ -133,6 +153,7 @@ class InstanceState:
     last_cutover: float | None = None  # unix seconds of the last cutover or rollback
     canary: CanaryState | None = None  # the last cutover that ran the output canary
     unit: UnitStatus | None = None  # the unit's state when the textfile was written
+    baseline: BaselineState | None = None  # the acceptance baseline, when one is kept
 
 
 def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
@@ -200,7 +221,23 @@ def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
         ["instance"],
         registry=reg,
     )
+    baseline_acc = Gauge(
+        ACCEPTANCE_BASELINE,
+        "Draft acceptance (0..1) of the instance's acceptance baseline: its last passing "
+        "output canary that drafted.",
+        ["instance"],
+        registry=reg,
+    )
+    baseline_tps = Gauge(
+        TOKENS_PER_STEP_BASELINE,
+        "Tokens per engine step (1 + accepted / drafts) of the instance's acceptance baseline.",
+        ["instance"],
+        registry=reg,
+    )
     for s in states:
+        if (b := s.baseline) is not None:
+            baseline_acc.labels(s.instance).set(b.acceptance)
+            baseline_tps.labels(s.instance).set(b.tokens_per_step)
         if (u := s.unit) is not None:
             for state in UNIT_STATES:
                 unit_state.labels(s.instance, state, u.result if state == u.active else "").set(

@@ -443,3 +443,98 @@ def test_a_profile_sets_the_acceptance_tolerance_and_the_cli_can_override_it(tmp
     assert res.exit_code == 0 and json.loads(res.output)["acceptance"]["median_change"] == -0.15
     res = run(cli, ["canary", "compare", *paths, "--max-acceptance-drop", "2"])
     assert res.exit_code == 2 and "max_acceptance_drop must be within 0..1" in res.output
+
+
+# --- the acceptance baseline: a cutover from an image without MTP (issue 26 section 3) ---------
+
+MTP_IMAGE = "gemma4-vllm:0.32.0-mtp"
+
+
+def _mtp(accepted: int, **kw) -> Record:
+    """A record of IDS on the MTP image whose every prompt accepted ``accepted`` of 20."""
+    rec = _rec(IDS, image=MTP_IMAGE, started=1_790_000_000.0, **kw)
+    return _drafted(rec, dict.fromkeys(IDS, accepted))
+
+
+def test_a_cutover_from_no_mtp_fails_on_a_drop_below_the_instance_baseline():
+    kept = canary.Baseline.of(_mtp(16))  # 80%, 2.60 tokens per step
+    old = _rec(IDS, version="0.19.0", image="gemma4-vllm:pre-mtp")  # no MTP: no figures
+    res = canary.judge(old, _mtp(8), canary.Policy(), kept)  # 40%: same answers
+    assert not res.ok and res.comparison.verdict == "fail"
+    line = res.summary()
+    assert line.startswith(
+        "canary FAILED: draft acceptance fell 80% -> 40% (median drop 40% over 5 prompts, "
+        "tolerance 10%) against the acceptance baseline gemma4-vllm:0.32.0-mtp of "
+        "2026-09-21T14:13:20Z"
+    ), line
+    assert "this record becomes" not in line
+    figs = res.figures()
+    assert figs["verdict"] == "fail" and figs["acceptance"] is None  # before drafted nothing
+    assert figs["baseline"]["baseline"] == {
+        "image": MTP_IMAGE,
+        "vllm_version": "0.32.0",
+        "recorded": 1_790_000_000.0,
+        "acceptance": 0.8,
+        "tokens_per_step": 2.6,
+        "prompts": 5,
+    }
+    assert figs["baseline"]["change"]["after"]["acceptance"] == 0.4
+    assert figs["baseline"]["failures"] == list(res.comparison.failures)
+    # A small drift holds, and the passing record is the next baseline.
+    res = canary.judge(old, _mtp(15), canary.Policy(), kept)
+    assert res.ok and res.comparison.verdict == "pass"
+    assert res.summary().endswith(
+        "against the acceptance baseline gemma4-vllm:0.32.0-mtp of 2026-09-21T14:13:20Z: "
+        "acceptance 80% -> 75% over 5 prompts (median change -5%, tokens per step 2.60 -> 2.50)"
+        "; this record becomes the new baseline"
+    )
+
+
+def test_the_first_mtp_cutover_has_no_baseline_passes_on_answers_and_becomes_it(tmp_path):
+    old = _rec(IDS, version="0.19.0")
+    res = canary.judge(old, _mtp(16), canary.Policy(), None)
+    assert res.ok and res.figures()["baseline"] == {
+        "baseline": None,
+        "change": None,
+        "failures": [],
+    }
+    assert res.summary().endswith(
+        "; no acceptance baseline yet: this record becomes the instance's baseline "
+        "(acceptance 80%, tokens per step 2.60)"
+    )
+    # Kept atomically, owner-only, read back with the same figures.
+    path = tmp_path / "canary" / "i1.baseline.json"
+    assert canary.baseline.keep(res.after, path) is not None
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in path.parent.iterdir()] == ["i1.baseline.json"]
+    kept = canary.baseline.load(path)
+    assert (kept.acceptance, kept.tokens_per_step, kept.record.image) == (0.8, 2.6, MTP_IMAGE)
+    # A record that drafted nothing never replaces it.
+    assert canary.baseline.keep(old, path) is None
+    assert canary.baseline.load(path).acceptance == 0.8
+    assert canary.baseline.load(tmp_path / "none.json") is None
+
+
+def test_an_mtp_before_record_is_the_reference_not_the_baseline():
+    # Before drafted: the paired compare judges; a far better baseline is not consulted.
+    res = canary.judge(_mtp(12), _mtp(11), canary.Policy(), canary.Baseline.of(_mtp(20)))
+    assert res.ok and res.baseline is None and res.figures()["baseline"] is None
+    assert "acceptance baseline" not in res.summary()
+
+
+def test_a_broken_baseline_file_is_refused_naming_it_and_the_field(tmp_path):
+    path = tmp_path / "i1.baseline.json"
+    canary.save(_mtp(16), path)
+    data = json.loads(path.read_text())
+    data["outputs"][0]["spec"]["accepted"] = "many"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError) as exc:
+        canary.baseline.load(path)
+    msg = str(exc.value)
+    assert msg.startswith(f"acceptance baseline {path}: outputs.0.spec.accepted = 'many'"), msg
+    assert msg.endswith(
+        f"(remove {path}: the next cutover whose canary passes with MTP keeps a new one)"
+    )
+    canary.save(_rec(IDS), path)  # a record, but one that drafted nothing
+    with pytest.raises(UsageError, match="no prompt has speculative-decoding figures"):
+        canary.baseline.load(path)

@@ -7,6 +7,7 @@ version, an image that changes the answers) is in tests/test_cutover_systemd.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,14 +15,16 @@ from click.testing import CliRunner
 from plugins.cutover import InstanceTree, write_env
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance import state_metrics
-from appliance.canary import compare
-from appliance.canary.record import Output, Record, Settings
+from appliance import state_metrics, units
+from appliance.canary import baseline, compare
+from appliance.canary.record import Output, Record, Settings, SpecFigures
 from appliance.cli import cli
 from appliance.cutover import history, metrics
 from appliance.cutover.history import Entry, Gate
 from appliance.engine.local import free_port
+from appliance.errors import UsageError
 from appliance.host.layout import Layout
+from appliance.profiles import get as get_profile
 
 
 def _tree(tmp_path) -> InstanceTree:
@@ -179,3 +182,74 @@ def test_an_old_engine_that_cannot_answer_the_canary_refuses_the_cutover_untouch
     assert env.read_bytes() == before
     assert not layout.history_file("i1").exists()  # not even a begin line
     assert not layout.rollback_slot("i1").exists()
+
+
+# --- the acceptance baseline in status and the state metrics (issue 26 section 3) -------------
+
+
+def _mtp_record(accepted: int, drafts: int = 10, k: int = 2) -> Record:
+    """Both cases drafted ``drafts`` steps of ``k`` tokens and accepted ``accepted`` of them."""
+    rec = _record("0.32.0", (1, 2, 3), True, 2.0)
+    spec = SpecFigures(drafts, drafts * k, accepted, (accepted,), "request")
+    outs = tuple(dataclasses.replace(o, spec=spec) for o in rec.outputs)
+    return dataclasses.replace(rec, outputs=outs, image="gemma4-vllm:0.32.0-mtp", started=1.79e9)
+
+
+def _installed(tmp_path, *names: str) -> Layout:
+    for name in names:
+        units.install(get_profile("cpu-tiny"), name, root=tmp_path, options=units.Options(port=9))
+    return Layout(tmp_path)
+
+
+def test_status_shows_each_instance_baseline_or_none(tmp_path):
+    layout = _installed(tmp_path, "a1", "b2", "c3")
+    assert baseline.keep(_mtp_record(15), layout.canary_baseline("a1")) is not None
+    layout.canary_baseline("c3").write_text("{}")
+    res = CliRunner().invoke(cli, ["status", "--json", "--root", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    a1, b2, c3 = (json.loads(line) for line in res.output.splitlines())
+    assert a1["baseline"] == {
+        "image": "gemma4-vllm:0.32.0-mtp",
+        "vllm_version": "0.32.0",
+        "recorded": 1.79e9,
+        "acceptance": 0.75,
+        "tokens_per_step": 2.5,
+        "prompts": 2,
+    }
+    assert (a1["baseline_error"], b2["baseline"], b2["baseline_error"]) == (None, None, None)
+    assert c3["baseline"] is None
+    assert c3["baseline_error"].startswith(f"acceptance baseline {layout.canary_baseline('c3')}")
+    res = CliRunner().invoke(cli, ["status", "--root", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("  baseline:")]
+    assert lines[:2] == [
+        (
+            "  baseline:   acceptance 75%, tokens per step 2.50 (gemma4-vllm:0.32.0-mtp, "
+            "vLLM 0.32.0, recorded 2026-09-21T14:13:20Z)"
+        ),
+        "  baseline:   none",
+    ]
+    assert "format = None, not 'appliance-canary-record/1'" in lines[2]
+
+
+def test_state_metrics_carry_the_baseline_per_instance(tmp_path):
+    layout = _installed(tmp_path, "a1", "b2", "c3")
+    baseline.keep(_mtp_record(15), layout.canary_baseline("a1"))
+    layout.canary_baseline("c3").write_text("not json")  # status says why; metrics go out
+    got = _samples(metrics.write(layout).read_text())
+    a1 = (("instance", "a1"),)
+    assert got[("gemma4_appliance_acceptance_baseline", a1)] == 0.75
+    assert got[("gemma4_appliance_tokens_per_step_baseline", a1)] == 2.5
+    baselines = {k for k in got if k[0].endswith("_baseline")}
+    assert baselines == {
+        ("gemma4_appliance_acceptance_baseline", a1),
+        ("gemma4_appliance_tokens_per_step_baseline", a1),
+    }
+    assert sum(k[0] == "gemma4_appliance_image_info" for k in got) == 3  # c3's too
+
+
+@pytest.mark.parametrize(("field", "value"), [("acceptance", 1.5), ("tokens_per_step", 0.5)])
+def test_a_baseline_state_out_of_range_is_refused_naming_the_field(field, value):
+    figures = {"acceptance": 0.5, "tokens_per_step": 2.0, field: value}
+    with pytest.raises(UsageError, match=f"baseline {field} must be"):
+        state_metrics.BaselineState(**figures)

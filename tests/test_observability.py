@@ -181,12 +181,12 @@ def test_promtool_check_config_and_rules():
     assert len(rule_files) == 2
     res = _promtool("check", "rules", *rule_files)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 19 rules found" in res.stdout and "SUCCESS: 7 rules found" in res.stdout
+    assert "SUCCESS: 20 rules found" in res.stdout and "SUCCESS: 8 rules found" in res.stdout
 
 
 def test_promtool_unit_tests_pass():
     tests = sorted(str(p) for p in (ROOT / "prometheus/tests").glob("*.test.yml"))
-    assert len(tests) == 4
+    assert len(tests) == 5
     res = _promtool("test", "rules", *tests)
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -233,6 +233,25 @@ def test_promtool_extremes_tests_catch_a_changed_share_limit(tmp_path):
     res = _promtool("test", "rules", "extremes.test.yml", cwd=root / "prometheus/tests")
     assert res.returncode == 1  # the healthy role (a quarter near 1) now fires
     assert "Gemma4MTPRepetitionSuspects" in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(
+    ("changed", "at"),
+    [
+        ({"baseline_margin": 0.3}, "time: 45m"),  # the sustained 25-point drop no longer fires
+        ({"baseline_for": "10m"}, "time: 20m"),  # it fires early, and so does the short drop
+        ({"min_draft_tokens_per_s": 0.1}, 'instance="e4"'),  # the barely drafting one fires
+    ],
+)
+def test_promtool_baseline_tests_catch_a_changed_threshold(tmp_path, changed, at):
+    root = _copy_generated(tmp_path)
+    (root / "prometheus/rules/gemma4-mtp-alerts.yml").write_text(
+        rules.render(rules.alert_groups(rules.Thresholds(**changed)))
+    )
+    res = _promtool("test", "rules", "baseline.test.yml", cwd=root / "prometheus/tests")
+    assert res.returncode == 1
+    out = res.stdout + res.stderr
+    assert "Gemma4AcceptanceBelowBaseline" in out and at in out
 
 
 # --- metric existence -----------------------------------------------------------------------

@@ -8,20 +8,23 @@ keeps every answer with its token ids, and later compares a second run against i
 One job per module: ``checks`` (exact / regex / JSON-shape checks), ``cases`` (the shipped set
 and an operator's JSONL), ``record`` (run a set through ``VLLMClient.generate`` with token
 ids, save and load records), ``compare`` (pass rate and token parity under a policy), ``policy`` (a
-profile's ``[canary]`` table), ``gate`` (before/after for the cutover).
+profile's ``[canary]`` table), ``gate`` (before/after for the cutover), ``baseline`` (an
+instance's last passing record that drafted, for a cutover from an image without MTP).
 """
 
 from __future__ import annotations
 
+from .baseline import Baseline
 from .cases import CanarySet, Case
 from .compare import Comparison, Policy, compare
-from .gate import CanaryFailed, Result, after, before
+from .gate import CanaryFailed, Result, after, before, judge
 from .policy import Plan, plan
 from .record import DEFAULT_WITHIN_S as DEFAULT_TIMEOUT
 from .record import Record, Settings, load, run, save
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "Baseline",
     "CanaryFailed",
     "CanarySet",
     "Case",
@@ -34,6 +37,7 @@ __all__ = [
     "after",
     "before",
     "compare",
+    "judge",
     "load",
     "plan",
     "run",

@@ -5,17 +5,24 @@ twice against the same URL: :func:`before` while the old image serves, :func:`af
 one has passed the other gates. Both print their cost. The caller turns :class:`Result` into a
 gate (``Gate("canary", result.ok, seconds, result.summary())``) and keeps
 :meth:`Result.figures` in its history entry. Nothing here touches the unit or the env file.
+
+When the old image drafted nothing (no MTP), the new image's acceptance is judged against the
+instance's acceptance baseline instead (:mod:`.baseline`); keeping a passing record as the next
+baseline is the caller's, once the cutover has passed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ApplianceError, UsageError
+from . import baseline as baselines
 from . import record as records
-from .compare import Comparison, compare
+from .baseline import Baseline
+from .compare import Comparison, Policy, compare
 from .policy import Plan
 from .record import Record
 
@@ -37,19 +44,22 @@ class Result:
 
     before: Record
     after: Record
-    comparison: Comparison
+    comparison: Comparison  # its verdict and failures include the baseline's
+    baseline: baselines.Check | None = None  # None: ``before`` drafted, so it was the reference
 
     @property
     def ok(self) -> bool:
         return self.comparison.ok
 
     def summary(self) -> str:
-        return self.comparison.summary()
+        line = self.comparison.summary()
+        return f"{line}; {self.baseline.summary(self.ok)}" if self.baseline else line
 
     def figures(self) -> dict:
         """The comparison's figures plus each side's cost per prompt (history, status, metrics)."""
         return {
             **self.comparison.figures(),
+            "baseline": None if self.baseline is None else self.baseline.figures(),
             "summary": self.summary(),
             "seconds_per_prompt_before": round(self.before.seconds_per_prompt, 3),
             "seconds_per_prompt_after": round(self.after.seconds_per_prompt, 3),
@@ -121,6 +131,23 @@ def before(
     )
 
 
+def judge(
+    before: Record, after: Record, policy: Policy, acceptance_baseline: Baseline | None = None
+) -> Result:
+    """``after`` against ``before`` by ``policy``; when ``before`` drafted nothing (an old image
+    without MTP), ``after``'s acceptance is judged against ``acceptance_baseline`` too, and a
+    drop beyond the policy fails the canary, naming the baseline."""
+    comparison = compare(before, after, policy)
+    if baselines.drafted(before) is not None:
+        return Result(before, after, comparison)
+    check = baselines.judge(after, acceptance_baseline, policy)
+    if check.failures:
+        comparison = dataclasses.replace(
+            comparison, verdict="fail", failures=(*comparison.failures, *check.failures)
+        )
+    return Result(before, after, comparison, check)
+
+
 def after(
     plan: Plan,
     baseline: Record,
@@ -132,8 +159,10 @@ def after(
     save_to: Path | None = None,
     progress: Progress | None = None,
     within: float = records.DEFAULT_WITHIN_S,
+    acceptance_baseline: Baseline | None = None,
 ) -> Result:
-    """Record the new image's answers and judge them against ``baseline`` by the plan's policy.
+    """Record the new image's answers and judge them against ``baseline`` (the before-record)
+    by the plan's policy, and against ``acceptance_baseline`` as :func:`judge` says.
 
     Returns the result whether it passed or not (the caller decides to roll back on
     ``not result.ok``); engine errors propagate as :class:`appliance.errors.EngineError`.
@@ -142,6 +171,6 @@ def after(
     rec = _record(
         plan, url, model, "", api_key=api_key, image=image, save_to=save_to, say=say, within=within
     )
-    result = Result(baseline, rec, compare(baseline, rec, plan.policy))
+    result = judge(baseline, rec, plan.policy, acceptance_baseline)
     say(result.summary())
     return result

@@ -76,6 +76,19 @@ def _canary_line(entries: list[history.Entry]) -> str:
     return f"{c['summary']}; {cost}"
 
 
+def _baseline_line(st) -> str:
+    """The instance's acceptance baseline: its figures, image and when, or "none"."""
+    if st.baseline_error:
+        return st.baseline_error
+    b = st.baseline
+    if not b:
+        return "none"
+    return (
+        f"acceptance {b['acceptance']:.0%}, tokens per step {b['tokens_per_step']:.2f} "
+        f"({b['image'] or '-'}, vLLM {b['vllm_version']}, recorded {_when(b['recorded'])})"
+    )
+
+
 @click.command(name="cutover")
 @click.argument("instance")
 @click.argument("image")
@@ -251,6 +264,7 @@ def status(instance: str | None, write_metrics: bool, json_: bool, root: Path) -
             click.echo(f"  recover:    {st.recovery}")
             click.echo(f"              ({st.recovery_note})")
         click.echo(f"  canary:     {_canary_line(st.entries)}")
+        click.echo(f"  baseline:   {_baseline_line(st)}")
         for e in st.entries:
             click.echo("  " + _entry_line(e).replace("\n", "\n  "))
 

@@ -9,8 +9,10 @@ cutover(instance, image):
   cutover, still untouched) -> history "started" -> save the env file's bytes and the rollback
   slot's, record the current image as the rollback target -> write VLLM_IMAGE atomically
   -> restart -> gates (the running container's image ID among them)
-  -> canary "after" on the new image, compared with "before" (the last gate)
-  -> ok: history "ok"
+  -> canary "after" on the new image, compared with "before" (the last gate); when the old image
+     drafted nothing (no MTP), its acceptance is judged against the instance's acceptance
+     baseline instead (the last passing canary record that drafted)
+  -> ok: the after-record becomes the acceptance baseline when it drafted; history "ok"
   -> a gate failed, or SIGINT/SIGTERM/SIGHUP arrived (signals.py): write the saved bytes back,
      restart, same gates for the old image (further signals are ignored meanwhile)
      -> history "rolled_back", exit non-zero saying what failed and that it rolled back
@@ -33,6 +35,7 @@ from pathlib import Path
 
 from .. import canary as canaries
 from .. import imageref
+from ..canary import baseline as baselines
 from ..canary.gate import GATE as CANARY_GATE
 from ..errors import ApplianceError, EngineError, UsageError
 from ..fsutil import private_dir, write_atomic
@@ -142,6 +145,8 @@ def cutover(
         if current_ref != tgt.image:
             old, unusable = way_back(ctx, current_ref, image, rollback, way_back_required)
         ctx.progress(f"{kind} {instance}: {current_ref} -> {image}")
+        # Read before the canary runs: a broken baseline file refuses with nothing touched.
+        kept = baselines.load(layout.canary_baseline(instance)) if plan.enabled else None
         # While the old image serves, before anything is written: an engine that cannot answer
         # the canary refuses the cutover with nothing touched; so does a signal.
         try:
@@ -168,13 +173,16 @@ def cutover(
 
         unit = tgt.unit
         touched = False
+        canary_result = None
         try:
             sig.arm()  # a signal that came meanwhile interrupts here, before the env write
             touched = True
             write_atomic(env_path, env.with_value(envfile.IMAGE_KEY, image))
             entry.gates = restart_and_wait(ctx, unit, expect(tgt, new, api_key), timeout)
             if baseline is not None:
-                _canary_after(ctx, plan, baseline, tgt, api_key, image, entry, canary_timeout)
+                canary_result = _canary_after(
+                    ctx, plan, baseline, tgt, api_key, image, entry, canary_timeout, kept
+                )
             sig.hold()  # every gate passed: a signal from here on is too late to matter
         except gates.GateFailed as failed:
             entry.gates = failed.gates
@@ -185,6 +193,8 @@ def cutover(
             failure = f"interrupted by {stop.name} during the gates of {image}"
             ctx.progress(f"{failure}: returning to {current_ref or 'the previous env file'}")
         else:
+            if canary_result is not None:
+                _keep_baseline(ctx, instance, canary_result)
             return finish(ctx, entry, "ok", None, saved)
         # The way back is not interrupted by the operator's next Ctrl-C or hang-up; it is bounded
         # by the same --timeout as the gates.
@@ -297,8 +307,10 @@ def _canary_after(
     image: str,
     entry: Entry,
     within: float,
-) -> None:
-    """The canary gate: run the set on the new image and judge it against ``baseline``.
+    kept: baselines.Baseline | None = None,
+) -> canaries.Result:
+    """The canary gate: run the set on the new image and judge it against ``baseline`` (and
+    against ``kept``, the acceptance baseline, when ``baseline`` drafted nothing).
 
     Appends the gate to ``entry.gates`` and keeps the figures in ``entry.canary``; a failure (or
     an engine error while it runs) raises :class:`gates.GateFailed`, so the cutover rolls back.
@@ -315,6 +327,7 @@ def _canary_after(
             save_to=ctx.layout.canary_record(tgt.name, "after"),
             progress=ctx.progress,
             within=within,
+            acceptance_baseline=kept,
         )
     except (EngineError, UsageError) as exc:
         entry.canary = {
@@ -337,6 +350,19 @@ def _canary_after(
     entry.gates.append(gate)
     if not result.ok:
         raise gates.GateFailed(gate.name, gate.detail, entry.gates)
+    return result
+
+
+def _keep_baseline(ctx: Context, instance: str, result: canaries.Result) -> None:
+    """Keep the passed cutover's after-record as the acceptance baseline when it drafted; a
+    failure to write it is reported, never undoes a cutover that passed."""
+    try:
+        kept = baselines.keep(result.after, ctx.layout.canary_baseline(instance))
+    except (OSError, ApplianceError) as exc:
+        ctx.progress(f"warning: acceptance baseline not kept: {exc}")
+        return
+    if kept is not None:
+        ctx.progress(f"canary: the acceptance baseline of {instance} is now {kept.describe()}")
 
 
 def restart_and_wait(

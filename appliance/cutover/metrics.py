@@ -3,7 +3,8 @@
 Rebuilt from scratch after every cutover or rollback from the env files (the image each instance
 runs) and the histories (event counts, last time): counters derived from an append-only history
 never go backwards, and a lost textfile is rebuilt exactly by the next cutover. The last
-cutover that ran the output canary gives the canary's series.
+cutover that ran the output canary gives the canary's series; the acceptance baseline kept in
+the state directory gives the baseline's.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections import Counter
 from pathlib import Path
 
 from .. import labels, state_metrics
+from ..canary import baseline as baselines
+from ..errors import ApplianceError
 from ..host import envfile
 from ..host.layout import Layout
 from ..host.names import unit_name
@@ -62,9 +65,22 @@ def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metri
                     if systemd is not None
                     else None
                 ),
+                baseline=_baseline(layout, instance),
             )
         )
     return out
+
+
+def _baseline(layout: Layout, instance: str) -> state_metrics.BaselineState | None:
+    """The instance's acceptance baseline; None when there is none or its file is broken
+    (`appliance status` says why, and the next cutover refuses it: the textfile still goes out)."""
+    try:
+        kept = baselines.load(layout.canary_baseline(instance))
+    except ApplianceError:
+        return None
+    if kept is None:
+        return None
+    return state_metrics.BaselineState(kept.acceptance, kept.tokens_per_step)
 
 
 def write(layout: Layout, docker_client=None, systemd=None) -> Path:

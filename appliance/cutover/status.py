@@ -7,12 +7,16 @@ After a cutover was killed half-way (SIGKILL, power loss), the history's last en
 ``interrupted``; :attr:`Status.interrupted` says which env file is in place (the old one or the
 new one: it is replaced atomically, so it is always one of them) and what the container runs,
 and :attr:`Status.recovery` is the one command that gets back to a gated state.
+
+:attr:`Status.baseline` is the instance's acceptance baseline (its last passing canary record
+that drafted): what a cutover from an image without MTP is judged against.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..canary import baseline as baselines
 from ..errors import ApplianceError, EngineError
 from ..host import envfile
 from ..host import lock as locks
@@ -54,6 +58,10 @@ class Status:
     # Why the instance's URL or key could not be read (e.g. installed by an older appliance).
     instance_error: str | None = None
     entries: list[Entry] = field(default_factory=list)
+    # The acceptance baseline's figures (Baseline.to_dict), None when there is none; why its
+    # file cannot be read, when it cannot.
+    baseline: dict | None = None
+    baseline_error: str | None = None
 
 
 def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
@@ -66,6 +74,11 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     st.unit_state = ctx.systemd.active_state(unit)
     st.rollback_image = rollback_image(layout, instance)
     st.in_progress = locks.current_holder(layout.lock_file(instance))
+    try:
+        kept = baselines.load(layout.canary_baseline(instance))
+        st.baseline = kept.to_dict() if kept else None
+    except ApplianceError as exc:
+        st.baseline_error = str(exc)
     live = frozenset(
         {st.in_progress.entry_id} if st.in_progress and st.in_progress.entry_id else ()
     )

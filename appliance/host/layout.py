@@ -66,6 +66,11 @@ class Layout:
         """The output canary's record of the cutover in progress (``side``: before, after)."""
         return self.state_dir / "canary" / f"{check_instance(instance)}.{side}.json"
 
+    def canary_baseline(self, instance: str) -> Path:
+        """The instance's acceptance baseline: its last passing canary record that drafted
+        (kept across cutovers, for the one whose old image has no MTP)."""
+        return self.state_dir / "canary" / f"{check_instance(instance)}.baseline.json"
+
     def private_dirs(self, instance: str) -> tuple[Path, ...]:
         """The state directories holding ``instance``'s lock, history, rollback slot, saved env
         file and canary records (model output): root's alone (0700). The metrics folder is not

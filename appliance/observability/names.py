@@ -38,6 +38,7 @@ CUTOVER_EVENTS = Selector("gemma4_appliance_cutover_events_total")
 LAST_CUTOVER = Selector("gemma4_appliance_last_cutover_timestamp_seconds")
 LAST_CANARY = Selector("gemma4_appliance_last_canary_timestamp_seconds")
 UNIT_STATE = Selector("gemma4_appliance_unit_state")
+ACCEPTANCE_BASELINE = Selector("gemma4_appliance_acceptance_baseline")
 
 # Series Prometheus makes itself for every target.
 UP = Selector("up")

@@ -58,6 +58,14 @@ class Expr:
             f"{self.text} and on ({', '.join(on)}) {other.text}", self.metrics | other.metrics
         )
 
+    def sub_on(self, other: Expr, on: tuple[str, ...]) -> Expr:
+        """``self - on(...) group_right () other``: one ``self`` series per ``on`` labels, taken
+        from each of ``other``'s; the result keeps ``other``'s labels."""
+        return Expr(
+            f"{self.text} - on ({', '.join(on)}) group_right () {other.text}",
+            self.metrics | other.metrics,
+        )
+
     def mul_on(self, other: Expr, on: tuple[str, ...], group_left: tuple[str, ...]) -> Expr:
         """``self * on(...) group_left(...) other``: copy ``other``'s labels onto ``self``."""
         return Expr(

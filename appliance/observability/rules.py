@@ -26,7 +26,12 @@ ON_INSTANCE = "{{ $labels.instance }}{{ with $labels.host }} on host {{ . }}{{ e
 SHORT = "1m"  # dashboards: reacts within a minute at a 15 s scrape
 LONG = "5m"  # alerts and per-role distributions: enough calls per window to mean something
 EXTREMES = "15m"  # per-call extremes: enough long calls per role for a share to mean something
+# Live acceptance against the instance's baseline: long enough that a few odd requests do not
+# move it, short enough that a cutover's effect shows within the alert's `for`.
+BASELINE = "15m"
 IMAGE_BY = ("host", "instance", "image")
+# The state metrics carry the appliance instance (and, across a fleet, the host), not the model.
+BASELINE_BY = ("host", "instance")
 QUANTILES = (0.1, 0.5, 0.9)
 
 
@@ -59,6 +64,11 @@ class Thresholds:
     # And enough of them: about one exact call a minute or more over the window.
     extremes_min_calls_per_s: float = 0.02
     extremes_for: str = "15m"
+    # Below the instance's own baseline (its last passing MTP canary) by more than this, in
+    # acceptance points, over BASELINE: the canary's prompts are not the live workload, so a
+    # workload alone moves it by a few points; a regression like vLLM PR 49262 moves it by 20-40.
+    baseline_margin: float = 0.15
+    baseline_for: str = "30m"
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,9 @@ ROLE_NEAR_ZERO = "role_model:gemma4_agent_calls_acceptance_near_zero:ratio_rate1
 ROLE_NEAR_ONE = "role_model:gemma4_agent_calls_acceptance_near_one:ratio_rate15m"
 ROLE_DRAFT_TOKENS_PER_CALL = "role_model:gemma4_agent_draft_tokens_per_call:ratio_rate15m"
 ROLE_EXACT_CALLS = "role_model:gemma4_agent_exact_calls:rate15m"
+BASELINE_SHORTFALL = (
+    "instance_model_name:vllm_spec_decode_draft_acceptance:baseline_shortfall_rate15m"
+)
 
 
 def _acceptance(window: str) -> Expr:
@@ -185,6 +198,14 @@ def recording_groups() -> tuple[Group, ...]:
             "Share of output tokens that were accepted drafts (the rest: one per engine step).",
         ),
         Rule(
+            BASELINE_SHORTFALL,
+            agg("max", BASELINE_BY, n.ACCEPTANCE_BASELINE.expr).sub_on(
+                _acceptance(BASELINE).paren(), BASELINE_BY
+            ),
+            "How far the 15m draft acceptance is below the instance's own baseline (its last "
+            "passing MTP canary, from the state metrics); negative: above it.",
+        ),
+        Rule(
             IMAGE_TOKENS_1M,
             by_image(n.GENERATION_TOKENS, SHORT),
             "Output tokens per second by the image the instance ran: before/after a cutover.",
@@ -230,8 +251,10 @@ def recording_groups() -> tuple[Group, ...]:
 
 
 def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
-    """Drafter drift, MTP counters flat, engine down, KV cache near full."""
+    """Drafter drift, acceptance below the baseline, MTP counters flat, engine down, KV cache
+    near full."""
     busy = (sum_rate(n.DRAFT_TOKENS, ENGINE_BY, LONG) > t.min_draft_tokens_per_s).paren()
+    busy_long = (sum_rate(n.DRAFT_TOKENS, ENGINE_BY, BASELINE) > t.min_draft_tokens_per_s).paren()
     generating = (sum_rate(n.GENERATION_TOKENS, ENGINE_BY, LONG) > 0).paren()
     flat = agg("sum", ENGINE_BY, rate(n.DRAFTS, LONG)).eq(0).paren()
     alerts = (
@@ -248,6 +271,23 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
                 "{{ $value | humanizePercentage }} (floor "
                 f"{t.acceptance_min:.0%}) for {t.acceptance_for}: the drafter "
                 "no longer matches the target or the workload changed. "
+                "See gotchas/alert-thresholds.md.",
+            },
+        ),
+        Rule(
+            "Gemma4AcceptanceBelowBaseline",
+            (recorded(BASELINE_SHORTFALL) > t.baseline_margin).and_on(busy_long, ENGINE_BY),
+            "Fewer drafts accepted than the instance's own baseline, while the drafter is busy.",
+            alert=True,
+            for_=t.baseline_for,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": f"MTP draft acceptance below its baseline on {ON_INSTANCE}",
+                "description": "Draft acceptance of {{ $labels.model_name }} is short of the "
+                "instance's own baseline (its last passing MTP canary: `appliance status "
+                "{{ $labels.instance }}`) by {{ $value | humanizePercentage }} (absolute; "
+                f"margin {t.baseline_margin:.0%}) over {BASELINE} for {t.baseline_for}: the "
+                "same answers decoded with fewer accepted drafts, or a changed workload. "
                 "See gotchas/alert-thresholds.md.",
             },
         ),
