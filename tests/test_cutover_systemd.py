@@ -213,6 +213,22 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     prom = layout.metrics_textfile().read_text()
     assert f'gemma4_appliance_canary_ok{{instance="{inst.instance}"}} 1.0' in prom
     assert 'vllm="0.19.0->0.32.0"' in prom
+    # Issue 26 §3: 0.19 drafted nothing, so the MTP image's acceptance is judged against the
+    # instance's acceptance baseline (an earlier cutover's, or none yet), and its passing record
+    # is the baseline from now on: kept on disk, shown by status, exported with the state.
+    judged = c["baseline"]
+    assert judged is not None and judged["failures"] == []
+    if judged["baseline"] is None:
+        assert "this record becomes the instance's baseline" in c["summary"]
+    else:
+        assert judged["change"]["samples"] > 0
+    assert f"canary: the acceptance baseline of {inst.instance} is now acceptance" in r.stderr
+    kept = json.loads(inst.appliance("status", inst.instance, "--json").stdout)["baseline"]
+    assert kept["image"] == MTP_IMAGE and kept["vllm_version"] == "0.32.0"
+    assert kept["acceptance"] > 0.5 and kept["tokens_per_step"] > 1.5  # the copy drafter
+    assert f'gemma4_appliance_acceptance_baseline{{instance="{inst.instance}"}}' in (
+        layout.metrics_textfile().read_text()
+    )
 
     r = inst.appliance("rollback", inst.instance, "--timeout", TIMEOUT)
     assert r.returncode == 0, r.stderr
@@ -232,4 +248,5 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     assert "labels:     vLLM 0.19.0, mtp=no" in s.stdout
     assert "health:     200" in s.stdout and "MTP:        off" in s.stdout
     assert "canary:     not run by the last rollback" in s.stdout
+    assert f"baseline:   acceptance {kept['acceptance']:.0%}" in s.stdout  # a rollback keeps it
     assert _history(inst)[-1].canary is None
