@@ -162,6 +162,37 @@ def test_an_image_that_changes_the_answers_fails_the_canary_and_is_rolled_back(
     assert f'gemma4_appliance_canary_ok{{instance="{inst.instance}"}} 0.0' in prom
 
 
+def test_an_image_that_drafts_worse_with_the_same_answers_is_rolled_back_on_acceptance(
+    systemd_instance, degraded_image
+):
+    """Issue 26. The degraded image is a deliberate fault (tests/plugins/docker_engine.py): the
+    MTP image drafting with a random drafter. Every gate passes, every answer is token-identical,
+    and the canary's acceptance judgement rolls the cutover back."""
+    inst = systemd_instance
+    inst.ensure(MTP_IMAGE)
+    before = inst.env_path.read_bytes()
+    r = inst.appliance("cutover", inst.instance, degraded_image, "--timeout", TIMEOUT)
+    assert r.returncode == 1, r.stderr
+    assert f"{degraded_image} failed gate 'canary': canary FAILED: draft acceptance fell" in (
+        r.stderr
+    )
+    assert "(the same answers, decoded with fewer accepted drafts)" in r.stderr
+    assert f"rolled back to {MTP_IMAGE}, which passed the gates and is serving" in r.stderr
+    assert inst.env_path.read_bytes() == before
+    _serves(inst, MTP_IMAGE, speculative=True)
+    e = _history(inst)[-1]
+    assert (e.outcome, e.from_image, e.to_image) == ("rolled_back", MTP_IMAGE, degraded_image)
+    assert all(g.ok for g in e.gates[:-1]) and not e.gates[-1].ok  # the mtp gate passed too
+    c = e.canary
+    print("degraded drafter canary:", c["summary"])
+    assert c["verdict"] == "fail" and c["parity"] == 1.0 and c["differing"] == []
+    drop = c["acceptance"]
+    assert drop["before"]["acceptance"] - drop["after"]["acceptance"] > 0.5, drop
+    assert any(f.startswith("draft acceptance fell") for f in c["failures"])
+    s = inst.appliance("status", inst.instance)
+    assert "canary:     canary FAILED: draft acceptance fell" in s.stdout
+
+
 def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     inst = systemd_instance
     inst.ensure(PRE_MTP_IMAGE)

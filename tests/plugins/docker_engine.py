@@ -288,6 +288,49 @@ def crash_recipe(parent_id: str) -> dict[str, dict[str, bytes]]:
     }
 
 
+# ---- an image that drafts worse and answers the same (issue 26's acceptance gate) -------------
+
+DEGRADED_TAG = "0.32.0-mtp-degraded-drafter"
+DEGRADED_DRAFTER = "/opt/gemma4-appliance/degraded-drafter"
+
+_DEGRADED_ENTRY = f"""\
+# A deliberate fault (tests/plugins/docker_engine.py): the MTP image serving its drafter from
+# {DEGRADED_DRAFTER}, a random drafter of the same tiny target. Greedy verification keeps every
+# answer the target's own; almost no draft is accepted (the regression of vLLM PR 49262, to the
+# extreme). Everything else (labels, flags, engine) is the MTP image's.
+import json, os, sys
+args = sys.argv[1:]
+i = args.index("--speculative-config") + 1
+spec = json.loads(args[i])
+spec["model"] = "{DEGRADED_DRAFTER}"
+args[i] = json.dumps(spec)
+os.execv("/usr/local/bin/gemma4-entrypoint", ["gemma4-entrypoint", *args])
+"""
+
+
+def degraded_recipe(parent_id: str) -> dict[str, dict[str, bytes]]:
+    """The MTP image with the random drafter in place of the instance's: same answers, drafts
+    almost never accepted."""
+    from appliance import devmodel
+
+    drafter = devmodel.cached("random").root / "drafter"
+    files = {f"drafter/{p.name}": p.read_bytes() for p in sorted(drafter.iterdir())}
+    return {
+        DEGRADED_TAG: {
+            "Dockerfile": (
+                f"FROM {parent_id}\n"
+                f"COPY drafter/ {DEGRADED_DRAFTER}/\n"
+                "COPY degraded-entry.py /opt/gemma4-appliance/degraded-entry.py\n"
+                'ENTRYPOINT ["python3", "/opt/gemma4-appliance/degraded-entry.py"]\n'
+                'LABEL org.opencontainers.image.description="cpu-mtp drafting with a random '
+                'drafter: same answers, acceptance ~0 (a deliberate fault, canary tests)"\n'
+            ).encode(),
+            "degraded-entry.py": _DEGRADED_ENTRY.encode(),
+            **files,
+        }
+    }
+
+
 def build_derived(client, parent_id: str, recipes=None) -> dict[str, str]:
     """Build (or find by a digest label: a label lookup when present) the images derived from
     the MTP image (``recipes``: tag -> build context; the canary's by default); returns tag ->
@@ -338,6 +381,13 @@ if pytest is not None:
 
 
 if pytest is not None:
+
+    @pytest.fixture(scope="session")
+    def degraded_image(docker_engine, appliance_images) -> str:
+        """The MTP image drafting with a random drafter (a deliberate fault): every answer the
+        same, acceptance about 0."""
+        parent = appliance_images["cpu-mtp"].image_id
+        return build_derived(docker_engine, parent, degraded_recipe(parent))[DEGRADED_TAG]
 
     @pytest.fixture(scope="session")
     def crash_image(docker_engine, appliance_images) -> str:
