@@ -64,7 +64,8 @@ def images() -> str:
         mtp = docker_engine.build_image(client, "cpu-mtp")
         docker_engine.build_image(client, "cpu-broken")
         docker_engine.build_derived(client, mtp.image_id)
-        docker_engine.build_derived(client, mtp.image_id, docker_engine.crash_recipe(mtp.image_id))
+        for recipe in (docker_engine.crash_recipe, docker_engine.degraded_recipe):
+            docker_engine.build_derived(client, mtp.image_id, recipe(mtp.image_id))
         docker_engine.build_image(client, "cpu-pre-mtp")
     finally:
         client.close()
