@@ -197,6 +197,13 @@ def _endpoint_table(res: EndpointResult) -> list[str]:
             f"accepted per position {list(c.accepted_per_pos or [])}"
         ),
     ]
+    predicted = res.spec_totals().get("predicted_tokens_per_step")
+    if predicted:
+        lines.append(
+            "Predicted tok/step at k' = 1.."
+            f"{len(predicted)} (1 + the first k' per-position rates, per request): "
+            + " / ".join(f"{p:.2f}" for p in predicted)
+        )
     if ep.mtp is not None:
         lines.append(f"MTP probe: {ep.mtp.summary()}")
     return lines
@@ -267,6 +274,28 @@ def markdown(kind: str, result) -> str:
                 "(lowest median TPOT above)"
             ),
         ]
+        pred = result.prediction()
+        if pred:
+            lines += [
+                "",
+                f"### Predicted from the k={pred['from_k']} run alone"
+                + (
+                    f" (step cost from k={pred['step_cost_from_k'][0]} and "
+                    f"k={pred['step_cost_from_k'][1]})"
+                    if pred["step_cost_from_k"]
+                    else ""
+                ),
+                "",
+                "| k | tok/step predicted | measured | TPOT ms predicted | measured |",
+                "| ---: | ---: | ---: | ---: | ---: |",
+            ]
+            for r in pred["rows"]:
+                tp, tm = r["predicted_tpot_s"], r["measured_tpot_s"]
+                lines.append(
+                    f"| {r['k']} | {r['predicted_tokens_per_step']:.3f} "
+                    f"| {_f(r['measured_tokens_per_step'])} | {_f(tp and tp * 1000, '.2f')} "
+                    f"| {_f(tm and tm * 1000, '.2f')} |"
+                )
     else:
         lines += _endpoint_table(result)
     return "\n".join(lines) + "\n"
