@@ -10,8 +10,11 @@
 
 Both carry the same byte-level tokenizer and a small chat template. The target's random weights
 make it greedily repeat its last input token; a ``copy`` drafter is built to predict exactly that
-(accepted almost always), a ``random`` drafter is plain random init (accepted almost never). So
-acceptance is controllable from the test side, through the real MTP code path.
+(accepted almost always), a ``random`` drafter is plain random init (accepted almost never), and
+a ``partial`` drafter is the copy drafter perturbed by the hidden state it is fed, so that its
+acceptance is in between and falls with the draft position (the first position reads the
+target's hidden state, later ones the drafter's own, which compounds the error). So acceptance is
+controllable from the test side, through the real MTP code path.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ from pathlib import Path
 
 from .errors import UsageError
 
-DRAFTER_KINDS: tuple[str, ...] = ("copy", "random")
+DRAFTER_KINDS: tuple[str, ...] = ("copy", "partial", "random")
+
+# The partial drafter: the copy drafter plus a read of the hidden state it is fed. At the first
+# draft position that is the target's hidden state (scaled by PARTIAL_READ), at later ones the
+# drafter's own post-projection (scaled by PARTIAL_FEEDBACK), so errors compound by position.
+# Chosen by replaying the drafter's arithmetic (its layers are identities) on the target's hidden
+# states over the shipped bench prompts, seed 0, greedy, 64 tokens: per-position acceptance about
+# 0.78/0.54/0.54 at k=3 (positions 2 and 3 alike: the feedback settles after one step).
+PARTIAL_READ = 7.0
+PARTIAL_FEEDBACK = 0.6
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 VOCAB_SIZE = 512  # 6 specials + 256 bytes, padded
@@ -77,7 +89,7 @@ def build(root: Path | str, drafter: str = "copy", seed: int = 0) -> DevModel:
     """Generate the tiny target + drafter pair into ``root`` (new or empty), atomically."""
     root = Path(root)
     if drafter not in DRAFTER_KINDS:
-        raise UsageError(f"unknown drafter kind {drafter!r}", fix="use copy or random")
+        raise UsageError(f"unknown drafter kind {drafter!r}", fix="use copy, partial or random")
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise UsageError(f"{root} is not empty", fix="give a new or empty directory")
     parent = root.parent
@@ -224,7 +236,7 @@ def _drafter(gen, target_sd: dict, kind: str):
     )
     model = Gemma4AssistantForCausalLM(cfg)
     sd = _randomise(model.state_dict(), gen, std=0.2)
-    if kind == "copy":
+    if kind in ("copy", "partial"):
         # Make the drafter predict "the last token again", which is what the target does:
         # drafter embeddings = target embeddings projected to the drafter's width (row-normed),
         # pre_projection reads only the token-embedding half through the same projection, and
@@ -240,6 +252,12 @@ def _drafter(gen, target_sd: dict, kind: str):
         for key in sd:
             if key.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
                 sd[key] = torch.zeros_like(sd[key])
+    if kind == "partial":
+        # Drawn after the copy drafter's weights, so copy and partial share everything else.
+        read = torch.randn(DRAFTER_HIDDEN, TARGET_HIDDEN, generator=gen) / TARGET_HIDDEN**0.5
+        sd["pre_projection.weight"][:, TARGET_HIDDEN:] = read * PARTIAL_READ
+        back = torch.randn(TARGET_HIDDEN, DRAFTER_HIDDEN, generator=gen) / DRAFTER_HIDDEN**0.5
+        sd["post_projection.weight"] = back * PARTIAL_FEEDBACK
     out = cfg.to_dict()
     out["architectures"] = ["Gemma4AssistantForCausalLM"]
     out["text_config"]["global_head_dim"] = HEAD_DIM

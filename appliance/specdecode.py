@@ -357,3 +357,65 @@ def from_response_metrics(body: dict | None) -> Delta | None:
     return Delta(
         "ok", drafts=steps, draft_tokens=draft_tokens, accepted=accepted, accepted_per_pos=pos
     )
+
+
+# --- k from one run ---------------------------------------------------------------------------
+# vLLM accepts drafts as a prefix: position i is accepted only if every position before it was.
+# So accepted_per_pos[i] / drafts at k is also the chance that a run at any k' > i accepts
+# position i, and the mean acceptance length at k' <= k is 1 + the first k' per-position rates.
+
+
+def predicted_lengths(per_pos: tuple[float, ...] | list[float]) -> tuple[float, ...]:
+    """Mean acceptance length (tokens per step) at k' = 1..k from per-position acceptance at k."""
+    out, total = [], 1.0
+    for rate in per_pos:
+        total += rate
+        out.append(total)
+    return tuple(out)
+
+
+def predicted_lengths_of(deltas: list[Delta]) -> tuple[float, ...] | None:
+    """Tokens per step at k' = 1..k for a set of requests measured at k, as a run at k' counts it.
+
+    Requests differ in acceptance, and a request that accepts more takes fewer steps, more so at
+    a larger k: summing the counters at k and then truncating weighs each request by its steps
+    at k, not at k'. So each request is predicted on its own (its tokens stay, its steps become
+    tokens / length at k') and the requests are summed then, as vLLM's counters would be.
+    """
+    usable = [d for d in deltas if d.status == "ok" and d.drafts and d.accepted_per_pos]
+    if not usable:
+        return None
+    width = min(len(d.accepted_per_pos or ()) for d in usable)
+    tokens = [d.drafts * (1.0 + (d.accepted or 0) / d.drafts) for d in usable]
+    lengths = [predicted_lengths(per_position(d.accepted_per_pos, d.drafts) or ()) for d in usable]
+    return tuple(
+        sum(tokens) / sum(t / length[i] for t, length in zip(tokens, lengths, strict=True))
+        for i in range(width)
+    )
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Engine step time as ``base_s + per_draft_s * k``, from two measured points."""
+
+    base_s: float
+    per_draft_s: float
+
+    def at(self, k: int) -> float:
+        return self.base_s + self.per_draft_s * k
+
+
+def step_cost(a: tuple[int, float, float], b: tuple[int, float, float]) -> StepCost | None:
+    """The line through two runs ``(k, tpot_s, tokens_per_step)`` (k=0: no speculation, 1 token
+    per step); a step takes tpot * tokens_per_step. ``None`` for one k twice."""
+    (ka, tpot_a, len_a), (kb, tpot_b, len_b) = a, b
+    if ka == kb:
+        return None
+    step_a, step_b = tpot_a * len_a, tpot_b * len_b
+    slope = (step_b - step_a) / (kb - ka)
+    return StepCost(step_a - slope * ka, slope)
+
+
+def predicted_tpot(lengths: tuple[float, ...], cost: StepCost) -> tuple[float, ...]:
+    """TPOT at k' = 1..len(lengths): one step's time over the tokens it yields."""
+    return tuple(cost.at(i + 1) / length for i, length in enumerate(lengths))

@@ -75,7 +75,7 @@ def images() -> str:
 def models() -> str:
     from appliance import devmodel
 
-    return ", ".join(devmodel.cached(d).root.name for d in ("copy", "random"))
+    return ", ".join(devmodel.cached(d).root.name for d in ("copy", "partial", "random"))
 
 
 def schema() -> str:

@@ -178,3 +178,72 @@ def test_artifact_write_is_atomic(tmp_path):
     # The old artifact is intact and no temporary file is left behind.
     assert json.loads(target.read_text()) == {"x": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--concurrency", "1,x"], "--concurrency wants integers"),
+        (["--concurrency", "4,4"], "distinct integers"),
+        (["--concurrency", "0"], "distinct integers"),
+        (["--concurrency", "1,4", "--report", "r.html"], "--report does not draw --concurrency"),
+        (["--concurrency", "1", "--requests", "0"], "--requests must be at least 1"),
+    ],
+)
+def test_bad_concurrency_input_is_one_line_before_any_server(tmp_path, args, message):
+    # The URL is a closed port: every refusal here comes before the first request.
+    url = f"http://127.0.0.1:{free_port()}"
+    res = CliRunner().invoke(cli, ["bench", "--url", url, *args], catch_exceptions=False)
+    assert res.exit_code == 2, res.output
+    assert message in res.output and res.output.strip().count("\n") == 0
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_concurrency_benches_one_endpoint_only():
+    res = CliRunner().invoke(cli, ["bench", "--sweep-k", "1,2", "--concurrency", "1,4"])
+    assert res.exit_code == 2 and "--concurrency benches one endpoint" in res.output
+
+
+def _rec(tokens: int, drafts: int, pos: list[int], source: str = "request"):
+    from appliance.bench.runner import RunRecord
+
+    return RunRecord(
+        label="e",
+        prompt_set="s",
+        prompt_id="p",
+        max_tokens=tokens,
+        run=0,
+        ttft_s=0.1,
+        tpot_s=0.01,
+        e2el_s=0.1 + 0.01 * (tokens - 1),
+        itl_s=[0.02] * 3,
+        output_tokens=tokens,
+        prompt_tokens=5,
+        chunks=4,
+        output_tps=1.0,
+        output_sha256="",
+        spec_source=source,
+        spec_status="ok",
+        drafts=drafts,
+        draft_tokens=drafts * len(pos),
+        accepted=sum(pos),
+        accepted_per_pos=pos,
+    )
+
+
+def test_a_level_sums_its_requests_blocks_and_predicts_per_request():
+    from appliance import specdecode
+    from appliance.bench.concurrency import LevelResult
+
+    recs = [_rec(40, 10, [10, 10, 10]), _rec(40, 40, [0, 0, 0])]
+    d = LevelResult(4, recs, 2.0, specdecode.Delta("ok", 1, 1, 1, (1, 1, 1))).to_dict()
+    assert (d["requests"], d["output_tokens"], d["output_throughput_tps"]) == (2, 80, 40.0)
+    assert d["spec_source"] == "request" and d["drafts"] == 50 and d["accepted"] == 30
+    assert d["per_position"] == [0.2, 0.2, 0.2]
+    assert d["predicted_tokens_per_step"] == pytest.approx([80 / 60, 80 / (40 / 3 + 40), 1.6])
+    assert d["ttft_s"]["median"] == d["ttft_s"]["p99"] == pytest.approx(0.1)
+    # Without per-request blocks the level's /metrics delta is its figure.
+    shared = [_rec(40, 10, [10, 10, 10], "shared")]
+    d = LevelResult(1, shared, 1.0, specdecode.Delta("ok", 8, 24, 12, (6, 4, 2))).to_dict()
+    assert d["spec_source"] == "counters" and d["drafts"] == 8
+    assert d["predicted_tokens_per_step"] == pytest.approx([1.75, 2.25, 2.5])

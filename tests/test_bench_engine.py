@@ -76,8 +76,11 @@ def test_counter_path_matches_whole_run_delta(mtp_counters_engine):
     assert c.drafts > 0
 
 
-def _vllm_bench_serve(url: str, tokenizer, data, n: int, out_len: int, tmp_path) -> dict:
-    """The real `vllm bench serve` of the installed vLLM, offline, one request at a time."""
+def _vllm_bench_serve(
+    url: str, tokenizer, data, n: int, out_len: int, tmp_path, concurrency: int = 1
+) -> dict:
+    """The real `vllm bench serve` of the installed vLLM, offline, ``concurrency`` requests at a
+    time (one by default)."""
     result = tmp_path / "vllm.json"
     result.unlink(missing_ok=True)
     cmd = engine_command(
@@ -104,7 +107,7 @@ def _vllm_bench_serve(url: str, tokenizer, data, n: int, out_len: int, tmp_path)
             "--num-prompts",
             str(n),
             "--max-concurrency",
-            "1",
+            str(concurrency),
             "--disable-shuffle",
             "--temperature",
             "0",
@@ -233,6 +236,67 @@ def test_tpot_agrees_with_vllm_bench_serve(mtp_engine, tmp_path):
         f" vllm bench serve {v:.3f} ms ({len(vllm)}/{n}), ratio {m / v:.3f}, "
         f"load average {os.getloadavg()[0]:.1f}"
     )
+
+
+def test_concurrency_levels_count_what_vllm_bench_serve_counts(mtp_engine, tmp_path):
+    """`bench --concurrency 1,4` and `vllm bench serve --max-concurrency N` on the same prompts:
+    per level the same requests and output tokens (asserted), output throughput and median TPOT
+    side by side (printed: durations on a shared host); the level's speculative figures come
+    from the responses' per-request blocks and add up to vLLM's own counters."""
+    texts = [p.text for p in prompts.shipped("prose").prompts] * 2
+    data = tmp_path / "prose.jsonl"
+    data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    n, out_len = len(texts), 32
+    res = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--url",
+            mtp_engine.url,
+            "--prompt-file",
+            str(data),
+            "--max-tokens",
+            str(out_len),
+            "--concurrency",
+            "1,4",
+            "--requests",
+            str(n),
+            "--json",
+        ],
+        catch_exceptions=False,
+    )
+    assert res.exit_code == 0, res.output
+    record = json.loads(res.stdout)
+    levels = record["concurrency"]["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 4]
+    k = len(levels[0]["per_position"])
+    for lv in levels:
+        assert lv["requests"] == n and lv["output_tokens"] == n * out_len
+        assert lv["spec_source"] == "request" and lv["drafts"] > 0
+        assert len(lv["per_position"]) == k and lv["tokens_per_step"] > 1.5  # copy drafter
+        counters = lv["counters_over_level"]
+        for f in ("drafts", "draft_tokens", "accepted", "accepted_per_pos"):
+            assert counters[f] == lv[f], f
+        # The prediction at k'=k is the measured figure itself.
+        assert lv["predicted_tokens_per_step"][-1] == pytest.approx(lv["tokens_per_step"])
+        theirs = _vllm_bench_serve(
+            mtp_engine.url,
+            mtp_engine.model_dir / "target",
+            data,
+            n,
+            out_len,
+            tmp_path,
+            concurrency=lv["concurrency"],
+        )
+        assert theirs["completed"] == n
+        assert theirs["total_output_tokens"] == lv["output_tokens"]
+        tps = lv["output_throughput_tps"] / theirs["output_throughput"]
+        tpot = lv["tpot_s"]["median"] * 1000 / theirs["median_tpot_ms"]
+        print(
+            f"\nconcurrency {lv['concurrency']}: output tok/s appliance/vllm {tps:.2f}, "
+            f"median TPOT appliance/vllm {tpot:.2f} (within 10% is the aim; load average "
+            f"{os.getloadavg()[0]:.1f})"
+        )
 
 
 def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):

@@ -86,3 +86,22 @@ def test_unknown_drafter_kind_is_a_usage_error(tmp_path):
     result = CliRunner().invoke(cli, ["devmodel", "build", str(tmp_path / "x"), "--drafter", "eh"])
     assert result.exit_code == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_partial_drafter_is_the_copy_drafter_plus_a_read_of_the_hidden_state(tmp_path):
+    from safetensors.torch import load_file
+
+    copy = load_file(
+        devmodel.build(tmp_path / "c", drafter="copy", seed=3).drafter / "model.safetensors"
+    )
+    part = devmodel.build(tmp_path / "p", drafter="partial", seed=3)
+    again = devmodel.build(tmp_path / "q", drafter="partial", seed=3)
+    assert _weight_digest(part.root) == _weight_digest(again.root)
+    assert devmodel.load(part.root).drafter_kind == "partial"
+    weights = load_file(part.drafter / "model.safetensors")
+    changed = {k for k in copy if not (copy[k] == weights[k]).all()}
+    assert changed == {"pre_projection.weight", "post_projection.weight"}
+    pre, hidden = weights["pre_projection.weight"], devmodel.TARGET_HIDDEN
+    # The token half is the copy drafter's; the hidden half (zero in copy) now reads the state.
+    assert (pre[:, :hidden] == copy["pre_projection.weight"][:, :hidden]).all()
+    assert not copy["pre_projection.weight"][:, hidden:].any() and pre[:, hidden:].any()

@@ -206,3 +206,50 @@ def test_sums_take_ratios_over_the_summed_counts_and_project_under_vllm_names():
         "per_position": [0.25, 0.25],
     }
     assert sd.Delta("absent").to_dict()["drafts"] is None
+
+
+def test_predicted_lengths_are_one_plus_the_first_k_prime_rates():
+    assert sd.predicted_lengths((0.8, 0.5, 0.3)) == pytest.approx((1.8, 2.3, 2.6))
+    assert sd.predicted_lengths(()) == ()
+
+
+def test_prediction_weighs_requests_by_their_steps_at_k_prime_not_at_k():
+    # One request accepts all 3 drafts (10 steps, 40 tokens), one accepts none (40 steps, 40
+    # tokens). At k'=1 they take 20 and 40 steps for 80 tokens: 80/60 tokens per step, not the
+    # 1 + 10/50 that truncating the summed counters gives.
+    always = sd.Delta("ok", drafts=10, draft_tokens=30, accepted=30, accepted_per_pos=(10, 10, 10))
+    never = sd.Delta("ok", drafts=40, draft_tokens=120, accepted=0, accepted_per_pos=(0, 0, 0))
+    assert sd.predicted_lengths_of([always, never]) == pytest.approx(
+        (80 / 60, 80 / (40 / 3 + 40), 80 / 50)
+    )
+    assert sd.predicted_lengths_of([always]) == pytest.approx((2.0, 3.0, 4.0))
+    assert sd.predicted_lengths_of([sd.Delta("absent")]) is None
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 50), st.integers(0, 3), st.integers(0, 3), st.integers(0, 3)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_predicted_length_at_k_is_the_measured_one_and_grows_with_k_prime(reqs):
+    deltas = []
+    for drafts, a, b, c in reqs:
+        p1 = min(a, 3) * drafts // 3
+        p2 = min(p1, b * drafts // 3)
+        p3 = min(p2, c * drafts // 3)
+        deltas.append(sd.Delta("ok", drafts, 3 * drafts, p1 + p2 + p3, (p1, p2, p3)))
+    lengths = sd.predicted_lengths_of(deltas)
+    assert list(lengths) == sorted(lengths)
+    assert lengths[-1] == pytest.approx(sd.summed(deltas).tokens_per_step)
+
+
+def test_step_cost_and_predicted_tpot():
+    # No speculation: 10 ms a token (one per step). k=3: 5 ms a token at 4 per step, 20 ms a step.
+    cost = sd.step_cost((0, 0.010, 1.0), (3, 0.005, 4.0))
+    assert (cost.base_s, cost.per_draft_s) == pytest.approx((0.010, 0.010 / 3))
+    assert sd.predicted_tpot((2.0, 3.0, 4.0), cost) == pytest.approx(
+        (0.040 / 3 / 2, 0.050 / 3 / 3, 0.005)
+    )
+    assert sd.step_cost((2, 0.01, 2.0), (2, 0.02, 2.0)) is None

@@ -23,6 +23,7 @@ from .. import __version__, records
 from ..errors import UsageError
 from ..fsutil import write_atomic
 from ..profiles import Profile
+from .concurrency import ConcurrencyResult
 from .runner import BenchConfig, EndpointResult, PairedResult
 from .sweep import SweepResult
 
@@ -93,6 +94,7 @@ SECTIONS = {
     "single": ("endpoints", "single"),
     "paired": ("endpoints", "paired"),
     "sweep": ("sweep",),
+    "concurrency": ("endpoints", "concurrency"),
 }
 
 
@@ -100,7 +102,7 @@ class Artifact(_Record):
     """The JSON artifact's top level: what ran, where, and one result section for its kind (the
     results themselves are the runner's ``to_dict`` records)."""
 
-    kind: Literal["single", "paired", "sweep"]
+    kind: Literal["single", "paired", "sweep", "concurrency"]
     definitions: dict[str, str]
     config: Config
     environment: Environment
@@ -108,11 +110,12 @@ class Artifact(_Record):
     single: dict | None = None
     paired: dict | None = None
     sweep: dict | None = None
+    concurrency: dict | None = None
 
     @pydantic.model_validator(mode="after")
     def _one_result(self) -> Artifact:
         want = SECTIONS[self.kind]
-        for name in ("endpoints", "single", "paired", "sweep"):
+        for name in ("endpoints", "single", "paired", "sweep", "concurrency"):
             if (getattr(self, name) is not None) != (name in want):
                 verb = "lacks" if name in want else "must not have"
                 raise ValueError(f"a {self.kind} artifact {verb} {name!r}")
@@ -136,6 +139,9 @@ def artifact(kind: str, config: BenchConfig, env: dict, result) -> dict:
         body["paired"] = result.to_dict()
     elif isinstance(result, SweepResult):
         body["sweep"] = result.to_dict()
+    elif isinstance(result, ConcurrencyResult):
+        body["endpoints"] = [result.endpoint.to_dict()]
+        body["concurrency"] = result.to_dict()
     else:
         body["endpoints"] = [result.endpoint.to_dict()]
         body["single"] = result.to_dict()
@@ -197,8 +203,46 @@ def _endpoint_table(res: EndpointResult) -> list[str]:
             f"accepted per position {list(c.accepted_per_pos or [])}"
         ),
     ]
+    predicted = res.spec_totals().get("predicted_tokens_per_step")
+    if predicted:
+        lines.append(
+            "Predicted tok/step at k' = 1.."
+            f"{len(predicted)} (1 + the first k' per-position rates, per request): "
+            + " / ".join(f"{p:.2f}" for p in predicted)
+        )
     if ep.mtp is not None:
         lines.append(f"MTP probe: {ep.mtp.summary()}")
+    return lines
+
+
+def _med_p99(summary: dict | None) -> str:
+    if not summary:
+        return "-"
+    return f"{summary['median'] * 1000:.1f} / {summary['p99'] * 1000:.1f}"
+
+
+def _concurrency_table(res: ConcurrencyResult) -> list[str]:
+    ep = res.endpoint
+    lines = [
+        f"### {ep.label}: {ep.url} ({ep.model}, vLLM {ep.vllm_version})",
+        "",
+        "Per level: ms as median / p99; out tok/s = usage tokens over the level's wall time.",
+        "",
+        (
+            "| concurrency | requests | out tokens | out tok/s | TTFT ms | TPOT ms | ITL ms "
+            "| tok/step | acceptance | per position | source |"
+        ),
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for lv in res.levels:
+        d = lv.to_dict()
+        pos = " / ".join(f"{p:.2f}" for p in d["per_position"] or []) or "-"
+        lines.append(
+            f"| {d['concurrency']} | {d['requests']} | {d['output_tokens']} "
+            f"| {_f(d['output_throughput_tps'], '.1f')} | {_med_p99(d['ttft_s'])} "
+            f"| {_med_p99(d['tpot_s'])} | {_med_p99(d['itl_s'])} | {_f(d['tokens_per_step'])} "
+            f"| {_f(d['acceptance'])} | {pos} | {d['spec_source']} |"
+        )
     return lines
 
 
@@ -245,6 +289,8 @@ def markdown(kind: str, result) -> str:
             lines.append(
                 f"- {change.summary()}" + (f": FAILED, {'; '.join(failed)}" if failed else "")
             )
+    elif isinstance(result, ConcurrencyResult):
+        lines += _concurrency_table(result)
     elif isinstance(result, SweepResult):
         lines += [
             "## k sweep",
@@ -267,6 +313,28 @@ def markdown(kind: str, result) -> str:
                 "(lowest median TPOT above)"
             ),
         ]
+        pred = result.prediction()
+        if pred:
+            lines += [
+                "",
+                f"### Predicted from the k={pred['from_k']} run alone"
+                + (
+                    f" (step cost from k={pred['step_cost_from_k'][0]} and "
+                    f"k={pred['step_cost_from_k'][1]})"
+                    if pred["step_cost_from_k"]
+                    else ""
+                ),
+                "",
+                "| k | tok/step predicted | measured | TPOT ms predicted | measured |",
+                "| ---: | ---: | ---: | ---: | ---: |",
+            ]
+            for r in pred["rows"]:
+                tp, tm = r["predicted_tpot_s"], r["measured_tpot_s"]
+                lines.append(
+                    f"| {r['k']} | {r['predicted_tokens_per_step']:.3f} "
+                    f"| {_f(r['measured_tokens_per_step'])} | {_f(tp and tp * 1000, '.2f')} "
+                    f"| {_f(tm and tm * 1000, '.2f')} |"
+                )
     else:
         lines += _endpoint_table(result)
     return "\n".join(lines) + "\n"

@@ -230,6 +230,9 @@ class EndpointResult:
         if total is None and self.records and all(r.spec_source == "absent" for r in self.records):
             # Without speculative decoding every engine step yields exactly one token.
             figures["tokens_per_step"] = 1.0
+        # Tokens per step that a run at each k' <= k would measure, from this run's positions.
+        predicted = specdecode.predicted_lengths_of([r.spec for r in self.records])
+        figures["predicted_tokens_per_step"] = None if predicted is None else list(predicted)
         return {"sources": sorted({r.spec_source for r in self.records}), **figures}
 
     def groups(self) -> list[dict]:

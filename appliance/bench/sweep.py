@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .. import specdecode
 from ..engine import local
 from ..errors import UsageError
 from ..profiles import Profile, get
@@ -60,9 +61,43 @@ class SweepResult:
         scored = [(r.tpot_median_s, r.k) for r in self.rows if r.tpot_median_s is not None]
         return min(scored)[1] if scored else None
 
+    def prediction(self) -> dict | None:
+        """From the largest k's run: tokens per step (and TPOT, when a second k gives the step
+        cost) at every k' <= k, beside what the sweep measured at each k'."""
+        rows = [r for r in self.rows if r.tpot_median_s is not None]
+        if not rows:
+            return None
+        top = max(rows, key=lambda r: r.k)
+        lengths = specdecode.predicted_lengths_of([r.spec for r in top.result.records])
+        if lengths is None:
+            return None
+        points = {
+            r.k: (r.k, r.tpot_median_s, r.result.spec_totals()["tokens_per_step"]) for r in rows
+        }
+        low = min(rows, key=lambda r: r.k)
+        cost = None
+        if low.k != top.k and points[low.k][2] and points[top.k][2]:
+            cost = specdecode.step_cost(points[low.k], points[top.k])
+        tpots = specdecode.predicted_tpot(lengths, cost) if cost else None
+        return {
+            "from_k": top.k,
+            "step_cost_from_k": None if cost is None else [low.k, top.k],
+            "rows": [
+                {
+                    "k": i + 1,
+                    "predicted_tokens_per_step": length,
+                    "measured_tokens_per_step": points[i + 1][2] if i + 1 in points else None,
+                    "predicted_tpot_s": None if tpots is None else tpots[i],
+                    "measured_tpot_s": points[i + 1][1] if i + 1 in points else None,
+                }
+                for i, length in enumerate(lengths)
+            ],
+        }
+
     def to_dict(self) -> dict:
         return {
             "recommended_k": self.recommended,
+            "prediction": self.prediction(),
             "criterion": "lowest median TPOT = (E2EL - TTFT) / (output_tokens - 1)",
             "rows": [r.to_dict() for r in self.rows],
         }

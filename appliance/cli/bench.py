@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from pathlib import Path
 
 import click
 
 from .. import acceptance, instance_facts, reports
+from ..bench import concurrency as concurrency_lib
 from ..bench import prompts, report, runner, sweep
 from ..devmodel import DRAFTER_KINDS
 from ..endpoint import Endpoint
@@ -56,6 +58,21 @@ def _progress(total: int, label: str):
     help="Paired, when the baseline drafts too: the largest median drop in acceptance "
     "(default: the profile's [canary] figure, else 0.1); beyond it the bench exits 1.",
 )
+@click.option(
+    "--concurrency",
+    default=None,
+    metavar="N,N,...",
+    help="Bench NAME/--url under load: per level N (e.g. 1,4,16) keep N requests in flight; "
+    "per level output tok/s, TTFT/TPOT/ITL median and p99, acceptance, tok/step, per position.",
+)
+@click.option(
+    "--requests",
+    type=int,
+    default=None,
+    help="Measured requests per concurrency level (default: 4 per slot, at least every prompt "
+    "once); each level starts with N warm-up requests.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON record instead of Markdown.")
 @click.option("--k-url", multiple=True, help="K=URL: an already running server for that k.")
 @click.option(
     "--drafter",
@@ -111,6 +128,9 @@ def bench(
     baseline_url,
     max_acceptance_drop,
     sweep_k,
+    concurrency,
+    requests,
+    as_json,
     k_url,
     drafter,
     sets,
@@ -136,6 +156,16 @@ def bench(
       appliance bench --url http://127.0.0.1:8050 --runs 5
       appliance bench --mtp-url http://127.0.0.1:8001 --baseline-url http://127.0.0.1:8002
       appliance bench --sweep-k 1,2,3,4 --limit 1 --max-tokens 64
+      appliance bench --url http://127.0.0.1:8050 --concurrency 1,4,16 --requests 64
+
+    \b
+    Figures (vLLM's definitions; see gotchas/benchmarking-mtp.md):
+      tok/step       1 + accepted / drafts: tokens one engine step yields (bonus included)
+      per position   accepted at draft position i / drafts (prefix acceptance: falls with i)
+      predicted      tok/step at every k' <= k from one run at k: 1 + the first k' positions
+      out tok/s      under --concurrency: usage tokens of the level over its wall time
+    On the CPU engine these say the arithmetic is right, not how a GPU scales: a CPU step costs
+    about k times a token, a GPU step is nearly free up to its compute bound.
     """
     if old_out is not None:
         click.echo(f"warning: --json-output is deprecated: write --out {old_out}", err=True)
@@ -164,6 +194,13 @@ def bench(
     tolerance = acceptance.Tolerance(max_acceptance_drop)
     if report_html:
         reports.check_target(report_html)
+    levels = concurrency_lib.parse_levels(concurrency) if concurrency else None
+    if levels and not url:
+        raise UsageError("--concurrency benches one endpoint: give NAME or --url")
+    if levels and report_html:
+        raise UsageError("--report does not draw --concurrency yet: use --out or --json")
+    if requests is not None and requests < 1:
+        raise UsageError("--requests must be at least 1")
     # One key for every endpoint given by URL (the local sweep's engines have none).
     secret = endpoint.secret
     labels = instance_facts.read(instance, endpoint.root).image_labels if instance else None
@@ -189,6 +226,13 @@ def bench(
                     on_start=lambda k: click.echo(f"\nstarting {prof.name} with k={k}", err=True),
                 )
         kind = "sweep"
+    elif url and levels:
+        ep = runner.open_endpoint(url, "endpoint", secret)
+        count = requests or 0
+        total = sum(count or max(4 * n, config.measured_requests) for n in levels)
+        with _progress(total, "concurrency") as tick:
+            result = concurrency_lib.run_concurrency(ep, config, levels, requests, tick)
+        kind = "concurrency"
     elif url:
         ep = runner.open_endpoint(url, "endpoint", secret)
         with _progress(config.measured_requests + config.warmups, "bench") as tick:
@@ -204,6 +248,9 @@ def bench(
         report.write_artifact(out, report.artifact(kind, config, env, result))
     if report_html:  # rendered from the artifact's record: one source for the page and the JSON
         reports.write(report_html, reports.render_bench(report.artifact(kind, config, env, result)))
-    click.echo(report.markdown(kind, result))
+    if as_json:
+        click.echo(json.dumps(report.artifact(kind, config, env, result), indent=2, sort_keys=True))
+    else:
+        click.echo(report.markdown(kind, result))
     if kind == "paired" and (failed := result.acceptance_failures()):
         raise ApplianceError(f"the MTP side drafts worse than the baseline: {'; '.join(failed)}")

@@ -1,0 +1,226 @@
+"""Bench under load: the same endpoint at several concurrency levels, one level after another.
+
+Each level keeps N requests in flight (a worker per slot sends its next request as soon as its
+last one ends, like ``vllm bench serve --max-concurrency N``) for a bounded number of requests,
+after N warm-up requests. Per level: output throughput (usage tokens over the level's wall
+time), TTFT, TPOT and ITL (median and p99), and the engine's acceptance, tokens per step and
+per-position acceptance over that level's requests: the responses' per-request blocks when the
+server sends them (exact under load), else the /metrics delta over the level (exact for the
+level while nothing else uses the server).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+
+from .. import specdecode
+from ..errors import UsageError
+from ..vllm_client import VLLMClient
+from . import stats
+from .runner import BenchConfig, Endpoint, Progress, RunRecord
+from .stream import StreamResult
+
+
+def parse_levels(text: str) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]``: distinct, 1..1024, in the order given."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise UsageError(f"--concurrency wants integers like 1,4,16, not {text!r}") from exc
+    if not levels or any(n < 1 or n > 1024 for n in levels) or len(set(levels)) != len(levels):
+        raise UsageError(f"--concurrency wants distinct integers 1..1024, not {text!r}")
+    return levels
+
+
+def _summary(values: list[float]) -> dict | None:
+    """Median and p99 (and n) of ``values``; ``None`` when empty."""
+    if not values:
+        return None
+    return {
+        "n": len(values),
+        "median": stats.percentile(values, 50),
+        "p99": stats.percentile(values, 99),
+    }
+
+
+@dataclass
+class LevelResult:
+    """One concurrency level: its requests, wall time and the counters' movement over it."""
+
+    concurrency: int
+    records: list[RunRecord]
+    wall_s: float
+    counters: specdecode.Delta
+
+    def spec(self) -> tuple[specdecode.Delta | None, str]:
+        """The level's speculative figures and their source (``request`` or ``counters``)."""
+        if self.records and all(r.spec_source == "request" for r in self.records):
+            return specdecode.summed([r.spec for r in self.records]), "request"
+        if self.counters.status == "ok":
+            return self.counters, "counters"
+        return None, self.counters.status
+
+    def to_dict(self) -> dict:
+        rs = self.records
+        tokens = sum(r.output_tokens for r in rs)
+        spec, source = self.spec()
+        figures = (spec or specdecode.Delta("absent")).to_dict()
+        figures.pop("status")
+        predicted = (
+            specdecode.predicted_lengths_of([r.spec for r in rs]) if source == "request" else None
+        )
+        if predicted is None and spec is not None and spec.per_position:
+            predicted = specdecode.predicted_lengths(spec.per_position)
+        return {
+            "concurrency": self.concurrency,
+            "requests": len(rs),
+            "output_tokens": tokens,
+            "wall_s": self.wall_s,
+            "output_throughput_tps": tokens / self.wall_s if self.wall_s > 0 else None,
+            "ttft_s": _summary([r.ttft_s for r in rs]),
+            "tpot_s": _summary([r.tpot_s for r in rs if r.tpot_s is not None]),
+            "itl_s": _summary([x for r in rs for x in r.itl_s]),
+            "spec_source": source,
+            **figures,
+            "predicted_tokens_per_step": None if predicted is None else list(predicted),
+            "counters_over_level": self.counters.to_dict(),
+        }
+
+
+@dataclass
+class ConcurrencyResult:
+    endpoint: Endpoint
+    levels: list[LevelResult]
+
+    def to_dict(self) -> dict:
+        return {
+            "endpoint": self.endpoint.to_dict(),
+            "levels": [lv.to_dict() for lv in self.levels],
+        }
+
+
+def _work(config: BenchConfig):
+    """The requests in order, cycling over every (prompt set, prompt, max_tokens)."""
+    items = [
+        (pset.name, prompt, mt)
+        for pset in config.prompt_sets
+        for prompt in pset.prompts
+        for mt in config.max_tokens
+    ]
+    return itertools.cycle(items)
+
+
+def run_level(
+    ep: Endpoint,
+    config: BenchConfig,
+    concurrency: int,
+    requests: int,
+    progress: Progress | None = None,
+) -> LevelResult:
+    """``concurrency`` warm-up requests at once, then ``requests`` with that many in flight."""
+    timeout = httpx.Timeout(config.timeout_s, connect=10.0)
+    work, lock = _work(config), threading.Lock()
+    records: list[RunRecord] = []
+    remaining = [requests]
+
+    def take():
+        with lock:
+            if remaining[0] <= 0:
+                return None
+            remaining[0] -= 1
+            return next(work)
+
+    def send(client: VLLMClient, prompt, max_tokens: int):
+        return client.generate(
+            ep.model,
+            prompt.messages,
+            max_tokens,
+            temperature=config.temperature,
+            seed=config.seed,
+            stream=True,
+            timeout=timeout,
+        )
+
+    def worker(slot: int, warm: bool) -> None:
+        with VLLMClient(ep.url, timeout=30.0, api_key=ep.api_key) as client:
+            if warm:
+                first = config.prompt_sets[0].prompts[0]
+                send(client, first, min(config.max_tokens))
+                return
+            while (item := take()) is not None:
+                pset, prompt, mt = item
+                res = StreamResult.from_generation(send(client, prompt, mt))
+                d = res.request_spec
+                rec = _record(ep, pset, prompt.id, mt, slot, res, d)
+                with lock:
+                    records.append(rec)
+                if progress:
+                    progress(1)
+
+    def all_slots(warm: bool) -> None:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            for f in [pool.submit(worker, i, warm) for i in range(concurrency)]:
+                f.result()
+
+    if config.warmups:
+        all_slots(True)
+    with VLLMClient(ep.url, timeout=30.0, api_key=ep.api_key) as observer:
+        before = observer.snapshot()
+        start = time.monotonic()
+        all_slots(False)
+        wall = time.monotonic() - start
+        after = observer.snapshot()
+    return LevelResult(concurrency, records, wall, specdecode.delta(before, after))
+
+
+def _record(ep, pset, prompt_id, mt, slot, res: StreamResult, d) -> RunRecord:
+    return RunRecord(
+        label=ep.label,
+        prompt_set=pset,
+        prompt_id=prompt_id,
+        max_tokens=mt,
+        run=slot,
+        ttft_s=res.ttft_s,
+        tpot_s=res.tpot_s,
+        e2el_s=res.e2el_s,
+        itl_s=res.itl_s,
+        output_tokens=res.output_tokens,
+        prompt_tokens=res.prompt_tokens,
+        chunks=res.chunks,
+        output_tps=res.output_tps,
+        output_sha256=hashlib.sha256(res.text.encode()).hexdigest(),
+        spec_source="request" if d is not None else ("shared" if ep.speculative else "absent"),
+        spec_status=d.status if d is not None else ("ok" if ep.speculative else "absent"),
+        drafts=None if d is None else d.drafts,
+        draft_tokens=None if d is None else d.draft_tokens,
+        accepted=None if d is None else d.accepted,
+        accepted_per_pos=None if d is None or d.accepted_per_pos is None else [*d.accepted_per_pos],
+        text=res.text,
+    )
+
+
+def run_concurrency(
+    ep: Endpoint,
+    config: BenchConfig,
+    levels: list[int],
+    requests: int | None = None,
+    progress: Progress | None = None,
+    on_level: Callable[[int], None] | None = None,
+) -> ConcurrencyResult:
+    """Every level in turn; ``requests`` per level (default: 4 per slot, at least every prompt
+    once)."""
+    out = []
+    for n in levels:
+        if on_level:
+            on_level(n)
+        count = requests or max(4 * n, config.measured_requests)
+        out.append(run_level(ep, config, n, count, progress))
+    return ConcurrencyResult(ep, out)
