@@ -562,6 +562,47 @@ def test_install_keeps_the_image_values_host_and_port_already_there(tmp_path):
     assert instance.read(tmp_path, "c").image == "gemma4-vllm:mtp"
 
 
+def test_a_second_instance_of_a_profile_gets_the_next_free_port_recorded_in_its_env(tmp_path):
+    # Issue 25 §3: the MIG profile is meant for four slices per card, one instance each.
+    ports = []
+    for n in range(4):
+        result = run(
+            "install", f"s{n}", "-p", MIG, "--gpus", f"device=0:{n}", "--root", str(tmp_path)
+        )
+        assert result.exit_code == 0, result.output
+        ports.append(instance.read(tmp_path, f"s{n}").port)
+    base = profiles.get(MIG).port
+    assert ports == [base, base + 1, base + 2, base + 3]
+    assert envfile.read(tmp_path / units.paths("s1").env).get("VLLM_PORT") == str(base + 1)
+    # A re-install keeps each instance's own port.
+    assert run("install", "s1", "--root", str(tmp_path)).exit_code == 0
+    assert instance.read(tmp_path, "s1").port == base + 1
+
+
+def test_an_explicit_port_another_instance_serves_on_is_refused_and_nothing_written(tmp_path):
+    assert run("install", "a", "-p", "cpu-tiny-mtp", "--root", str(tmp_path)).exit_code == 0
+    port = instance.read(tmp_path, "a").port
+    before = snapshot(tmp_path)
+    result = run("install", "b", "-p", "cpu-tiny-mtp", "--port", str(port), "--root", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert f"port {port} is already instance a's" in result.output
+    assert f"--port {port + 1}" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert snapshot(tmp_path) == before
+
+
+def test_install_prints_enable_now_on_a_first_install_and_restart_after(tmp_path):
+    first = run("install", "f", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
+    assert (
+        "next: systemctl daemon-reload && systemctl enable --now gemma4-vllm@f.service"
+        in first.output
+    )
+    again = run("install", "f", "--image", "gemma4-vllm:mtp", "--root", str(tmp_path))
+    assert (
+        "next: systemctl daemon-reload && systemctl restart gemma4-vllm@f.service" in again.output
+    )
+
+
 def test_install_without_a_profile_needs_one_named_somewhere(tmp_path):
     result = run("install", "new", "--root", str(tmp_path))
     assert result.exit_code == 2
