@@ -603,6 +603,65 @@ def test_install_prints_enable_now_on_a_first_install_and_restart_after(tmp_path
     )
 
 
+def _my_profile(tmp_path: Path, **edits: str) -> Path:
+    """The operator's own copy of cpu-tiny-mtp under another name, max_model_len changed."""
+    text = (Path(profiles.__file__).parent / "data" / "cpu-tiny-mtp.toml").read_text()
+    text = text.replace('name = "cpu-tiny-mtp"', 'name = "mine-tiny"')
+    text = text.replace("max_model_len = 512", "max_model_len = 384")
+    for old, new in edits.items():
+        text = text.replace(old, new)
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    return path
+
+
+def test_an_operators_profile_file_is_validated_installed_next_to_the_instance_and_read(
+    tmp_path, monkeypatch
+):
+    mine = _my_profile(tmp_path)
+    root = tmp_path / "root"
+    monkeypatch.chdir(tmp_path)
+    result = run("install", "m", "--profile", "./mine.toml", "--root", str(root))
+    assert result.exit_code == 0, result.output
+    copy = root / units.paths("m").profile
+    assert copy.read_bytes() == mine.read_bytes() and copy.stat().st_mode & 0o777 == 0o644
+    assert envfile.read(root / units.paths("m").env).get("APPLIANCE_PROFILE") == "mine-tiny"
+    inst = instance.read(root, "m")
+    assert (inst.profile.name, inst.profile.max_model_len) == ("mine-tiny", 384)
+    args = (root / units.paths("m").args).read_text()
+    assert '"384"' in args
+    # A re-install reads the installed copy (the operator's file may be gone by then).
+    mine.unlink()
+    before = snapshot(root)
+    assert run("install", "m", "--root", str(root)).exit_code == 0
+    assert snapshot(root) == before
+    # profiles show/validate read a file too.
+    copy_arg = str(copy)
+    shown = run("profiles", "show", copy_arg)
+    assert shown.exit_code == 0 and "--max-model-len 384" in shown.output
+    assert run("profiles", "validate", copy_arg).output.startswith("mine-tiny: ok")
+    # uninstall takes the copy with the instance.
+    assert run("uninstall", "m", "--root", str(root)).exit_code == 0
+    assert not copy.exists()
+
+
+@pytest.mark.parametrize(
+    ("edits", "message"),
+    [
+        ({"max_model_len = 384": "max_modl_len = 384"}, "unknown field(s) max_modl_len"),
+        ({'name = "mine-tiny"': 'name = "cpu-tiny"'}, "is the name of a shipped profile"),
+        ({"num_speculative_tokens = 2": "num_speculative_tokens = 0"}, "num_speculative_tokens"),
+    ],
+)
+def test_a_bad_profile_file_is_one_line_and_nothing_is_written(tmp_path, edits, message):
+    mine = _my_profile(tmp_path, **edits)
+    root = tmp_path / "root"
+    result = run("install", "m", "--profile", str(mine), "--root", str(root))
+    assert result.exit_code in (1, 2), result.output
+    assert message in result.output
+    assert not root.exists() or not any(p.is_file() for p in root.rglob("*"))
+
+
 def test_install_without_a_profile_needs_one_named_somewhere(tmp_path):
     result = run("install", "new", "--root", str(tmp_path))
     assert result.exit_code == 2

@@ -25,11 +25,12 @@ from ..host.layout import Layout
 from ..host.names import ENV_DIR, unit_name
 from ..host.systemd import Systemd
 from ..observability import file_sd
-from ..profiles import Profile, get
+from ..profiles import Profile, get, installed, is_file_ref, operators_file
 from . import instance as instances
 from .instance import PROFILE_KEY
 from .template import (
     LIBEXEC_DIR,
+    MODE_ARGS,
     MODE_SECRET,
     UNIT_DIR,
     Options,
@@ -145,10 +146,25 @@ def install(
                 fix="say which: --profile NAME",
             )
         profile = existing[PROFILE_KEY]
-    prof = get(profile) if isinstance(profile, str) else profile
+    own: bytes | None = None  # the operator's profile file, installed next to the instance
+    if isinstance(profile, str) and is_file_ref(profile):
+        prof, own = operators_file(profile)
+    elif isinstance(profile, str) and profile == existing.get(PROFILE_KEY):
+        prof = installed(root, instance, profile)  # the copy installed before, if any: kept
+        if (root / p.profile).exists():
+            own = (root / p.profile).read_bytes()
+    elif isinstance(profile, str):
+        prof = get(profile)
+    else:
+        prof = profile
     opts = replace(opts, port=_choose_port(root, instance, prof.port, opts.port, explicit.port))
     files = render(prof, instance, opts)  # validates everything before the first write
+    if own is not None:
+        files = {p.profile: RenderedFile(own, MODE_ARGS), **files}
     result = write_tree(root, files)
+    if own is None and (root / p.profile).exists():
+        (root / p.profile).unlink()  # now serving a shipped profile: the old copy would mislead
+        result.removed.append(root / p.profile)
     result.first_install = not existing
     key = root / p.api_key
     if not key.exists():
@@ -260,6 +276,7 @@ def uninstall(
     p = paths(instance)
     layout = Layout(root)
     mine = [root / p.env, root / p.args, root / p.api_key, old_serve_script(root, instance)]
+    mine.append(root / p.profile)
     mine.append(root / _rel(WANTS_DIR) / unit_name(instance))
     state = [
         layout.history_file(instance),
