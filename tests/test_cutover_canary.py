@@ -196,8 +196,10 @@ def _mtp_record(accepted: int, drafts: int = 10, k: int = 2) -> Record:
 
 
 def _installed(tmp_path, *names: str) -> Layout:
-    for name in names:
-        units.install(get_profile("cpu-tiny"), name, root=tmp_path, options=units.Options(port=9))
+    for port, name in enumerate(names, start=9):  # two instances never share a port
+        units.install(
+            get_profile("cpu-tiny"), name, root=tmp_path, options=units.Options(port=port)
+        )
     return Layout(tmp_path)
 
 

@@ -96,8 +96,8 @@ def test_status_json_is_one_object_per_instance_with_its_history(tmp_path):
     from appliance import units
     from appliance.profiles import get
 
-    for name in ("a1", "b2"):
-        units.install(get("cpu-tiny"), name, root=tmp_path, options=units.Options(port=9))
+    for port, name in enumerate(("a1", "b2"), start=9):  # two instances never share a port
+        units.install(get("cpu-tiny"), name, root=tmp_path, options=units.Options(port=port))
     e = Entry.begin("a1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:mtp")
     history.append(Layout(tmp_path).history_file("a1"), _done(e, "rolled_back"))
     result = CliRunner().invoke(cli, ["status", "--json", "--root", str(tmp_path)])

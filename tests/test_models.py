@@ -9,6 +9,7 @@ appliance.devmodel, under hub-style repo ids given by a profile file of the test
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -480,6 +481,92 @@ def test_manifest_paths_cannot_escape_the_cache(pulled, profile_file, tmp_path):
     # Refused before anything was laid: the cache holds its lock file and nothing else.
     laid = sorted(p.relative_to(fresh).as_posix() for p in fresh.rglob("*"))
     assert laid == ["hub", f"hub/{cache.LOCK_NAME}"]
+
+
+# --- weights you can trust (issue 25 §4; security review N3, N10) ---------------------------
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("form", ["dir", "tar"])
+def test_reimport_replaces_a_corrupt_blob_of_the_right_size(pulled, profile_file, tmp_path, form):
+    copy = tmp_path / ("copy" if form == "dir" else "copy.tar")
+    assert _run(["export", *_args(profile_file, pulled), "--to", str(copy)]).exit_code == 0
+    blob = (_snapshot(pulled, DRAFTER_REPO) / SHARD).resolve()
+    size = blob.stat().st_size
+    _flip_last_byte(blob)  # same size: only a hash can tell
+    got = _run(["import", *_args(profile_file, pulled), "--from", str(copy)])
+    assert got.exit_code == 0, got.output
+    assert blob.stat().st_size == size
+    full = _run(["verify", *_args(profile_file, pulled)])
+    assert full.exit_code == 0, full.output
+
+
+def test_repull_replaces_a_corrupt_blob_of_the_right_size(
+    pulled, local_hub, profile_file, token_file
+):
+    blob = (_snapshot(pulled, DRAFTER_REPO) / SHARD).resolve()
+    _flip_last_byte(blob)
+    before = len(local_hub.downloads(SHARD))
+    got = _run(
+        ["pull", *_args(profile_file, pulled), "--token-file", str(token_file)],
+        env={"HF_ENDPOINT": local_hub.url},
+    )
+    assert got.exit_code == 0, got.output
+    assert f"drafter {DRAFTER_REPO}: removed 1 corrupt file(s) from the cache" in got.output
+    assert len(local_hub.downloads(SHARD)) == before + 1  # only the bad one fetched again
+    assert blob.read_bytes() == local_hub.repos[DRAFTER_REPO].files[SHARD].data
+    full = _run(["verify", *_args(profile_file, pulled)])
+    assert full.exit_code == 0, full.output
+
+
+def test_import_refuses_a_manifest_whose_commit_is_not_the_pin(pulled, local_hub, tmp_path):
+    pin = local_hub.repos[TARGET_REPO].commit
+    pinned = tmp_path / "pinned.toml"
+    pinned.write_text(PROFILE_TOML.replace("dtype =", f'revision = "{pin}"\ndtype ='))
+    copy = tmp_path / "copy"
+    assert _run(["export", *_args(pinned, pulled), "--to", str(copy)]).exit_code == 0
+    manifest = json.loads((copy / "manifest.json").read_text())
+    target = next(m for m in manifest["models"] if m["repo_id"] == TARGET_REPO)
+    assert target["revision"] == pin
+    target["commit"] = "b" * 40  # the revision still names the pin: the commit does not
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    got = _run(["import", *_args(pinned, pulled), "--from", str(copy)])
+    assert got.exit_code == 2, got.output
+    assert f"holds target {TARGET_REPO} at bbbbbbbbbbbb, the profile pins {pin}" in got.output
+    assert len(got.output.strip().splitlines()) == 1
+    repo = cache.repo_dir(pulled / "hub", TARGET_REPO)
+    assert cache.read_ref(repo) == pin  # refs/main never moved off the pin
+    assert not (repo / "snapshots" / ("b" * 40)).exists()
+
+
+@pytest.mark.parametrize("form", ["dir", "tar"])
+def test_export_prints_the_copy_sha256_and_import_checks_it(pulled, profile_file, tmp_path, form):
+    copy = tmp_path / ("copy" if form == "dir" else "copy.tar")
+    out = _run(["export", *_args(profile_file, pulled), "--to", str(copy)])
+    assert out.exit_code == 0, out.output
+    hashed = copy / "manifest.json" if form == "dir" else copy
+    digest = hashlib.sha256(hashed.read_bytes()).hexdigest()  # what sha256sum prints
+    assert f"sha256: {digest}" in out.output
+    fresh = tmp_path / "fresh"
+    wrong = _run(
+        ["import", *_args(profile_file, fresh), "--from", str(copy), "--expect-sha256", "0" * 64]
+    )
+    assert wrong.exit_code == 1, wrong.output
+    assert f"has sha256 {digest}, expected {'0' * 64}" in wrong.output
+    assert len(wrong.output.strip().splitlines()) == 1
+    assert sorted(p.name for p in (fresh / "hub").iterdir()) == [cache.LOCK_NAME]  # nothing laid
+    bad = _run(["import", *_args(profile_file, fresh), "--from", str(copy), "--expect-sha256", "x"])
+    assert bad.exit_code == 2 and "64 hex digits" in bad.output
+    right = _run(
+        ["import", *_args(profile_file, fresh), "--from", str(copy), "--expect-sha256", digest]
+    )
+    assert right.exit_code == 0, right.output
+    assert "models ok" in right.output
 
 
 def test_location_defaults(tmp_path):

@@ -562,6 +562,106 @@ def test_install_keeps_the_image_values_host_and_port_already_there(tmp_path):
     assert instance.read(tmp_path, "c").image == "gemma4-vllm:mtp"
 
 
+def test_a_second_instance_of_a_profile_gets_the_next_free_port_recorded_in_its_env(tmp_path):
+    # Issue 25 §3: the MIG profile is meant for four slices per card, one instance each.
+    ports = []
+    for n in range(4):
+        result = run(
+            "install", f"s{n}", "-p", MIG, "--gpus", f"device=0:{n}", "--root", str(tmp_path)
+        )
+        assert result.exit_code == 0, result.output
+        ports.append(instance.read(tmp_path, f"s{n}").port)
+    base = profiles.get(MIG).port
+    assert ports == [base, base + 1, base + 2, base + 3]
+    assert envfile.read(tmp_path / units.paths("s1").env).get("VLLM_PORT") == str(base + 1)
+    # A re-install keeps each instance's own port.
+    assert run("install", "s1", "--root", str(tmp_path)).exit_code == 0
+    assert instance.read(tmp_path, "s1").port == base + 1
+
+
+def test_an_explicit_port_another_instance_serves_on_is_refused_and_nothing_written(tmp_path):
+    assert run("install", "a", "-p", "cpu-tiny-mtp", "--root", str(tmp_path)).exit_code == 0
+    port = instance.read(tmp_path, "a").port
+    before = snapshot(tmp_path)
+    result = run("install", "b", "-p", "cpu-tiny-mtp", "--port", str(port), "--root", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert f"port {port} is already instance a's" in result.output
+    assert f"--port {port + 1}" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert snapshot(tmp_path) == before
+
+
+def test_install_prints_enable_now_on_a_first_install_and_restart_after(tmp_path):
+    first = run("install", "f", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
+    assert (
+        "next: systemctl daemon-reload && systemctl enable --now gemma4-vllm@f.service"
+        in first.output
+    )
+    again = run("install", "f", "--image", "gemma4-vllm:mtp", "--root", str(tmp_path))
+    assert (
+        "next: systemctl daemon-reload && systemctl restart gemma4-vllm@f.service" in again.output
+    )
+
+
+def _my_profile(tmp_path: Path, **edits: str) -> Path:
+    """The operator's own copy of cpu-tiny-mtp under another name, max_model_len changed."""
+    text = (Path(profiles.__file__).parent / "data" / "cpu-tiny-mtp.toml").read_text()
+    text = text.replace('name = "cpu-tiny-mtp"', 'name = "mine-tiny"')
+    text = text.replace("max_model_len = 512", "max_model_len = 384")
+    for old, new in edits.items():
+        text = text.replace(old, new)
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    return path
+
+
+def test_an_operators_profile_file_is_validated_installed_next_to_the_instance_and_read(
+    tmp_path, monkeypatch
+):
+    mine = _my_profile(tmp_path)
+    root = tmp_path / "root"
+    monkeypatch.chdir(tmp_path)
+    result = run("install", "m", "--profile", "./mine.toml", "--root", str(root))
+    assert result.exit_code == 0, result.output
+    copy = root / units.paths("m").profile
+    assert copy.read_bytes() == mine.read_bytes() and copy.stat().st_mode & 0o777 == 0o644
+    assert envfile.read(root / units.paths("m").env).get("APPLIANCE_PROFILE") == "mine-tiny"
+    inst = instance.read(root, "m")
+    assert (inst.profile.name, inst.profile.max_model_len) == ("mine-tiny", 384)
+    args = (root / units.paths("m").args).read_text()
+    assert '"384"' in args
+    # A re-install reads the installed copy (the operator's file may be gone by then).
+    mine.unlink()
+    before = snapshot(root)
+    assert run("install", "m", "--root", str(root)).exit_code == 0
+    assert snapshot(root) == before
+    # profiles show/validate read a file too.
+    copy_arg = str(copy)
+    shown = run("profiles", "show", copy_arg)
+    assert shown.exit_code == 0 and "--max-model-len 384" in shown.output
+    assert run("profiles", "validate", copy_arg).output.startswith("mine-tiny: ok")
+    # uninstall takes the copy with the instance.
+    assert run("uninstall", "m", "--root", str(root)).exit_code == 0
+    assert not copy.exists()
+
+
+@pytest.mark.parametrize(
+    ("edits", "message"),
+    [
+        ({"max_model_len = 384": "max_modl_len = 384"}, "unknown field(s) max_modl_len"),
+        ({'name = "mine-tiny"': 'name = "cpu-tiny"'}, "is the name of a shipped profile"),
+        ({"num_speculative_tokens = 2": "num_speculative_tokens = 0"}, "num_speculative_tokens"),
+    ],
+)
+def test_a_bad_profile_file_is_one_line_and_nothing_is_written(tmp_path, edits, message):
+    mine = _my_profile(tmp_path, **edits)
+    root = tmp_path / "root"
+    result = run("install", "m", "--profile", str(mine), "--root", str(root))
+    assert result.exit_code in (1, 2), result.output
+    assert message in result.output
+    assert not root.exists() or not any(p.is_file() for p in root.rglob("*"))
+
+
 def test_install_without_a_profile_needs_one_named_somewhere(tmp_path):
     result = run("install", "new", "--root", str(tmp_path))
     assert result.exit_code == 2

@@ -76,6 +76,11 @@ def models_pull(loc: where.Location) -> None:
                 f"{got.spec.role} {got.spec.repo_id}: removed {got.partial_removed} "
                 "partial file(s) of an earlier, interrupted pull"
             )
+        if got.corrupt_removed:
+            click.echo(
+                f"{got.spec.role} {got.spec.repo_id}: removed {got.corrupt_removed} corrupt "
+                "file(s) from the cache and downloaded them again"
+            )
         click.echo(f"{got.spec.role} {got.spec.repo_id}@{got.commit[:12]}: {got.snapshot}")
     _require(loc, quick=True)
 
@@ -92,12 +97,17 @@ def models_pull(loc: where.Location) -> None:
 def models_export(loc: where.Location, dest: Path) -> None:
     """Copy the profile's models out of the cache, with a hashed manifest, for an
     air-gapped host (there: appliance models import --from COPY)."""
-    manifest = export_mod.export(loc, dest)
-    for m in manifest.models:
+    exported = export_mod.export(loc, dest)
+    for m in exported.manifest.models:
         click.echo(
             f"{m.role} {m.repo_id}@{m.commit[:12]}: {len(m.files)} files, {m.size / 1e6:.1f} MB"
         )
     click.echo(f"copy: {dest}")
+    # Carry this line to the air-gapped host by another way than the copy itself.
+    click.echo(
+        f"sha256: {exported.sha256} ({export_mod.copy_sha256_of(dest)}; there: "
+        f"appliance models import ... --from COPY --expect-sha256 {exported.sha256})"
+    )
 
 
 @models.command(name="import")
@@ -109,10 +119,16 @@ def models_export(loc: where.Location, dest: Path) -> None:
     type=click.Path(path_type=Path),
     help="A copy made by appliance models export (directory or tar file).",
 )
-def models_import(loc: where.Location, source: Path) -> None:
+@click.option(
+    "--expect-sha256",
+    metavar="HEX",
+    help="The sha256 models export printed for this copy (the archive's, or a directory "
+    "copy's manifest.json's): nothing is laid unless the copy has it.",
+)
+def models_import(loc: where.Location, source: Path, expect_sha256: str | None) -> None:
     """Lay a copy into the cache in the layout vLLM reads offline; every file's hash is
     checked against the copy's manifest first, and nothing is laid on a mismatch."""
-    for got in importer.import_copy(loc, source):
+    for got in importer.import_copy(loc, source, expect_sha256):
         click.echo(
             f"{got.spec.role} {got.spec.repo_id}@{got.commit[:12]}: {got.files} files, "
             f"{got.bytes / 1e6:.1f} MB"

@@ -60,8 +60,9 @@ def profiles_list(json_: bool) -> None:
 @click.argument("name")
 @click.option("--json", "json_", is_flag=True, help="The command's argv and the findings as JSON.")
 def profiles_show(name: str, json_: bool) -> None:
-    """Print the exact `vllm serve` command of profile NAME (findings go to stderr)."""
-    p = prof.get(name)
+    """Print the exact `vllm serve` command of profile NAME, a shipped one or a TOML file of
+    yours (a path: ./mine.toml), findings on stderr."""
+    p = prof.lookup(name)
     model_dir = "$DEVMODEL" if p.uses_devmodel else None
     argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir)]
     if json_:
@@ -88,7 +89,7 @@ def profiles_validate(
     names: tuple[str, ...], files: tuple[str, ...], vllm_version: str | None
 ) -> None:
     """Validate profiles NAMES and --file TOMLs (default: every shipped one); exit 1 on errors."""
-    selected = [prof.get(n) for n in names] + [prof.load_file(f) for f in files]
+    selected = [prof.lookup(n) for n in names] + [prof.load_file(f) for f in files]
     if not selected:
         selected = list(prof.all_profiles().values())
     failed = 0

@@ -95,7 +95,12 @@ def install(profile: str | None, instance: str, root: Path, **kw) -> None:
     """
     result = units.install(profile, instance, root=root, options=_options(kw))
     _report(result)
-    if result.changed:
+    if result.first_install:
+        # Never enabled yet: restart would start it once and leave it off at the next boot.
+        click.echo(
+            f"next: systemctl daemon-reload && systemctl enable --now {units.unit_name(instance)}"
+        )
+    elif result.changed:
         # Until the reload, systemd runs the unit as it last read it (after an upgrade: with
         # the per-instance script that is gone now).
         click.echo(

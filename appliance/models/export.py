@@ -9,11 +9,13 @@ written next to its destination and renamed into place: it is there whole or not
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import shutil
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
@@ -29,7 +31,39 @@ def is_tarball(path: Path) -> bool:
     return path.name.endswith(TAR_SUFFIXES)
 
 
-def export(loc: Location, dest: Path) -> mf.Manifest:
+@dataclass(frozen=True)
+class Exported:
+    """A copy written: its manifest and the sha256 that names it (:func:`copy_sha256`)."""
+
+    manifest: mf.Manifest
+    sha256: str
+
+
+def copy_sha256_of(path: Path) -> Path:
+    """The file whose sha256 names a copy: the archive itself, or a directory's manifest (which
+    holds every file's sha256). ``sha256sum`` of it gives the same hex an import expects."""
+    return path if is_tarball(path) else path / mf.NAME
+
+
+class HashingWriter:
+    """A write-only file that hashes what passes through it (the archive, hashed as written)."""
+
+    def __init__(self, raw) -> None:
+        self.raw, self.hash, self.n = raw, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        self.n += len(data)
+        return self.raw.write(data)
+
+    def tell(self) -> int:
+        return self.n
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def export(loc: Location, dest: Path) -> Exported:
     """Write ``loc``'s models to ``dest`` (a new directory, or a ``.tar``/``.tar.gz`` file)."""
     dest = Path(dest)
     if is_tarball(dest):
@@ -39,10 +73,11 @@ def export(loc: Location, dest: Path) -> mf.Manifest:
         raise UsageError(f"{dest} is not empty", fix="give a new or empty directory")
     manifest = build_manifest(loc)
     if is_tarball(dest):
-        _write_tar(loc, manifest, dest)
+        digest = _write_tar(loc, manifest, dest)
     else:
         _write_dir(loc, manifest, dest)
-    return manifest
+        digest = hashlib.sha256(manifest.to_json().encode()).hexdigest()
+    return Exported(manifest, digest)
 
 
 def build_manifest(loc: Location) -> mf.Manifest:
@@ -111,13 +146,14 @@ def _write_dir(loc: Location, manifest: mf.Manifest, dest: Path) -> None:
         raise
 
 
-def _write_tar(loc: Location, manifest: mf.Manifest, dest: Path) -> None:
+def _write_tar(loc: Location, manifest: mf.Manifest, dest: Path) -> str:
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     mode = "w:gz" if dest.name.endswith((".gz", ".tgz")) else "w"
     try:
         with os.fdopen(fd, "wb") as raw:
-            with tarfile.open(fileobj=raw, mode=mode, format=tarfile.PAX_FORMAT) as tar:
+            out = HashingWriter(raw)
+            with tarfile.open(fileobj=out, mode=mode, format=tarfile.PAX_FORMAT) as tar:
                 # The manifest first: an import checks it before reading gigabytes.
                 body = manifest.to_json().encode()
                 tar.addfile(_info(mf.NAME, len(body)), io.BytesIO(body))
@@ -132,6 +168,7 @@ def _write_tar(loc: Location, manifest: mf.Manifest, dest: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    return out.hash.hexdigest()
 
 
 def _info(name: str, size: int) -> tarfile.TarInfo:

@@ -40,18 +40,31 @@ class Imported:
     bytes: int
 
 
-def import_copy(loc: Location, source: Path) -> list[Imported]:
-    """Lay ``loc``'s models from ``source`` (a directory or a tar archive) into its cache."""
+def check_sha256_arg(value: str | None) -> str | None:
+    """``--expect-sha256`` as given: 64 hex digits (what export and ``sha256sum`` print)."""
+    if value is not None and not cache.SHA256.fullmatch(value.lower()):
+        raise UsageError(
+            f"--expect-sha256 {value!r} is not a sha256 (64 hex digits)",
+            fix="give the sha256 appliance models export printed",
+        )
+    return value.lower() if value else None
+
+
+def import_copy(loc: Location, source: Path, expect_sha256: str | None = None) -> list[Imported]:
+    """Lay ``loc``'s models from ``source`` (a directory or a tar archive) into its cache; with
+    ``expect_sha256``, only if the copy is the one export named (the archive's sha256, or a
+    directory's manifest's), else nothing is laid."""
     source = Path(source)
+    expect_sha256 = check_sha256_arg(expect_sha256)
     if not source.exists():
         raise UsageError(f"no model copy at {source}", fix="give the directory or tar file")
     with cache.locked(loc.hub):
         staging = Path(tempfile.mkdtemp(prefix=".appliance-import-", dir=loc.hub))
         try:
             if source.is_dir():
-                models = _receive_dir(loc, source, staging)
+                models = _receive_dir(loc, source, staging, expect_sha256)
             else:
-                models = _receive_tar(loc, source, staging)
+                models = _receive_tar(loc, source, staging, expect_sha256)
             return [_lay(loc.hub, spec, m, staging) for spec, m in models]
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -69,12 +82,22 @@ def _wanted(loc: Location, manifest: mf.Manifest, where: str):
     return models
 
 
-def _receive_dir(loc: Location, source: Path, staging: Path):
+def _check_sha256(what: Path, got: str, expected: str | None) -> None:
+    if expected is not None and got != expected:
+        raise TransferError(
+            f"{what} has sha256 {got}, expected {expected}: not the copy that was exported",
+            fix=_COPY_AGAIN,
+        )
+
+
+def _receive_dir(loc: Location, source: Path, staging: Path, expect_sha256: str | None):
     where = str(source / mf.NAME)
     try:
-        text = (source / mf.NAME).read_text()
+        text = (source / mf.NAME).read_bytes()
     except OSError:
         raise UsageError(f"{where} missing", fix="make the copy with appliance models export")
+    # The manifest holds every file's sha256, so its own names the whole copy.
+    _check_sha256(source / mf.NAME, hashlib.sha256(text).hexdigest(), expect_sha256)
     models = _wanted(loc, mf.parse(text, where), str(source))
     for _, m in models:
         for f in m.files:
@@ -88,11 +111,32 @@ def _receive_dir(loc: Location, source: Path, staging: Path):
     return models
 
 
-def _receive_tar(loc: Location, source: Path, staging: Path):
+class _HashingReader:
+    """A read-only file that hashes what is read through it (the archive, hashed as read)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.hash = raw, hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.hash.update(data)
+        return data
+
+    def drain(self) -> str:
+        """Hash the rest (the archive's end padding the tar reader leaves unread)."""
+        while self.read(_CHUNK):
+            pass
+        return self.hash.hexdigest()
+
+
+def _receive_tar(loc: Location, source: Path, staging: Path, expect_sha256: str | None):
     if not is_tarball(source):
         raise UsageError(f"{source} is neither a directory nor a .tar/.tar.gz file")
     try:
-        with tarfile.open(source, mode="r|*") as tar:
+        with (
+            open(source, "rb") as raw,
+            tarfile.open(fileobj=(reader := _HashingReader(raw)), mode="r|*") as tar,
+        ):
             members = _members(tar)
             first = next(members, None)
             if first is None or first[0].name != mf.NAME:
@@ -106,8 +150,10 @@ def _receive_tar(loc: Location, source: Path, staging: Path):
                 f = todo.pop(info.name, None)
                 if f is not None:
                     _receive(fh, staging / info.name, f, f"{source}:{info.name}")
+            digest = reader.drain()
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise TransferError(f"cannot read {source}: {exc}", fix=_COPY_AGAIN) from None
+    _check_sha256(source, digest, expect_sha256)
     if todo:
         raise TransferError(
             f"{source} lacks {len(todo)} file(s) its manifest lists, e.g. {min(todo)}",
@@ -166,11 +212,14 @@ def _lay(hub: Path, spec: ModelSpec, m: mf.ModelEntry, staging: Path) -> Importe
     final, old, placed = snapshots / m.commit, None, False
     try:
         for f in m.files:
+            # Always lay the verified staged file, even over a blob of the right size: the
+            # blob already there is unhashed and may be corrupt (a re-import is the repair).
             blob = blobs / f.blob
-            if not (blob.is_file() and blob.stat().st_size == f.size):
-                staged = staging / m.member(f)
-                staged.chmod(0o644)
-                os.replace(staged, blob)
+            existed = blob.exists()
+            staged = staging / m.member(f)
+            staged.chmod(0o644)
+            os.replace(staged, blob)
+            if not existed:
                 added.append(blob)
             link = tmp / f.path
             link.parent.mkdir(parents=True, exist_ok=True)

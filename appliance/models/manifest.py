@@ -117,7 +117,10 @@ class Manifest:
         """The entry for ``spec``; a UsageError when the copy lacks it or holds another pin."""
         for m in self.models:
             if m.repo_id == spec.repo_id:
-                if spec.revision and spec.revision not in (m.commit, m.revision):
+                # A commit pin must be the copy's commit: "revision" is only what the exporter
+                # asked for, and the commit is what is laid and what refs/main will name.
+                pinned = m.commit if cache.COMMIT.fullmatch(spec.revision or "") else m.revision
+                if spec.revision and spec.revision != pinned:
                     raise UsageError(
                         f"{where} holds {spec.role} {spec.repo_id} at {m.commit[:12]}, "
                         f"the profile pins {spec.revision}",

@@ -2,9 +2,11 @@
 
 The hub client does the transfer (progress bars, retries that resume a dropped transfer with a
 ``Range`` request, files already in the cache skipped). Around it: one pull per cache at a time,
-partial files a killed pull left behind removed, ``refs/main`` pointed at the commit fetched
-(vLLM, offline, loads what ``refs/main`` names), and every error turned into one line that never
-carries the token.
+partial files a killed pull left behind removed, every blob hashed against the hash its name
+states (the client would keep a corrupt blob of the right size as it is: one is deleted first, so
+the client fetches it again, and a download is hashed before it is trusted), ``refs/main``
+pointed at the commit fetched (vLLM, offline, loads what ``refs/main`` names), and every error
+turned into one line that never carries the token.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Pulled:
     commit: str
     snapshot: Path
     partial_removed: int = 0  # partial files of an earlier, killed pull deleted first
+    corrupt_removed: int = 0  # blobs whose content was not their name's hash, fetched again
 
 
 def pull(loc: Location, *, token: str | None, max_workers: int = 8) -> list[Pulled]:
@@ -52,6 +55,8 @@ def _pull_one(
 
     repo = cache.repo_dir(loc.hub, spec.repo_id)
     removed = remove_partial(repo)
+    corrupt = remove_corrupt(repo)
+    kept = _blobs(repo)  # every one of them hashed just now
     try:
         path = Path(
             snapshot_download(
@@ -66,9 +71,38 @@ def _pull_one(
         )
     except Exception as exc:  # noqa: BLE001 - the hub client's many error types, one line each
         raise _explain(exc, loc, spec, token, endpoint) from None
+    bad = remove_corrupt(repo, skip=kept)
+    if bad:
+        raise TransferError(
+            f"{spec.role} {spec.repo_id}: {bad} downloaded file(s) did not match their hash "
+            "and were deleted",
+            fix="run the pull again (check the network or the HF_ENDPOINT mirror if it repeats)",
+        )
     commit = path.name
     cache.write_ref(repo, commit)
-    return Pulled(spec, commit, path, removed)
+    return Pulled(spec, commit, path, removed, corrupt)
+
+
+def _blobs(repo: Path) -> set[str]:
+    blobs = repo / "blobs"
+    return {p.name for p in blobs.iterdir()} if blobs.is_dir() else set()
+
+
+def remove_corrupt(repo: Path, skip: set[str] = frozenset()) -> int:
+    """Delete the blobs in ``repo`` whose content does not hash to their name (the hub etag:
+    sha256 for LFS files, the git blob id otherwise); the snapshot links to them then dangle,
+    which the hub client reads as not downloaded. Runs under the cache lock."""
+    n = 0
+    for name in sorted(_blobs(repo) - skip):
+        path = repo / "blobs" / name
+        stated = cache.hash_from_blob_name(path)
+        if stated is None or not path.is_file():
+            continue
+        sha256, git = cache.file_hashes(path)
+        if stated[1] != (sha256 if stated[0] == "sha256" else git):
+            path.unlink()
+            n += 1
+    return n
 
 
 def remove_partial(repo: Path) -> int:

@@ -93,7 +93,7 @@ def locate(
                     f"{env.path} names no APPLIANCE_PROFILE",
                     fix=f"re-run appliance install {instance}, or pass --profile",
                 )
-            prof = profiles.get(name)
+            prof = profiles.installed(root, instance, name)
         if cache is None and (value := env.get("HF_CACHE_DIR")):
             cache = under_root(root, value)
         selector = [instance, *selector]

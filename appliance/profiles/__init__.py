@@ -225,6 +225,53 @@ def all_profiles() -> dict[str, Profile]:
     return out
 
 
+def is_file_ref(value: str) -> bool:
+    """Whether a ``--profile`` value names a TOML file of the operator's, not a shipped
+    profile (shipped names have no ``/`` and no ``.toml``)."""
+    return "/" in value or value.endswith(".toml")
+
+
+def lookup(value: str) -> Profile:
+    """A shipped profile by name, or the operator's profile file ``value`` names."""
+    return load_file(value) if is_file_ref(value) else get(value)
+
+
+def operators_file(path: Path | str) -> tuple[Profile, bytes]:
+    """An operator's profile file to install: read once (the bytes installed are the bytes
+    checked), its name not a shipped one's (which of the two would a name mean?)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+        parsed = tomllib.loads(data.decode())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"cannot read profile {path}: {exc}") from exc
+    prof = from_dict(parsed, where=str(path))
+    if prof.name in all_profiles():
+        raise UsageError(
+            f"{path}: name {prof.name!r} is the name of a shipped profile",
+            fix='give your profile its own name (name = "...") in the file',
+        )
+    return prof, data
+
+
+def installed(root: Path | str, instance: str, name: str) -> Profile:
+    """The profile instance ``instance`` serves, by the name its env file gives: the operator's
+    copy installed next to it (``ENV_DIR/INSTANCE.profile.toml``) when there is one, else the
+    shipped profile of that name."""
+    from ..host.names import ENV_DIR
+
+    copy = Path(root) / ENV_DIR.lstrip("/") / f"{instance}.profile.toml"
+    if not copy.exists():
+        return get(name)
+    prof = load_file(copy)
+    if prof.name != name:
+        raise UsageError(
+            f"{copy} is profile {prof.name!r}, the env file names {name!r}",
+            fix=f"re-run appliance install {instance} --profile with the one you mean",
+        )
+    return prof
+
+
 def get(name: str) -> Profile:
     """A shipped profile by name; an unknown name is a usage error listing the known ones."""
     profiles = all_profiles()

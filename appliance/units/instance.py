@@ -103,7 +103,7 @@ def from_env(root: Path | str, name: str, env: envfile.EnvFile) -> Instance:
             raise UsageError(f"{key} is not set in {env.path}", fix=upgrade)
         return value
 
-    profile = profiles.get(required(PROFILE_KEY))
+    profile = profiles.installed(root, name, required(PROFILE_KEY))
     host = check_host(host_text := required(HOST_KEY), f"{HOST_KEY}={host_text!r} in {env.path}")
     port_text = required(PORT_KEY)
     port = check_port(port_text, f"{PORT_KEY}={port_text!r} in {env.path}")

@@ -87,6 +87,7 @@ class Paths:
     env: str = field(init=False)
     args: str = field(init=False)
     api_key: str = field(init=False)
+    profile: str = field(init=False)  # the operator's own profile file, when installed from one
 
     def __post_init__(self) -> None:
         def rel(p: str) -> str:
@@ -97,6 +98,7 @@ class Paths:
         object.__setattr__(self, "env", rel(f"{ENV_DIR}/{self.instance}.env"))
         object.__setattr__(self, "args", rel(f"{ENV_DIR}/{self.instance}.args"))
         object.__setattr__(self, "api_key", rel(f"{ENV_DIR}/{self.instance}.api-key"))
+        object.__setattr__(self, "profile", rel(f"{ENV_DIR}/{self.instance}.profile.toml"))
 
 
 def check_profile(prof: Profile) -> None:

@@ -25,11 +25,12 @@ from ..host.layout import Layout
 from ..host.names import ENV_DIR, unit_name
 from ..host.systemd import Systemd
 from ..observability import file_sd
-from ..profiles import Profile, get
+from ..profiles import Profile, get, installed, is_file_ref, operators_file
 from . import instance as instances
 from .instance import PROFILE_KEY
 from .template import (
     LIBEXEC_DIR,
+    MODE_ARGS,
     MODE_SECRET,
     UNIT_DIR,
     Options,
@@ -51,6 +52,7 @@ class WriteResult:
     unchanged: list[Path] = field(default_factory=list)
     removed: list[Path] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    first_install: bool = False  # the instance had no env file: it was never enabled
 
     @property
     def changed(self) -> bool:
@@ -144,9 +146,26 @@ def install(
                 fix="say which: --profile NAME",
             )
         profile = existing[PROFILE_KEY]
-    prof = get(profile) if isinstance(profile, str) else profile
+    own: bytes | None = None  # the operator's profile file, installed next to the instance
+    if isinstance(profile, str) and is_file_ref(profile):
+        prof, own = operators_file(profile)
+    elif isinstance(profile, str) and profile == existing.get(PROFILE_KEY):
+        prof = installed(root, instance, profile)  # the copy installed before, if any: kept
+        if (root / p.profile).exists():
+            own = (root / p.profile).read_bytes()
+    elif isinstance(profile, str):
+        prof = get(profile)
+    else:
+        prof = profile
+    opts = replace(opts, port=_choose_port(root, instance, prof.port, opts.port, explicit.port))
     files = render(prof, instance, opts)  # validates everything before the first write
+    if own is not None:
+        files = {p.profile: RenderedFile(own, MODE_ARGS), **files}
     result = write_tree(root, files)
+    if own is None and (root / p.profile).exists():
+        (root / p.profile).unlink()  # now serving a shipped profile: the old copy would mislead
+        result.removed.append(root / p.profile)
+    result.first_install = not existing
     key = root / p.api_key
     if not key.exists():
         write_atomic(key, (secrets.token_urlsafe(32) + "\n").encode(), mode=MODE_SECRET)
@@ -162,6 +181,40 @@ def install(
         result.removed.append(old)
     _write_scrape_targets(root, result)
     return result
+
+
+def _choose_port(
+    root: Path, instance: str, default: int, kept: int | None, asked: int | None
+) -> int:
+    """The instance's port: the one asked for (refused when another instance has it), else the
+    one its env file keeps, else the profile's or, when another instance has that, the next
+    free one (several instances of one profile, e.g. the four MIG slices of a card)."""
+    taken: dict[int, str] = {}
+    for name in installed_instances(root):
+        if name == instance:
+            continue
+        try:
+            port = int(_existing_env(root, name).get("VLLM_PORT", ""))
+        except (UsageError, ValueError):
+            continue  # unreadable: install and the serve program refuse it with its own words
+        taken.setdefault(port, name)
+    if asked is not None and asked in taken:
+        free = _next_free(asked, taken)
+        raise UsageError(
+            f"port {asked} is already instance {taken[asked]}'s",
+            fix=f"give another: --port {free} is free",
+        )
+    if kept is not None:
+        return kept
+    return _next_free(default, taken)
+
+
+def _next_free(port: int, taken: dict[int, str]) -> int:
+    while port in taken:
+        port += 1
+    if port > 65535:
+        raise UsageError("no free port above the profile's", fix="give one: --port N")
+    return port
 
 
 def scrape_targets_file(root: Path | str) -> Path:
@@ -223,6 +276,7 @@ def uninstall(
     p = paths(instance)
     layout = Layout(root)
     mine = [root / p.env, root / p.args, root / p.api_key, old_serve_script(root, instance)]
+    mine.append(root / p.profile)
     mine.append(root / _rel(WANTS_DIR) / unit_name(instance))
     state = [
         layout.history_file(instance),
