@@ -38,6 +38,7 @@ from ..profiles import validate as pv
 from ..serve.argsfile import ServeArgs
 from ..units import engine_args
 from ..units import template as ut
+from ..units.timing import STOP_GRACE_S, unit_timing
 from ..units.writer import WriteResult, write_tree
 
 Role = Literal["head", "worker"]
@@ -51,11 +52,6 @@ LOCAL_HEAD_DROPIN = "50-local-head.conf"
 PROBE_INTERVAL_S = 30
 # CPU profiles (every node on one host): vLLM's zmq ipc:// sockets, shared by the containers.
 RPC_DIR = "/run/gemma4-vllm-rpc"
-# The units' limits (the single-host unit's values, kept here: that template is its own).
-START_TIMEOUT_S = 1800
-STOP_TIMEOUT_S = 90
-START_LIMIT_BURST = 5
-START_LIMIT_INTERVAL_S = 4 * START_TIMEOUT_S
 # The group name plus "-worker" must stay a valid instance (container and args names).
 _MAX_GROUP = 64 - len("-worker")
 _FIXED_KEYS = ("VLLM_IMAGE", "APPLIANCE_PROFILE", "VLLM_HOST", "VLLM_PORT")
@@ -226,10 +222,9 @@ def render(
         "serve_script": ut.SERVE_SCRIPT,
         "values": values,
         "extra_keys": [k for k in values if k not in _FIXED_KEYS],
-        "start_timeout_s": START_TIMEOUT_S,
-        "stop_timeout_s": STOP_TIMEOUT_S,
-        "start_limit_burst": START_LIMIT_BURST,
-        "start_limit_interval_s": START_LIMIT_INTERVAL_S,
+        # The instance unit's timings and start-limit arithmetic, one source (units.timing).
+        "timing": unit_timing(),
+        "stop_grace_s": STOP_GRACE_S,
         "probe_interval_s": PROBE_INTERVAL_S,
         "dropin": LOCAL_WORKER_DROPIN,
         "group": group,
