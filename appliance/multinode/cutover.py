@@ -8,7 +8,8 @@ compatibility, the lock, the history, the rollback slot's format, the gates), no
     preflight (nothing touched): every host's env file names the same image (a split group is
     refused), the new image is on every host with the SAME image ID, its labels fit the profile,
     the current image is present too (the way back)
-    -> lock the group (on the head's host) -> history "started" -> rollback slot
+    -> lock the group (on the head's host), every env file read again under it
+    -> history "started" -> rollback slot
     -> VLLM_IMAGE written on every host (a failed write puts back the ones written)
     -> restart: worker hosts first, then the head's host (where the worker shares the head's host
        its restart takes the head with it: BindsTo=/PartOf=)
@@ -257,6 +258,14 @@ def cutover(
     old = _inspect_everywhere(ctx, plan, current) if current else None
 
     with locks.hold(layout.lock_file(group), group, f"{kind} to {image}") as held:
+        # Read again under the lock: the files a concurrent cutover or install left are the
+        # ones replaced, and written back on the way back; the image they name is the way back.
+        plan = _plan(group, hosts)
+        envs = {h.name: envfile.read(h.env_file(group)) for h in plan.hosts}
+        was = current
+        current = require_one_image({n: e.get(envfile.IMAGE_KEY) for n, e in envs.items()})
+        if current != was:
+            old = _inspect_everywhere(ctx, plan, current) if current else None
         entry = Entry.begin(group, kind, current, image)
         held.note(entry.id)
         history.append(layout.history_file(group), entry)
