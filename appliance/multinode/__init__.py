@@ -39,7 +39,7 @@ from ..serve.argsfile import ServeArgs
 from ..units import engine_args
 from ..units import template as ut
 from ..units.timing import STOP_GRACE_S, unit_timing
-from ..units.writer import WriteResult, write_tree
+from ..units.writer import WriteResult, write_scrape_targets, write_tree
 
 Role = Literal["head", "worker"]
 ROLES: tuple[Role, ...] = ("head", "worker")
@@ -106,6 +106,21 @@ def args_path(group: str, role: Role) -> str:
 
 def api_key_path(group: str, role: Role) -> str:
     return _rel(f"{names.ENV_DIR}/{node_instance(group, role)}.api-key")
+
+
+def host_roles(root: Path | str, name: str) -> tuple[Role, ...]:
+    """The roles this host runs for group ``name``, by the args files installed under ``root``;
+    ``()`` when ``name`` is a single-host instance (or no group at all)."""
+    if len(name) > _MAX_GROUP:
+        return ()
+    return tuple(r for r in ROLES if (Path(root) / args_path(name, r)).exists())
+
+
+def host_units(root: Path | str, name: str) -> list[str]:
+    """The units that serve ``name`` on this host: a group's head and/or worker units, else
+    the instance's ``gemma4-vllm@NAME`` (a group has no such unit)."""
+    roles = host_roles(root, name)
+    return [unit_name(name, r) for r in roles] if roles else [names.unit_name(name)]
 
 
 def dropin_path(group: str) -> str:
@@ -284,6 +299,8 @@ def install(
         if not key.exists():
             write_atomic(key, (secrets.token_urlsafe(32) + "\n").encode(), mode=ut.MODE_SECRET)
             result.written.append(key)
+    # The head is scraped like an instance (the engines' file_sd targets of this host).
+    write_scrape_targets(root, result)
     return result
 
 
