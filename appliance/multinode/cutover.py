@@ -160,6 +160,10 @@ def _restart(ctx: Context, plan: _Plan) -> dict[str, str]:
     for h in plan.hosts:
         for role in h.node.roles:
             before[f"{h.name}/{role}"] = h.systemd.invocation_id(unit_name(g, role))
+            # Every unit the restart reaches, not only the one restarted: a head restarted
+            # through its worker (PartOf=) would count this start against its start limit, and
+            # a cutover and its rollback would leave it one worker death from `failed`.
+            h.systemd.reset_failed(unit_name(g, role))
     try:
         for h in plan.workers:
             ctx.progress(f"restarting {unit_name(g, 'worker')} on {h.name}")
