@@ -36,9 +36,10 @@ from pathlib import Path
 from .. import apikey, imageref, profiles
 from ..cutover import gates, history
 from ..cutover.context import Context, PreflightError
-from ..cutover.flow import CutoverFailed, RollbackFailed
+from ..cutover.flow import CutoverFailed, CutoverInterrupted, RollbackFailed, _interrupted_gates
 from ..cutover.history import Entry, Gate
 from ..cutover.preflight import ImageInfo, check_compatible, inspect_image
+from ..cutover.signals import Interrupted, guard
 from ..cutover.slot import rollback_image
 from ..errors import UsageError
 from ..fsutil import write_atomic
@@ -261,7 +262,8 @@ def cutover(
     check_compatible(new, plan.profile, allow_no_mtp=allow_no_mtp)
     old = _inspect_everywhere(ctx, plan, current) if current else None
 
-    with locks.hold(layout.lock_file(group), group, f"{kind} to {image}") as held:
+    lock = locks.hold(layout.lock_file(group), group, f"{kind} to {image}")
+    with lock as held, guard(ctx.progress) as sig:
         # Read again under the lock: the files a concurrent cutover or install left are the
         # ones replaced, and written back on the way back; the image they name is the way back.
         plan = _plan(group, hosts)
@@ -270,6 +272,8 @@ def cutover(
         current = require_one_image({n: e.get(envfile.IMAGE_KEY) for n, e in envs.items()})
         if current != was:
             old = _inspect_everywhere(ctx, plan, current) if current else None
+        # The history line and the slot go together: a signal waits for them.
+        sig.defer()
         entry = Entry.begin(group, kind, current, image)
         held.note(entry.id)
         history.append(layout.history_file(group), entry)
@@ -279,14 +283,34 @@ def cutover(
             body = {"image": current, "recorded": time.time(), "entry": entry.id}
             write_atomic(slot, json.dumps(body) + "\n", mode=0o644)
         ctx.progress(f"{kind} {group}: {current} -> {image} on {len(plan.hosts)} host(s)")
+        touched = False
         try:
+            sig.arm()  # a signal that came meanwhile interrupts here, before any env write
+            touched = True
             _write_all(plan, {n: e.with_value(envfile.IMAGE_KEY, image) for n, e in envs.items()})
             entry.gates = _gates(ctx, plan, new, timeout)
+            sig.hold()  # every gate passed: a signal from here on is too late to matter
         except gates.GateFailed as failed:
             entry.gates = failed.gates
             failure = f"{image} failed gate {failed.gate!r}: {failed.detail}"
+        except Interrupted as stop:
+            # Ctrl-C, SIGTERM or a hang-up during the restart or the gates: every node back.
+            entry.gates = _interrupted_gates(stop, entry.gates)
+            entry.interrupted = stop.name
+            failure = f"interrupted by {stop.name} during the gates of {image}"
+            ctx.progress(f"{failure}: returning every node to {current}")
         else:
             return _finish(layout, entry, "ok", None)
+        # The way back is not interrupted by the next signal; it is bounded by --timeout.
+        sig.hold(within=timeout)
+        if not touched:
+            if slot_before is None:
+                slot.unlink(missing_ok=True)
+            else:
+                write_atomic(slot, slot_before)
+            error = f"{failure}; stopped before any env file was written, nothing changed"
+            _finish(layout, entry, "rolled_back", error)
+            raise CutoverInterrupted(f"{kind} of {group} {error}")
 
         if old is None:
             _finish(layout, entry, "failed", failure)
