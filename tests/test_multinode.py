@@ -237,6 +237,52 @@ def test_the_generation_gate_and_probe_send_one_completion_with_the_heads_key(tm
     assert body["model"] == _args(tmp_path, "head").served_model_name() and body["max_tokens"] == 2
 
 
+def _non_loopback_address() -> str:
+    """An IPv4 address of this host that is not loopback (the Docker bridge's at least)."""
+    out = subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True, check=True)
+    found = [
+        a["local"]
+        for link in json.loads(out.stdout)
+        for a in link.get("addr_info", [])
+        if not a["local"].startswith("127.")
+    ]
+    assert found, "this host has no IPv4 address but loopback"
+    return found[0]
+
+
+def test_the_heads_key_goes_to_loopback_only(tmp_path):
+    """Issue 24 section 4 (N11): a head bound to another address would get its API key in clear
+    HTTP; like the instance unit, whose probe reaches only loopback, the serve program refuses
+    (exit 78, one line, no request) instead of sending it."""
+    _install(tmp_path, "cpu-tiny-mtp-2node", multinode.Node(roles=("head",)))
+    address = _non_loopback_address()
+    server = http.server.ThreadingHTTPServer((address, 0), _Head)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    key = (tmp_path / multinode.api_key_path("grp", "head")).read_text().strip()
+    env = {
+        **envfile.read(tmp_path / multinode.env_path("grp")).values,
+        "VLLM_HOST": address,
+        "VLLM_PORT": str(server.server_address[1]),
+        "APPLIANCE_ROOT": str(tmp_path),
+        "PATH": "/nonexistent",
+    }
+    program = str(tmp_path / "usr/local/libexec/gemma4-vllm/serve")
+    _Head.code = 200
+    _Head.seen.clear()
+    try:
+        for command in ("wait-generates", "probe"):
+            proc = subprocess.run(
+                [program, "grp-head", command],
+                env=env, capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert [auth for _, auth, _ in _Head.seen] == [], "the key went out in clear"
+            assert proc.returncode == 78, (command, proc.stderr)
+            assert f"in clear to {address}" in proc.stderr and key not in proc.stderr
+            assert len(proc.stderr.strip().splitlines()) == 1
+    finally:
+        server.shutdown()
+
+
 def test_cli_install_is_idempotent_and_names_the_first_unit(tmp_path):
     from click.testing import CliRunner
 

@@ -6,15 +6,23 @@ The order of the tests matters only for time: one group, moved by every test."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shlex
 import signal
+import subprocess
 
 import pytest
+from click.testing import CliRunner
 from plugins.multinode import GROUP, MTP_IMAGE
+from plugins.systemd_instance import APPLIANCE, REPO
 
-from appliance import multinode
+from appliance import multinode, state_metrics
+from appliance.cli import cli
 from appliance.cutover import history
 from appliance.host import envfile
+from appliance.host.layout import Layout
 from appliance.multinode import cutover as mcut
 
 pytestmark = [pytest.mark.systemd, pytest.mark.multinode]
@@ -44,6 +52,59 @@ def test_the_worker_starts_first_and_the_head_serves_with_mtp(multinode_group):
     assert head_cmd[head_cmd.index("--node-rank") + 1] == "0"
     assert worker_cmd[worker_cmd.index("--node-rank") + 1] == "1"
     assert head_cmd[head_cmd.index("--tensor-parallel-size") + 1] == "2"
+    _serves_with_mtp(g)
+
+
+def test_status_and_the_state_metrics_read_the_groups_real_units(multinode_group, monkeypatch):
+    """Issue 24 (N6): `appliance status GROUP --write-metrics` reads the head and worker units,
+    not gemma4-vllm@GROUP (no such unit: it read `inactive`), so the state textfile carries the
+    head's real state and Gemma4InstanceFailed can fire for a failed head."""
+    g = multinode_group
+    monkeypatch.setenv("APPLIANCE_SYSTEMD_PREFIX", shlex.join(g.machine.enter_argv()))
+    argv = ["status", GROUP, "--json", "--write-metrics", "--root", str(g.machine.root)]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 0, result.output
+    text = Layout(g.machine.root).metrics_textfile().read_text()
+    state = rf'{state_metrics.UNIT_STATE}{{instance="{GROUP}",result="[a-z-]*",state="(\w+)"}} 1\.0'
+    assert re.findall(state, text) == ["active"], text
+    st = json.loads(result.output.splitlines()[-1])
+    assert st["units"] == {g.head: "active", g.worker: "active"}
+    assert st["running_id"] == g.container_image_id("head")
+
+
+def test_a_hangup_during_the_gates_rolls_every_node_back(multinode_group):
+    """Issue 24 (N7): SIGHUP (an SSH session gone) while the group's cutover waits for its gates.
+    Before, the signal's default action ended the process with every env file on the new image,
+    ungated, and the history "started"; now it is the cutover's way back, as for an instance."""
+    g = multinode_group
+    m = g.machine
+    env_path = m.root / multinode.env_path(GROUP)
+    before, old_id = env_path.read_bytes(), g.container_image_id("head")
+    env = dict(os.environ, APPLIANCE_SYSTEMD_PREFIX=shlex.join(m.enter_argv()))
+    argv = [APPLIANCE, "multinode", "cutover", GROUP, g.derived_image, "--root", str(m.root)]
+    proc = subprocess.Popen(
+        argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # the progress lines: the signal lands once the restart began
+            seen.append(line)
+            if "restarting" in line:
+                break
+        assert any("restarting" in ln for ln in seen), "".join(seen)
+        proc.send_signal(signal.SIGHUP)
+        out, err = proc.communicate(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = "".join(seen) + err
+    assert proc.returncode != 0, out + err
+    assert "interrupted by SIGHUP during the gates" in err, err
+    assert env_path.read_bytes() == before
+    assert g.container_image_id("head") == g.container_image_id("worker") == old_id
+    last = history.entries(Layout(m.root).history_file(GROUP))[-1]
+    assert (last.outcome, last.interrupted) == ("rolled_back", "SIGHUP"), last
     _serves_with_mtp(g)
 
 

@@ -225,7 +225,8 @@ def status(instance: str | None, write_metrics: bool, json_: bool, root: Path) -
         if json_:
             click.echo(json.dumps(dataclasses.asdict(st), sort_keys=True, default=str))
             continue
-        click.echo(f"{st.instance}  ({st.unit}: {st.unit_state})")
+        units = ", ".join(f"{u}: {state}" for u, state in st.units.items())
+        click.echo(f"{st.instance}  ({units})")
         click.echo(f"  image:      {st.image or '-'}")
         if st.running_id is not None:
             flag = ""

@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .. import labels, state_metrics
+from .. import labels, multinode, state_metrics
 from ..canary import baseline as baselines
 from ..errors import ApplianceError
 from ..host import envfile
 from ..host.layout import Layout
-from ..host.names import unit_name
 from . import history
 
 
@@ -60,15 +59,18 @@ def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metri
                 events=Counter((e.kind, e.outcome) for e in done),
                 last_cutover=max((e.finished or e.started for e in done), default=None),
                 canary=last_canary,
-                unit=(
-                    state_metrics.unit_status(systemd, unit_name(instance))
-                    if systemd is not None
-                    else None
-                ),
+                unit=_unit(layout, instance, systemd) if systemd is not None else None,
                 baseline=_baseline(layout, instance),
             )
         )
     return out
+
+
+def _unit(layout: Layout, name: str, systemd) -> state_metrics.UnitStatus:
+    """The state of the unit that serves ``name`` here: an instance's unit, or a group's head
+    and worker units with a failed one first (either one down is the group down)."""
+    found = [state_metrics.unit_status(systemd, u) for u in multinode.host_units(layout.root, name)]
+    return next((u for u in found if u.active == "failed"), found[0])
 
 
 def _baseline(layout: Layout, instance: str) -> state_metrics.BaselineState | None:

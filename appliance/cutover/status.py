@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import multinode
 from ..canary import baseline as baselines
 from ..errors import ApplianceError, EngineError
 from ..host import envfile
 from ..host import lock as locks
-from ..host.names import check_instance, container_name, unit_name
+from ..host.names import check_instance, container_name
 from ..vllm_client import VLLMClient
 from . import history
 from .context import Context
@@ -35,8 +36,12 @@ class Status:
     """One instance, now."""
 
     instance: str
-    unit: str
+    unit: str  # the first of ``units``: a group's head where this host runs it
     image: str | None
+    # Every unit that serves the instance here and its ActiveState: one for an instance, a
+    # group's head and/or worker units (a group has no gemma4-vllm@GROUP).
+    units: dict[str, str] = field(default_factory=dict)
+    container: str = ""
     image_info: ImageInfo | None = None
     image_error: str | None = None
     unit_state: str = "unknown"
@@ -69,9 +74,15 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     check_instance(instance)
     layout = ctx.layout
     env = envfile.read(layout.env_file(instance))  # a clear error when not installed
-    unit = unit_name(instance)
-    st = Status(instance, unit, env.get(envfile.IMAGE_KEY))
-    st.unit_state = ctx.systemd.active_state(unit)
+    units = multinode.host_units(layout.root, instance)
+    st = Status(instance, units[0], env.get(envfile.IMAGE_KEY))
+    st.units = {u: ctx.systemd.active_state(u) for u in units}
+    st.unit_state = st.units[units[0]]
+    roles = multinode.host_roles(layout.root, instance)
+    # The container of the head where it runs here (it serves the API), else the worker's.
+    st.container = (
+        multinode.container_name(instance, roles[0]) if roles else container_name(instance)
+    )
     st.rollback_image = rollback_image(layout, instance)
     st.in_progress = locks.current_holder(layout.lock_file(instance))
     try:
@@ -125,9 +136,8 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
 
 def _running(ctx: Context, st: Status) -> None:
     """Fill in the running container's image and whether it is the env file's."""
-    container = container_name(st.instance)
     try:
-        st.running_id = running_image_id(ctx, container)
+        st.running_id = running_image_id(ctx, st.container)
     except ApplianceError as exc:
         st.running_error = str(exc)
         return

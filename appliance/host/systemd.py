@@ -70,8 +70,13 @@ class Systemd:
         """
         # After a crash loop the unit hits its start limit and refuses a plain restart; the
         # way back must not be blocked by the failure it is recovering from.
-        self._run("systemctl", "reset-failed", unit)
+        self.reset_failed(unit)
         self._check("systemctl", "restart", "--no-block", unit)
+
+    def reset_failed(self, unit: str) -> None:
+        """Clear ``unit``'s failed state and its start-limit count (a unit systemd does not
+        know, or one not failed, is left as it is)."""
+        self._run("systemctl", "reset-failed", unit)
 
     def stop_and_disable(self, unit: str) -> None:
         """Stop ``unit`` (waiting for its ExecStop) and disable it; a unit systemd does not know

@@ -8,6 +8,7 @@ program runs on the host's own Python.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 from ..errors import UsageError
@@ -71,6 +72,15 @@ def probe_host(host: str) -> str:
     """The address to ask for ``/health`` of an engine bound to ``host`` (loopback when it
     listens on every address)."""
     return "127.0.0.1" if host in ANY_ADDRESS else host
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address to connect to) never leaves this host: 127.0.0.0/8, ::1 or
+    ``localhost``."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def base_url(host: str, port: int | str) -> str:

@@ -38,7 +38,8 @@ from ..profiles import validate as pv
 from ..serve.argsfile import ServeArgs
 from ..units import engine_args
 from ..units import template as ut
-from ..units.writer import WriteResult, write_tree
+from ..units.timing import STOP_GRACE_S, unit_timing
+from ..units.writer import WriteResult, write_scrape_targets, write_tree
 
 Role = Literal["head", "worker"]
 ROLES: tuple[Role, ...] = ("head", "worker")
@@ -51,11 +52,6 @@ LOCAL_HEAD_DROPIN = "50-local-head.conf"
 PROBE_INTERVAL_S = 30
 # CPU profiles (every node on one host): vLLM's zmq ipc:// sockets, shared by the containers.
 RPC_DIR = "/run/gemma4-vllm-rpc"
-# The units' limits (the single-host unit's values, kept here: that template is its own).
-START_TIMEOUT_S = 1800
-STOP_TIMEOUT_S = 90
-START_LIMIT_BURST = 5
-START_LIMIT_INTERVAL_S = 4 * START_TIMEOUT_S
 # The group name plus "-worker" must stay a valid instance (container and args names).
 _MAX_GROUP = 64 - len("-worker")
 _FIXED_KEYS = ("VLLM_IMAGE", "APPLIANCE_PROFILE", "VLLM_HOST", "VLLM_PORT")
@@ -110,6 +106,21 @@ def args_path(group: str, role: Role) -> str:
 
 def api_key_path(group: str, role: Role) -> str:
     return _rel(f"{names.ENV_DIR}/{node_instance(group, role)}.api-key")
+
+
+def host_roles(root: Path | str, name: str) -> tuple[Role, ...]:
+    """The roles this host runs for group ``name``, by the args files installed under ``root``;
+    ``()`` when ``name`` is a single-host instance (or no group at all)."""
+    if len(name) > _MAX_GROUP:
+        return ()
+    return tuple(r for r in ROLES if (Path(root) / args_path(name, r)).exists())
+
+
+def host_units(root: Path | str, name: str) -> list[str]:
+    """The units that serve ``name`` on this host: a group's head and/or worker units, else
+    the instance's ``gemma4-vllm@NAME`` (a group has no such unit)."""
+    roles = host_roles(root, name)
+    return [unit_name(name, r) for r in roles] if roles else [names.unit_name(name)]
 
 
 def dropin_path(group: str) -> str:
@@ -226,10 +237,9 @@ def render(
         "serve_script": ut.SERVE_SCRIPT,
         "values": values,
         "extra_keys": [k for k in values if k not in _FIXED_KEYS],
-        "start_timeout_s": START_TIMEOUT_S,
-        "stop_timeout_s": STOP_TIMEOUT_S,
-        "start_limit_burst": START_LIMIT_BURST,
-        "start_limit_interval_s": START_LIMIT_INTERVAL_S,
+        # The instance unit's timings and start-limit arithmetic, one source (units.timing).
+        "timing": unit_timing(),
+        "stop_grace_s": STOP_GRACE_S,
         "probe_interval_s": PROBE_INTERVAL_S,
         "dropin": LOCAL_WORKER_DROPIN,
         "group": group,
@@ -289,6 +299,8 @@ def install(
         if not key.exists():
             write_atomic(key, (secrets.token_urlsafe(32) + "\n").encode(), mode=ut.MODE_SECRET)
             result.written.append(key)
+    # The head is scraped like an instance (the engines' file_sd targets of this host).
+    write_scrape_targets(root, result)
     return result
 
 

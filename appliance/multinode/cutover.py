@@ -8,7 +8,8 @@ compatibility, the lock, the history, the rollback slot's format, the gates), no
     preflight (nothing touched): every host's env file names the same image (a split group is
     refused), the new image is on every host with the SAME image ID, its labels fit the profile,
     the current image is present too (the way back)
-    -> lock the group (on the head's host) -> history "started" -> rollback slot
+    -> lock the group (on the head's host), every env file read again under it
+    -> history "started" -> rollback slot
     -> VLLM_IMAGE written on every host (a failed write puts back the ones written)
     -> restart: worker hosts first, then the head's host (where the worker shares the head's host
        its restart takes the head with it: BindsTo=/PartOf=)
@@ -35,9 +36,10 @@ from pathlib import Path
 from .. import apikey, imageref, profiles
 from ..cutover import gates, history
 from ..cutover.context import Context, PreflightError
-from ..cutover.flow import CutoverFailed, RollbackFailed
+from ..cutover.flow import CutoverFailed, CutoverInterrupted, RollbackFailed, _interrupted_gates
 from ..cutover.history import Entry, Gate
 from ..cutover.preflight import ImageInfo, check_compatible, inspect_image
+from ..cutover.signals import Interrupted, guard
 from ..cutover.slot import rollback_image
 from ..errors import UsageError
 from ..fsutil import write_atomic
@@ -159,6 +161,10 @@ def _restart(ctx: Context, plan: _Plan) -> dict[str, str]:
     for h in plan.hosts:
         for role in h.node.roles:
             before[f"{h.name}/{role}"] = h.systemd.invocation_id(unit_name(g, role))
+            # Every unit the restart reaches, not only the one restarted: a head restarted
+            # through its worker (PartOf=) would count this start against its start limit, and
+            # a cutover and its rollback would leave it one worker death from `failed`.
+            h.systemd.reset_failed(unit_name(g, role))
     try:
         for h in plan.workers:
             ctx.progress(f"restarting {unit_name(g, 'worker')} on {h.name}")
@@ -256,7 +262,18 @@ def cutover(
     check_compatible(new, plan.profile, allow_no_mtp=allow_no_mtp)
     old = _inspect_everywhere(ctx, plan, current) if current else None
 
-    with locks.hold(layout.lock_file(group), group, f"{kind} to {image}") as held:
+    lock = locks.hold(layout.lock_file(group), group, f"{kind} to {image}")
+    with lock as held, guard(ctx.progress) as sig:
+        # Read again under the lock: the files a concurrent cutover or install left are the
+        # ones replaced, and written back on the way back; the image they name is the way back.
+        plan = _plan(group, hosts)
+        envs = {h.name: envfile.read(h.env_file(group)) for h in plan.hosts}
+        was = current
+        current = require_one_image({n: e.get(envfile.IMAGE_KEY) for n, e in envs.items()})
+        if current != was:
+            old = _inspect_everywhere(ctx, plan, current) if current else None
+        # The history line and the slot go together: a signal waits for them.
+        sig.defer()
         entry = Entry.begin(group, kind, current, image)
         held.note(entry.id)
         history.append(layout.history_file(group), entry)
@@ -266,14 +283,34 @@ def cutover(
             body = {"image": current, "recorded": time.time(), "entry": entry.id}
             write_atomic(slot, json.dumps(body) + "\n", mode=0o644)
         ctx.progress(f"{kind} {group}: {current} -> {image} on {len(plan.hosts)} host(s)")
+        touched = False
         try:
+            sig.arm()  # a signal that came meanwhile interrupts here, before any env write
+            touched = True
             _write_all(plan, {n: e.with_value(envfile.IMAGE_KEY, image) for n, e in envs.items()})
             entry.gates = _gates(ctx, plan, new, timeout)
+            sig.hold()  # every gate passed: a signal from here on is too late to matter
         except gates.GateFailed as failed:
             entry.gates = failed.gates
             failure = f"{image} failed gate {failed.gate!r}: {failed.detail}"
+        except Interrupted as stop:
+            # Ctrl-C, SIGTERM or a hang-up during the restart or the gates: every node back.
+            entry.gates = _interrupted_gates(stop, entry.gates)
+            entry.interrupted = stop.name
+            failure = f"interrupted by {stop.name} during the gates of {image}"
+            ctx.progress(f"{failure}: returning every node to {current}")
         else:
             return _finish(layout, entry, "ok", None)
+        # The way back is not interrupted by the next signal; it is bounded by --timeout.
+        sig.hold(within=timeout)
+        if not touched:
+            if slot_before is None:
+                slot.unlink(missing_ok=True)
+            else:
+                write_atomic(slot, slot_before)
+            error = f"{failure}; stopped before any env file was written, nothing changed"
+            _finish(layout, entry, "rolled_back", error)
+            raise CutoverInterrupted(f"{kind} of {group} {error}")
 
         if old is None:
             _finish(layout, entry, "failed", failure)

@@ -16,7 +16,7 @@ from .. import apikey
 from ..errors import ApplianceError, UsageError
 from ..host.layout import Layout
 from ..host.names import check_instance, container_name
-from ..host.values import LOOPBACK, probe_host
+from ..host.values import LOOPBACK, is_loopback, probe_host
 from ..models import EX_CONFIG, ModelsNotReady, ModelSpec
 from ..models import verify as model_verify
 from . import argsfile, container, docker, environment, health
@@ -160,7 +160,17 @@ def _generation_target(unit: Unit) -> tuple[str, int, str, str | None]:
     model = unit.args().served_model_name()
     if not model:
         raise UsageError(f"{unit.args_file} names no --served-model-name")
-    return host, port, model, apikey.read(unit.key_file)
+    key = apikey.read(unit.key_file)
+    if key is not None and not is_loopback(host):
+        # As the instance unit, whose probe reaches only loopback: the key never leaves this
+        # host in clear HTTP (gotchas/api-key-scope.md).
+        raise UsageError(
+            f"the head's generation probe would send its API key in clear to {host}:{port}: "
+            "it asks loopback only",
+            fix=f"bind the head to 127.0.0.1 or 0.0.0.0 (VLLM_HOST in {unit.env_file}), with a "
+            "TLS proxy in front for other hosts",
+        )
+    return host, port, model, key
 
 
 def wait_generates(unit: Unit) -> None:

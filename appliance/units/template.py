@@ -139,10 +139,14 @@ def serve_program() -> bytes:
 
 
 def jinja_env(package: str = "appliance.units") -> jinja2.Environment:
-    """The one Jinja setup of the unit templates (``package``'s ``templates/``): strict,
-    unescaped, newlines kept."""
+    """The one Jinja setup of the unit templates (``package``'s ``templates/``, then this
+    package's, so every unit includes the one hardening block): strict, unescaped, newlines
+    kept."""
+    loaders = [jinja2.PackageLoader(package, "templates")]
+    if package != "appliance.units":
+        loaders.append(jinja2.PackageLoader("appliance.units", "templates"))
     return jinja2.Environment(
-        loader=jinja2.PackageLoader(package, "templates"),
+        loader=jinja2.ChoiceLoader(loaders),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,

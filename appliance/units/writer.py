@@ -179,7 +179,7 @@ def install(
     if old.exists():
         old.unlink()
         result.removed.append(old)
-    _write_scrape_targets(root, result)
+    write_scrape_targets(root, result)
     return result
 
 
@@ -222,11 +222,17 @@ def scrape_targets_file(root: Path | str) -> Path:
     return Path(root) / _rel(file_sd.TARGETS_DIR) / file_sd.ENGINE_FILE
 
 
-def _write_scrape_targets(root: Path, result: WriteResult) -> None:
-    """Rewrite the engines' scrape targets from the installed instances; an instance whose env
-    file cannot be read is left out with a warning (it does not serve as installed either)."""
+def write_scrape_targets(root: Path, result: WriteResult) -> None:
+    """Rewrite the engines' scrape targets from the installed instances and the heads of the
+    groups installed here (a worker serves no API); an instance whose env file cannot be read
+    is left out with a warning (it does not serve as installed either)."""
+    from .. import multinode  # it builds on this package
+
     targets = []
     for name in installed_instances(root):
+        roles = multinode.host_roles(root, name)
+        if roles and "head" not in roles:
+            continue
         try:
             inst = instances.read(root, name)
         except UsageError as e:
@@ -308,7 +314,7 @@ def uninstall(
                     result.removed.append(shared)
             with contextlib.suppress(OSError):
                 (root / p.script).parent.rmdir()  # only when empty
-        _write_scrape_targets(root, result)
+        write_scrape_targets(root, result)
         if systemd is not None:
             systemd.daemon_reload()
     return result

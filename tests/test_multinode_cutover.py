@@ -1,0 +1,82 @@
+"""The multi-node cutover against the real Docker engine, without systemd (issue 24): what it
+reads and writes around the group's lock. The real pair under systemd is
+tests/test_multinode_systemd.py."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from appliance import multinode, units
+from appliance.cutover.context import Context
+from appliance.cutover.flow import RollbackFailed
+from appliance.fsutil import write_atomic
+from appliance.host import envfile
+from appliance.host import lock as locks
+from appliance.host.layout import Layout
+from appliance.host.systemd import Systemd
+from appliance.multinode import cutover as mcut
+
+pytestmark = pytest.mark.docker
+
+GROUP = "grp"
+PROFILE = "cpu-tiny-mtp-2node"
+# Every systemctl call fails at once: the restart is the first gate to fail, so a cutover goes
+# straight to its way back (which fails the same way) without a systemd on this host.
+NO_SYSTEMD = Systemd(("false",))
+
+
+class _Images:
+    def __init__(self, real, first_lookup) -> None:
+        self._real = real
+        self._first = first_lookup
+
+    def get(self, ref):
+        if self._first is not None:
+            hook, self._first = self._first, None
+            hook()
+        return self._real.get(ref)
+
+
+class _ConcurrentAtFirstLookup:
+    """The real Docker client; ``hook`` runs once, at the first image lookup, i.e. after the
+    cutover's preflight read its env files and before it takes the lock. Sequencing only: every
+    answer is the real engine's."""
+
+    def __init__(self, client, hook) -> None:
+        self.images = _Images(client.images, hook)
+        self.containers = client.containers
+
+
+def _install(root: Path, image: str) -> Path:
+    opts = units.Options(image=image, model_dir="/srv/tiny")
+    multinode.install(PROFILE, GROUP, multinode.Node(roles=("head", "worker")), root=root,
+                      options=opts)  # fmt: skip
+    return root / multinode.env_path(GROUP)
+
+
+def test_the_env_files_are_read_under_the_lock(tmp_path, cutover_docker, preflight_images):
+    """Issue 24 section 4 (N7): an install that finishes under the group's lock while a cutover
+    waits for it changed the env file; the cutover's way back writes back THAT file, not the
+    bytes it read before the lock."""
+    env_path = _install(tmp_path, preflight_images["pre-mtp"])
+    layout = Layout(tmp_path)
+    concurrent = contextlib.ExitStack()
+    concurrent.enter_context(locks.hold(layout.lock_file(GROUP), GROUP, "install"))
+    changed = envfile.read(env_path).with_value("VLLM_PORT", "8123")
+
+    def finish_the_install() -> None:
+        write_atomic(env_path, changed)
+        concurrent.close()
+
+    ctx = Context(
+        layout=layout,
+        systemd=NO_SYSTEMD,
+        docker_client=_ConcurrentAtFirstLookup(cutover_docker, finish_the_install),
+    )
+    hosts = [mcut.Host("this host", multinode.Node(roles=("head", "worker")), tmp_path, NO_SYSTEMD)]
+    with pytest.raises(RollbackFailed, match="failed gate 'restart'"):
+        mcut.cutover(ctx, GROUP, preflight_images["mtp"], hosts, timeout=5)
+    assert env_path.read_bytes() == changed, "the way back wrote the bytes read before the lock"
