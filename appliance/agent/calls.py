@@ -103,7 +103,10 @@ class Call:
             return True
         if mode != "auto":
             return False
-        return not (self.settings.server.per_request and self.usage_expected)
+        # What the server taught about per-request figures holds for chat and completions; the
+        # Responses API carries no block on vLLM 0.32, so it never skips the counters for it.
+        per_request = self.settings.server.per_request and self.operation != RESPONSES
+        return not (per_request and self.usage_expected)
 
     def _begin(self) -> dict:
         """Open the window and the span; the kwargs to send (with ``traceparent`` injected)."""
@@ -258,9 +261,15 @@ class Call:
         if mode != "counters":
             fig = rules.from_response(self.extra)
             if fig is not None:
-                self.settings.server.per_request = True
+                if self.operation != RESPONSES:
+                    self.settings.server.per_request = True
                 return fig, False
-            if mode == "auto" and self.settings.server.per_request and not self.window.snapshots:
+            if (
+                mode == "auto"
+                and self.operation != RESPONSES
+                and self.settings.server.per_request
+                and not self.window.snapshots
+            ):
                 # It sent per-request figures before and not now (restarted without the flag?):
                 # read counters again from the next call on.
                 self.settings.server.per_request = False
