@@ -197,6 +197,7 @@ def _global_provider() -> trace.TracerProvider:
         if _own_provider is None:
             _own_provider = setup_tracing()
             trace.set_tracer_provider(_own_provider)
+            register_exit_flush()  # the figures still pending at exit go before its shutdown
         return trace.get_tracer_provider()
 
 
