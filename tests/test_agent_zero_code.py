@@ -100,6 +100,11 @@ def _spans(stdout: str) -> list[dict]:
 
 
 @pytest.mark.engine
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 28, open: on the per-request engine a call came out shared (seen 2026-12-03; "
+    "likely a Responses call whose before-reading predates the chat calls that read nothing)",
+)
 def test_an_unmodified_script_under_opentelemetry_instrument_gets_one_span_per_call_with_figures(
     mtp_engine, tmp_path
 ):
