@@ -100,11 +100,6 @@ def _spans(stdout: str) -> list[dict]:
 
 
 @pytest.mark.engine
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 28, open: on the per-request engine a call came out shared (seen 2026-12-03; "
-    "likely a Responses call whose before-reading predates the chat calls that read nothing)",
-)
 def test_an_unmodified_script_under_opentelemetry_instrument_gets_one_span_per_call_with_figures(
     mtp_engine, tmp_path
 ):
@@ -139,14 +134,25 @@ def test_an_unmodified_script_under_opentelemetry_instrument_gets_one_span_per_c
         a = span["attributes"]
         assert a["gen_ai.operation.name"] == ("chat" if operation == "responses" else operation)
         assert a["gen_ai.request.stream"] is stream
-        assert a["gen_ai.vllm.mtp.shared"] is False, a
         if operation == "responses":
             # /v1/responses carries no per-request block on 0.32: the counters path.
-            assert a["gen_ai.vllm.mtp.source"] == "counters", a
+            # (or "shared": see the xfail below)
+            assert a["gen_ai.vllm.mtp.source"] in ("counters", "shared"), a
             assert a["gen_ai.usage.output_tokens"] == engine_said
         else:
+            assert a["gen_ai.vllm.mtp.shared"] is False, a
             assert a["gen_ai.vllm.mtp.source"] == "request", a
             assert a["gen_ai.vllm.mtp.draft_tokens"] == engine_said
+    shared = [
+        op
+        for (op, _, _), s in zip(said, by_start, strict=True)
+        if s["attributes"]["gen_ai.vllm.mtp.shared"]
+        or s["attributes"]["gen_ai.vllm.mtp.source"] == "shared"
+    ]
+    if shared:
+        # Never a wrong figure, but not yet exact: a counters-path call after per-request calls
+        # that read nothing can get a before-reading that predates them (issue 28, open).
+        pytest.xfail(f"issue 28, open: counters-path calls came out shared: {shared}")
     # Every call exact, so together they are the engine's counter delta over the script.
     assert sum(s["attributes"]["gen_ai.vllm.mtp.draft_tokens"] for s in spans) == delta.draft_tokens
     assert sum(s["attributes"]["gen_ai.vllm.mtp.accepted"] for s in spans) == delta.accepted
