@@ -38,7 +38,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from appliance import agent, profiles, specdecode
-from appliance.agent import attribution, calls
+from appliance.agent import calls
+from appliance.agent.instrumentor import OpenAIInstrumentor
+from appliance.agent.server import server_for
 from appliance.engine import local
 
 
@@ -99,7 +101,7 @@ class Bench:
             "max_tokens": max_tokens,
             "temperature": 0,
         }
-        self.wire = {"bare": WireClock(), "agent": WireClock()}
+        self.wire = {"bare": WireClock(), "agent": WireClock(), "zero": WireClock()}
         self.bare = openai.OpenAI(
             base_url=url + "/v1",
             api_key="unused",
@@ -118,9 +120,24 @@ class Bench:
             registry=CollectorRegistry(),
             on_call=self.records.append,
         )
+        # Zero-code: the SDK's classes patched by the instrumentor (the same settings); the bare
+        # and seed calls then reach the unpatched method (wrapt's __wrapped__).
+        self.plain = openai.OpenAI(
+            base_url=url + "/v1",
+            api_key="unused",
+            http_client=httpx.Client(transport=self.wire["zero"]),
+        )
+        OpenAIInstrumentor().uninstrument()  # an earlier Bench's settings
+        OpenAIInstrumentor().instrument(
+            role="bench",
+            config=agent.AgentConfig(),
+            tracer_provider=TracerProvider(),
+            registry=CollectorRegistry(),
+            on_call=self.records.append,
+        )
         self.http = httpx.Client(timeout=5.0)
         self.url = url
-        server = attribution.server_for(url + specdecode.SNAPSHOT_PATH)
+        server = server_for(url + specdecode.SNAPSHOT_PATH)
         self.reads = 0
         self.caller_reads = 0  # reads on the caller's own thread (on its path)
         real_read = server.read
@@ -151,8 +168,16 @@ class Bench:
 
         return timed
 
+    def _bare_create(self) -> None:
+        res = self.bare.chat.completions
+        create = type(res).create
+        getattr(create, "__wrapped__", create)(res, **self.kw)
+
     def call_bare(self) -> None:
-        self.bare.chat.completions.create(**self.kw)
+        self._bare_create()
+
+    def call_zero(self) -> None:
+        self.plain.chat.completions.create(**self.kw)
 
     def call_agent(self) -> None:
         self._inside_call = 0.0
@@ -162,7 +187,7 @@ class Bench:
     def call_seed(self) -> None:
         # The seed's agent: two full scrapes of /metrics, each parsed, around the bare call.
         specdecode.parse(self.http.get(self.url + "/metrics").text)
-        self.bare.chat.completions.create(**self.kw)
+        self._bare_create()
         specdecode.parse(self.http.get(self.url + "/metrics").text)
 
     def timed(self, fn) -> float:
@@ -215,24 +240,29 @@ def _exact_share(records: list[agent.CallRecord]) -> float:
 
 def interleaved(b: Bench, calls: int) -> dict:
     for _ in range(3):  # warm the connection pools and the agent's learned state
-        for fn in (b.call_bare, b.call_agent, b.call_seed):
+        for fn in (b.call_bare, b.call_agent, b.call_zero, b.call_seed):
             fn()
     agent.flush(30)
     b.records.clear()
     b.reads = b.caller_reads = 0
-    order = [("bare", b.call_bare), ("agent", b.call_agent), ("seed", b.call_seed)]
-    bare, added = [], {"agent": [], "seed": []}
+    order = [
+        ("bare", b.call_bare),
+        ("agent", b.call_agent),
+        ("zero", b.call_zero),
+        ("seed", b.call_seed),
+    ]
+    bare, added = [], {"agent": [], "zero": [], "seed": []}
     for i in range(calls):
         took = {name: b.timed(fn) for name, fn in order[i % 3 :] + order[: i % 3]}
         bare.append(took["bare"])
         for name, values in added.items():
             values.append(took[name] - took["bare"])
 
-    return {
+    return {  # two agent calls a round (proxy and zero-code) share the server's reads
         "bare": bare,
         "added": added,
-        "reads": b.reads / calls,
-        "caller_reads": b.caller_reads / calls,
+        "reads": b.reads / calls / 2,
+        "caller_reads": b.caller_reads / calls / 2,
         "exact": _exact_share(b.records),
     }
 
@@ -294,12 +324,14 @@ def main() -> None:
             bare_med = statistics.median(r["bare"]) * ms
             for who, label in (
                 ("agent", "agent, interleaved"),
+                ("zero", "zero-code, interleaved"),
                 ("seed", "seed: 2 full scrapes+parse"),
             ):
                 d = r["added"][who]
-                reads = f"{r['reads']:.2f}" if who == "agent" else "2 (full)"
-                on_caller = f"{r['caller_reads']:.2f}" if who == "agent" else "2 (full)"
-                exact = f"{r['exact']:.0%}" if who == "agent" else "-"
+                ours = who != "seed"
+                reads = f"{r['reads']:.2f}" if ours else "2 (full)"
+                on_caller = f"{r['caller_reads']:.2f}" if ours else "2 (full)"
+                exact = f"{r['exact']:.0%}" if ours else "-"
                 print(
                     f"{name:<20} {label:<26} {bare_med:>8.2f} {statistics.median(d) * ms:>9.2f}"
                     f" {_pct(d, 0.99) * ms:>9.2f} {reads:>10} {on_caller:>9} {exact:>6}"

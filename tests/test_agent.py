@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import agent, demo
+from appliance.agent.instrumentor import OpenAIInstrumentor
 from appliance.agent.server import server_for
 from appliance.agent.worker import WORKER
 from appliance.engine.local import free_port
@@ -40,11 +41,40 @@ MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 CAPTURE = Path(__file__).parent / "data" / "metrics-vllm-0.32-mtp.txt"
 
 
+class _Unpatched:
+    """``client.chat.completions.create`` as the SDK defines it, while the classes are patched."""
+
+    def __init__(self, client) -> None:
+        self.completions = self
+        self._resource = client.chat.completions
+
+    def create(self, **kw):
+        create = type(self._resource).create
+        return getattr(create, "__wrapped__", create)(self._resource, **kw)
+
+
+class _UnpatchedClient:
+    def __init__(self, client) -> None:
+        self.chat = _Unpatched(client)
+
+
 class Traced:
-    """An instrumented client with in-memory spans, its own registry and its call records."""
+    """An instrumented client with in-memory spans, its own registry and its call records.
+
+    ``zero_code=True``: the SDK's classes are patched by the instrumentor instead (with the same
+    settings), ``client`` is a plain SDK client and ``bare`` reaches the unpatched method. Only
+    one instrumentor exists per process: a new ``Traced`` replaces the settings of the last one.
+    """
 
     def __init__(
-        self, url: str, *, is_async: bool = False, role: str = "worker", http_client=None, **cfg
+        self,
+        url: str,
+        *,
+        is_async: bool = False,
+        role: str = "worker",
+        http_client=None,
+        zero_code: bool = False,
+        **cfg,
     ) -> None:
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
@@ -60,6 +90,18 @@ class Traced:
         # 0.25 s default; the agent then skips reads for its cooldown, and whole tests saw
         # `unknown` figures by timing alone (two failed a CI run).
         cfg.setdefault("snapshot_timeout", 30.0)
+        if zero_code:
+            inst = OpenAIInstrumentor()
+            inst.uninstrument()  # a no-op unless an earlier Traced of this test patched
+            inst.instrument(
+                role=role,
+                config=agent.AgentConfig(**cfg),
+                tracer_provider=provider,
+                registry=self.registry,
+                on_call=self._records.append,
+            )
+            self.client, self.bare = self.bare, _UnpatchedClient(self.bare)
+            return
         self.client = agent.instrument(
             self.bare,
             role=role,
@@ -81,6 +123,13 @@ class Traced:
 
     def errors(self, kind: str) -> float:
         return self.registry.get_sample_value("gemma4_agent_errors_total", {"kind": kind}) or 0.0
+
+
+@pytest.fixture(params=["proxy", "zero_code"])
+def zero_code(request):
+    """Both ways in: ``instrument(client)`` and the instrumentor's patched classes."""
+    yield request.param == "zero_code"
+    OpenAIInstrumentor().uninstrument()
 
 
 def _plain(client, max_tokens=24, **kw):
@@ -419,7 +468,9 @@ BOUND = 0.3
 
 
 @pytest.mark.parametrize("mode", ["down", "500", "garbage", "hang"])
-def test_metrics_faults_never_reach_the_caller(mtp_counters_engine, bad_metrics, tmp_path, mode):
+def test_metrics_faults_never_reach_the_caller(
+    mtp_counters_engine, bad_metrics, tmp_path, mode, zero_code
+):
     if mode == "down":
         url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a real refusal
     else:
@@ -429,7 +480,11 @@ def test_metrics_faults_never_reach_the_caller(mtp_counters_engine, bad_metrics,
     # its readings there, so this would not be the server's first call that the counts expect.
     url += "/" + tmp_path.name
     t = Traced(
-        mtp_counters_engine.url, metrics_url=url, snapshot_timeout=BOUND, failure_cooldown=0.0
+        mtp_counters_engine.url,
+        metrics_url=url,
+        snapshot_timeout=BOUND,
+        failure_cooldown=0.0,
+        zero_code=zero_code,
     )
     kind = {
         "down": "metrics_unreachable",
@@ -461,8 +516,12 @@ def test_metrics_faults_never_reach_the_caller(mtp_counters_engine, bad_metrics,
     assert errors == {kind: 4}  # two calls, two reads each, and no other kind of error
 
 
-def test_call_exception_is_unchanged_when_metrics_are_down(mtp_counters_engine):
-    t = Traced(mtp_counters_engine.url, metrics_url=f"http://127.0.0.1:{free_port()}")
+def test_call_exception_is_unchanged_when_metrics_are_down(mtp_counters_engine, zero_code):
+    t = Traced(
+        mtp_counters_engine.url,
+        metrics_url=f"http://127.0.0.1:{free_port()}",
+        zero_code=zero_code,
+    )
     kw = {"model": "no-such-model", "messages": MESSAGES, "max_tokens": 4}
     with pytest.raises(openai.NotFoundError) as bare:
         t.bare.chat.completions.create(**kw)
@@ -483,13 +542,15 @@ def test_call_exception_is_unchanged_when_metrics_are_down(mtp_counters_engine):
     )
 
 
-def test_counter_reset_between_snapshots_publishes_no_delta(mtp_counters_engine, bad_metrics):
+def test_counter_reset_between_snapshots_publishes_no_delta(
+    mtp_counters_engine, bad_metrics, zero_code
+):
     # Two REAL captures stand for a restart between the reads: this engine's own page now,
     # then the page of another engine process (tests/data, a different *_created and lower
     # counters). Restarting the session engine mid-call would take the other tests with it.
     live = httpx.get(mtp_counters_engine.url + "/metrics").text
     fake = bad_metrics("pages", pages=[live, CAPTURE.read_text()])
-    t = Traced(mtp_counters_engine.url, metrics_url=fake.url)
+    t = Traced(mtp_counters_engine.url, metrics_url=fake.url, zero_code=zero_code)
     resp = _plain(t.client)
     assert resp.usage.completion_tokens == 24
     (rec,) = t.records
@@ -594,14 +655,18 @@ def _sequential_sources(t, n=2):
 
 
 def test_cancelled_task_mid_metrics_read_ends_the_span_and_leaves_no_window(
-    mtp_counters_engine, bad_metrics
+    mtp_counters_engine, bad_metrics, zero_code
 ):
     # The first /metrics read is held (the real engine's page, relayed once released) so the
     # task can be cancelled while the agent is inside it: a stream without include_usage reads
     # before the request on the caller's path.
     slow = bad_metrics("slow", upstream=mtp_counters_engine.url, slow_hits=(1,), slow_s=LATE_S)
     t = Traced(
-        mtp_counters_engine.url, is_async=True, metrics_url=slow.url, snapshot_timeout=LATE_S
+        mtp_counters_engine.url,
+        is_async=True,
+        metrics_url=slow.url,
+        snapshot_timeout=LATE_S,
+        zero_code=zero_code,
     )
 
     async def cancelled():
@@ -623,18 +688,22 @@ def test_cancelled_task_mid_metrics_read_ends_the_span_and_leaves_no_window(
     assert t.records[0].outcome == "error"
     slow.release.set()
     # The same server, so the same windows; a generous bound for the relay on a loaded host.
-    ts = Traced(mtp_counters_engine.url, metrics_url=slow.url, snapshot_timeout=2.0)
+    ts = Traced(
+        mtp_counters_engine.url, metrics_url=slow.url, snapshot_timeout=2.0, zero_code=zero_code
+    )
     assert _sequential_sources(ts) == ["counters", "counters"]
 
 
 def test_keyboard_interrupt_mid_metrics_read_ends_the_span_and_leaves_no_window(
-    mtp_counters_engine, bad_metrics
+    mtp_counters_engine, bad_metrics, zero_code
 ):
     import os
     import signal
 
     slow = bad_metrics("slow", upstream=mtp_counters_engine.url, slow_hits=(1,), slow_s=LATE_S)
-    t = Traced(mtp_counters_engine.url, metrics_url=slow.url, snapshot_timeout=LATE_S)
+    t = Traced(
+        mtp_counters_engine.url, metrics_url=slow.url, snapshot_timeout=LATE_S, zero_code=zero_code
+    )
 
     def ctrl_c_inside_the_read():
         # A real Ctrl-C, once the agent is provably inside the slowed read (a fixed delay lands

@@ -76,8 +76,9 @@ class Call:
         self.stream = kwargs.get("stream") is True
         opts = kwargs.get("stream_options")
         include_usage = isinstance(opts, Mapping) and bool(opts.get("include_usage"))
-        # A stream without include_usage carries neither usage nor the per-request block.
-        self.usage_expected = not self.stream or include_usage
+        # A stream without include_usage carries neither usage nor the per-request block; a
+        # Responses stream always ends with a response.completed event that carries usage.
+        self.usage_expected = not self.stream or include_usage or operation == RESPONSES
         self.response_model: str | None = None
         self.response_id: str | None = None
         self.input_tokens: int | None = None
@@ -102,7 +103,10 @@ class Call:
             return True
         if mode != "auto":
             return False
-        return not (self.settings.server.per_request and self.usage_expected)
+        # What the server taught about per-request figures holds for chat and completions; the
+        # Responses API carries no block on vLLM 0.32, so it never skips the counters for it.
+        per_request = self.settings.server.per_request and self.operation != RESPONSES
+        return not (per_request and self.usage_expected)
 
     def _begin(self) -> dict:
         """Open the window and the span; the kwargs to send (with ``traceparent`` injected)."""
@@ -110,8 +114,10 @@ class Call:
         self.window = self.settings.server.begin()
         self.window.snapshots = self._wants_snapshots()
         self.window.quiet_before = not self.usage_expected
+        # The GenAI conventions name a Responses API call "chat" too.
+        op = "chat" if self.operation == RESPONSES else self.operation
         attrs = spans.request_attributes(
-            self.operation,
+            op,
             kwargs,
             self.settings.address,
             self.settings.port,
@@ -119,7 +125,7 @@ class Call:
             self.settings.config.capture_content,
         )
         self.span = self.settings.tracer.start_span(
-            spans.span_name(self.operation, self.model), kind=SpanKind.CLIENT, attributes=attrs
+            spans.span_name(op, self.model), kind=SpanKind.CLIENT, attributes=attrs
         )
         headers: dict[str, str] = {}
         propagate.inject(headers, context=trace.set_span_in_context(self.span))
@@ -180,6 +186,11 @@ class Call:
             self.response_id = getattr(resp, "id", None)
             self.response_model = getattr(resp, "model", None)
             self._usage(getattr(resp, "usage", None))
+            status = getattr(resp, "status", None)  # a Responses API response: no choices
+            if isinstance(status, str):
+                self.finish_reasons.append(status)
+                if self.settings.config.capture_content:
+                    self.content.append(getattr(resp, "output_text", "") or "")
             for choice in getattr(resp, "choices", None) or ():
                 if choice.finish_reason:
                     self.finish_reasons.append(str(choice.finish_reason))
@@ -197,6 +208,10 @@ class Call:
         try:
             if self.ttfc is None:
                 self.ttfc = time.perf_counter() - self.started
+            kind = getattr(chunk, "type", None)
+            if isinstance(kind, str):  # a Responses API event
+                self._on_event(kind, chunk)
+                return
             self.response_id = self.response_id or getattr(chunk, "id", None)
             self.response_model = self.response_model or getattr(chunk, "model", None)
             choices = getattr(chunk, "choices", None) or ()
@@ -219,12 +234,23 @@ class Call:
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
 
+    def _on_event(self, kind: str, event: Any) -> None:
+        if kind.endswith(".delta"):
+            self.chunks += 1
+            if self.settings.config.capture_content and kind == "response.output_text.delta":
+                self.content.append(getattr(event, "delta", "") or "")
+        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+            capture = self.settings.config.capture_content
+            self.content = [] if capture else self.content  # the final text replaces the deltas
+            self.on_response(event.response)
+
     def _usage(self, usage: Any) -> None:
         if usage is None:
             return
-        self.input_tokens = getattr(usage, "prompt_tokens", None)
+        # Chat and completions say prompt/completion_tokens; the Responses API input/output.
+        self.input_tokens = _first_int(usage, "prompt_tokens", "input_tokens")
         # Under MTP one chunk carries 1 + accepted tokens: usage is the only true count.
-        self.output_tokens = getattr(usage, "completion_tokens", None)
+        self.output_tokens = _first_int(usage, "completion_tokens", "output_tokens")
 
     # -- finish --------------------------------------------------------------------------------
     def _figures_without_after(self) -> tuple[Figures | None, bool]:
@@ -235,9 +261,15 @@ class Call:
         if mode != "counters":
             fig = rules.from_response(self.extra)
             if fig is not None:
-                self.settings.server.per_request = True
+                if self.operation != RESPONSES:
+                    self.settings.server.per_request = True
                 return fig, False
-            if mode == "auto" and self.settings.server.per_request and not self.window.snapshots:
+            if (
+                mode == "auto"
+                and self.operation != RESPONSES
+                and self.settings.server.per_request
+                and not self.window.snapshots
+            ):
                 # It sent per-request figures before and not now (restarted without the flag?):
                 # read counters again from the next call on.
                 self.settings.server.per_request = False
@@ -405,3 +437,12 @@ class Call:
 
 
 UNKNOWN_ERROR = Figures("unknown", "call_failed")
+RESPONSES = "responses"  # the agent's operation for the Responses API (span: chat)
+
+
+def _first_int(obj: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int):
+            return value
+    return None

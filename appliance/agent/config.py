@@ -36,6 +36,8 @@ class AgentConfig:
     failure_cooldown: float = 5.0
     metrics_url: str | None = None  # base URL of /metrics when not the client's own server
     capture_content: bool = False
+    # Base URLs the instrumentor treats as vLLM without asking their /version.
+    servers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.attribution not in ATTRIBUTIONS:
@@ -81,11 +83,16 @@ def _attribution(raw: str) -> str:
     return raw
 
 
+def _servers(raw: str) -> tuple[str, ...]:
+    return tuple(u.strip() for u in raw.split(",") if u.strip())
+
+
 _VARIABLES = (
     ("attribution", "APPLIANCE_AGENT_ATTRIBUTION", _attribution),
     ("snapshot_timeout", "APPLIANCE_AGENT_SNAPSHOT_TIMEOUT", float),
     ("failure_cooldown", "APPLIANCE_AGENT_FAILURE_COOLDOWN", float),
     ("metrics_url", "APPLIANCE_AGENT_METRICS_URL", str),
+    ("servers", "APPLIANCE_AGENT_SERVERS", _servers),
 )
 
 _warned: set[tuple[str, str]] = set()

@@ -26,37 +26,48 @@ class _Create(wrapt.ObjectProxy):
 
     def create(self, *args, **kwargs):
         if self._self_async:
-            return self._acreate(*args, **kwargs)
-        call = _new_call(self._self_settings, self._self_operation, kwargs)
-        if call is None:
-            return self.__wrapped__.create(*args, **kwargs)
-        send = call.start()
-        try:
-            result = self.__wrapped__.create(*args, **send)
-        except BaseException as exc:
-            call.finish(error=exc)
-            raise
-        if isinstance(result, openai.Stream):
-            return SyncStream(result, call)
-        call.on_response(result)
-        call.finish()
-        return result
+            return acall(
+                self._self_settings, self._self_operation, self.__wrapped__.create, args, kwargs
+            )
+        return call(
+            self._self_settings, self._self_operation, self.__wrapped__.create, args, kwargs
+        )
 
-    async def _acreate(self, *args, **kwargs):
-        call = _new_call(self._self_settings, self._self_operation, kwargs)
-        if call is None:
-            return await self.__wrapped__.create(*args, **kwargs)
-        send = await call.astart()
-        try:
-            result = await self.__wrapped__.create(*args, **send)
-        except BaseException as exc:
-            await call.afinish(error=exc)
-            raise
-        if isinstance(result, openai.AsyncStream):
-            return AsyncStream(result, call)
-        call.on_response(result)
-        await call.afinish()
-        return result
+
+def call(settings: Settings, operation: str, create, args, kwargs):
+    """One sync ``create`` through the agent (shared by the proxy and the instrumentor)."""
+    traced = _new_call(settings, operation, kwargs)
+    if traced is None:
+        return create(*args, **kwargs)
+    send = traced.start()
+    try:
+        result = create(*args, **send)
+    except BaseException as exc:
+        traced.finish(error=exc)
+        raise
+    if isinstance(result, openai.Stream):
+        return SyncStream(result, traced)
+    traced.on_response(result)
+    traced.finish()
+    return result
+
+
+async def acall(settings: Settings, operation: str, create, args, kwargs):
+    """One async ``create`` through the agent."""
+    traced = _new_call(settings, operation, kwargs)
+    if traced is None:
+        return await create(*args, **kwargs)
+    send = await traced.astart()
+    try:
+        result = await create(*args, **send)
+    except BaseException as exc:
+        await traced.afinish(error=exc)
+        raise
+    if isinstance(result, openai.AsyncStream):
+        return AsyncStream(result, traced)
+    traced.on_response(result)
+    await traced.afinish()
+    return result
 
 
 def _new_call(settings: Settings, operation: str, kwargs: dict) -> Call | None:

@@ -67,7 +67,9 @@ def request_attributes(
         GEN_AI_OPERATION_NAME: operation,
         GEN_AI_PROVIDER_NAME: PROVIDER,
         GEN_AI_REQUEST_MODEL: kwargs.get("model"),
-        GEN_AI_REQUEST_MAX_TOKENS: kwargs.get("max_tokens") or kwargs.get("max_completion_tokens"),
+        GEN_AI_REQUEST_MAX_TOKENS: kwargs.get("max_tokens")
+        or kwargs.get("max_completion_tokens")
+        or kwargs.get("max_output_tokens"),
         GEN_AI_REQUEST_TEMPERATURE: kwargs.get("temperature"),
         GEN_AI_REQUEST_TOP_P: kwargs.get("top_p"),
         GEN_AI_REQUEST_STREAM: bool(kwargs.get("stream")),
@@ -76,7 +78,7 @@ def request_attributes(
         ROLE: role,
     }
     if capture_content:
-        payload = kwargs.get("messages", kwargs.get("prompt"))
+        payload = kwargs.get("messages", kwargs.get("prompt", kwargs.get("input")))
         attrs[GEN_AI_INPUT_MESSAGES] = json.dumps(payload, default=str)
     return {k: v for k, v in attrs.items() if _is_set(v)}
 

@@ -1,0 +1,206 @@
+"""Zero-code: an OpenTelemetry instrumentor that patches the OpenAI SDK's classes.
+
+``opentelemetry-instrument python app.py`` loads it from the ``opentelemetry_instrumentor``
+entry point; ``OpenAIInstrumentor().instrument()`` does the same in code. Every client the
+process creates (its own, LangChain's, LiteLLM's) is then traced, sync and async, plain and
+streamed, for ``chat.completions``, ``completions`` and ``responses``. Each call goes through
+the same :func:`.patch.call` / :func:`.patch.acall` as ``instrument(client)``, so the figures,
+spans and metrics are the proxy's own. Only servers that are vLLM get traced: a base URL listed
+in ``APPLIANCE_AGENT_SERVERS``, or one whose ``/version`` answers like vLLM's (asked once per
+base URL, cached); every other call passes straight through, with no request of the agent's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import threading
+import time
+from collections.abc import Collection
+from urllib.parse import urlsplit
+
+import httpx
+import wrapt
+from opentelemetry import trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.instrumentation.utils import unwrap
+
+from .. import __version__, specdecode
+from ..vllm_client import normalise_base_url
+from . import metrics, spans
+from .calls import RESPONSES, Settings
+from .config import AgentConfig
+from .patch import acall, call
+from .server import server_for
+from .tracing import setup_tracing
+from .worker import register_exit_flush
+
+# (module, class, operation, async): the SDK resources whose ``create`` is traced.
+METHODS = (
+    ("openai.resources.chat.completions", "Completions", "chat", False),
+    ("openai.resources.chat.completions", "AsyncCompletions", "chat", True),
+    ("openai.resources.completions", "Completions", "text_completion", False),
+    ("openai.resources.completions", "AsyncCompletions", "text_completion", True),
+    ("openai.resources.responses", "Responses", RESPONSES, False),
+    ("openai.resources.responses", "AsyncResponses", RESPONSES, True),
+)
+
+# A base URL whose probe failed to connect is asked again after this long (the engine may
+# be starting); a server that answered and is not vLLM is never asked again.
+RETRY_PROBE_S = 30.0
+
+
+class OpenAIInstrumentor(BaseInstrumentor):
+    """Traces every OpenAI SDK client's calls to a vLLM server with the agent's MTP figures.
+
+    ``instrument(config=, tracer_provider=, registry=, on_call=, role=)``; all optional.
+    Idempotent (the base class instruments once); ``uninstrument()`` restores the classes.
+    """
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return ("openai >= 1.40",)
+
+    def _instrument(self, **kwargs) -> None:
+        self._servers = Servers(
+            config=kwargs.get("config") or AgentConfig.from_env(),
+            tracer_provider=kwargs.get("tracer_provider"),
+            registry=kwargs.get("registry"),
+            on_call=kwargs.get("on_call"),
+            role=kwargs.get("role") or "default",
+        )
+        register_exit_flush()
+        for module, cls, operation, is_async in METHODS:
+            wrapt.wrap_function_wrapper(
+                module, f"{cls}.create", _wrapper(self._servers, operation, is_async)
+            )
+
+    def _uninstrument(self, **kwargs) -> None:
+        for module, cls, _, _ in METHODS:
+            unwrap(getattr(importlib.import_module(module), cls), "create")
+
+
+def _wrapper(servers: Servers, operation: str, is_async: bool):
+    if is_async:
+
+        async def traced_async(wrapped, instance, args, kwargs):
+            settings = await servers.afor_client(getattr(instance, "_client", None))
+            if settings is None:
+                return await wrapped(*args, **kwargs)
+            return await acall(settings, operation, wrapped, args, kwargs)
+
+        return traced_async
+
+    def traced(wrapped, instance, args, kwargs):
+        settings = servers.for_client(getattr(instance, "_client", None))
+        if settings is None:
+            return wrapped(*args, **kwargs)
+        return call(settings, operation, wrapped, args, kwargs)
+
+    return traced
+
+
+class Servers:
+    """Which base URLs are vLLM (asked once each, cached) and their :class:`Settings`."""
+
+    def __init__(self, config: AgentConfig, tracer_provider, registry, on_call, role: str):
+        self.config = config
+        self.provider = tracer_provider
+        self.metrics = metrics.for_registry(registry)
+        self.on_call = on_call
+        self.role = role
+        self._settings: dict[str, Settings | None] = {}
+        self._retry_at: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._listed = {normalise_base_url(u) for u in config.servers}
+
+    def for_client(self, client) -> Settings | None:
+        base = _base(client)
+        if base is None:
+            return None
+        try:
+            return self._settings[base]  # the hot path: no lock, no request
+        except KeyError:
+            pass
+        if self._retry_at.get(base, 0.0) > time.monotonic():
+            return None
+        return self._resolve(base)
+
+    async def afor_client(self, client) -> Settings | None:
+        base = _base(client)
+        if base is None:
+            return None
+        if base in self._settings:
+            return self._settings[base]
+        if self._retry_at.get(base, 0.0) > time.monotonic():
+            return None
+        return await asyncio.to_thread(self._resolve, base)  # the one probe, off the loop
+
+    def _resolve(self, base: str) -> Settings | None:
+        try:
+            with self._lock:
+                if base in self._settings:
+                    return self._settings[base]
+                vllm = base in self._listed or self._probe(base)
+                if vllm is None:  # no answer: ask again later
+                    self._retry_at[base] = time.monotonic() + RETRY_PROBE_S
+                    return None
+                self._settings[base] = self._build(base) if vllm else None
+                return self._settings[base]
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
+            self.metrics.error("internal")
+            return None
+
+    def _probe(self, base: str) -> bool | None:
+        """True: vLLM; False: a server that is not; None: no answer."""
+        try:  # vLLM serves /version at the root, beside /v1 (base is the root)
+            resp = httpx.get(base + "/version", timeout=self.config.snapshot_timeout * 4)
+        except httpx.HTTPError:
+            return None
+        try:
+            body = resp.json()
+        except ValueError:
+            return False
+        # vLLM's /version is {"version": "0.32.0"} and nothing else.
+        return resp.status_code == 200 and isinstance(body, dict) and set(body) == {"version"}
+
+    def _build(self, base: str) -> Settings:
+        provider = self.provider or _global_provider()
+        parts = urlsplit(base)
+        metrics_url = normalise_base_url(self.config.metrics_url or base) + specdecode.SNAPSHOT_PATH
+        return Settings(
+            config=self.config,
+            tracer=provider.get_tracer("appliance.agent", __version__, schema_url=spans.SCHEMA_URL),
+            metrics=self.metrics,
+            server=server_for(metrics_url),
+            address=parts.hostname,
+            port=parts.port or (443 if parts.scheme == "https" else 80),
+            role=self.role,
+            on_call=self.on_call,
+        )
+
+
+_own_provider: trace.TracerProvider | None = None
+_own_lock = threading.Lock()
+
+
+def _global_provider() -> trace.TracerProvider:
+    """The global provider; one from the ``OTEL_*`` variables when nothing set one.
+
+    ``opentelemetry-instrument`` without a distro configures no SDK: the agent then builds its
+    own provider (:func:`.tracing.setup_tracing`) and makes it global, so the spans go somewhere.
+    """
+    global _own_provider
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, trace.ProxyTracerProvider):
+        return provider
+    with _own_lock:
+        if _own_provider is None:
+            _own_provider = setup_tracing()
+            trace.set_tracer_provider(_own_provider)
+            register_exit_flush()  # the figures still pending at exit go before its shutdown
+        return trace.get_tracer_provider()
+
+
+def _base(client) -> str | None:
+    url = getattr(client, "base_url", None)
+    return None if url is None else normalise_base_url(str(url))
