@@ -11,7 +11,6 @@ level while nothing else uses the server).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import threading
 import time
@@ -22,22 +21,15 @@ from dataclasses import dataclass
 import httpx
 
 from .. import specdecode
-from ..errors import UsageError
 from ..vllm_client import VLLMClient
 from . import stats
-from .runner import BenchConfig, Endpoint, Progress, RunRecord
+from .runner import BenchConfig, Endpoint, Progress, RunRecord, parse_distinct_ints
 from .stream import StreamResult
 
 
 def parse_levels(text: str) -> list[int]:
     """``"1,4,16"`` -> ``[1, 4, 16]``: distinct, 1..1024, in the order given."""
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise UsageError(f"--concurrency wants integers like 1,4,16, not {text!r}") from exc
-    if not levels or any(n < 1 or n > 1024 for n in levels) or len(set(levels)) != len(levels):
-        raise UsageError(f"--concurrency wants distinct integers 1..1024, not {text!r}")
-    return levels
+    return parse_distinct_ints(text, "--concurrency", "1,4,16", 1024)
 
 
 def _summary(values: list[float]) -> dict | None:
@@ -159,7 +151,8 @@ def run_level(
                 pset, prompt, mt = item
                 res = StreamResult.from_generation(send(client, prompt, mt))
                 d = res.request_spec
-                rec = _record(ep, pset, prompt.id, mt, slot, res, d)
+                source = "request" if d is not None else ("shared" if ep.speculative else "absent")
+                rec = RunRecord.of((ep.label, pset, prompt.id, mt, slot), res, source, d)
                 with lock:
                     records.append(rec)
                 if progress:
@@ -179,32 +172,6 @@ def run_level(
         wall = time.monotonic() - start
         after = observer.snapshot()
     return LevelResult(concurrency, records, wall, specdecode.delta(before, after))
-
-
-def _record(ep, pset, prompt_id, mt, slot, res: StreamResult, d) -> RunRecord:
-    return RunRecord(
-        label=ep.label,
-        prompt_set=pset,
-        prompt_id=prompt_id,
-        max_tokens=mt,
-        run=slot,
-        ttft_s=res.ttft_s,
-        tpot_s=res.tpot_s,
-        e2el_s=res.e2el_s,
-        itl_s=res.itl_s,
-        output_tokens=res.output_tokens,
-        prompt_tokens=res.prompt_tokens,
-        chunks=res.chunks,
-        output_tps=res.output_tps,
-        output_sha256=hashlib.sha256(res.text.encode()).hexdigest(),
-        spec_source="request" if d is not None else ("shared" if ep.speculative else "absent"),
-        spec_status=d.status if d is not None else ("ok" if ep.speculative else "absent"),
-        drafts=None if d is None else d.drafts,
-        draft_tokens=None if d is None else d.draft_tokens,
-        accepted=None if d is None else d.accepted,
-        accepted_per_pos=None if d is None or d.accepted_per_pos is None else [*d.accepted_per_pos],
-        text=res.text,
-    )
 
 
 def run_concurrency(

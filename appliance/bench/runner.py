@@ -87,6 +87,17 @@ class Endpoint:
         return d
 
 
+def parse_distinct_ints(text: str, option: str, example: str, top: int) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]``: distinct integers 1..``top``, in the order given."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise UsageError(f"{option} wants integers like {example}, not {text!r}") from exc
+    if not values or any(v < 1 or v > top for v in values) or len(set(values)) != len(values):
+        raise UsageError(f"{option} wants distinct integers 1..{top}, not {text!r}")
+    return values
+
+
 def open_endpoint(url: str, label: str, api_key: str | None = None) -> Endpoint:
     """Check ``url`` is a reachable vLLM server, read what it serves and probe MTP on it (the
     probe's one generation); raises EngineError when any of it fails.
@@ -147,6 +158,43 @@ class RunRecord:
             self.spec_status, self.drafts, self.draft_tokens, self.accepted, pos
         )
 
+    @classmethod
+    def of(
+        cls,
+        where: tuple[str, str, str, int, int],
+        res: StreamResult,
+        source: str,
+        d: specdecode.Delta | None,
+    ) -> RunRecord:
+        """A record of one streamed request: ``where`` is (label, prompt set, prompt id,
+        max_tokens, run); ``d`` its figures (``None``: none of its own, status from ``source``)."""
+        label, pset, prompt_id, max_tokens, run = where
+        return cls(
+            label=label,
+            prompt_set=pset,
+            prompt_id=prompt_id,
+            max_tokens=max_tokens,
+            run=run,
+            ttft_s=res.ttft_s,
+            tpot_s=res.tpot_s,
+            e2el_s=res.e2el_s,
+            itl_s=res.itl_s,
+            output_tokens=res.output_tokens,
+            prompt_tokens=res.prompt_tokens,
+            chunks=res.chunks,
+            output_tps=res.output_tps,
+            output_sha256=hashlib.sha256(res.text.encode()).hexdigest(),
+            spec_source=source,
+            spec_status=d.status if d is not None else ("ok" if source == "shared" else "absent"),
+            drafts=None if d is None else d.drafts,
+            draft_tokens=None if d is None else d.draft_tokens,
+            accepted=None if d is None else d.accepted,
+            accepted_per_pos=None
+            if d is None or d.accepted_per_pos is None
+            else list(d.accepted_per_pos),
+            text=res.text,
+        )
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("text")
@@ -181,30 +229,8 @@ class _Measurer:
     def measure(self, pset: str, prompt: Prompt, max_tokens: int, run: int) -> RunRecord:
         p = probe.observe(self.observer, self.ep.model, lambda: self.send(prompt, max_tokens))
         res = StreamResult.from_generation(p.generation)
-        d = p.figures
-        return RunRecord(
-            label=self.ep.label,
-            prompt_set=pset,
-            prompt_id=prompt.id,
-            max_tokens=max_tokens,
-            run=run,
-            ttft_s=res.ttft_s,
-            tpot_s=res.tpot_s,
-            e2el_s=res.e2el_s,
-            itl_s=res.itl_s,
-            output_tokens=res.output_tokens,
-            prompt_tokens=res.prompt_tokens,
-            chunks=res.chunks,
-            output_tps=res.output_tps,
-            output_sha256=hashlib.sha256(res.text.encode()).hexdigest(),
-            spec_source=p.source,
-            spec_status=d.status,
-            drafts=d.drafts,
-            draft_tokens=d.draft_tokens,
-            accepted=d.accepted,
-            accepted_per_pos=list(d.accepted_per_pos) if d.accepted_per_pos is not None else None,
-            text=res.text,
-        )
+        where = (self.ep.label, pset, prompt.id, max_tokens, run)
+        return RunRecord.of(where, res, p.source, p.figures)
 
     def warm_up(self, progress: Progress | None) -> None:
         first = self.config.prompt_sets[0].prompts[0]

@@ -18,7 +18,14 @@ from ..engine import local
 from ..errors import UsageError
 from ..profiles import Profile, get
 from . import stats
-from .runner import BenchConfig, EndpointResult, Progress, open_endpoint, run_endpoint
+from .runner import (
+    BenchConfig,
+    EndpointResult,
+    Progress,
+    open_endpoint,
+    parse_distinct_ints,
+    run_endpoint,
+)
 
 
 @dataclass
@@ -105,13 +112,7 @@ class SweepResult:
 
 def parse_ks(text: str) -> list[int]:
     """``"1,2,3,4"`` -> ``[1, 2, 3, 4]``; each k between 1 and 16, no repeats."""
-    try:
-        ks = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise UsageError(f"--sweep-k wants integers like 1,2,3,4, not {text!r}") from exc
-    if not ks or any(k < 1 or k > 16 for k in ks) or len(set(ks)) != len(ks):
-        raise UsageError(f"--sweep-k wants distinct integers 1..16, not {text!r}")
-    return ks
+    return parse_distinct_ints(text, "--sweep-k", "1,2,3,4", 16)
 
 
 def with_k(profile: Profile, k: int) -> Profile:
