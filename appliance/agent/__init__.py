@@ -20,21 +20,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
-from .. import __version__, specdecode
-from ..vllm_client import normalise_base_url
-from . import metrics, spans
+from . import metrics
 from .calls import CallRecord, Settings, _role
 from .config import AgentConfig
 from .metrics import build_registry
 from .metrics import serve as serve_metrics
 from .patch import InstrumentedClient
 from .rules import Figures
-from .server import server_for
 from .tracing import exporting, setup_tracing
 from .worker import WORKER, register_exit_flush
 
@@ -84,18 +80,8 @@ def instrument(
     # Ahead of the exit handlers registered so far (e.g. this provider's own shutdown).
     register_exit_flush()
     provider = tracer_provider or trace.get_tracer_provider()
-    base = str(client.base_url)
-    parts = urlsplit(base)
-    metrics_url = normalise_base_url(cfg.metrics_url or base) + specdecode.SNAPSHOT_PATH
-    settings = Settings(
-        config=cfg,
-        tracer=provider.get_tracer("appliance.agent", __version__, schema_url=spans.SCHEMA_URL),
-        metrics=metrics.for_registry(registry),
-        server=server_for(metrics_url),
-        address=parts.hostname,
-        port=parts.port or (443 if parts.scheme == "https" else 80),
-        role=role,
-        on_call=on_call,
+    settings = Settings.for_base(
+        str(client.base_url), cfg, provider, metrics.for_registry(registry), role, on_call
     )
     return InstrumentedClient(client, settings)
 

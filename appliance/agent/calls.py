@@ -12,15 +12,18 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
+from .. import __version__, specdecode
+from ..vllm_client import normalise_base_url
 from . import rules, spans
 from .config import AgentConfig
 from .metrics import AgentMetrics
 from .rules import Figures
-from .server import Server, Window
+from .server import Server, Window, server_for
 from .worker import WORKER
 
 _role: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -63,6 +66,30 @@ class Settings:
     port: int | None
     role: str
     on_call: Callable[[CallRecord], None] | None = None
+
+    @classmethod
+    def for_base(
+        cls,
+        base: str,
+        config: AgentConfig,
+        provider: trace.TracerProvider,
+        agent_metrics: AgentMetrics,
+        role: str,
+        on_call: Callable[[CallRecord], None] | None,
+    ) -> Settings:
+        """The settings of every call to the server at ``base`` (the client's base URL)."""
+        parts = urlsplit(base)
+        metrics_url = normalise_base_url(config.metrics_url or base) + specdecode.SNAPSHOT_PATH
+        return cls(
+            config=config,
+            tracer=provider.get_tracer("appliance.agent", __version__, schema_url=spans.SCHEMA_URL),
+            metrics=agent_metrics,
+            server=server_for(metrics_url),
+            address=parts.hostname,
+            port=parts.port or (443 if parts.scheme == "https" else 80),
+            role=role,
+            on_call=on_call,
+        )
 
 
 class Call:

@@ -17,7 +17,6 @@ import importlib
 import threading
 import time
 from collections.abc import Collection
-from urllib.parse import urlsplit
 
 import httpx
 import wrapt
@@ -25,13 +24,11 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.instrumentation.utils import unwrap
 
-from .. import __version__, specdecode
 from ..vllm_client import normalise_base_url
-from . import metrics, spans
+from . import metrics
 from .calls import RESPONSES, Settings
 from .config import AgentConfig
 from .patch import acall, call
-from .server import server_for
 from .tracing import setup_tracing
 from .worker import register_exit_flush
 
@@ -165,18 +162,7 @@ class Servers:
 
     def _build(self, base: str) -> Settings:
         provider = self.provider or _global_provider()
-        parts = urlsplit(base)
-        metrics_url = normalise_base_url(self.config.metrics_url or base) + specdecode.SNAPSHOT_PATH
-        return Settings(
-            config=self.config,
-            tracer=provider.get_tracer("appliance.agent", __version__, schema_url=spans.SCHEMA_URL),
-            metrics=self.metrics,
-            server=server_for(metrics_url),
-            address=parts.hostname,
-            port=parts.port or (443 if parts.scheme == "https" else 80),
-            role=self.role,
-            on_call=self.on_call,
-        )
+        return Settings.for_base(base, self.config, provider, self.metrics, self.role, self.on_call)
 
 
 _own_provider: trace.TracerProvider | None = None
