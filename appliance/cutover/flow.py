@@ -188,7 +188,7 @@ def cutover(
             entry.gates = failed.gates
             failure = f"{image} failed gate {failed.gate!r}: {failed.detail}"
         except Interrupted as stop:
-            entry.gates = _interrupted_gates(stop, entry.gates)
+            entry.gates = interrupted_gates(stop, entry.gates)
             entry.interrupted = stop.name
             failure = f"interrupted by {stop.name} during the gates of {image}"
             ctx.progress(f"{failure}: returning to {current_ref or 'the previous env file'}")
@@ -256,7 +256,7 @@ def cutover(
         )
 
 
-def _interrupted_gates(stop: Interrupted, so_far: list[Gate]) -> list[Gate]:
+def interrupted_gates(stop: Interrupted, so_far: list[Gate]) -> list[Gate]:
     """The gates up to a signal, and the interruption as the failed one."""
     done = list(stop.gates if stop.gates is not None else so_far)
     at = done[-1].seconds if done else 0.0

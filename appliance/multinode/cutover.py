@@ -36,7 +36,7 @@ from pathlib import Path
 from .. import apikey, imageref, profiles
 from ..cutover import gates, history
 from ..cutover.context import Context, PreflightError
-from ..cutover.flow import CutoverFailed, CutoverInterrupted, RollbackFailed, _interrupted_gates
+from ..cutover.flow import CutoverFailed, CutoverInterrupted, RollbackFailed, interrupted_gates
 from ..cutover.history import Entry, Gate
 from ..cutover.preflight import ImageInfo, check_compatible, inspect_image
 from ..cutover.signals import Interrupted, guard
@@ -295,7 +295,7 @@ def cutover(
             failure = f"{image} failed gate {failed.gate!r}: {failed.detail}"
         except Interrupted as stop:
             # Ctrl-C, SIGTERM or a hang-up during the restart or the gates: every node back.
-            entry.gates = _interrupted_gates(stop, entry.gates)
+            entry.gates = interrupted_gates(stop, entry.gates)
             entry.interrupted = stop.name
             failure = f"interrupted by {stop.name} during the gates of {image}"
             ctx.progress(f"{failure}: returning every node to {current}")
