@@ -28,6 +28,11 @@ def check_instance(name: str) -> str:
     return name
 
 
+def profile_copy(instance: str) -> str:
+    """Where an operator's own profile file is installed beside the instance's env file."""
+    return f"{ENV_DIR}/{instance}.profile.toml"
+
+
 def unit_name(instance: str) -> str:
     """The systemd unit of ``instance``."""
     return f"gemma4-vllm@{check_instance(instance)}.service"

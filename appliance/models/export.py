@@ -33,7 +33,8 @@ def is_tarball(path: Path) -> bool:
 
 @dataclass(frozen=True)
 class Exported:
-    """A copy written: its manifest and the sha256 that names it (:func:`copy_sha256`)."""
+    """A copy written: its manifest and the sha256 that names it (of the file
+    :func:`copy_sha256_of` gives)."""
 
     manifest: mf.Manifest
     sha256: str

@@ -258,9 +258,9 @@ def installed(root: Path | str, instance: str, name: str) -> Profile:
     """The profile instance ``instance`` serves, by the name its env file gives: the operator's
     copy installed next to it (``ENV_DIR/INSTANCE.profile.toml``) when there is one, else the
     shipped profile of that name."""
-    from ..host.names import ENV_DIR
+    from ..host.names import profile_copy
 
-    copy = Path(root) / ENV_DIR.lstrip("/") / f"{instance}.profile.toml"
+    copy = Path(root) / profile_copy(instance).lstrip("/")
     if not copy.exists():
         return get(name)
     prof = load_file(copy)

@@ -30,7 +30,7 @@ import jinja2
 
 from .. import imageref, labels
 from ..errors import UsageError
-from ..host.names import DATA_DIR, ENV_DIR, UNIT_TEMPLATE, check_instance
+from ..host.names import DATA_DIR, ENV_DIR, UNIT_TEMPLATE, check_instance, profile_copy
 from ..host.values import check_gpus, check_host, check_path, check_port
 from ..profiles import Profile, get
 from ..profiles import validate as pv
@@ -98,7 +98,7 @@ class Paths:
         object.__setattr__(self, "env", rel(f"{ENV_DIR}/{self.instance}.env"))
         object.__setattr__(self, "args", rel(f"{ENV_DIR}/{self.instance}.args"))
         object.__setattr__(self, "api_key", rel(f"{ENV_DIR}/{self.instance}.api-key"))
-        object.__setattr__(self, "profile", rel(f"{ENV_DIR}/{self.instance}.profile.toml"))
+        object.__setattr__(self, "profile", rel(profile_copy(self.instance)))
 
 
 def check_profile(prof: Profile) -> None:
