@@ -528,17 +528,19 @@ def test_paired_report_matches_the_artifact_and_renders(paired_run, browser):
 @pytest.mark.engine
 @pytest.mark.bench
 def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(browser, tmp_path):
-    """`bench --sweep-k 1,2,3 --drafter partial` starts its own engine per k (three real
-    engines); the recommended k is the one with the lowest printed TPOT, the report shows the
-    same record, and the tokens per step predicted for k' = 1 and 2 from the k=3 run alone are
-    within 5% of the ones measured at k' (counts, not timings: the predicted TPOT is printed)."""
+    """`bench --sweep-k 1,3 --drafter partial` starts its own engine per k (two real engines);
+    the recommended k is the one with the lowest printed TPOT, the report shows the same record,
+    and the tokens per step predicted for k' = 1 from the k=3 run alone are within 5% of the
+    ones measured at k=1 (counts, not timings: the predicted TPOT is printed). A k=2 engine, once
+    swept here too, cost a third engine start for a second such point; the arithmetic at every
+    k' is property-tested in tests/test_specdecode.py."""
     art, page = tmp_path / "sweep.json", tmp_path / "sweep.html"
     res = CliRunner().invoke(
         cli,
         [
             "bench",
             "--sweep-k",
-            "1,2,3",
+            "1,3",
             "--drafter",
             "partial",
             # Every shipped prompt once (temperature 0 repeats itself): the prediction holds
@@ -562,7 +564,7 @@ def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(
         re.MULTILINE,
     )
     printed = {int(k): float(tpot) for k, tpot, _, _ in rows}
-    assert sorted(printed) == [1, 2, 3]
+    assert sorted(printed) == [1, 3]
     rec = int(re.search(r"Recommended num_speculative_tokens: \*\*(\d+)\*\*", res.output)[1])
     assert printed[rec] == min(printed.values())
     for k, _, tps, pos in rows:
@@ -591,11 +593,13 @@ def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(
     assert set(parsed.charts) == charts
     assert_renders(browser, page, charts)
     # The partial drafter: neither ~1 nor ~0, and lower at the last position than the first.
-    pos = record["sweep"]["rows"][2]["per_position"]
+    pos = record["sweep"]["rows"][-1]["per_position"]
     assert 0.3 < pos[0] < 0.95 and pos[2] < pos[0] - 0.1, pos
     pred = record["sweep"]["prediction"]
     assert pred["from_k"] == 3 and pred["step_cost_from_k"] == [1, 3]
-    for row in pred["rows"][:2]:
+    measured = [r for r in pred["rows"] if r["k"] < 3 and r["measured_tokens_per_step"]]
+    assert [r["k"] for r in measured] == [1]
+    for row in measured:
         ratio = row["predicted_tokens_per_step"] / row["measured_tokens_per_step"]
         print(f"k'={row['k']}: tok/step predicted/measured {ratio:.3f}", end="; ")
         print(f"TPOT predicted/measured {row['predicted_tpot_s'] / row['measured_tpot_s']:.2f}")
