@@ -11,6 +11,7 @@ roll the fleet back, and scrape both hosts from one Prometheus with the fleet's 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -158,6 +159,52 @@ def test_a_soak_regression_rolls_the_canary_back_and_stops(fleet: Fleet):
     a_entries = [(e["kind"], e["outcome"], e["to_image"]) for e in fleet.host("fleet-a").history()]
     assert a_entries[-2:] == [("cutover", "ok", MTP_IMAGE), ("rollback", "ok", OFF_IMAGE)]
     _on(fleet, "fleet-a", OFF_IMAGE)
+    _on(fleet, "fleet-b", OFF_IMAGE)
+    assert b.container("{{.State.StartedAt}}") == b_started
+    assert b.history() == b_history
+
+
+def test_a_host_lost_mid_rollout_rolls_back_every_host_moved(fleet: Fleet):
+    """A host whose sshd goes away while the canary cuts over is a failure like any other: the
+    rescue rolls the canary back. Ansible runs no rescue for an unreachable host by itself, so
+    without the role's own check the rollout ended with the canary moved and the other not."""
+    a, b = fleet.host("fleet-a"), fleet.host("fleet-b")
+    b_started = b.container("{{.State.StartedAt}}")
+    b_history = b.history()
+    a_before = len(a.history())
+    lost = threading.Event()
+    done = threading.Event()
+
+    def lose_b_once_a_moves() -> None:
+        # fleet-a's env file names the new image from the cutover's first step; fleet-b's
+        # turn comes after fleet-a's gates, canary and soak.
+        while not done.is_set():
+            if a.env_image() == MTP_IMAGE:
+                b.ssh_off()
+                lost.set()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=lose_b_once_a_moves, daemon=True)
+    watcher.start()
+    try:
+        run = fleet.playbook("rollout", rollout_image=MTP_IMAGE, rollout_soak_seconds=2)
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+        b.ssh_on()
+        fleet.wait_reachable()
+    assert lost.is_set(), run.output[-4000:]
+    assert run.returncode != 0, run.output[-4000:]
+    assert "rollout of gemma4-vllm:0.32.0-mtp stopped at fleet-b: fleet-b is unreachable" in (
+        run.output
+    ), run.output[-4000:]
+    assert run.recap["fleet-b"]["rescued"] == 1, run.output[-4000:]
+    # The canary had passed every gate and its soak: it went back through the rescue.
+    a_entries = [(e["kind"], e["outcome"], e["to_image"]) for e in a.history()[a_before:]]
+    assert a_entries == [("cutover", "ok", MTP_IMAGE), ("rollback", "ok", OFF_IMAGE)]
+    _on(fleet, "fleet-a", OFF_IMAGE)
+    # fleet-b: never reached, never moved.
     _on(fleet, "fleet-b", OFF_IMAGE)
     assert b.container("{{.State.StartedAt}}") == b_started
     assert b.history() == b_history
