@@ -103,7 +103,8 @@ def test_rollout_of_a_broken_image_stops_at_the_canary(fleet: Fleet):
 
 
 def test_fleet_rollback_to_the_previous_image(fleet: Fleet):
-    run = fleet.playbook("rollback")
+    # Both hosts in one batch: two gated restarts at once, one rollback's wait instead of two.
+    run = fleet.playbook("rollback", rollout_batch_size=2)
     _ok(run)
     for h in fleet.hosts:
         _on(fleet, h.name, OFF_IMAGE)
@@ -188,7 +189,7 @@ def test_a_host_lost_mid_rollout_rolls_back_every_host_moved(fleet: Fleet):
     watcher = threading.Thread(target=lose_b_once_a_moves, daemon=True)
     watcher.start()
     try:
-        run = fleet.playbook("rollout", rollout_image=MTP_IMAGE, rollout_soak_seconds=2)
+        run = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
     finally:
         done.set()
         watcher.join(timeout=30)
