@@ -5,7 +5,9 @@ cpu-tiny-mtp on the real CPU images through the host's Docker engine. The tests 
 and share the hosts: install (twice: the second run changes nothing), roll the MTP image out
 over both (starting with MTP off; the canary soaked against its own figures), roll the broken
 image out (stops at the canary, which the appliance rolls back; the other host untouched),
-roll the fleet back, and scrape both hosts from one Prometheus with the fleet's targets.
+roll the fleet back, scrape both hosts from one Prometheus with the fleet's targets, then two
+rollouts stopped after the canary moved (a soak regression; the other host's sshd gone), each
+rolling the canary back.
 """
 
 from __future__ import annotations
