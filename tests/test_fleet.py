@@ -5,12 +5,15 @@ cpu-tiny-mtp on the real CPU images through the host's Docker engine. The tests 
 and share the hosts: install (twice: the second run changes nothing), roll the MTP image out
 over both (starting with MTP off; the canary soaked against its own figures), roll the broken
 image out (stops at the canary, which the appliance rolls back; the other host untouched),
-roll the fleet back, and scrape both hosts from one Prometheus with the fleet's targets.
+roll the fleet back, scrape both hosts from one Prometheus with the fleet's targets, then two
+rollouts stopped after the canary moved (a soak regression; the other host's sshd gone), each
+rolling the canary back.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -102,7 +105,8 @@ def test_rollout_of_a_broken_image_stops_at_the_canary(fleet: Fleet):
 
 
 def test_fleet_rollback_to_the_previous_image(fleet: Fleet):
-    run = fleet.playbook("rollback")
+    # Both hosts in one batch: two gated restarts at once, one rollback's wait instead of two.
+    run = fleet.playbook("rollback", rollout_batch_size=2)
     _ok(run)
     for h in fleet.hosts:
         _on(fleet, h.name, OFF_IMAGE)
@@ -158,6 +162,52 @@ def test_a_soak_regression_rolls_the_canary_back_and_stops(fleet: Fleet):
     a_entries = [(e["kind"], e["outcome"], e["to_image"]) for e in fleet.host("fleet-a").history()]
     assert a_entries[-2:] == [("cutover", "ok", MTP_IMAGE), ("rollback", "ok", OFF_IMAGE)]
     _on(fleet, "fleet-a", OFF_IMAGE)
+    _on(fleet, "fleet-b", OFF_IMAGE)
+    assert b.container("{{.State.StartedAt}}") == b_started
+    assert b.history() == b_history
+
+
+def test_a_host_lost_mid_rollout_rolls_back_every_host_moved(fleet: Fleet):
+    """A host whose sshd goes away while the canary cuts over is a failure like any other: the
+    rescue rolls the canary back. Ansible runs no rescue for an unreachable host by itself, so
+    without the role's own check the rollout ended with the canary moved and the other not."""
+    a, b = fleet.host("fleet-a"), fleet.host("fleet-b")
+    b_started = b.container("{{.State.StartedAt}}")
+    b_history = b.history()
+    a_before = len(a.history())
+    lost = threading.Event()
+    done = threading.Event()
+
+    def lose_b_once_a_moves() -> None:
+        # fleet-a's env file names the new image from the cutover's first step; fleet-b's
+        # turn comes after fleet-a's gates, canary and soak.
+        while not done.is_set():
+            if a.env_image() == MTP_IMAGE:
+                b.ssh_off()
+                lost.set()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=lose_b_once_a_moves, daemon=True)
+    watcher.start()
+    try:
+        run = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+        b.ssh_on()
+        fleet.wait_reachable()
+    assert lost.is_set(), run.output[-4000:]
+    assert run.returncode != 0, run.output[-4000:]
+    assert "rollout of gemma4-vllm:0.32.0-mtp stopped at fleet-b: fleet-b is unreachable" in (
+        run.output
+    ), run.output[-4000:]
+    assert run.recap["fleet-b"]["rescued"] == 1, run.output[-4000:]
+    # The canary had passed every gate and its soak: it went back through the rescue.
+    a_entries = [(e["kind"], e["outcome"], e["to_image"]) for e in a.history()[a_before:]]
+    assert a_entries == [("cutover", "ok", MTP_IMAGE), ("rollback", "ok", OFF_IMAGE)]
+    _on(fleet, "fleet-a", OFF_IMAGE)
+    # fleet-b: never reached, never moved.
     _on(fleet, "fleet-b", OFF_IMAGE)
     assert b.container("{{.State.StartedAt}}") == b_started
     assert b.history() == b_history
