@@ -17,9 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import ApplianceError, UsageError
 from ..host.names import DATA_DIR
 from ..models.where import under_root
-from ..profiles import Profile
+from ..profiles import Profile, lookup
+from ..units import DEFAULT_IMAGE, Options, Planned, planned
 from .disk import weights_finding
 from .docker import docker_findings
 from .findings import Finding, Report, Status
@@ -27,9 +29,32 @@ from .nvidia import gpu_findings
 from .ports import port_finding
 from .system import api_key_finding, systemd_finding, user_finding
 
-__all__ = ["Finding", "Report", "Status", "Target", "for_profile", "run", "target"]
+__all__ = [
+    "Finding",
+    "HostNotReady",
+    "Report",
+    "Status",
+    "Target",
+    "check",
+    "for_profile",
+    "gate",
+    "run",
+    "target",
+]
 
-DEFAULT_IMAGE = "gemma4-vllm:latest"  # units.template.DEFAULT_IMAGE (units imports this side)
+
+class HostNotReady(ApplianceError):
+    """``appliance install`` refused: the host check found blockers (one line, the first)."""
+
+    def __init__(self, report: Report, command: str) -> None:
+        first = report.blockers[0]
+        more = len(report.blockers) - 1
+        super().__init__(
+            f"host not ready for profile {report.profile}: {first.name}: {first.message}"
+            + (f" (and {more} more blocker(s))" if more else ""),
+            fix=f"`{command}` lists each with its fix; or install with --force REASON",
+        )
+        self.report = report
 
 
 @dataclass(frozen=True)
@@ -99,3 +124,62 @@ def run(t: Target, *, docker_client=None, gpu_query=None) -> Report:
     if t.api_key is not None:
         findings.append(api_key_finding(t.api_key))
     return Report(t.profile.name, t.instance, tuple(findings))
+
+
+def for_install(plan: Planned) -> Target:
+    """What :func:`appliance.units.install` is about to install (its key file is checked when
+    the instance is installed already: install creates a missing one and tightens its mode)."""
+    from ..units import paths
+
+    key = plan.root / paths(plan.instance).api_key if plan.existing else None
+    return target(
+        plan.profile,
+        plan.env_values(),
+        root=plan.root,
+        instance=plan.instance,
+        api_key=key,
+        kept_port=plan.existing.get("VLLM_PORT"),
+    )
+
+
+def check(
+    profile: str | None,
+    instance: str | None = None,
+    *,
+    root: Path = Path("/"),
+    options: Options | None = None,
+    docker_client=None,
+) -> Report:
+    """``appliance host check``: instance ``instance`` as ``appliance install`` would install
+    it (installed or not; ``profile`` None: the one its env file names), or without an
+    instance the profile ``profile`` (a shipped name or the operator's file) with install's
+    defaults and ``options``."""
+    if instance is not None:
+        plan = planned(profile, instance, root=root, options=options)
+        return run(for_install(plan), docker_client=docker_client)
+    if profile is None:
+        raise UsageError(
+            "say which instance or profile", fix="appliance host check NAME, or --profile P"
+        )
+    t = for_profile(lookup(profile), root)
+    o = options or Options()
+    t = Target(
+        profile=t.profile,
+        host=o.host or t.host,
+        port=o.port or t.port,
+        hf_home=under_root(root, o.hf_cache_dir) if o.hf_cache_dir else t.hf_home,
+        image=o.image or t.image,
+        root=root,
+    )
+    return run(t, docker_client=docker_client)
+
+
+def gate(plan: Planned, *, force: str | None, command: str) -> Report:
+    """The host check ``appliance install`` makes before writing: HostNotReady on a blocker
+    unless ``force`` (the operator's reason) is given; the report either way."""
+    if force is not None and not force.strip():
+        raise UsageError("--force needs a reason", fix='--force "why this host is fine"')
+    report = run(for_install(plan))
+    if report.blockers and force is None:
+        raise HostNotReady(report, command)
+    return report
