@@ -178,7 +178,7 @@ def test_weights_that_do_not_fit_are_a_blocker_and_the_cache_counts(tiny_disk):
     f = disk.weights_finding(prof, tiny_disk / "huggingface")  # not created yet: its parent
     assert f.status == "blocker"
     assert f.message.startswith(f"0.0 GiB free at {tiny_disk}, the weights need 60.0 GiB more")
-    small = dataclasses.replace(prof, weights_gib=0.001)  # 1 MiB in all
+    small = dataclasses.replace(prof, weights_gib=0.0008)  # 839 KiB in all
     blob = tiny_disk / "huggingface/hub/models--google--gemma-4-31B-it/blobs/x"
     blob.parent.mkdir(parents=True)
     blob.write_bytes(b"\0" * 600 * 1024)  # most of it is there already
