@@ -257,6 +257,16 @@ def test_install_under_another_root_checks_only_when_asked(tmp_path, monkeypatch
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
     res = CliRunner().invoke(cli, ["install", "g2", "-p", "l4x4-31b-mtp", "--root", str(tmp_path)])
     assert res.exit_code == 0, res.output
+    # The installed instance, as installed: its own key file is checked too.
+    check = ["host", "check", "g2", "--root", str(tmp_path), "--json"]
+    body = json.loads(CliRunner().invoke(cli, check).output)
+    assert (body["profile"], body["instance"]) == ("l4x4-31b-mtp", "g2")
+    key = next(f for f in body["findings"] if f["name"] == "api_key")
+    assert key["status"] == "ok"
+    (tmp_path / "etc/gemma4-vllm/g2.api-key").chmod(0o644)
+    body = json.loads(CliRunner().invoke(cli, check).output)
+    key = next(f for f in body["findings"] if f["name"] == "api_key")
+    assert key["status"] == "blocker" and key["fix"].startswith("chmod 600 ")
 
 
 def test_profile_fields_refuse_wrong_values_in_one_line():
