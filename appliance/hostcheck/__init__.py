@@ -21,7 +21,7 @@ from ..errors import ApplianceError, UsageError
 from ..host.names import DATA_DIR
 from ..models.where import under_root
 from ..profiles import Profile, lookup
-from ..units import DEFAULT_IMAGE, Options, Planned, planned
+from ..units import DEFAULT_IMAGE, Options, Planned, paths, planned
 from .disk import weights_finding
 from .docker import docker_findings
 from .findings import Finding, Report, Status
@@ -129,8 +129,6 @@ def run(t: Target, *, docker_client=None, gpu_query=None) -> Report:
 def for_install(plan: Planned) -> Target:
     """What :func:`appliance.units.install` is about to install (its key file is checked when
     the instance is installed already: install creates a missing one and tightens its mode)."""
-    from ..units import paths
-
     key = plan.root / paths(plan.instance).api_key if plan.existing else None
     return target(
         plan.profile,
