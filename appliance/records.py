@@ -37,7 +37,7 @@ def build(cls, data: dict, where: str):
     missing = [name for name in required if name not in data]
     if missing:
         raise UsageError(f"{where}: missing field(s) {', '.join(missing)}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)  # keep Annotated constraints
     for name, value in data.items():
         try:
             _adapter(hints[name]).validate_python(value, strict=True)

@@ -30,6 +30,7 @@ COMMANDS = {
     "fleet": ("fleet", "fleet"),
     "generate": ("generate", "generate"),
     "history": ("cutover", "history_"),
+    "host": ("hostcheck", "host"),
     "image": ("images", "image"),
     "install": ("units", "install"),
     "local": ("local", "local"),

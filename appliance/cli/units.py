@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .. import units
+from .. import hostcheck, units
 from ..host.systemd import Systemd
 from .options import instance_name, root_option
 
@@ -84,16 +84,43 @@ def render(profile: str, instance: str, out: str, **kw) -> None:
 @instance_name
 @instance_options(profile_required=False)
 @root_option
-def install(profile: str | None, instance: str, root: Path, **kw) -> None:
+@click.option(
+    "--host-check",
+    "host_check",
+    is_flag=True,
+    help="Check the host first under another --root too (it always runs when --root is /).",
+)
+@click.option(
+    "--force",
+    metavar="REASON",
+    help="Install despite the host check's blockers; REASON is printed with each of them.",
+)
+def install(
+    profile: str | None, instance: str, root: Path, host_check: bool, force: str | None, **kw
+) -> None:
     """Install instance NAME: the shared unit and serve program, its env file (values kept),
     args file and API key (0600). Upgrades an instance installed by the old layout in place.
+    Refuses, writing nothing, when `appliance host check` finds a blocker (unless --force).
 
     \b
     Example:
       appliance install 31b --profile l4x4-31b-mtp --image gemma4-vllm:0.32.0-mtp
       systemctl daemon-reload && systemctl enable --now gemma4-vllm@31b
     """
-    result = units.install(profile, instance, root=root, options=_options(kw))
+    checked: list[hostcheck.Report] = []
+
+    def preflight(plan: units.Planned) -> None:
+        command = f"appliance host check {instance} --profile {plan.profile.name}"
+        if root != Path("/"):
+            command += f" --root {root}"
+        checked.append(hostcheck.gate(plan, force=force, command=command))
+
+    check = host_check or root == Path("/")
+    result = units.install(
+        profile, instance, root=root, options=_options(kw), preflight=preflight if check else None
+    )
+    for blocker in checked[0].blockers if checked else ():
+        click.echo(f"warning: installed despite {blocker.line()} (--force: {force})", err=True)
     _report(result)
     if result.first_install:
         # Never enabled yet: restart would start it once and leave it off at the next boot.

@@ -25,10 +25,10 @@ from ..profiles import Profile
 from ..units import check_instance
 from ..vllm_client import VLLMClient, normalise_base_url
 from .engine import defect_checks, model_check, mtp_checks, version_check
-from .host import gpu_check, instance_checks, visible_gpus
+from .host import gpu_check, instance_checks
 from .report import Check, DoctorReport, Status
 
-__all__ = ["Check", "DoctorReport", "Status", "run", "visible_gpus"]
+__all__ = ["Check", "DoctorReport", "Status", "run"]
 
 
 def run(

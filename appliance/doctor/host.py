@@ -3,14 +3,12 @@ GPUs."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from collections.abc import Callable
 from pathlib import Path
 
 from .. import labels as image_labels
 from ..errors import ApplianceError
 from ..host.layout import ENV_DIR
+from ..hostcheck import nvidia as hostcheck_nvidia
 from ..instance_facts import UNIT_DIRS, InstanceFacts
 from ..models import verify, where
 from ..profiles import Profile
@@ -149,45 +147,14 @@ def _container_check(instance: str, facts: InstanceFacts) -> Check:
     return Check("instance.container", "ok", f"{name} runs {facts.container_image}", ev)
 
 
-def visible_gpus(runner: Callable[[list[str]], str] | None = None) -> list[str] | None:
-    """GPU names from ``nvidia-smi -L``; ``None`` when nvidia-smi is missing or fails."""
-    if runner is None:
-        if shutil.which("nvidia-smi") is None:
-            return None
-
-        def runner(cmd: list[str]) -> str:
-            return subprocess.run(
-                cmd, capture_output=True, text=True, timeout=20, check=True
-            ).stdout
-
-    try:
-        out = runner(["nvidia-smi", "-L"])
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return [line.strip() for line in out.splitlines() if line.startswith("GPU ")]
-
-
 def gpu_check(profile: Profile) -> Check:
-    """The GPUs the profile needs are visible (and of the named kind)."""
-    hw = profile.hardware
-    if hw.device != "cuda":
-        return Check(
-            "host.gpus", "ok", f"profile {profile.name} runs on {hw.device}: no GPU needed", {}
-        )
-    gpus = visible_gpus()
-    ev = {"needed": hw.gpus, "gpu_name": hw.gpu_name, "visible": gpus}
-    if not gpus:
-        return Check(
-            "host.gpus",
-            "fail",
-            f"profile {profile.name} needs {hw.gpus} GPU(s); "
-            "none visible (nvidia-smi missing or failing)",
-            ev,
-        )
-    if len(gpus) < hw.gpus:
-        return Check(
-            "host.gpus", "fail", f"{len(gpus)} GPU(s) visible, profile needs {hw.gpus}", ev
-        )
-    if hw.gpu_name and not all(hw.gpu_name in g for g in gpus[: hw.gpus]):
-        return Check("host.gpus", "warn", f"GPUs are not all {hw.gpu_name}", ev)
-    return Check("host.gpus", "ok", f"{len(gpus)} GPU(s) visible", ev)
+    """``host.gpus``: the host check's GPU findings (appliance/hostcheck/nvidia.py), as one
+    check: the worst of them, a blocker being a failure."""
+    findings = hostcheck_nvidia.gpu_findings(profile)
+    rank = {"ok": 0, "warn": 1, "blocker": 2}
+    worst = max(findings, key=lambda f: rank[f.status])
+    status: Status = {"ok": "ok", "warn": "warn", "blocker": "fail"}[worst.status]
+    summary = worst.message if worst.status != "ok" else "; ".join(f.message for f in findings)
+    ev = {"needed": profile.hardware.gpus, "gpu_name": profile.hardware.gpu_name}
+    ev["findings"] = [f.line() for f in findings]
+    return Check("host.gpus", status, summary, ev)

@@ -12,12 +12,19 @@ import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Annotated
+
+import pydantic
 
 from .. import records
 from ..errors import UsageError
 
 # Placeholder for the tiny dev model directory in CPU profiles; filled in at serve time.
 DEVMODEL = "{devmodel}"
+
+# A driver version as nvidia-smi prints it ("575.51.03"), or empty (not stated).
+DriverVersion = Annotated[str, pydantic.StringConstraints(pattern=r"^(\d+(\.\d+)*)?$")]
+Gib = Annotated[float, pydantic.Field(ge=0)]
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,9 @@ class Hardware:
     compute_capability: str = ""  # e.g. "8.9" for the L4
     mig: bool = False  # one unit instance per MIG slice, each given its own device
     mig_profile: str = ""  # e.g. "1g.24gb"
+    # The oldest NVIDIA driver the profile's image runs on ("575.51.03"; empty: not stated).
+    # `appliance host check` refuses an older one before install (appliance/hostcheck).
+    min_driver: DriverVersion = ""
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,9 @@ class Profile:
     served_model_name: str
     drafter_matches: str = ""  # target the drafter was trained for, when not ``model``
     revision: str | None = None  # the target's pinned hub revision (a commit), when pinned
+    # Disk the target and drafter take in the Hugging Face cache, in GiB (0: not stated); the
+    # host check compares it with the free space there.
+    weights_gib: Gib = 0.0
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

@@ -26,7 +26,16 @@ from .template import (
     paths,
     render,
 )
-from .writer import WriteResult, install, installed_instances, render_to, uninstall, write_tree
+from .writer import (
+    Planned,
+    WriteResult,
+    install,
+    installed_instances,
+    planned,
+    render_to,
+    uninstall,
+    write_tree,
+)
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -36,6 +45,7 @@ __all__ = [
     "UNIT_TEMPLATE",
     "Options",
     "Paths",
+    "Planned",
     "RenderedFile",
     "WriteResult",
     "check_instance",
@@ -43,6 +53,7 @@ __all__ = [
     "install",
     "installed_instances",
     "paths",
+    "planned",
     "render",
     "render_to",
     "uninstall",

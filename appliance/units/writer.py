@@ -14,6 +14,7 @@ import contextlib
 import os
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
@@ -35,6 +36,7 @@ from .template import (
     UNIT_DIR,
     Options,
     RenderedFile,
+    env_values,
     options_from_env,
     paths,
     render,
@@ -114,23 +116,33 @@ def migrate_port_from_old_serve_script(root: Path, instance: str) -> int | None:
 # ---- install and uninstall -----------------------------------------------------------------
 
 
-def install(
+@dataclass(frozen=True)
+class Planned:
+    """What :func:`install` would install: the profile, the options with the env file's kept
+    values and the port chosen, the env file as it is (empty: a first install), the operator's
+    profile file's bytes (when installed from one)."""
+
+    instance: str
+    root: Path
+    profile: Profile
+    options: Options
+    existing: dict[str, str]
+    own: bytes | None
+
+    def env_values(self) -> dict[str, str]:
+        """The env file's assignments install would write."""
+        return env_values(self.profile, self.instance, self.options)
+
+
+def planned(
     profile: str | Profile | None,
     instance: str,
     *,
     root: Path | str = Path("/"),
     options: Options | None = None,
-) -> WriteResult:
-    """Install ``instance`` under ``root``: the shared unit and serve program, the instance's
-    env file, args file and API key.
-
-    ``profile`` None re-installs the profile the env file names. Re-running is idempotent
-    (identical files are not rewritten). Values already in the env file (``VLLM_IMAGE`` above
-    all, host, port, GPUs, paths) are kept unless given in ``options``. An instance of the old
-    layout is upgraded in place: its port is carried over and its own serve script removed.
-    The API key file (mode 0600) is created once and never overwritten or shown. Does not call
-    systemctl: ``root`` may be an image being built.
-    """
+) -> Planned:
+    """Resolve :func:`install`'s inputs without writing: the profile (``None``: the one the env
+    file names; an operator's file; the copy installed before), the kept values and the port."""
     root = Path(root)
     p = paths(instance)
     existing = _existing_env(root, instance)
@@ -158,7 +170,37 @@ def install(
     else:
         prof = profile
     opts = replace(opts, port=_choose_port(root, instance, prof.port, opts.port, explicit.port))
+    return Planned(instance, root, prof, opts, dict(existing), own)
+
+
+def install(
+    profile: str | Profile | None,
+    instance: str,
+    *,
+    root: Path | str = Path("/"),
+    options: Options | None = None,
+    preflight: Callable[[Planned], None] | None = None,
+) -> WriteResult:
+    """Install ``instance`` under ``root``: the shared unit and serve program, the instance's
+    env file, args file and API key.
+
+    ``preflight`` sees what is about to be installed (:class:`Planned`) once it is valid and
+    before anything is written; it raises to refuse (``appliance install``'s host check).
+
+    ``profile`` None re-installs the profile the env file names. Re-running is idempotent
+    (identical files are not rewritten). Values already in the env file (``VLLM_IMAGE`` above
+    all, host, port, GPUs, paths) are kept unless given in ``options``. An instance of the old
+    layout is upgraded in place: its port is carried over and its own serve script removed.
+    The API key file (mode 0600) is created once and never overwritten or shown. Does not call
+    systemctl: ``root`` may be an image being built.
+    """
+    root = Path(root)
+    p = paths(instance)
+    plan = planned(profile, instance, root=root, options=options)
+    prof, opts, existing, own = plan.profile, plan.options, plan.existing, plan.own
     files = render(prof, instance, opts)  # validates everything before the first write
+    if preflight is not None:
+        preflight(plan)
     if own is not None:
         files = {p.profile: RenderedFile(own, MODE_ARGS), **files}
     result = write_tree(root, files)

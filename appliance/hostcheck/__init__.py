@@ -1,0 +1,183 @@
+"""``appliance host check``: is this host ready for an instance of a profile? Read-only.
+
+One finding per question, each ``ok`` / ``warn`` / ``blocker`` with one line and its fix
+(:mod:`.findings`); one module per job: :mod:`.nvidia` (driver, GPUs; doctor's GPU check too),
+:mod:`.docker` (engine, GPU access, data root), :mod:`.disk` (weights), :mod:`.ports`,
+:mod:`.system` (systemd, user, the API key file). :func:`run` asks them all about a
+:class:`Target`: what ``appliance install`` would install (:func:`target`), which is also what
+install checks before it writes anything.
+
+    report = hostcheck.run(hostcheck.for_profile(profiles.get("l4x4-31b-mtp")))
+    report.ok, report.text()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ApplianceError, UsageError
+from ..host.names import DATA_DIR
+from ..models.where import under_root
+from ..profiles import Profile, lookup
+from ..units import DEFAULT_IMAGE, Options, Planned, paths, planned
+from .disk import weights_finding
+from .docker import docker_findings
+from .findings import Finding, Report, Status
+from .nvidia import gpu_findings
+from .ports import port_finding
+from .system import api_key_finding, systemd_finding, user_finding
+
+__all__ = [
+    "Finding",
+    "HostNotReady",
+    "Report",
+    "Status",
+    "Target",
+    "check",
+    "for_profile",
+    "gate",
+    "run",
+    "target",
+]
+
+
+class HostNotReady(ApplianceError):
+    """``appliance install`` refused: the host check found blockers (one line, the first)."""
+
+    def __init__(self, report: Report, command: str) -> None:
+        first = report.blockers[0]
+        more = len(report.blockers) - 1
+        super().__init__(
+            f"host not ready for profile {report.profile}: {first.name}: {first.message}"
+            + (f" (and {more} more blocker(s))" if more else ""),
+            fix=f"`{command}` lists each with its fix; or install with --force REASON",
+        )
+        self.report = report
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the checks are about: a profile, where its instance binds, its cache and image;
+    ``instance`` and ``api_key`` when it is (or is being) installed; ``own_port`` when the
+    port is the installed instance's own (busy while it runs)."""
+
+    profile: Profile
+    host: str
+    port: int
+    hf_home: Path
+    image: str
+    root: Path = Path("/")
+    instance: str | None = None
+    api_key: Path | None = None
+    own_port: bool = False
+
+
+def for_profile(profile: Profile, root: Path = Path("/")) -> Target:
+    """A profile with install's defaults: its host and port, the default cache and image."""
+    return Target(
+        profile=profile,
+        host=profile.host,
+        port=profile.port,
+        hf_home=under_root(root, f"{DATA_DIR}/huggingface"),
+        image=DEFAULT_IMAGE,
+        root=root,
+    )
+
+
+def target(
+    profile: Profile,
+    values: Mapping[str, str],
+    *,
+    root: Path = Path("/"),
+    instance: str | None = None,
+    api_key: Path | None = None,
+    kept_port: str | None = None,
+) -> Target:
+    """The instance an env file's ``values`` describe (``units.template.env_values``: what
+    install writes). ``kept_port``: the port the installed env file had, if any."""
+    return Target(
+        profile=profile,
+        host=values["VLLM_HOST"],
+        port=int(values["VLLM_PORT"]),
+        hf_home=under_root(root, values.get("HF_CACHE_DIR") or f"{DATA_DIR}/huggingface"),
+        image=values["VLLM_IMAGE"],
+        root=root,
+        instance=instance,
+        api_key=api_key,
+        own_port=kept_port == values["VLLM_PORT"],
+    )
+
+
+def run(t: Target, *, docker_client=None, gpu_query=None) -> Report:
+    """Every check that applies to ``t`` (never raises for a failed one). The user and systemd
+    are this host's only when ``t.root`` is ``/`` (another root is a tree being built)."""
+    findings: list[Finding] = []
+    if t.root == Path("/"):
+        findings.append(user_finding())
+        findings.append(systemd_finding())
+    findings += gpu_findings(t.profile, gpu_query)
+    findings += docker_findings(t.profile, t.image, docker_client)
+    findings.append(weights_finding(t.profile, t.hf_home))
+    findings.append(port_finding(t.host, t.port, own=t.own_port))
+    if t.api_key is not None:
+        findings.append(api_key_finding(t.api_key))
+    return Report(t.profile.name, t.instance, tuple(findings))
+
+
+def for_install(plan: Planned) -> Target:
+    """What :func:`appliance.units.install` is about to install (its key file is checked when
+    the instance is installed already: install creates a missing one and tightens its mode)."""
+    key = plan.root / paths(plan.instance).api_key if plan.existing else None
+    return target(
+        plan.profile,
+        plan.env_values(),
+        root=plan.root,
+        instance=plan.instance,
+        api_key=key,
+        kept_port=plan.existing.get("VLLM_PORT"),
+    )
+
+
+def check(
+    profile: str | None,
+    instance: str | None = None,
+    *,
+    root: Path = Path("/"),
+    options: Options | None = None,
+    docker_client=None,
+) -> Report:
+    """``appliance host check``: instance ``instance`` as ``appliance install`` would install
+    it (installed or not; ``profile`` None: the one its env file names), or without an
+    instance the profile ``profile`` (a shipped name or the operator's file) with install's
+    defaults and ``options``."""
+    if instance is not None:
+        plan = planned(profile, instance, root=root, options=options)
+        return run(for_install(plan), docker_client=docker_client)
+    if profile is None:
+        raise UsageError(
+            "say which instance or profile", fix="appliance host check NAME, or --profile P"
+        )
+    t = for_profile(lookup(profile), root)
+    o = options or Options()
+    t = Target(
+        profile=t.profile,
+        host=o.host or t.host,
+        port=o.port or t.port,
+        hf_home=under_root(root, o.hf_cache_dir) if o.hf_cache_dir else t.hf_home,
+        image=o.image or t.image,
+        root=root,
+    )
+    return run(t, docker_client=docker_client)
+
+
+def gate(plan: Planned, *, force: str | None, command: str) -> Report:
+    """The host check ``appliance install`` makes before writing: HostNotReady on a blocker
+    unless ``force`` (the operator's reason) is given; the report either way."""
+    if force is not None and not force.strip():
+        raise UsageError("--force needs a reason", fix='--force "why this host is fine"')
+    report = run(for_install(plan))
+    if report.blockers and force is None:
+        raise HostNotReady(report, command)
+    return report

@@ -1,0 +1,121 @@
+"""Docker: the engine answers and is recent enough, its containers can reach the GPUs, and its
+data root has room for the image."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ..profiles import Profile
+from .findings import Finding
+
+# `docker run --gpus` (what the serve program passes) arrived in Docker 19.03.
+MIN_DOCKER_GPUS = (19, 3)
+# Free space wanted under Docker's data root when the image is not there yet: a margin, not a
+# measurement (the CUDA CPU images differ; the CPU image built here is 3.6 GB).
+IMAGE_ROOM_GIB = {"cuda": 30, "cpu": 8}
+HOOK = "nvidia-container-runtime-hook"
+CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+
+
+def docker_findings(profile: Profile, image: str, client=None) -> list[Finding]:
+    """``docker.engine``, then (GPU profiles) ``docker.gpus`` and ``docker.data_root``.
+    ``client``: a Docker SDK client (default: from the environment, ``DOCKER_HOST`` included)."""
+    import docker.errors
+
+    import docker
+
+    try:
+        client = client or docker.DockerClient.from_env(timeout=10)
+        version = client.version()
+        info = client.info()
+    except (docker.errors.DockerException, OSError) as exc:
+        return [
+            Finding(
+                "docker.engine",
+                "blocker",
+                f"the Docker engine does not answer ({str(exc).splitlines()[0][:120]})",
+                "install Docker (apt-get install docker.io) and start it: "
+                "systemctl enable --now docker",
+            )
+        ]
+    cuda = profile.hardware.device == "cuda"
+    text = version.get("Version", "?")
+    out = []
+    if cuda and _version(text) < MIN_DOCKER_GPUS:
+        out.append(
+            Finding(
+                "docker.engine",
+                "blocker",
+                f"Docker {text} is older than 19.03: it has no --gpus",
+                "upgrade Docker",
+            )
+        )
+    else:
+        out.append(
+            Finding("docker.engine", "ok", f"Docker {text} (API {version.get('ApiVersion')})")
+        )
+    if cuda:
+        out.append(_gpu_access(info))
+    out.append(_data_root(info, image, client, profile.hardware.device))
+    return out
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _gpu_access(info: dict) -> Finding:
+    runtimes = sorted(info.get("Runtimes") or {})
+    if "nvidia" in runtimes:
+        return Finding("docker.gpus", "ok", "Docker has the nvidia runtime")
+    if shutil.which(HOOK):
+        return Finding("docker.gpus", "ok", f"--gpus through {HOOK} (NVIDIA Container Toolkit)")
+    configure = "nvidia-ctk runtime configure --runtime=docker && systemctl restart docker"
+    cdi = [p for d in CDI_DIRS if d.is_dir() for p in sorted(d.iterdir()) if "nvidia" in p.name]
+    if cdi:
+        return Finding(
+            "docker.gpus",
+            "warn",
+            f"only CDI specs ({cdi[0]}): the serve program passes --gpus, which needs the "
+            "NVIDIA runtime or hook",
+            configure,
+        )
+    return Finding(
+        "docker.gpus",
+        "blocker",
+        f"Docker cannot give containers GPUs: no nvidia runtime (runtimes: "
+        f"{', '.join(runtimes) or 'none'}), no {HOOK}, no CDI spec",
+        f"install the NVIDIA Container Toolkit, then {configure}",
+    )
+
+
+def _data_root(info: dict, image: str, client, device: str) -> Finding:
+    root = info.get("DockerRootDir") or "/var/lib/docker"
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError as exc:
+        return Finding("docker.data_root", "warn", f"cannot measure {root}: {exc}")
+    gib = free / 2**30
+    import docker.errors
+
+    try:
+        client.images.get(image)
+        return Finding(
+            "docker.data_root", "ok", f"image {image} present; {gib:.1f} GiB free at {root}"
+        )
+    except (docker.errors.DockerException, OSError):
+        pass
+    want = IMAGE_ROOM_GIB.get(device, 0)
+    if gib < want:
+        return Finding(
+            "docker.data_root",
+            "warn",
+            f"{gib:.1f} GiB free at {root}, image {image} is not there yet (allow {want} GiB)",
+            "free space there, or move Docker's data-root to a larger disk",
+        )
+    return Finding("docker.data_root", "ok", f"{gib:.1f} GiB free at {root}")
