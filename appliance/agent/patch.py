@@ -34,8 +34,11 @@ class _Create(wrapt.ObjectProxy):
         )
 
 
-def call(settings: Settings, operation: str, create, args, kwargs):
-    """One sync ``create`` through the agent (shared by the proxy and the instrumentor)."""
+def call(settings: Settings, operation: str, create, args, kwargs, stream_type=openai.Stream):
+    """One sync ``create`` through the agent (shared by the proxy and the instrumentors).
+
+    ``stream_type``: the SDK's stream class (``anthropic.Stream`` for the Anthropic SDK), whose
+    instances are returned wrapped in :class:`.streams.SyncStream`."""
     traced = _new_call(settings, operation, kwargs)
     if traced is None:
         return create(*args, **kwargs)
@@ -45,15 +48,17 @@ def call(settings: Settings, operation: str, create, args, kwargs):
     except BaseException as exc:
         traced.finish(error=exc)
         raise
-    if isinstance(result, openai.Stream):
+    if isinstance(result, stream_type):
         return SyncStream(result, traced)
     traced.on_response(result)
     traced.finish()
     return result
 
 
-async def acall(settings: Settings, operation: str, create, args, kwargs):
-    """One async ``create`` through the agent."""
+async def acall(
+    settings: Settings, operation: str, create, args, kwargs, stream_type=openai.AsyncStream
+):
+    """One async ``create`` through the agent (``stream_type``: the SDK's async stream class)."""
     traced = _new_call(settings, operation, kwargs)
     if traced is None:
         return await create(*args, **kwargs)
@@ -63,7 +68,7 @@ async def acall(settings: Settings, operation: str, create, args, kwargs):
     except BaseException as exc:
         await traced.afinish(error=exc)
         raise
-    if isinstance(result, openai.AsyncStream):
+    if isinstance(result, stream_type):
         return AsyncStream(result, traced)
     traced.on_response(result)
     await traced.afinish()
