@@ -285,3 +285,44 @@ def test_anthropic_messages_sync_and_async_plain_and_streamed_get_the_counters_e
     assert len(exporter.get_finished_spans()) == len(calls)
     labels = {"role": "architect", "model": MODEL, "source": "counters", "outcome": "ok"}
     assert registry.get_sample_value("gemma4_agent_calls_total", labels) == len(calls)
+
+
+def test_a_client_both_proxied_and_patched_gets_one_span_the_proxys():
+    # The application wraps its client with instrument(client) and also runs under the
+    # instrumentor: the proxy's call reaches the patched class method, which must not trace it
+    # a second time. The server is listed (no probe) and refuses the connection: the call fails
+    # as it would bare, sync and async, and each call has exactly one span, with the proxy's role.
+    from appliance.engine.local import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = agent.AgentConfig(attribution="off", servers=(url,))
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    inst = OpenAIInstrumentor()
+    inst.instrument(tracer_provider=provider, registry=CollectorRegistry(), config=cfg)
+    try:
+        kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        for cls in (openai.OpenAI, openai.AsyncOpenAI):
+            client = agent.instrument(
+                cls(base_url=url + "/v1", api_key="unused", max_retries=0),
+                role="proxied",
+                config=cfg,
+                tracer_provider=provider,
+                registry=CollectorRegistry(),
+            )
+            create = client.chat.completions.create
+            with pytest.raises(openai.APIConnectionError):
+                if cls is openai.AsyncOpenAI:
+                    asyncio.run(create(**kw))
+                else:
+                    create(**kw)
+        # The patched method alone (a plain client) still traces: the guard only skips nesting.
+        plain = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIConnectionError):
+            plain.chat.completions.create(**kw)
+    finally:
+        inst.uninstrument()
+    assert agent.flush(30)
+    roles = [s.attributes["appliance.agent.role"] for s in exporter.get_finished_spans()]
+    assert roles == ["proxied", "proxied", "default"]

@@ -29,7 +29,7 @@ from ..vllm_client import normalise_base_url
 from . import metrics
 from .calls import MESSAGES, RESPONSES, Settings
 from .config import AgentConfig
-from .patch import acall, call
+from .patch import acall, call, inside
 from .tracing import setup_tracing
 from .worker import register_exit_flush
 
@@ -123,6 +123,8 @@ def _wrapper(servers: Servers, operation: str, is_async: bool, stream_type: type
     if is_async:
 
         async def traced_async(wrapped, instance, args, kwargs):
+            if inside():  # called from a proxied client's call: that one traces it
+                return await wrapped(*args, **kwargs)
             settings = await servers.afor_client(getattr(instance, "_client", None))
             if settings is None:
                 return await wrapped(*args, **kwargs)
@@ -131,6 +133,8 @@ def _wrapper(servers: Servers, operation: str, is_async: bool, stream_type: type
         return traced_async
 
     def traced(wrapped, instance, args, kwargs):
+        if inside():  # called from a proxied client's call: that one traces it
+            return wrapped(*args, **kwargs)
         settings = servers.for_client(getattr(instance, "_client", None))
         if settings is None:
             return wrapped(*args, **kwargs)
