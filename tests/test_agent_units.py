@@ -73,6 +73,8 @@ def test_pinned_semconv_names_match_the_package():
         (spans.GEN_AI_REQUEST_MAX_TOKENS, g.GEN_AI_REQUEST_MAX_TOKENS),
         (spans.GEN_AI_REQUEST_TEMPERATURE, g.GEN_AI_REQUEST_TEMPERATURE),
         (spans.GEN_AI_REQUEST_TOP_P, g.GEN_AI_REQUEST_TOP_P),
+        (spans.GEN_AI_REQUEST_TOP_K, g.GEN_AI_REQUEST_TOP_K),
+        (spans.GEN_AI_REQUEST_STOP_SEQUENCES, g.GEN_AI_REQUEST_STOP_SEQUENCES),
         (spans.GEN_AI_REQUEST_STREAM, g.GEN_AI_REQUEST_STREAM),
         (spans.GEN_AI_RESPONSE_MODEL, g.GEN_AI_RESPONSE_MODEL),
         (spans.GEN_AI_RESPONSE_ID, g.GEN_AI_RESPONSE_ID),
@@ -507,3 +509,31 @@ def test_after_foreign_traffic_a_call_waits_for_the_pending_read_now_and_then():
     assert srv.needs(Window(), now=w.finished + 1000) == ""  # a certified chain needs no wait
     srv.after_done()
     assert srv.pending() == 0
+
+
+def test_a_counters_call_after_calls_that_read_nothing_reads_a_fresh_before_reading():
+    # The zero-code script's case (ADR 0006): the server's first call reads R0 and then brings
+    # its own per-request figures, so neither it nor the per-request calls after it read
+    # /metrics again. A Responses call (counters path) that then took R0 as its before-reading
+    # would count those calls' tokens as its own: never exact. R0 predates the last call's end,
+    # so the call reads a fresh one first, on the caller's path, like a server's first call.
+    srv = Server("http://127.0.0.1:9/metrics/")
+    r0 = srv.record(metrics_reader.parse(200, _seq(CAPTURE, 64, 1).encode()), sent=1.0)
+    r0.got = r0.clean_from = 1.1
+    for sent in (1.2, 2.2, 3.2):  # three per-request calls, no reads of their own
+        w = srv.begin()
+        w.sent, w.finished, w.tokens = sent, sent + 0.5, 24
+        srv.end(w)
+    counters = srv.begin()
+    assert srv.needs(counters, now=4.0) == "read"
+    fresh = srv.record(metrics_reader.parse(200, _seq(CAPTURE, 64 + 72, 4).encode()), sent=4.0)
+    fresh.got = fresh.clean_from = 4.05
+    counters.sent = 4.1
+    assert srv.before(counters) is fresh  # not R0
+    counters.finished, counters.tokens = 4.6, 16
+    srv.end(counters)
+    # Its after-read went out after it ended and is certified: the next call needs no read.
+    after = srv.record(metrics_reader.parse(200, _seq(CAPTURE, 64 + 72 + 16, 5).encode()), 4.61)
+    after.got = after.clean_from = 4.8
+    assert srv.certify(fresh, after)
+    assert srv.needs(srv.begin(), now=5.0) == ""

@@ -7,6 +7,7 @@ console exporter; the spans it prints are the evidence.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -33,7 +34,7 @@ MODEL = "gemma4-tiny"
 SCRIPT = textwrap.dedent(
     """
     import asyncio, json, os, sys, time
-    import openai
+    import anthropic, openai
 
     URL = os.environ["ENGINE_URL"] + "/v1"
     MSG = [{"role": "user", "content": "Tell me about the sea."}]
@@ -66,6 +67,14 @@ SCRIPT = textwrap.dedent(
                                  max_output_tokens=24, temperature=0, stream=True):
         pass
     said.append(("responses", True, ev.response.usage.output_tokens)); pause()
+    m = anthropic.Anthropic(base_url=os.environ["ENGINE_URL"], api_key="unused", max_retries=0)
+    r = m.messages.create(model="gemma4-tiny", messages=MSG, max_tokens=24, temperature=0)
+    said.append(("messages", False, r.usage.output_tokens)); pause()
+    for ev in m.messages.create(model="gemma4-tiny", messages=MSG, max_tokens=24, temperature=0,
+                                stream=True):
+        if ev.type == "message_delta":
+            out = ev.usage.output_tokens
+    said.append(("messages", True, out)); pause()
 
     async def main():
         a = openai.AsyncOpenAI(base_url=URL, api_key="unused", max_retries=0)
@@ -132,27 +141,19 @@ def test_an_unmodified_script_under_opentelemetry_instrument_gets_one_span_per_c
     by_start = sorted(spans, key=lambda s: s["start_time"])
     for (operation, stream, engine_said), span in zip(said, by_start, strict=True):
         a = span["attributes"]
-        assert a["gen_ai.operation.name"] == ("chat" if operation == "responses" else operation)
+        counters = operation in ("responses", "messages")
+        assert a["gen_ai.operation.name"] == ("chat" if counters else operation)
         assert a["gen_ai.request.stream"] is stream
-        if operation == "responses":
-            # /v1/responses carries no per-request block on 0.32: the counters path.
-            # (or "shared": see the xfail below)
-            assert a["gen_ai.vllm.mtp.source"] in ("counters", "shared"), a
+        assert a["gen_ai.vllm.mtp.shared"] is False, a
+        if counters:
+            # /v1/responses and /v1/messages carry no per-request block on 0.32: the counters
+            # path, exact even after per-request calls that read nothing (the call reads a fresh
+            # before-reading first).
+            assert a["gen_ai.vllm.mtp.source"] == "counters", a
             assert a["gen_ai.usage.output_tokens"] == engine_said
         else:
-            assert a["gen_ai.vllm.mtp.shared"] is False, a
             assert a["gen_ai.vllm.mtp.source"] == "request", a
             assert a["gen_ai.vllm.mtp.draft_tokens"] == engine_said
-    shared = [
-        op
-        for (op, _, _), s in zip(said, by_start, strict=True)
-        if s["attributes"]["gen_ai.vllm.mtp.shared"]
-        or s["attributes"]["gen_ai.vllm.mtp.source"] == "shared"
-    ]
-    if shared:
-        # Never a wrong figure, but not yet exact: a counters-path call after per-request calls
-        # that read nothing can get a before-reading that predates them (issue 28, open).
-        pytest.xfail(f"issue 28, open: counters-path calls came out shared: {shared}")
     # Every call exact, so together they are the engine's counter delta over the script.
     assert sum(s["attributes"]["gen_ai.vllm.mtp.draft_tokens"] for s in spans) == delta.draft_tokens
     assert sum(s["attributes"]["gen_ai.vllm.mtp.accepted"] for s in spans) == delta.accepted
@@ -206,3 +207,122 @@ def test_a_server_that_is_not_vllm_passes_through_with_no_request_of_the_agents(
     assert fake.hits == 1  # the probe; no /metrics read, no second probe
     assert agent.flush(30)
     assert instrumented.get_finished_spans() == ()
+
+
+@pytest.mark.engine
+def test_anthropic_messages_sync_and_async_plain_and_streamed_get_the_counters_exact_figures(
+    mtp_engine,
+):
+    # vLLM's /v1/messages sends no per-request block: each call's figures come from the
+    # /metrics counters, and for sequential calls they equal the engine's own counter delta.
+    import anthropic
+
+    from appliance.agent.instrumentor import AnthropicInstrumentor
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    registry = CollectorRegistry()
+    inst = AnthropicInstrumentor()
+    inst.instrument(
+        tracer_provider=provider,
+        registry=registry,
+        config=agent.AgentConfig(snapshot_timeout=30.0),
+        role="architect",
+    )
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}]}
+    kw |= {"max_tokens": 24, "temperature": 0, "top_k": 1, "stop_sequences": ["ZZZ"]}
+    sync = anthropic.Anthropic(base_url=mtp_engine.url, api_key="unused", max_retries=0)
+
+    async def acreate(**more):
+        # A client per event loop: asyncio.run closes the loop its connections belong to.
+        a = anthropic.AsyncAnthropic(base_url=mtp_engine.url, api_key="unused", max_retries=0)
+        got = await a.messages.create(**kw, **more)
+        return [e async for e in got] if more else got
+
+    def streamed(events) -> tuple[str, int, str]:
+        kinds = [e.type for e in events]
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+        final = next(e for e in events if e.type == "message_delta")
+        return events[0].message.id, final.usage.output_tokens, final.delta.stop_reason
+
+    calls = {
+        "sync plain": lambda: sync.messages.create(**kw),
+        "sync stream": lambda: list(sync.messages.create(**kw, stream=True)),
+        "async plain": lambda: asyncio.run(acreate()),
+        "async stream": lambda: asyncio.run(acreate(stream=True)),
+    }
+    try:
+        with VLLMClient(mtp_engine.url) as obs:
+            for name, make in calls.items():
+                before = obs.snapshot()
+                got = make()
+                assert agent.flush(30)
+                delta = specdecode.delta(before, obs.snapshot())
+                if isinstance(got, list):
+                    rid, out, stop = streamed(got)
+                else:
+                    rid, out, stop = got.id, got.usage.output_tokens, got.stop_reason
+                span = exporter.get_finished_spans()[-1]
+                a = span.attributes
+                assert span.name == f"chat {MODEL}", name
+                assert a["gen_ai.operation.name"] == "chat"
+                assert a["gen_ai.request.stream"] is name.endswith("stream")
+                assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.top_k"]) == (24, 1)
+                assert a["gen_ai.request.stop_sequences"] == ("ZZZ",)
+                assert (a["gen_ai.response.id"], a["gen_ai.usage.output_tokens"]) == (rid, out)
+                assert a["gen_ai.response.finish_reasons"] == (stop,)
+                assert a["gen_ai.usage.input_tokens"] > 0
+                assert a["appliance.agent.role"] == "architect"
+                assert (a["gen_ai.vllm.mtp.source"], a["gen_ai.vllm.mtp.shared"]) == (
+                    "counters",
+                    False,
+                ), (name, a)
+                assert a["gen_ai.vllm.mtp.draft_tokens"] == delta.draft_tokens > 0, name
+                assert a["gen_ai.vllm.mtp.accepted"] == delta.accepted, name
+    finally:
+        inst.uninstrument()
+    assert len(exporter.get_finished_spans()) == len(calls)
+    labels = {"role": "architect", "model": MODEL, "source": "counters", "outcome": "ok"}
+    assert registry.get_sample_value("gemma4_agent_calls_total", labels) == len(calls)
+
+
+def test_a_client_both_proxied_and_patched_gets_one_span_the_proxys():
+    # The application wraps its client with instrument(client) and also runs under the
+    # instrumentor: the proxy's call reaches the patched class method, which must not trace it
+    # a second time. The server is listed (no probe) and refuses the connection: the call fails
+    # as it would bare, sync and async, and each call has exactly one span, with the proxy's role.
+    from appliance.engine.local import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = agent.AgentConfig(attribution="off", servers=(url,))
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    inst = OpenAIInstrumentor()
+    inst.instrument(tracer_provider=provider, registry=CollectorRegistry(), config=cfg)
+    try:
+        kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        for cls in (openai.OpenAI, openai.AsyncOpenAI):
+            client = agent.instrument(
+                cls(base_url=url + "/v1", api_key="unused", max_retries=0),
+                role="proxied",
+                config=cfg,
+                tracer_provider=provider,
+                registry=CollectorRegistry(),
+            )
+            create = client.chat.completions.create
+            with pytest.raises(openai.APIConnectionError):
+                if cls is openai.AsyncOpenAI:
+                    asyncio.run(create(**kw))
+                else:
+                    create(**kw)
+        # The patched method alone (a plain client) still traces: the guard only skips nesting.
+        plain = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIConnectionError):
+            plain.chat.completions.create(**kw)
+    finally:
+        inst.uninstrument()
+    assert agent.flush(30)
+    roles = [s.attributes["appliance.agent.role"] for s in exporter.get_finished_spans()]
+    assert roles == ["proxied", "proxied", "default"]

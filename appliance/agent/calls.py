@@ -104,8 +104,9 @@ class Call:
         opts = kwargs.get("stream_options")
         include_usage = isinstance(opts, Mapping) and bool(opts.get("include_usage"))
         # A stream without include_usage carries neither usage nor the per-request block; a
-        # Responses stream always ends with a response.completed event that carries usage.
-        self.usage_expected = not self.stream or include_usage or operation == RESPONSES
+        # Responses stream always ends with a response.completed event that carries usage, an
+        # Anthropic Messages stream with a message_delta event that does.
+        self.usage_expected = not self.stream or include_usage or operation in NO_BLOCK
         self.response_model: str | None = None
         self.response_id: str | None = None
         self.input_tokens: int | None = None
@@ -131,8 +132,8 @@ class Call:
         if mode != "auto":
             return False
         # What the server taught about per-request figures holds for chat and completions; the
-        # Responses API carries no block on vLLM 0.32, so it never skips the counters for it.
-        per_request = self.settings.server.per_request and self.operation != RESPONSES
+        # Responses and Messages APIs carry no block on vLLM 0.32: never skip the counters there.
+        per_request = self.settings.server.per_request and self.operation not in NO_BLOCK
         return not (per_request and self.usage_expected)
 
     def _begin(self) -> dict:
@@ -141,8 +142,8 @@ class Call:
         self.window = self.settings.server.begin()
         self.window.snapshots = self._wants_snapshots()
         self.window.quiet_before = not self.usage_expected
-        # The GenAI conventions name a Responses API call "chat" too.
-        op = "chat" if self.operation == RESPONSES else self.operation
+        # The GenAI conventions name a Responses API or Anthropic Messages call "chat" too.
+        op = "chat" if self.operation in NO_BLOCK else self.operation
         attrs = spans.request_attributes(
             op,
             kwargs,
@@ -218,6 +219,11 @@ class Call:
                 self.finish_reasons.append(status)
                 if self.settings.config.capture_content:
                     self.content.append(getattr(resp, "output_text", "") or "")
+            if self.operation == MESSAGES:  # an Anthropic Message: no choices either
+                self._stop_reason(getattr(resp, "stop_reason", None))
+                if self.settings.config.capture_content:
+                    blocks = getattr(resp, "content", None) or ()
+                    self.content.extend(getattr(b, "text", None) or "" for b in blocks)
             for choice in getattr(resp, "choices", None) or ():
                 if choice.finish_reason:
                     self.finish_reasons.append(str(choice.finish_reason))
@@ -236,6 +242,9 @@ class Call:
             if self.ttfc is None:
                 self.ttfc = time.perf_counter() - self.started
             kind = getattr(chunk, "type", None)
+            if isinstance(kind, str) and self.operation == MESSAGES:
+                self._on_message_event(kind, chunk)
+                return
             if isinstance(kind, str):  # a Responses API event
                 self._on_event(kind, chunk)
                 return
@@ -271,13 +280,38 @@ class Call:
             self.content = [] if capture else self.content  # the final text replaces the deltas
             self.on_response(event.response)
 
+    def _on_message_event(self, kind: str, event: Any) -> None:
+        """An Anthropic Messages stream event (message_start, content_block_delta, ...)."""
+        if kind == "message_start":
+            msg = event.message
+            self.response_id = getattr(msg, "id", None)
+            self.response_model = getattr(msg, "model", None)
+            self._usage(getattr(msg, "usage", None))
+        elif kind == "content_block_delta":
+            self.chunks += 1
+            if self.settings.config.capture_content:
+                self.content.append(getattr(event.delta, "text", None) or "")
+        elif kind == "message_delta":
+            self._stop_reason(getattr(event.delta, "stop_reason", None))
+            # Its usage is cumulative: the final output count (input_tokens may be left out).
+            self._usage(getattr(event, "usage", None))
+
+    def _stop_reason(self, reason: Any) -> None:
+        if isinstance(reason, str):
+            self.finish_reasons.append(reason)
+
     def _usage(self, usage: Any) -> None:
         if usage is None:
             return
-        # Chat and completions say prompt/completion_tokens; the Responses API input/output.
-        self.input_tokens = _first_int(usage, "prompt_tokens", "input_tokens")
+        # Chat and completions say prompt/completion_tokens; Responses and Messages input/output.
+        # A count left out (an Anthropic message_delta's input_tokens) keeps the earlier one.
+        input_tokens = _first_int(usage, "prompt_tokens", "input_tokens")
+        if input_tokens is not None:
+            self.input_tokens = input_tokens
         # Under MTP one chunk carries 1 + accepted tokens: usage is the only true count.
-        self.output_tokens = _first_int(usage, "completion_tokens", "output_tokens")
+        output_tokens = _first_int(usage, "completion_tokens", "output_tokens")
+        if output_tokens is not None:
+            self.output_tokens = output_tokens
 
     # -- finish --------------------------------------------------------------------------------
     def _figures_without_after(self) -> tuple[Figures | None, bool]:
@@ -288,12 +322,12 @@ class Call:
         if mode != "counters":
             fig = rules.from_response(self.extra)
             if fig is not None:
-                if self.operation != RESPONSES:
+                if self.operation not in NO_BLOCK:
                     self.settings.server.per_request = True
                 return fig, False
             if (
                 mode == "auto"
-                and self.operation != RESPONSES
+                and self.operation not in NO_BLOCK
                 and self.settings.server.per_request
                 and not self.window.snapshots
             ):
@@ -465,6 +499,9 @@ class Call:
 
 UNKNOWN_ERROR = Figures("unknown", "call_failed")
 RESPONSES = "responses"  # the agent's operation for the Responses API (span: chat)
+MESSAGES = "messages"  # the Anthropic Messages API (span: chat)
+# The endpoints that answer without a per-request block on vLLM 0.32: always the counters path.
+NO_BLOCK = (RESPONSES, MESSAGES)
 
 
 def _first_int(obj: Any, *names: str) -> int | None:

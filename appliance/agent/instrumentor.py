@@ -1,9 +1,10 @@
-"""Zero-code: an OpenTelemetry instrumentor that patches the OpenAI SDK's classes.
+"""Zero-code: OpenTelemetry instrumentors that patch the OpenAI and Anthropic SDKs' classes.
 
-``opentelemetry-instrument python app.py`` loads it from the ``opentelemetry_instrumentor``
-entry point; ``OpenAIInstrumentor().instrument()`` does the same in code. Every client the
+``opentelemetry-instrument python app.py`` loads them from the ``opentelemetry_instrumentor``
+entry points; ``OpenAIInstrumentor().instrument()`` does the same in code. Every client the
 process creates (its own, LangChain's, LiteLLM's) is then traced, sync and async, plain and
-streamed, for ``chat.completions``, ``completions`` and ``responses``. Each call goes through
+streamed, for ``chat.completions``, ``completions`` and ``responses``, and, with
+:class:`AnthropicInstrumentor`, the Anthropic SDK's ``messages.create``. Each call goes through
 the same :func:`.patch.call` / :func:`.patch.acall` as ``instrument(client)``, so the figures,
 spans and metrics are the proxy's own. Only servers that are vLLM get traced: a base URL listed
 in ``APPLIANCE_AGENT_SERVERS``, or one whose ``/version`` answers like vLLM's (asked once per
@@ -26,9 +27,9 @@ from opentelemetry.instrumentation.utils import unwrap
 
 from ..vllm_client import normalise_base_url
 from . import metrics
-from .calls import RESPONSES, Settings
+from .calls import MESSAGES, RESPONSES, Settings
 from .config import AgentConfig
-from .patch import acall, call
+from .patch import acall, call, inside
 from .tracing import setup_tracing
 from .worker import register_exit_flush
 
@@ -42,20 +43,29 @@ METHODS = (
     ("openai.resources.responses", "AsyncResponses", RESPONSES, True),
 )
 
+# The Anthropic SDK's (``messages.create``; vLLM serves ``/v1/messages``).
+ANTHROPIC_METHODS = (
+    ("anthropic.resources.messages", "Messages", MESSAGES, False),
+    ("anthropic.resources.messages", "AsyncMessages", MESSAGES, True),
+)
+
 # A base URL whose probe failed to connect is asked again after this long (the engine may
 # be starting); a server that answered and is not vLLM is never asked again.
 RETRY_PROBE_S = 30.0
 
 
-class OpenAIInstrumentor(BaseInstrumentor):
-    """Traces every OpenAI SDK client's calls to a vLLM server with the agent's MTP figures.
+class _SDKInstrumentor(BaseInstrumentor):
+    """Wraps ``create`` on an SDK's resource classes (``_methods``) with the agent's call.
 
     ``instrument(config=, tracer_provider=, registry=, on_call=, role=)``; all optional.
     Idempotent (the base class instruments once); ``uninstrument()`` restores the classes.
     """
 
-    def instrumentation_dependencies(self) -> Collection[str]:
-        return ("openai >= 1.40",)
+    _methods: tuple[tuple[str, str, str, bool], ...] = ()
+
+    def _stream_types(self) -> tuple[type, type]:
+        """The SDK's (sync, async) stream classes, whose instances a streamed call returns."""
+        raise NotImplementedError
 
     def _instrument(self, **kwargs) -> None:
         self._servers = Servers(
@@ -66,32 +76,69 @@ class OpenAIInstrumentor(BaseInstrumentor):
             role=kwargs.get("role") or "default",
         )
         register_exit_flush()
-        for module, cls, operation, is_async in METHODS:
+        streams = self._stream_types()
+        for module, cls, operation, is_async in self._methods:
             wrapt.wrap_function_wrapper(
-                module, f"{cls}.create", _wrapper(self._servers, operation, is_async)
+                module,
+                f"{cls}.create",
+                _wrapper(self._servers, operation, is_async, streams[is_async]),
             )
 
     def _uninstrument(self, **kwargs) -> None:
-        for module, cls, _, _ in METHODS:
+        for module, cls, _, _ in self._methods:
             unwrap(getattr(importlib.import_module(module), cls), "create")
 
 
-def _wrapper(servers: Servers, operation: str, is_async: bool):
+class OpenAIInstrumentor(_SDKInstrumentor):
+    """Traces every OpenAI SDK client's calls to a vLLM server with the agent's MTP figures."""
+
+    _methods = METHODS
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return ("openai >= 1.40",)
+
+    def _stream_types(self) -> tuple[type, type]:
+        import openai
+
+        return openai.Stream, openai.AsyncStream
+
+
+class AnthropicInstrumentor(_SDKInstrumentor):
+    """Traces every Anthropic SDK client's ``messages.create`` to a vLLM server (its Anthropic
+    Messages API), with the same figures: always from the counters, as vLLM 0.32 sends no
+    per-request block there. Which servers: as for :class:`OpenAIInstrumentor`."""
+
+    _methods = ANTHROPIC_METHODS
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return ("anthropic >= 0.40",)
+
+    def _stream_types(self) -> tuple[type, type]:
+        import anthropic  # only here: the agent does not need the Anthropic SDK otherwise
+
+        return anthropic.Stream, anthropic.AsyncStream
+
+
+def _wrapper(servers: Servers, operation: str, is_async: bool, stream_type: type):
     if is_async:
 
         async def traced_async(wrapped, instance, args, kwargs):
+            if inside():  # called from a proxied client's call: that one traces it
+                return await wrapped(*args, **kwargs)
             settings = await servers.afor_client(getattr(instance, "_client", None))
             if settings is None:
                 return await wrapped(*args, **kwargs)
-            return await acall(settings, operation, wrapped, args, kwargs)
+            return await acall(settings, operation, wrapped, args, kwargs, stream_type)
 
         return traced_async
 
     def traced(wrapped, instance, args, kwargs):
+        if inside():  # called from a proxied client's call: that one traces it
+            return wrapped(*args, **kwargs)
         settings = servers.for_client(getattr(instance, "_client", None))
         if settings is None:
             return wrapped(*args, **kwargs)
-        return call(settings, operation, wrapped, args, kwargs)
+        return call(settings, operation, wrapped, args, kwargs, stream_type)
 
     return traced
 

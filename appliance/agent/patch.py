@@ -8,6 +8,8 @@ the exceptions and the streaming behaviour are the bare client's own. The SDK's
 
 from __future__ import annotations
 
+import contextvars
+
 import openai
 import wrapt
 
@@ -34,36 +36,61 @@ class _Create(wrapt.ObjectProxy):
         )
 
 
-def call(settings: Settings, operation: str, create, args, kwargs):
-    """One sync ``create`` through the agent (shared by the proxy and the instrumentor)."""
-    traced = _new_call(settings, operation, kwargs)
+# Set while a traced call's ``create`` runs: a client both proxied (``instrument(client)``)
+# and patched by an instrumentor reaches the patched class method from inside the proxy's call,
+# and that inner layer then passes straight through, so the call gets one span (the outer,
+# proxy's: the settings the application chose for that client), not two.
+_inside: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "appliance_agent_inside", default=False
+)
+
+
+def inside() -> bool:
+    """Whether this thread or task is already inside a traced call's ``create``."""
+    return _inside.get()
+
+
+def call(settings: Settings, operation: str, create, args, kwargs, stream_type=openai.Stream):
+    """One sync ``create`` through the agent (shared by the proxy and the instrumentors).
+
+    ``stream_type``: the SDK's stream class (``anthropic.Stream`` for the Anthropic SDK), whose
+    instances are returned wrapped in :class:`.streams.SyncStream`."""
+    traced = None if _inside.get() else _new_call(settings, operation, kwargs)
     if traced is None:
         return create(*args, **kwargs)
     send = traced.start()
+    token = _inside.set(True)
     try:
         result = create(*args, **send)
     except BaseException as exc:
         traced.finish(error=exc)
         raise
-    if isinstance(result, openai.Stream):
+    finally:
+        _inside.reset(token)
+    if isinstance(result, stream_type):
         return SyncStream(result, traced)
     traced.on_response(result)
     traced.finish()
     return result
 
 
-async def acall(settings: Settings, operation: str, create, args, kwargs):
-    """One async ``create`` through the agent."""
-    traced = _new_call(settings, operation, kwargs)
+async def acall(
+    settings: Settings, operation: str, create, args, kwargs, stream_type=openai.AsyncStream
+):
+    """One async ``create`` through the agent (``stream_type``: the SDK's async stream class)."""
+    traced = None if _inside.get() else _new_call(settings, operation, kwargs)
     if traced is None:
         return await create(*args, **kwargs)
     send = await traced.astart()
+    token = _inside.set(True)
     try:
         result = await create(*args, **send)
     except BaseException as exc:
         await traced.afinish(error=exc)
         raise
-    if isinstance(result, openai.AsyncStream):
+    finally:
+        _inside.reset(token)
+    if isinstance(result, stream_type):
         return AsyncStream(result, traced)
     traced.on_response(result)
     await traced.afinish()

@@ -80,6 +80,7 @@ class Server:
     _restart_window: Window | None = None  # the call that waited last
     # This process's calls to the server, as they ended (certify's own calls).
     _ended: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
+    _last_end: float = 0.0  # when the last of them ended (monotonic)
 
     def __post_init__(self) -> None:
         self._changed = threading.Condition(self._lock)
@@ -104,6 +105,7 @@ class Server:
                 self._active.discard(w)
                 if w.sent:
                     self._ended.append(w)
+                    self._last_end = max(self._last_end, w.finished)
 
     def in_flight(self) -> int:
         """Calls begun and not yet ended."""
@@ -113,15 +115,21 @@ class Server:
     # -- the reading before a call ----------------------------------------------------------------
     def needs(self, w: Window, now: float | None = None) -> str:
         """What ``w`` needs before its request goes out: ``read`` (no reading yet: a server's
-        first call), ``wait`` for a pending after-read (a call without usage, which cannot use a
+        first call; or, with no after-read pending, the newest reading was sent before an own
+        call ended, e.g. calls with per-request figures that read nothing: that reading may
+        miss some of their tokens, so a window from it would hold them too and could never be
+        exact), ``wait`` for a pending after-read (a call without usage, which cannot use a
         certified reading; or, now and then (:meth:`restarted`), the first call after a broken
         chain, see :meth:`chained`), or ``""`` (the before-reading is picked after the call,
         on the worker: see :meth:`before`). ``now``: the monotonic time (default: the clock)."""
         with self._lock:
             if not self._readings and not self._pending:
                 return "read"
-            if not self._pending or w.overlapped:
-                return ""
+            if w.overlapped:
+                return ""  # shared whatever it starts from: neither a read nor a wait would help
+            if not self._pending:
+                newest = max(t.sent for t in self._readings)
+                return "read" if newest < self._last_end else ""
             if w.quiet_before:
                 return "wait"
             now = time.monotonic() if now is None else now

@@ -21,6 +21,8 @@ GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
 GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
+GEN_AI_REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
 GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
 GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 GEN_AI_RESPONSE_ID = "gen_ai.response.id"
@@ -72,6 +74,7 @@ def request_attributes(
         or kwargs.get("max_output_tokens"),
         GEN_AI_REQUEST_TEMPERATURE: kwargs.get("temperature"),
         GEN_AI_REQUEST_TOP_P: kwargs.get("top_p"),
+        GEN_AI_REQUEST_TOP_K: kwargs.get("top_k"),
         GEN_AI_REQUEST_STREAM: bool(kwargs.get("stream")),
         SERVER_ADDRESS: address,
         SERVER_PORT: port,
@@ -80,7 +83,12 @@ def request_attributes(
     if capture_content:
         payload = kwargs.get("messages", kwargs.get("prompt", kwargs.get("input")))
         attrs[GEN_AI_INPUT_MESSAGES] = json.dumps(payload, default=str)
-    return {k: v for k, v in attrs.items() if _is_set(v)}
+    out = {k: v for k, v in attrs.items() if _is_set(v)}
+    # Anthropic's stop_sequences: a list of strings, which _is_set leaves out.
+    stops = kwargs.get("stop_sequences")
+    if isinstance(stops, (list, tuple)) and stops and all(isinstance(x, str) for x in stops):
+        out[GEN_AI_REQUEST_STOP_SEQUENCES] = list(stops)
+    return out
 
 
 def _is_set(v: Any) -> bool:

@@ -19,7 +19,7 @@ from .worker import WORKER
 
 
 class SyncStream(wrapt.ObjectProxy):
-    """Proxy for ``openai.Stream``."""
+    """Proxy for ``openai.Stream`` or ``anthropic.Stream`` (both iterate with ``__next__``)."""
 
     def __init__(self, stream, call: Call) -> None:
         super().__init__(stream)
@@ -60,7 +60,7 @@ class SyncStream(wrapt.ObjectProxy):
 
 
 class AsyncStream(wrapt.ObjectProxy):
-    """Proxy for ``openai.AsyncStream``."""
+    """Proxy for ``openai.AsyncStream`` or ``anthropic.AsyncStream``."""
 
     def __init__(self, stream, call: Call) -> None:
         super().__init__(stream)
