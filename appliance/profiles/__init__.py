@@ -28,13 +28,21 @@ class Speculative:
     model: str = ""
     num_speculative_tokens: int = 2
     revision: str | None = None  # the drafter's pinned hub revision (a commit), when pinned
+    # vLLM's dynamic speculative decoding: ``(first batch size, last batch size, k)`` ranges,
+    # k capped at num_speculative_tokens (``appliance tune`` writes it; the validator checks it
+    # as vLLM's scheduler does). TOML gives arrays; they are kept as tuples (hashable, frozen).
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, ...], ...] | None = None
 
     def to_json(self, devmodel: str | None = None) -> str:
-        body = {
+        body: dict = {
             "method": self.method,
             "model": _fill(self.model, devmodel),
             "num_speculative_tokens": self.num_speculative_tokens,
         }
+        if self.num_speculative_tokens_per_batch_size is not None:
+            body["num_speculative_tokens_per_batch_size"] = [
+                list(entry) for entry in self.num_speculative_tokens_per_batch_size
+            ]
         return json.dumps(body, separators=(",", ":"))
 
 
@@ -185,6 +193,8 @@ def _fill(value: str, devmodel: str | None) -> str:
     return value.replace(DEVMODEL, devmodel) if devmodel is not None else value
 
 
+_SCHEDULE = "num_speculative_tokens_per_batch_size"
+
 _TABLES = {
     "speculative": Speculative,
     "hardware": Hardware,
@@ -197,6 +207,14 @@ def from_dict(data: dict, where: str = "profile") -> Profile:
     """Build a :class:`Profile` from parsed TOML; an unknown or missing field, or a value of
     the wrong type, is one UsageError naming the file, the table and the field."""
     data = dict(data)
+    spec = data.get("speculative")
+    schedule = spec.get(_SCHEDULE) if isinstance(spec, dict) else None
+    if isinstance(schedule, list):
+        # Arrays to tuples, as extra_args below: a wrong entry stays for the type check to name.
+        data["speculative"] = {
+            **spec,
+            _SCHEDULE: tuple(tuple(e) if isinstance(e, list) else e for e in schedule),
+        }
     for key, cls in _TABLES.items():
         if key in data:
             data[key] = records.build(cls, data[key], f"{where} [{key}]")
