@@ -233,14 +233,26 @@ def load_file(path: Path | str) -> Profile:
     return from_dict(data, where=str(path.name))
 
 
-def all_profiles() -> dict[str, Profile]:
-    """Every shipped profile, by name."""
-    out: dict[str, Profile] = {}
+def _shipped() -> dict[str, tuple[Profile, str]]:
+    """Every shipped profile and its TOML text, by name."""
+    out: dict[str, tuple[Profile, str]] = {}
     for entry in sorted(resources.files(__package__).joinpath("data").iterdir(), key=str):
         if entry.name.endswith(".toml"):
-            prof = from_dict(tomllib.loads(entry.read_text()), where=entry.name)
-            out[prof.name] = prof
+            text = entry.read_text()
+            prof = from_dict(tomllib.loads(text), where=entry.name)
+            out[prof.name] = (prof, text)
     return out
+
+
+def all_profiles() -> dict[str, Profile]:
+    """Every shipped profile, by name."""
+    return {name: prof for name, (prof, _) in _shipped().items()}
+
+
+def shipped_text(name: str) -> str:
+    """The TOML text of shipped profile ``name`` (a copy to edit keeps its comments)."""
+    get(name)  # an unknown name: the usage error listing the known ones
+    return _shipped()[name][1]
 
 
 def is_file_ref(value: str) -> bool:
