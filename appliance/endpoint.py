@@ -65,7 +65,8 @@ def resolve(
     env file refused) is a UsageError naming the file; with ``url`` given, the instance only
     lends its key (and its profile, when its env file names one).
     """
-    profile = profiles.get(profile_name) if profile_name else None
+    # A shipped profile's name, or the operator's profile file (bench and tune measure a copy).
+    profile = profiles.lookup(profile_name) if profile_name else None
     key = apikey.resolve(api_key, api_key_file, instance, root)
     if instance is None:
         return Endpoint(url or env_url or default, profile, key, None, root)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from appliance import devmodel, profiles
 from appliance.bench import prompts, runner
 from appliance.cli import cli
 from appliance.engine.local import OFFLINE_ENV, engine_command
@@ -269,6 +270,64 @@ def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):
     assert "95% CI" in res.output and "9 equal, 0 differ" in res.output
     assert paired["acceptance"] is None
     assert "acceptance not compared: the baseline does not draft" in res.output
+
+
+def test_tune_writes_a_schedule_that_vllms_config_applies(
+    mtp_engine, baseline_engine, tmp_path, monkeypatch
+):
+    """``appliance tune`` on the session engines (it starts none): one run per level at the
+    profile's k=2 and on the baseline, a k per level, and the profile copy it writes, read by
+    vLLM's own config code (a restart to watch the counters would cost an engine start): the
+    speculative config vLLM resolves keeps the schedule, and the per-batch-size lookup its
+    scheduler builds from it gives each level the k tune chose."""
+    dest = tmp_path / "tuned.toml"
+    args = [
+        "tune",
+        *("--url", mtp_engine.url, "--baseline-url", baseline_engine.url),
+        *("--profile", "cpu-tiny-mtp", "--concurrency", "1,4", "--requests", "4"),
+        *("--limit", "1", "--max-tokens", "16", "--write", str(dest), "--json"),
+    ]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    chosen = {lv["concurrency"]: lv["chosen_k"] for lv in out["levels"]}
+    assert set(chosen) == {1, 4} and set(chosen.values()) <= {1, 2}
+    for lv in out["levels"]:
+        # The run at k=2 gives both k' (the copy drafter: every draft accepted, ~3 tok/step).
+        assert lv["k"] == 2 and len(lv["predicted_tpot_s"]) == 2
+        assert lv["predicted_tokens_per_step"][-1] == pytest.approx(lv["tokens_per_step"])
+    for side in ("mtp", "baseline"):
+        assert [lv["requests"] for lv in out[side]] == [4, 4]
+    print(
+        f"\ntune: k per level {chosen}, schedule {out['num_speculative_tokens_per_batch_size']}"
+        f", {out['wall_s']:.1f} s"
+    )
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    tuned = profiles.load_file(dest)
+    assert tuned.name == "cpu-tiny-mtp-tuned"
+    for key, value in tuned.env.items():
+        monkeypatch.setenv(key, value)
+    ns = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(
+        tuned.serve_args(devmodel=devmodel.cached().root)
+    )
+    validate_parsed_serve_args(ns)
+    ns.model = ns.model_tag
+    config = AsyncEngineArgs.from_cli_args(ns).create_engine_config()
+    spec = config.speculative_config
+    schedule = [list(e) for e in spec.num_speculative_tokens_per_batch_size]
+    assert schedule == out["num_speculative_tokens_per_batch_size"]
+    # What vllm/v1/core/sched/scheduler.py builds at start and reads every step.
+    lookup = build_dynamic_sd_schedule_lookup(
+        spec.num_speculative_tokens_per_batch_size,
+        vllm_max_batch_size=config.scheduler_config.max_num_seqs,
+        vllm_num_speculative_tokens=spec.num_speculative_tokens,
+    )
+    assert {n: lookup[n] for n in chosen} == chosen
 
 
 def test_paired_bench_fails_an_mtp_side_that_drafts_worse(mtp_engine, mtp_random_engine, tmp_path):

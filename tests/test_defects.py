@@ -31,6 +31,17 @@ def applies(defect_id: str, version: str | None, profile: profiles.Profile) -> b
 # Per entry: (profile that has its conditions, affected versions, unaffected versions, profiles
 # on an affected version that lack a condition). None as a version: none given.
 H100_FP8_KV = variant("h100-31b-mtp", kv_cache_dtype="fp8")
+
+
+def with_schedule(name: str) -> profiles.Profile:
+    """Profile ``name`` with a k schedule as ``appliance tune`` writes one."""
+    prof = profiles.get(name)
+    spec = dataclasses.replace(
+        prof.speculative, num_speculative_tokens_per_batch_size=((1, 4, 2), (5, 64, 1))
+    )
+    return dataclasses.replace(prof, speculative=spec)
+
+
 CASES = {
     "fp8-kv-mtp-sm89": (
         variant("l4x4-31b-mtp", kv_cache_dtype="fp8"),
@@ -61,6 +72,12 @@ CASES = {
         ["0.21.0", "0.31.1"],
         ["0.32.0", "0.32.0rc1+cpu", None],
         [profiles.get("rtx5090x2-31b-fp8-mtp"), profiles.get("cpu-tiny-mtp")],  # one sequence
+    ),
+    "k-schedule-mtp-full-cudagraphs": (
+        with_schedule("h100-31b-mtp"),
+        ["0.25.0", "0.31.1"],
+        ["0.24.0", "0.32.0", None],
+        [profiles.get("h100-31b-mtp"), with_schedule("cpu-tiny-mtp")],
     ),
 }
 

@@ -248,3 +248,38 @@ def test_cli_list_and_show():
     assert result.output.startswith("vllm serve google/gemma-4-E4B-it ")
     assert "--max-num-batched-tokens 4096" in result.output
     assert "--enable-prefix-caching" in result.output
+
+
+def test_a_k_schedule_from_toml_reaches_the_speculative_config_and_is_warned_of_as_vllm_runs_it(
+    tmp_path,
+):
+    # What vLLM would not refuse but runs otherwise than written is a warning; what it refuses
+    # is an error (held to vLLM's own check in tests/test_vllm_parses_profiles.py).
+    text = profiles.shipped_text("cpu-tiny-mtp").replace('"cpu-tiny-mtp"', '"mine"', 1)
+    path = tmp_path / "mine.toml"
+    sched = "num_speculative_tokens_per_batch_size = [[1, 4, 3], [5, 64, 1]]\n"
+    path.write_text(
+        text.replace("num_speculative_tokens = 2\n", "num_speculative_tokens = 2\n" + sched)
+    )
+    prof = profiles.load_file(path)
+    assert prof.speculative.num_speculative_tokens_per_batch_size == ((1, 4, 3), (5, 64, 1))
+    assert '"num_speculative_tokens_per_batch_size":[[1,4,3],[5,64,1]]' in shlex.join(
+        prof.speculative_args(devmodel="/m")
+    )
+    capped = codes(prof)["speculative-schedule"]
+    assert capped.level == "warning" and "caps" in capped.message
+    empty = dataclasses.replace(
+        prof,
+        speculative=dataclasses.replace(prof.speculative, num_speculative_tokens_per_batch_size=()),
+    )
+    found = codes(empty)["speculative-schedule"]
+    assert found.level == "warning" and "at every batch size" in found.message
+    # A string where a batch size goes is refused when the file is read, as any wrong type.
+    path.write_text(
+        text.replace(
+            "num_speculative_tokens = 2\n",
+            "num_speculative_tokens = 2\n" + sched.replace("64", '"64"'),
+        )
+    )
+    with pytest.raises(profiles.UsageError, match="num_speculative_tokens_per_batch_size"):
+        profiles.load_file(path)

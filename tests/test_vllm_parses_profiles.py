@@ -17,10 +17,13 @@ import dataclasses
 import json
 from typing import Annotated
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from appliance import labels, profiles
 from appliance.multinode import node_args
+from appliance.profiles import validate
 from appliance.serve.container import speculative_args
 from appliance.units import engine_args
 
@@ -147,3 +150,90 @@ def test_a_wrong_speculative_config_key_or_value_is_refused(vllm_serve):
     assert problem.startswith("method = 'mpt': ")
     (problem,) = vllm_serve.speculative_problems({**spec, "num_speculative_tokens": 0})
     assert problem.startswith("num_speculative_tokens = 0: ")  # vLLM's gt=0 constraint
+
+
+# --- the k schedule (num_speculative_tokens_per_batch_size) ------------------------------------
+# vLLM's config types the schedule (SpeculativeConfig's field) and its scheduler checks the
+# ranges at engine start (validate_and_normalize_dynamic_sd_schedule, via the dense lookup it
+# builds): the validator must refuse exactly what those refuse, or an accepted profile is an
+# engine that never comes up, or a refused one a schedule the operator could have run.
+
+_ENTRIES = st.tuples(st.integers(-2, 12), st.integers(-2, 12), st.integers(-1, 4))
+_SHAPES = st.lists(st.lists(st.integers(-1, 12), min_size=1, max_size=4), max_size=3)
+
+
+def _vllm_refuses(schedule) -> bool:
+    """Whether vLLM's scheduler refuses ``schedule`` at engine start, as it calls the check:
+    only for a non-empty one (an empty schedule is skipped: static k)."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    if not schedule:
+        return False
+    try:
+        build_dynamic_sd_schedule_lookup([list(e) for e in schedule], 64, 3)
+    except ValueError:
+        return True
+    return False
+
+
+def _appliance_refuses(schedule) -> bool:
+    return validate.schedule_problem(tuple(tuple(e) for e in schedule)) is not None
+
+
+@hypothesis.settings(max_examples=300)
+@hypothesis.given(st.one_of(st.lists(_ENTRIES, min_size=1, max_size=4), _SHAPES))
+def test_the_schedule_is_refused_exactly_where_vllms_scheduler_refuses_it(vllm_serve, schedule):
+    assert _appliance_refuses(schedule) == _vllm_refuses(schedule), schedule
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        [[1, 4, 2], [5, 64, 1]],  # what tune writes
+        [[5, 64, 1], [1, 4, 2]],  # unsorted: vLLM sorts
+        [[1, 2, 3], [9, 16, 1]],  # a gap: vLLM carries 3 through 3..8
+        [[1, 1, 3], [2, 64, 0]],  # k = 0: no drafting from 2 on
+    ],
+)
+def test_a_profile_with_a_schedule_reaches_vllms_config(vllm_serve, schedule):
+    prof = profiles.get("l4x4-31b-mtp")
+    spec = dataclasses.replace(
+        prof.speculative,
+        num_speculative_tokens_per_batch_size=tuple(tuple(e) for e in schedule),
+    )
+    prof = dataclasses.replace(prof, speculative=spec)
+    assert "speculative-schedule" not in {f.code for f in validate.errors(validate.check(prof))}
+    (argv,) = _argvs(prof).values()
+    ea = vllm_serve.parse(argv)[1]
+    config = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert ea.speculative_config["num_speculative_tokens_per_batch_size"] == schedule
+    assert vllm_serve.speculative_problems(config) == []
+    assert not _vllm_refuses(schedule)
+
+
+@pytest.mark.parametrize(
+    "schedule, why",
+    [
+        ([[2, 64, 1]], "must start at 1"),
+        ([[1, 8, 2], [8, 64, 1]], "overlap"),
+        ([[1, 8]], "not 3 numbers"),
+        ([[1, 8, -1]], "k must be >= 0"),
+        ([[4, 1, 2]], "starts after it ends"),
+    ],
+)
+def test_a_schedule_vllm_refuses_is_a_validation_error(vllm_serve, schedule, why):
+    assert _vllm_refuses(schedule)
+    prof = profiles.get("cpu-tiny-mtp")
+    spec = dataclasses.replace(
+        prof.speculative,
+        num_speculative_tokens_per_batch_size=tuple(tuple(e) for e in schedule),
+    )
+    (finding,) = [
+        f
+        for f in validate.check(dataclasses.replace(prof, speculative=spec))
+        if f.code == "speculative-schedule"
+    ]
+    assert finding.level == "error" and why in finding.message
+    # The field's type is vLLM's too: a schedule of pairs fails its pydantic check there.
+    if any(len(e) != 3 for e in schedule):
+        assert vllm_serve.speculative_problems({"num_speculative_tokens_per_batch_size": schedule})

@@ -60,17 +60,30 @@ class LevelResult:
             return self.counters, "counters"
         return None, self.counters.status
 
+    def predicted_lengths(self) -> tuple[float, ...] | None:
+        """Tokens per step at every k' <= k from this level's run at k: per request when the
+        requests carry their own figures, else from the level's summed per-position rates."""
+        spec, source = self.spec()
+        if source == "request":
+            predicted = specdecode.predicted_lengths_of([r.spec for r in self.records])
+            if predicted is not None:
+                return predicted
+        if spec is not None and spec.per_position:
+            return specdecode.predicted_lengths(spec.per_position)
+        return None
+
+    def tpot_median_s(self) -> float | None:
+        """The level's median TPOT (vLLM's definition, per request)."""
+        s = _summary([r.tpot_s for r in self.records if r.tpot_s is not None])
+        return None if s is None else s["median"]
+
     def to_dict(self) -> dict:
         rs = self.records
         tokens = sum(r.output_tokens for r in rs)
         spec, source = self.spec()
         figures = (spec or specdecode.Delta("absent")).to_dict()
         figures.pop("status")
-        predicted = (
-            specdecode.predicted_lengths_of([r.spec for r in rs]) if source == "request" else None
-        )
-        if predicted is None and spec is not None and spec.per_position:
-            predicted = specdecode.predicted_lengths(spec.per_position)
+        predicted = self.predicted_lengths()
         return {
             "concurrency": self.concurrency,
             "requests": len(rs),

@@ -40,6 +40,7 @@ COMMANDS = {
     "render": ("units", "render"),
     "rollback": ("cutover", "rollback"),
     "status": ("cutover", "status"),
+    "tune": ("tune", "tune"),
     "uninstall": ("units", "uninstall"),
 }
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -16,7 +14,7 @@ from ..devmodel import DRAFTER_KINDS
 from ..endpoint import Endpoint
 from ..errors import ApplianceError, UsageError
 from ..profiles import get
-from .options import endpoint_options
+from .options import endpoint_options, progress_bar
 
 
 def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
@@ -27,16 +25,6 @@ def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
             raise UsageError(f"--k-url wants K=URL, not {v!r}")
         out[int(k)] = url
     return out
-
-
-@contextlib.contextmanager
-def _progress(total: int, label: str):
-    """A progress bar on stderr (click hides it when stderr is not a terminal)."""
-    if total < 2:
-        yield None
-        return
-    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
-        yield bar.update
 
 
 @click.command()
@@ -212,7 +200,7 @@ def bench(
         if urls and sorted(urls) != sorted(ks):
             raise UsageError("--k-url must name exactly the k values of --sweep-k")
         per_k = config.measured_requests + config.warmups
-        with _progress(per_k * len(ks), "sweep") as tick:
+        with progress_bar(per_k * len(ks), "sweep") as tick:
             if urls:
                 result = sweep.sweep_urls(urls, config, tick, api_key=secret)
             else:
@@ -230,18 +218,18 @@ def bench(
         ep = runner.open_endpoint(url, "endpoint", secret)
         count = requests or 0
         total = sum(count or max(4 * n, config.measured_requests) for n in levels)
-        with _progress(total, "concurrency") as tick:
+        with progress_bar(total, "concurrency") as tick:
             result = concurrency_lib.run_concurrency(ep, config, levels, requests, tick)
         kind = "concurrency"
     elif url:
         ep = runner.open_endpoint(url, "endpoint", secret)
-        with _progress(config.measured_requests + config.warmups, "bench") as tick:
+        with progress_bar(config.measured_requests + config.warmups, "bench") as tick:
             result = runner.run_endpoint(ep, config, tick)
         kind = "single"
     else:
         mtp = runner.open_endpoint(mtp_url, "mtp", secret)
         base = runner.open_endpoint(baseline_url, "baseline", secret)
-        with _progress(2 * (config.measured_requests + config.warmups), "paired") as tick:
+        with progress_bar(2 * (config.measured_requests + config.warmups), "paired") as tick:
             result = runner.run_paired(mtp, base, config, tick, tolerance)
         kind = "paired"
     if out:

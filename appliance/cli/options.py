@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from pathlib import Path
 
 import click
@@ -121,3 +123,14 @@ def endpoint_options(*, profile_help: str, default_url: str | None = endpoint.DE
         return wrapper
 
     return decorate
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, label: str):
+    """A progress bar on stderr (click hides it when stderr is not a terminal); yields its
+    ``update``, or ``None`` for fewer than two steps."""
+    if total < 2:
+        yield None
+        return
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        yield bar.update

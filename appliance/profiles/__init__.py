@@ -35,13 +35,21 @@ class Speculative:
     model: str = ""
     num_speculative_tokens: int = 2
     revision: str | None = None  # the drafter's pinned hub revision (a commit), when pinned
+    # vLLM's dynamic speculative decoding: ``(first batch size, last batch size, k)`` ranges,
+    # k capped at num_speculative_tokens (``appliance tune`` writes it; the validator checks it
+    # as vLLM's scheduler does). TOML gives arrays; they are kept as tuples (hashable, frozen).
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, ...], ...] | None = None
 
     def to_json(self, devmodel: str | None = None) -> str:
-        body = {
+        body: dict = {
             "method": self.method,
             "model": _fill(self.model, devmodel),
             "num_speculative_tokens": self.num_speculative_tokens,
         }
+        if self.num_speculative_tokens_per_batch_size is not None:
+            body["num_speculative_tokens_per_batch_size"] = [
+                list(entry) for entry in self.num_speculative_tokens_per_batch_size
+            ]
         return json.dumps(body, separators=(",", ":"))
 
 
@@ -198,6 +206,8 @@ def _fill(value: str, devmodel: str | None) -> str:
     return value.replace(DEVMODEL, devmodel) if devmodel is not None else value
 
 
+_SCHEDULE = "num_speculative_tokens_per_batch_size"
+
 _TABLES = {
     "speculative": Speculative,
     "hardware": Hardware,
@@ -210,6 +220,14 @@ def from_dict(data: dict, where: str = "profile") -> Profile:
     """Build a :class:`Profile` from parsed TOML; an unknown or missing field, or a value of
     the wrong type, is one UsageError naming the file, the table and the field."""
     data = dict(data)
+    spec = data.get("speculative")
+    schedule = spec.get(_SCHEDULE) if isinstance(spec, dict) else None
+    if isinstance(schedule, list):
+        # Arrays to tuples, as extra_args below: a wrong entry stays for the type check to name.
+        data["speculative"] = {
+            **spec,
+            _SCHEDULE: tuple(tuple(e) if isinstance(e, list) else e for e in schedule),
+        }
     for key, cls in _TABLES.items():
         if key in data:
             data[key] = records.build(cls, data[key], f"{where} [{key}]")
@@ -228,14 +246,26 @@ def load_file(path: Path | str) -> Profile:
     return from_dict(data, where=str(path.name))
 
 
-def all_profiles() -> dict[str, Profile]:
-    """Every shipped profile, by name."""
-    out: dict[str, Profile] = {}
+def _shipped() -> dict[str, tuple[Profile, str]]:
+    """Every shipped profile and its TOML text, by name."""
+    out: dict[str, tuple[Profile, str]] = {}
     for entry in sorted(resources.files(__package__).joinpath("data").iterdir(), key=str):
         if entry.name.endswith(".toml"):
-            prof = from_dict(tomllib.loads(entry.read_text()), where=entry.name)
-            out[prof.name] = prof
+            text = entry.read_text()
+            prof = from_dict(tomllib.loads(text), where=entry.name)
+            out[prof.name] = (prof, text)
     return out
+
+
+def all_profiles() -> dict[str, Profile]:
+    """Every shipped profile, by name."""
+    return {name: prof for name, (prof, _) in _shipped().items()}
+
+
+def shipped_text(name: str) -> str:
+    """The TOML text of shipped profile ``name`` (a copy to edit keeps its comments)."""
+    get(name)  # an unknown name: the usage error listing the known ones
+    return _shipped()[name][1]
 
 
 def is_file_ref(value: str) -> bool:

@@ -37,6 +37,7 @@ class Needs:
     compute_capability: tuple[str, ...] = ()  # any of these
     kv_cache_fp8: bool = False
     concurrent: bool = False  # more than one sequence at a time
+    k_schedule: bool = False  # a num_speculative_tokens_per_batch_size schedule
 
     def met_by(self, c: Conditions) -> bool:
         """True when ``c`` has everything this asks for."""
@@ -46,6 +47,7 @@ class Needs:
             and (not self.compute_capability or c.compute_capability in self.compute_capability)
             and (not self.kv_cache_fp8 or c.kv_cache_fp8)
             and (not self.concurrent or c.concurrent)
+            and (not self.k_schedule or c.k_schedule)
         )
 
 
@@ -58,6 +60,7 @@ class Conditions:
     compute_capability: str = ""
     kv_cache_fp8: bool = False
     concurrent: bool = True
+    k_schedule: bool = False
 
     @classmethod
     def of(cls, profile: Profile) -> Conditions:
@@ -69,6 +72,8 @@ class Conditions:
             kv_cache_fp8=(profile.kv_cache_dtype or "").startswith("fp8"),
             # vLLM's default max_num_seqs runs many sequences at once.
             concurrent=profile.max_num_seqs is None or profile.max_num_seqs > 1,
+            k_schedule=profile.speculative is not None
+            and profile.speculative.num_speculative_tokens_per_batch_size is not None,
         )
 
 

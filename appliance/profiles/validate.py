@@ -131,6 +131,70 @@ def _k(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
         )
 
 
+def schedule_problem(schedule: tuple[tuple[int, ...], ...]) -> str | None:
+    """Why vLLM refuses a ``num_speculative_tokens_per_batch_size`` schedule, or ``None``.
+
+    The rules and their order are vLLM's own (``validate_and_normalize_dynamic_sd_schedule`` in
+    vllm/v1/spec_decode/dynamic/utils.py, which the scheduler runs at engine start: a refusal
+    there is an engine that never comes up); tests/test_vllm_parses_profiles.py holds the two
+    to the same verdict. An empty schedule passes here as there (see :func:`_k_schedule`)."""
+    for entry in schedule:
+        if len(entry) != 3:
+            return f"entry {list(entry)} is not 3 numbers (first batch size, last, k)"
+        start, end, k = entry
+        if start <= 0 or end <= 0:
+            return f"batch-size range ({start}, {end}) must be positive"
+        if start > end:
+            return f"entry {list(entry)} starts after it ends"
+        if k < 0:
+            return f"entry {list(entry)}: k must be >= 0"
+    previous_end = 0
+    for start, end, _ in sorted(schedule, key=lambda e: e[0]):
+        if start <= previous_end:
+            return "batch-size ranges overlap"
+        previous_end = end
+    if schedule and min(e[0] for e in schedule) != 1:
+        return "the first batch-size range must start at 1 (every batch size needs a k)"
+    return None
+
+
+def _k_schedule(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    spec = p.speculative
+    if spec is None or spec.num_speculative_tokens_per_batch_size is None:
+        return
+    schedule = spec.num_speculative_tokens_per_batch_size
+    problem = schedule_problem(schedule)
+    if problem is not None:
+        yield Finding(
+            "error",
+            "speculative-schedule",
+            f"[speculative] num_speculative_tokens_per_batch_size: {problem}: vLLM's scheduler "
+            "refuses it at engine start",
+            "give non-overlapping [first, last, k] ranges starting at batch size 1 "
+            "(appliance tune writes one)",
+        )
+        return
+    if not schedule:
+        # vLLM's scheduler skips an empty schedule (static k), yet its config still counts it
+        # as dynamic speculative decoding and drops full CUDA graphs for it on the V1 runner.
+        yield Finding(
+            "warning",
+            "speculative-schedule",
+            "[speculative] num_speculative_tokens_per_batch_size is empty: vLLM runs "
+            f"num_speculative_tokens = {spec.num_speculative_tokens} at every batch size",
+            "remove the key, or give the ranges",
+        )
+    capped = [list(e) for e in schedule if e[2] > spec.num_speculative_tokens]
+    if capped:
+        yield Finding(
+            "warning",
+            "speculative-schedule",
+            f"[speculative] num_speculative_tokens_per_batch_size {capped}: k above "
+            f"num_speculative_tokens = {spec.num_speculative_tokens}, which vLLM caps it to",
+            "raise num_speculative_tokens (the most any batch size drafts), or lower the entry",
+        )
+
+
 def _parallelism(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
     if p.multinode is not None:
         return  # parallelism across nodes: _multinode
@@ -388,6 +452,7 @@ RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
     _known_defects,
     _mtp_version,
     _k,
+    _k_schedule,
     _parallelism,
     _drafter,
     _exposure,

@@ -1,0 +1,253 @@
+"""``appliance tune``: the k for each batch size from one run, written as vLLM's k schedule.
+
+A running vLLM cannot change ``num_speculative_tokens``, so a sweep over k costs a model load per
+k (471 s for 31B NVFP4 in a seed). vLLM's dynamic speculative decoding takes a schedule instead,
+``num_speculative_tokens_per_batch_size = [[first, last, k], ...]``, which its scheduler reads
+each step by the number of scheduled requests. Tune fills it from one concurrency bench of the
+MTP endpoint at the profile's k and of the same model without MTP (the baseline), level by level:
+
+- tokens per step at every k' <= k: from the run at k by prefix acceptance
+  (:func:`appliance.specdecode.predicted_lengths_of`, per request where the responses carry their
+  own figures);
+- the step cost: the line through the baseline (k = 0, one token per step) and the run at k
+  (:func:`appliance.specdecode.step_cost`), so a predicted TPOT per k'
+  (:func:`appliance.specdecode.predicted_tpot`);
+- the k' with the lowest predicted TPOT (ties: the smaller, less drafting work for the same
+  speed). Never 0: where the baseline beats every k', the level says MTP does not pay there, and
+  the schedule keeps k' >= 1, since vLLM counts prefills in the batch size and a threshold to
+  k = 0 thrashes under load (vllm#49548, open).
+
+Each level's k applies from the batch size halfway after the level below it; the first range
+starts at 1 (vLLM requires it) and the last runs to the profile's ``max_num_seqs`` (vLLM carries
+the last k on past it anyway). Adjacent ranges with the same k are merged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import fsutil, specdecode
+from ..errors import UsageError
+from ..profiles import Profile, from_dict
+from ..profiles import validate as profile_validate
+from .concurrency import LevelResult, run_level
+from .runner import BenchConfig, Endpoint, Progress
+
+SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
+
+
+@dataclass(frozen=True)
+class LevelChoice:
+    """What one concurrency level says about k: the measured TPOTs, the predictions per k'
+    (index i is k' = i + 1) and the k' chosen."""
+
+    concurrency: int
+    k: int  # the k the MTP endpoint ran
+    baseline_tpot_s: float
+    mtp_tpot_s: float
+    tokens_per_step: float  # measured at k
+    predicted_tokens_per_step: tuple[float, ...]
+    predicted_tpot_s: tuple[float, ...]
+    chosen_k: int
+
+    @property
+    def mtp_pays(self) -> bool:
+        """Whether the chosen k' is predicted faster than serving without MTP."""
+        return self.predicted_tpot_s[self.chosen_k - 1] < self.baseline_tpot_s
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "mtp_pays": self.mtp_pays}
+
+
+def choose(
+    concurrency: int,
+    lengths: tuple[float, ...],
+    mtp_tpot_s: float,
+    baseline_tpot_s: float,
+) -> LevelChoice:
+    """The k' for one level from the run at k = ``len(lengths)`` (its tokens per step at every
+    k' <= k) and the two measured median TPOTs."""
+    k = len(lengths)
+    if k < 1:
+        raise UsageError(f"concurrency {concurrency}: no per-position acceptance to predict from")
+    cost = specdecode.step_cost((0, baseline_tpot_s, 1.0), (k, mtp_tpot_s, lengths[-1]))
+    assert cost is not None  # k >= 1, never the baseline's 0
+    tpots = specdecode.predicted_tpot(lengths, cost)
+    best = min(range(k), key=lambda i: (tpots[i], i))
+    return LevelChoice(
+        concurrency, k, baseline_tpot_s, mtp_tpot_s, lengths[-1], lengths, tpots, best + 1
+    )
+
+
+def choose_level(mtp: LevelResult, baseline: LevelResult) -> LevelChoice:
+    """:func:`choose` from the two endpoints' runs of one level."""
+    n = mtp.concurrency
+    lengths = mtp.predicted_lengths()
+    if lengths is None:
+        raise UsageError(
+            f"concurrency {n}: the MTP endpoint reported no per-position acceptance",
+            fix="give the endpoint that serves the profile with MTP (--url or NAME)",
+        )
+    mtp_tpot, base_tpot = mtp.tpot_median_s(), baseline.tpot_median_s()
+    if mtp_tpot is None or base_tpot is None:
+        raise UsageError(f"concurrency {n}: no TPOT measured (--max-tokens must be >= 2)")
+    return choose(n, lengths, mtp_tpot, base_tpot)
+
+
+def schedule(choices: list[LevelChoice], max_num_seqs: int | None) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``[first, last, k]`` ranges for the chosen k' per level (see the module's text)."""
+    levels = sorted(choices, key=lambda c: c.concurrency)
+    out: list[list[int]] = []
+    start = 1
+    for i, c in enumerate(levels):
+        if i + 1 < len(levels):
+            end = (c.concurrency + levels[i + 1].concurrency) // 2
+        else:
+            end = max(c.concurrency, max_num_seqs or 0)
+        if out and out[-1][2] == c.chosen_k:
+            out[-1][1] = end
+        else:
+            out.append([start, end, c.chosen_k])
+        start = end + 1
+    return tuple(tuple(e) for e in out)
+
+
+@dataclass
+class TuneResult:
+    profile: Profile  # the profile as measured (its k)
+    choices: list[LevelChoice]
+    mtp_levels: list[LevelResult]
+    baseline_levels: list[LevelResult]
+    wall_s: float
+
+    @property
+    def schedule(self) -> tuple[tuple[int, ...], ...]:
+        return schedule(self.choices, self.profile.max_num_seqs)
+
+    def tuned(self, name: str | None = None) -> Profile:
+        """The profile with the schedule (and ``name``, when given)."""
+        assert self.profile.speculative is not None
+        spec = dataclasses.replace(
+            self.profile.speculative, num_speculative_tokens_per_batch_size=self.schedule
+        )
+        return dataclasses.replace(self.profile, name=name or self.profile.name, speculative=spec)
+
+    def to_dict(self) -> dict:
+        return {
+            "profile": self.profile.name,
+            "k": self.profile.speculative.num_speculative_tokens
+            if self.profile.speculative
+            else None,
+            "levels": [c.to_dict() for c in self.choices],
+            SCHEDULE_KEY: [list(e) for e in self.schedule],
+            "wall_s": self.wall_s,
+            "mtp": [lv.to_dict() for lv in self.mtp_levels],
+            "baseline": [lv.to_dict() for lv in self.baseline_levels],
+        }
+
+
+def check_profile(profile: Profile | None) -> Profile:
+    """The profile tune can measure: MTP at a fixed k (a schedule already there would be what
+    the run measures instead of k)."""
+    if profile is None:
+        raise UsageError(
+            "tune needs the profile the MTP endpoint serves",
+            fix="give NAME (an installed instance) or --profile NAME|FILE",
+        )
+    if not profile.mtp or profile.speculative is None:
+        raise UsageError(f"profile {profile.name} has no MTP to tune")
+    if profile.speculative.num_speculative_tokens_per_batch_size is not None:
+        raise UsageError(
+            f"profile {profile.name} already has a {SCHEDULE_KEY}: tune measures one fixed k",
+            fix="serve the profile without the schedule for the tuning run",
+        )
+    return profile
+
+
+def run(
+    profile: Profile,
+    mtp: Endpoint,
+    baseline: Endpoint,
+    config: BenchConfig,
+    levels: list[int],
+    requests: int | None = None,
+    progress: Progress | None = None,
+) -> TuneResult:
+    """Bench both endpoints level by level (MTP then baseline at each, so a drifting host
+    weighs on both alike) and choose k per level."""
+    profile = check_profile(profile)
+    if not mtp.speculative:
+        raise UsageError(f"{mtp.url} serves without speculative decoding: not the MTP endpoint")
+    if mtp.model != baseline.model:
+        raise UsageError(f"the endpoints serve different models ({mtp.model} vs {baseline.model})")
+    start = time.monotonic()
+    mtp_levels, base_levels, choices = [], [], []
+    for n in sorted(levels):
+        count = requests or max(4 * n, config.measured_requests)
+        m = run_level(mtp, config, n, count, progress)
+        b = run_level(baseline, config, n, count, progress)
+        c = choose_level(m, b)
+        k = profile.speculative.num_speculative_tokens if profile.speculative else 0
+        if c.k != k:
+            raise UsageError(
+                f"{mtp.url} drafts k={c.k}, profile {profile.name} says k={k}",
+                fix="give the profile that endpoint serves",
+            )
+        mtp_levels.append(m)
+        base_levels.append(b)
+        choices.append(c)
+    return TuneResult(profile, choices, mtp_levels, base_levels, time.monotonic() - start)
+
+
+# --- writing the profile copy -----------------------------------------------------------------
+
+_HEADER = re.compile(r"^\s*\[speculative\]\s*(#.*)?$", re.MULTILINE)
+_NAME = re.compile(r'^name\s*=\s*"[^"\n]*"\s*$', re.MULTILINE)
+_OLD = re.compile(rf"^\s*{SCHEDULE_KEY}\s*=.*\n?", re.MULTILINE)
+
+
+def with_schedule_text(source: str, tuned: Profile) -> str:
+    """``source`` (the profile's TOML text) with ``tuned``'s name and schedule, every other line
+    and comment kept; checked by parsing it back: the text must load as exactly ``tuned``."""
+    assert tuned.speculative is not None and tuned.speculative.num_speculative_tokens_per_batch_size
+    header = _HEADER.search(source)
+    if header is None:
+        raise UsageError("the profile's TOML has no [speculative] table to put the schedule in")
+    body_start = header.end() + 1
+    nxt = re.compile(r"^\s*\[", re.MULTILINE).search(source, body_start)
+    body_end = nxt.start() if nxt else len(source)
+    body = _OLD.sub("", source[body_start:body_end])
+    ranges = tuned.speculative.num_speculative_tokens_per_batch_size
+    entries = ", ".join(f"[{', '.join(map(str, e))}]" for e in ranges)
+    line = (
+        "# Written by `appliance tune`: [first batch size, last, k] ranges (vLLM's dynamic "
+        f"speculative decoding).\n{SCHEDULE_KEY} = [{entries}]\n"
+    )
+    text = source[:body_start] + line + body + source[body_end:]
+    top = text[: _HEADER.search(text).start()]
+    if _NAME.search(top) is None:
+        raise UsageError('the profile\'s TOML has no top-level name = "..." line')
+    text = _NAME.sub(f'name = "{tuned.name}"', text, count=1)
+    try:
+        back = from_dict(tomllib.loads(text), "the tuned profile")
+    except (tomllib.TOMLDecodeError, UsageError) as exc:
+        raise UsageError(f"could not write the schedule into the profile's TOML: {exc}") from None
+    if back != tuned:
+        raise UsageError(
+            "could not write the schedule into the profile's TOML: it reads back differently",
+            fix=f"put {SCHEDULE_KEY} = [...] under [speculative] by hand",
+        )
+    return text
+
+
+def write(dest: Path, source: str, tuned: Profile) -> list[profile_validate.Finding]:
+    """Validate ``tuned`` and write it to ``dest`` (atomically: a failure keeps the file that
+    was there); returns the validator's warnings."""
+    warnings = profile_validate.require_valid(tuned)
+    fsutil.write_atomic(dest, with_schedule_text(source, tuned))
+    return warnings

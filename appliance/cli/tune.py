@@ -1,0 +1,173 @@
+"""``appliance tune``: k per batch size from one concurrency run, as vLLM's k schedule."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .. import profiles
+from ..bench import concurrency, prompts, runner
+from ..bench import tune as tune_lib
+from ..endpoint import Endpoint
+from ..errors import UsageError
+from ..host.names import profile_copy
+from ..tables import table
+from .options import endpoint_options, progress_bar
+
+
+def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles.Profile) -> str:
+    """The TOML text the measured profile came from: the operator's file, the instance's
+    installed copy, else the shipped profile."""
+    if profile_name and profiles.is_file_ref(profile_name):
+        return Path(profile_name).read_text()
+    if endpoint.instance and not profile_name:
+        copy = endpoint.root / profile_copy(endpoint.instance).lstrip("/")
+        if copy.exists():
+            return copy.read_text()
+    return profiles.shipped_text(profile.name)
+
+
+@click.command()
+@endpoint_options(
+    profile_help="The profile the MTP endpoint serves (a shipped name or a FILE) [default: the "
+    "instance's].",
+    default_url=None,
+)
+@click.option("--baseline-url", required=True, help="The same model served without MTP.")
+@click.option(
+    "--concurrency",
+    "levels",
+    default="1,4,16",
+    show_default=True,
+    metavar="N,N,...",
+    help="Concurrency levels to measure; each level's k covers the batch sizes nearest it.",
+)
+@click.option(
+    "--requests",
+    type=int,
+    default=None,
+    help="Measured requests per level and endpoint (default: 4 per slot, at least every "
+    "prompt once), after N warm-up requests.",
+)
+@click.option(
+    "--write",
+    "dest",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    metavar="FILE",
+    help="Write the profile with the schedule here (validated; atomic: a failure keeps the "
+    "file that was there). Without it, tune only prints.",
+)
+@click.option(
+    "--name",
+    "new_name",
+    default=None,
+    help="The written profile's name [default: a shipped profile's NAME-tuned, an operator's "
+    "own name].",
+)
+@click.option(
+    "--prompts",
+    "sets",
+    default=",".join(prompts.SHIPPED),
+    show_default=True,
+    help="Shipped prompt sets, comma-separated.",
+)
+@click.option(
+    "--prompt-file",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help='Your JSONL prompts ({"prompt": ...} or {"messages": [...]} per line).',
+)
+@click.option("--limit", type=int, default=None, help="First N prompts of each set.")
+@click.option("--max-tokens", multiple=True, type=int, default=(128,), show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON record instead of a table.")
+def tune(
+    endpoint: Endpoint,
+    baseline_url,
+    levels,
+    requests,
+    dest,
+    new_name,
+    sets,
+    prompt_file,
+    limit,
+    max_tokens,
+    as_json,
+) -> None:
+    """Choose k per batch size from one run at the profile's k, and write vLLM's schedule.
+
+    Benches NAME (or --url), the MTP endpoint, and --baseline-url at each concurrency level,
+    predicts tokens per step and TPOT for every k' <= k from that one run (prefix acceptance;
+    the step cost from the baseline and the run at k), and picks the fastest k' per level: no
+    server restart per k. The schedule goes into [speculative]
+    num_speculative_tokens_per_batch_size of a copy of the profile (--write).
+
+    \b
+    Examples:
+      appliance tune 31b --baseline-url http://127.0.0.1:8002 --write 31b-tuned.toml
+      appliance install 31b --profile 31b-tuned.toml    # then restart to apply
+      appliance tune --url http://127.0.0.1:8001 --profile l4x4-31b-mtp \\
+          --baseline-url http://127.0.0.1:8002 --concurrency 1,8,32 --json
+
+    A prediction, not a measurement of the schedule: bench the tuned profile to confirm. On
+    the CPU engine a step costs about k times a token; on a GPU the prediction is what counts.
+    """
+    ctx = click.get_current_context()
+    profile_name = ctx.params.get("profile_name") or None
+    profile = tune_lib.check_profile(endpoint.profile)
+    sets_list = [s.strip() for s in sets.split(",") if s.strip()]
+    config = runner.BenchConfig(
+        tuple(prompts.resolve(sets_list, prompt_file, limit)),
+        tuple(max_tokens),
+        runs=1,
+        warmups=1,
+    )
+    level_list = concurrency.parse_levels(levels)
+    if requests is not None and requests < 1:
+        raise UsageError("--requests must be at least 1")
+    source = _source_text(endpoint, profile_name, profile) if dest else None
+    name = new_name or (
+        f"{profile.name}-tuned" if profile.name in profiles.all_profiles() else profile.name
+    )
+
+    mtp = runner.open_endpoint(endpoint.url, "mtp", endpoint.secret)
+    base = runner.open_endpoint(baseline_url, "baseline", endpoint.secret)
+    total = 2 * sum(requests or max(4 * n, config.measured_requests) for n in level_list)
+    with progress_bar(total, "tune") as tick:
+        result = tune_lib.run(profile, mtp, base, config, level_list, requests, tick)
+    warnings = tune_lib.write(dest, source, result.tuned(name)) if dest and source else []
+    if as_json:
+        out = result.to_dict() | {"written": str(dest) if dest else None, "name": name}
+        click.echo(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        rows = [
+            [
+                str(c.concurrency),
+                f"{c.baseline_tpot_s * 1000:.1f}",
+                f"{c.mtp_tpot_s * 1000:.1f}",
+                f"{c.tokens_per_step:.2f}",
+                " ".join(f"{t * 1000:.1f}" for t in c.predicted_tpot_s),
+                str(c.chosen_k),
+                "yes" if c.mtp_pays else "no",
+            ]
+            for c in result.choices
+        ]
+        k = result.choices[0].k
+        headers = [
+            "concurrency",
+            "baseline TPOT ms",
+            f"MTP TPOT ms (k={k})",
+            "tok/step",
+            f"predicted TPOT ms k'=1..{k}",
+            "k",
+            "MTP pays",
+        ]
+        click.echo(table(headers, rows, ">>>>>><"))
+        entries = [list(e) for e in result.schedule]
+        click.echo(f"\n{tune_lib.SCHEDULE_KEY} = {entries}  ({result.wall_s:.0f} s)")
+        if dest:
+            click.echo(f"wrote profile {name} to {dest}")
+    for w in warnings:
+        click.echo(f"  {w}", err=True)
