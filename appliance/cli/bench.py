@@ -14,7 +14,7 @@ from ..devmodel import DRAFTER_KINDS
 from ..endpoint import Endpoint
 from ..errors import ApplianceError, UsageError
 from ..profiles import get
-from .options import endpoint_options, progress_bar
+from .options import endpoint_options, progress_bar, prompt_options
 
 
 def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
@@ -69,20 +69,7 @@ def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
     show_default=True,
     help="Tiny drafter for the local k sweep.",
 )
-@click.option(
-    "--prompts",
-    "sets",
-    default=",".join(prompts.SHIPPED),
-    show_default=True,
-    help="Shipped prompt sets, comma-separated.",
-)
-@click.option(
-    "--prompt-file",
-    multiple=True,
-    type=click.Path(path_type=Path),
-    help='Your JSONL prompts ({"prompt": ...} or {"messages": [...]} per line).',
-)
-@click.option("--limit", type=int, default=None, help="First N prompts of each set.")
+@prompt_options
 @click.option(
     "--max-tokens",
     multiple=True,

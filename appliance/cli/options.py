@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from .. import endpoint
+from ..bench import prompts
 from ..errors import UsageError
 
 # One meaning everywhere: where the host's /etc and /var/lib are (an image being built, a test
@@ -43,6 +44,25 @@ def api_key_options(f):
         metavar="KEY",
         help="The API key itself (prefer --api-key-file: a command line is "
         "visible to other users).",
+    )(f)
+
+
+def prompt_options(f):
+    """``--prompts SETS``, ``--prompt-file FILE`` and ``--limit N``: what bench and tune send.
+    The command receives ``sets``, ``prompt_file`` and ``limit``."""
+    f = click.option("--limit", type=int, default=None, help="First N prompts of each set.")(f)
+    f = click.option(
+        "--prompt-file",
+        multiple=True,
+        type=click.Path(path_type=Path),
+        help='Your JSONL prompts ({"prompt": ...} or {"messages": [...]} per line).',
+    )(f)
+    return click.option(
+        "--prompts",
+        "sets",
+        default=",".join(prompts.SHIPPED),
+        show_default=True,
+        help="Shipped prompt sets, comma-separated.",
     )(f)
 
 

@@ -14,7 +14,7 @@ from ..endpoint import Endpoint
 from ..errors import UsageError
 from ..host.names import profile_copy
 from ..tables import table
-from .options import endpoint_options, progress_bar
+from .options import endpoint_options, progress_bar, prompt_options
 
 
 def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles.Profile) -> str:
@@ -67,20 +67,7 @@ def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles
     help="The written profile's name [default: a shipped profile's NAME-tuned, an operator's "
     "own name].",
 )
-@click.option(
-    "--prompts",
-    "sets",
-    default=",".join(prompts.SHIPPED),
-    show_default=True,
-    help="Shipped prompt sets, comma-separated.",
-)
-@click.option(
-    "--prompt-file",
-    multiple=True,
-    type=click.Path(path_type=Path),
-    help='Your JSONL prompts ({"prompt": ...} or {"messages": [...]} per line).',
-)
-@click.option("--limit", type=int, default=None, help="First N prompts of each set.")
+@prompt_options
 @click.option("--max-tokens", multiple=True, type=int, default=(128,), show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON record instead of a table.")
 def tune(
