@@ -194,6 +194,10 @@ def test_every_data_file_of_the_package_ships_in_the_wheel() -> None:
 
 # Imported only by code that runs with the `cpu` extra: the tiny dev models and the CPU engine.
 CPU_EXTRA_IMPORTS = {"torch", "transformers", "safetensors", "tokenizers", "vllm"}
+# SDKs an instrumentor patches only where the application has them: OpenTelemetry's loader checks
+# the instrumentor's instrumentation_dependencies() first, so they are not the appliance's to
+# install (the test below checks they are declared there instead).
+INSTRUMENTED_SDKS = {"anthropic"}
 
 
 def _third_party_imports() -> dict[str, set[str]]:
@@ -219,7 +223,11 @@ def _third_party_imports() -> dict[str, set[str]]:
 def test_lazy_imports_are_declared_too(plain_python: Path) -> None:
     """An import inside a function (``models pull``'s huggingface_hub) must be declared as well:
     importing the modules above does not reach it."""
-    wanted = sorted(set(_third_party_imports()) - CPU_EXTRA_IMPORTS)
+    wanted = sorted(set(_third_party_imports()) - CPU_EXTRA_IMPORTS - INSTRUMENTED_SDKS)
+    from appliance.agent.instrumentor import AnthropicInstrumentor
+
+    declared = AnthropicInstrumentor().instrumentation_dependencies()
+    assert {d.split()[0] for d in declared} == INSTRUMENTED_SDKS
     code = (
         "import importlib.util, sys\n"
         f"missing = [m for m in {wanted!r} if importlib.util.find_spec(m) is None]\n"

@@ -68,6 +68,9 @@ class _SDKInstrumentor(BaseInstrumentor):
         raise NotImplementedError
 
     def _instrument(self, **kwargs) -> None:
+        # First: without the SDK this raises ModuleNotFoundError, which opentelemetry-instrument
+        # takes as "library not installed" and skips, before anything else was set up.
+        streams = self._stream_types()
         self._servers = Servers(
             config=kwargs.get("config") or AgentConfig.from_env(),
             tracer_provider=kwargs.get("tracer_provider"),
@@ -76,7 +79,6 @@ class _SDKInstrumentor(BaseInstrumentor):
             role=kwargs.get("role") or "default",
         )
         register_exit_flush()
-        streams = self._stream_types()
         for module, cls, operation, is_async in self._methods:
             wrapt.wrap_function_wrapper(
                 module,
