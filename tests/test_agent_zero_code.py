@@ -68,9 +68,11 @@ SCRIPT = textwrap.dedent(
         pass
     said.append(("responses", True, ev.response.usage.output_tokens)); pause()
     m = anthropic.Anthropic(base_url=os.environ["ENGINE_URL"], api_key="unused", max_retries=0)
-    r = m.messages.create(model="gemma4-tiny", messages=MSG, max_tokens=24, temperature=0)
+    # The Anthropic SDK 2.x names no temperature: it goes in the body's extras, as vLLM reads.
+    T0 = {"extra_body": {"temperature": 0}}
+    r = m.messages.create(model="gemma4-tiny", messages=MSG, max_tokens=24, **T0)
     said.append(("messages", False, r.usage.output_tokens)); pause()
-    for ev in m.messages.create(model="gemma4-tiny", messages=MSG, max_tokens=24, temperature=0,
+    for ev in m.messages.create(model="gemma4-tiny", messages=MSG, max_tokens=24, **T0,
                                 stream=True):
         if ev.type == "message_delta":
             out = ev.usage.output_tokens
@@ -136,8 +138,16 @@ def test_an_unmodified_script_under_opentelemetry_instrument_gets_one_span_per_c
         delta = specdecode.delta(before, obs.snapshot())
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stderr.split("SAID ", 1)[1].splitlines()[0])
-    spans = [s for s in _spans(done.stdout) if s["attributes"].get("gen_ai.provider.name")]
-    assert len(spans) == len(said), [s["name"] for s in spans]
+    every = _spans(done.stdout)
+    spans = [s for s in every if "gen_ai.vllm.mtp.source" in s["attributes"]]
+    assert len(spans) == len(said), [s["name"] for s in every]
+    # The Anthropic SDK (2.x) traces its own calls too: each of its spans sits under the agent's
+    # span of that call, never beside it as a second call.
+    ours = {s["context"]["span_id"]: s for s in spans}
+    sdk = [s for s in every if s["name"].startswith("anthropic.")]
+    assert len(sdk) == sum(op == "messages" for op, _, _ in said), [s["name"] for s in every]
+    assert all(ours[s["parent_id"]]["name"] == f"chat {MODEL}" for s in sdk), sdk
+    assert len(every) == len(spans) + len(sdk), [s["name"] for s in every]
     by_start = sorted(spans, key=lambda s: s["start_time"])
     for (operation, stream, engine_said), span in zip(said, by_start, strict=True):
         a = span["attributes"]
@@ -231,7 +241,10 @@ def test_anthropic_messages_sync_and_async_plain_and_streamed_get_the_counters_e
         role="architect",
     )
     kw = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}]}
-    kw |= {"max_tokens": 24, "temperature": 0, "top_k": 1, "stop_sequences": ["ZZZ"]}
+    # The SDK (2.x) names no temperature or top_k: they go in the body's extras, which vLLM reads
+    # and the span's request attributes read too.
+    kw |= {"max_tokens": 24, "stop_sequences": ["ZZZ"]}
+    kw |= {"extra_body": {"temperature": 0, "top_k": 1}}
     sync = anthropic.Anthropic(base_url=mtp_engine.url, api_key="unused", max_retries=0)
 
     async def acreate(**more):

@@ -12,6 +12,7 @@ import contextvars
 
 import openai
 import wrapt
+from opentelemetry import trace
 
 from .calls import Call, Settings
 from .streams import AsyncStream, SyncStream
@@ -50,6 +51,15 @@ def inside() -> bool:
     return _inside.get()
 
 
+def _current(traced: Call):
+    """The call's span as the current one while the SDK sends it: a span the SDK or an HTTP
+    instrumentation starts inside (the Anthropic SDK 2.x traces its own calls) is its child, in
+    the call's trace, not a second root. Errors are recorded by the call's finish, once."""
+    return trace.use_span(
+        traced.span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+    )
+
+
 def call(settings: Settings, operation: str, create, args, kwargs, stream_type=openai.Stream):
     """One sync ``create`` through the agent (shared by the proxy and the instrumentors).
 
@@ -61,7 +71,8 @@ def call(settings: Settings, operation: str, create, args, kwargs, stream_type=o
     send = traced.start()
     token = _inside.set(True)
     try:
-        result = create(*args, **send)
+        with _current(traced):
+            result = create(*args, **send)
     except BaseException as exc:
         traced.finish(error=exc)
         raise
@@ -84,7 +95,8 @@ async def acall(
     send = await traced.astart()
     token = _inside.set(True)
     try:
-        result = await create(*args, **send)
+        with _current(traced):
+            result = await create(*args, **send)
     except BaseException as exc:
         await traced.afinish(error=exc)
         raise

@@ -65,6 +65,10 @@ def request_attributes(
     capture_content: bool,
 ) -> dict[str, Any]:
     """The attributes known before the call; unset values are left out."""
+    # Sampling parameters an SDK does not name (the Anthropic SDK 2.x names no temperature or
+    # top_k) travel in extra_body, which vLLM reads as it reads the named ones.
+    extra = kwargs.get("extra_body")
+    sampling = {**extra, **kwargs} if isinstance(extra, dict) else kwargs
     attrs: dict[str, Any] = {
         GEN_AI_OPERATION_NAME: operation,
         GEN_AI_PROVIDER_NAME: PROVIDER,
@@ -72,9 +76,9 @@ def request_attributes(
         GEN_AI_REQUEST_MAX_TOKENS: kwargs.get("max_tokens")
         or kwargs.get("max_completion_tokens")
         or kwargs.get("max_output_tokens"),
-        GEN_AI_REQUEST_TEMPERATURE: kwargs.get("temperature"),
-        GEN_AI_REQUEST_TOP_P: kwargs.get("top_p"),
-        GEN_AI_REQUEST_TOP_K: kwargs.get("top_k"),
+        GEN_AI_REQUEST_TEMPERATURE: sampling.get("temperature"),
+        GEN_AI_REQUEST_TOP_P: sampling.get("top_p"),
+        GEN_AI_REQUEST_TOP_K: sampling.get("top_k"),
         GEN_AI_REQUEST_STREAM: bool(kwargs.get("stream")),
         SERVER_ADDRESS: address,
         SERVER_PORT: port,
