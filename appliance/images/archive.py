@@ -233,7 +233,7 @@ def save(client, ref: str, out_path: Path | str) -> SaveResult:
     if not out.parent.is_dir():
         raise UsageError(
             f"cannot write {out}: the directory {out.parent} does not exist",
-            fix=f"create it first (mkdir -p {out.parent})",
+            fix=f"create it first: mkdir -p {out.parent}",
         )
     try:
         image = client.images.get(ref)
