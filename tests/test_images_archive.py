@@ -3,7 +3,8 @@
 Each test imports its own tiny image (one small file, a unique label, so a unique ID) under a
 repository of its own, saves it, removes it, and loads it back, or makes the archive wrong in the
 way a copy to a host goes wrong (truncated, corrupt, another image than expected). The 4-9 GB CPU
-images never travel here.
+images never travel here. One fast test reads an archive in the OCI layout that Docker 25 and
+later write (the engine here, 20.10, writes the legacy one), built by hand.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from plugins.docker_engine import tiny_rootfs
 
 from appliance.cli import cli
 from appliance.images import archive
-
-pytestmark = pytest.mark.docker
 
 REPO = "gemma4-archive-test"
 
@@ -71,6 +70,7 @@ def _absent(client, image_id: str) -> bool:
     return False
 
 
+@pytest.mark.docker
 def test_save_rm_load_gives_the_same_id_and_the_saved_tag(docker_engine, image, tmp_path):
     tag_a, tag_b = sorted(image.tags)
     out = tmp_path / "image.tar"
@@ -101,6 +101,7 @@ def test_save_rm_load_gives_the_same_id_and_the_saved_tag(docker_engine, image, 
     assert json.loads(again.output)["image_id"] == image.id
 
 
+@pytest.mark.docker
 def test_save_by_id_carries_no_tag_and_loads_by_id(docker_engine, image, tmp_path):
     out = tmp_path / "by-id.tar"
     r = archive.save(docker_engine, image.id, out)
@@ -111,9 +112,10 @@ def test_save_by_id_carries_no_tag_and_loads_by_id(docker_engine, image, tmp_pat
     assert docker_engine.images.get(image.id).tags == []
 
 
+@pytest.mark.docker
 def test_expect_id_mismatch_is_refused_before_loading(docker_engine, image, tmp_path):
     out = tmp_path / "image.tar"
-    archive.save(docker_engine, sorted(image.tags)[0], out)
+    archive.save(docker_engine, min(image.tags), out)
     _gone(docker_engine, image)
     other = "sha256:" + "0" * 64
     result = _invoke("image", "load", str(out), "--expect-id", other)
@@ -128,15 +130,16 @@ def test_expect_id_mismatch_is_refused_before_loading(docker_engine, image, tmp_
     assert _absent(docker_engine, image.id)
 
 
+@pytest.mark.docker
 def test_truncated_archive_is_refused_and_nothing_loaded(docker_engine, image, tmp_path):
     out = tmp_path / "image.tar"
-    archive.save(docker_engine, sorted(image.tags)[0], out)
+    archive.save(docker_engine, min(image.tags), out)
     _gone(docker_engine, image)
     data = out.read_bytes()
     # Cut inside a member (a copy that stopped mid-file) and at a member boundary (the manifest,
     # written last, lost whole).
-    names = tarfile.open(out).getmembers()
-    manifest = next(m for m in names if m.name == "manifest.json")
+    with tarfile.open(out) as tar:
+        manifest = tar.getmember("manifest.json")
     for size, why in ((len(data) // 2, "unexpected end of data"), (manifest.offset, "manifest")):
         cut = tmp_path / f"cut-{size}.tar"
         cut.write_bytes(data[:size])
@@ -147,9 +150,10 @@ def test_truncated_archive_is_refused_and_nothing_loaded(docker_engine, image, t
         assert _absent(docker_engine, image.id)
 
 
+@pytest.mark.docker
 def test_corrupt_config_is_refused_and_nothing_loaded(docker_engine, image, tmp_path):
     out = tmp_path / "image.tar"
-    archive.save(docker_engine, sorted(image.tags)[0], out)
+    archive.save(docker_engine, min(image.tags), out)
     _gone(docker_engine, image)
     # The same archive with one byte of the image config changed (same length, valid tar).
     bad = tmp_path / "bad.tar"
@@ -166,21 +170,26 @@ def test_corrupt_config_is_refused_and_nothing_loaded(docker_engine, image, tmp_
     assert _absent(docker_engine, image.id)
 
 
+@pytest.mark.docker
 def test_save_into_a_missing_directory_is_refused_with_nothing_written(image, tmp_path):
     out = tmp_path / "missing" / "image.tar"
-    result = _invoke("image", "save", sorted(image.tags)[0], "--out", str(out))
+    result = _invoke("image", "save", min(image.tags), "--out", str(out))
     assert result.exit_code == 2
     assert "the directory" in _error_line(result) and "does not exist" in result.output
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.docker
 def test_save_of_an_unknown_image_is_refused_with_nothing_written(docker_engine, tmp_path):
-    result = _invoke("image", "save", f"{REPO}:never-{uuid.uuid4().hex}", "--out", str(tmp_path / "x"))
+    result = _invoke(
+        "image", "save", f"{REPO}:never-{uuid.uuid4().hex}", "--out", str(tmp_path / "x")
+    )
     assert result.exit_code == 2
     assert "no image" in _error_line(result)
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.docker
 def test_interrupted_save_leaves_nothing_behind(docker_engine, image, tmp_path):
     """A Ctrl-C in the middle of the engine's stream. A fake for the interruption only: the
     real stream of a tiny image is over in milliseconds, too soon to signal into; the stream
@@ -198,11 +207,58 @@ def test_interrupted_save_leaves_nothing_behind(docker_engine, image, tmp_path):
 
     out = tmp_path / "image.tar"
     with pytest.raises(KeyboardInterrupt):
-        archive.save(Interrupting(docker_engine), sorted(image.tags)[0], out)
+        archive.save(Interrupting(docker_engine), min(image.tags), out)
     assert list(tmp_path.iterdir()) == []
     # An existing archive stays as it was.
     out.write_bytes(b"the previous archive")
     with pytest.raises(KeyboardInterrupt):
-        archive.save(Interrupting(docker_engine), sorted(image.tags)[0], out)
+        archive.save(Interrupting(docker_engine), min(image.tags), out)
     assert [p.name for p in tmp_path.iterdir()] == ["image.tar"]
     assert out.read_bytes() == b"the previous archive"
+
+
+def _tar(path: Path, files: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_oci_layout_archive_names_the_config_and_the_manifest(tmp_path):
+    import hashlib
+
+    def blob(data: bytes) -> tuple[str, bytes]:
+        return hashlib.sha256(data).hexdigest(), data
+
+    layer = blob(b"")  # an empty layer is enough for the reader
+    config = blob(json.dumps({"rootfs": {"type": "layers", "diff_ids": []}}).encode())
+    manifest = blob(
+        json.dumps(
+            {"schemaVersion": 2, "config": {"digest": f"sha256:{config[0]}"}, "layers": []}
+        ).encode()
+    )
+    stray = blob(b'{"config": {"digest": "sha256:other"}}')
+    index = {"manifests": [{"digest": f"sha256:{manifest[0]}"}, {"digest": f"sha256:{stray[0]}"}]}
+    files = {f"blobs/sha256/{h}": d for h, d in (layer, config, manifest, stray)}
+    files["index.json"] = json.dumps(index).encode()
+    files["manifest.json"] = json.dumps(
+        [
+            {
+                "Config": f"blobs/sha256/{config[0]}",
+                "RepoTags": ["gemma4-vllm:0.32.0-mtp"],
+                "Layers": [f"blobs/sha256/{layer[0]}"],
+            }
+        ]
+    ).encode()
+    _tar(tmp_path / "oci.tar", files)
+    info = archive.inspect(tmp_path / "oci.tar")
+    assert info.image_id == f"sha256:{config[0]}"
+    assert info.tags == ["gemma4-vllm:0.32.0-mtp"]
+    # The containerd store's name for it (the manifest), not a digest leading elsewhere.
+    assert info.ids == {info.image_id, f"sha256:{manifest[0]}"}
+
+    del files[f"blobs/sha256/{layer[0]}"]
+    _tar(tmp_path / "no-layer.tar", files)
+    with pytest.raises(archive.ArchiveError, match="missing blobs/sha256/"):
+        archive.inspect(tmp_path / "no-layer.tar")

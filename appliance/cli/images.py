@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from .. import images
-from ..images import build as image_build
 from ..images import archive, inventory, lock, prune, scheme, targets
+from ..images import build as image_build
 from ..tables import table
 from .options import root_option
 

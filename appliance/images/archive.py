@@ -189,16 +189,40 @@ def _inspect(stream: _Reader, what: str) -> ArchiveInfo:
             fix="copy the archive again, or save it again",
         )
     image_id = f"sha256:{m.group(1) or m.group(2)}"
-    ids = {image_id}
-    with contextlib.suppress(KeyError, ValueError, TypeError, AttributeError):
-        ids |= {str(d["digest"]) for d in json.loads(small["index.json"])["manifests"]}
     return ArchiveInfo(
         image_id=image_id,
         tags=list(entry.get("RepoTags") or []),
         sha256=stream.sha256.hexdigest(),
         size_bytes=stream.size,
-        ids=frozenset(ids),
+        ids=frozenset(_manifest_ids(small, image_id)),
     )
+
+
+def _manifest_ids(small: dict[str, bytes], image_id: str) -> set[str]:
+    """``image_id`` and the digests in ``index.json`` that lead to it: a manifest blob (hashed
+    against its name above) whose config is ``image_id``, or an index of such manifests; the
+    containerd image store names the image by one of these."""
+
+    def blob(digest: str) -> dict:
+        try:
+            return json.loads(small[f"blobs/sha256/{digest.removeprefix('sha256:')}"])
+        except (KeyError, ValueError):
+            return {}
+
+    def leads_to_config(digest: str, depth: int = 0) -> bool:
+        doc = blob(digest)
+        if (doc.get("config") or {}).get("digest") == image_id:
+            return True
+        return depth < 1 and any(
+            leads_to_config(str(m.get("digest")), depth + 1) for m in doc.get("manifests") or []
+        )
+
+    ids = {image_id}
+    with contextlib.suppress(KeyError, ValueError, TypeError, AttributeError):
+        for m in json.loads(small["index.json"])["manifests"]:
+            if leads_to_config(str(m["digest"])):
+                ids.add(str(m["digest"]))
+    return ids
 
 
 def inspect(path: Path | str) -> ArchiveInfo:
@@ -317,7 +341,8 @@ def load(client, path: Path | str, expect_id: str | None = None) -> LoadResult:
     for tag in info.tags:
         if (got := _engine_id(client, tag)) != image_id:
             raise ArchiveError(f"after loading {path}, {tag} is {got}, not {image_id}")
-    if image_id not in info.ids or (want is not None and image_id != want):
+    # Any of info.ids names this one verified image (the store decides which the engine shows).
+    if image_id not in info.ids:
         raise ArchiveError(
             f"after loading {path}, the engine holds {image_id}, not "
             f"{want or info.image_id}; loaded: {', '.join(loaded) or 'nothing'}"
