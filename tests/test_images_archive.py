@@ -262,3 +262,71 @@ def test_oci_layout_archive_names_the_config_and_the_manifest(tmp_path):
     _tar(tmp_path / "no-layer.tar", files)
     with pytest.raises(archive.ArchiveError, match="missing blobs/sha256/"):
         archive.inspect(tmp_path / "no-layer.tar")
+
+
+ANSIBLE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "ansible"
+
+
+def _load_play(tmp_path: Path, archive_file: Path, image_id: str):
+    """The role's load_image.yml run for real on this machine (connection local), as the
+    rollout imports it; the appliance on PATH is this venv's."""
+    import os
+    import subprocess
+    import sys
+
+    play = tmp_path / "load.yml"
+    play.write_text(
+        "- hosts: localhost\n"
+        "  gather_facts: false\n"
+        "  tasks:\n"
+        "    - ansible.builtin.import_role:\n"
+        "        name: gemma4_appliance\n"
+        "        tasks_from: load_image.yml\n"
+    )
+    bindir = Path(sys.executable).parent
+    extra = {
+        "rollout_image_archive": str(archive_file),
+        "rollout_image_id": image_id,
+        "rollout_image_archive_dir": str(tmp_path / "host-images"),
+        "appliance_path": f"{bindir}:{os.environ['PATH']}",
+        "ansible_python_interpreter": sys.executable,
+    }
+    return subprocess.run(
+        [
+            str(bindir / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            "-e",
+            json.dumps(extra),
+            str(play),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(
+            os.environ,
+            ANSIBLE_CONFIG=str(ANSIBLE_DIR / "ansible.cfg"),
+            ANSIBLE_HOME=str(tmp_path / "ansible"),
+        ),
+        cwd=ANSIBLE_DIR,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.docker
+def test_rollout_role_copies_and_loads_the_archive_with_its_id(docker_engine, image, tmp_path):
+    out = tmp_path / "image.tar"
+    archive.save(docker_engine, min(image.tags), out)
+    _gone(docker_engine, image)
+
+    wrong = _load_play(tmp_path, out, "sha256:" + "1" * 64)
+    assert wrong.returncode != 0
+    assert f"Error: {tmp_path}/host-images/image.tar holds image {image.id}" in wrong.stdout
+    assert _absent(docker_engine, image.id)
+
+    right = _load_play(tmp_path, out, image.id)
+    assert right.returncode == 0, right.stdout + right.stderr
+    assert docker_engine.images.get(image.id).tags == [min(image.tags)]
+    assert (tmp_path / "host-images" / "image.tar").read_bytes() == out.read_bytes()
