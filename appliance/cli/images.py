@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from .. import images
+from ..images import archive, inventory, lock, prune, scheme, targets
 from ..images import build as image_build
-from ..images import inventory, lock, prune, scheme, targets
 from ..tables import table
 from .options import root_option
 
@@ -140,6 +140,51 @@ def image_rm(ref: str, root: Path, repository: str) -> None:
     """Remove image REF unless an instance or a rollback slot refers to it."""
     image_id = prune.remove(images.client(), ref, root, repository)
     click.echo(f"removed {ref} ({image_id[7:19]})")
+
+
+@image.command(name="save")
+@click.argument("ref")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The archive to write (its directory must exist).",
+)
+@click.option("json_", "--json", is_flag=True, help="Print the record as JSON.")
+def image_save(ref: str, out: Path, json_: bool) -> None:
+    """Write image REF as a `docker save` archive, for a host without a registry.
+
+    \b
+    The archive carries REF's tag (only that one); the printed image ID is what
+    `appliance image load FILE --expect-id ID` verifies on the host.
+    """
+    r = archive.save(images.client(), ref, out)
+    if json_:
+        click.echo(json.dumps(r.__dict__, indent=2, sort_keys=True))
+        return
+    click.echo(f"saved {ref} to {r.path} ({_gb(r.size_bytes)}, {r.seconds:.0f}s)")
+    click.echo(f"  image id:       {r.image_id}")
+    click.echo(f"  tags:           {' '.join(r.tags) or '<none>'}")
+    click.echo(f"  archive sha256: {r.archive_sha256}")
+
+
+@image.command(name="load")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--expect-id", help="The image ID the archive must hold (sha256:...).")
+@click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
+def image_load(file: Path, expect_id: str | None, json_: bool) -> None:
+    """Load a `docker save` archive, then verify the image ID and its tags in the engine.
+
+    An incomplete or corrupt archive, or one holding another image than --expect-id (default:
+    the image its manifest names), is refused before the engine loads anything.
+    """
+    r = archive.load(images.client(), file, expect_id)
+    if json_:
+        click.echo(json.dumps(r.__dict__, indent=2, sort_keys=True))
+        return
+    click.echo(f"loaded {r.image_id} from {r.path} ({_gb(r.size_bytes)}, {r.seconds:.0f}s)")
+    click.echo(f"  tags:           {' '.join(r.tags) or '<none>'}")
+    click.echo(f"  archive sha256: {r.archive_sha256}")
 
 
 @image.command(name="lock")

@@ -4,7 +4,8 @@
 - :mod:`.base`, :mod:`.wheelhouse`, :mod:`.lock`: the CPU images' offline inputs;
 - :mod:`.scheme`: the tags (``<vllm>-mtp``, ``mtp``, ``latest``, ``pre-mtp``);
 - :mod:`.inventory`: images, labels, and which instance refers to which image;
-- :mod:`.prune`: removal that never touches a referenced image.
+- :mod:`.prune`: removal that never touches a referenced image;
+- :mod:`.archive`: `docker save` archives for hosts without a registry, the ID verified on load.
 """
 
 from __future__ import annotations
