@@ -44,7 +44,7 @@ def write_atomic(path: Path | str, data: bytes | str, *, mode: int | None = None
     if mode is None:
         mode = (st.st_mode & 0o7777) if st else 0o644
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_orphans(path)
+    remove_orphans(path)
     fd, tmp = tempfile.mkstemp(
         dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp"
     )
@@ -69,7 +69,7 @@ def write_atomic(path: Path | str, data: bytes | str, *, mode: int | None = None
     return path
 
 
-def _remove_orphans(path: Path) -> None:
+def remove_orphans(path: Path) -> None:
     """Remove the temporary files of ``path``'s killed writers (their pid no longer runs)."""
     prefix = f".{path.name}."
     for tmp in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):

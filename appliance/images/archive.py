@@ -269,7 +269,7 @@ def save(client, ref: str, out_path: Path | str) -> SaveResult:
         raise refused(f"inspect {ref}", exc) from exc
     name = _save_name(image, ref)
     started = time.monotonic()
-    fsutil._remove_orphans(out)  # a killed save's temporary file (its pid is gone)
+    fsutil.remove_orphans(out)  # a killed save's temporary file (its pid is gone)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
