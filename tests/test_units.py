@@ -530,8 +530,8 @@ def test_install_is_idempotent(tmp_path):
     units.install("l4x4-31b-mtp", "ref", root=tmp_path)
     before = snapshot(tmp_path)
     result = units.install("l4x4-31b-mtp", "ref", root=tmp_path)
-    # the unit, serve script, env, args, key and the scrape targets
-    assert result.written == [] and result.removed == [] and len(result.unchanged) == 6
+    # the unit, serve script, env, args, key, the state service and timer and the scrape targets
+    assert result.written == [] and result.removed == [] and len(result.unchanged) == 8
     assert snapshot(tmp_path) == before
     cli_result = run("install", "-p", "l4x4-31b-mtp", "ref", "--root", str(tmp_path))
     assert "wrote" not in cli_result.output and snapshot(tmp_path) == before
@@ -1176,3 +1176,63 @@ def test_the_old_instance_option_still_works_and_names_the_new_form(tmp_path):
         2,
         "Error: appliance uninstall needs the instance's NAME\n",
     )
+
+
+# --- the host's state-metrics timer ------------------------------------------------------------
+
+STATE_UNITS = (f"{units.STATE_UNIT}.service", f"{units.STATE_UNIT}.timer")
+
+
+def test_the_state_timer_and_service_pass_verify_and_the_service_is_hardened(tmp_path):
+    """Installed with the first instance: verified silently, the service as hardened as the
+    instance unit, and the one place it writes node_exporter's textfile directory."""
+    root = verify_root(tmp_path)
+    units.install("cpu-tiny-mtp", "x", root=root)
+    # verify checks that ExecStart's program is there: the appliance's command, as the Ansible
+    # role links it (any executable file will do for verify).
+    bin_ = root / "usr/local/bin/appliance"
+    bin_.parent.mkdir(parents=True)
+    bin_.write_text("#!/bin/sh\n")
+    bin_.chmod(0o755)
+    proc = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", *STATE_UNITS],
+        check=False, capture_output=True, text=True,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
+    proc = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", f"--root={root}", "--no-pager",
+         STATE_UNITS[0]],
+        check=False, capture_output=True, text=True,
+    )  # fmt: skip
+    m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", proc.stdout + proc.stderr)
+    assert m and float(m.group(1)) <= 2.5, proc.stdout + proc.stderr
+    service = (root / units.paths("x").state_service).read_text()
+    settings = unit_settings(service)
+    assert settings["ExecStart"] == "/usr/local/bin/appliance status --write-metrics --quiet"
+    assert (settings["StateDirectory"], settings["UMask"]) == ("gemma4-appliance", "0022")
+    textfile = Layout(Path("/")).metrics_textfile()
+    assert f"--collector.textfile.directory={textfile.parent}" in service
+    assert "OnUnitActiveSec=1min" in (root / units.paths("x").state_timer).read_text()
+
+
+def test_the_state_units_stay_until_the_last_instance_goes(tmp_path):
+    run("install", "a", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
+    b = run("install", "b", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
+    assert "gemma4-appliance-state.timer" in b.output  # the enable line names it
+    unit_dir = tmp_path / "etc/systemd/system"
+    # What `systemctl enable` would link: uninstall takes it with the timer.
+    wants = unit_dir / "timers.target.wants"
+    wants.mkdir()
+    (wants / STATE_UNITS[1]).symlink_to(unit_dir / STATE_UNITS[1])
+    assert run("uninstall", "a", "--root", str(tmp_path)).exit_code == 0
+    assert all((unit_dir / u).exists() for u in STATE_UNITS)
+    assert run("uninstall", "b", "--root", str(tmp_path)).exit_code == 0
+    assert not any((unit_dir / u).exists() for u in STATE_UNITS)
+    assert not os.path.lexists(wants / STATE_UNITS[1])
+
+
+def test_status_quiet_goes_with_write_metrics(tmp_path):
+    result = run("status", "--quiet", "--root", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert "--quiet goes with --write-metrics" in result.output
+    assert len(result.output.strip().splitlines()) == 1

@@ -19,6 +19,7 @@ from ..cutover import metrics as cutover_metrics
 from ..cutover.context import Context
 from ..cutover.status import describe_running
 from ..cutover.status import status as get_status
+from ..errors import UsageError
 from ..host import lock as locks
 from ..host.layout import Layout
 from .options import root_option
@@ -206,10 +207,18 @@ def rollback(instance: str, timeout: float, root: Path) -> None:
     is_flag=True,
     help="Also rewrite the state-metrics textfile (units' states included); for a timer.",
 )
+@click.option(
+    "--quiet",
+    "-q",
+    is_flag=True,
+    help="With --write-metrics: print only the file written (gemma4-appliance-state.service).",
+)
 @click.option("--json", "json_", is_flag=True, help="One JSON object per instance and line.")
 @root_option
-def status(instance: str | None, write_metrics: bool, json_: bool, root: Path) -> None:
+def status(instance: str | None, write_metrics: bool, quiet: bool, json_: bool, root: Path) -> None:
     """Image, labels, unit state, health, MTP and recent history of INSTANCE (or of all)."""
+    if quiet and not write_metrics:
+        raise UsageError("--quiet goes with --write-metrics", fix="drop --quiet")
     layout = Layout(root)
     if instance:
         layout.require_known(instance)
@@ -220,6 +229,8 @@ def status(instance: str | None, write_metrics: bool, json_: bool, root: Path) -
     if write_metrics:
         # Cutovers write it too; between them only this refresh shows a unit that gave up.
         click.echo(f"wrote {cutover_metrics.write(layout, _docker_or_none(), ctx.systemd)}")
+        if quiet:
+            return
     for name in names:
         st = get_status(ctx, name)
         if json_:

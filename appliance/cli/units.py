@@ -125,7 +125,8 @@ def install(
     if result.first_install:
         # Never enabled yet: restart would start it once and leave it off at the next boot.
         click.echo(
-            f"next: systemctl daemon-reload && systemctl enable --now {units.unit_name(instance)}"
+            "next: systemctl daemon-reload && systemctl enable --now "
+            f"{units.unit_name(instance)} {units.STATE_UNIT}.timer"
         )
     elif result.changed:
         # Until the reload, systemd runs the unit as it last read it (after an upgrade: with

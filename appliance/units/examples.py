@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 
 from ..profiles import all_profiles
-from .template import Options, RenderedFile, paths, render
+from .template import Options, RenderedFile, paths, render, state_units
 
 UNIT_DIR = "systemd"
 ENV_DIR = "systemd/env"
@@ -37,6 +37,8 @@ def example_files() -> dict[str, RenderedFile]:
         out[f"{UNIT_DIR}/{PurePosixPath(p.unit).name}"] = files[p.unit]
         out[f"{ENV_DIR}/{PurePosixPath(p.env).name}"] = files[p.env]
         out[f"{ARGS_DIR}/{PurePosixPath(p.args).name}"] = files[p.args]
+    for path, file in state_units().items():
+        out[f"{UNIT_DIR}/{PurePosixPath(path).name}"] = file
     out.update(_multinode_files())
     return dict(sorted(out.items()))
 

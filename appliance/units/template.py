@@ -24,12 +24,13 @@ import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import jinja2
 
 from .. import imageref, labels
 from ..errors import UsageError
+from ..host.layout import STATE_DIR, Layout
 from ..host.names import DATA_DIR, ENV_DIR, UNIT_TEMPLATE, check_instance, profile_copy
 from ..host.values import check_gpus, check_host, check_path, check_port
 from ..profiles import Profile, get
@@ -42,6 +43,10 @@ from .timing import STOP_GRACE_S, unit_timing
 LIBEXEC_DIR = "/usr/local/libexec/gemma4-vllm"
 SERVE_SCRIPT = f"{LIBEXEC_DIR}/serve"
 UNIT_DIR = "/etc/systemd/system"
+# The state metrics' timer and its service: one pair per host, whatever the instances (ADR 0016).
+STATE_UNIT = "gemma4-appliance-state"
+# Where `pip install` as root and the Ansible role (appliance_bin) put the appliance's command.
+APPLIANCE_BIN = "/usr/local/bin/appliance"
 DEFAULT_IMAGE = "gemma4-vllm:latest"
 
 # Docker container names and systemd instance names both; no dots first, no slashes.
@@ -88,6 +93,8 @@ class Paths:
     args: str = field(init=False)
     api_key: str = field(init=False)
     profile: str = field(init=False)  # the operator's own profile file, when installed from one
+    state_service: str = field(init=False)  # the host's state-metrics service and timer
+    state_timer: str = field(init=False)
 
     def __post_init__(self) -> None:
         def rel(p: str) -> str:
@@ -99,6 +106,8 @@ class Paths:
         object.__setattr__(self, "args", rel(f"{ENV_DIR}/{self.instance}.args"))
         object.__setattr__(self, "api_key", rel(f"{ENV_DIR}/{self.instance}.api-key"))
         object.__setattr__(self, "profile", rel(profile_copy(self.instance)))
+        object.__setattr__(self, "state_service", rel(f"{UNIT_DIR}/{STATE_UNIT}.service"))
+        object.__setattr__(self, "state_timer", rel(f"{UNIT_DIR}/{STATE_UNIT}.timer"))
 
 
 def check_profile(prof: Profile) -> None:
@@ -233,6 +242,28 @@ def render(
         p.args: RenderedFile(args_text(args, instance), MODE_ARGS),
         p.env: RenderedFile(env.get_template("instance.env.j2").render(context), MODE_ENV),
         p.unit: RenderedFile(env.get_template(UNIT_TEMPLATE + ".j2").render(context), MODE_UNIT),
+        **state_units(),
+    }
+
+
+def state_units() -> dict[str, RenderedFile]:
+    """The host's state-metrics service and timer (the same for every instance)."""
+    textfile = Layout(Path("/")).metrics_textfile()
+    context = {
+        "appliance_bin": APPLIANCE_BIN,
+        "textfile": textfile,
+        "textfile_dir": textfile.parent,
+        "state_dir_name": STATE_DIR.relative_to("var/lib"),
+    }
+    env = jinja_env()
+    p = paths("state")
+    return {
+        p.state_service: RenderedFile(
+            env.get_template(f"{STATE_UNIT}.service.j2").render(context), MODE_UNIT
+        ),
+        p.state_timer: RenderedFile(
+            env.get_template(f"{STATE_UNIT}.timer.j2").render(context), MODE_UNIT
+        ),
     }
 
 

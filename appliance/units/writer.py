@@ -44,6 +44,7 @@ from .template import (
 
 # Where `systemctl enable` links an instance (the unit's WantedBy=).
 WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
+TIMERS_WANTS_DIR = f"{UNIT_DIR}/timers.target.wants"
 
 
 @dataclass
@@ -350,7 +351,12 @@ def uninstall(
                 path.unlink()
                 result.removed.append(path)
         if not installed_instances(root):
-            for shared in (root / p.unit, root / p.script):
+            timer = PurePosixPath(p.state_timer).name
+            if systemd is not None:
+                systemd.stop_and_disable(timer)
+            shared_files = [root / p.unit, root / p.script, root / p.state_service]
+            shared_files += [root / p.state_timer, root / _rel(TIMERS_WANTS_DIR) / timer]
+            for shared in shared_files:
                 with contextlib.suppress(FileNotFoundError):
                     shared.unlink()
                     result.removed.append(shared)
