@@ -16,7 +16,9 @@ import contextlib
 import glob
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
 def private_dir(path: Path | str) -> Path:
@@ -34,9 +36,19 @@ def write_atomic(path: Path | str, data: bytes | str, *, mode: int | None = None
 
     An existing file's owner is kept when running as root. Parent directories are created.
     """
-    path = Path(path)
     if isinstance(data, str):
         data = data.encode()
+    with atomic_writer(path, mode=mode) as f:
+        f.write(data)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path | str, *, mode: int | None = None) -> Iterator[BinaryIO]:
+    """A file to stream ``path``'s new content into, renamed over ``path`` when the block ends
+    without an exception (removed otherwise, Ctrl-C included). Mode and owner as
+    :func:`write_atomic`."""
+    path = Path(path)
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -53,7 +65,7 @@ def write_atomic(path: Path | str, data: bytes | str, *, mode: int | None = None
             os.fchmod(f.fileno(), mode)
             if st is not None and os.geteuid() == 0:
                 os.fchown(f.fileno(), st.st_uid, st.st_gid)
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -66,7 +78,6 @@ def write_atomic(path: Path | str, data: bytes | str, *, mode: int | None = None
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return path
 
 
 def remove_orphans(path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -159,13 +160,7 @@ def image_save(ref: str, out: Path, json_: bool) -> None:
     `appliance image load FILE --expect-id ID` verifies on the host.
     """
     r = archive.save(images.client(), ref, out)
-    if json_:
-        click.echo(json.dumps(r.__dict__, indent=2, sort_keys=True))
-        return
-    click.echo(f"saved {ref} to {r.path} ({_gb(r.size_bytes)}, {r.seconds:.0f}s)")
-    click.echo(f"  image id:       {r.image_id}")
-    click.echo(f"  tags:           {' '.join(r.tags) or '<none>'}")
-    click.echo(f"  archive sha256: {r.archive_sha256}")
+    _print_archive(r, f"saved {ref} to {r.path}", json_)
 
 
 @image.command(name="load")
@@ -179,10 +174,15 @@ def image_load(file: Path, expect_id: str | None, json_: bool) -> None:
     the image its manifest names), is refused before the engine loads anything.
     """
     r = archive.load(images.client(), file, expect_id)
+    _print_archive(r, f"loaded {r.image_id} from {r.path}", json_)
+
+
+def _print_archive(r: archive.LoadResult, done: str, json_: bool) -> None:
     if json_:
-        click.echo(json.dumps(r.__dict__, indent=2, sort_keys=True))
+        click.echo(json.dumps(dataclasses.asdict(r), indent=2, sort_keys=True))
         return
-    click.echo(f"loaded {r.image_id} from {r.path} ({_gb(r.size_bytes)}, {r.seconds:.0f}s)")
+    click.echo(f"{done} ({_gb(r.size_bytes)}, {r.seconds:.0f}s)")
+    click.echo(f"  image id:       {r.image_id}")
     click.echo(f"  tags:           {' '.join(r.tags) or '<none>'}")
     click.echo(f"  archive sha256: {r.archive_sha256}")
 

@@ -22,10 +22,8 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 
@@ -58,8 +56,9 @@ class ArchiveInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class SaveResult:
-    ref: str
+class LoadResult:
+    """An archive and the image it holds, as the engine has it after the load."""
+
     path: str
     image_id: str
     tags: list[str]
@@ -69,13 +68,10 @@ class SaveResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadResult:
-    path: str
-    image_id: str
-    tags: list[str]
-    archive_sha256: str
-    size_bytes: int
-    seconds: float
+class SaveResult(LoadResult):
+    """The same, for the archive written, and the reference it was saved from."""
+
+    ref: str
 
 
 def normalize_id(image_id: str) -> str:
@@ -269,34 +265,18 @@ def save(client, ref: str, out_path: Path | str) -> SaveResult:
         raise refused(f"inspect {ref}", exc) from exc
     name = _save_name(image, ref)
     started = time.monotonic()
-    fsutil.remove_orphans(out)  # a killed save's temporary file (its pid is gone)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.{os.getpid()}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)
-            try:
-                chunks = client.api.get_image(name, chunk_size=CHUNK)
-                info = _inspect(_Reader(_Chunks(chunks), copy_to=f), f"the engine's save of {ref}")
-            except docker.errors.APIError as exc:
-                raise refused(f"save {ref}", exc) from exc
-            f.flush()
-            os.fsync(f.fileno())
-        if image.id not in info.ids:
+    with fsutil.atomic_writer(out, mode=0o644) as f:
+        try:
+            chunks = client.api.get_image(name, chunk_size=CHUNK)
+            info = _inspect(_Reader(_Chunks(chunks), copy_to=f), f"the engine's save of {ref}")
+        except docker.errors.APIError as exc:
+            raise refused(f"save {ref}", exc) from exc
+        if image.id not in info.ids:  # raised inside: the half-made archive goes
             raise ArchiveError(
                 f"{ref} changed while it was saved (it was {image.id}, the archive holds "
                 f"{info.image_id})",
                 fix="save it again",
             )
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(out.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
     return SaveResult(
         ref=ref,
         path=str(out),
