@@ -108,23 +108,61 @@ def test_a_hangup_during_the_gates_rolls_every_node_back(multinode_group):
     _serves_with_mtp(g)
 
 
-def test_cutover_moves_both_nodes_and_rollback_brings_both_back(multinode_group):
+def test_cutover_moves_both_nodes_and_a_killed_rollback_is_recovered(multinode_group):
+    """The group's cutover is the instance's state machine (issue 24 section 1): the output
+    canary gates it, and a rollback killed outright (SIGKILL, as a power loss would) leaves a
+    state that `appliance status GROUP` names with its one recovery command, which brings every
+    node back and closes the killed entry."""
     g = multinode_group
+    m = g.machine
     ctx, hosts = g.context(), g.hosts()
     old_id = g.container_image_id("head")
     entry = mcut.cutover(ctx, GROUP, g.derived_image, hosts, timeout=900)
     assert entry.outcome == "ok", entry
     names = [gate.name for gate in entry.gates]
     assert {"unit", "image", "health", "generation"} <= set(names) and "worker machine" in names
-    env = envfile.read(g.machine.root / multinode.env_path(GROUP))
+    assert names[-1] == "canary" and entry.canary["verdict"] == "pass", entry.canary
+    env = envfile.read(m.root / multinode.env_path(GROUP))
     assert env.get(envfile.IMAGE_KEY) == g.derived_image
     new_id = g.docker.images.get(g.derived_image).id
     assert new_id != old_id
     assert g.container_image_id("head") == g.container_image_id("worker") == new_id
     _serves_with_mtp(g)
 
-    back = mcut.rollback(ctx, GROUP, hosts, timeout=900)
-    assert back.outcome == "ok" and back.kind == "rollback" and back.to_image == MTP_IMAGE
+    env_vars = dict(os.environ, APPLIANCE_SYSTEMD_PREFIX=shlex.join(m.enter_argv()))
+    argv = [APPLIANCE, "multinode", "rollback", GROUP, "--root", str(m.root)]
+    proc = subprocess.Popen(
+        argv, env=env_vars, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # the env files are written once the restart begins
+            seen.append(line)
+            if "restarting" in line:
+                break
+        assert any("restarting" in ln for ln in seen), "".join(seen)
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    status = [APPLIANCE, "status", GROUP, "--json", "--root", str(m.root)]
+    run = {"env": env_vars, "cwd": REPO, "capture_output": True, "text": True}
+    out = subprocess.run(status, check=False, **run)
+    assert out.returncode == 0, out.stderr
+    st = json.loads(out.stdout.splitlines()[-1])
+    recovery = f"appliance multinode rollback {GROUP} --root {m.root}"
+    assert st["recovery"] == recovery, st
+    killed = history.entries(ctx.layout.history_file(GROUP))[-1]
+    assert (killed.kind, killed.outcome) == ("rollback", "interrupted"), killed
+
+    back = subprocess.run([APPLIANCE, *recovery.split()[1:]], check=False, **run)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert "recovered the interrupted rollback" in back.stdout, back.stdout
+    last = history.entries(ctx.layout.history_file(GROUP))[-1]
+    assert (last.id, last.outcome, last.interrupted) == (killed.id, "ok", "killed"), last
+    assert last.to_image == MTP_IMAGE
     assert g.container_image_id("head") == g.container_image_id("worker") == old_id
     entries = history.entries(ctx.layout.history_file(GROUP))
     assert [(e.kind, e.outcome) for e in entries][-2:] == [("cutover", "ok"), ("rollback", "ok")]

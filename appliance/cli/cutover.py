@@ -13,7 +13,6 @@ from pathlib import Path
 
 import click
 
-from .. import canary as canaries
 from ..cutover import flow, history, recovery
 from ..cutover import metrics as cutover_metrics
 from ..cutover.context import Context
@@ -22,7 +21,7 @@ from ..cutover.status import status as get_status
 from ..errors import UsageError
 from ..host import lock as locks
 from ..host.layout import Layout
-from .options import root_option
+from .options import gate_options, root_option
 
 
 def _progress(msg: str) -> None:
@@ -106,32 +105,7 @@ def _baseline_line(st) -> str:
     is_flag=True,
     help="Accept an image without Gemma 4 MTP for a profile that requests it.",
 )
-@click.option(
-    "--canary/--no-canary",
-    default=None,
-    help="Run the output canary: record the old image's answers before the restart and "
-    "compare the new image's after the other gates [default: the profile's [canary] enabled].",
-)
-@click.option(
-    "--canary-timeout",
-    type=click.FloatRange(min=1),
-    default=canaries.DEFAULT_TIMEOUT,
-    show_default=True,
-    help="Seconds the canary may take on each side (the old image's answers before the "
-    "restart, the new image's after the gates), on top of --timeout; slower fails the canary.",
-)
-@click.option(
-    "--canary-file",
-    multiple=True,
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Your JSONL canary cases, added to the shipped set (repeatable).",
-)
-@click.option(
-    "--allow-unit-overrides",
-    is_flag=True,
-    help="Go ahead although a drop-in or a second EnvironmentFile may set VLLM_IMAGE for the "
-    "unit (the gates still check the image the container runs).",
-)
+@gate_options
 @root_option
 def cutover(
     instance: str,
@@ -188,16 +162,18 @@ def rollback(instance: str, timeout: float, root: Path) -> None:
     After a cutover that was killed (SIGKILL, power loss), return to where it started instead
     (the env file saved before it) and close its history entry."""
     entry = recovery.rollback(_context(root), instance, timeout=timeout)
+    click.echo(rollback_line(instance, entry))
+
+
+def rollback_line(name: str, entry: history.Entry) -> str:
+    """What a passed rollback (or the recovery of a killed cutover) of ``name`` says."""
     if entry.interrupted == "killed":
         back = recovery.recovery_image(entry)
-        click.echo(
-            f"{instance}: recovered the interrupted {entry.kind} "
+        return (
+            f"{name}: recovered the interrupted {entry.kind} "
             f"({entry.from_image} -> {entry.to_image}): on {back}; gates passed"
         )
-        return
-    click.echo(
-        f"{instance}: rolled back to {entry.to_image} (was {entry.from_image}); gates passed"
-    )
+    return f"{name}: rolled back to {entry.to_image} (was {entry.from_image}); gates passed"
 
 
 @click.command(name="status")

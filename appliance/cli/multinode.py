@@ -17,7 +17,7 @@ from .. import multinode, units
 from ..cutover.context import Context
 from ..host.layout import Layout
 from ..host.systemd import Systemd
-from .options import root_option
+from .options import gate_options, root_option
 
 
 @click.group("multinode")
@@ -72,9 +72,24 @@ def _context(root: Path) -> Context:
 @click.argument("image")
 @click.option("--timeout", type=float, default=900.0, show_default=True)
 @click.option("--allow-no-mtp", is_flag=True, help="Accept an image without Gemma 4 MTP.")
+@gate_options
 @root_option
-def cutover_cmd(group, image, timeout, allow_no_mtp, root: Path) -> None:
-    """Move every node of GROUP to IMAGE; gates on the head; all back on failure."""
+def cutover_cmd(
+    group,
+    image,
+    timeout,
+    allow_no_mtp,
+    canary,
+    canary_timeout,
+    canary_file,
+    allow_unit_overrides,
+    root: Path,
+) -> None:
+    """Move every node of GROUP to IMAGE; gates on the head; all back on failure.
+
+    The instance cutover's state machine: Ctrl-C, SIGTERM or a hang-up during the gates rolls
+    every node back; if the cutover is killed outright, `appliance status GROUP` prints the
+    recovery command."""
     from ..multinode import cutover as mcut
 
     entry = mcut.cutover(
@@ -84,8 +99,14 @@ def cutover_cmd(group, image, timeout, allow_no_mtp, root: Path) -> None:
         _hosts(root, group),
         timeout=timeout,
         allow_no_mtp=allow_no_mtp,
+        canary=canary,
+        canary_files=canary_file,
+        canary_timeout=canary_timeout,
+        allow_unit_overrides=allow_unit_overrides,
     )
     click.echo(f"{group}: {entry.from_image} -> {entry.to_image}: {entry.outcome}")
+    if entry.canary:
+        click.echo(f"{group}: {entry.canary['summary']}")
 
 
 @multinode_group.command("rollback")
@@ -93,8 +114,12 @@ def cutover_cmd(group, image, timeout, allow_no_mtp, root: Path) -> None:
 @click.option("--timeout", type=float, default=900.0, show_default=True)
 @root_option
 def rollback_cmd(group, timeout, root: Path) -> None:
-    """Every node of GROUP back to its previous image, same gates."""
+    """Every node of GROUP back to its previous image, same gates.
+
+    After a cutover that was killed (SIGKILL, power loss), back to where it started instead
+    (every node's env file saved before it) and close its history entry."""
     from ..multinode import cutover as mcut
+    from .cutover import rollback_line
 
     entry = mcut.rollback(_context(root), group, _hosts(root, group), timeout=timeout)
-    click.echo(f"{group}: {entry.from_image} -> {entry.to_image}: {entry.outcome}")
+    click.echo(rollback_line(group, entry))

@@ -154,3 +154,44 @@ def progress_bar(total: int, label: str):
         return
     with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
         yield bar.update
+
+
+def gate_options(f):
+    """The cutover's gate options beyond --timeout, one spelling for an instance and a group:
+    --canary/--no-canary, --canary-timeout, --canary-file, --allow-unit-overrides."""
+    from .. import canary as canaries
+
+    for option in reversed(
+        [
+            click.option(
+                "--canary/--no-canary",
+                default=None,
+                help="Run the output canary: record the old image's answers before the restart "
+                "and compare the new image's after the other gates [default: the profile's "
+                "[canary] enabled].",
+            ),
+            click.option(
+                "--canary-timeout",
+                type=click.FloatRange(min=1),
+                default=canaries.DEFAULT_TIMEOUT,
+                show_default=True,
+                help="Seconds the canary may take on each side (the old image's answers before "
+                "the restart, the new image's after the gates), on top of --timeout; slower "
+                "fails the canary.",
+            ),
+            click.option(
+                "--canary-file",
+                multiple=True,
+                type=click.Path(path_type=Path, dir_okay=False),
+                help="Your JSONL canary cases, added to the shipped set (repeatable).",
+            ),
+            click.option(
+                "--allow-unit-overrides",
+                is_flag=True,
+                help="Go ahead although a drop-in or a second EnvironmentFile may set "
+                "VLLM_IMAGE for the unit (the gates still check the image the container runs).",
+            ),
+        ]
+    ):
+        f = option(f)
+    return f

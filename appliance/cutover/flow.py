@@ -29,7 +29,6 @@ saved env file's bytes and rollback slot), through the gates, and the killed ent
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from pathlib import Path
 
@@ -42,21 +41,12 @@ from ..fsutil import private_dir, write_atomic
 from ..host import envfile
 from ..host import lock as locks
 from ..host.layout import check_instance
-from ..host.systemd import SystemdError
-from ..units.instance import Instance
 from . import gates, history, metrics, slot
 from .context import Context, PreflightError
 from .history import Entry, Gate
-from .preflight import (
-    ImageInfo,
-    check_compatible,
-    check_unit_overrides,
-    inspect_image,
-    running_image_id,
-    target,
-    way_back,
-)
+from .preflight import check_compatible, target, way_back
 from .signals import Interrupted, guard
+from .target import InstanceTarget, Target
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -81,23 +71,9 @@ class CutoverInterrupted(ApplianceError):
     exit_code = 1
 
 
-def expect(inst: Instance, image: ImageInfo, api_key: str | None) -> gates.Expect:
-    return gates.Expect(
-        unit=inst.unit,
-        base_url=inst.base_url,
-        served_model=inst.served_model,
-        vllm_version=image.vllm_version,
-        mtp=inst.profile.mtp and image.mtp,
-        api_key=api_key,
-        container=inst.container,
-        image=image.ref,
-        image_id=image.id,
-    )
-
-
 def cutover(
     ctx: Context,
-    instance: str,
+    instance: str | Target,
     image: str,
     *,
     timeout: float = DEFAULT_TIMEOUT,
@@ -110,7 +86,8 @@ def cutover(
     allow_unit_overrides: bool = False,
     canary_timeout: float = canaries.DEFAULT_TIMEOUT,
 ) -> Entry:
-    """Move ``instance`` to ``image`` through the gates; on failure, back to where it was.
+    """Move ``instance`` (a name, or a :class:`Target` such as a multi-node group) to ``image``
+    through the gates; on failure, back to where it was.
 
     ``canary``: run the output canary (None: the profile's ``[canary] enabled``);
     ``canary_files``: the operator's JSONL cases, added to the shipped set;
@@ -120,65 +97,66 @@ def cutover(
     ``allow_unit_overrides``: warn instead of refusing when a drop-in or another env file may
     set the image (:func:`unit_overrides`).
     """
-    check_instance(instance)
+    tgt = instance_target(ctx, instance) if isinstance(instance, str) else instance
+    name = tgt.name
     imageref.validate(image)
     layout = ctx.layout
-    tgt = target(ctx, instance)
-    env_path = tgt.env_path
     api_key = tgt.api_key()
     # The canary's set is read and checked here: a malformed line refuses the cutover untouched.
     plan = canaries.plan(tgt.profile, root=layout.root, enabled=canary, files=canary_files)
-    new = inspect_image(ctx, image)
+    new = tgt.inspect(ctx, image)
     check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
-    check_unit_overrides(ctx, tgt, allow=allow_unit_overrides)
+    tgt.check_overrides(ctx, allow=allow_unit_overrides)
     # Refused here, nothing is written, not even the lock.
-    old, unusable = way_back(ctx, tgt.image, image, rollback, way_back_required)
+    first_ref = tgt.read().image
+    old, unusable = way_back(ctx, first_ref, image, rollback, way_back_required, tgt.inspect)
 
-    lock = locks.hold(layout.lock_file(instance), instance, f"{kind} to {image}")
+    lock = locks.hold(layout.lock_file(name), name, f"{kind} to {image}")
     with lock as held, guard(ctx.progress) as sig:
-        for d in layout.private_dirs(instance):
+        for d in layout.private_dirs(name):
             private_dir(d)
-        # Read again under the lock: the file a concurrent cutover left is the one we replace,
-        # and the image it names is the way back.
-        env = envfile.read(env_path)
-        current_ref = env.get(envfile.IMAGE_KEY)
-        if current_ref != tgt.image:
-            old, unusable = way_back(ctx, current_ref, image, rollback, way_back_required)
-        ctx.progress(f"{kind} {instance}: {current_ref} -> {image}")
+        # Read again under the lock: the files a concurrent cutover left are the ones we
+        # replace, and the image they name is the way back.
+        snap = tgt.read()
+        current_ref = snap.image
+        if current_ref != first_ref:
+            old, unusable = way_back(
+                ctx, current_ref, image, rollback, way_back_required, tgt.inspect
+            )
+        ctx.progress(f"{kind} {name}: {current_ref} -> {image}")
         # Read before the canary runs: a broken baseline file refuses with nothing touched.
-        kept = baselines.load(layout.canary_baseline(instance)) if plan.enabled else None
+        kept = baselines.load(layout.canary_baseline(name)) if plan.enabled else None
         # While the old image serves, before anything is written: an engine that cannot answer
         # the canary refuses the cutover with nothing touched; so does a signal.
         try:
             baseline = _canary_before(ctx, plan, tgt, api_key, current_ref, canary_timeout)
         except Interrupted as stop:
             raise CutoverInterrupted(
-                f"{kind} of {instance} interrupted by {stop.name} before anything was touched"
+                f"{kind} of {name} interrupted by {stop.name} before anything was touched"
             ) from None
         # The history line, the saved files and the slot go together: a signal waits for them.
         sig.defer()
-        entry = Entry.begin(instance, kind, current_ref, image)
+        entry = Entry.begin(name, kind, current_ref, image)
         held.note(entry.id)
-        hist = layout.history_file(instance)
+        hist = layout.history_file(name)
         history.append(hist, entry)
 
-        saved = layout.saved_env(instance)
-        write_atomic(saved, env.raw, mode=0o600)
-        slot_path = layout.rollback_slot(instance)
+        saved = layout.saved_env(name)
+        tgt.save(saved, snap)
+        slot_path = layout.rollback_slot(name)
         slot_before = slot_path.read_bytes() if slot_path.exists() else None
         # Kept until the cutover ends, for `appliance rollback` after a kill (recover()).
-        write_atomic(layout.saved_slot(instance), slot_before or b"", mode=0o644)
+        write_atomic(layout.saved_slot(name), slot_before or b"", mode=0o644)
         if current_ref and current_ref != image:
-            slot.write(layout, instance, current_ref, entry.id)
+            slot.write(layout, name, current_ref, entry.id)
 
-        unit = tgt.unit
         touched = False
         canary_result = None
         try:
             sig.arm()  # a signal that came meanwhile interrupts here, before the env write
             touched = True
-            write_atomic(env_path, env.with_value(envfile.IMAGE_KEY, image))
-            entry.gates = restart_and_wait(ctx, unit, expect(tgt, new, api_key), timeout)
+            tgt.write(snap.with_image(image))
+            entry.gates = tgt.move(ctx, new, api_key, timeout, True)
             if baseline is not None:
                 canary_result = _canary_after(
                     ctx, plan, baseline, tgt, api_key, image, entry, canary_timeout, kept
@@ -194,7 +172,7 @@ def cutover(
             ctx.progress(f"{failure}: returning to {current_ref or 'the previous env file'}")
         else:
             if canary_result is not None:
-                _keep_baseline(ctx, instance, canary_result)
+                _keep_baseline(ctx, name, canary_result)
             return finish(ctx, entry, "ok", None, saved)
         # The way back is not interrupted by the operator's next Ctrl-C or hang-up; it is bounded
         # by the same --timeout as the gates.
@@ -204,7 +182,7 @@ def cutover(
             slot.restore(slot_path, slot_before)
             entry.error = f"{failure}; stopped before the env file was written, nothing changed"
             finish(ctx, entry, "rolled_back", entry.error, saved)
-            raise CutoverInterrupted(f"{kind} of {instance} {entry.error}")
+            raise CutoverInterrupted(f"{kind} of {name} {entry.error}")
 
         if not rollback or old is None:
             entry.error = failure
@@ -214,46 +192,45 @@ def cutover(
             elif unusable:
                 why = f"NOT rolled back: the image it left, {current_ref}, cannot be inspected"
             else:
-                why = (
-                    f"NOT rolled back: {env_path} named no previous {envfile.IMAGE_KEY} "
-                    "to return to"
-                )
+                why = f"NOT rolled back: {tgt.env_files} named no previous {envfile.IMAGE_KEY} "
+                why += "to return to"
             if current_ref and not unusable:
-                fix = (
-                    f"the unit runs {image}; `appliance rollback {instance}` returns to "
-                    f"{current_ref}"
-                )
+                fix = f"{name} runs {image}; `{tgt.command('rollback')}` returns to {current_ref}"
             else:
-                fix = (
-                    f"the unit runs {image}; `appliance cutover {instance} IMAGE` to a working one"
-                )
-            raise RollbackFailed(f"{kind} of {instance} failed: {failure}; {why}", fix=fix)
+                fix = f"{name} runs {image}; `{tgt.command('cutover', 'IMAGE')}` to a "
+                fix += "working one"
+            raise RollbackFailed(f"{kind} of {name} failed: {failure}; {why}", fix=fix)
 
-        ctx.progress(f"rolling back {instance} to {current_ref}")
-        write_atomic(env_path, env.raw)
+        ctx.progress(f"rolling back {name} to {current_ref}")
+        tgt.write(snap.raw())
         # We are back where we were: the rollback target is what it was before.
         slot.restore(slot_path, slot_before)
         try:
-            entry.rollback_gates = restart_and_wait(ctx, unit, expect(tgt, old, api_key), timeout)
+            entry.rollback_gates = tgt.move(ctx, old, api_key, timeout, True)
         except gates.GateFailed as back:
             entry.rollback_gates = back.gates
-            journal = ctx.systemd.journal(unit, JOURNAL_LINES)
+            journal = tgt.journal(ctx, JOURNAL_LINES)
             entry.error = (
                 f"{failure}; rollback to {current_ref} failed gate {back.gate!r}: {back.detail}"
             )
             finish(ctx, entry, "failed", entry.error, saved)
             raise RollbackFailed(
-                f"{kind} of {instance} failed: {failure}; the rollback to {current_ref} ALSO "
-                f"failed gate {back.gate!r}: {back.detail}\n"
-                f"last journal lines of {unit}:\n{journal}"
+                f"{kind} of {name} failed: {failure}; the rollback to {current_ref} ALSO "
+                f"failed gate {back.gate!r}: {back.detail}\n{journal}"
             ) from None
         entry.error = failure
         finish(ctx, entry, "rolled_back", failure, saved)
         what = "was" if entry.interrupted else "failed:"
         raise CutoverFailed(
-            f"{kind} of {instance} {what} {failure}; rolled back to {current_ref}, "
+            f"{kind} of {name} {what} {failure}; rolled back to {current_ref}, "
             "which passed the gates and is serving"
         )
+
+
+def instance_target(ctx: Context, name: str) -> InstanceTarget:
+    """The installed instance ``name`` on this host, as a cutover target."""
+    check_instance(name)
+    return InstanceTarget(target(ctx, name))
 
 
 def interrupted_gates(stop: Interrupted, so_far: list[Gate]) -> list[Gate]:
@@ -266,7 +243,7 @@ def interrupted_gates(stop: Interrupted, so_far: list[Gate]) -> list[Gate]:
 def _canary_before(
     ctx: Context,
     plan: canaries.Plan,
-    tgt: Instance,
+    tgt: Target,
     api_key: str | None,
     image: str | None,
     within: float,
@@ -302,7 +279,7 @@ def _canary_after(
     ctx: Context,
     plan: canaries.Plan,
     baseline: canaries.Record,
-    tgt: Instance,
+    tgt: Target,
     api_key: str | None,
     image: str,
     entry: Entry,
@@ -363,29 +340,6 @@ def _keep_baseline(ctx: Context, instance: str, result: canaries.Result) -> None
         return
     if kept is not None:
         ctx.progress(f"canary: the acceptance baseline of {instance} is now {kept.describe()}")
-
-
-def restart_and_wait(
-    ctx: Context, unit: str, expect: gates.Expect, timeout: float, *, restart: bool = True
-) -> list[Gate]:
-    """Restart ``unit`` and gate it; ``restart=False`` gates the engine already running (any
-    start counts)."""
-    if restart:
-        ctx.progress(f"restarting {unit}")
-        expect = dataclasses.replace(expect, previous_invocation=ctx.systemd.invocation_id(unit))
-        try:
-            ctx.systemd.restart(unit)
-        except SystemdError as exc:
-            raise gates.GateFailed(
-                "restart", str(exc), [Gate("restart", False, 0.0, str(exc))]
-            ) from exc
-    return gates.wait(
-        ctx.systemd,
-        expect,
-        timeout=timeout,
-        progress=ctx.progress,
-        running_image=lambda c: running_image_id(ctx, c),
-    )
 
 
 def finish(

@@ -4,6 +4,7 @@ unit's image."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from .. import imageref, labels, versions
 from ..errors import ApplianceError, EngineError, UsageError
 from ..host import envfile
 from ..host.layout import ENV_DIR
-from ..host.systemd import SystemdError
+from ..host.systemd import Systemd, SystemdError
 from ..profiles import Profile
 from ..units.instance import Instance
 from ..units.instance import read as read_instance
@@ -98,12 +99,16 @@ def unit_overrides(ctx: Context, inst: Instance) -> list[str]:
     """What besides the instance's env file could set ``VLLM_IMAGE`` for its unit: another
     ``EnvironmentFile`` (a later one wins), or a drop-in that names ``VLLM_IMAGE``. Empty when
     the unit is not loaded. Raises :class:`SystemdError` when systemd cannot be asked."""
-    unit = inst.unit
-    props = ctx.systemd.show(unit, "LoadState", "DropInPaths")
+    return env_overrides(ctx.systemd, ctx.layout.root, inst.unit, f"/{ENV_DIR}/{inst.name}.env")
+
+
+def env_overrides(systemd: Systemd, root: Path, unit: str, own: str) -> list[str]:
+    """What besides ``own`` (the env file the appliance writes) could set ``VLLM_IMAGE`` for
+    ``unit`` on the host whose files are under ``root`` and whose systemd is ``systemd``."""
+    props = systemd.show(unit, "LoadState", "DropInPaths")
     if props.get("LoadState") == "not-found":
         return []
-    own = f"/{ENV_DIR}/{inst.name}.env"
-    files = [v.split(" (", 1)[0] for v in ctx.systemd.show_all(unit, "EnvironmentFiles") if v]
+    files = [v.split(" (", 1)[0] for v in systemd.show_all(unit, "EnvironmentFiles") if v]
     problems = []
     if files and files != [own]:
         problems.append(f"{unit} reads {len(files)} EnvironmentFile(s): {', '.join(files)}")
@@ -111,7 +116,7 @@ def unit_overrides(ctx: Context, inst: Instance) -> list[str]:
             if f == own:
                 continue
             try:
-                value = envfile.parse(_under(ctx, f).read_bytes(), f).get(envfile.IMAGE_KEY)
+                value = envfile.parse(_under(root, f).read_bytes(), f).get(envfile.IMAGE_KEY)
             except (OSError, ApplianceError) as exc:
                 problems.append(f"{f} cannot be read ({exc})")
                 continue
@@ -119,7 +124,7 @@ def unit_overrides(ctx: Context, inst: Instance) -> list[str]:
                 problems.append(f"{f} sets {envfile.IMAGE_KEY}={value}")
     for d in props.get("DropInPaths", "").split():
         try:
-            text = _under(ctx, d).read_text(errors="replace")
+            text = _under(root, d).read_text(errors="replace")
         except OSError:
             continue
         if envfile.IMAGE_KEY in text:
@@ -127,18 +132,27 @@ def unit_overrides(ctx: Context, inst: Instance) -> list[str]:
     return problems
 
 
-def _under(ctx: Context, path: str) -> Path:
-    return ctx.layout.root / path.lstrip("/")
+def _under(root: Path, path: str) -> Path:
+    return Path(root) / path.lstrip("/")
 
 
 def check_unit_overrides(ctx: Context, inst: Instance, *, allow: bool) -> None:
     """Refuse (or, with ``allow``, warn) when something besides the env file may set the image:
     the cutover would edit a file the unit does not go by."""
-    try:
-        problems = unit_overrides(ctx, inst)
-    except SystemdError as exc:
-        ctx.progress(f"warning: cannot check {inst.unit} for overrides ({exc})")
-        return
+    check_overrides(ctx, {inst.unit: lambda: unit_overrides(ctx, inst)}, inst.env_path.name, allow)
+
+
+def check_overrides(
+    ctx: Context, checks: dict[str, Callable[[], list[str]]], env_name: str, allow: bool
+) -> None:
+    """Run each unit's override check (``{unit: check}``); refuse, or with ``allow`` warn, on
+    any finding. A unit systemd cannot be asked about is a warning."""
+    problems = []
+    for unit, check in checks.items():
+        try:
+            problems += check()
+        except SystemdError as exc:
+            ctx.progress(f"warning: cannot check {unit} for overrides ({exc})")
     if not problems:
         return
     what = "; ".join(problems)
@@ -148,22 +162,29 @@ def check_unit_overrides(ctx: Context, inst: Instance, *, allow: bool) -> None:
             "what the container really runs"
         )
         return
+    units = ", ".join(checks)
     raise PreflightError(
-        f"{inst.unit} may not run the image {inst.env_path.name} names: {what}",
+        f"{units} may not run the image {env_name} names: {what}",
         fix="remove the override (then `systemctl daemon-reload`), or pass "
         "--allow-unit-overrides (the gates still check the running container's image)",
     )
 
 
 def way_back(
-    ctx: Context, current_ref: str | None, image: str, rollback: bool, required: bool
+    ctx: Context,
+    current_ref: str | None,
+    image: str,
+    rollback: bool,
+    required: bool,
+    inspect: Callable[[Context, str], ImageInfo] = inspect_image,
 ) -> tuple[ImageInfo | None, str | None]:
     """The image the cutover returns to on failure, and why it cannot when it cannot (a
-    PreflightError when the way back is ``required``)."""
+    PreflightError when the way back is ``required``). ``inspect``: how the target finds an
+    image (a group: on every host)."""
     if not current_ref or not rollback:
         return None, None
     try:
-        return inspect_image(ctx, current_ref), None
+        return inspect(ctx, current_ref), None
     except (PreflightError, UsageError) as exc:
         if required:
             raise PreflightError(

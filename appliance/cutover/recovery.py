@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import EngineError, UsageError
-from ..fsutil import write_atomic
+from .. import multinode
+from ..errors import ApplianceError, UsageError
 from ..host import envfile
 from ..host import lock as locks
-from ..host.layout import Layout, check_instance
+from ..host.layout import Layout
 from . import gates, history, slot
 from .context import Context
 from .flow import (
@@ -17,31 +17,32 @@ from .flow import (
     JOURNAL_LINES,
     RollbackFailed,
     cutover,
-    expect,
     finish,
-    restart_and_wait,
+    instance_target,
 )
 from .history import Entry, Gate
-from .preflight import inspect_image, running_image_id, target
 from .signals import guard
+from .target import Target
 
 
-def rollback(ctx: Context, instance: str, *, timeout: float = DEFAULT_TIMEOUT) -> Entry:
-    """Return ``instance`` to the image in its rollback slot, through the same gates; after a
-    killed cutover, :func:`recover` it instead."""
-    check_instance(instance)
-    if interrupted_entry(ctx.layout, instance) is not None:
-        return recover(ctx, instance, timeout=timeout)
-    image = slot.rollback_image(ctx.layout, instance)
+def rollback(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_TIMEOUT) -> Entry:
+    """Return ``instance`` (a name, or a :class:`Target` such as a group) to the image in its
+    rollback slot, through the same gates; after a killed cutover, :func:`recover` it instead."""
+    tgt = instance_target(ctx, instance) if isinstance(instance, str) else instance
+    name = tgt.name
+    if interrupted_entry(ctx.layout, name) is not None:
+        return recover(ctx, tgt, timeout=timeout)
+    image = slot.rollback_image(ctx.layout, name)
     if not image:
         raise UsageError(
-            f"instance {instance} has no rollback target",
-            fix="a rollback target is recorded by the first successful `appliance cutover`",
+            f"{tgt.noun} {name} has no rollback target",
+            fix=f"a rollback target is recorded by the first successful "
+            f"`{tgt.command('cutover', 'IMAGE')}`",
         )
     # A deliberate return to a pre-MTP image is what a rollback is for: MTP off is allowed.
     return cutover(
         ctx,
-        instance,
+        tgt,
         image,
         timeout=timeout,
         allow_no_mtp=True,
@@ -69,84 +70,85 @@ def recovery_image(entry: Entry) -> str | None:
     return entry.from_image if entry.kind == "cutover" else entry.to_image
 
 
-def recovery_command(layout: Layout, instance: str) -> str:
-    """The one command that recovers a killed cutover of ``instance``."""
+def recovery_command(layout: Layout, name: str) -> str:
+    """The one command that recovers a killed cutover of ``name`` (an instance, or a multi-node
+    group whose units run on this host)."""
     root = "" if layout.root == Path("/") else f" --root {layout.root}"
-    return f"appliance rollback {instance}{root}"
+    noun = "multinode rollback" if multinode.host_roles(layout.root, name) else "rollback"
+    return f"appliance {noun} {name}{root}"
 
 
-def recover(ctx: Context, instance: str, *, timeout: float = DEFAULT_TIMEOUT) -> Entry:
-    """Finish a cutover or rollback whose process was killed: write back the env file saved
-    before it (its exact bytes, or the image it left when none was saved) and the rollback slot,
-    restart unless that image is already what runs, gate it, and close the killed history entry
-    (``rolled_back``, ``interrupted: killed``)."""
-    check_instance(instance)
+def recover(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_TIMEOUT) -> Entry:
+    """Finish a cutover or rollback whose process was killed: write back the env files saved
+    before it (their exact bytes, or the image it left when none were saved) and the rollback
+    slot, restart unless that image is already what runs, gate it, and close the killed history
+    entry (``rolled_back``, ``interrupted: killed``)."""
+    tgt = instance_target(ctx, instance) if isinstance(instance, str) else instance
+    name = tgt.name
     layout = ctx.layout
-    tgt = target(ctx, instance)
     api_key = tgt.api_key()
     with (
-        locks.hold(layout.lock_file(instance), instance, f"recovery of {instance}") as held,
+        locks.hold(layout.lock_file(name), name, f"recovery of {name}") as held,
         guard(ctx.progress) as sig,
     ):
         sig.hold(within=timeout)  # recovery is the way back: not interrupted half-way
-        entry = interrupted_entry(layout, instance, locked=True)
+        entry = interrupted_entry(layout, name, locked=True)
         if entry is None:
             raise UsageError(
-                f"instance {instance} has no interrupted cutover to recover",
-                fix=f"`appliance status {instance}` shows its state",
+                f"{tgt.noun} {name} has no interrupted cutover to recover",
+                fix=f"`appliance status {name}` shows its state",
             )
         image = recovery_image(entry)
         if not image:
             raise UsageError(
-                f"the interrupted {entry.kind} of {instance} started from no "
+                f"the interrupted {entry.kind} of {name} started from no "
                 f"{envfile.IMAGE_KEY}: there is nothing to return to",
-                fix=f"`appliance cutover {instance} IMAGE` to a working image",
+                fix=f"`{tgt.command('cutover', 'IMAGE')}` to a working image",
             )
-        info = inspect_image(ctx, image)
+        info = tgt.inspect(ctx, image)
         held.note(entry.id)
-        env = envfile.read(tgt.env_path)
-        saved = layout.saved_env(instance)
-        raw = env.with_value(envfile.IMAGE_KEY, image)
-        if entry.kind == "cutover" and saved.exists():
-            prev = saved.read_bytes()
-            if envfile.parse(prev, str(saved)).get(envfile.IMAGE_KEY) == image:
-                raw = prev  # byte-identical to before the killed cutover
-            saved_slot = layout.saved_slot(instance)
+        snap = tgt.read()
+        saved = layout.saved_env(name)
+        content = snap.with_image(image)
+        if entry.kind == "cutover":
+            prev = tgt.saved(saved)
+            if prev is not None and prev.keys() == content.keys() and _names(prev, image):
+                content = prev  # byte-identical to before the killed cutover
+            saved_slot = layout.saved_slot(name)
             if saved_slot.exists():
-                slot.restore(layout.rollback_slot(instance), saved_slot.read_bytes() or None)
-        unit = tgt.unit
+                slot.restore(layout.rollback_slot(name), saved_slot.read_bytes() or None)
         ctx.progress(
-            f"recovering the interrupted {entry.kind} of {instance} "
+            f"recovering the interrupted {entry.kind} of {name} "
             f"({entry.from_image} -> {entry.to_image}): returning to {image}"
         )
-        in_place = (
-            raw == env.raw
-            and ctx.systemd.state(unit).active == "active"
-            and _running_or_none(ctx, tgt.container) == info.id
-        )
-        write_atomic(tgt.env_path, raw)
+        in_place = content == snap.raw() and tgt.runs(ctx, info)
+        tgt.write(content)
         entry.interrupted = "killed"
         why = f"interrupted: the appliance (pid {entry.pid}) was killed"
         try:
             if in_place:
-                ctx.progress(f"{unit} already runs {image}: gating it without a restart")
-            got = restart_and_wait(
-                ctx, unit, expect(tgt, info, api_key), timeout, restart=not in_place
-            )
+                ctx.progress(f"{name} already runs {image}: gating it without a restart")
+            got = tgt.move(ctx, info, api_key, timeout, not in_place)
         except gates.GateFailed as failed:
             got = failed.gates
             entry.error = f"{why}; recovery to {image} failed gate {failed.gate!r}: {failed.detail}"
             _set_gates(entry, got)
             finish(ctx, entry, "failed", entry.error, saved)
-            journal = ctx.systemd.journal(unit, JOURNAL_LINES)
             raise RollbackFailed(
-                f"recovery of {instance} failed: {entry.error}\n"
-                f"last journal lines of {unit}:\n{journal}"
+                f"recovery of {name} failed: {entry.error}\n{tgt.journal(ctx, JOURNAL_LINES)}"
             ) from None
         _set_gates(entry, got)
         outcome: history.Outcome = "rolled_back" if entry.kind == "cutover" else "ok"
-        entry.error = f"{why}; recovered by `{recovery_command(layout, instance)}`: on {image}"
+        entry.error = f"{why}; recovered by `{recovery_command(layout, name)}`: on {image}"
         return finish(ctx, entry, outcome, entry.error, saved)
+
+
+def _names(files: dict[str, bytes], image: str) -> bool:
+    """Every saved env file names ``image`` (else it is not where the recovery goes)."""
+    try:
+        return all(envfile.parse(raw).get(envfile.IMAGE_KEY) == image for raw in files.values())
+    except ApplianceError:
+        return False
 
 
 def _set_gates(entry: Entry, got: list[Gate]) -> None:
@@ -155,10 +157,3 @@ def _set_gates(entry: Entry, got: list[Gate]) -> None:
         entry.rollback_gates = got
     else:
         entry.gates = got
-
-
-def _running_or_none(ctx: Context, container: str) -> str | None:
-    try:
-        return running_image_id(ctx, container)
-    except EngineError:
-        return None

@@ -1,0 +1,224 @@
+"""What one cutover moves, in two shapes: an instance (one env file, one unit on this host) and a
+multi-node group (an env file per host, head and worker units; ``appliance.multinode.cutover``).
+
+The state machine (:mod:`.flow`: lock, signals, history, saved env files and rollback slot,
+preflight, gates, canary, the way back, recovery after a kill, state metrics) is written once
+against :class:`Target`; each shape says only how its files are read and written, where its
+image must be present, how it restarts and what its gates check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ..errors import EngineError, UsageError
+from ..fsutil import write_atomic
+from ..host import envfile
+from ..host.systemd import SystemdError
+from ..profiles import Profile
+from ..units.instance import Instance
+from . import gates
+from .context import Context
+from .history import Gate
+from .preflight import ImageInfo, check_unit_overrides, inspect_image, running_image_id
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every env file of a target as read at one moment, by host (``""`` for an instance)."""
+
+    files: Mapping[str, envfile.EnvFile]
+
+    @property
+    def image(self) -> str | None:
+        """The one image every file names (None when none names one); a split is refused."""
+        found = {host: env.get(envfile.IMAGE_KEY) for host, env in self.files.items()}
+        images = set(found.values())
+        if len(images) > 1:
+            split = ", ".join(f"{h}: {i or 'unset'}" for h, i in sorted(found.items()))
+            raise UsageError(
+                f"the env files name different images ({split})",
+                fix="cut over to one image on every host first",
+            )
+        return images.pop() if images else None
+
+    def with_image(self, image: str) -> dict[str, bytes]:
+        """Each file's bytes with ``VLLM_IMAGE=image``, every other line unchanged."""
+        return {h: env.with_value(envfile.IMAGE_KEY, image) for h, env in self.files.items()}
+
+    def raw(self) -> dict[str, bytes]:
+        return {h: env.raw for h, env in self.files.items()}
+
+
+class Target(Protocol):
+    """One thing a cutover moves. ``name`` keys its lock, history, rollback slot, saved files
+    and canary records under the (head's) state directory."""
+
+    name: str
+    profile: Profile
+    base_url: str
+    served_model: str
+    env_files: str  # the env file(s) it reads, for messages
+    noun: str  # "instance", "group": how messages name it
+
+    def api_key(self) -> str | None: ...
+
+    def read(self) -> Snapshot:
+        """Every env file now (read again under the lock)."""
+        ...
+
+    def write(self, content: Mapping[str, bytes]) -> None:
+        """Write each env file's bytes; on a failure, put back the ones written."""
+        ...
+
+    def save(self, path: Path, snap: Snapshot) -> None:
+        """Keep ``snap`` for the recovery of a killed cutover (private, atomic)."""
+        ...
+
+    def saved(self, path: Path) -> dict[str, bytes] | None:
+        """What :meth:`save` kept (None when nothing was, or it cannot be read)."""
+        ...
+
+    def inspect(self, ctx: Context, ref: str) -> ImageInfo:
+        """``ref`` as every host the target runs on holds it (the same image ID)."""
+        ...
+
+    def check_overrides(self, ctx: Context, *, allow: bool) -> None: ...
+
+    def move(
+        self, ctx: Context, image: ImageInfo, api_key: str | None, timeout: float, restart: bool
+    ) -> list[Gate]:
+        """Restart (unless ``restart`` is False: gate what runs) and run the gates for ``image``;
+        raises ``gates.GateFailed``."""
+        ...
+
+    def runs(self, ctx: Context, image: ImageInfo) -> bool:
+        """Every unit active with its container on ``image`` (recovery may skip the restart)."""
+        ...
+
+    def journal(self, ctx: Context, lines: int) -> str: ...
+
+    def command(self, verb: str, *args: str, root: Path = Path("/")) -> str:
+        """The CLI line an operator types for ``verb`` (cutover, rollback) on this target."""
+        ...
+
+
+@dataclass(frozen=True)
+class InstanceTarget:
+    """An instance: ``gemma4-vllm@NAME`` and its env file on this host."""
+
+    inst: Instance
+    noun = "instance"
+
+    @property
+    def name(self) -> str:
+        return self.inst.name
+
+    @property
+    def profile(self) -> Profile:
+        return self.inst.profile
+
+    @property
+    def base_url(self) -> str:
+        return self.inst.base_url
+
+    @property
+    def served_model(self) -> str:
+        return self.inst.served_model
+
+    @property
+    def unit(self) -> str:
+        return self.inst.unit
+
+    @property
+    def env_files(self) -> str:
+        return str(self.inst.env_path)
+
+    def api_key(self) -> str | None:
+        return self.inst.api_key()
+
+    def read(self) -> Snapshot:
+        return Snapshot({"": envfile.read(self.inst.env_path)})
+
+    def write(self, content: Mapping[str, bytes]) -> None:
+        write_atomic(self.inst.env_path, content[""])
+
+    def save(self, path: Path, snap: Snapshot) -> None:
+        # The env file's own bytes: what an older appliance left is read the same way.
+        write_atomic(path, snap.files[""].raw, mode=0o600)
+
+    def saved(self, path: Path) -> dict[str, bytes] | None:
+        try:
+            return {"": path.read_bytes()}
+        except OSError:
+            return None
+
+    def inspect(self, ctx: Context, ref: str) -> ImageInfo:
+        return inspect_image(ctx, ref)
+
+    def check_overrides(self, ctx: Context, *, allow: bool) -> None:
+        check_unit_overrides(ctx, self.inst, allow=allow)
+
+    def move(
+        self, ctx: Context, image: ImageInfo, api_key: str | None, timeout: float, restart: bool
+    ) -> list[Gate]:
+        return restart_and_wait(
+            ctx, self.unit, expect(self.inst, image, api_key), timeout, restart=restart
+        )
+
+    def runs(self, ctx: Context, image: ImageInfo) -> bool:
+        if ctx.systemd.state(self.unit).active != "active":
+            return False
+        with contextlib.suppress(EngineError):
+            return running_image_id(ctx, self.inst.container) == image.id
+        return False
+
+    def journal(self, ctx: Context, lines: int) -> str:
+        return f"last journal lines of {self.unit}:\n{ctx.systemd.journal(self.unit, lines)}"
+
+    def command(self, verb: str, *args: str, root: Path = Path("/")) -> str:
+        root_opt = "" if root == Path("/") else f" --root {root}"
+        return " ".join(["appliance", verb, self.name, *args]) + root_opt
+
+
+def expect(inst: Instance, image: ImageInfo, api_key: str | None) -> gates.Expect:
+    """What the instance's unit must show once it runs ``image``."""
+    return gates.Expect(
+        unit=inst.unit,
+        base_url=inst.base_url,
+        served_model=inst.served_model,
+        vllm_version=image.vllm_version,
+        mtp=inst.profile.mtp and image.mtp,
+        api_key=api_key,
+        container=inst.container,
+        image=image.ref,
+        image_id=image.id,
+    )
+
+
+def restart_and_wait(
+    ctx: Context, unit: str, expect: gates.Expect, timeout: float, *, restart: bool = True
+) -> list[Gate]:
+    """Restart ``unit`` and gate it; ``restart=False`` gates the engine already running (any
+    start counts)."""
+    if restart:
+        ctx.progress(f"restarting {unit}")
+        expect = dataclasses.replace(expect, previous_invocation=ctx.systemd.invocation_id(unit))
+        try:
+            ctx.systemd.restart(unit)
+        except SystemdError as exc:
+            raise gates.GateFailed(
+                "restart", str(exc), [Gate("restart", False, 0.0, str(exc))]
+            ) from exc
+    return gates.wait(
+        ctx.systemd,
+        expect,
+        timeout=timeout,
+        progress=ctx.progress,
+        running_image=lambda c: running_image_id(ctx, c),
+    )
