@@ -41,7 +41,7 @@ from ..cutover.preflight import ImageInfo, check_overrides, env_overrides, inspe
 from ..cutover.target import Snapshot
 from ..errors import UsageError
 from ..fsutil import write_atomic
-from ..host import envfile, names
+from ..host import envfile
 from ..host.systemd import Systemd, SystemdError
 from ..host.values import base_url
 from . import (
@@ -119,7 +119,7 @@ class GroupTarget:
         return _inspect_everywhere(ctx, self, ref)
 
     def check_overrides(self, ctx: Context, *, allow: bool) -> None:
-        own = f"/{names.ENV_DIR}/{self.name}.env"
+        own = "/" + env_path(self.name)
         checks = {}
         for h in self.hosts:
             for role in h.node.roles:
