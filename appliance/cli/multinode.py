@@ -52,7 +52,8 @@ def install_cmd(profile, group, role, rank, image, port, model_dir, root: Path) 
     if not result.changed:
         click.echo("unchanged")
     first = multinode.unit_name(group, "worker" if role == "worker" else "head")
-    click.echo(f"next: systemctl daemon-reload && systemctl enable --now {first}")
+    timer = f"{units.STATE_UNIT}.timer"
+    click.echo(f"next: systemctl daemon-reload && systemctl enable --now {first} {timer}")
 
 
 def _hosts(root: Path, group: str) -> list:

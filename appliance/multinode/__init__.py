@@ -273,6 +273,9 @@ def render(
         if role in node.roles:
             text = env.get_template(name + ".j2").render(context)
             files[_rel(f"{ut.UNIT_DIR}/{name}")] = ut.RenderedFile(text, ut.MODE_UNIT)
+    # The host's state metrics (status, cutover annotations, the failed-unit alert), as an
+    # instance's install writes them: one service and timer per host, whatever it runs.
+    files.update(ut.state_units())
     return files
 
 
