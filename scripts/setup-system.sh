@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # System packages the full test suite uses: Docker engine, systemd-nspawn + debootstrap,
-# Prometheus/promtool, shellcheck, Chromium (the HTML reports' browser test), the distribution's
+# Prometheus/promtool, Alertmanager/amtool, shellcheck, Chromium (the HTML reports' browser test), the distribution's
 # venv module (scripts/setup.sh), Node.js (when absent). Needs root (apt). Idempotent.
 # Usage: scripts/setup-system.sh [first|rest]  (default: both)
 #   first: what scripts/setup.sh and the suite's first background work need (the venv module,
@@ -8,7 +8,7 @@
 #          beside the venv's install.
 set -euo pipefail
 first=(python3-venv debootstrap systemd-container)
-rest=(docker.io prometheus shellcheck chromium)
+rest=(docker.io prometheus prometheus-alertmanager shellcheck chromium)
 # Node.js + npm check the dashboards against Grafana's published schema types (tsc).
 command -v npm >/dev/null 2>&1 || rest+=(nodejs npm)
 case "${1:-all}" in
@@ -30,5 +30,5 @@ if [ "${#missing[@]}" -gt 0 ]; then
   apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 # apt starts no services here; the test fixtures start dockerd and Prometheus themselves.
-systemctl disable --now prometheus >/dev/null 2>&1 || true
+systemctl disable --now prometheus prometheus-alertmanager >/dev/null 2>&1 || true
 echo "system packages ready: ${packages[*]}"

@@ -108,6 +108,7 @@ def test_dashboards_rules_and_alerts_live(mtp_engine, prometheus_server):
                 scrape_interval="1s",
                 evaluation_interval="1s",
                 rule_files=("rules/*.yml",),
+                alertmanagers=(),  # the alert path is test_alerting.py's
             )
         )
         files = {

@@ -22,6 +22,8 @@ class ScrapeTargets:
     agent: tuple[str, ...] = ("127.0.0.1:9464",)
     # node_exporter with --collector.textfile.directory on the appliance's state directory.
     state: tuple[str, ...] = ("127.0.0.1:9100",)
+    # Where firing alerts go (the plane's Alertmanager, prometheus/alertmanager.yml).
+    alertmanagers: tuple[str, ...] = ("127.0.0.1:9093",)
     scrape_interval: str = "15s"
     evaluation_interval: str = "15s"
     rule_files: tuple[str, ...] = ("rules/*.yml",)
@@ -36,8 +38,17 @@ def render(t: ScrapeTargets = ScrapeTargets()) -> str:
         f"  evaluation_interval: {t.evaluation_interval}",
         "rule_files:",
         *(f"  - {json.dumps(f)}" for f in t.rule_files),
-        "scrape_configs:",
     ]
+    if t.alertmanagers:
+        lines += [
+            "# The alerts of rules/ go to Alertmanager, which routes them (alertmanager.yml).",
+            "alerting:",
+            "  alertmanagers:",
+            "    - static_configs:",
+            "        - targets:",
+            *(f"            - {json.dumps(a)}" for a in t.alertmanagers),
+        ]
+    lines.append("scrape_configs:")
     jobs = (
         (
             n.JOB_ENGINE,
