@@ -34,7 +34,7 @@ sys.path[:0] = [str(TESTS), str(REPO)]
 def base_rootfs() -> str:
     from appliance.images import base, build
 
-    return base.make_rootfs_tar(build.DOCKER_DIR, build.system_cache()).name
+    return base.make_rootfs_tar(build.docker_folder(), build.system_cache()).name
 
 
 def nspawn_rootfs() -> str:
@@ -46,7 +46,7 @@ def nspawn_rootfs() -> str:
 def wheelhouses() -> str:
     from appliance.images import build, wheelhouse
 
-    locks = sorted((build.DOCKER_DIR / "cpu").glob("vllm-*.lock"))
+    locks = sorted((build.docker_folder() / "cpu").glob("vllm-*.lock"))
     with concurrent.futures.ThreadPoolExecutor(len(locks)) as pool:
         done = pool.map(lambda p: wheelhouse.ensure_wheelhouse(p, build.system_cache()), locks)
         return ", ".join(f"{p.name} -> {d.name}" for p, d in zip(locks, done, strict=True))

@@ -17,10 +17,12 @@ from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.host.layout import Layout
 from appliance.images import base, inventory, lock, scheme, targets
-from appliance.images.build import DOCKER_DIR
+from appliance.images.build import docker_folder
 
 MTP_LABELS = {labels.VLLM_VERSION: "0.32.0", labels.MTP: "true"}
 PRE_LABELS = {labels.VLLM_VERSION: "0.19.0", labels.MTP: "false"}
+
+DOCKER_DIR = docker_folder()
 
 
 # --- tag scheme ------------------------------------------------------------------------------

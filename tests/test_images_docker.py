@@ -549,9 +549,9 @@ def test_official_image_dockerfile_adds_entry_point_and_labels(
 
 def test_a_new_base_forgets_superseded_ones(appliance_images, docker_engine, tmp_path):
     from appliance.images import base
-    from appliance.images.build import DOCKER_DIR
+    from appliance.images.build import docker_folder
 
-    current = base.base_ref(DOCKER_DIR)
+    current = base.base_ref(docker_folder())
     stale = f"{base.BASE_REPOSITORY}:{base.SUITE}-{uuid.uuid4().hex[:16]}"
     repo, tag = stale.split(":")
     docker_engine.api.import_image_from_data(

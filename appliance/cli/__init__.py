@@ -36,6 +36,7 @@ COMMANDS = {
     "local": ("local", "local"),
     "models": ("models", "models"),
     "multinode": ("multinode", "multinode_group"),
+    "observability": ("observability", "observability"),
     "profiles": ("profiles", "profiles"),
     "render": ("units", "render"),
     "rollback": ("cutover", "rollback"),

@@ -196,5 +196,5 @@ def _print_archive(r: archive.LoadResult, done: str, json_: bool) -> None:
 )
 def image_lock(vllm_version: str, constraints_from: Path | None) -> None:
     """Re-resolve docker/cpu/vllm-VERSION.lock with pip (needs the package index)."""
-    path = lock.write_lock(vllm_version, image_build.DOCKER_DIR, constraints_from)
+    path = lock.write_lock(vllm_version, image_build.docker_folder(), constraints_from)
     click.echo(str(path))

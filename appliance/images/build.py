@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import labels, versions
+from .. import __version__, assets, labels, versions
 from ..errors import ApplianceError, UsageError
 from . import base, scheme, targets, wheelhouse
 from .files import digest
@@ -27,9 +27,14 @@ from .lock import lock_path
 
 Progress = Callable[[str], None]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DOCKER_DIR = REPO_ROOT / "docker"
-VLLM_MAIN = REPO_ROOT / "appliance" / "engine" / "vllm_main.py"
+# The CPU engine's entry point, a module of the package (copied into the CPU images).
+VLLM_MAIN = Path(__file__).resolve().parents[1] / "engine" / "vllm_main.py"
+
+
+def docker_folder() -> Path:
+    """The Dockerfiles, entry point and locks: the checkout's ``docker/``, or the installed
+    package's copy (:mod:`appliance.assets`)."""
+    return assets.path("docker")
 
 
 def system_cache() -> Path:
@@ -53,9 +58,13 @@ class BuildResult:
 
 
 def _revision() -> str:
+    """The checkout's commit, or the package's version when built from an installed package."""
+    where = assets.root()
+    if where == assets.PACKAGED:
+        return f"gemma4-appliance {__version__}"
     try:
         out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"],
+            ["git", "-C", str(where), "rev-parse", "--short=12", "HEAD"],
             capture_output=True,
             text=True,
             check=True,
@@ -76,14 +85,16 @@ def build(
     *,
     repository: str = scheme.REPOSITORY,
     vllm_version: str | None = None,
-    docker_dir: Path = DOCKER_DIR,
+    docker_dir: Path | None = None,
     cache_dir: Path | None = None,
     tag: bool = True,
     progress: Progress | None = None,
 ) -> BuildResult:
     """Build ``target_name`` (see :mod:`appliance.images.targets`) unless an identical image
-    exists; apply the tag scheme unless ``tag`` is False."""
+    exists; apply the tag scheme unless ``tag`` is False. ``docker_dir``: :func:`docker_folder`
+    unless given."""
     say = progress or (lambda _msg: None)
+    docker_dir = docker_dir or docker_folder()
     target = targets.get(target_name)
     scheme.check_repository(repository)
     cache_dir = cache_dir or system_cache()
