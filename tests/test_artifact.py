@@ -4,7 +4,7 @@ observability plane and installs an instance, with no repository in reach.
 
 The wheel is built from a copy of the source tree (the checkout stays clean) and installed with
 uv into a new venv that sees only the package's declared dependencies (linked from this
-environment, as tests/test_packaging.py does for the plain install).
+environment: tests/test_packaging.py's link_dependencies).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_packaging import DIST, _closure, _top_level_paths
+from test_packaging import link_dependencies
 
 from appliance import assets
 
@@ -80,20 +80,7 @@ def installed(tmp_path_factory) -> Installed:
         capture_output=True,
     )
     shutil.rmtree(src)  # nothing of the source left in reach
-    links = root / "site"
-    links.mkdir()
-    for dist in sorted(_closure(DIST) - {DIST}):
-        for path in _top_level_paths(dist):
-            if path.exists() and not (links / path.name).exists():
-                (links / path.name).symlink_to(path)
-    py = root / "venv/bin/python"
-    purelib = subprocess.run(
-        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    Path(purelib, "deps.pth").write_text(f"{links}\n")
+    link_dependencies(root / "venv/bin/python", root / "site")
     return Installed(root)
 
 

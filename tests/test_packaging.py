@@ -66,22 +66,27 @@ def plain_python(tmp_path_factory) -> Path:
     """A python that sees the package and its declared dependencies only."""
     root = tmp_path_factory.mktemp("plain")
     venv.EnvBuilder(with_pip=False).create(root / "venv")
-    links = root / "site"
+    links = link_dependencies(root / "venv/bin/python", root / "site")
+    (links / "appliance").symlink_to(REPO / "appliance")
+    return root / "venv/bin/python"
+
+
+def link_dependencies(python: Path, links: Path) -> Path:
+    """Make the declared dependencies of the package (extras off), linked from this
+    environment into ``links``, importable by the venv of ``python``; returns ``links``."""
     links.mkdir()
-    for dist in sorted(_closure(DIST)):
+    for dist in sorted(_closure(DIST) - {DIST}):
         for path in _top_level_paths(dist):
             if path.exists() and not (links / path.name).exists():
                 (links / path.name).symlink_to(path)
-    (links / "appliance").symlink_to(REPO / "appliance")
-    py = root / "venv/bin/python"
     purelib = subprocess.run(
-        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
-    Path(purelib, "plain.pth").write_text(f"{links}\n")
-    return py
+    Path(purelib, "dependencies.pth").write_text(f"{links}\n")
+    return links
 
 
 def test_every_dependency_is_declared(plain_python: Path) -> None:
