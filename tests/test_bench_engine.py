@@ -223,7 +223,8 @@ def _concurrency_levels(mtp_engine, tmp_path) -> None:
         tpot = lv["tpot_s"]["median"] * 1000 / theirs["median_tpot_ms"]
         print(
             f"\nconcurrency {lv['concurrency']}: output tok/s appliance/vllm {tps:.2f}, "
-            f"median TPOT appliance/vllm {tpot:.2f} (within 10% is the aim; load average "
+            f"median TPOT appliance/vllm {tpot:.2f}, duration appliance {lv['wall_s']:.2f} s, "
+            f"vllm {theirs['duration']:.2f} s (within 10% is the aim; load average "
             f"{os.getloadavg()[0]:.1f})"
         )
 
