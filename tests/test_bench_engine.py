@@ -158,7 +158,7 @@ def _engine_yields_cpu(engine):
 
 def test_concurrency_levels_count_what_vllm_bench_serve_counts(mtp_engine, tmp_path):
     """`bench --concurrency 1,4` and `vllm bench serve --max-concurrency N` on the same prompts:
-    per level the same requests and output tokens, request by request (asserted), output
+    per level the same requests, prompt and output tokens, request by request (asserted), output
     throughput and median TPOT side by side (printed: durations on a shared host, never
     asserted: the ``bench`` marker); the level's speculative figures come from the responses'
     per-request blocks and add up to vLLM's own counters. Level 1 is the one-request-at-a-time
@@ -218,6 +218,7 @@ def _concurrency_levels(mtp_engine, tmp_path) -> None:
         )
         assert theirs["completed"] == n
         assert theirs["total_output_tokens"] == lv["output_tokens"]
+        assert theirs["total_input_tokens"] == lv["prompt_tokens"]  # the same prompts, rendered
         assert theirs["output_lens"] == [out_len] * n  # ours: n x out_len, none over max_tokens
         tps = lv["output_throughput_tps"] / theirs["output_throughput"]
         tpot = lv["tpot_s"]["median"] * 1000 / theirs["median_tpot_ms"]

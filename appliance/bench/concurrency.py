@@ -90,6 +90,9 @@ class LevelResult:
             "concurrency": self.concurrency,
             "requests": len(rs),
             "output_tokens": tokens,
+            "prompt_tokens": None
+            if any(r.prompt_tokens is None for r in rs)
+            else sum(r.prompt_tokens for r in rs),
             "wall_s": self.wall_s,
             "output_throughput_tps": tokens / self.wall_s if self.wall_s > 0 else None,
             "ttft_s": _summary([r.ttft_s for r in rs]),
