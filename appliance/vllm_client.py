@@ -168,8 +168,7 @@ class VLLMClient:
                 _check_generation(resp, self.base_url, resp.read)
                 reader = _StreamReader(url, model, start)
                 for line in resp.iter_lines():
-                    if not reader.feed(line):
-                        break
+                    reader.feed(line)
                 return reader.generation()
 
     def metrics_text(self) -> str:
@@ -262,9 +261,10 @@ async def generate_streamed(
                 await resp.aread()
             _check_generation(resp, base, lambda: resp.content)
             reader = _StreamReader(url, model, start)
+            # Read to the end of the body, past [DONE]: a response left unread closes its
+            # connection, and the next request would pay a new one (vLLM's client reads on too).
             async for line in resp.aiter_lines():
-                if not reader.feed(line):
-                    break
+                reader.feed(line)
             return reader.generation()
 
 
@@ -303,14 +303,16 @@ class _StreamReader:
         self.parts: list[str] = []
         self.final: dict | None = None
         self.finish: str | None = None
+        self.done = False
 
-    def feed(self, line: str) -> bool:
-        """Take one line; False once the stream says ``[DONE]``."""
-        if not line.startswith("data:"):
-            return True  # blank separators and SSE comments
+    def feed(self, line: str) -> None:
+        """Take one line (anything after ``[DONE]`` is not the stream's)."""
+        if self.done or not line.startswith("data:"):
+            return  # blank separators and SSE comments
         data = line[len("data:") :].strip()
         if data == "[DONE]":
-            return False
+            self.done = True
+            return
         now = time.perf_counter()
         try:
             obj = json.loads(data)
@@ -323,7 +325,6 @@ class _StreamReader:
             self.finish = choice.get("finish_reason") or self.finish
         elif obj.get("usage"):
             self.final = obj
-        return True
 
     def generation(self) -> Generation:
         """The stream read so far as a Generation (EngineError when it carried no token)."""
