@@ -8,9 +8,10 @@ the message.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Self
 
@@ -144,52 +145,31 @@ class VLLMClient:
         Streamed, it asks for the usage chunk and times every chunk; either way the token count
         is the server's ``usage.completion_tokens`` (an answer without it is an EngineError).
         """
-        messages = (
-            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        payload = chat_payload(
+            model,
+            prompt,
+            max_tokens,
+            temperature=temperature,
+            seed=seed,
+            stream=stream,
+            token_ids=token_ids,
         )
-        payload: dict = {
-            "model": model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-        }
-        if seed is not None:
-            payload["seed"] = seed
-        if token_ids:
-            # vLLM's extension: the output ids in choices[0].token_ids. An engine that does not
-            # know it ignores the key and answers without them (token_ids stays None).
-            payload["return_token_ids"] = True
-        if stream:
-            payload |= {"stream": True, "stream_options": {"include_usage": True}}
-        path = "/v1/chat/completions"
-        url = self.base_url + path
+        url = self.base_url + CHAT_PATH
         kw = {} if timeout is None else {"timeout": timeout}
-        try:
+        with _generation_errors(url):
             if not stream:
                 start = time.perf_counter()
-                resp = self._http.post(path, json=payload, **kw)
-                self._check_generation(resp, url)
+                resp = self._http.post(CHAT_PATH, json=payload, **kw)
+                _check_generation(resp, self.base_url, resp.read)
                 gen = _generation(url, model, resp.json(), (), None)
                 return replace(gen, seconds=round(time.perf_counter() - start, 4))
             start = time.perf_counter()  # TTFT counts from the send, headers included
-            with self._http.stream("POST", path, json=payload, **kw) as resp:
-                self._check_generation(resp, url)
-                return _streamed(url, model, resp, start)
-        except httpx.TimeoutException as exc:
-            raise EngineError(f"{url} timed out") from exc
-        except httpx.HTTPError as exc:
-            raise EngineError(
-                f"generation at {url} failed: {exc}",
-                fix="is the engine running and the URL right?",
-            ) from exc
-        except ValueError as exc:  # a body that is not JSON
-            raise EngineError(f"{url} answered something that is not JSON: {exc}") from exc
-
-    def _check_generation(self, resp: httpx.Response, url: str) -> None:
-        self._check_auth(resp)
-        if resp.status_code != 200:
-            body = resp.read().decode(errors="replace")[:300]
-            raise EngineError(f"{url} answered {resp.status_code}: {body}")
+            with self._http.stream("POST", CHAT_PATH, json=payload, **kw) as resp:
+                _check_generation(resp, self.base_url, resp.read)
+                reader = _StreamReader(url, model, start)
+                for line in resp.iter_lines():
+                    reader.feed(line)
+                return reader.generation()
 
     def metrics_text(self) -> str:
         """The raw Prometheus exposition of ``/metrics`` (bounded like every read of it)."""
@@ -223,33 +203,135 @@ def normalise_base_url(url: str) -> str:
     return url
 
 
-def _streamed(url: str, model: str, resp: httpx.Response, start: float) -> Generation:
-    """Read an SSE stream, timing each chunk that carries a choice (the usage chunk does not)."""
-    times: list[float] = []
-    parts: list[str] = []
-    final: dict | None = None
-    finish = None
-    for line in resp.iter_lines():
-        if not line.startswith("data:"):
-            continue  # blank separators and SSE comments
+CHAT_PATH = "/v1/chat/completions"
+
+
+def chat_payload(
+    model: str,
+    prompt: str | Sequence[dict],
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    stream: bool = False,
+    token_ids: bool = False,
+) -> dict:
+    """The chat completion body of ``prompt`` (a user message, or the messages themselves)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    payload: dict = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+    }
+    if seed is not None:
+        payload["seed"] = seed
+    if token_ids:
+        # vLLM's extension: the output ids in choices[0].token_ids. An engine that does not
+        # know it ignores the key and answers without them (token_ids stays None).
+        payload["return_token_ids"] = True
+    if stream:
+        payload |= {"stream": True, "stream_options": {"include_usage": True}}
+    return payload
+
+
+async def generate_streamed(
+    http: httpx.AsyncClient,
+    model: str,
+    prompt: str | Sequence[dict],
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    timeout: float | httpx.Timeout | None = None,
+) -> Generation:
+    """:meth:`VLLMClient.generate` streamed, on an async client whose ``base_url`` is the
+    server: the same body, chunk timing and usage rule, for many requests in flight on one
+    event loop (as ``vllm bench serve`` does with aiohttp)."""
+    payload = chat_payload(
+        model, prompt, max_tokens, temperature=temperature, seed=seed, stream=True
+    )
+    base = normalise_base_url(str(http.base_url))
+    url = base + CHAT_PATH
+    kw = {} if timeout is None else {"timeout": timeout}
+    with _generation_errors(url):
+        start = time.perf_counter()  # TTFT counts from the send, headers included
+        async with http.stream("POST", CHAT_PATH, json=payload, **kw) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+            _check_generation(resp, base, lambda: resp.content)
+            reader = _StreamReader(url, model, start)
+            # Read to the end of the body, past [DONE]: a response left unread closes its
+            # connection, and the next request would pay a new one (vLLM's client reads on too).
+            async for line in resp.aiter_lines():
+                reader.feed(line)
+            return reader.generation()
+
+
+@contextlib.contextmanager
+def _generation_errors(url: str) -> Iterator[None]:
+    """httpx's failures during a generation at ``url``, as EngineErrors."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise EngineError(f"{url} timed out") from exc
+    except httpx.HTTPError as exc:
+        raise EngineError(
+            f"generation at {url} failed: {exc}",
+            fix="is the engine running and the URL right?",
+        ) from exc
+    except ValueError as exc:  # a body that is not JSON
+        raise EngineError(f"{url} answered something that is not JSON: {exc}") from exc
+
+
+def _check_generation(resp: httpx.Response, base: str, body: Callable[[], bytes]) -> None:
+    """Raise for a refused key or any status but 200 (``body`` gives the answer's bytes)."""
+    if resp.status_code == 401:
+        raise AuthError(f"{base}{resp.request.url.path}")
+    if resp.status_code != 200:
+        text = body().decode(errors="replace")[:300]
+        raise EngineError(f"{base}{CHAT_PATH} answered {resp.status_code}: {text}")
+
+
+class _StreamReader:
+    """One SSE stream, line by line: when each chunk that carries a choice arrived (the usage
+    chunk carries none), the text, and the usage chunk."""
+
+    def __init__(self, url: str, model: str, start: float) -> None:
+        self.url, self.model, self.start = url, model, start
+        self.times: list[float] = []
+        self.parts: list[str] = []
+        self.final: dict | None = None
+        self.finish: str | None = None
+        self.done = False
+
+    def feed(self, line: str) -> None:
+        """Take one line (anything after ``[DONE]`` is not the stream's)."""
+        if self.done or not line.startswith("data:"):
+            return  # blank separators and SSE comments
         data = line[len("data:") :].strip()
         if data == "[DONE]":
-            break
+            self.done = True
+            return
         now = time.perf_counter()
         try:
             obj = json.loads(data)
         except json.JSONDecodeError as exc:
-            raise EngineError(f"{url} streamed a chunk that is not JSON: {data[:80]}") from exc
+            raise EngineError(f"{self.url} streamed a chunk that is not JSON: {data[:80]}") from exc
         if obj.get("choices"):
-            times.append(now - start)
+            self.times.append(now - self.start)
             choice = obj["choices"][0]
-            parts.append((choice.get("delta") or {}).get("content") or "")
-            finish = choice.get("finish_reason") or finish
+            self.parts.append((choice.get("delta") or {}).get("content") or "")
+            self.finish = choice.get("finish_reason") or self.finish
         elif obj.get("usage"):
-            final = obj
-    if not times:
-        raise EngineError(f"{url} streamed no tokens")
-    return _generation(url, model, final, tuple(times), ("".join(parts), finish))
+            self.final = obj
+
+    def generation(self) -> Generation:
+        """The stream read so far as a Generation (EngineError when it carried no token)."""
+        if not self.times:
+            raise EngineError(f"{self.url} streamed no tokens")
+        text = "".join(self.parts)
+        return _generation(self.url, self.model, self.final, tuple(self.times), (text, self.finish))
 
 
 def _generation(

@@ -238,6 +238,7 @@ def test_a_level_sums_its_requests_blocks_and_predicts_per_request():
     recs = [_rec(40, 10, [10, 10, 10]), _rec(40, 40, [0, 0, 0])]
     d = LevelResult(4, recs, 2.0, specdecode.Delta("ok", 1, 1, 1, (1, 1, 1))).to_dict()
     assert (d["requests"], d["output_tokens"], d["output_throughput_tps"]) == (2, 80, 40.0)
+    assert d["prompt_tokens"] == 10  # usage's, summed: what vllm bench serve's total_input is
     assert d["spec_source"] == "request" and d["drafts"] == 50 and d["accepted"] == 30
     assert d["per_position"] == [0.2, 0.2, 0.2]
     assert d["predicted_tokens_per_step"] == pytest.approx([80 / 60, 80 / (40 / 3 + 40), 1.6])
@@ -247,3 +248,18 @@ def test_a_level_sums_its_requests_blocks_and_predicts_per_request():
     d = LevelResult(1, shared, 1.0, specdecode.Delta("ok", 8, 24, 12, (6, 4, 2))).to_dict()
     assert d["spec_source"] == "counters" and d["drafts"] == 8
     assert d["predicted_tokens_per_step"] == pytest.approx([1.75, 2.25, 2.5])
+
+
+def test_a_level_whose_server_refuses_generations_is_one_engine_error(routed_http_server):
+    """The level's async client raises what the sync one does. A fake server: a real vLLM
+    generates; only something else on the port (or a broken proxy) answers POST with 501."""
+    from plugins.http_servers import Route
+
+    from appliance.bench import concurrency, runner
+    from appliance.errors import EngineError
+
+    url = routed_http_server({"/metrics/": Route(200, b"vllm:num_requests_running 0\n")})
+    ep = runner.Endpoint("e", url, "m", None, "0.32.0", False)
+    config = runner.BenchConfig(prompt_sets=tuple(prompts.resolve(limit=1)), warmups=0)
+    with pytest.raises(EngineError, match=r"^.*/v1/chat/completions answered 501: "):
+        concurrency.run_level(ep, config, 2, 2)

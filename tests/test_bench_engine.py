@@ -157,74 +157,70 @@ def _engine_yields_cpu(engine):
 
 
 def test_concurrency_levels_count_what_vllm_bench_serve_counts(mtp_engine, tmp_path):
-    """`bench --concurrency 1,4` and `vllm bench serve --max-concurrency N` on the same prompts:
-    per level the same requests and output tokens, request by request (asserted), output
-    throughput and median TPOT side by side (printed: durations on a shared host, never
-    asserted: the ``bench`` marker); the level's speculative figures come from the responses'
-    per-request blocks and add up to vLLM's own counters. Level 1 is the one-request-at-a-time
-    comparison of TPOT with `vllm bench serve` (once a test of its own, which ran both tools a
-    third time). The engine's busy-polling processes run at a lower priority meanwhile (see
-    ``_engine_yields_cpu``), for both tools alike."""
+    """`bench --concurrency N` and `vllm bench serve --max-concurrency N` on the same prompts, N
+    in 1 and 4: per level the same requests, prompt and output tokens, request by request
+    (asserted), output throughput and median TPOT side by side (printed: durations on a shared
+    host, never asserted: the ``bench`` marker); the level's speculative figures come from the
+    responses' per-request blocks and add up to vLLM's own counters. Level 1 is the
+    one-request-at-a-time comparison of TPOT with `vllm bench serve`. The engine's busy-polling
+    processes run at a lower priority meanwhile (see ``_engine_yields_cpu``), for both tools
+    alike."""
     with _engine_yields_cpu(mtp_engine):
         _concurrency_levels(mtp_engine, tmp_path)
 
 
+def _appliance_level(url: str, data, n: int, out_len: int, concurrency: int) -> dict:
+    """One level of `appliance bench --concurrency`, its counts checked."""
+    args = ["bench", "--url", url, "--prompt-file", str(data), "--max-tokens", str(out_len)]
+    args += ["--concurrency", str(concurrency), "--requests", str(n), "--json"]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    [lv] = json.loads(res.stdout)["concurrency"]["levels"]
+    assert lv["concurrency"] == concurrency
+    assert lv["requests"] == n and lv["output_tokens"] == n * out_len
+    assert lv["spec_source"] == "request" and lv["drafts"] > 0
+    assert lv["tokens_per_step"] > 1.5  # copy drafter
+    counters = lv["counters_over_level"]
+    for f in ("drafts", "draft_tokens", "accepted", "accepted_per_pos"):
+        assert counters[f] == lv[f], f
+    # The prediction at k'=k is the measured figure itself.
+    assert lv["predicted_tokens_per_step"][-1] == pytest.approx(lv["tokens_per_step"])
+    return lv
+
+
 def _concurrency_levels(mtp_engine, tmp_path) -> None:
-    """The levels' run and its checks (the test's body, under lowered engine priorities)."""
+    """The levels' runs and their checks (the test's body, under lowered engine priorities).
+
+    Per level the appliance runs just before and just after vLLM, and its figures are the mean
+    of the two: the other tools on a shared host load it unevenly, and bracketing vLLM's run
+    cancels a load that drifts steadily (all appliance levels first, then vLLM's, read 0.5 at
+    one level and 2.0 at the other in one run under a load average of 15)."""
     texts = [p.text for p in prompts.shipped("prose").prompts] * 2
     data = tmp_path / "prose.jsonl"
     data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     n, out_len = len(texts), 32
-    res = CliRunner().invoke(
-        cli,
-        [
-            "bench",
-            "--url",
-            mtp_engine.url,
-            "--prompt-file",
-            str(data),
-            "--max-tokens",
-            str(out_len),
-            "--concurrency",
-            "1,4",
-            "--requests",
-            str(n),
-            "--json",
-        ],
-        catch_exceptions=False,
-    )
-    assert res.exit_code == 0, res.output
-    record = json.loads(res.stdout)
-    levels = record["concurrency"]["levels"]
-    assert [lv["concurrency"] for lv in levels] == [1, 4]
-    k = len(levels[0]["per_position"])
-    for lv in levels:
-        assert lv["requests"] == n and lv["output_tokens"] == n * out_len
-        assert lv["spec_source"] == "request" and lv["drafts"] > 0
-        assert len(lv["per_position"]) == k and lv["tokens_per_step"] > 1.5  # copy drafter
-        counters = lv["counters_over_level"]
-        for f in ("drafts", "draft_tokens", "accepted", "accepted_per_pos"):
-            assert counters[f] == lv[f], f
-        # The prediction at k'=k is the measured figure itself.
-        assert lv["predicted_tokens_per_step"][-1] == pytest.approx(lv["tokens_per_step"])
+    for c in (1, 4):
+        before = _appliance_level(mtp_engine.url, data, n, out_len, c)
         theirs = _vllm_bench_serve(
-            mtp_engine.url,
-            mtp_engine.model_dir / "target",
-            data,
-            n,
-            out_len,
-            tmp_path,
-            concurrency=lv["concurrency"],
+            mtp_engine.url, mtp_engine.model_dir / "target", data, n, out_len, tmp_path, c
         )
+        after = _appliance_level(mtp_engine.url, data, n, out_len, c)
+        assert len(before["per_position"]) == len(after["per_position"])
         assert theirs["completed"] == n
-        assert theirs["total_output_tokens"] == lv["output_tokens"]
         assert theirs["output_lens"] == [out_len] * n  # ours: n x out_len, none over max_tokens
-        tps = lv["output_throughput_tps"] / theirs["output_throughput"]
-        tpot = lv["tpot_s"]["median"] * 1000 / theirs["median_tpot_ms"]
+        for lv in (before, after):
+            assert theirs["total_output_tokens"] == lv["output_tokens"]
+            assert theirs["total_input_tokens"] == lv["prompt_tokens"]  # the same prompts
+        ours = [lv["output_throughput_tps"] for lv in (before, after)]
+        tps = (ours[0] + ours[1]) / 2 / theirs["output_throughput"]
+        ours_tpot_ms = (before["tpot_s"]["median"] + after["tpot_s"]["median"]) / 2 * 1000
+        tpot = ours_tpot_ms / theirs["median_tpot_ms"]
         print(
-            f"\nconcurrency {lv['concurrency']}: output tok/s appliance/vllm {tps:.2f}, "
-            f"median TPOT appliance/vllm {tpot:.2f} (within 10% is the aim; load average "
-            f"{os.getloadavg()[0]:.1f})"
+            f"\nconcurrency {c}: output tok/s appliance/vllm {tps:.2f} (appliance before/after "
+            f"{ours[0]:.1f}/{ours[1]:.1f}, vllm {theirs['output_throughput']:.1f}), median TPOT "
+            f"appliance/vllm {tpot:.2f}, durations appliance {before['wall_s']:.2f}/"
+            f"{after['wall_s']:.2f} s, vllm {theirs['duration']:.2f} s (within 10% is the aim; "
+            f"load average {os.getloadavg()[0]:.1f})"
         )
 
 

@@ -1,9 +1,11 @@
 """Bench under load: the same endpoint at several concurrency levels, one level after another.
 
-Each level keeps N requests in flight (a worker per slot sends its next request as soon as its
-last one ends, like ``vllm bench serve --max-concurrency N``) for a bounded number of requests,
-after N warm-up requests. Per level: output throughput (usage tokens over the level's wall
-time), TTFT, TPOT and ITL (median and p99), and the engine's acceptance, tokens per step and
+Each level keeps N requests in flight for a bounded number of requests, after N warm-up
+requests, paced and timed as ``vllm bench serve --max-concurrency N`` (request rate inf) paces
+and times them: one event loop, every request queued at once behind a semaphore of N, the next
+one sent as soon as one ends. Per level: output throughput (usage tokens over the level's wall
+time, vLLM's benchmark duration: first request queued to last one done), TTFT, TPOT and ITL
+(median and p99, :mod:`.stream`'s definitions), and the engine's acceptance, tokens per step and
 per-position acceptance over that level's requests: the responses' per-request blocks when the
 server sends them (exact under load), else the /metrics delta over the level (exact for the
 level while nothing else uses the server).
@@ -11,18 +13,18 @@ level while nothing else uses the server).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 
 from .. import specdecode
-from ..vllm_client import VLLMClient
+from ..vllm_client import VLLMClient, bearer, generate_streamed
 from . import stats
+from .prompts import Prompt
 from .runner import BenchConfig, Endpoint, Progress, RunRecord, parse_distinct_ints
 from .stream import StreamResult
 
@@ -88,6 +90,9 @@ class LevelResult:
             "concurrency": self.concurrency,
             "requests": len(rs),
             "output_tokens": tokens,
+            "prompt_tokens": None
+            if any(r.prompt_tokens is None for r in rs)
+            else sum(r.prompt_tokens for r in rs),
             "wall_s": self.wall_s,
             "output_throughput_tps": tokens / self.wall_s if self.wall_s > 0 else None,
             "ttft_s": _summary([r.ttft_s for r in rs]),
@@ -112,15 +117,16 @@ class ConcurrencyResult:
         }
 
 
-def _work(config: BenchConfig):
-    """The requests in order, cycling over every (prompt set, prompt, max_tokens)."""
+def _work(config: BenchConfig, requests: int) -> list[tuple[str, Prompt, int]]:
+    """The level's ``requests`` requests in order, cycling over every (prompt set, prompt,
+    max_tokens)."""
     items = [
         (pset.name, prompt, mt)
         for pset in config.prompt_sets
         for prompt in pset.prompts
         for mt in config.max_tokens
     ]
-    return itertools.cycle(items)
+    return list(itertools.islice(itertools.cycle(items), requests))
 
 
 def run_level(
@@ -131,59 +137,61 @@ def run_level(
     progress: Progress | None = None,
 ) -> LevelResult:
     """``concurrency`` warm-up requests at once, then ``requests`` with that many in flight."""
+    return asyncio.run(_level(ep, config, concurrency, requests, progress))
+
+
+async def _level(
+    ep: Endpoint,
+    config: BenchConfig,
+    concurrency: int,
+    requests: int,
+    progress: Progress | None,
+) -> LevelResult:
+    """The level on one event loop, paced as ``vllm bench serve --max-concurrency N`` paces it
+    (request rate inf): every request is queued at once behind a semaphore of N, so the next one
+    starts as soon as one ends. One HTTP client serves the warm-up and the level, so its set-up
+    and its N connections are paid before the clock starts; the level's wall time runs from
+    queueing the first request to the end of the last, as vLLM's benchmark duration does."""
     timeout = httpx.Timeout(config.timeout_s, connect=10.0)
-    work, lock = _work(config), threading.Lock()
-    records: list[RunRecord] = []
-    remaining = [requests]
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    slots = asyncio.Semaphore(concurrency)
+    http = httpx.AsyncClient(
+        base_url=ep.url, headers=bearer(ep.api_key), timeout=timeout, limits=limits
+    )
 
-    def take():
-        with lock:
-            if remaining[0] <= 0:
-                return None
-            remaining[0] -= 1
-            return next(work)
+    async def send(prompt: Prompt, max_tokens: int) -> StreamResult:
+        async with slots:
+            gen = await generate_streamed(
+                http,
+                ep.model,
+                prompt.messages,
+                max_tokens,
+                temperature=config.temperature,
+                seed=config.seed,
+                timeout=timeout,
+            )
+        return StreamResult.from_generation(gen)
 
-    def send(client: VLLMClient, prompt, max_tokens: int):
-        return client.generate(
-            ep.model,
-            prompt.messages,
-            max_tokens,
-            temperature=config.temperature,
-            seed=config.seed,
-            stream=True,
-            timeout=timeout,
-        )
+    async def measure(index: int, pset: str, prompt: Prompt, max_tokens: int) -> RunRecord:
+        res = await send(prompt, max_tokens)
+        d = res.request_spec
+        source = "request" if d is not None else ("shared" if ep.speculative else "absent")
+        if progress:
+            progress(1)
+        return RunRecord.of((ep.label, pset, prompt.id, max_tokens, index), res, source, d)
 
-    def worker(slot: int, warm: bool) -> None:
-        with VLLMClient(ep.url, timeout=30.0, api_key=ep.api_key) as client:
-            if warm:
-                first = config.prompt_sets[0].prompts[0]
-                send(client, first, min(config.max_tokens))
-                return
-            while (item := take()) is not None:
-                pset, prompt, mt = item
-                res = StreamResult.from_generation(send(client, prompt, mt))
-                d = res.request_spec
-                source = "request" if d is not None else ("shared" if ep.speculative else "absent")
-                rec = RunRecord.of((ep.label, pset, prompt.id, mt, slot), res, source, d)
-                with lock:
-                    records.append(rec)
-                if progress:
-                    progress(1)
-
-    def all_slots(warm: bool) -> None:
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            for f in [pool.submit(worker, i, warm) for i in range(concurrency)]:
-                f.result()
-
-    if config.warmups:
-        all_slots(True)
-    with VLLMClient(ep.url, timeout=30.0, api_key=ep.api_key) as observer:
-        before = observer.snapshot()
-        start = time.monotonic()
-        all_slots(False)
-        wall = time.monotonic() - start
-        after = observer.snapshot()
+    async with http:
+        if config.warmups:
+            first = config.prompt_sets[0].prompts[0]
+            warm = min(config.max_tokens)
+            await asyncio.gather(*(send(first, warm) for _ in range(concurrency)))
+        with VLLMClient(ep.url, timeout=30.0, api_key=ep.api_key) as observer:
+            before = observer.snapshot()  # nothing in flight: blocking the loop costs nothing
+            start = time.perf_counter()
+            jobs = [measure(i, *item) for i, item in enumerate(_work(config, requests), 1)]
+            records = list(await asyncio.gather(*jobs))
+            wall = time.perf_counter() - start
+            after = observer.snapshot()
     return LevelResult(concurrency, records, wall, specdecode.delta(before, after))
 
 

@@ -50,8 +50,9 @@ def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
     "--concurrency",
     default=None,
     metavar="N,N,...",
-    help="Bench NAME/--url under load: per level N (e.g. 1,4,16) keep N requests in flight; "
-    "per level output tok/s, TTFT/TPOT/ITL median and p99, acceptance, tok/step, per position.",
+    help="Bench NAME/--url under load: per level N (e.g. 1,4,16) keep N requests in flight "
+    "(paced like vllm bench serve --max-concurrency N); per level output tok/s, TTFT/TPOT/ITL "
+    "median and p99, acceptance, tok/step, per position.",
 )
 @click.option(
     "--requests",
@@ -138,7 +139,11 @@ def bench(
       tok/step       1 + accepted / drafts: tokens one engine step yields (bonus included)
       per position   accepted at draft position i / drafts (prefix acceptance: falls with i)
       predicted      tok/step at every k' <= k from one run at k: 1 + the first k' positions
-      out tok/s      under --concurrency: usage tokens of the level over its wall time
+      TTFT           send -> first streamed chunk carrying a choice
+      TPOT           (E2EL - TTFT) / (usage tokens - 1), E2EL: send -> last such chunk
+      ITL            gap between chunks: one engine step (1 + accepted tokens) under MTP
+      out tok/s      under --concurrency: usage tokens of the level over its duration (first
+                     request queued -> last done, as vllm bench serve times it)
     On the CPU engine these say the arithmetic is right, not how a GPU scales: a CPU step costs
     about k times a token, a GPU step is nearly free up to its compute bound.
     """
