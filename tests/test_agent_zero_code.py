@@ -378,3 +378,64 @@ def test_a_client_both_proxied_and_patched_gets_one_span_the_proxys():
     assert agent.flush(30)
     roles = [s.attributes["appliance.agent.role"] for s in exporter.get_finished_spans()]
     assert roles == ["proxied", "proxied", "default"]
+
+
+@pytest.mark.engine
+def test_a_counters_call_after_a_per_request_call_reads_nothing_on_its_callers_thread(mtp_engine):
+    # An application mixing chat (the per-request block, no read) and the Anthropic SDK (the
+    # counters path) on one server: each per-request call reads after itself on the agent's
+    # thread, so the counters call after it starts from that reading, with no read of its own
+    # on the caller's thread, and is still exact. The reads are counted by wrapping the real
+    # Server.read (they stay real).
+    import threading
+
+    import anthropic
+
+    from appliance.agent.instrumentor import AnthropicInstrumentor
+    from appliance.agent.server import server_for
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    cfg = agent.AgentConfig(snapshot_timeout=30.0)
+    chat = agent.instrument(
+        openai.OpenAI(base_url=mtp_engine.url + "/v1", api_key="unused", max_retries=0),
+        config=cfg,
+        tracer_provider=provider,
+        registry=CollectorRegistry(),
+    )
+    inst = AnthropicInstrumentor()
+    inst.instrument(tracer_provider=provider, registry=CollectorRegistry(), config=cfg)
+    srv = server_for(mtp_engine.url + specdecode.SNAPSHOT_PATH)
+    caller, on_caller = threading.current_thread(), []
+    real_read = srv.read
+
+    def counted(*args, **kwargs):
+        on_caller.append(threading.current_thread() is caller)
+        return real_read(*args, **kwargs)
+
+    srv.read = counted
+    msg = [{"role": "user", "content": "Tell me about the sea."}]
+    messages = anthropic.Anthropic(base_url=mtp_engine.url, api_key="unused", max_retries=0)
+    try:
+        messages.messages.create(model=MODEL, messages=msg, max_tokens=16)  # counters seen
+        assert agent.flush(30)
+        with VLLMClient(mtp_engine.url) as obs:
+            for _ in range(3):
+                chat.chat.completions.create(model=MODEL, messages=msg, max_tokens=16)
+                assert agent.flush(30)
+                on_caller.clear()
+                before = obs.snapshot()
+                messages.messages.create(model=MODEL, messages=msg, max_tokens=16)
+                assert agent.flush(30)
+                delta = specdecode.delta(before, obs.snapshot())
+                assert not any(on_caller), on_caller  # its one read was the agent thread's
+                a = exporter.get_finished_spans()[-1].attributes
+                assert (a["gen_ai.vllm.mtp.source"], a["gen_ai.vllm.mtp.shared"]) == (
+                    "counters",
+                    False,
+                ), a
+                assert a["gen_ai.vllm.mtp.draft_tokens"] == delta.draft_tokens > 0
+    finally:
+        del srv.read
+        inst.uninstrument()
