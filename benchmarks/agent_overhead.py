@@ -4,8 +4,13 @@ For each attribution path (per-request metrics on; off, so ``/metrics`` counters
 same plain chat call, interleaved in rotating order, through:
 
 - the bare client;
-- the agent;
+- the agent: the proxy (``instrument(client)``) and the zero-code instrumentor (the SDK's class
+  patched), each beside the other;
 - the seed's method: a full ``/metrics`` scrape and parse before and after the bare call.
+
+A block of pairs then sends the Anthropic SDK's ``messages.create`` (vLLM's ``/v1/messages``,
+which carries no per-request block: always the counters path, on either engine) bare and
+through ``AnthropicInstrumentor``, alternating: the counters path's caller-visible cost.
 
 and prints, side by side, the bare median and, for the other two, the median and p99 of the
 time added to the bare call of the same round, the ``/metrics`` reads per call (all of them, and
@@ -32,14 +37,16 @@ import statistics
 import threading
 import time
 
+import anthropic
 import httpx
 import openai
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from appliance import agent, profiles, specdecode
-from appliance.agent import calls
-from appliance.agent.instrumentor import OpenAIInstrumentor
+from appliance.agent import calls, patch
+from appliance.agent import metrics as agent_metrics
+from appliance.agent.instrumentor import AnthropicInstrumentor, OpenAIInstrumentor
 from appliance.agent.server import server_for
 from appliance.engine import local
 
@@ -127,13 +134,43 @@ class Bench:
             api_key="unused",
             http_client=httpx.Client(transport=self.wire["zero"]),
         )
-        OpenAIInstrumentor().uninstrument()  # an earlier Bench's settings
+        if OpenAIInstrumentor().is_instrumented_by_opentelemetry:
+            OpenAIInstrumentor().uninstrument()  # an earlier Bench's settings
         OpenAIInstrumentor().instrument(
             role="bench",
             config=agent.AgentConfig(),
             tracer_provider=TracerProvider(),
             registry=CollectorRegistry(),
             on_call=self.records.append,
+        )
+        # The Anthropic SDK, bare (the patched class's __wrapped__) and through the instrumentor.
+        self.mkw = {
+            "model": "gemma4-tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens,
+            "extra_body": {"temperature": 0},  # the SDK 2.x names none: vLLM reads the extras
+        }
+        self.anth = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+        self.anth_records: list[agent.CallRecord] = []
+        # The same traced call with its /metrics read switched off: what the read itself costs.
+        # Its own server state (another spelling of the host): its calls, which read nothing,
+        # must not count as this process's calls in the counters path's window.
+        self.no_read = calls.Settings.for_base(
+            url,
+            agent.AgentConfig(attribution="off", metrics_url=url.replace("127.0.0.1", "localhost")),
+            TracerProvider(),
+            agent_metrics.for_registry(CollectorRegistry()),
+            "bench",
+            None,
+        )
+        if AnthropicInstrumentor().is_instrumented_by_opentelemetry:
+            AnthropicInstrumentor().uninstrument()
+        AnthropicInstrumentor().instrument(
+            role="bench",
+            config=agent.AgentConfig(),
+            tracer_provider=TracerProvider(),
+            registry=CollectorRegistry(),
+            on_call=self.anth_records.append,
         )
         self.http = httpx.Client(timeout=5.0)
         self.url = url
@@ -152,6 +189,7 @@ class Bench:
         # The agent's own steps on the caller's thread (start, reading the response, finish),
         # timed around the real methods: its direct cost, without the OpenAI client's.
         self.inside: list[float] = []
+        self.inside_no_read: list[float] = []
         self._inside_call = 0.0
         for name, method in _AGENT_STEPS.items():  # from the originals: one wrapper per Bench
             setattr(calls.Call, name, self._timing(method, caller))
@@ -182,6 +220,24 @@ class Bench:
     def call_agent(self) -> None:
         self._inside_call = 0.0
         self.traced.chat.completions.create(**self.kw)
+        self.inside.append(self._inside_call)
+
+    def call_anthropic_bare(self) -> None:
+        res = self.anth.messages
+        create = type(res).create
+        getattr(create, "__wrapped__", create)(res, **self.mkw)
+
+    def call_anthropic_no_read(self) -> None:
+        res = self.anth.messages
+        create = type(res).create
+        bound = getattr(create, "__wrapped__", create).__get__(res)
+        self._inside_call = 0.0
+        patch.call(self.no_read, calls.MESSAGES, bound, (), self.mkw, anthropic.Stream)
+        self.inside_no_read.append(self._inside_call)
+
+    def call_anthropic(self) -> None:
+        self._inside_call = 0.0
+        self.anth.messages.create(**self.mkw)
         self.inside.append(self._inside_call)
 
     def call_seed(self) -> None:
@@ -287,6 +343,42 @@ def back_to_back(b: Bench, calls: int) -> dict:
     }
 
 
+def anthropic_rounds(b: Bench, calls: int) -> dict:
+    """Bare and instrumented ``messages.create``, and the instrumented call with its read off,
+    in rotating order: the counters path's caller-visible time, agent less the bare call of the
+    same round, beside the same without the ``/metrics`` read (the read's share)."""
+    for _ in range(3):
+        b.call_anthropic_bare()
+        b.call_anthropic()
+        b.call_anthropic_no_read()
+    agent.flush(30)
+    b.anth_records.clear()
+    b.inside.clear()
+    b.inside_no_read.clear()
+    b.reads = b.caller_reads = 0
+    order = [
+        ("bare", b.call_anthropic_bare),
+        ("agent", b.call_anthropic),
+        ("no read", b.call_anthropic_no_read),
+    ]
+    bare, added, no_read = [], [], []
+    for i in range(calls):
+        took = {name: b.timed(fn) for name, fn in order[i % 3 :] + order[: i % 3]}
+        bare.append(took["bare"])
+        added.append(took["agent"] - took["bare"])
+        no_read.append(took["no read"] - took["bare"])
+    return {
+        "bare": bare,
+        "added": added,
+        "no_read": no_read,
+        "inside": list(b.inside),
+        "inside_no_read": list(b.inside_no_read),
+        "reads": b.reads / calls,
+        "caller_reads": b.caller_reads / calls,
+        "exact": _exact_share(b.anth_records),
+    }
+
+
 @contextlib.contextmanager
 def _engine(url: str | None, prof):
     if url:
@@ -302,8 +394,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--per-request-url", help="a running engine with per-request metrics on")
     ap.add_argument("--counters-url", help="a running engine with per-request metrics off")
+    ap.add_argument(
+        "--engines",
+        default="per-request,counters",
+        help="which engines, comma-separated: per-request (chat's block; Anthropic's counters) "
+        "and counters (per-request metrics off)",
+    )
     args = ap.parse_args()
     base = profiles.get("cpu-tiny-mtp")
+    wanted = {"per-request": "per-request metrics", "counters": "/metrics counters"}
+    args.engines = {wanted[e.strip()] for e in args.engines.split(",")}
     paths = {
         "per-request metrics": (args.per_request_url, base),
         "/metrics counters": (
@@ -317,7 +417,10 @@ def main() -> None:
         f"{'path':<20} {'run':<26} {'bare med':>8} {'added med':>9} {'added p99':>9} "
         f"{'reads/call':>10} {'on caller':>9} {'exact':>6}"
     )
+    summary = []
     for name, (url, prof) in paths.items():
+        if name not in args.engines:
+            continue
         with _engine(url, prof) as u:
             b = Bench(u, args.max_tokens)
             r = interleaved(b, args.calls)
@@ -353,6 +456,36 @@ def main() -> None:
                     f"{name:<20} {label:<26} {'-':>8} {statistics.median(d) * ms:>9.3f}"
                     f" {_pct(d, 0.99) * ms:>9.3f} {'':>10} {'':>9} {exact:>6}"
                 )
+            a = anthropic_rounds(b, args.calls)
+            print(
+                f"{name:<20} {'anthropic, interleaved':<26} "
+                f"{statistics.median(a['bare']) * ms:>8.2f} "
+                f"{statistics.median(a['added']) * ms:>9.2f} {_pct(a['added'], 0.99) * ms:>9.2f} "
+                f"{a['reads']:>10.2f} {a['caller_reads']:>9.2f} {a['exact']:>6.0%}"
+            )
+            for label, d in (
+                ("  the same, read off", a["no_read"]),
+                ("  inside the agent steps", a["inside"]),
+                ("  inside, read off", a["inside_no_read"]),
+            ):
+                print(
+                    f"{name:<20} {label:<26} {'-':>8} {statistics.median(d) * ms:>9.3f}"
+                    f" {_pct(d, 0.99) * ms:>9.3f} {'':>10} {'':>9} {'-':>6}"
+                )
+            summary += [
+                (name, "proxy (OpenAI chat)", r["bare"], r["added"]["agent"]),
+                (name, "instrumentor (OpenAI chat)", r["bare"], r["added"]["zero"]),
+                (name, "instrumentor (Anthropic)", a["bare"], a["added"]),
+                (name, "  the same, read off", a["bare"], a["no_read"]),
+            ]
+    print()
+    print("caller-visible wall time, agent less bare (same round), ms")
+    print(f"{'engine':<20} {'path':<28} {'bare med':>8} {'added med':>9} {'added p99':>9}")
+    for engine, label, bare, d in summary:
+        print(
+            f"{engine:<20} {label:<28} {statistics.median(bare) * ms:>8.2f}"
+            f" {statistics.median(d) * ms:>9.2f} {_pct(d, 0.99) * ms:>9.2f}"
+        )
 
 
 if __name__ == "__main__":

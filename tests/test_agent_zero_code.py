@@ -24,17 +24,21 @@ from prometheus_client import CollectorRegistry
 
 from appliance import agent, specdecode
 from appliance.agent.instrumentor import METHODS, OpenAIInstrumentor
+from appliance.engine.local import free_port
 from appliance.vllm_client import VLLMClient
 
 MODEL = "gemma4-tiny"
 
 # Sequential calls, each after the previous one's figures had time to complete (the script
 # cannot call agent.flush: it does not know the agent). It prints what the engine itself said
-# per call (the per-request block, where the endpoint returns one) to stderr.
+# per call to stderr: (operation, streamed, the figures' source, the span attribute, its value):
+# the per-request block where the endpoint returns one, else the usage, and for LangChain,
+# whose messages hide the block, the engine's own draft-token counter delta over the call.
 SCRIPT = textwrap.dedent(
     """
     import asyncio, json, os, sys, time
-    import anthropic, openai
+    import anthropic, httpx, openai
+    from langchain_openai import ChatOpenAI
 
     URL = os.environ["ENGINE_URL"] + "/v1"
     MSG = [{"role": "user", "content": "Tell me about the sea."}]
@@ -48,47 +52,78 @@ SCRIPT = textwrap.dedent(
     def pause():
         time.sleep(1.5)
 
+    DRAFTS = "gen_ai.vllm.mtp.draft_tokens"
+    OUT = "gen_ai.usage.output_tokens"
+
+    def drafts():
+        page = httpx.get(os.environ["ENGINE_URL"] + "/metrics").text
+        name = "vllm:spec_decode_num_draft_tokens_total"
+        return sum(float(l.rsplit(" ", 1)[1]) for l in page.splitlines() if l.startswith(name))
+
+    def counted(op, stream, source, run):
+        before = drafts()
+        run()
+        pause()
+        said.append((op, stream, source, DRAFTS, round(drafts() - before)))
+
     c = openai.OpenAI(base_url=URL, api_key="unused", max_retries=0)
     r = c.chat.completions.create(model="gemma4-tiny", messages=MSG, max_tokens=24, temperature=0)
-    said.append(("chat", False, block(r))); pause()
+    said.append(("chat", False, "request", DRAFTS, block(r))); pause()
     last = None
     for last in c.chat.completions.create(
         model="gemma4-tiny", messages=MSG, max_tokens=24, temperature=0, stream=True,
         stream_options={"include_usage": True},
     ):
         pass
-    said.append(("chat", True, block(last))); pause()
+    said.append(("chat", True, "request", DRAFTS, block(last))); pause()
     r = c.completions.create(model="gemma4-tiny", prompt="The sea is", max_tokens=24, temperature=0)
-    said.append(("text_completion", False, block(r))); pause()
+    said.append(("text_completion", False, "request", DRAFTS, block(r))); pause()
     r = c.responses.create(model="gemma4-tiny", input="Tell me about the sea.",
                            max_output_tokens=24, temperature=0)
-    said.append(("responses", False, r.usage.output_tokens)); pause()
+    said.append(("responses", False, "counters", OUT, r.usage.output_tokens)); pause()
     for ev in c.responses.create(model="gemma4-tiny", input="Tell me about the sea.",
                                  max_output_tokens=24, temperature=0, stream=True):
         pass
-    said.append(("responses", True, ev.response.usage.output_tokens)); pause()
+    said.append(("responses", True, "counters", OUT, ev.response.usage.output_tokens))
+    pause()
     m = anthropic.Anthropic(base_url=os.environ["ENGINE_URL"], api_key="unused", max_retries=0)
     # The Anthropic SDK 2.x names no temperature: it goes in the body's extras, as vLLM reads.
     T0 = {"extra_body": {"temperature": 0}}
     r = m.messages.create(model="gemma4-tiny", messages=MSG, max_tokens=24, **T0)
-    said.append(("messages", False, r.usage.output_tokens)); pause()
+    said.append(("messages", False, "counters", OUT, r.usage.output_tokens)); pause()
     for ev in m.messages.create(model="gemma4-tiny", messages=MSG, max_tokens=24, **T0,
                                 stream=True):
         if ev.type == "message_delta":
             out = ev.usage.output_tokens
-    said.append(("messages", True, out)); pause()
+    said.append(("messages", True, "counters", OUT, out)); pause()
+
+    # LangChain builds its own OpenAI client: invoke() posts through with_raw_response (the
+    # per-request block); stream() without stream_usage asks no usage (the counters path, no
+    # token proof); include_response_headers=True streams through with_raw_response too.
+    lc = ChatOpenAI(base_url=URL, api_key="unused", model="gemma4-tiny", max_tokens=24,
+                    temperature=0, max_retries=0)
+    counted("chat", False, "request", lambda: lc.invoke("Tell me about the sea."))
+    counted("chat", True, "counters", lambda: list(lc.stream("Tell me about the sea.")))
+    raw = ChatOpenAI(base_url=URL, api_key="unused", model="gemma4-tiny", max_tokens=24,
+                     temperature=0, max_retries=0, include_response_headers=True,
+                     stream_usage=True)
+    counted("chat", True, "request", lambda: list(raw.stream("Tell me about the sea.")))
 
     async def main():
         a = openai.AsyncOpenAI(base_url=URL, api_key="unused", max_retries=0)
         r = await a.chat.completions.create(
             model="gemma4-tiny", messages=MSG, max_tokens=24, temperature=0)
-        said.append(("chat", False, block(r)))
+        said.append(("chat", False, "request", DRAFTS, block(r)))
         await asyncio.sleep(1.5)
+        before = drafts()
+        await lc.ainvoke("Tell me about the sea.")
+        await asyncio.sleep(1.5)
+        said.append(("chat", False, "request", DRAFTS, round(drafts() - before)))
         s = await a.responses.create(model="gemma4-tiny", input="Tell me about the sea.",
                                      max_output_tokens=24, temperature=0, stream=True)
         async for ev in s:
             pass
-        said.append(("responses", True, ev.response.usage.output_tokens))
+        said.append(("responses", True, "counters", OUT, ev.response.usage.output_tokens))
         await asyncio.sleep(1.5)
 
     asyncio.run(main())
@@ -116,13 +151,22 @@ def test_an_unmodified_script_under_opentelemetry_instrument_gets_one_span_per_c
 ):
     script = tmp_path / "app.py"
     script.write_text(SCRIPT)
-    env = {
-        **os.environ,
+    # Nothing leaves the host: every request to anything but the engine goes to a proxy that
+    # refuses it (LangChain's tiktoken would fetch its encodings; LangSmith would send traces),
+    # so a reach for the network fails the script instead of passing on a connected host.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LANGSMITH_", "LANGCHAIN_"))}
+    refused = f"http://127.0.0.1:{free_port()}"
+    env |= {
         "ENGINE_URL": mtp_engine.url,
         "OTEL_TRACES_EXPORTER": "console",
         "OTEL_METRICS_EXPORTER": "none",
         "OTEL_LOGS_EXPORTER": "none",
         "APPLIANCE_AGENT_SNAPSHOT_TIMEOUT": "30",
+        "HTTP_PROXY": refused,
+        "HTTPS_PROXY": refused,
+        "ALL_PROXY": refused,
+        "NO_PROXY": "127.0.0.1,localhost",
+        "TIKTOKEN_CACHE_DIR": str(tmp_path / "tiktoken"),  # empty: no cached encoding either
     }
     launcher = Path(sys.executable).with_name("opentelemetry-instrument")
     with VLLMClient(mtp_engine.url) as obs:
@@ -145,25 +189,22 @@ def test_an_unmodified_script_under_opentelemetry_instrument_gets_one_span_per_c
     # span of that call, never beside it as a second call.
     ours = {s["context"]["span_id"]: s for s in spans}
     sdk = [s for s in every if s["name"].startswith("anthropic.")]
-    assert len(sdk) == sum(op == "messages" for op, _, _ in said), [s["name"] for s in every]
+    assert len(sdk) == sum(call[0] == "messages" for call in said), [s["name"] for s in every]
     assert all(ours[s["parent_id"]]["name"] == f"chat {MODEL}" for s in sdk), sdk
     assert len(every) == len(spans) + len(sdk), [s["name"] for s in every]
     by_start = sorted(spans, key=lambda s: s["start_time"])
-    for (operation, stream, engine_said), span in zip(said, by_start, strict=True):
+    for (operation, stream, source, attribute, engine_said), span in zip(
+        said, by_start, strict=True
+    ):
         a = span["attributes"]
         counters = operation in ("responses", "messages")
         assert a["gen_ai.operation.name"] == ("chat" if counters else operation)
         assert a["gen_ai.request.stream"] is stream
-        assert a["gen_ai.vllm.mtp.shared"] is False, a
-        if counters:
-            # /v1/responses and /v1/messages carry no per-request block on 0.32: the counters
-            # path, exact even after per-request calls that read nothing (the call reads a fresh
-            # before-reading first).
-            assert a["gen_ai.vllm.mtp.source"] == "counters", a
-            assert a["gen_ai.usage.output_tokens"] == engine_said
-        else:
-            assert a["gen_ai.vllm.mtp.source"] == "request", a
-            assert a["gen_ai.vllm.mtp.draft_tokens"] == engine_said
+        # /v1/responses and /v1/messages carry no per-request block on 0.32, nor does a chat
+        # stream without usage: the counters path, exact even after per-request calls that read
+        # nothing (the call reads a fresh before-reading first).
+        assert (a["gen_ai.vllm.mtp.source"], a["gen_ai.vllm.mtp.shared"]) == (source, False), a
+        assert a[attribute] == engine_said, (operation, stream, a)
     # Every call exact, so together they are the engine's counter delta over the script.
     assert sum(s["attributes"]["gen_ai.vllm.mtp.draft_tokens"] for s in spans) == delta.draft_tokens
     assert sum(s["attributes"]["gen_ai.vllm.mtp.accepted"] for s in spans) == delta.accepted
@@ -305,8 +346,6 @@ def test_a_client_both_proxied_and_patched_gets_one_span_the_proxys():
     # instrumentor: the proxy's call reaches the patched class method, which must not trace it
     # a second time. The server is listed (no probe) and refuses the connection: the call fails
     # as it would bare, sync and async, and each call has exactly one span, with the proxy's role.
-    from appliance.engine.local import free_port
-
     url = f"http://127.0.0.1:{free_port()}"
     cfg = agent.AgentConfig(attribution="off", servers=(url,))
     exporter = InMemorySpanExporter()
@@ -339,3 +378,64 @@ def test_a_client_both_proxied_and_patched_gets_one_span_the_proxys():
     assert agent.flush(30)
     roles = [s.attributes["appliance.agent.role"] for s in exporter.get_finished_spans()]
     assert roles == ["proxied", "proxied", "default"]
+
+
+@pytest.mark.engine
+def test_a_counters_call_after_a_per_request_call_reads_nothing_on_its_callers_thread(mtp_engine):
+    # An application mixing chat (the per-request block, no read) and the Anthropic SDK (the
+    # counters path) on one server: each per-request call reads after itself on the agent's
+    # thread, so the counters call after it starts from that reading, with no read of its own
+    # on the caller's thread, and is still exact. The reads are counted by wrapping the real
+    # Server.read (they stay real).
+    import threading
+
+    import anthropic
+
+    from appliance.agent.instrumentor import AnthropicInstrumentor
+    from appliance.agent.server import server_for
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    cfg = agent.AgentConfig(snapshot_timeout=30.0)
+    chat = agent.instrument(
+        openai.OpenAI(base_url=mtp_engine.url + "/v1", api_key="unused", max_retries=0),
+        config=cfg,
+        tracer_provider=provider,
+        registry=CollectorRegistry(),
+    )
+    inst = AnthropicInstrumentor()
+    inst.instrument(tracer_provider=provider, registry=CollectorRegistry(), config=cfg)
+    srv = server_for(mtp_engine.url + specdecode.SNAPSHOT_PATH)
+    caller, on_caller = threading.current_thread(), []
+    real_read = srv.read
+
+    def counted(*args, **kwargs):
+        on_caller.append(threading.current_thread() is caller)
+        return real_read(*args, **kwargs)
+
+    srv.read = counted
+    msg = [{"role": "user", "content": "Tell me about the sea."}]
+    messages = anthropic.Anthropic(base_url=mtp_engine.url, api_key="unused", max_retries=0)
+    try:
+        messages.messages.create(model=MODEL, messages=msg, max_tokens=16)  # counters seen
+        assert agent.flush(30)
+        with VLLMClient(mtp_engine.url) as obs:
+            for _ in range(3):
+                chat.chat.completions.create(model=MODEL, messages=msg, max_tokens=16)
+                assert agent.flush(30)
+                on_caller.clear()
+                before = obs.snapshot()
+                messages.messages.create(model=MODEL, messages=msg, max_tokens=16)
+                assert agent.flush(30)
+                delta = specdecode.delta(before, obs.snapshot())
+                assert not any(on_caller), on_caller  # its one read was the agent thread's
+                a = exporter.get_finished_spans()[-1].attributes
+                assert (a["gen_ai.vllm.mtp.source"], a["gen_ai.vllm.mtp.shared"]) == (
+                    "counters",
+                    False,
+                ), a
+                assert a["gen_ai.vllm.mtp.draft_tokens"] == delta.draft_tokens > 0
+    finally:
+        del srv.read
+        inst.uninstrument()

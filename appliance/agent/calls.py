@@ -141,6 +141,9 @@ class Call:
         kwargs = self._kwargs
         self.window = self.settings.server.begin()
         self.window.snapshots = self._wants_snapshots()
+        if self.window.snapshots and (self.operation in NO_BLOCK or not self.usage_expected):
+            # Not a server's first chat call, which reads only until it learns per_request.
+            self.settings.server.counters_seen = True
         self.window.quiet_before = not self.usage_expected
         # The GenAI conventions name a Responses API or Anthropic Messages call "chat" too.
         op = "chat" if self.operation in NO_BLOCK else self.operation
@@ -375,12 +378,45 @@ class Call:
                 self.settings.metrics.error("backlog")
                 fig = rules.UNKNOWN_SKIPPED
             self._close(fig, error)
+            if error is None and fig.source == "request":
+                self._read_for_next()
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
             self._end_span_quietly()
         finally:
             if not deferred:
                 self._end_span_quietly()  # a no-op unless an interrupt cut _close short
+
+    def _read_for_next(self) -> None:
+        """After a per-request call to a server that also has counters-path calls: a read on
+        the agent's thread, certified by this call's usage (:meth:`.Server.certify`), so that a
+        counters call right after it starts from that reading instead of reading a fresh one on
+        its caller's path (a per-request call reads nothing, so the newest reading predates its
+        end: :meth:`.Server.needs`)."""
+        srv = self.settings.server
+        if not srv.counters_seen or self.window is None or self.window.tokens is None:
+            return
+        srv.after_queued()
+        try:
+            if WORKER.offer(self._certify_read):
+                return
+        except BaseException:  # Ctrl-C mid-offer: nothing left pending
+            srv.after_done()
+            raise
+        srv.after_done()  # the backlog is full: the next counters call reads for itself
+
+    def _certify_read(self) -> None:
+        """On the background thread: the read after a per-request call, certified if it can be."""
+        try:
+            cfg, srv = self.settings.config, self.settings.server
+            try:
+                after = srv.read(self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown)
+            finally:
+                srv.after_done()
+            before = srv.before(self.window)
+            srv.chained(before is not None and after is not None and srv.certify(before, after))
+        except Exception:  # noqa: BLE001 - telemetry never raises
+            self._agent_failed()
 
     async def afinish(self, error: BaseException | None = None) -> None:
         self.finish(error)

@@ -80,9 +80,7 @@ def call(settings: Settings, operation: str, create, args, kwargs, stream_type=o
         _inside.reset(token)
     if isinstance(result, stream_type):
         return SyncStream(result, traced)
-    traced.on_response(result)
-    traced.finish()
-    return result
+    return _done(traced, result, stream_type, SyncStream)
 
 
 async def acall(
@@ -104,9 +102,43 @@ async def acall(
         _inside.reset(token)
     if isinstance(result, stream_type):
         return AsyncStream(result, traced)
-    traced.on_response(result)
-    await traced.afinish()
+    return _done(traced, result, stream_type, AsyncStream)
+
+
+def _done(traced: Call, result, stream_type, wrapper):
+    """Read a returned ``result`` and finish the call (sync or async: no waiting here).
+
+    A raw response (``client.chat.completions.with_raw_response.create``, which is how
+    LangChain's ``ChatOpenAI.invoke`` calls) holds the body unparsed: it is parsed here, and the
+    SDK caches ``parse()``, so the caller's own ``parse()`` returns that very object (the body is
+    read once, as bare). A raw stream (``ChatOpenAI(include_response_headers=True).stream()``)
+    parses to the SDK's stream: the proxy that finishes the call goes in that cache instead, so
+    the caller's ``parse()`` iterates through it."""
+    if not _is_raw(result):
+        traced.on_response(result)
+        traced.finish()
+        return result
+    try:
+        body = result.parse()
+    except Exception as exc:  # noqa: BLE001 - the caller's own parse() raises it again
+        traced.finish(error=exc)
+        return result
+    if isinstance(body, stream_type):
+        try:
+            # The SDK's parse() cache, keyed by the type it parses to (openai's LegacyAPIResponse).
+            result._parsed_by_type[result._cast_to] = wrapper(body, traced)
+        except Exception:  # noqa: BLE001 - a changed SDK: the call ends now, figures honest
+            traced.settings.metrics.error("internal")
+            traced.finish()
+        return result
+    traced.on_response(body)
+    traced.finish()
     return result
+
+
+def _is_raw(result) -> bool:
+    """Whether ``result`` is an SDK's raw response (``with_raw_response``), not the body."""
+    return type(result).__name__ == "LegacyAPIResponse" and callable(getattr(result, "parse", None))
 
 
 def _new_call(settings: Settings, operation: str, kwargs: dict) -> Call | None:

@@ -61,6 +61,9 @@ class Server:
 
     metrics_url: str
     per_request: bool | None = None  # learned from responses: does it send per-request figures?
+    # Whether any call to it took the counters path (Responses, Anthropic, a stream without
+    # usage): then its per-request calls read after themselves too, off the caller's path.
+    counters_seen: bool = False
     _active: set[Window] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _skip_until: float = 0.0
