@@ -348,8 +348,9 @@ def test_scrape_config_is_an_agent_config_promtool_accepts(tmp_path):
     """The host's agent: its loopback jobs (the engines' file_sd that `appliance install`
     keeps, node_exporter's state on --state-port), every series labelled host, remote_write."""
     out = tmp_path / "prometheus.yml"
-    argv = ["fleet", "scrape-config", "--host", "l4-01", "--remote-write",
-            "http://10.0.0.5:9090/api/v1/write", "--state-port", "9200", "--out", str(out)]  # fmt: skip
+    url = "http://10.0.0.5:9090/api/v1/write"
+    argv = ["fleet", "scrape-config", "--host", "l4-01", "--remote-write", url,
+            "--state-port", "9200", "--out", str(out)]  # fmt: skip
     first = CliRunner().invoke(cli, argv)
     assert (first.exit_code, first.output) == (0, f"wrote {out}\n")
     assert CliRunner().invoke(cli, argv).output == f"unchanged {out}\n"
