@@ -5,22 +5,27 @@ cpu-tiny-mtp on the real CPU images through the host's Docker engine. The tests 
 and share the hosts: install (twice: the second run changes nothing), roll the MTP image out
 over both (starting with MTP off; the canary soaked against its own figures), roll the broken
 image out (stops at the canary, which the appliance rolls back; the other host untouched),
-roll the fleet back, scrape both hosts from one Prometheus with the fleet's targets, then two
-rollouts stopped after the canary moved (a soak regression; the other host's sshd gone), each
-rolling the canary back.
+roll the fleet back, bring both hosts' engines to a central Prometheus through an agent on each
+host (the engines on loopback), then two rollouts stopped after the canary moved (a soak
+regression; the other host's sshd gone), each rolling the canary back.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import threading
 import time
 
 import pytest
 from plugins.fleet import OFF_IMAGE, Fleet
+from plugins.observability import PROMETHEUS
 from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE
 
 pytestmark = [pytest.mark.fleet, pytest.mark.systemd]
+
+AGENT_UNIT = "gemma4-prometheus-agent.service"
 
 
 def _ok(run) -> None:
@@ -118,33 +123,65 @@ def test_fleet_rollback_to_the_previous_image(fleet: Fleet):
         )
 
 
-def test_prometheus_scrapes_both_hosts_by_host_and_instance(fleet: Fleet, prometheus_server):
-    targets = fleet.workdir / "engines.json"
-    _ok(fleet.playbook("prometheus-targets", targets_file=str(targets)))
-    groups = json.loads(targets.read_text())
-    assert sorted((g["labels"]["host"], g["labels"]["instance"]) for g in groups) == [
-        ("fleet-a", "fleet-a"),
-        ("fleet-b", "fleet-b"),
-    ]
-    config = (
-        "global:\n  scrape_interval: 1s\n"
-        "scrape_configs:\n  - job_name: vllm\n    file_sd_configs:\n"
-        "      - files: [targets/engines.json]\n"
+def _listening(port: int) -> list[str]:
+    """The local addresses listening on TCP ``port`` (the hosts share this network namespace)."""
+    out = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        address, _, p = line.split()[3].rpartition(":")
+        if p == str(port):
+            found.append(address)
+    return found
+
+
+def test_monitoring_agents_bring_both_hosts_to_the_central_server_engines_on_loopback(
+    fleet: Fleet, prometheus_server
+):
+    """Each host's Prometheus agent scrapes its own loopback and remote-writes, labelled host, to
+    a central server that scrapes nothing itself: both hosts' engines reach it while no engine
+    listens beyond loopback (the targets playbook's ansible_host:port needed them exposed)."""
+    central = prometheus_server(
+        "global:\n  scrape_interval: 15s\n", {}, ("--web.enable-remote-write-receiver",)
     )
-    prom = prometheus_server(config, {"targets/engines.json": targets.read_text()})
-    deadline = time.monotonic() + 30
-    found: list[dict] = []
-    while time.monotonic() < deadline:
-        found = prom.query("vllm:num_requests_running")
-        if len({r["metric"].get("host") for r in found}) == 2:
-            break
-        time.sleep(0.5)
-    # The dashboards' instance variable (label_values(vllm:num_requests_running, instance))
-    # lists both hosts' instances; each series carries its host.
-    assert sorted((r["metric"]["host"], r["metric"]["instance"]) for r in found) == [
-        ("fleet-a", "fleet-a"),
-        ("fleet-b", "fleet-b"),
-    ]
+    extra = {
+        "monitoring_remote_write_url": central.url + "/api/v1/write",
+        # The hosts have no package mirror: this machine's Prometheus (Debian's 2.42), copied.
+        "monitoring_agent_binary": PROMETHEUS,
+        "monitoring_scrape_interval": "1s",
+    }
+    try:
+        _ok(fleet.playbook("monitoring", **extra))
+        again = fleet.playbook("monitoring", **extra)
+        _ok(again)
+        assert {h: again.changed(h) for h in again.recap} == {"fleet-a": 0, "fleet-b": 0}
+        deadline = time.monotonic() + 120
+        found: list[dict] = []
+        while time.monotonic() < deadline:
+            found = central.query("vllm:num_requests_running")
+            if len({r["metric"].get("host") for r in found}) == 2:
+                break
+            time.sleep(0.5)
+        # The dashboards' host and instance variables (label_values(vllm:num_requests_running,
+        # host), then instance) list both hosts; the series carry the engine job's labels.
+        assert sorted((r["metric"].get("host"), r["metric"]["instance"]) for r in found) == [
+            ("fleet-a", "fleet-a"),
+            ("fleet-b", "fleet-b"),
+        ], central.log_path.read_text()[-3000:]
+        assert {r["metric"]["job"] for r in found} == {"vllm"}
+        inventory = json.loads(fleet.inventory.read_text())["all"]["children"]["gemma4"]
+        for h in fleet.hosts:
+            agent_port = inventory["hosts"][h.name]["monitoring_agent_port"]
+            for p in (h.vllm_port, agent_port):
+                listening = _listening(p)
+                assert listening, f"{h.name}: nothing listens on {p}"
+                assert set(listening) <= {"127.0.0.1", "[::1]"}, (h.name, p, listening)
+            sec = h.machine.run("systemd-analyze", "security", AGENT_UNIT).stdout
+            score = re.search(r"Overall exposure level for \S+: ([0-9.]+)", sec)
+            assert score and float(score.group(1)) <= 2.5, sec[-2000:]
+    finally:
+        # The agents must not outlive this test (the later tests' hosts, the central server).
+        for h in fleet.hosts:
+            h.machine.systemctl("disable", "--now", AGENT_UNIT, check=False)
 
 
 def test_a_soak_regression_rolls_the_canary_back_and_stops(fleet: Fleet):

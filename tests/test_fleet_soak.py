@@ -7,10 +7,12 @@ integration with real hosts and a real engine is tests/test_fleet.py.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from appliance.cli import cli
@@ -297,7 +299,7 @@ def _playbook(tmp_path: Path, playbook: str | Path, *args: str) -> subprocess.Co
 
 
 @pytest.mark.parametrize(
-    "playbook", ["install", "rollout", "rollback", "status", "prometheus-targets"]
+    "playbook", ["install", "rollout", "rollback", "status", "monitoring", "prometheus-targets"]
 )
 def test_playbooks_pass_ansible_syntax_check(playbook, tmp_path):
     """The real ansible-playbook parses every shipped playbook and the role it includes."""
@@ -323,30 +325,98 @@ def test_the_syntax_check_rejects_a_broken_playbook(tmp_path, shipped, broken, s
     assert says in proc.stdout + proc.stderr
 
 
-def test_targets_playbook_writes_engine_and_state_targets_by_host(tmp_path):
-    """The real prometheus-targets playbook on the example inventory (it runs on the controller
-    only): engines and each host's appliance state, both labelled host, which the dashboards'
-    image join needs (engine and state series meet on host and instance)."""
-    engines, state = tmp_path / "engines.json", tmp_path / "state.json"
-    proc = _playbook(
-        tmp_path,
-        "prometheus-targets",
-        "-e",
-        f"targets_file={engines}",
-        "-e",
-        f"state_targets_file={state}",
+def test_the_targets_playbook_says_it_moved_and_writes_nothing(tmp_path):
+    """prometheus-targets.yml wrote ansible_host:port targets, down unless the engines listen on
+    the network (gotchas/fleet-monitoring.md): kept one release to say where monitoring went."""
+    engines = tmp_path / "engines.json"
+    proc = _playbook(tmp_path, "prometheus-targets", "-e", f"targets_file={engines}")
+    assert proc.returncode != 0
+    assert "playbooks/prometheus-targets.yml moved" in proc.stdout
+    assert "playbooks/monitoring.yml" in proc.stdout
+    assert not engines.exists()
+
+
+def test_the_monitoring_playbook_refuses_without_a_remote_write_url(tmp_path):
+    """The check runs before anything is installed; the example inventory's hosts are never
+    reached (the assert needs no connection)."""
+    proc = _playbook(tmp_path, "monitoring", "--limit", "l4-01", "-e", "ansible_connection=local")
+    assert proc.returncode != 0
+    assert "set monitoring_remote_write_url" in proc.stdout
+
+
+def test_scrape_config_is_an_agent_config_promtool_accepts(tmp_path):
+    """The host's agent: its loopback jobs (the engines' file_sd that `appliance install`
+    keeps, node_exporter's state on --state-port), every series labelled host, remote_write."""
+    out = tmp_path / "prometheus.yml"
+    url = "http://10.0.0.5:9090/api/v1/write"
+    argv = ["fleet", "scrape-config", "--host", "l4-01", "--remote-write", url,
+            "--state-port", "9200", "--out", str(out)]  # fmt: skip
+    first = CliRunner().invoke(cli, argv)
+    assert (first.exit_code, first.output) == (0, f"wrote {out}\n")
+    assert CliRunner().invoke(cli, argv).output == f"unchanged {out}\n"
+    ok = subprocess.run(
+        ["promtool", "check", "config", "--agent", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [(g["targets"], g["labels"]["host"]) for g in json.loads(engines.read_text())] == [
-        (["10.0.0.11:8050"], "l4-01"),
-        (["10.0.0.12:8050"], "l4-02"),
-        (["10.0.0.13:8050"], "l4-03"),
-    ]
-    assert json.loads(state.read_text()) == [
-        {"targets": ["10.0.0.11:9100"], "labels": {"host": "l4-01"}},
-        {"targets": ["10.0.0.12:9100"], "labels": {"host": "l4-02"}},
-        {"targets": ["10.0.0.13:9100"], "labels": {"host": "l4-03"}},
-    ]
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    text = out.read_text()
+    assert '  external_labels:\n    host: "l4-01"\n' in text
+    assert '"/etc/gemma4-vllm/prometheus/engines.json"' in text
+    assert '"127.0.0.1:9200"' in text
+    assert 'remote_write:\n  - url: "http://10.0.0.5:9090/api/v1/write"\n' in text
+    assert "rule_files" not in text  # agent mode evaluates no rules: the central server does
+    # Every scrape target is on loopback: the agent never needs an engine on the network.
+    jobs = yaml.safe_load(text)["scrape_configs"]
+    statics = [t for j in jobs for sc in j.get("static_configs", []) for t in sc["targets"]]
+    assert statics == ["127.0.0.1:9464", "127.0.0.1:9200"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--remote-write", "10.0.0.5:9090"], "is not http(s)://HOST:PORT/PATH"),
+        (["--remote-write", "http://x/api/v1/write", "--scrape-interval", "15"], "duration"),
+        (["--remote-write", "http://x/api/v1/write", "--host", " "], "host label is empty"),
+    ],
+)
+def test_scrape_config_refuses_what_the_agent_would_not_start_with(tmp_path, args, says):
+    out = tmp_path / "prometheus.yml"
+    argv = ["fleet", "scrape-config", "--host", "l4-01", *args, "--out", str(out)]
+    r = CliRunner().invoke(cli, argv)
+    assert r.exit_code != 0
+    assert says in r.output
+    assert not out.exists()
+
+
+def test_the_agent_unit_is_hardened(tmp_path):
+    """The role's unit template, rendered as the role does, verified and scored by the real
+    systemd-analyze (the agent needs no root: an unprivileged dynamic user)."""
+    import jinja2
+
+    template = ANSIBLE_DIR / "roles/gemma4_appliance/templates/gemma4-prometheus-agent.service.j2"
+    unit = tmp_path / "gemma4-prometheus-agent.service"
+    unit.write_text(
+        jinja2.Template(template.read_text(), keep_trailing_newline=True).render(
+            monitoring_agent_bin="/usr/bin/prometheus",
+            monitoring_agent_flag="--enable-feature=agent",
+            monitoring_agent_port=9095,
+        )
+    )
+    verify = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, check=False
+    )
+    assert verify.returncode == 0, verify.stderr
+    sec = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", str(unit)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    score = re.search(r"Overall exposure level for \S+: ([0-9.]+)", sec.stdout)
+    assert score, sec.stdout[-2000:] + sec.stderr
+    assert float(score.group(1)) <= 2.5, sec.stdout
 
 
 def test_state_targets_take_the_state_port_and_refuse_a_bad_one():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import click
 from ..errors import ApplianceError, UsageError
 from ..fleet import hosts, soak
 from ..fsutil import write_atomic
+from ..observability import scrape
 from ..units.instance import read as read_instance
 from .options import root_option
 
@@ -159,3 +161,53 @@ def targets(inventory: Path, group: str, out: Path | None, state_out: Path | Non
     else:
         write_atomic(out, rendered)
         click.echo(f"{out}: {len(json.loads(rendered))} hosts")
+
+
+_DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")  # Prometheus' duration syntax
+
+
+@fleet.command(name="scrape-config")
+@click.option("--host", "host", required=True, help="This host's inventory name: label `host`.")
+@click.option(
+    "--remote-write",
+    required=True,
+    help="The central Prometheus' remote-write URL (http://HOST:9090/api/v1/write; it runs "
+    "with --web.enable-remote-write-receiver).",
+)
+@click.option(
+    "--state-port",
+    type=click.IntRange(1, 65535),
+    default=9100,
+    show_default=True,
+    help="node_exporter's port on 127.0.0.1 (the appliance state's textfile collector).",
+)
+@click.option("--scrape-interval", default="15s", show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="The config to write (default: stdout); says `wrote` or `unchanged`.",
+)
+def scrape_config(
+    host: str, remote_write: str, state_port: int, scrape_interval: str, out: Path | None
+) -> None:
+    """This host's Prometheus agent config: its loopback engines and state, labelled --host,
+    written to the central server (engines never listen beyond loopback)."""
+    if not _DURATION.match(scrape_interval):
+        raise UsageError(f"--scrape-interval {scrape_interval!r} is not a Prometheus duration")
+    targets = scrape.ScrapeTargets(
+        engine_files=scrape.AGENT_TARGETS.engine_files,
+        state=(f"127.0.0.1:{state_port}",),
+        scrape_interval=scrape_interval,
+    )
+    text = scrape.render_agent(scrape.AgentConfig(host, remote_write, targets))
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        same = out.read_text() == text
+    except FileNotFoundError:
+        same = False
+    if not same:
+        write_atomic(out, text, mode=0o644)  # no secret in it; the agent's own user reads it
+    click.echo(f"{'unchanged' if same else 'wrote'} {out}")

@@ -230,7 +230,8 @@ def _python_binds() -> list[tuple[str, str]]:
 
 
 def _inventory(workdir: Path, key: Path, hosts: list[tuple[str, str, int, int]]) -> Path:
-    """The test inventory (YAML is JSON): group ``gemma4``, one host per machine."""
+    """The test inventory (YAML is JSON): group ``gemma4``, one host per machine. The machines
+    share one network namespace, so each host's Prometheus agent has its own port."""
     model_dir = devmodel.cached("copy").root
     inv = {
         "all": {
@@ -241,6 +242,7 @@ def _inventory(workdir: Path, key: Path, hosts: list[tuple[str, str, int, int]])
                             "ansible_port": ssh_port,
                             "appliance_instance": instance,
                             "appliance_port": vllm_port,
+                            "monitoring_agent_port": free_port(),
                         }
                         for name, instance, ssh_port, vllm_port in hosts
                     },

@@ -100,6 +100,7 @@ def ensure_rootfs(packages: Sequence[str] = ()) -> Path:
 
 def _debootstrap(root: Path, include: list[str]) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=CACHE))
+    staging.chmod(0o755)  # the machines' "/" (mkdtemp makes it 0700)
     try:
         proc = subprocess.run(
             [
@@ -285,6 +286,9 @@ def boot(
     root = workdir / "root"
     subprocess.run(["cp", "-a", "--reflink=auto", str(pristine), str(root)], check=True)
     (root / ".complete").unlink(missing_ok=True)
+    # "/" as on a real host: the rootfs was built in a mkdtemp (0700), and a service of a
+    # non-root user (DynamicUser=) could not even chdir to "/" (exit 200/CHDIR).
+    root.chmod(0o755)
     for unit in unmask:
         (root / "etc/systemd/system" / unit).unlink()
     cmd = [

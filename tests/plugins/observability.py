@@ -56,14 +56,17 @@ class Prometheus:
 
 
 @pytest.fixture
-def prometheus_server() -> Iterator[Callable[[str, dict[str, str]], Prometheus]]:
-    """Factory: ``start(config_yaml, {relative_path: text})`` -> a running :class:`Prometheus`."""
+def prometheus_server() -> Iterator[Callable[..., Prometheus]]:
+    """Factory: ``start(config_yaml, {relative_path: text}, [flag, ...])`` -> a running
+    :class:`Prometheus` (the flags are added to its command line)."""
     if not Path(PROMETHEUS).exists():
         pytest.fail(f"{PROMETHEUS} missing: run scripts/setup-system.sh (apt prometheus)")
     started: list[Prometheus] = []
     tmp = Path(tempfile.mkdtemp(prefix="appliance-prom-"))
 
-    def start(config: str, files: dict[str, str] | None = None) -> Prometheus:
+    def start(
+        config: str, files: dict[str, str] | None = None, args: tuple[str, ...] = ()
+    ) -> Prometheus:
         conf_dir = tmp / f"conf{len(started)}"
         conf_dir.mkdir()
         (conf_dir / "prometheus.yml").write_text(config)
@@ -80,6 +83,7 @@ def prometheus_server() -> Iterator[Callable[[str, dict[str, str]], Prometheus]]
                     f"--storage.tsdb.path={tmp / f'data{len(started)}'}",
                     f"--web.listen-address=127.0.0.1:{port}",
                     "--log.level=warn",
+                    *args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
