@@ -805,6 +805,51 @@ def test_uninstall_removes_the_instance_and_the_shared_files_with_the_last(tmp_p
     assert result.exit_code == 2 and "instance small is not installed" in result.output
 
 
+def test_uninstall_drops_the_instance_from_the_state_metrics_and_purge_leaves_the_tree_as_found(
+    tmp_path,
+):
+    """What a host keeps after the last purge is what it had before the first install: the
+    state textfile would otherwise show the instance serving on in Grafana, and a canary record
+    or an empty folder would stay behind."""
+    for folder in ("etc/systemd/system", "usr/local/bin", "var/lib"):  # a host's own
+        (tmp_path / folder).mkdir(parents=True)
+    token = tmp_path / "etc/gemma4-vllm/hf-token"  # the operator's, written before install
+    token.parent.mkdir(parents=True)
+    token.write_text("hf_x\n")
+    before = snapshot(tmp_path)
+    folders = sorted(p for p in tmp_path.rglob("*") if p.is_dir())
+    layout = Layout(tmp_path)
+    for name, port in (("big", 8124), ("small", 8123)):
+        units.install("cpu-tiny", name, root=tmp_path, options=units.Options(port=port))
+        for path in (  # what cutovers with the canary leave
+            layout.history_file(name),
+            layout.rollback_slot(name),
+            layout.saved_env(name),
+            layout.saved_slot(name),
+            layout.lock_file(name),
+            layout.canary_record(name, "before"),
+            layout.canary_record(name, "after"),
+            layout.canary_baseline(name),
+        ):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("{}\n")
+    status = run("status", "--write-metrics", "--quiet", "--root", str(tmp_path))
+    assert status.exit_code == 0, status.output
+    assert 'instance="big"' in layout.metrics_textfile().read_text()
+
+    result = run("uninstall", "big", "--purge", "--root", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert f"wrote     {layout.metrics_textfile()}" in result.output
+    text = layout.metrics_textfile().read_text()
+    assert 'instance="big"' not in text and 'instance="small"' in text
+
+    result = run("uninstall", "small", "--purge", "--root", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert f"removed   {layout.state_dir}" in result.output
+    assert snapshot(tmp_path) == before
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_dir()) == folders
+
+
 def test_uninstall_removes_an_old_layout_instance_too(tmp_path):
     old = install_old_layout(
         tmp_path, port=18555, image="gemma4-vllm:mtp", model_dir="/m", vllm_cache_dir="/c"

@@ -34,16 +34,6 @@ def _context(root: Path, progress: bool = True) -> Context:
     return Context(layout=Layout(root), progress=_progress if progress else (lambda _m: None))
 
 
-def _docker_or_none():
-    """A Docker client, or None when the engine cannot be reached (labels then read unknown)."""
-    import docker
-
-    try:
-        return docker.from_env()
-    except docker.errors.DockerException:
-        return None
-
-
 def _when(ts: float | None) -> str:
     if ts is None:
         return "-"
@@ -204,7 +194,8 @@ def status(instance: str | None, write_metrics: bool, quiet: bool, json_: bool, 
     ctx = _context(root, progress=False)
     if write_metrics:
         # Cutovers write it too; between them only this refresh shows a unit that gave up.
-        click.echo(f"wrote {cutover_metrics.write(layout, _docker_or_none(), ctx.systemd)}")
+        written = cutover_metrics.write(layout, cutover_metrics.local_docker(), ctx.systemd)
+        click.echo(f"wrote {written}")
         if quiet:
             return
     for name in names:

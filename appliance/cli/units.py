@@ -8,6 +8,8 @@ from pathlib import Path
 import click
 
 from .. import hostcheck, units
+from ..cutover import metrics as cutover_metrics
+from ..host.layout import Layout
 from ..host.systemd import Systemd
 from .options import instance_name, root_option
 
@@ -145,3 +147,6 @@ def uninstall(instance: str, purge: bool, root: Path) -> None:
     serve program with the last instance). systemctl is called only when --root is /."""
     systemd = Systemd.from_env() if root == Path("/") else None
     _report(units.uninstall(instance, root=root, purge=purge, systemd=systemd))
+    written = cutover_metrics.refresh(Layout(root), systemd)
+    if written is not None:
+        click.echo(f"wrote     {written}")

@@ -90,3 +90,21 @@ def write(layout: Layout, docker_client=None, systemd=None) -> Path:
     return state_metrics.write_textfile(
         layout.metrics_textfile(), states(layout, docker_client, systemd)
     )
+
+
+def refresh(layout: Layout, systemd=None) -> Path | None:
+    """Rewrite the state textfile if there is one, e.g. after an uninstall: the removed
+    instance's series go (Prometheus would show it serving on). None when there is none."""
+    if not layout.metrics_textfile().exists():
+        return None
+    return write(layout, local_docker(), systemd)
+
+
+def local_docker():
+    """A Docker client, or None when the engine cannot be reached (labels then read unknown)."""
+    import docker
+
+    try:
+        return docker.from_env()
+    except docker.errors.DockerException:
+        return None

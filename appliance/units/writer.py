@@ -331,7 +331,11 @@ def uninstall(
         layout.history_file(instance),
         layout.rollback_slot(instance),
         layout.saved_env(instance),
+        layout.saved_slot(instance),
         layout.lock_file(instance),
+        layout.canary_record(instance, "before"),
+        layout.canary_record(instance, "after"),
+        layout.canary_baseline(instance),
     ]
     if not any(os.path.lexists(f) for f in mine) and not (purge and any(f.exists() for f in state)):
         raise UsageError(f"instance {instance} is not installed under {root}")
@@ -363,9 +367,30 @@ def uninstall(
             with contextlib.suppress(OSError):
                 (root / p.script).parent.rmdir()  # only when empty
         write_scrape_targets(root, result)
+        if purge and not installed_instances(root):
+            _leave_as_found(root, instance, result)
         if systemd is not None:
             systemd.daemon_reload()
     return result
+
+
+def _leave_as_found(root: Path, instance: str, result: WriteResult) -> None:
+    """After the last instance's purge: the state textfile (it would keep the last instance's
+    series) and the folders install, cutovers and the state timer made, each only when nothing
+    else is in it (an operator's own file, e.g. the Hub token, keeps its folder)."""
+    layout = Layout(root)
+    textfile = layout.metrics_textfile()
+    with contextlib.suppress(FileNotFoundError):
+        textfile.unlink()
+        result.removed.append(textfile)
+    folders = [*layout.private_dirs(instance), textfile.parent, layout.state_dir]
+    folders += [root / _rel(file_sd.TARGETS_DIR), root / _rel(ENV_DIR)]
+    # usr/local/libexec: a minimal Debian has none until install makes it.
+    folders.append((root / paths(instance).script).parent.parent)
+    for folder in folders:
+        with contextlib.suppress(OSError):  # not empty, or already gone
+            folder.rmdir()
+            result.removed.append(folder)
 
 
 def render_to(
