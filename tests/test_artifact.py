@@ -57,9 +57,9 @@ class Installed:
         return res
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Installed:
-    root = tmp_path_factory.mktemp("artifact")
+def build_wheel(root: Path) -> Path:
+    """The appliance's wheel, built from a copy of this checkout's sources under ``root``
+    (the copy is gone afterwards: nothing of the source stays in reach)."""
     src = root / "src"
     shutil.copytree(REPO, src, ignore=SOURCE_IGNORED)
     wheels = root / "wheels"
@@ -70,7 +70,15 @@ def installed(tmp_path_factory) -> Installed:
         capture_output=True,
         cwd=root,
     )
+    shutil.rmtree(src)
     [wheel] = wheels.glob("gemma4_appliance-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Installed:
+    root = tmp_path_factory.mktemp("artifact")
+    wheel = build_wheel(root)
     venv.EnvBuilder(with_pip=False).create(root / "venv")
     uv = Path(sys.executable).with_name("uv")
     subprocess.run(
@@ -79,7 +87,6 @@ def installed(tmp_path_factory) -> Installed:
         check=True,
         capture_output=True,
     )
-    shutil.rmtree(src)  # nothing of the source left in reach
     link_dependencies(root / "venv/bin/python", root / "site")
     return Installed(root)
 

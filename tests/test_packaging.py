@@ -71,14 +71,21 @@ def plain_python(tmp_path_factory) -> Path:
     return root / "venv/bin/python"
 
 
-def link_dependencies(python: Path, links: Path) -> Path:
-    """Make the declared dependencies of the package (extras off), linked from this
-    environment into ``links``, importable by the venv of ``python``; returns ``links``."""
+def dependency_links(links: Path) -> Path:
+    """Link the declared dependencies of the package (extras off) from this environment into
+    the new folder ``links``; returns it (a path entry for a ``.pth`` file)."""
     links.mkdir()
     for dist in sorted(_closure(DIST) - {DIST}):
         for path in _top_level_paths(dist):
             if path.exists() and not (links / path.name).exists():
                 (links / path.name).symlink_to(path)
+    return links
+
+
+def link_dependencies(python: Path, links: Path) -> Path:
+    """Make the declared dependencies of the package (extras off), linked from this
+    environment into ``links``, importable by the venv of ``python``; returns ``links``."""
+    dependency_links(links)
     purelib = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True,

@@ -10,10 +10,11 @@ dockerd, next to the images the docker tier built.
 API (for tests):
 
 - ``ensure_rootfs(packages=()) -> Path``: the pristine rootfs (``debootstrap --variant=minbase
-  --include=systemd,systemd-sysv,dbus,openssh-server,python3[,packages]``), cached per machine
+  --include=systemd,systemd-sysv,dbus,openssh-server,python3,...[,packages]``), cached per machine
   under ``/var/cache/gemma4-appliance/nspawn/`` (first time 40-120 s, ~300 MB; one builder at a
-  time, the others wait and reuse it). D-Bus, logind, sshd and the console getty are masked (see
-  ``MASKED_UNITS``): boot to "running" then takes ~14 s with the copy, poweroff ~6 s.
+  time, the others wait and reuse it). D-Bus, logind, sshd, node_exporter and the console getty
+  are masked (see ``MASKED_UNITS``): boot to "running" then takes ~14 s with the copy, poweroff
+  ~6 s.
 - ``boot(name, binds=(), docker=True, docker_stub_unit=True, packages=(), unmask=()) -> Machine``
   (a context manager): copies the rootfs to a temporary directory, boots it, waits until systemd
   is up, and powers it off (then deletes the copy) on exit.
@@ -47,9 +48,18 @@ from appliance.images.files import held
 
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
-# One rootfs for every machine: the fleet's hosts need sshd and a Python for Ansible; the others
-# boot the same tree with sshd masked (one debootstrap per machine, not one per variant).
-BASE_PACKAGES = ("systemd", "systemd-sysv", "dbus", "openssh-server", "python3")
+# One rootfs for every machine: the fleet's hosts need sshd and a Python for Ansible, the bare
+# host (tests/test_bare_host_systemd.py) Debian's venv and node_exporter; the others boot the
+# same tree with those services masked (one debootstrap per machine, not one per variant).
+BASE_PACKAGES = (
+    "systemd",
+    "systemd-sysv",
+    "dbus",
+    "openssh-server",
+    "python3",
+    "python3-venv",
+    "prometheus-node-exporter",
+)
 CACHE = Path(os.environ.get("APPLIANCE_SYSTEM_CACHE", "/var/cache/gemma4-appliance")) / "nspawn"
 DOCKER_SOCKET = Path("/var/run/docker.sock")
 MASKED_UNITS = (
@@ -58,6 +68,7 @@ MASKED_UNITS = (
     "dbus.socket",
     "systemd-logind.service",
     "ssh.service",
+    "prometheus-node-exporter.service",
 )
 
 DOCKER_STUB_UNIT = """\
@@ -84,8 +95,8 @@ def ensure_rootfs(packages: Sequence[str] = ()) -> Path:
     """The pristine systemd rootfs with ``packages`` added, made once per machine."""
     include = sorted({*BASE_PACKAGES, *packages})
     extra = [p for p in include if p not in BASE_PACKAGES]
-    # v3: sshd and python3 in the base, sshd masked; bump it when the rootfs recipe changes.
-    root = CACHE / "-".join([SUITE, *extra, "systemd-v3"])
+    # v4: python3-venv and node_exporter (masked) too; bump it when the rootfs recipe changes.
+    root = CACHE / "-".join([SUITE, *extra, "systemd-v4"])
     if (root / ".complete").exists():
         return root
     if shutil.which("debootstrap") is None or shutil.which("systemd-nspawn") is None:
@@ -122,7 +133,8 @@ def _debootstrap(root: Path, include: list[str]) -> None:
         # Masked: a login prompt on a console nobody reads; and D-Bus, which cannot set up
         # inotify or its fd limit in this sandbox and then holds boot ~90 s waiting for systemd
         # (logind needs it). Nothing the tests use needs the bus: systemctl as root talks to
-        # systemd's private socket. sshd: only the fleet's hosts run it (boot(unmask=...)).
+        # systemd's private socket. sshd: only the fleet's hosts run it (boot(unmask=...)), and
+        # node_exporter only the bare host.
         for unit in MASKED_UNITS:
             (staging / "etc/systemd/system" / unit).symlink_to("/dev/null")
         (staging / ".complete").write_text(" ".join(include) + "\n")
