@@ -4,11 +4,12 @@
 entry points; ``OpenAIInstrumentor().instrument()`` does the same in code. Every client the
 process creates (its own, LangChain's, LiteLLM's) is then traced, sync and async, plain and
 streamed, for ``chat.completions``, ``completions`` and ``responses``, and, with
-:class:`AnthropicInstrumentor`, the Anthropic SDK's ``messages.create``. Each call goes through
-the same :func:`.patch.call` / :func:`.patch.acall` as ``instrument(client)``, so the figures,
-spans and metrics are the proxy's own. Only servers that are vLLM get traced: a base URL listed
-in ``APPLIANCE_AGENT_SERVERS``, or one whose ``/version`` answers like vLLM's (asked once per
-base URL, cached); every other call passes straight through, with no request of the agent's.
+:class:`AnthropicInstrumentor`, the Anthropic SDK's ``messages.create`` and ``messages.stream``.
+Each call goes through the same :func:`.patch.call` / :func:`.patch.acall` as
+``instrument(client)``, so the figures, spans and metrics are the proxy's own. Only servers
+that are vLLM get traced: a base URL listed in ``APPLIANCE_AGENT_SERVERS``, or one whose
+``/version`` answers like vLLM's (asked once per base URL, cached); every other call passes
+straight through, with no request of the agent's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..vllm_client import normalise_base_url
 from . import metrics
 from .calls import MESSAGES, RESPONSES, Settings
 from .config import AgentConfig
-from .patch import acall, call, inside
+from .patch import acall, call, inside, stream_manager
 from .tracing import setup_tracing
 from .worker import register_exit_flush
 
@@ -48,6 +49,12 @@ ANTHROPIC_METHODS = (
     ("anthropic.resources.messages", "Messages", MESSAGES, False),
     ("anthropic.resources.messages", "AsyncMessages", MESSAGES, True),
 )
+# And its ``messages.stream(...)``, which posts without going through ``create`` (a sync
+# method on both classes: it returns a manager whose ``with`` block sends the request).
+ANTHROPIC_STREAMS = (
+    ("anthropic.resources.messages", "Messages", False),
+    ("anthropic.resources.messages", "AsyncMessages", True),
+)
 
 # A base URL whose probe failed to connect is asked again after this long (the engine may
 # be starting); a server that answered and is not vLLM is never asked again.
@@ -62,6 +69,7 @@ class _SDKInstrumentor(BaseInstrumentor):
     """
 
     _methods: tuple[tuple[str, str, str, bool], ...] = ()
+    _streams: tuple[tuple[str, str, bool], ...] = ()  # (module, class, async): ``stream``
 
     def _stream_types(self) -> tuple[type, type]:
         """The SDK's (sync, async) stream classes, whose instances a streamed call returns."""
@@ -85,10 +93,16 @@ class _SDKInstrumentor(BaseInstrumentor):
                 f"{cls}.create",
                 _wrapper(self._servers, operation, is_async, streams[is_async]),
             )
+        for module, cls, is_async in self._streams:
+            wrapt.wrap_function_wrapper(
+                module, f"{cls}.stream", _stream_wrapper(self._servers, is_async, streams[is_async])
+            )
 
     def _uninstrument(self, **kwargs) -> None:
         for module, cls, _, _ in self._methods:
             unwrap(getattr(importlib.import_module(module), cls), "create")
+        for module, cls, _ in self._streams:
+            unwrap(getattr(importlib.import_module(module), cls), "stream")
 
 
 class OpenAIInstrumentor(_SDKInstrumentor):
@@ -106,11 +120,13 @@ class OpenAIInstrumentor(_SDKInstrumentor):
 
 
 class AnthropicInstrumentor(_SDKInstrumentor):
-    """Traces every Anthropic SDK client's ``messages.create`` to a vLLM server (its Anthropic
-    Messages API), with the same figures: always from the counters, as vLLM 0.32 sends no
-    per-request block there. Which servers: as for :class:`OpenAIInstrumentor`."""
+    """Traces every Anthropic SDK client's ``messages.create`` and ``messages.stream`` to a vLLM
+    server (its Anthropic Messages API), with the same figures: always from the counters, as
+    vLLM 0.32 sends no per-request block there. Which servers: as for
+    :class:`OpenAIInstrumentor`."""
 
     _methods = ANTHROPIC_METHODS
+    _streams = ANTHROPIC_STREAMS
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return ("anthropic >= 0.40",)
@@ -143,6 +159,20 @@ def _wrapper(servers: Servers, operation: str, is_async: bool, stream_type: type
         return call(settings, operation, wrapped, args, kwargs, stream_type)
 
     return traced
+
+
+def _stream_wrapper(servers: Servers, is_async: bool, stream_type: type):
+    def traced_stream(wrapped, instance, args, kwargs):
+        if inside():
+            return wrapped(*args, **kwargs)
+        # stream() is not a coroutine even on AsyncMessages: a base URL's first call asks
+        # /version on the caller's thread (once per base URL; bounded as every probe is).
+        settings = servers.for_client(getattr(instance, "_client", None))
+        if settings is None:
+            return wrapped(*args, **kwargs)
+        return stream_manager(settings, wrapped, args, kwargs, stream_type, is_async)
+
+    return traced_stream
 
 
 class Servers:
