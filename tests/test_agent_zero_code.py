@@ -429,16 +429,13 @@ def test_anthropic_messages_stream_left_early_cancelled_or_unentered_ends_once_l
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    class Stop(Exception):
-        pass
-
     try:
         with sync.messages.stream(**kw) as s:  # left after the first event
             next(iter(s))
         asyncio.run(cancelled())
-        with pytest.raises(Stop), sync.messages.stream(**kw) as s:
+        with pytest.raises(ValueError, match="the caller's"), sync.messages.stream(**kw) as s:
             next(iter(s))
-            raise Stop
+            raise ValueError("the caller's own error")
         sync.messages.stream(**kw)  # built, never entered: nothing sent
         gc.collect()
         assert agent.flush(30)
@@ -455,7 +452,7 @@ def test_anthropic_messages_stream_left_early_cancelled_or_unentered_ends_once_l
             "CancelledError",
             "call_failed",
         )
-        assert (a[2]["error.type"], a[2]["gen_ai.vllm.mtp.status"]) == ("Stop", "call_failed")
+        assert (a[2]["error.type"], a[2]["gen_ai.vllm.mtp.status"]) == ("ValueError", "call_failed")
         assert a[3]["gen_ai.vllm.mtp.status"] == "abandoned"
         # The engine's aborted requests have ended; the next call is exact again.
         with VLLMClient(mtp_engine.url) as obs:
