@@ -573,3 +573,95 @@ def test_a_counters_call_after_a_per_request_call_reads_nothing_on_its_callers_t
     finally:
         del srv.read
         inst.uninstrument()
+
+
+@pytest.mark.engine
+def test_with_the_upstream_openai_instrumentation_a_vllm_call_has_one_span_ours_with_figures(
+    mtp_engine, bad_metrics
+):
+    # Both instrumentors wrap chat completions' create. In either order they instrument, a call
+    # to vLLM has exactly one span, the agent's, with the per-request figures; a call to
+    # another server keeps the upstream span alone; uninstrumenting either, in either order,
+    # leaves the other working and, at the end, the classes bare.
+    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor as Upstream
+
+    bare = _creates()
+    msg = [{"role": "user", "content": "Tell me about the sea."}]
+    kw = {"model": MODEL, "messages": msg, "max_tokens": 16, "temperature": 0}
+    fake = bad_metrics("500")
+
+    def block(obj) -> int:
+        return obj.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"]
+
+    def sync_stream(client):
+        chunks = list(
+            client.chat.completions.create(
+                **kw, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        return chunks[-1]
+
+    async def aplain():
+        a = openai.AsyncOpenAI(base_url=mtp_engine.url + "/v1", api_key="unused", max_retries=0)
+        return await a.chat.completions.create(**kw)
+
+    for upstream_first in (True, False):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        ours, theirs = OpenAIInstrumentor(), Upstream()
+        cfg = agent.AgentConfig(snapshot_timeout=30.0)
+        settings = {
+            theirs: {"tracer_provider": provider},
+            ours: {"tracer_provider": provider, "registry": CollectorRegistry(), "config": cfg},
+        }
+        for inst in (theirs, ours) if upstream_first else (ours, theirs):
+            inst.instrument(**settings[inst])
+        try:
+            client = openai.OpenAI(base_url=mtp_engine.url + "/v1", api_key="unused", max_retries=0)
+            said = [
+                block(client.chat.completions.create(**kw)),
+                block(sync_stream(client)),
+                block(asyncio.run(aplain())),
+            ]
+            assert agent.flush(30)
+            spans = sorted(exporter.get_finished_spans(), key=lambda s: s.start_time)
+            assert [s.instrumentation_scope.name for s in spans] == ["appliance.agent"] * 3, (
+                upstream_first,
+                [(s.name, s.instrumentation_scope.name) for s in spans],
+            )
+            for span, engine_said in zip(spans, said, strict=True):
+                a = span.attributes
+                assert (a["gen_ai.vllm.mtp.source"], a["gen_ai.vllm.mtp.status"]) == (
+                    "request",
+                    "ok",
+                )
+                assert a["gen_ai.vllm.mtp.draft_tokens"] == engine_said > 0
+            # Another server: not vLLM, so the agent passes it by and the upstream traces it.
+            exporter.clear()
+            other = openai.OpenAI(base_url=fake.url + "/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.APIStatusError):
+                other.chat.completions.create(**kw)
+            (span,) = exporter.get_finished_spans()
+            assert span.instrumentation_scope.name.startswith("opentelemetry."), span
+            assert "gen_ai.vllm.mtp.source" not in span.attributes
+            # The upstream one goes first: ours still traces the vLLM call, alone.
+            exporter.clear()
+            theirs.uninstrument()
+            block(client.chat.completions.create(**kw))
+            assert agent.flush(30)
+            assert [s.instrumentation_scope.name for s in exporter.get_finished_spans()] == [
+                "appliance.agent"
+            ]
+        finally:
+            theirs.uninstrument()
+            ours.uninstrument()
+        assert _creates() == bare
+    # And ours first, then theirs: the classes are bare again too.
+    ours.instrument(registry=CollectorRegistry())
+    theirs.instrument()
+    ours.uninstrument()  # theirs alone is left on create
+    wrapper = openai.resources.chat.completions.Completions.create
+    assert wrapper._self_wrapper.__module__ == "opentelemetry.instrumentation.openai_v2.patch"
+    theirs.uninstrument()
+    assert _creates() == bare

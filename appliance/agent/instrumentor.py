@@ -30,7 +30,7 @@ from ..vllm_client import normalise_base_url
 from . import metrics
 from .calls import MESSAGES, RESPONSES, Settings
 from .config import AgentConfig
-from .patch import acall, call, inside, stream_manager
+from .patch import UPSTREAM_OPENAI, acall, beneath_upstream, call, inside, stream_manager
 from .tracing import setup_tracing
 from .worker import register_exit_flush
 
@@ -87,20 +87,26 @@ class _SDKInstrumentor(BaseInstrumentor):
             role=kwargs.get("role") or "default",
         )
         register_exit_flush()
-        for module, cls, operation, is_async in self._methods:
-            wrapt.wrap_function_wrapper(
-                module,
-                f"{cls}.create",
-                _wrapper(self._servers, operation, is_async, streams[is_async]),
-            )
+        self._wrappers = [
+            (module, cls, _wrapper(self._servers, operation, is_async, streams[is_async]))
+            for module, cls, operation, is_async in self._methods
+        ]
+        self._wrap_creates()
         for module, cls, is_async in self._streams:
             wrapt.wrap_function_wrapper(
                 module, f"{cls}.stream", _stream_wrapper(self._servers, is_async, streams[is_async])
             )
 
-    def _uninstrument(self, **kwargs) -> None:
-        for module, cls, _, _ in self._methods:
+    def _wrap_creates(self) -> None:
+        for module, cls, wrapper in self._wrappers:
+            wrapt.wrap_function_wrapper(module, f"{cls}.create", wrapper)
+
+    def _unwrap_creates(self) -> None:
+        for module, cls, _ in self._wrappers:
             unwrap(getattr(importlib.import_module(module), cls), "create")
+
+    def _uninstrument(self, **kwargs) -> None:
+        self._unwrap_creates()
         for module, cls, _ in self._streams:
             unwrap(getattr(importlib.import_module(module), cls), "stream")
 
@@ -112,6 +118,30 @@ class OpenAIInstrumentor(_SDKInstrumentor):
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return ("openai >= 1.40",)
+
+    def _instrument(self, **kwargs) -> None:
+        super()._instrument(**kwargs)
+        upstream = _upstream_instrumentor()
+        if upstream is not None:  # stay the outer layer whatever order the two instrument in
+            for method in ("_instrument", "_uninstrument"):
+                wrapt.wrap_function_wrapper(upstream, method, self._aside)
+
+    def _uninstrument(self, **kwargs) -> None:
+        super()._uninstrument(**kwargs)
+        upstream = _upstream_instrumentor()
+        if upstream is not None:
+            for method in ("_instrument", "_uninstrument"):
+                unwrap(upstream, method)
+
+    def _aside(self, wrapped, instance, args, kwargs):
+        """The upstream instrumentor (un)wraps ``create`` with ours off, then ours goes back on
+        top: a call to vLLM then reaches ours first, which sends it beneath theirs (one span),
+        and their ``unwrap``, which removes the outer layer, removes theirs, not ours."""
+        self._unwrap_creates()
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            self._wrap_creates()
 
     def _stream_types(self) -> tuple[type, type]:
         import openai
@@ -137,12 +167,20 @@ class AnthropicInstrumentor(_SDKInstrumentor):
         return anthropic.Stream, anthropic.AsyncStream
 
 
+def _upstream_instrumentor() -> type | None:
+    """The upstream OpenAI instrumentor's class when it is installed (it needs not be)."""
+    try:
+        return importlib.import_module(UPSTREAM_OPENAI).OpenAIInstrumentor
+    except Exception:  # noqa: BLE001 - absent or broken: nothing to coexist with
+        return None
+
+
 def _wrapper(servers: Servers, operation: str, is_async: bool, stream_type: type):
     if is_async:
 
         async def traced_async(wrapped, instance, args, kwargs):
             if inside():  # called from a proxied client's call: that one traces it
-                return await wrapped(*args, **kwargs)
+                return await beneath_upstream(wrapped)(*args, **kwargs)
             settings = await servers.afor_client(getattr(instance, "_client", None))
             if settings is None:
                 return await wrapped(*args, **kwargs)
@@ -152,7 +190,7 @@ def _wrapper(servers: Servers, operation: str, is_async: bool, stream_type: type
 
     def traced(wrapped, instance, args, kwargs):
         if inside():  # called from a proxied client's call: that one traces it
-            return wrapped(*args, **kwargs)
+            return beneath_upstream(wrapped)(*args, **kwargs)
         settings = servers.for_client(getattr(instance, "_client", None))
         if settings is None:
             return wrapped(*args, **kwargs)

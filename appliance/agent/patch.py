@@ -48,6 +48,22 @@ _inside: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+# The upstream OpenAI instrumentation (opentelemetry-instrumentation-openai-v2) wraps chat
+# completions' ``create`` too. A call the agent traces is sent beneath its layers, so the call
+# has one CLIENT span, the agent's, with the figures (ADR 0006); calls to other servers still
+# go through them.
+UPSTREAM_OPENAI = "opentelemetry.instrumentation.openai_v2"
+
+
+def beneath_upstream(create):
+    """``create`` without the upstream OpenAI instrumentation's ``wrapt`` layers on top."""
+    while (getattr(getattr(create, "_self_wrapper", None), "__module__", None) or "").startswith(
+        UPSTREAM_OPENAI
+    ):
+        create = create.__wrapped__
+    return create
+
+
 def inside() -> bool:
     """Whether this thread or task is already inside a traced call's ``create``."""
     return _inside.get()
@@ -70,6 +86,7 @@ def call(settings: Settings, operation: str, create, args, kwargs, stream_type=o
     traced = None if _inside.get() else _new_call(settings, operation, kwargs)
     if traced is None:
         return create(*args, **kwargs)
+    create = beneath_upstream(create)
     send = traced.start()
     token = _inside.set(True)
     try:
@@ -92,6 +109,7 @@ async def acall(
     traced = None if _inside.get() else _new_call(settings, operation, kwargs)
     if traced is None:
         return await create(*args, **kwargs)
+    create = beneath_upstream(create)
     send = await traced.astart()
     token = _inside.set(True)
     try:
