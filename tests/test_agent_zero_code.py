@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import openai
@@ -95,6 +96,10 @@ SCRIPT = textwrap.dedent(
                                 stream=True):
         if ev.type == "message_delta":
             out = ev.usage.output_tokens
+    said.append(("messages", True, "counters", OUT, out)); pause()
+    # messages.stream posts without going through create: its with block sends the request.
+    with m.messages.stream(model="gemma4-tiny", messages=MSG, max_tokens=24, **T0) as s:
+        out = s.get_final_message().usage.output_tokens
     said.append(("messages", True, "counters", OUT, out)); pause()
 
     # LangChain builds its own OpenAI client: invoke() posts through with_raw_response (the
@@ -294,6 +299,24 @@ def test_anthropic_messages_sync_and_async_plain_and_streamed_get_the_counters_e
         got = await a.messages.create(**kw, **more)
         return [e async for e in got] if more else got
 
+    # messages.stream(...) posts without going through create (its with block sends the
+    # request); each way of reading it goes through the agent: events, text_stream, the final
+    # message alone.
+    def sync_stream():
+        with sync.messages.stream(**kw) as s:
+            assert [e.type for e in s][-1] == "message_stop"
+            return s.get_final_message()
+
+    async def astream():
+        a = anthropic.AsyncAnthropic(base_url=mtp_engine.url, api_key="unused", max_retries=0)
+        async with a.messages.stream(**kw) as s:
+            assert "".join([t async for t in s.text_stream])
+            return await s.get_final_message()
+
+    def sync_final_only():
+        with sync.messages.stream(**kw) as s:
+            return s.get_final_message()
+
     def streamed(events) -> tuple[str, int, str]:
         kinds = [e.type for e in events]
         assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
@@ -305,6 +328,9 @@ def test_anthropic_messages_sync_and_async_plain_and_streamed_get_the_counters_e
         "sync stream": lambda: list(sync.messages.create(**kw, stream=True)),
         "async plain": lambda: asyncio.run(acreate()),
         "async stream": lambda: asyncio.run(acreate(stream=True)),
+        "sync messages.stream": sync_stream,
+        "async messages.stream": lambda: asyncio.run(astream()),
+        "sync messages.stream, final message only": sync_final_only,
     }
     try:
         with VLLMClient(mtp_engine.url) as obs:
@@ -321,7 +347,7 @@ def test_anthropic_messages_sync_and_async_plain_and_streamed_get_the_counters_e
                 a = span.attributes
                 assert span.name == f"chat {MODEL}", name
                 assert a["gen_ai.operation.name"] == "chat"
-                assert a["gen_ai.request.stream"] is name.endswith("stream")
+                assert a["gen_ai.request.stream"] is ("stream" in name)
                 assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.top_k"]) == (24, 1)
                 assert a["gen_ai.request.stop_sequences"] == ("ZZZ",)
                 assert (a["gen_ai.response.id"], a["gen_ai.usage.output_tokens"]) == (rid, out)
@@ -339,6 +365,114 @@ def test_anthropic_messages_sync_and_async_plain_and_streamed_get_the_counters_e
     assert len(exporter.get_finished_spans()) == len(calls)
     labels = {"role": "architect", "model": MODEL, "source": "counters", "outcome": "ok"}
     assert registry.get_sample_value("gemma4_agent_calls_total", labels) == len(calls)
+
+
+def _anthropic_methods():
+    from anthropic.resources.messages import AsyncMessages, Messages
+
+    return [getattr(c, m) for c in (Messages, AsyncMessages) for m in ("create", "stream")]
+
+
+def test_the_anthropic_instrumentor_is_idempotent_and_leaves_create_and_stream_bare():
+    from appliance.agent.instrumentor import AnthropicInstrumentor
+
+    bare = _anthropic_methods()
+    inst = AnthropicInstrumentor()
+    inst.instrument(registry=CollectorRegistry())
+    patched = _anthropic_methods()
+    assert all(p is not b for p, b in zip(patched, bare, strict=True))
+    inst.instrument(registry=CollectorRegistry())
+    assert _anthropic_methods() == patched
+    inst.uninstrument()
+    assert _anthropic_methods() == bare
+
+
+@pytest.mark.engine
+def test_anthropic_messages_stream_left_early_cancelled_or_unentered_ends_once_leaks_nothing(
+    mtp_engine,
+):
+    # The failure modes of a messages.stream the proxy survives, against the real engine:
+    # the with block left after the first event (sync, and async by a real task.cancel()), an
+    # exception raised inside it, and a manager never entered. None raises anything of the
+    # agent's; each call has exactly one span, none claims exact figures it cannot prove, no
+    # window is left open, and the next call is exact again.
+    import gc
+
+    import anthropic
+
+    from appliance.agent.instrumentor import AnthropicInstrumentor
+    from appliance.agent.server import server_for
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    inst = AnthropicInstrumentor()
+    cfg = agent.AgentConfig(snapshot_timeout=30.0)
+    inst.instrument(tracer_provider=provider, registry=CollectorRegistry(), config=cfg)
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}]}
+    kw |= {"max_tokens": 64, "extra_body": {"temperature": 0}}
+    sync = anthropic.Anthropic(base_url=mtp_engine.url, api_key="unused", max_retries=0)
+
+    async def cancelled():
+        a = anthropic.AsyncAnthropic(base_url=mtp_engine.url, api_key="unused", max_retries=0)
+        first = asyncio.Event()
+
+        async def read():
+            async with a.messages.stream(**kw) as s:
+                async for _ in s:
+                    first.set()
+                    await asyncio.sleep(30)
+
+        task = asyncio.create_task(read())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        with sync.messages.stream(**kw) as s:  # left after the first event
+            next(iter(s))
+        asyncio.run(cancelled())
+        with pytest.raises(ValueError, match="the caller's"), sync.messages.stream(**kw) as s:
+            next(iter(s))
+            raise ValueError("the caller's own error")
+        sync.messages.stream(**kw)  # built, never entered: nothing sent
+        gc.collect()
+        assert agent.flush(30)
+        assert server_for(mtp_engine.url + specdecode.SNAPSHOT_PATH)._active == set()
+        spans = sorted(exporter.get_finished_spans(), key=lambda s: s.start_time)
+        assert len(spans) == 4, [s.name for s in spans]
+        a = [s.attributes for s in spans]
+        # Left early: the final usage (message_delta) never came, so no proof: never exact.
+        assert not (
+            a[0]["gen_ai.vllm.mtp.source"] == "counters" and not a[0]["gen_ai.vllm.mtp.shared"]
+        )
+        assert "gen_ai.usage.output_tokens" not in a[0], a[0]
+        assert (a[1]["error.type"], a[1]["gen_ai.vllm.mtp.status"]) == (
+            "CancelledError",
+            "call_failed",
+        )
+        assert (a[2]["error.type"], a[2]["gen_ai.vllm.mtp.status"]) == ("ValueError", "call_failed")
+        assert a[3]["gen_ai.vllm.mtp.status"] == "abandoned"
+        # The engine's aborted requests have ended; the next call is exact again.
+        with VLLMClient(mtp_engine.url) as obs:
+            for _ in range(100):
+                if not obs.snapshot().running:
+                    break
+                time.sleep(0.1)
+            before = obs.snapshot()
+            with sync.messages.stream(**kw) as s:
+                s.until_done()
+            assert agent.flush(30)
+            delta = specdecode.delta(before, obs.snapshot())
+        last = exporter.get_finished_spans()[-1].attributes
+        assert (last["gen_ai.vllm.mtp.source"], last["gen_ai.vllm.mtp.shared"]) == (
+            "counters",
+            False,
+        )
+        assert last["gen_ai.vllm.mtp.draft_tokens"] == delta.draft_tokens > 0
+    finally:
+        inst.uninstrument()
 
 
 def test_a_client_both_proxied_and_patched_gets_one_span_the_proxys():
@@ -439,3 +573,95 @@ def test_a_counters_call_after_a_per_request_call_reads_nothing_on_its_callers_t
     finally:
         del srv.read
         inst.uninstrument()
+
+
+@pytest.mark.engine
+def test_with_the_upstream_openai_instrumentation_a_vllm_call_has_one_span_ours_with_figures(
+    mtp_engine, bad_metrics
+):
+    # Both instrumentors wrap chat completions' create. In either order they instrument, a call
+    # to vLLM has exactly one span, the agent's, with the per-request figures; a call to
+    # another server keeps the upstream span alone; uninstrumenting either, in either order,
+    # leaves the other working and, at the end, the classes bare.
+    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor as Upstream
+
+    bare = _creates()
+    msg = [{"role": "user", "content": "Tell me about the sea."}]
+    kw = {"model": MODEL, "messages": msg, "max_tokens": 16, "temperature": 0}
+    fake = bad_metrics("500")
+
+    def block(obj) -> int:
+        return obj.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"]
+
+    def sync_stream(client):
+        chunks = list(
+            client.chat.completions.create(
+                **kw, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        return chunks[-1]
+
+    async def aplain():
+        a = openai.AsyncOpenAI(base_url=mtp_engine.url + "/v1", api_key="unused", max_retries=0)
+        return await a.chat.completions.create(**kw)
+
+    for upstream_first in (True, False):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        ours, theirs = OpenAIInstrumentor(), Upstream()
+        cfg = agent.AgentConfig(snapshot_timeout=30.0)
+        settings = {
+            theirs: {"tracer_provider": provider},
+            ours: {"tracer_provider": provider, "registry": CollectorRegistry(), "config": cfg},
+        }
+        for inst in (theirs, ours) if upstream_first else (ours, theirs):
+            inst.instrument(**settings[inst])
+        try:
+            client = openai.OpenAI(base_url=mtp_engine.url + "/v1", api_key="unused", max_retries=0)
+            said = [
+                block(client.chat.completions.create(**kw)),
+                block(sync_stream(client)),
+                block(asyncio.run(aplain())),
+            ]
+            assert agent.flush(30)
+            spans = sorted(exporter.get_finished_spans(), key=lambda s: s.start_time)
+            assert [s.instrumentation_scope.name for s in spans] == ["appliance.agent"] * 3, (
+                upstream_first,
+                [(s.name, s.instrumentation_scope.name) for s in spans],
+            )
+            for span, engine_said in zip(spans, said, strict=True):
+                a = span.attributes
+                assert (a["gen_ai.vllm.mtp.source"], a["gen_ai.vllm.mtp.status"]) == (
+                    "request",
+                    "ok",
+                )
+                assert a["gen_ai.vllm.mtp.draft_tokens"] == engine_said > 0
+            # Another server: not vLLM, so the agent passes it by and the upstream traces it.
+            exporter.clear()
+            other = openai.OpenAI(base_url=fake.url + "/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.APIStatusError):
+                other.chat.completions.create(**kw)
+            (span,) = exporter.get_finished_spans()
+            assert span.instrumentation_scope.name.startswith("opentelemetry."), span
+            assert "gen_ai.vllm.mtp.source" not in span.attributes
+            # The upstream one goes first: ours still traces the vLLM call, alone.
+            exporter.clear()
+            theirs.uninstrument()
+            block(client.chat.completions.create(**kw))
+            assert agent.flush(30)
+            assert [s.instrumentation_scope.name for s in exporter.get_finished_spans()] == [
+                "appliance.agent"
+            ]
+        finally:
+            theirs.uninstrument()
+            ours.uninstrument()
+        assert _creates() == bare
+    # And ours first, then theirs: the classes are bare again too.
+    ours.instrument(registry=CollectorRegistry())
+    theirs.instrument()
+    ours.uninstrument()  # theirs alone is left on create
+    wrapper = openai.resources.chat.completions.Completions.create
+    assert wrapper._self_wrapper.__module__ == "opentelemetry.instrumentation.openai_v2.patch"
+    theirs.uninstrument()
+    assert _creates() == bare

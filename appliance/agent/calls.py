@@ -138,13 +138,19 @@ class Call:
 
     def _begin(self) -> dict:
         """Open the window and the span; the kwargs to send (with ``traceparent`` injected)."""
-        kwargs = self._kwargs
+        self._open_window()
+        return self._open_span()
+
+    def _open_window(self) -> None:
         self.window = self.settings.server.begin()
         self.window.snapshots = self._wants_snapshots()
         if self.window.snapshots and (self.operation in NO_BLOCK or not self.usage_expected):
             # Not a server's first chat call, which reads only until it learns per_request.
             self.settings.server.counters_seen = True
         self.window.quiet_before = not self.usage_expected
+
+    def _open_span(self) -> dict:
+        kwargs = self._kwargs
         # The GenAI conventions name a Responses API or Anthropic Messages call "chat" too.
         op = "chat" if self.operation in NO_BLOCK else self.operation
         attrs = spans.request_attributes(
@@ -199,6 +205,48 @@ class Call:
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
             return self._kwargs
+        except BaseException as exc:  # CancelledError mid-read: end the span, then let it go
+            self.finish(error=exc)
+            raise
+
+    # A call whose request is built before it goes out (the Anthropic SDK's ``messages.stream``
+    # builds it at the call and sends it on entering its ``with`` block): the span is opened,
+    # and ``traceparent`` put in the request, at :meth:`open`; the window at :meth:`send`.
+    def open(self) -> dict:
+        """Open the span alone; the kwargs to build the request with (``traceparent`` in)."""
+        try:
+            return self._open_span()
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
+            self._agent_failed()
+            return self._kwargs
+
+    def send(self) -> None:
+        """Open the window just before the request goes out (after :meth:`open`)."""
+        try:
+            self._open_window()
+            if self.window.snapshots:
+                cfg = self.settings.config
+                self.settings.server.prepare(
+                    self.window, self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown
+                )
+            self._sent()
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
+            self._agent_failed()
+        except BaseException as exc:  # KeyboardInterrupt mid-read: end the span, then let it go
+            self.finish(error=exc)
+            raise
+
+    async def asend(self) -> None:
+        try:
+            self._open_window()
+            if self.window.snapshots:
+                cfg = self.settings.config
+                await self.settings.server.aprepare(
+                    self.window, self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown
+                )
+            self._sent()
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
+            self._agent_failed()
         except BaseException as exc:  # CancelledError mid-read: end the span, then let it go
             self.finish(error=exc)
             raise
@@ -289,7 +337,10 @@ class Call:
             msg = event.message
             self.response_id = getattr(msg, "id", None)
             self.response_model = getattr(msg, "model", None)
-            self._usage(getattr(msg, "usage", None))
+            # Its output count is not the final one (vLLM says 0): only message_delta's is, so
+            # a stream closed before it has unknown usage, which no proof or certificate takes.
+            tokens = _first_int(getattr(msg, "usage", None), "input_tokens")
+            self.input_tokens = tokens if tokens is not None else self.input_tokens
         elif kind == "content_block_delta":
             self.chunks += 1
             if self.settings.config.capture_content:

@@ -4,11 +4,12 @@
 entry points; ``OpenAIInstrumentor().instrument()`` does the same in code. Every client the
 process creates (its own, LangChain's, LiteLLM's) is then traced, sync and async, plain and
 streamed, for ``chat.completions``, ``completions`` and ``responses``, and, with
-:class:`AnthropicInstrumentor`, the Anthropic SDK's ``messages.create``. Each call goes through
-the same :func:`.patch.call` / :func:`.patch.acall` as ``instrument(client)``, so the figures,
-spans and metrics are the proxy's own. Only servers that are vLLM get traced: a base URL listed
-in ``APPLIANCE_AGENT_SERVERS``, or one whose ``/version`` answers like vLLM's (asked once per
-base URL, cached); every other call passes straight through, with no request of the agent's.
+:class:`AnthropicInstrumentor`, the Anthropic SDK's ``messages.create`` and ``messages.stream``.
+Each call goes through the same :func:`.patch.call` / :func:`.patch.acall` as
+``instrument(client)``, so the figures, spans and metrics are the proxy's own. Only servers
+that are vLLM get traced: a base URL listed in ``APPLIANCE_AGENT_SERVERS``, or one whose
+``/version`` answers like vLLM's (asked once per base URL, cached); every other call passes
+straight through, with no request of the agent's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..vllm_client import normalise_base_url
 from . import metrics
 from .calls import MESSAGES, RESPONSES, Settings
 from .config import AgentConfig
-from .patch import acall, call, inside
+from .patch import UPSTREAM_OPENAI, acall, beneath_upstream, call, inside, stream_manager
 from .tracing import setup_tracing
 from .worker import register_exit_flush
 
@@ -48,6 +49,12 @@ ANTHROPIC_METHODS = (
     ("anthropic.resources.messages", "Messages", MESSAGES, False),
     ("anthropic.resources.messages", "AsyncMessages", MESSAGES, True),
 )
+# And its ``messages.stream(...)``, which posts without going through ``create`` (a sync
+# method on both classes: it returns a manager whose ``with`` block sends the request).
+ANTHROPIC_STREAMS = (
+    ("anthropic.resources.messages", "Messages", False),
+    ("anthropic.resources.messages", "AsyncMessages", True),
+)
 
 # A base URL whose probe failed to connect is asked again after this long (the engine may
 # be starting); a server that answered and is not vLLM is never asked again.
@@ -62,6 +69,7 @@ class _SDKInstrumentor(BaseInstrumentor):
     """
 
     _methods: tuple[tuple[str, str, str, bool], ...] = ()
+    _streams: tuple[tuple[str, str, bool], ...] = ()  # (module, class, async): ``stream``
 
     def _stream_types(self) -> tuple[type, type]:
         """The SDK's (sync, async) stream classes, whose instances a streamed call returns."""
@@ -79,16 +87,28 @@ class _SDKInstrumentor(BaseInstrumentor):
             role=kwargs.get("role") or "default",
         )
         register_exit_flush()
-        for module, cls, operation, is_async in self._methods:
+        self._wrappers = [
+            (module, cls, _wrapper(self._servers, operation, is_async, streams[is_async]))
+            for module, cls, operation, is_async in self._methods
+        ]
+        self._wrap_creates()
+        for module, cls, is_async in self._streams:
             wrapt.wrap_function_wrapper(
-                module,
-                f"{cls}.create",
-                _wrapper(self._servers, operation, is_async, streams[is_async]),
+                module, f"{cls}.stream", _stream_wrapper(self._servers, is_async, streams[is_async])
             )
 
-    def _uninstrument(self, **kwargs) -> None:
-        for module, cls, _, _ in self._methods:
+    def _wrap_creates(self) -> None:
+        for module, cls, wrapper in self._wrappers:
+            wrapt.wrap_function_wrapper(module, f"{cls}.create", wrapper)
+
+    def _unwrap_creates(self) -> None:
+        for module, cls, _ in self._wrappers:
             unwrap(getattr(importlib.import_module(module), cls), "create")
+
+    def _uninstrument(self, **kwargs) -> None:
+        self._unwrap_creates()
+        for module, cls, _ in self._streams:
+            unwrap(getattr(importlib.import_module(module), cls), "stream")
 
 
 class OpenAIInstrumentor(_SDKInstrumentor):
@@ -99,6 +119,30 @@ class OpenAIInstrumentor(_SDKInstrumentor):
     def instrumentation_dependencies(self) -> Collection[str]:
         return ("openai >= 1.40",)
 
+    def _instrument(self, **kwargs) -> None:
+        super()._instrument(**kwargs)
+        upstream = _upstream_instrumentor()
+        if upstream is not None:  # stay the outer layer whatever order the two instrument in
+            for method in ("_instrument", "_uninstrument"):
+                wrapt.wrap_function_wrapper(upstream, method, self._aside)
+
+    def _uninstrument(self, **kwargs) -> None:
+        super()._uninstrument(**kwargs)
+        upstream = _upstream_instrumentor()
+        if upstream is not None:
+            for method in ("_instrument", "_uninstrument"):
+                unwrap(upstream, method)
+
+    def _aside(self, wrapped, instance, args, kwargs):
+        """The upstream instrumentor (un)wraps ``create`` with ours off, then ours goes back on
+        top: a call to vLLM then reaches ours first, which sends it beneath theirs (one span),
+        and their ``unwrap``, which removes the outer layer, removes theirs, not ours."""
+        self._unwrap_creates()
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            self._wrap_creates()
+
     def _stream_types(self) -> tuple[type, type]:
         import openai
 
@@ -106,11 +150,13 @@ class OpenAIInstrumentor(_SDKInstrumentor):
 
 
 class AnthropicInstrumentor(_SDKInstrumentor):
-    """Traces every Anthropic SDK client's ``messages.create`` to a vLLM server (its Anthropic
-    Messages API), with the same figures: always from the counters, as vLLM 0.32 sends no
-    per-request block there. Which servers: as for :class:`OpenAIInstrumentor`."""
+    """Traces every Anthropic SDK client's ``messages.create`` and ``messages.stream`` to a vLLM
+    server (its Anthropic Messages API), with the same figures: always from the counters, as
+    vLLM 0.32 sends no per-request block there. Which servers: as for
+    :class:`OpenAIInstrumentor`."""
 
     _methods = ANTHROPIC_METHODS
+    _streams = ANTHROPIC_STREAMS
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return ("anthropic >= 0.40",)
@@ -121,12 +167,20 @@ class AnthropicInstrumentor(_SDKInstrumentor):
         return anthropic.Stream, anthropic.AsyncStream
 
 
+def _upstream_instrumentor() -> type | None:
+    """The upstream OpenAI instrumentor's class when it is installed (it needs not be)."""
+    try:
+        return importlib.import_module(UPSTREAM_OPENAI).OpenAIInstrumentor
+    except Exception:  # noqa: BLE001 - absent or broken: nothing to coexist with
+        return None
+
+
 def _wrapper(servers: Servers, operation: str, is_async: bool, stream_type: type):
     if is_async:
 
         async def traced_async(wrapped, instance, args, kwargs):
             if inside():  # called from a proxied client's call: that one traces it
-                return await wrapped(*args, **kwargs)
+                return await beneath_upstream(wrapped)(*args, **kwargs)
             settings = await servers.afor_client(getattr(instance, "_client", None))
             if settings is None:
                 return await wrapped(*args, **kwargs)
@@ -136,13 +190,27 @@ def _wrapper(servers: Servers, operation: str, is_async: bool, stream_type: type
 
     def traced(wrapped, instance, args, kwargs):
         if inside():  # called from a proxied client's call: that one traces it
-            return wrapped(*args, **kwargs)
+            return beneath_upstream(wrapped)(*args, **kwargs)
         settings = servers.for_client(getattr(instance, "_client", None))
         if settings is None:
             return wrapped(*args, **kwargs)
         return call(settings, operation, wrapped, args, kwargs, stream_type)
 
     return traced
+
+
+def _stream_wrapper(servers: Servers, is_async: bool, stream_type: type):
+    def traced_stream(wrapped, instance, args, kwargs):
+        if inside():
+            return wrapped(*args, **kwargs)
+        # stream() is not a coroutine even on AsyncMessages: a base URL's first call asks
+        # /version on the caller's thread (once per base URL; bounded as every probe is).
+        settings = servers.for_client(getattr(instance, "_client", None))
+        if settings is None:
+            return wrapped(*args, **kwargs)
+        return stream_manager(settings, wrapped, args, kwargs, stream_type, is_async)
+
+    return traced_stream
 
 
 class Servers:

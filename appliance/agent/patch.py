@@ -9,13 +9,15 @@ the exceptions and the streaming behaviour are the bare client's own. The SDK's
 from __future__ import annotations
 
 import contextvars
+import weakref
 
 import openai
 import wrapt
 from opentelemetry import trace
 
-from .calls import Call, Settings
+from .calls import MESSAGES, Call, Settings
 from .streams import AsyncStream, SyncStream
+from .worker import WORKER
 
 
 class _Create(wrapt.ObjectProxy):
@@ -46,6 +48,22 @@ _inside: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+# The upstream OpenAI instrumentation (opentelemetry-instrumentation-openai-v2) wraps chat
+# completions' ``create`` too. A call the agent traces is sent beneath its layers, so the call
+# has one CLIENT span, the agent's, with the figures (ADR 0006); calls to other servers still
+# go through them.
+UPSTREAM_OPENAI = "opentelemetry.instrumentation.openai_v2"
+
+
+def beneath_upstream(create):
+    """``create`` without the upstream OpenAI instrumentation's ``wrapt`` layers on top."""
+    while (getattr(getattr(create, "_self_wrapper", None), "__module__", None) or "").startswith(
+        UPSTREAM_OPENAI
+    ):
+        create = create.__wrapped__
+    return create
+
+
 def inside() -> bool:
     """Whether this thread or task is already inside a traced call's ``create``."""
     return _inside.get()
@@ -68,6 +86,7 @@ def call(settings: Settings, operation: str, create, args, kwargs, stream_type=o
     traced = None if _inside.get() else _new_call(settings, operation, kwargs)
     if traced is None:
         return create(*args, **kwargs)
+    create = beneath_upstream(create)
     send = traced.start()
     token = _inside.set(True)
     try:
@@ -90,6 +109,7 @@ async def acall(
     traced = None if _inside.get() else _new_call(settings, operation, kwargs)
     if traced is None:
         return await create(*args, **kwargs)
+    create = beneath_upstream(create)
     send = await traced.astart()
     token = _inside.set(True)
     try:
@@ -103,6 +123,113 @@ async def acall(
     if isinstance(result, stream_type):
         return AsyncStream(result, traced)
     return _done(traced, result, stream_type, AsyncStream)
+
+
+def stream_manager(settings: Settings, stream, args, kwargs, stream_type, is_async: bool):
+    """The Anthropic SDK's ``messages.stream(...)`` through the agent.
+
+    ``stream()`` builds the request and returns a manager; the request goes out when its
+    ``with`` block is entered. So the span opens here and its ``traceparent`` goes into the
+    request built now, the window opens on entering, and the SDK's raw stream inside the
+    ``MessageStream`` is wrapped in :class:`.streams.SyncStream` (or the async one): every way
+    of reading it (iteration, ``text_stream``, ``get_final_message()``, ``until_done()``) goes
+    through that proxy, and leaving the block closes it, which finishes the call."""
+    traced = None if _inside.get() else _new_call(settings, MESSAGES, {**kwargs, "stream": True})
+    if traced is None:
+        return stream(*args, **kwargs)
+    send = dict(traced.open())
+    send.pop("stream", None)  # stream() takes no such argument: it always streams
+    try:
+        manager = stream(*args, **send)
+    except BaseException as exc:  # a bad argument: raised at the call, as bare
+        traced.finish(error=exc)
+        raise
+    proxy = AsyncMessageStreamManager if is_async else MessageStreamManager
+    return proxy(manager, traced, stream_type)
+
+
+def _watch(message_stream, traced: Call, stream_type, wrapper) -> None:
+    """Wrap a ``MessageStream``'s raw stream (it reads it lazily, after this) in ``wrapper``."""
+    raw = getattr(message_stream, "_raw_stream", None)
+    if isinstance(raw, stream_type):
+        message_stream._raw_stream = wrapper(raw, traced)
+        return
+    # A changed SDK: the call ends now (figures honest: its usage is unknown), never raised.
+    traced.settings.metrics.error("internal")
+    traced.finish()
+
+
+class MessageStreamManager(wrapt.ObjectProxy):
+    """Proxy for ``anthropic.lib.streaming.MessageStreamManager`` (see :func:`stream_manager`).
+
+    A manager never entered is ended unread by a finalizer (as a dropped stream is); once
+    entered, the stream proxy owns the call."""
+
+    def __init__(self, manager, traced: Call, stream_type) -> None:
+        super().__init__(manager)
+        self._self_call = traced
+        self._self_stream_type = stream_type
+        WORKER.start()
+        self._self_unread = weakref.finalize(self, WORKER.put, traced.abandon)
+
+    def __enter__(self):
+        traced = self._self_call
+        self._self_unread.detach()
+        traced.send()
+        token = _inside.set(True)
+        try:
+            with _current(traced):
+                message_stream = self.__wrapped__.__enter__()
+        except BaseException as exc:
+            traced.finish(error=exc)
+            raise
+        finally:
+            _inside.reset(token)
+        _watch(message_stream, traced, self._self_stream_type, SyncStream)
+        return message_stream
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None:  # first: the SDK's exit closes the raw stream, which finishes too
+            self._self_call.finish(error=exc)
+        try:  # closes the MessageStream, hence the raw stream proxy: the call finishes there
+            return self.__wrapped__.__exit__(exc_type, exc, tb)
+        finally:
+            self._self_call.finish()
+
+
+class AsyncMessageStreamManager(wrapt.ObjectProxy):
+    """Proxy for ``anthropic.lib.streaming.AsyncMessageStreamManager``."""
+
+    def __init__(self, manager, traced: Call, stream_type) -> None:
+        super().__init__(manager)
+        self._self_call = traced
+        self._self_stream_type = stream_type
+        WORKER.start()
+        self._self_unread = weakref.finalize(self, WORKER.put, traced.abandon)
+
+    async def __aenter__(self):
+        traced = self._self_call
+        self._self_unread.detach()
+        await traced.asend()
+        token = _inside.set(True)
+        try:
+            with _current(traced):
+                message_stream = await self.__wrapped__.__aenter__()
+        except BaseException as exc:
+            await traced.afinish(error=exc)
+            raise
+        finally:
+            _inside.reset(token)
+        _watch(message_stream, traced, self._self_stream_type, AsyncStream)
+        return message_stream
+
+    async def __aexit__(self, exc_type, exc, tb):
+        if exc is not None:
+            await self._self_call.afinish(error=exc)
+        try:
+            return await self.__wrapped__.__aexit__(exc_type, exc, tb)
+        finally:
+            await self._self_call.afinish()
 
 
 def _done(traced: Call, result, stream_type, wrapper):
