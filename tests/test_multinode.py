@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.server
+import itertools
 import json
 import shutil
 import subprocess
@@ -129,6 +130,18 @@ def test_head_and_worker_args_differ_only_in_rank_and_headless(tmp_path):
     for name in (multinode.HEAD_TEMPLATE, multinode.WORKER_TEMPLATE):
         unit = (tmp_path / "etc/systemd/system" / name).read_text()
         assert "EnvironmentFile=/etc/gemma4-vllm/%i.env" in unit
+
+
+def test_the_one_host_cpu_pair_keeps_the_instance_hardening(tmp_path):
+    """The CPU pair meets through the host's IPC and one /tmp, hardened as an instance is (the
+    systemd tier shows it generating so: tests/test_multinode_systemd.py)."""
+    _install(tmp_path, "cpu-tiny-mtp-2node", multinode.Node(roles=("head", "worker")))
+    for role in ("head", "worker"):
+        docker = list(_args(tmp_path, role).docker)
+        pairs = set(itertools.pairwise(docker))
+        assert {("--cap-drop", "ALL"), ("--security-opt", "no-new-privileges")} <= pairs, role
+        assert ("--ipc", "host") in pairs and "--init" in docker, role
+        assert "--shm-size" not in docker, role  # a private IPC namespace's: --ipc host has none
 
 
 def test_a_bad_rank_or_a_single_node_profile_renders_nothing(tmp_path):

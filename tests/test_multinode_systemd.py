@@ -52,6 +52,11 @@ def test_the_worker_starts_first_and_the_head_serves_with_mtp(multinode_group):
     assert head_cmd[head_cmd.index("--node-rank") + 1] == "0"
     assert worker_cmd[worker_cmd.index("--node-rank") + 1] == "1"
     assert head_cmd[head_cmd.index("--tensor-parallel-size") + 1] == "2"
+    # Both containers as hardened as an instance's, and meeting through the host's IPC.
+    for role in ("head", "worker"):
+        host = g.docker.containers.get(multinode.container_name(GROUP, role)).attrs["HostConfig"]
+        assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"], role
+        assert (host["Init"], host["IpcMode"]) == (True, "host"), role
     _serves_with_mtp(g)
 
 

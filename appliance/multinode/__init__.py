@@ -170,11 +170,10 @@ def node_args(profile: Profile, role: Role, rank: int, group: str) -> ServeArgs:
         extra.append("--headless")
     docker = list(args.docker)
     if profile.hardware.device == "cpu":
-        # The CPU profiles run every node on ONE host (validated: the rendezvous on loopback).
-        # Seen (vLLM 0.32): the pair as hardened containers (--cap-drop ALL, no-new-privileges,
-        # --init; private or host IPC, /tmp shared or not) hangs at the first generation ("No
-        # available shared memory broadcast block"); with --ipc host and one /tmp, without
-        # those three, it generates, as two processes do. A test profile on one host only.
+        # The CPU profiles run every node on ONE host (validated: the rendezvous on loopback):
+        # the two containers must meet as two processes of one host do, through the host's IPC
+        # and one /tmp. They keep the instance's hardening (--cap-drop ALL, no-new-privileges,
+        # --init): the pair generates with it (gotchas/multinode-start-order-and-worker-death.md).
         docker = _host_ipc(docker, group)
     for key, value in (
         ("NCCL_SOCKET_IFNAME", mn.nccl_socket_ifname),
@@ -187,8 +186,9 @@ def node_args(profile: Profile, role: Role, rank: int, group: str) -> ServeArgs:
     return args
 
 
-# The single-host container options a one-host CPU pair cannot run with (see _host_ipc).
-_ONE_HOST_DROPPED = {"--cap-drop": 1, "--security-opt": 1, "--init": 0, "--shm-size": 1}
+# The single-host container option a one-host CPU pair cannot run with: the shm size of a
+# private IPC namespace, which --ipc host replaces (see _host_ipc).
+_ONE_HOST_DROPPED = {"--shm-size": 1}
 
 
 def _host_ipc(docker: list[str], group: str) -> list[str]:
