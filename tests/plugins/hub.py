@@ -144,12 +144,15 @@ def _handler(hub: Hub) -> type[http.server.BaseHTTPRequestHandler]:
         def log_message(self, *args) -> None:
             pass
 
-        def _record(self, status: int, sent: int) -> None:
+        def _record(self, status: int, sent: int) -> Request:
+            """Log the request BEFORE its body goes out: a client that has read the whole body
+            may look at the log at once, before this thread runs on (seen under load: a
+            download missing from the log)."""
             auth = self.headers.get("Authorization") == f"Bearer {hub.token}"
+            req = Request(self.command, self.path, self.headers.get("Range"), status, sent, auth)
             with hub.lock:
-                hub.log.append(
-                    Request(self.command, self.path, self.headers.get("Range"), status, sent, auth)
-                )
+                hub.log.append(req)
+            return req
 
         def _json(self, status: int, body, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(body).encode()
@@ -158,10 +161,10 @@ def _handler(hub: Hub) -> type[http.server.BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(data)))
             for k, v in (headers or {}).items():
                 self.send_header(k, v)
+            self._record(status, 0)
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
-            self._record(status, 0)
 
         def _error(self, status: int, code: str, message: str, extra=None) -> None:
             self._json(
@@ -259,9 +262,9 @@ def _handler(hub: Hub) -> type[http.server.BaseHTTPRequestHandler]:
                 self.send_header("X-Linked-Size", str(len(f.data)))
             if status == 206:
                 self.send_header("Content-Range", f"bytes {start}-{len(f.data) - 1}/{len(f.data)}")
+            req = self._record(status, 0)
             self.end_headers()
             if self.command == "HEAD":
-                self._record(status, 0)
                 return
             with hub.lock:
                 drop = hub.drop_after.pop(path, None)
@@ -276,17 +279,22 @@ def _handler(hub: Hub) -> type[http.server.BaseHTTPRequestHandler]:
                             # A real dropped connection: the client saw fewer bytes than promised.
                             self.close_connection = True
                             break
+                    # Counted before the write, for the same reason as _record; taken back
+                    # below if the write fails.
+                    with hub.lock:
+                        req.sent += step
+                        hub.streamed[path] = hub.streamed.get(path, 0) + step
                     self.wfile.write(body[sent : sent + step])
                     self.wfile.flush()
                     sent += step
-                    with hub.lock:
-                        hub.streamed[path] = hub.streamed.get(path, 0) + step
                     if rate:
                         time.sleep(step / rate)
                         rate = hub.throttle.get(path)  # lifted midway: go full speed
             except (BrokenPipeError, ConnectionResetError):
                 self.close_connection = True
-            self._record(status, sent)
+                with hub.lock:
+                    hub.streamed[path] -= req.sent - sent
+                    req.sent = sent
 
     return Handler
 
