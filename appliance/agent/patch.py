@@ -159,8 +159,8 @@ def _watch(message_stream, traced: Call, stream_type, wrapper) -> None:
     traced.finish()
 
 
-class MessageStreamManager(wrapt.ObjectProxy):
-    """Proxy for ``anthropic.lib.streaming.MessageStreamManager`` (see :func:`stream_manager`).
+class _StreamManager(wrapt.ObjectProxy):
+    """A messages.stream manager holding its call (see :func:`stream_manager`).
 
     A manager never entered is ended unread by a finalizer (as a dropped stream is); once
     entered, the stream proxy owns the call."""
@@ -171,6 +171,10 @@ class MessageStreamManager(wrapt.ObjectProxy):
         self._self_stream_type = stream_type
         WORKER.start()
         self._self_unread = weakref.finalize(self, WORKER.put, traced.abandon)
+
+
+class MessageStreamManager(_StreamManager):
+    """Proxy for ``anthropic.lib.streaming.MessageStreamManager``."""
 
     def __enter__(self):
         traced = self._self_call
@@ -197,15 +201,8 @@ class MessageStreamManager(wrapt.ObjectProxy):
             self._self_call.finish()
 
 
-class AsyncMessageStreamManager(wrapt.ObjectProxy):
+class AsyncMessageStreamManager(_StreamManager):
     """Proxy for ``anthropic.lib.streaming.AsyncMessageStreamManager``."""
-
-    def __init__(self, manager, traced: Call, stream_type) -> None:
-        super().__init__(manager)
-        self._self_call = traced
-        self._self_stream_type = stream_type
-        WORKER.start()
-        self._self_unread = weakref.finalize(self, WORKER.put, traced.abandon)
 
     async def __aenter__(self):
         traced = self._self_call
