@@ -24,14 +24,14 @@ from ..host.layout import Layout
 from .options import gate_options, root_option
 
 
-def _progress(msg: str) -> None:
+def echo_progress(msg: str) -> None:
     # After an SSH hang-up the terminal is gone (EIO): the cutover's way back must go on.
     with contextlib.suppress(OSError):
         click.echo(msg, err=True)
 
 
 def _context(root: Path, progress: bool = True) -> Context:
-    return Context(layout=Layout(root), progress=_progress if progress else (lambda _m: None))
+    return Context(layout=Layout(root), progress=echo_progress if progress else (lambda _m: None))
 
 
 def _when(ts: float | None) -> str:

@@ -1,14 +1,16 @@
 """``appliance multinode``: one model across nodes (vLLM's own multi-node), head and worker units.
 
 Thin: every command calls :mod:`appliance.multinode` or :mod:`appliance.multinode.cutover`.
-``cutover``/``rollback`` drive the nodes this host reaches: the head, and the worker where it
-runs on the same host (``--role both`` at install). Workers on other hosts: run ``install`` on
-each (``--role worker --rank N``); moving them is the fleet's job (deploy/ansible), each host's
-env file naming the same image (``appliance multinode cutover`` refuses a split group).
+``cutover``/``rollback`` move the nodes of the group this host runs (the head, its worker
+where ``--role both`` installed it, or a worker alone). A group whose nodes run on several
+hosts is moved by the fleet's play (deploy/ansible/playbooks/multinode-cutover.yml), which runs
+these commands host by host: ``cutover --check`` everywhere, then each worker host, then the
+head (``--no-rollback``), and on failure ``rollback --to`` the image they left, workers first.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -17,6 +19,7 @@ from .. import multinode, units
 from ..cutover.context import Context
 from ..host.layout import Layout
 from ..host.systemd import Systemd
+from .cutover import echo_progress
 from .options import gate_options, root_option
 
 
@@ -59,46 +62,68 @@ def install_cmd(profile, group, role, rank, image, port, model_dir, root: Path) 
 def _hosts(root: Path, group: str) -> list:
     from ..multinode import cutover as mcut
 
-    colocated = (Path(root) / multinode.dropin_path(group)).exists()
-    roles = ("head", "worker") if colocated else ("head",)
-    return [mcut.Host("this host", multinode.Node(roles=roles), Path(root), Systemd.from_env())]
+    node = multinode.host_node(root, group)
+    return [mcut.Host("this host", node, Path(root), Systemd.from_env())]
 
 
 def _context(root: Path) -> Context:
-    return Context(layout=Layout(Path(root)), progress=lambda m: click.echo(m, err=True))
+    # The instance's progress: after an SSH hang-up (a fleet play's host lost) the pipe is gone,
+    # and the cutover must go on to its gates and its record.
+    return Context(layout=Layout(Path(root)), progress=echo_progress)
 
 
 @multinode_group.command("cutover")
 @click.argument("group")
 @click.argument("image")
 @click.option("--timeout", type=float, default=900.0, show_default=True)
+@click.option("--no-rollback", is_flag=True, help="On failure, leave the new image in place.")
 @click.option("--allow-no-mtp", is_flag=True, help="Accept an image without Gemma 4 MTP.")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Preflight only (touch nothing); print one JSON line for the fleet's play.",
+)
 @gate_options
 @root_option
 def cutover_cmd(
     group,
     image,
     timeout,
+    no_rollback,
     allow_no_mtp,
+    check,
     canary,
     canary_timeout,
     canary_file,
     allow_unit_overrides,
     root: Path,
 ) -> None:
-    """Move every node of GROUP to IMAGE; gates on the head; all back on failure.
+    """Move the nodes of GROUP this host runs to IMAGE; gates on the head; all back on failure.
 
     The instance cutover's state machine: Ctrl-C, SIGTERM or a hang-up during the gates rolls
     every node back; if the cutover is killed outright, `appliance status GROUP` prints the
-    recovery command."""
+    recovery command. A head whose workers run on other hosts moves only with --no-rollback:
+    the group's play moves those workers, and every node back on failure."""
     from ..multinode import cutover as mcut
 
+    if check:
+        found = mcut.check(
+            _context(root),
+            group,
+            image,
+            _hosts(root, group),
+            allow_no_mtp=allow_no_mtp,
+            allow_unit_overrides=allow_unit_overrides,
+        )
+        click.echo(json.dumps(found, sort_keys=True))
+        return
     entry = mcut.cutover(
         _context(root),
         group,
         image,
         _hosts(root, group),
         timeout=timeout,
+        rollback=not no_rollback,
         allow_no_mtp=allow_no_mtp,
         canary=canary,
         canary_files=canary_file,
@@ -113,14 +138,20 @@ def cutover_cmd(
 @multinode_group.command("rollback")
 @click.argument("group")
 @click.option("--timeout", type=float, default=900.0, show_default=True)
+@click.option(
+    "--to",
+    "to",
+    metavar="IMAGE",
+    help="Back to IMAGE (the image the group left) instead of the rollback slot's.",
+)
 @root_option
-def rollback_cmd(group, timeout, root: Path) -> None:
-    """Every node of GROUP back to its previous image, same gates.
+def rollback_cmd(group, timeout, to, root: Path) -> None:
+    """The nodes of GROUP this host runs back to their previous image, same gates.
 
     After a cutover that was killed (SIGKILL, power loss), back to where it started instead
     (every node's env file saved before it) and close its history entry."""
     from ..multinode import cutover as mcut
     from .cutover import rollback_line
 
-    entry = mcut.rollback(_context(root), group, _hosts(root, group), timeout=timeout)
+    entry = mcut.rollback(_context(root), group, _hosts(root, group), timeout=timeout, to=to)
     click.echo(rollback_line(group, entry))

@@ -25,14 +25,23 @@ from .signals import guard
 from .target import Target
 
 
-def rollback(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_TIMEOUT) -> Entry:
-    """Return ``instance`` (a name, or a :class:`Target` such as a group) to the image in its
-    rollback slot, through the same gates; after a killed cutover, :func:`recover` it instead."""
+def rollback(
+    ctx: Context,
+    instance: str | Target,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    to: str | None = None,
+    way_back: bool = True,
+) -> Entry:
+    """Return ``instance`` (a name, or a :class:`Target` such as a group) to ``to`` (default:
+    the image in its rollback slot), through the same gates; after a killed cutover,
+    :func:`recover` it instead. ``way_back=False``: a rollback that fails its gates stays where
+    it failed (a group's head whose workers run elsewhere: the fleet's play moves them)."""
     tgt = instance_target(ctx, instance) if isinstance(instance, str) else instance
     name = tgt.name
     if interrupted_entry(ctx.layout, name) is not None:
         return recover(ctx, tgt, timeout=timeout)
-    image = slot.rollback_image(ctx.layout, name)
+    image = to or slot.rollback_image(ctx.layout, name)
     if not image:
         raise UsageError(
             f"{tgt.noun} {name} has no rollback target",
@@ -45,6 +54,7 @@ def rollback(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_T
         tgt,
         image,
         timeout=timeout,
+        rollback=way_back,
         allow_no_mtp=True,
         kind="rollback",
         canary=False,

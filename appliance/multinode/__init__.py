@@ -36,6 +36,7 @@ from ..host import envfile, names
 from ..profiles import Profile, get
 from ..profiles import validate as pv
 from ..serve.argsfile import ServeArgs
+from ..serve.argsfile import read as read_args
 from ..units import engine_args
 from ..units import template as ut
 from ..units.timing import STOP_GRACE_S, unit_timing
@@ -114,6 +115,31 @@ def host_roles(root: Path | str, name: str) -> tuple[Role, ...]:
     if len(name) > _MAX_GROUP:
         return ()
     return tuple(r for r in ROLES if (Path(root) / args_path(name, r)).exists())
+
+
+def host_node(root: Path | str, group: str) -> Node:
+    """What this host runs of ``group``: its roles and a worker's node rank, read from the args
+    files installed under ``root``; a UsageError when it runs no node of ``group``."""
+    roles = host_roles(root, group)
+    if not roles:
+        raise UsageError(
+            f"this host runs no node of group {group} (no {names.ENV_DIR}/{group}-head.args "
+            "or -worker.args)",
+            fix=f"`appliance multinode install --group {group} ...` first, or name the group "
+            "this host runs",
+        )
+    rank = 1
+    if "worker" in roles:
+        serve = list(read_args(Path(root) / args_path(group, "worker")).serve)
+        try:
+            rank = int(serve[serve.index("--node-rank") + 1])
+        except (ValueError, IndexError):
+            raise UsageError(
+                f"{names.ENV_DIR}/{group}-worker.args names no --node-rank",
+                fix=f"reinstall the worker: `appliance multinode install --group {group} "
+                "--role worker --rank N`",
+            ) from None
+    return Node(roles=roles, rank=rank)
 
 
 def host_units(root: Path | str, name: str) -> list[str]:

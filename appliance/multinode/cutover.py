@@ -15,9 +15,16 @@ after a kill, state metrics); :class:`GroupTarget` says what differs for a group
   counters moving), then every worker unit active on a new start with its container on the
   image.
 
-Each host is a :class:`Host`: its root (``/`` on a real host), the systemd it runs (a prefix
-such as ``ssh HOST`` reaches another host's systemctl, see ``appliance.host.systemd``) and
-its Docker client. The history, lock, rollback slot and saved files live on the head's host.
+Each host is a :class:`Host`: its root (``/`` on a real host), the systemd it runs and its
+Docker client. The history, lock, rollback slot and saved files live on the head's host.
+
+A group whose workers run on other hosts is moved by the fleet's play
+(``deploy/ansible/playbooks/multinode-cutover.yml``), one host at a time through this same state
+machine: each worker host first (its own target: its worker units, gated on a new start on the
+image; no API, so no canary), then the head (gated on generation, which needs every worker).
+The head's own way back cannot be gated before those workers are back, so the head's step runs
+with ``rollback=False`` and the play's rescue moves every node back, workers first
+(gotchas/multinode-cross-host-cutover.md).
 """
 
 from __future__ import annotations
@@ -32,12 +39,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import apikey, profiles
+from .. import apikey, imageref, profiles
 from .. import canary as canaries
 from ..cutover import flow, gates, recovery
 from ..cutover.context import Context, PreflightError
 from ..cutover.history import Entry, Gate
-from ..cutover.preflight import ImageInfo, check_overrides, env_overrides, inspect_image
+from ..cutover.preflight import (
+    ImageInfo,
+    check_compatible,
+    check_overrides,
+    env_overrides,
+    inspect_image,
+)
 from ..cutover.target import Snapshot
 from ..errors import UsageError
 from ..fsutil import write_atomic
@@ -74,15 +87,18 @@ class Host:
 
 @dataclass
 class GroupTarget:
-    """A group, as :mod:`appliance.cutover.flow` moves it (a ``cutover.target.Target``)."""
+    """A group, as :mod:`appliance.cutover.flow` moves it (a ``cutover.target.Target``): the
+    nodes ``hosts`` run. ``head`` is None on a host that runs only workers; ``remote_ranks``
+    are the worker ranks that run elsewhere (moved by the fleet's play, not by this target)."""
 
     name: str
-    head: Host
+    head: Host | None
     workers: list[Host]  # hosts running a worker and no head
     hosts: list[Host]
     profile: profiles.Profile
     base_url: str
-    key_path: Path
+    key_path: Path | None
+    remote_ranks: tuple[int, ...] = ()
     noun = "group"
 
     @property
@@ -94,7 +110,7 @@ class GroupTarget:
         return f"the env files of {self.name}"
 
     def api_key(self) -> str | None:
-        return apikey.read(self.key_path)
+        return apikey.read(self.key_path) if self.key_path else None
 
     def read(self) -> Snapshot:
         files = {h.name: envfile.read(h.env_file(self.name)) for h in self.hosts}
@@ -145,8 +161,10 @@ class GroupTarget:
         return True
 
     def journal(self, ctx: Context, lines: int) -> str:
-        unit = unit_name(self.name, "head")
-        return f"last journal lines of the head:\n{self.head.systemd.journal(unit, lines)}"
+        host = self.head or self.hosts[0]
+        role = "head" if self.head else "worker"
+        unit = unit_name(self.name, role)
+        return f"last journal lines of the {role}:\n{host.systemd.journal(unit, lines)}"
 
     def command(self, verb: str, *args: str, root: Path = Path("/")) -> str:
         root_opt = "" if root == Path("/") else f" --root {root}"
@@ -154,18 +172,22 @@ class GroupTarget:
 
 
 def target(group: str, hosts: Sequence[Host]) -> GroupTarget:
-    """The group ``group`` as the cutover reaches it through ``hosts`` (one runs the head; the
-    workers' ranks cover the profile's nodes)."""
+    """The group ``group`` as the cutover reaches it through ``hosts``: at most one runs the head,
+    each worker rank at most once. Ranks no host of ``hosts`` runs are the target's
+    ``remote_ranks`` (see :func:`cutover`)."""
     check_group(group)
+    if not hosts:
+        raise UsageError(f"group {group}: no host to move", fix="name the hosts of the group")
     heads = [h for h in hosts if "head" in h.node.roles]
-    if len(heads) != 1:
+    if len(heads) > 1:
         raise UsageError(f"group {group}: {len(heads)} hosts run the head", fix="exactly one")
-    head = heads[0]
-    env = envfile.read(head.env_file(group))
+    head = heads[0] if heads else None
+    env = envfile.read((head or hosts[0]).env_file(group))
     prof = require_multinode(profiles.get(env.get("APPLIANCE_PROFILE") or ""))
-    ranks = sorted(h.node.rank for h in hosts if "worker" in h.node.roles)
     assert prof.multinode is not None
-    if ranks != list(range(1, prof.multinode.nodes)):
+    every = list(range(1, prof.multinode.nodes))
+    ranks = sorted(h.node.rank for h in hosts if "worker" in h.node.roles)
+    if len(set(ranks)) != len(ranks) or not set(ranks) <= set(every):
         raise UsageError(
             f"group {group}: worker ranks {ranks}, profile {prof.name} has "
             f"{prof.multinode.nodes} nodes",
@@ -173,8 +195,23 @@ def target(group: str, hosts: Sequence[Host]) -> GroupTarget:
         )
     url = base_url(env.get("VLLM_HOST") or "127.0.0.1", env.get("VLLM_PORT"))
     workers = [h for h in hosts if "head" not in h.node.roles]
-    key = Path(head.root) / api_key_path(group, "head")
-    return GroupTarget(group, head, workers, list(hosts), prof, url, key)
+    key = Path(head.root) / api_key_path(group, "head") if head else None
+    remote = tuple(r for r in every if r not in ranks) if head else ()
+    return GroupTarget(group, head, workers, list(hosts), prof, url, key, remote)
+
+
+def _require_way_back(tgt: GroupTarget, rollback: bool) -> None:
+    """A head whose workers run elsewhere moves only without its own way back: that way back is
+    gated on generation, which needs those workers back first (the fleet's play does both)."""
+    if tgt.remote_ranks and rollback:
+        ranks = ", ".join(str(r) for r in tgt.remote_ranks)
+        raise UsageError(
+            f"group {tgt.name}: the worker(s) of rank {ranks} run on other hosts, which this "
+            "host does not move; the head's way back would be gated before they are back",
+            fix="move the group with deploy/ansible/playbooks/multinode-cutover.yml (workers "
+            "first, gates on the head, every node back on failure), or pass --no-rollback and "
+            "move the workers yourself",
+        )
 
 
 def _inspect_everywhere(ctx: Context, plan: GroupTarget, ref: str) -> ImageInfo:
@@ -187,7 +224,7 @@ def _inspect_everywhere(ctx: Context, plan: GroupTarget, ref: str) -> ImageInfo:
         if other.id != info.id:
             raise PreflightError(
                 f"image {ref} is {other.id[:19]} on {h.name} but {info.id[:19]} on "
-                f"{plan.head.name}: the nodes would run different engines",
+                f"{(plan.head or plan.hosts[0]).name}: the nodes would run different engines",
                 fix="load the same image on every host (docker save | docker load)",
             )
     return info
@@ -209,7 +246,7 @@ def _write_all(plan: GroupTarget, content: Mapping[str, bytes]) -> None:
     """Write each host's env file (workers first); on a failure put back those written."""
     done: list[tuple[Host, bytes]] = []
     try:
-        for h in [*plan.workers, plan.head]:
+        for h in [*plan.workers, *([plan.head] if plan.head else [])]:
             path = h.env_file(plan.name)
             before = path.read_bytes()
             write_atomic(path, content[h.name])
@@ -237,10 +274,11 @@ def _restart(ctx: Context, plan: GroupTarget) -> dict[str, str]:
             ctx.progress(f"restarting {unit_name(g, 'worker')} on {h.name}")
             h.systemd.restart(unit_name(g, "worker"))
         head = plan.head
-        # Where the worker shares the head's host, its restart reaches the head (PartOf=).
-        role = "worker" if head.node.colocated else "head"
-        ctx.progress(f"restarting {unit_name(g, role)} on {head.name}")
-        head.systemd.restart(unit_name(g, role))
+        if head is not None:
+            # Where the worker shares the head's host, its restart reaches the head (PartOf=).
+            role = "worker" if head.node.colocated else "head"
+            ctx.progress(f"restarting {unit_name(g, role)} on {head.name}")
+            head.systemd.restart(unit_name(g, role))
     except SystemdError as exc:
         gate = Gate("restart", False, 0.0, str(exc))
         raise gates.GateFailed("restart", str(exc), [gate]) from exc
@@ -260,6 +298,27 @@ def _gates(
     t0 = time.monotonic()
     before = _restart(ctx, plan) if restart else {}
     head = plan.head
+    passed = [] if head is None else _head_gates(ctx, plan, head, image, api_key, timeout, before)
+    for h in plan.hosts:
+        if "worker" not in h.node.roles:
+            continue
+        previous = before.get(f"{h.name}/worker", "")
+        passed.append(_worker_gate(ctx, plan, h, image, previous, t0, timeout))
+        if not passed[-1].ok:
+            raise gates.GateFailed(passed[-1].name, passed[-1].detail, passed)
+    return passed
+
+
+def _head_gates(
+    ctx: Context,
+    plan: GroupTarget,
+    head: Host,
+    image: ImageInfo,
+    api_key: str | None,
+    timeout: float,
+    before: dict[str, str],
+) -> list[Gate]:
+    """The instance's gates, on the head (generation among them: it needs every worker)."""
     client = head.docker_client or ctx.docker()
     expect = gates.Expect(
         unit=unit_name(plan.name, "head"),
@@ -273,38 +332,46 @@ def _gates(
         image=image.ref,
         image_id=image.id,
     )
-    passed = gates.wait(
+    return gates.wait(
         head.systemd,
         expect,
         timeout=timeout,
         progress=ctx.progress,
         running_image=_running_image(client),
     )
-    for h in plan.hosts:
-        if "worker" not in h.node.roles:
-            continue
-        previous = before.get(f"{h.name}/worker", "")
-        passed.append(_worker_gate(ctx, plan, h, image, previous, t0))
-        if not passed[-1].ok:
-            raise gates.GateFailed(passed[-1].name, passed[-1].detail, passed)
-    return passed
 
 
 def _worker_gate(
-    ctx: Context, plan: GroupTarget, h: Host, image: ImageInfo, previous: str, t0: float
+    ctx: Context,
+    plan: GroupTarget,
+    h: Host,
+    image: ImageInfo,
+    previous: str,
+    t0: float,
+    timeout: float,
 ) -> Gate:
+    """The worker unit on ``h`` active on a new start, its container running ``image``; waited
+    for until ``timeout`` (a worker host's own target checks right after the restart, when its
+    container may not run yet), failed at once by a unit that failed."""
     unit = unit_name(plan.name, "worker")
-    st = h.systemd.state(unit)
-    got = _running_image(h.docker_client or ctx.docker())(container_name(plan.name, "worker"))
+    container = container_name(plan.name, "worker")
+    image_of = _running_image(h.docker_client or ctx.docker())
     name = f"worker {h.name}"
-    secs = round(time.monotonic() - t0, 2)
-    if st.active != "active" or not st.invocation or st.invocation == previous:
-        return Gate(name, False, secs, f"{unit} is {st.active} ({st.sub}), not a new start")
-    if got != image.id:
-        return Gate(name, False, secs, f"its container runs {got or 'nothing'}, not {image.ref}")
-    detail = f"{unit} active on a new start, container on {image.ref}"
-    ctx.progress(f"{name}: ok ({detail})")
-    return Gate(name, True, secs, detail)
+    while True:
+        st = h.systemd.state(unit)
+        got = image_of(container)
+        secs = round(time.monotonic() - t0, 2)
+        if st.active != "active" or not st.invocation or st.invocation == previous:
+            why = f"{unit} is {st.active} ({st.sub}), not a new start"
+        elif got != image.id:
+            why = f"its container runs {got or 'nothing'}, not {image.ref}"
+        else:
+            detail = f"{unit} active on a new start, container on {image.ref}"
+            ctx.progress(f"{name}: ok ({detail})")
+            return Gate(name, True, secs, detail)
+        if st.active == "failed" or secs >= timeout:
+            return Gate(name, False, secs, why)
+        time.sleep(gates.POLL)
 
 
 def cutover(
@@ -314,21 +381,30 @@ def cutover(
     hosts: Sequence[Host],
     *,
     timeout: float = DEFAULT_TIMEOUT,
+    rollback: bool = True,
     allow_no_mtp: bool = False,
     canary: bool | None = None,
     canary_files: tuple[Path, ...] = (),
     canary_timeout: float = canaries.DEFAULT_TIMEOUT,
     allow_unit_overrides: bool = False,
 ) -> Entry:
-    """Move every node of ``group`` to ``image`` through the gates on the head (and the output
-    canary when on); on failure, every node back to the image they ran. ``ctx.layout`` is the
-    head's root (history, lock, rollback slot, saved files). Raises PreflightError (nothing
-    touched), CutoverFailed (rolled back) or RollbackFailed (the way back failed too)."""
+    """Move the nodes of ``group`` that ``hosts`` run to ``image``: gates on the head (and the
+    output canary when on), on each worker a new start on the image; on failure, every node back
+    to the image it ran (not with ``rollback=False``, which a head whose workers run on other
+    hosts requires). A target without the head runs no canary (no API). ``ctx.layout`` is the
+    root of the host that keeps the record (history, lock, rollback slot, saved files). Raises
+    PreflightError (nothing touched), CutoverFailed (rolled back) or RollbackFailed (not rolled
+    back, or the way back failed too)."""
+    tgt = target(group, hosts)
+    _require_way_back(tgt, rollback)
+    if tgt.head is None:
+        canary = False
     return flow.cutover(
         ctx,
-        target(group, hosts),
+        tgt,
         image,
         timeout=timeout,
+        rollback=rollback,
         allow_no_mtp=allow_no_mtp,
         canary=canary,
         canary_files=canary_files,
@@ -338,8 +414,49 @@ def cutover(
 
 
 def rollback(
-    ctx: Context, group: str, hosts: Sequence[Host], *, timeout: float = DEFAULT_TIMEOUT
+    ctx: Context,
+    group: str,
+    hosts: Sequence[Host],
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    to: str | None = None,
 ) -> Entry:
-    """Every node of ``group`` back to the image in the group's rollback slot, same gates; after
-    a killed cutover, back to where it started (the saved env files), closing its entry."""
-    return recovery.rollback(ctx, target(group, hosts), timeout=timeout)
+    """The nodes of ``group`` that ``hosts`` run back to ``to`` (default: the image in the
+    group's rollback slot), same gates; after a killed cutover, back to where it started (the
+    saved env files), closing its entry. A head whose workers run elsewhere is gated with them
+    already back (the fleet's play moves them first) and has no way back of its own."""
+    tgt = target(group, hosts)
+    return recovery.rollback(ctx, tgt, timeout=timeout, to=to, way_back=not tgt.remote_ranks)
+
+
+def check(
+    ctx: Context,
+    group: str,
+    image: str,
+    hosts: Sequence[Host],
+    *,
+    allow_no_mtp: bool = False,
+    allow_unit_overrides: bool = False,
+) -> dict[str, object]:
+    """The cutover's preflight for the nodes ``hosts`` run, touching nothing: ``image`` valid,
+    present (the same ID on every host given), compatible with the profile, no unit override;
+    the env files agree on one image. Returns what the fleet's play compares across hosts (the
+    image IDs, the image the nodes name now) and whether this host already runs ``image``."""
+    tgt = target(group, hosts)
+    imageref.validate(image)
+    new = tgt.inspect(ctx, image)
+    check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
+    tgt.check_overrides(ctx, allow=allow_unit_overrides)
+    current = tgt.read().image
+    return {
+        "group": group,
+        "roles": sorted({r for h in hosts for r in h.node.roles}),
+        "ranks": sorted(h.node.rank for h in hosts if "worker" in h.node.roles),
+        "remote_ranks": list(tgt.remote_ranks),
+        "image": image,
+        "image_id": new.id,
+        "env_image": current,
+        # The way back must be on this host too (the play checks it is the same image).
+        "env_image_id": tgt.inspect(ctx, current).id if current else None,
+        "runs_image": current == image and tgt.runs(ctx, new),
+    }

@@ -1,0 +1,166 @@
+"""The fleet's move of a group across hosts, without hosts (issue 24 section 2): each host's
+preflight as `appliance multinode cutover GROUP IMAGE --check` prints it, and the play's
+decisions (deploy/ansible/roles/gemma4_appliance/filter_plugins/multinode.py) on those answers.
+The play itself, over SSH on two real hosts: tests/test_fleet_multinode.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from appliance import multinode, units
+from appliance.cli import cli
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN = REPO / "deploy/ansible/roles/gemma4_appliance/filter_plugins/multinode.py"
+GROUP = "grp"
+PROFILE = "cpu-tiny-mtp-2node"
+
+
+def _plugin():
+    spec = importlib.util.spec_from_file_location("gemma4_multinode_filters", PLUGIN)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_FILTERS = _plugin()
+plan, why = _FILTERS.multinode_plan, _FILTERS.multinode_why
+
+
+def _check(roles, ranks, *, remote=(), env="img:old", image_id="sha256:new", runs=False):
+    return {
+        "group": GROUP,
+        "roles": list(roles),
+        "ranks": list(ranks),
+        "remote_ranks": list(remote),
+        "image": "img:new",
+        "image_id": image_id,
+        "env_image": env,
+        "env_image_id": "sha256:old",
+        "runs_image": runs,
+    }
+
+
+def test_workers_move_before_the_head_which_moves_when_any_worker_does():
+    checks = {
+        "h0": _check(["head"], [], remote=[1, 2]),
+        "h2": _check(["worker"], [2], runs=True),
+        "h1": _check(["worker"], [1]),
+    }
+    got = plan(checks, "img:new")
+    assert got["head"] == "h0" and got["workers"] == ["h1", "h2"]
+    assert got["move_workers"] == ["h1"] and got["move_head"] is True
+    assert got["old_image"] == "img:old" and got["split"] == {}
+    # Every node on the image already: nothing moves (a re-run of a finished move).
+    done = {h: {**c, "runs_image": True} for h, c in checks.items()}
+    still = plan(done, "img:new")
+    assert (still["move_workers"], still["move_head"]) == ([], False)
+
+
+def test_a_split_left_by_a_stopped_move_is_named_and_the_way_back_is_the_heads():
+    checks = {
+        "h0": _check(["head"], [], remote=[1]),
+        "h1": _check(["worker"], [1], env="img:new", runs=True),
+    }
+    got = plan(checks, "img:new")
+    assert got["split"] == {"h1": "img:new"} and got["old_image"] == "img:old"
+    assert got["move_workers"] == [] and got["move_head"] is True
+
+
+@pytest.mark.parametrize(
+    ("checks", "says"),
+    [
+        ({"a": _check(["head"], [], remote=[1]), "b": _check(["head"], [])}, "2 heads (a, b)"),
+        ({"b": _check(["worker"], [1])}, "0 heads (none)"),
+        (
+            {"a": _check(["head"], [], remote=[1, 2]), "b": _check(["worker"], [1])},
+            "waits for worker ranks [1, 2] on other hosts, the play's worker hosts run ranks [1]",
+        ),
+        (
+            {"a": _check(["head"], [], remote=[1]), "b": _check(["worker"], [1], image_id="x")},
+            "img:new is a different image on different hosts",
+        ),
+        ({}, "no host of the group answered"),
+    ],
+)
+def test_a_group_the_play_cannot_move_is_refused_in_one_line(checks, says):
+    with pytest.raises(_FILTERS._Refused) as err:  # Ansible's own error: a failed task
+        plan(checks, "img:new")
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_why_a_step_failed_is_the_appliances_error_line():
+    loop = {
+        "failed": True,
+        "msg": "One or more items failed",
+        "results": [{"failed": True, "rc": 1, "stderr": "restarting\nError: gate 'unit' failed\n"}],
+    }
+    assert why(loop) == "Error: gate 'unit' failed"
+    lost = "fleet-b became unreachable"
+    assert why({"failed": True, "msg": lost}) == lost
+    assert why(None) == "failed"
+
+
+def _install(root: Path, node: multinode.Node) -> None:
+    opts = units.Options(image="gemma4-vllm:0.32.0", model_dir="/srv/tiny")
+    multinode.install(PROFILE, GROUP, node, root=root, options=opts)
+
+
+def test_a_head_whose_worker_runs_elsewhere_moves_only_without_its_own_way_back(tmp_path):
+    """Before, `appliance multinode cutover` on such a head refused with `worker ranks []`: a
+    group across hosts could not be moved at all. Now the head moves as one step of the
+    fleet's play (--no-rollback); alone it says why not and names the play."""
+    _install(tmp_path, multinode.Node(("head",)))
+    env = tmp_path / multinode.env_path(GROUP)
+    before = env.read_bytes()
+    argv = ["multinode", "cutover", GROUP, "gemma4-vllm:0.32.0-mtp", "--root", str(tmp_path)]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code != 0
+    line = result.output.strip()
+    assert "the worker(s) of rank 1 run on other hosts" in line and "\n" not in line, line
+    assert "playbooks/multinode-cutover.yml" in line
+    assert env.read_bytes() == before
+    assert not (tmp_path / "var").exists(), "nothing written: not even the lock"
+
+
+def test_a_host_without_a_node_of_the_group_is_told_so(tmp_path):
+    _install(tmp_path, multinode.Node(("head",)))
+    argv = ["multinode", "rollback", "other", "--root", str(tmp_path)]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code != 0
+    assert "this host runs no node of group other" in result.output
+
+
+def test_a_worker_hosts_node_is_read_from_its_args_file(tmp_path):
+    _install(tmp_path, multinode.Node(("worker",), rank=2 - 1))
+    assert multinode.host_node(tmp_path, GROUP) == multinode.Node(("worker",), 1)
+
+
+@pytest.mark.docker
+def test_each_hosts_check_is_what_the_play_plans_with(tmp_path, preflight_images, monkeypatch):
+    """`--check` on a head host and on a worker host (two roots, the real Docker engine): JSON
+    lines that the play's plan takes as they are; nothing is written on either host."""
+    monkeypatch.setenv("APPLIANCE_SYSTEMD_PREFIX", "true")  # no systemd here: no unit loaded
+    old, new = preflight_images["pre-mtp"], preflight_images["mtp"]
+    checks = {}
+    for host, node in (("a", multinode.Node(("head",))), ("b", multinode.Node(("worker",), 1))):
+        root = tmp_path / host
+        opts = units.Options(image=old, model_dir="/srv/tiny")
+        multinode.install(PROFILE, GROUP, node, root=root, options=opts)
+        listing = sorted(p for p in root.rglob("*"))
+        argv = ["multinode", "cutover", GROUP, new, "--check", "--root", str(root)]
+        result = CliRunner().invoke(cli, argv)
+        assert result.exit_code == 0, result.output + result.stderr
+        checks[host] = json.loads(result.stdout)
+        assert sorted(p for p in root.rglob("*")) == listing
+    assert checks["a"]["remote_ranks"] == [1] and checks["b"]["ranks"] == [1]
+    assert checks["a"]["image_id"] == checks["b"]["image_id"]
+    got = plan(checks, new)
+    assert (got["head"], got["move_workers"], got["move_head"]) == ("a", ["b"], True)
+    assert got["old_image"] == old
