@@ -1,0 +1,89 @@
+"""The decisions of playbooks/multinode-cutover.yml, in Python (Ansible loads a role's filters).
+
+The play asks every host of a group for the preflight of its own nodes (`appliance multinode
+cutover GROUP IMAGE --check`, one JSON object per host); these filters turn those answers into
+the move, or refuse it with one line. They run on the controller, which need not have the
+appliance installed: plain Python, no import of it.
+"""
+
+from __future__ import annotations
+
+import re
+
+try:  # Ansible's own error type when Ansible loads this file; a plain one when tests import it.
+    from ansible.errors import AnsibleFilterError as _Refused
+except ImportError:  # pragma: no cover - tests import this file without Ansible's loader
+    _Refused = ValueError
+
+
+def multinode_plan(checks: dict[str, dict], image: str) -> dict[str, object]:
+    """The move of a group to ``image`` from ``checks`` ({host: its --check answer}).
+
+    Returns ``head`` (the host of the head), ``workers`` (the worker hosts, by rank),
+    ``move_workers`` (those not already running ``image``: they move first, one after the
+    other), ``move_head`` (the head moves when it does not run ``image`` or any worker moves:
+    a worker's restart leaves the head unable to generate until it restarts too),
+    ``old_image`` (where every node goes back on failure: the image the head's env file names,
+    the group's record being on the head) and ``split`` ({host: image} of the nodes naming
+    another image than the head, left by a stopped play; this move brings them together).
+    """
+    if not checks:
+        raise _Refused("no host of the group answered the preflight")
+    heads = sorted(h for h, c in checks.items() if "head" in c["roles"])
+    if len(heads) != 1:
+        raise _Refused(
+            f"the play's hosts run {len(heads)} heads ({', '.join(heads) or 'none'}): a group "
+            "has one; set multinode_hosts to the hosts of ONE group"
+        )
+    head = heads[0]
+    workers = sorted((h for h in checks if h != head), key=lambda h: checks[h]["ranks"])
+    for h in workers:
+        if not checks[h]["ranks"]:
+            raise _Refused(f"{h} runs no node of group {checks[h]['group']}")
+    expected = sorted(checks[head]["remote_ranks"])
+    found = sorted(r for h in workers for r in checks[h]["ranks"])
+    if found != expected:
+        raise _Refused(
+            f"the head on {head} waits for worker ranks {expected} on other hosts, the play's "
+            f"worker hosts run ranks {found}: set multinode_hosts to every host of the group"
+        )
+    ids = {h: c["image_id"] for h, c in checks.items()}
+    if len(set(ids.values())) > 1:
+        listing = ", ".join(f"{h}: {i[:19]}" for h, i in sorted(ids.items()))
+        raise _Refused(
+            f"{image} is a different image on different hosts ({listing}): the nodes would run "
+            "different engines; load the same image everywhere (playbooks/rollout.yml's archive)"
+        )
+    old = checks[head]["env_image"]
+    move_workers = [h for h in workers if not checks[h]["runs_image"]]
+    return {
+        "head": head,
+        "workers": workers,
+        "move_workers": move_workers,
+        "move_head": bool(move_workers) or not checks[head]["runs_image"],
+        "old_image": old,
+        "split": {h: c["env_image"] for h, c in checks.items() if c["env_image"] != old},
+    }
+
+
+_ERROR = re.compile(r"^Error: .*$", re.M)
+
+
+def multinode_why(result: dict | None) -> str:
+    """One line for a failed step's result (a loop's included): the appliance's ``Error:``
+    lines, else Ansible's message."""
+    if not result:
+        return "failed"
+    parts = [result, *result.get("results", [])]
+    lines = [m for r in parts for m in _ERROR.findall(r.get("stderr") or "")]
+    if lines:
+        return " ".join(dict.fromkeys(lines))
+    msgs = [r.get("msg") for r in parts if r.get("failed") or r.get("unreachable")]
+    return next((str(m) for m in msgs if m), str(result.get("msg") or "failed"))
+
+
+class FilterModule:
+    """The role's filters."""
+
+    def filters(self):
+        return {"multinode_plan": multinode_plan, "multinode_why": multinode_why}
