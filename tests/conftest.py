@@ -38,6 +38,7 @@ pytest_plugins: list[str] = [
     "plugins.hub",
     "plugins.multinode",
     "plugins.fleet",
+    "plugins.fleet_group",
 ]
 
 

@@ -287,11 +287,22 @@ def _remove_containers() -> None:
         )
 
 
-# Module scope: only tests/test_fleet.py uses the two hosts; their engines must not stay up (and
-# hold ~6 GB) for the rest of the run.
 @pytest.fixture(scope="module")
-def fleet(appliance_images, canary_images) -> Iterator[Fleet]:
-    """Two booted hosts reachable by Ansible, nothing installed yet (the tests install)."""
+def fleet(fleet_hosts: Fleet) -> Iterator[Fleet]:
+    """The hosts for tests/test_fleet.py, nothing installed yet (the tests install); their
+    instances go down after it (~6 GB) for the group's tests (tests/plugins/fleet_group.py)."""
+    try:
+        yield fleet_hosts
+    finally:
+        for h in fleet_hosts.hosts:
+            h.machine.systemctl("stop", units.unit_name(h.instance), check=False, timeout=180)
+        _remove_containers()
+
+
+# Session scope: the fleet's tier and the cross-host group's share the two hosts.
+@pytest.fixture(scope="session")
+def fleet_hosts(appliance_images, canary_images) -> Iterator[Fleet]:
+    """Two booted hosts reachable by Ansible."""
     assert canary_images["label-off"] == OFF_IMAGE
     assert MTP_IMAGE in appliance_images["cpu-mtp"].tags
     nspawn.ensure_rootfs()  # once, before the parallel boots

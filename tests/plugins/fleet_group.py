@@ -1,0 +1,151 @@
+"""A multi-node group across the fleet's two hosts: the head on ``fleet-a``, the worker on
+``fleet-b`` (``cpu-tiny-mtp-2node``), each under that host's systemd, moved by
+``deploy/ansible/playbooks/multinode-cutover.yml`` over SSH.
+
+The hosts are the fleet tier's (tests/plugins/fleet.py: one booted pair per run); their
+instances are down by then (the ``fleet`` fixture stops them after tests/test_fleet.py). The
+machines share the host's network namespace and Docker engine, so the two nodes meet on
+loopback as the CPU profile requires, while each node's unit, env file, history and appliance
+are its own host's: what the play moves is two hosts' state, reached only through Ansible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from appliance import devmodel, multinode, profiles, specdecode, units
+from appliance.engine.local import free_port
+from appliance.host import envfile
+
+from .fleet import OFF_IMAGE, VENV_BIN, Fleet, FleetHost
+from .multinode import PROFILE, VLLM_CACHE
+
+GROUP = "xhost"
+START_TIMEOUT = 600
+
+
+@dataclass
+class FleetGroup:
+    """The group on the fleet: its head and worker hosts, the head's port."""
+
+    fleet: Fleet
+    head: FleetHost
+    worker: FleetHost
+    port: int
+
+    def node(self, role: str) -> FleetHost:
+        return self.head if role == "head" else self.worker
+
+    def unit(self, role: str) -> str:
+        return multinode.unit_name(GROUP, role)
+
+    def env_image(self, role: str) -> str | None:
+        path = self.node(role).root / multinode.env_path(GROUP)
+        return envfile.read(path).get(envfile.IMAGE_KEY)
+
+    def container(self, role: str, fmt: str = "{{.Image}}") -> str:
+        """``docker inspect`` of the node's container (empty when there is none)."""
+        proc = subprocess.run(
+            ["docker", "inspect", "--format", fmt, multinode.container_name(GROUP, role)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return proc.stdout.strip()
+
+    def history(self, role: str) -> list[dict]:
+        """The node's host's record of the group (read inside the machine, not over SSH)."""
+        import json
+
+        proc = self.node(role).machine.run(
+            str(VENV_BIN / "appliance"), "history", GROUP, "--json", check=False
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+    def move(self, image: str, **extra: object):
+        """Run the group's play to ``image``."""
+        return self.fleet.playbook(
+            "multinode-cutover",
+            multinode_hosts="gemma4",
+            multinode_group=GROUP,
+            multinode_image=image,
+            multinode_timeout=START_TIMEOUT,
+            **extra,
+        )
+
+    def generates(self) -> specdecode.Counters | None:
+        """One real generation through the head (both nodes needed); the MTP counters after."""
+        resp = httpx.post(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            json={
+                "model": profiles.get(PROFILE).served_model_name,
+                "messages": [{"role": "user", "content": "the group answers"}],
+                "max_tokens": 16,
+                "temperature": 0,
+            },
+            timeout=120,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] > 0
+        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=30).text
+        return specdecode.parse(text).total()
+
+
+def _remove() -> None:
+    for role in multinode.ROLES:
+        subprocess.run(
+            ["docker", "rm", "--force", multinode.container_name(GROUP, role)],
+            capture_output=True,
+            check=False,
+        )
+    shutil.rmtree(f"{multinode.RPC_DIR}/{GROUP}", ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def fleet_group(fleet_hosts: Fleet) -> Iterator[FleetGroup]:
+    """Group ``xhost`` installed on both hosts and serving ``OFF_IMAGE`` (the MTP engine with
+    its MTP label off), started as an operator would: the worker host's unit, then the head's."""
+    head, worker = fleet_hosts.host("fleet-a"), fleet_hosts.host("fleet-b")
+    prof = profiles.get(PROFILE)
+    assert prof.multinode is not None
+    # A free rendezvous port: the multinode tier's pair may run beside this one.
+    prof = dataclasses.replace(
+        prof, multinode=dataclasses.replace(prof.multinode, master_port=free_port())
+    )
+    port = free_port()
+    opts = units.Options(
+        image=OFF_IMAGE,
+        port=port,
+        model_dir=str(devmodel.cached("copy").root),
+        vllm_cache_dir=str(VLLM_CACHE),
+    )
+    VLLM_CACHE.mkdir(parents=True, exist_ok=True)
+    group = FleetGroup(fleet_hosts, head, worker, port)
+    _remove()
+    try:
+        nodes = ((head, multinode.Node(("head",))), (worker, multinode.Node(("worker",), 1)))
+        for host, node in nodes:
+            multinode.install(prof, GROUP, node, root=host.root, options=opts)
+            # The serve script mounts the key file, which the host's dockerd would look for on
+            # the host: no key on 127.0.0.1 (as tests/plugins/multinode.py).
+            for role in node.roles:
+                (host.root / multinode.api_key_path(GROUP, role)).unlink()
+            # The play runs `appliance` by PATH, as the fleet's install links it.
+            host.machine.run("ln", "-sf", str(VENV_BIN / "appliance"), "/usr/local/bin/appliance")
+            host.machine.daemon_reload()
+        worker.machine.systemctl("start", group.unit("worker"))
+        head.machine.systemctl("start", "--no-block", group.unit("head"))
+        head.machine.wait_active(group.unit("head"), timeout=START_TIMEOUT)
+        yield group
+    finally:
+        head.machine.systemctl("stop", group.unit("head"), check=False, timeout=180)
+        worker.machine.systemctl("stop", group.unit("worker"), check=False, timeout=180)
+        _remove()

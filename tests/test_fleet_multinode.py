@@ -1,0 +1,134 @@
+"""A multi-node group whose nodes run on two hosts, moved by the fleet's play (issue 24 section
+2): deploy/ansible/playbooks/multinode-cutover.yml with real ansible-core over SSH, the head of
+``cpu-tiny-mtp-2node`` on ``fleet-a`` and its worker on ``fleet-b`` (tests/plugins/fleet_group.py).
+
+Before, nothing moved such a group: `appliance multinode cutover` on the head refused with
+`worker ranks []`, and no playbook moved workers. The tests run in order on one group: a move to
+the MTP image (worker host first, gates on the head), a broken image (every node back, on both
+hosts), a worker host lost during its move (the play stops with the head untouched, and a second
+run once the host is back brings the group together).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from plugins.fleet import OFF_IMAGE
+from plugins.fleet_group import START_TIMEOUT, FleetGroup
+from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE
+
+pytestmark = [pytest.mark.fleet, pytest.mark.systemd, pytest.mark.multinode]
+
+
+def _ok(run) -> None:
+    assert run.returncode == 0, run.output[-6000:]
+
+
+def _image_id(ref: str) -> str:
+    import subprocess
+
+    out = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}}", ref],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def _on(g: FleetGroup, image: str) -> None:
+    """Both nodes' env files name ``image`` and both containers run it."""
+    want = _image_id(image)
+    for role in ("head", "worker"):
+        assert g.env_image(role) == image, role
+        assert g.container(role) == want, role
+        assert g.container(role, "{{.State.Running}}") == "true", role
+
+
+def _last(g: FleetGroup, role: str) -> tuple[str, str, str]:
+    e = g.history(role)[-1]
+    return e["kind"], e["outcome"], e["to_image"]
+
+
+def test_the_play_moves_the_worker_host_then_the_head(fleet_group: FleetGroup):
+    g = fleet_group
+    g.generates()  # the group serves before (MTP off: no speculative counters yet)
+    started = {r: g.container(r, "{{.State.StartedAt}}") for r in ("head", "worker")}
+    run = g.move(MTP_IMAGE)
+    _ok(run)
+    _on(g, MTP_IMAGE)
+    now = {r: g.container(r, "{{.State.StartedAt}}") for r in ("head", "worker")}
+    # Both restarted, the worker's host first (RFC 3339 times of one clock compare as text).
+    assert now["worker"] > started["worker"] and now["head"] > started["head"]
+    assert now["worker"] < now["head"]
+    assert _last(g, "worker") == ("cutover", "ok", MTP_IMAGE)
+    head = g.history("head")[-1]
+    assert (head["kind"], head["outcome"], head["to_image"]) == ("cutover", "ok", MTP_IMAGE)
+    assert "generation" in [gate["name"] for gate in head["gates"]], head
+    after = g.generates()
+    assert after is not None and after.drafts > 0 and after.accepted > 0
+
+
+def test_a_broken_image_is_rolled_back_on_both_hosts(fleet_group: FleetGroup):
+    g = fleet_group
+    run = g.move(BROKEN_IMAGE)
+    assert run.returncode != 0, run.output[-6000:]
+    assert f"every node is back on {MTP_IMAGE}, gated" in run.output, run.output[-6000:]
+    _on(g, MTP_IMAGE)
+    # Each host's record ends on its way back, gated (the worker's may be its own, when the
+    # broken engine died before its gate; then the play's rollback restarts it once more).
+    assert _last(g, "worker") == ("rollback", "ok", MTP_IMAGE)
+    assert _last(g, "head") == ("rollback", "ok", MTP_IMAGE)
+    assert g.generates() is not None
+
+
+def test_a_worker_host_lost_mid_move_stops_the_play_then_a_second_run_rejoins(
+    fleet_group: FleetGroup,
+):
+    """fleet-b's sshd goes away once its worker's env file names the new image (its move under
+    way): a host gone from the management network, its engine still up. The play stops without
+    touching the head, whose state it can no longer make whole, and says how to finish; once
+    fleet-b is back, the same play with the image the group left brings both nodes onto it."""
+    g = fleet_group
+    head_started = g.container("head", "{{.State.StartedAt}}")
+    head_history = g.history("head")
+    lost = threading.Event()
+    done = threading.Event()
+
+    def lose_the_worker_host() -> None:
+        while not done.is_set():
+            if g.env_image("worker") == OFF_IMAGE:
+                g.worker.ssh_off()
+                lost.set()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=lose_the_worker_host, daemon=True)
+    watcher.start()
+    try:
+        run = g.move(OFF_IMAGE, multinode_allow_no_mtp=True)
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+        g.worker.ssh_on()
+        g.fleet.wait_reachable()
+    assert lost.is_set(), run.output[-4000:]
+    assert run.returncode != 0, run.output[-4000:]
+    assert "stopped: fleet-b became unreachable during its move" in run.output, run.output[-4000:]
+    assert f"run this play again with -e multinode_image={MTP_IMAGE}" in run.output
+    # The head: never restarted, its env file and record as they were.
+    assert g.container("head", "{{.State.StartedAt}}") == head_started
+    assert g.env_image("head") == MTP_IMAGE
+    assert g.history("head") == head_history
+    # The worker host's own cutover went on without its SSH session; it ends by itself.
+    deadline = time.monotonic() + START_TIMEOUT
+    while g.history("worker")[-1]["outcome"] == "started":
+        assert time.monotonic() < deadline, g.history("worker")[-1]
+        time.sleep(1)
+
+    again = g.move(MTP_IMAGE)
+    _ok(again)
+    _on(g, MTP_IMAGE)
+    assert g.generates() is not None
