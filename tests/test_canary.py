@@ -538,3 +538,23 @@ def test_a_broken_baseline_file_is_refused_naming_it_and_the_field(tmp_path):
     canary.save(_rec(IDS), path)  # a record, but one that drafted nothing
     with pytest.raises(UsageError, match="no prompt has speculative-decoding figures"):
         canary.baseline.load(path)
+
+
+def test_a_record_taken_before_the_cutover_must_be_of_its_image_set_and_settings(tmp_path):
+    """A group's head judges the new image against answers recorded before its workers moved
+    (`appliance multinode cutover --canary-before`): only a record of the image it leaves, with
+    the set and settings its own canary would run, compares like one recorded in the cutover."""
+    plan = canary.plan(profiles.get("cpu-tiny-mtp-2node"), enabled=True)
+    good = _rec({"a": (1, 2)}, set_digest=plan.cases.digest(), settings=plan.settings, image="x:1")
+    path = tmp_path / "before.json"
+    canary.save(good, path)
+    assert canary.recorded(plan, path, "x:1") == good
+    with pytest.raises(UsageError, match="is of image x:1, the nodes run x:2"):
+        canary.recorded(plan, path, "x:2")
+    canary.save(dataclasses.replace(good, set_digest="other"), path)
+    with pytest.raises(UsageError, match="ran another canary set or settings"):
+        canary.recorded(plan, path, "x:1")
+    other = dataclasses.replace(good, settings=Settings(max_tokens=plan.settings.max_tokens + 1))
+    canary.save(other, path)
+    with pytest.raises(UsageError, match="ran another canary set or settings"):
+        canary.recorded(plan, path, "x:1")

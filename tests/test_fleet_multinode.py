@@ -4,9 +4,9 @@
 
 Before, nothing moved such a group: `appliance multinode cutover` on the head refused with
 `worker ranks []`, and no playbook moved workers. The tests run in order on one group: a move to
-the MTP image (worker host first, gates on the head), a broken image (every node back, on both
-hosts), a worker host lost during its move (the play stops with the head untouched, and a second
-run once the host is back brings the group together).
+the MTP image (worker host first, gates and the output canary on the head), a broken image
+(every node back, on both hosts), a worker host lost during its move (the play stops with the
+head untouched, and a second run once the host is back brings the group together).
 """
 
 from __future__ import annotations
@@ -66,7 +66,12 @@ def test_the_play_moves_the_worker_host_then_the_head(fleet_group: FleetGroup):
     assert _last(g, "worker") == ("cutover", "ok", MTP_IMAGE)
     head = g.history("head")[-1]
     assert (head["kind"], head["outcome"], head["to_image"]) == ("cutover", "ok", MTP_IMAGE)
-    assert "generation" in [gate["name"] for gate in head["gates"]], head
+    names = [gate["name"] for gate in head["gates"]]
+    assert "generation" in names, head
+    # The output canary, last: the head's new answers against those recorded before the worker
+    # moved (the old head could not answer once it had).
+    assert names[-1] == "canary" and head["canary"]["verdict"] == "pass", head
+    assert "Record the head's answers" in run.output
     after = g.generates()
     assert after is not None and after.drafts > 0 and after.accepted > 0
 

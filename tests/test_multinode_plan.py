@@ -33,8 +33,11 @@ _FILTERS = _plugin()
 plan, why = _FILTERS.multinode_plan, _FILTERS.multinode_why
 
 
-def _check(roles, ranks, *, remote=(), env="img:old", image_id="sha256:new", runs=False):
+def _check(
+    roles, ranks, *, remote=(), env="img:old", image_id="sha256:new", runs=False, canary=None
+):
     return {
+        "canary": "head" in roles if canary is None else canary,
         "group": GROUP,
         "roles": list(roles),
         "ranks": list(ranks),
@@ -63,6 +66,22 @@ def test_workers_move_before_the_head_which_moves_when_any_worker_does():
     assert (still["move_workers"], still["move_head"]) == ([], False)
 
 
+def test_the_heads_canary_runs_when_the_head_moves_from_a_whole_group():
+    checks = {"h0": _check(["head"], [], remote=[1]), "h1": _check(["worker"], [1])}
+    assert plan(checks, "img:new")["canary"] is True  # the head's profile says on
+    assert plan(checks, "img:new", "false")["canary"] is False  # -e multinode_canary=false
+    off = {**checks, "h0": _check(["head"], [], remote=[1], canary=False)}
+    assert plan(off, "img:new")["canary"] is False
+    assert plan(off, "img:new", True)["canary"] is True
+    # No image before (nothing answered yet), or nothing moving: nothing to record.
+    first = {h: {**c, "env_image": None} for h, c in checks.items()}
+    assert plan(first, "img:new")["canary"] is False
+    done = {h: {**c, "runs_image": True} for h, c in checks.items()}
+    assert plan(done, "img:new")["canary"] is False
+    with pytest.raises(_FILTERS._Refused, match="multinode_canary='maybe'"):
+        plan(checks, "img:new", "maybe")
+
+
 def test_a_split_left_by_a_stopped_move_is_named_and_the_way_back_is_the_heads():
     checks = {
         "h0": _check(["head"], [], remote=[1]),
@@ -71,6 +90,8 @@ def test_a_split_left_by_a_stopped_move_is_named_and_the_way_back_is_the_heads()
     got = plan(checks, "img:new")
     assert got["split"] == {"h1": "img:new"} and got["old_image"] == "img:old"
     assert got["move_workers"] == [] and got["move_head"] is True
+    # The head lost its worker when that moved: it cannot answer the canary's before-record.
+    assert got["canary"] is False
 
 
 @pytest.mark.parametrize(
@@ -164,3 +185,4 @@ def test_each_hosts_check_is_what_the_play_plans_with(tmp_path, preflight_images
     got = plan(checks, new)
     assert (got["head"], got["move_workers"], got["move_head"]) == ("a", ["b"], True)
     assert got["old_image"] == old
+    assert (checks["a"]["canary"], checks["b"]["canary"]) == (True, False)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from .baseline import Baseline
 from .cases import CanarySet, Case
 from .compare import Comparison, Policy, compare
-from .gate import CanaryFailed, Result, after, before, judge
+from .gate import CanaryFailed, Result, after, before, judge, recorded
 from .policy import Plan, plan
 from .record import DEFAULT_WITHIN_S as DEFAULT_TIMEOUT
 from .record import Record, Settings, load, run, save
@@ -40,6 +40,7 @@ __all__ = [
     "judge",
     "load",
     "plan",
+    "recorded",
     "run",
     "save",
 ]

@@ -131,6 +131,26 @@ def before(
     )
 
 
+def recorded(plan: Plan, path: Path, image: str | None) -> Record:
+    """The before-record at ``path`` (``appliance canary record``), taken earlier than the
+    cutover (a group's head, whose workers move first); a UsageError unless it is of ``image``
+    and of the plan's set and settings, so that it compares like one the cutover recorded."""
+    cases = _cases(plan)
+    rec = records.load(path)
+    if rec.image != image:
+        raise UsageError(
+            f"canary record {path} is of image {rec.image or 'unknown'}, the nodes run {image}",
+            fix="record it on the serving image before anything moves",
+        )
+    if rec.set_digest != cases.digest() or rec.settings != plan.settings:
+        raise UsageError(
+            f"canary record {path} ran another canary set or settings than profile "
+            f"{plan.profile}'s",
+            fix="record it with the same profile and --canary-file options as the cutover",
+        )
+    return rec
+
+
 def judge(
     before: Record, after: Record, policy: Policy, acceptance_baseline: Baseline | None = None
 ) -> Result:

@@ -83,6 +83,12 @@ def _context(root: Path) -> Context:
     is_flag=True,
     help="Preflight only (touch nothing); print one JSON line for the fleet's play.",
 )
+@click.option(
+    "--canary-before",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Judge IMAGE against these answers of the old image (`appliance multinode canary`), "
+    "recorded before the workers moved.",
+)
 @gate_options
 @root_option
 def cutover_cmd(
@@ -92,6 +98,7 @@ def cutover_cmd(
     no_rollback,
     allow_no_mtp,
     check,
+    canary_before,
     canary,
     canary_timeout,
     canary_file,
@@ -128,11 +135,40 @@ def cutover_cmd(
         canary=canary,
         canary_files=canary_file,
         canary_timeout=canary_timeout,
+        canary_before=canary_before,
         allow_unit_overrides=allow_unit_overrides,
     )
     click.echo(f"{group}: {entry.from_image} -> {entry.to_image}: {entry.outcome}")
     if entry.canary:
         click.echo(f"{group}: {entry.canary['summary']}")
+
+
+@multinode_group.command("canary")
+@click.argument("group")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="Write the record (JSON) here, atomically.",
+)
+@click.option(
+    "--canary-file",
+    multiple=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Your JSONL cases; they extend the shipped set (repeatable).",
+)
+@root_option
+def canary_cmd(group, out: Path, canary_file, root: Path) -> None:
+    """Record the head's answers to the output canary set, on the image GROUP runs.
+
+    The group's play runs it on the head's host before any worker moves; the head's cutover then
+    judges the new image against it (--canary-before)."""
+    from ..multinode import cutover as mcut
+
+    rec = mcut.record_canary(
+        _context(root), group, _hosts(root, group), out, canary_files=canary_file
+    )
+    click.echo(f"{rec.cost()}; wrote {out}")
 
 
 @multinode_group.command("rollback")

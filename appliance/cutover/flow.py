@@ -85,6 +85,7 @@ def cutover(
     way_back_required: bool = True,
     allow_unit_overrides: bool = False,
     canary_timeout: float = canaries.DEFAULT_TIMEOUT,
+    canary_before: Path | None = None,
 ) -> Entry:
     """Move ``instance`` (a name, or a :class:`Target` such as a multi-node group) to ``image``
     through the gates; on failure, back to where it was.
@@ -92,6 +93,8 @@ def cutover(
     ``canary``: run the output canary (None: the profile's ``[canary] enabled``);
     ``canary_files``: the operator's JSONL cases, added to the shipped set;
     ``canary_timeout``: the seconds each side of the canary may take (on top of ``timeout``).
+    ``canary_before``: the old image's answers recorded earlier (``appliance canary record``),
+    judged against instead of recording them now (a group's head, after its workers moved).
     ``way_back_required``: refuse when the current image cannot be the way back (a rollback
     goes ahead instead: a missing or broken current image is what it is there for).
     ``allow_unit_overrides``: warn instead of refusing when a drop-in or another env file may
@@ -129,7 +132,9 @@ def cutover(
         # While the old image serves, before anything is written: an engine that cannot answer
         # the canary refuses the cutover with nothing touched; so does a signal.
         try:
-            baseline = _canary_before(ctx, plan, tgt, api_key, current_ref, canary_timeout)
+            baseline = _canary_before(
+                ctx, plan, tgt, api_key, current_ref, canary_timeout, canary_before
+            )
         except Interrupted as stop:
             raise CutoverInterrupted(
                 f"{kind} of {name} interrupted by {stop.name} before anything was touched"
@@ -247,8 +252,10 @@ def _canary_before(
     api_key: str | None,
     image: str | None,
     within: float,
+    recorded: Path | None = None,
 ) -> canaries.Record | None:
-    """Record the old image's answers (None when the canary is off)."""
+    """Record the old image's answers, or read them from ``recorded`` (None when the canary is
+    off)."""
     if not plan.enabled:
         ctx.progress("canary: off")
         return None
@@ -256,6 +263,14 @@ def _canary_before(
         # Nothing was serving by this env file: there is no baseline to keep answers from.
         ctx.progress(f"canary: skipped (the env file names no {envfile.IMAGE_KEY} to record)")
         return None
+    if recorded is not None:
+        try:
+            rec = canaries.recorded(plan, recorded, image)
+        except UsageError as exc:
+            raise PreflightError(exc.message, fix=exc.fix) from exc
+        ctx.progress(f"canary: the answers of {image} recorded before, from {recorded}")
+        canaries.save(rec, ctx.layout.canary_record(tgt.name, "before"))
+        return rec
     try:
         return canaries.before(
             plan,

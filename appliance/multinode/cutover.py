@@ -386,12 +386,15 @@ def cutover(
     canary: bool | None = None,
     canary_files: tuple[Path, ...] = (),
     canary_timeout: float = canaries.DEFAULT_TIMEOUT,
+    canary_before: Path | None = None,
     allow_unit_overrides: bool = False,
 ) -> Entry:
     """Move the nodes of ``group`` that ``hosts`` run to ``image``: gates on the head (and the
     output canary when on), on each worker a new start on the image; on failure, every node back
     to the image it ran (not with ``rollback=False``, which a head whose workers run on other
-    hosts requires). A target without the head runs no canary (no API). ``ctx.layout`` is the
+    hosts requires). A target without the head runs no canary (no API); such a head judges
+    the new image against ``canary_before``, the answers recorded before its workers moved (the
+    old head cannot answer once they have). ``ctx.layout`` is the
     root of the host that keeps the record (history, lock, rollback slot, saved files). Raises
     PreflightError (nothing touched), CutoverFailed (rolled back) or RollbackFailed (not rolled
     back, or the way back failed too)."""
@@ -409,6 +412,7 @@ def cutover(
         canary=canary,
         canary_files=canary_files,
         canary_timeout=canary_timeout,
+        canary_before=canary_before,
         allow_unit_overrides=allow_unit_overrides,
     )
 
@@ -427,6 +431,37 @@ def rollback(
     already back (the fleet's play moves them first) and has no way back of its own."""
     tgt = target(group, hosts)
     return recovery.rollback(ctx, tgt, timeout=timeout, to=to, way_back=not tgt.remote_ranks)
+
+
+def record_canary(
+    ctx: Context,
+    group: str,
+    hosts: Sequence[Host],
+    out: Path,
+    *,
+    canary_files: tuple[Path, ...] = (),
+    within: float = canaries.DEFAULT_TIMEOUT,
+) -> canaries.Record:
+    """The head's answers to the output canary set on the image the group runs, saved to
+    ``out``: the before-record of a move across hosts (:func:`cutover`'s ``canary_before``),
+    taken while every node still runs that image."""
+    tgt = target(group, hosts)
+    if tgt.head is None:
+        raise UsageError(
+            f"this host runs no head of group {group}: the canary asks the head's API",
+            fix="run it on the head's host",
+        )
+    plan = canaries.plan(tgt.profile, root=ctx.layout.root, enabled=True, files=canary_files)
+    return canaries.before(
+        plan,
+        tgt.base_url,
+        tgt.served_model,
+        api_key=tgt.api_key(),
+        image=tgt.read().image,
+        save_to=out,
+        progress=ctx.progress,
+        within=within,
+    )
 
 
 def check(
@@ -459,4 +494,7 @@ def check(
         # The way back must be on this host too (the play checks it is the same image).
         "env_image_id": tgt.inspect(ctx, current).id if current else None,
         "runs_image": current == image and tgt.runs(ctx, new),
+        # The head's output canary (the profile's [canary]): the play records its answers
+        # before any worker moves.
+        "canary": tgt.head is not None and tgt.profile.canary.enabled,
     }

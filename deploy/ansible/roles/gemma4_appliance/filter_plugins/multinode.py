@@ -16,7 +16,9 @@ except ImportError:  # pragma: no cover - tests import this file without Ansible
     _Refused = ValueError
 
 
-def multinode_plan(checks: dict[str, dict], image: str) -> dict[str, object]:
+def multinode_plan(
+    checks: dict[str, dict], image: str, canary: bool | str | None = None
+) -> dict[str, object]:
     """The move of a group to ``image`` from ``checks`` ({host: its --check answer}).
 
     Returns ``head`` (the host of the head), ``workers`` (the worker hosts, by rank),
@@ -25,7 +27,10 @@ def multinode_plan(checks: dict[str, dict], image: str) -> dict[str, object]:
     a worker's restart leaves the head unable to generate until it restarts too),
     ``old_image`` (where every node goes back on failure: the image the head's env file names,
     the group's record being on the head) and ``split`` ({host: image} of the nodes naming
-    another image than the head, left by a stopped play; this move brings them together).
+    another image than the head, left by a stopped play; this move brings them together) and
+    ``canary`` (record the head's answers before any node moves and judge the head's new image
+    against them: when the head moves and ``canary``, else the head's profile, says so; ``""``
+    or None means the profile's).
     """
     if not checks:
         raise _Refused("no host of the group answered the preflight")
@@ -56,14 +61,32 @@ def multinode_plan(checks: dict[str, dict], image: str) -> dict[str, object]:
         )
     old = checks[head]["env_image"]
     move_workers = [h for h in workers if not checks[h]["runs_image"]]
+    move_head = bool(move_workers) or not checks[head]["runs_image"]
+    wanted = checks[head].get("canary", False) if canary in (None, "") else _flag(canary)
+    split = {h: c["env_image"] for h, c in checks.items() if c["env_image"] != old}
     return {
         "head": head,
         "workers": workers,
         "move_workers": move_workers,
-        "move_head": bool(move_workers) or not checks[head]["runs_image"],
+        "move_head": move_head,
+        # Only a whole group on the old image can answer: not on a first image, nor when a
+        # stopped move left the nodes apart (the head cannot generate then).
+        "canary": bool(move_head and wanted and old and not split),
         "old_image": old,
-        "split": {h: c["env_image"] for h, c in checks.items() if c["env_image"] != old},
+        "split": split,
     }
+
+
+def _flag(value: bool | str) -> bool:
+    """An Ansible extra var as a boolean (``-e multinode_canary=false`` arrives as text)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise _Refused(f"multinode_canary={value!r}: say true or false (or leave it unset)")
 
 
 _ERROR = re.compile(r"^Error: .*$", re.M)
