@@ -4,8 +4,9 @@ Thin: every command calls :mod:`appliance.multinode` or :mod:`appliance.multinod
 ``cutover``/``rollback`` move the nodes of the group this host runs (the head, its worker
 where ``--role both`` installed it, or a worker alone). A group whose nodes run on several
 hosts is moved by the fleet's play (deploy/ansible/playbooks/multinode-cutover.yml), which runs
-these commands host by host: ``cutover --check`` everywhere, then each worker host, then the
-head (``--no-rollback``), and on failure ``rollback --to`` the image they left, workers first.
+these commands host by host: ``cutover --check`` everywhere, ``canary`` on the head, then each
+worker host, then the head (``--no-rollback --canary-before``), and on failure ``rollback --to``
+the image they left, workers first.
 """
 
 from __future__ import annotations
