@@ -78,7 +78,8 @@ def test_the_play_moves_the_worker_host_then_the_head(fleet_group: FleetGroup):
 
 def test_a_broken_image_is_rolled_back_on_both_hosts(fleet_group: FleetGroup):
     g = fleet_group
-    run = g.move(BROKEN_IMAGE)
+    # The output canary is the first test's: here the gates fail before it would run.
+    run = g.move(BROKEN_IMAGE, multinode_canary=False)
     assert run.returncode != 0, run.output[-6000:]
     assert f"every node is back on {MTP_IMAGE}, gated" in run.output, run.output[-6000:]
     _on(g, MTP_IMAGE)
@@ -113,7 +114,8 @@ def test_a_worker_host_lost_mid_move_stops_the_play_then_a_second_run_rejoins(
     watcher = threading.Thread(target=lose_the_worker_host, daemon=True)
     watcher.start()
     try:
-        run = g.move(OFF_IMAGE, multinode_allow_no_mtp=True)
+        # Without the canary's record first: the host is lost at the worker's first step.
+        run = g.move(OFF_IMAGE, multinode_allow_no_mtp=True, multinode_canary=False)
     finally:
         done.set()
         watcher.join(timeout=30)
