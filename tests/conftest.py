@@ -165,25 +165,21 @@ def api_key_engine() -> Iterator[local.LocalEngine]:
 
 # Two streams (scripts/test.sh runs both at once, one pytest each: `--stream machines`, `--stream
 # host`). Each process has its own session fixtures, so a fixture must live in ONE stream or it
-# starts twice: the booted systemd machines (the shared instance, the fleet's two hosts and the
-# group across them) and the soak in one; the session's local engines, the Docker tier, the
-# one-host multi-node pair and the tests with engines of their own only (free to run in either)
-# in the other, so that both take about as long (measured side by side at the end of every run;
-# ci13 ran machines 24.6 min against host 19.6 before the last of these moved to the host).
+# starts twice: the booted systemd machines (the shared instance, the one-host multi-node pair)
+# in one; the session's local engines, the Docker tier and the fleet's two hosts (with the group
+# across them) in the other. The soak and the tests that start engines of their own only go with
+# the machines, early, so that both take about as long. The fleet runs last and mostly alone:
+# with it in the machines stream beside the one-host pair and the session's engines (ci13, ci14)
+# its tier took 11-14 minutes instead of 8.6, and the whole run longer.
 STREAMS = ("machines", "host")
 
 
 def stream(item: pytest.Item) -> str:
-    """The stream of a test: ``machines`` for systemd tests (the fleet's included, whose hosts
-    the cross-host group shares) except the one-host multi-node pair's, and for the soak tier;
-    else ``host``."""
+    """The stream of a test: ``machines`` for systemd tests except the fleet's, for the soak tier
+    and for tests with engines of their own only, else ``host``."""
     kw = item.keywords
-    if "fleet" in kw:
-        return "machines"
-    if "multinode" in kw and "systemd" in kw:
-        # 8 minutes of its own machine: it balances the fleet's tier in the other stream.
-        return "host"
-    return "machines" if "systemd" in kw or "soak" in kw else "host"
+    alone = "soak" in kw or "own_engines" in kw
+    return "machines" if ("systemd" in kw and "fleet" not in kw) or alone else "host"
 
 
 def pytest_configure(config) -> None:
@@ -209,9 +205,9 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
         config.hook.pytest_deselected(items=[i for i in items if i.nodeid in theirs])
         items[:] = [i for i in items if i.nodeid not in theirs]
     # Within a stream: what needs no image first (the other stream may be building them), the
-    # fleet and the multi-node pairs last; tests that need the pre-MTP image (the last one
-    # built) after the others. sort() is stable: collection order within each rank.
-    rank = {"fleet": 2, "multinode": 2, "docker": 1}
+    # fleet last; tests that need the pre-MTP image (the last one built) after the others.
+    # sort() is stable: collection order within each rank.
+    rank = {"fleet": 2, "docker": 1}
     items.sort(
         key=lambda i: (
             next((r for k, r in rank.items() if k in i.keywords), 0),

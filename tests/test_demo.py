@@ -16,6 +16,8 @@ pytestmark = pytest.mark.engine
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 
 
+# Its own engine only: the machines stream runs it (tests/conftest.py), early.
+@pytest.mark.own_engines
 def test_demo_json_records_add_up_to_the_engines_counter_deltas(tmp_path):
     """One embedded engine, as the README's command starts it: the JSON record on stdout, the
     HTML report beside it (its figures against the record: tests/test_reports.py)."""

@@ -20,6 +20,8 @@ from appliance.engine import local
 pytestmark = pytest.mark.engine
 
 
+# Its own engine only: the machines stream runs it (tests/conftest.py), early.
+@pytest.mark.own_engines
 def test_imported_cache_serves_target_and_mtp_drafter_offline(tmp_path, local_hub):
     token_file = tmp_path / "hf-token"
     token_file.write_text(HUB_TOKEN)
