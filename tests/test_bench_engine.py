@@ -271,6 +271,20 @@ def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):
     assert "acceptance not compared: the baseline does not draft" in res.output
 
 
+@contextlib.contextmanager
+def _environ_kept():
+    """This process's environment as it was, after vLLM code run in-process: its CPU platform
+    writes ``os.environ`` while it builds a config (VLLM_WORKER_MULTIPROC_METHOD=spawn,
+    LD_PRELOAD, ...), and every engine this process starts afterwards inherited it (ci14:
+    `appliance local serve` then spawned its engine core, with a resource tracker beside it)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def test_tune_writes_a_schedule_that_vllms_config_applies(
     mtp_engine, baseline_engine, tmp_path, monkeypatch
 ):
@@ -316,7 +330,8 @@ def test_tune_writes_a_schedule_that_vllms_config_applies(
     )
     validate_parsed_serve_args(ns)
     ns.model = ns.model_tag
-    config = AsyncEngineArgs.from_cli_args(ns).create_engine_config()
+    with _environ_kept():
+        config = AsyncEngineArgs.from_cli_args(ns).create_engine_config()
     spec = config.speculative_config
     schedule = [list(e) for e in spec.num_speculative_tokens_per_batch_size]
     assert schedule == out["num_speculative_tokens_per_batch_size"]
