@@ -11,6 +11,7 @@ head untouched, and a second run once the host is back brings the group together
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 
@@ -27,8 +28,6 @@ def _ok(run) -> None:
 
 
 def _image_id(ref: str) -> str:
-    import subprocess
-
     out = subprocess.run(
         ["docker", "image", "inspect", "--format", "{{.Id}}", ref],
         capture_output=True,

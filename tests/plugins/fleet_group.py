@@ -12,7 +12,7 @@ are its own host's: what the play moves is two hosts' state, reached only throug
 from __future__ import annotations
 
 import dataclasses
-import shutil
+import json
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +25,7 @@ from appliance.engine.local import free_port
 from appliance.host import envfile
 
 from .fleet import OFF_IMAGE, VENV_BIN, Fleet, FleetHost
-from .multinode import PROFILE, VLLM_CACHE
+from .multinode import PROFILE, VLLM_CACHE, remove_group
 
 GROUP = "xhost"
 START_TIMEOUT = 600
@@ -62,8 +62,6 @@ class FleetGroup:
 
     def history(self, role: str) -> list[dict]:
         """The node's host's record of the group (read inside the machine, not over SSH)."""
-        import json
-
         proc = self.node(role).machine.run(
             str(VENV_BIN / "appliance"), "history", GROUP, "--json", check=False
         )
@@ -99,16 +97,6 @@ class FleetGroup:
         return specdecode.parse(text).total()
 
 
-def _remove() -> None:
-    for role in multinode.ROLES:
-        subprocess.run(
-            ["docker", "rm", "--force", multinode.container_name(GROUP, role)],
-            capture_output=True,
-            check=False,
-        )
-    shutil.rmtree(f"{multinode.RPC_DIR}/{GROUP}", ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def fleet_group(fleet_hosts: Fleet) -> Iterator[FleetGroup]:
     """Group ``xhost`` installed on both hosts and serving ``OFF_IMAGE`` (the MTP engine with
@@ -129,7 +117,7 @@ def fleet_group(fleet_hosts: Fleet) -> Iterator[FleetGroup]:
     )
     VLLM_CACHE.mkdir(parents=True, exist_ok=True)
     group = FleetGroup(fleet_hosts, head, worker, port)
-    _remove()
+    remove_group(GROUP)
     try:
         nodes = ((head, multinode.Node(("head",))), (worker, multinode.Node(("worker",), 1)))
         for host, node in nodes:
@@ -148,4 +136,4 @@ def fleet_group(fleet_hosts: Fleet) -> Iterator[FleetGroup]:
     finally:
         head.machine.systemctl("stop", group.unit("head"), check=False, timeout=180)
         worker.machine.systemctl("stop", group.unit("worker"), check=False, timeout=180)
-        _remove()
+        remove_group(GROUP)

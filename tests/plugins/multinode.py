@@ -220,14 +220,19 @@ def multinode_group(appliance_images, docker_engine) -> Iterator[Group]:
         finally:
             m.systemctl("stop", group.worker, group.head, check=False, timeout=180)
             m.poweroff()
-            for role in multinode.ROLES:
-                subprocess.run(
-                    ["docker", "rm", "--force", multinode.container_name(GROUP, role)],
-                    capture_output=True,
-                    check=False,
-                )
-            # The zmq socket folder the CPU group's containers shared (on the host: its dockerd).
-            shutil.rmtree(f"{multinode.RPC_DIR}/{GROUP}", ignore_errors=True)
+            remove_group(GROUP)
+
+
+def remove_group(group: str) -> None:
+    """What a CPU group leaves on the host's dockerd: its containers, and the zmq socket folder
+    they shared."""
+    for role in multinode.ROLES:
+        subprocess.run(
+            ["docker", "rm", "--force", multinode.container_name(group, role)],
+            capture_output=True,
+            check=False,
+        )
+    shutil.rmtree(f"{multinode.RPC_DIR}/{group}", ignore_errors=True)
 
 
 def host_path(m: nspawn.Machine, path: str) -> Path:
