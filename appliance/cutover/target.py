@@ -204,17 +204,19 @@ def expect(inst: Instance, image: ImageInfo, api_key: str | None) -> gates.Expec
 def restart_and_wait(
     ctx: Context, unit: str, expect: gates.Expect, timeout: float, *, restart: bool = True
 ) -> list[Gate]:
-    """Restart ``unit`` and gate it; ``restart=False`` gates the engine already running (any
-    start counts)."""
+    """Restart ``unit`` (a job still pending on it settled first, within ``timeout``) and gate
+    it; ``restart=False`` gates the engine already running (any start counts)."""
     if restart:
         ctx.progress(f"restarting {unit}")
-        expect = dataclasses.replace(expect, previous_invocation=ctx.systemd.invocation_id(unit))
         try:
+            ctx.systemd.settle(unit, timeout)
+            previous = ctx.systemd.invocation_id(unit)
             ctx.systemd.restart(unit)
         except SystemdError as exc:
             raise gates.GateFailed(
                 "restart", str(exc), [Gate("restart", False, 0.0, str(exc))]
             ) from exc
+        expect = dataclasses.replace(expect, previous_invocation=previous)
     return gates.wait(
         ctx.systemd,
         expect,

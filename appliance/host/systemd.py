@@ -73,6 +73,17 @@ class Systemd:
         self.reset_failed(unit)
         self._check("systemctl", "restart", "--no-block", unit)
 
+    def settle(self, unit: str, timeout: float) -> None:
+        """Stop ``unit`` if a job is pending on it (waiting at most ``timeout`` seconds), so that
+        the next restart is one job of its own.
+
+        A restart queued while an earlier start job runs (a killed cutover's, say) is merged
+        into it and re-run as a restart: systemd stops the start just begun, and a gate that
+        read the unit before would take the next start for a crash. A blocking stop cancels
+        the pending job and returns once the unit is down."""
+        if self.state(unit).job:
+            self._check("systemctl", "stop", unit, timeout=timeout)
+
     def reset_failed(self, unit: str) -> None:
         """Clear ``unit``'s failed state and its start-limit count (a unit systemd does not
         know, or one not failed, is left as it is)."""

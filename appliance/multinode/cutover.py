@@ -258,18 +258,20 @@ def _write_all(plan: GroupTarget, content: Mapping[str, bytes]) -> None:
         raise
 
 
-def _restart(ctx: Context, plan: GroupTarget) -> dict[str, str]:
-    """Restart the group in order; returns the InvocationID of every unit before it."""
+def _restart(ctx: Context, plan: GroupTarget, timeout: float) -> dict[str, str]:
+    """Restart the group in order (jobs still pending on its units settled first, within
+    ``timeout``); returns the InvocationID of every unit before it."""
     g = plan.name
     before = {}
-    for h in plan.hosts:
-        for role in h.node.roles:
-            before[f"{h.name}/{role}"] = h.systemd.invocation_id(unit_name(g, role))
-            # Every unit the restart reaches, not only the one restarted: a head restarted
-            # through its worker (PartOf=) would count this start against its start limit, and
-            # a cutover and its rollback would leave it one worker death from `failed`.
-            h.systemd.reset_failed(unit_name(g, role))
     try:
+        for h in plan.hosts:
+            for role in h.node.roles:
+                h.systemd.settle(unit_name(g, role), timeout)
+                before[f"{h.name}/{role}"] = h.systemd.invocation_id(unit_name(g, role))
+                # Every unit the restart reaches, not only the one restarted: a head restarted
+                # through its worker (PartOf=) would count this start against its start limit,
+                # and a cutover and its rollback would leave it one worker death from `failed`.
+                h.systemd.reset_failed(unit_name(g, role))
         for h in plan.workers:
             ctx.progress(f"restarting {unit_name(g, 'worker')} on {h.name}")
             h.systemd.restart(unit_name(g, "worker"))
@@ -296,7 +298,7 @@ def _gates(
     """Restart the group (unless ``restart`` is False: any start counts) and run the gates on
     the head, then check every worker."""
     t0 = time.monotonic()
-    before = _restart(ctx, plan) if restart else {}
+    before = _restart(ctx, plan, timeout) if restart else {}
     head = plan.head
     passed = [] if head is None else _head_gates(ctx, plan, head, image, api_key, timeout, before)
     for h in plan.hosts:
