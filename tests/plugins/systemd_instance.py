@@ -113,11 +113,12 @@ class SystemdInstance:
         return int(self.show("MainPID") or 0)
 
     def restart(self, timeout: float = START_TIMEOUT) -> None:
-        """``systemctl restart`` and wait until active (= /health 200, ExecStartPost)."""
+        """``systemctl restart`` and wait until a new start is active (= /health 200,
+        ExecStartPost): the first ``active`` after the restart could still be the old start."""
+        previous = self.show("InvocationID")
         self.machine.systemctl("reset-failed", self.unit, check=False)
         self.machine.systemctl("restart", "--no-block", self.unit)
-        time.sleep(1)
-        self.machine.wait_active(self.unit, timeout=timeout)
+        self.wait_restarted(previous, timeout=timeout)
 
     def wait_restarted(self, previous_invocation: str, timeout: float = START_TIMEOUT) -> None:
         """Wait until a start newer than ``previous_invocation`` is active (serving)."""
