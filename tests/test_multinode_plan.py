@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,26 @@ PROFILE = "cpu-tiny-mtp-2node"
 
 
 def _plugin():
+    """The filters as plain Python, as the plugin says tests load it. Not through ansible-core,
+    which the fleet extra installs: importing it patches ``sys.intern`` for this whole process,
+    and torch (imported in-process by a later test) then fails with "substitute_in_graph expects
+    a function" (seen: the fast tier alone, tests/test_devmodel.py)."""
     spec = importlib.util.spec_from_file_location("gemma4_multinode_filters", PLUGIN)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    held = sys.modules.get("ansible", _ABSENT)
+    sys.modules["ansible"] = None  # type: ignore[assignment]  # `import ansible.x` -> ImportError
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if held is _ABSENT:
+            del sys.modules["ansible"]
+        else:
+            sys.modules["ansible"] = held
     return mod
+
+
+_ABSENT = object()
 
 
 _FILTERS = _plugin()
