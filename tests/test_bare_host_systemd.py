@@ -19,18 +19,19 @@ left at `/`:
    exactly what they held before `appliance install`.
 
 What stands in for something real, and why: no package index is reachable from these machines,
-so pip installs the wheel with `--no-index --no-deps`, and the declared dependencies are linked
+so pip installs the wheel with `--no-index --no-deps`, and the declared dependencies are copied
 from the suite's environment (same Debian, same Python 3.11; tests/test_packaging.py proves that
-set is the whole of what the package imports). Docker is the host's engine, bound in (nspawn.py).
-The cutover runs without the output canary: its gate is tested on the shared instance
-(tests/test_cutover_systemd.py) and costs a canary run on a second engine here.
+set is the whole of what the package imports) into a folder bound in outside /tmp: wherever the
+suite's venv lies, the units (PrivateTmp=yes) see them as they would see a host's own venv.
+Docker is the host's engine, bound in (nspawn.py). The cutover runs without the output canary:
+its gate is tested on the shared instance (tests/test_cutover_systemd.py) and costs a canary run
+on a second engine here.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sysconfig
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from pathlib import Path
 import httpx
 import pytest
 from plugins import nspawn
-from plugins.systemd_instance import MTP_IMAGE, START_TIMEOUT, VLLM_CACHE
+from plugins.systemd_instance import MTP_IMAGE, START_TIMEOUT
 from test_artifact import build_wheel
 from test_packaging import dependency_links
 
@@ -49,6 +50,7 @@ from appliance.observability import scrape
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
 
+VLLM_CACHE = nspawn.vllm_cache_dir("barehost")
 NAME = "bare"
 PROFILE = "cpu-tiny-mtp"
 GPU_PROFILE = "l4x4-31b-mtp"
@@ -101,14 +103,12 @@ def bare_host(appliance_images, tmp_path_factory) -> Iterator[BareHost]:
     assert CUTOVER_IMAGE in appliance_images["cpu-mtp"].tags
     tmp = tmp_path_factory.mktemp("bare-host")
     wheel = build_wheel(tmp)
-    links = dependency_links(tmp / "site")
-    site = sysconfig.get_paths()["purelib"]  # where the links point
+    dependencies = dependency_links(tmp / "site", copy=True)
     model_dir = devmodel.cached("copy").root
     VLLM_CACHE.mkdir(parents=True, exist_ok=True)
     binds = [
         (str(wheel.parent), ARTIFACT),
-        (str(links), DEPENDENCIES),
-        (site, site),
+        (str(dependencies), DEPENDENCIES),
         (str(model_dir), str(model_dir)),
         (str(VLLM_CACHE), str(VLLM_CACHE)),
     ]
