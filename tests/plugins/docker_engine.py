@@ -42,6 +42,17 @@ def machine_lock(name: str) -> Iterator[None]:
         yield
 
 
+def inspect_container(name: str, fmt: str) -> str:
+    """``docker inspect --format FMT NAME`` on the host's engine; raises when it fails (no such
+    container included): a read that failed never passes for a value."""
+    proc = subprocess.run(
+        ["docker", "inspect", "--format", fmt, name], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"docker inspect {name} exited {proc.returncode}: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
 def _answers(timeout: float = 2.0) -> bool:
     import docker.errors
 

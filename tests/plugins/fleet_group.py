@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -24,8 +23,12 @@ from appliance import devmodel, multinode, profiles, specdecode, units
 from appliance.engine.local import free_port
 from appliance.host import envfile
 
+from . import nspawn
+from .docker_engine import inspect_container
 from .fleet import OFF_IMAGE, VENV_BIN, Fleet, FleetHost
-from .multinode import PROFILE, VLLM_CACHE, remove_group
+from .multinode import PROFILE, remove_group
+
+VLLM_CACHE = nspawn.vllm_cache_dir("fleet-group")
 
 GROUP = "xhost"
 START_TIMEOUT = 600
@@ -51,14 +54,9 @@ class FleetGroup:
         return envfile.read(path).get(envfile.IMAGE_KEY)
 
     def container(self, role: str, fmt: str = "{{.Image}}") -> str:
-        """``docker inspect`` of the node's container (empty when there is none)."""
-        proc = subprocess.run(
-            ["docker", "inspect", "--format", fmt, multinode.container_name(GROUP, role)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        return proc.stdout.strip()
+        """``docker inspect`` of the node's container; raises when it cannot be read (no such
+        container included), so two failed reads never compare equal."""
+        return inspect_container(multinode.container_name(GROUP, role), fmt)
 
     def history(self, role: str) -> list[dict]:
         """The node's host's record of the group (read inside the machine, not over SSH)."""

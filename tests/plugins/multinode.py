@@ -50,7 +50,7 @@ DERIVED_TAG = "0.32.0-mtp-b"
 DERIVED_IMAGE = f"{DERIVED_REPO}:{DERIVED_TAG}"
 BUILD_DIGEST_LABEL = "io.gemma4-appliance.build-digest"
 START_TIMEOUT = 600.0
-VLLM_CACHE = nspawn.CACHE.parent / "multinode-vllm-cache"
+VLLM_CACHE = nspawn.vllm_cache_dir("multinode")
 
 
 def build_derived_image(client, parent_id: str) -> str:

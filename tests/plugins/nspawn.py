@@ -62,6 +62,15 @@ BASE_PACKAGES = (
 )
 CACHE = Path(os.environ.get("APPLIANCE_SYSTEM_CACHE", "/var/cache/gemma4-appliance")) / "nspawn"
 DOCKER_SOCKET = Path("/var/run/docker.sock")
+
+
+def vllm_cache_dir(fixture: str) -> Path:
+    """The vLLM compile cache of one fixture's engines, kept across runs on this machine. One
+    per fixture: engines of the same image and profile started at once by two fixtures (the
+    two streams run side by side) would write one compile directory."""
+    return CACHE.parent / "vllm-cache" / fixture
+
+
 MASKED_UNITS = (
     "console-getty.service",
     "dbus.service",

@@ -48,7 +48,7 @@ PRE_MTP_IMAGE = "gemma4-vllm:pre-mtp"
 BROKEN_IMAGE = "gemma4-vllm:0.32.0-mtp-broken"
 START_TIMEOUT = 600.0
 REPO = Path(__file__).resolve().parents[2]
-VLLM_CACHE = nspawn.CACHE.parent / "systemd-vllm-cache"
+VLLM_CACHE = nspawn.vllm_cache_dir("systest")
 APPLIANCE = str(Path(sys.executable).parent / "appliance")
 
 
