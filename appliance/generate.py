@@ -61,6 +61,7 @@ class Result:
 
 def sources() -> list[Source]:
     """Every source of generated files in the repository."""
+    from .multinode import examples as group_examples
     from .observability import generate as observability
     from .units import examples
 
@@ -75,7 +76,10 @@ def sources() -> list[Source]:
             "units",
             lambda: {
                 p: GeneratedFile(f.content, bool(f.mode & 0o100))
-                for p, f in examples.example_files().items()
+                for p, f in {
+                    **examples.example_files(),
+                    **group_examples.example_files(),
+                }.items()
             },
             examples.FOLDERS,
         ),

@@ -46,6 +46,7 @@ from test_packaging import dependency_links
 
 from appliance import devmodel, specdecode, units
 from appliance.engine.local import free_port
+from appliance.host.layout import Layout
 from appliance.observability import scrape
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
@@ -62,10 +63,6 @@ ARTIFACT = "/srv/artifact"
 DEPENDENCIES = "/srv/dependencies"
 TEXTFILE_DIR = "/var/lib/gemma4-appliance/metrics"
 NODE_EXPORTER = "prometheus-node-exporter.service"
-# What the machine's own life changes under the trees compared before and after (journals,
-# systemd's timestamps, apt's and Python's caches): not the appliance's doing.
-UNRELATED = ("var/lib/systemd/", "var/log/", "var/cache/", "var/lib/private/")
-TREES = ("etc", "usr/local", "var/lib")
 
 
 @dataclass
@@ -81,19 +78,6 @@ class BareHost:
 
     def sh(self, line: str, timeout: float = 900):
         return self.machine.run("sh", "-c", line, check=False, timeout=timeout)
-
-    def files(self) -> set[str]:
-        """Every path under the compared trees (type-tagged, so a file replaced by a link shows)."""
-        out = set()
-        for tree in TREES:
-            base = self.machine.root / tree
-            for path in base.rglob("*"):
-                rel = str(path.relative_to(self.machine.root))
-                if rel.startswith(UNRELATED) or "__pycache__" in rel:
-                    continue
-                kind = "l" if path.is_symlink() else "d" if path.is_dir() else "f"
-                out.add(f"{kind} {rel}")
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -193,11 +177,11 @@ def test_a_bare_host_becomes_a_monitored_gated_service_and_is_left_as_found(
     assert found["nvidia.driver"]["status"] == "blocker"
     assert "nvidia-smi not found" in found["nvidia.driver"]["message"]
     assert found["systemd"]["status"] == "ok" and found["user"]["status"] == "ok"
-    before = host.files()
+    before = m.files()
 
     # Install (the host check runs first, here for the CPU profile) and the line it prints.
     install = host.appliance(
-        "install", NAME, "--profile", PROFILE, "--image", MTP_IMAGE,
+        "instance", "install", NAME, "--profile", PROFILE, "--image", MTP_IMAGE,
         "--port", str(host.port), "--model-dir", str(host.model_dir),
         "--vllm-cache-dir", str(VLLM_CACHE),
     )  # fmt: skip
@@ -212,7 +196,7 @@ def test_a_bare_host_becomes_a_monitored_gated_service_and_is_left_as_found(
     assert enabled.returncode == 0, enabled.stdout + enabled.stderr
     m.wait_active(units.unit_name(NAME), timeout=START_TIMEOUT)
 
-    key = (m.root / units.paths(NAME).api_key).read_text().strip()
+    key = Layout(m.root).api_key_file(NAME).read_text().strip()
     resp = _chat(host, key)
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 8
@@ -250,7 +234,7 @@ def test_a_bare_host_becomes_a_monitored_gated_service_and_is_left_as_found(
     assert specdecode.parse(httpx.get(f"http://127.0.0.1:{host.port}/metrics").text).speculative
 
     # Uninstall --purge: the engine gone, the timer off, the trees as before install.
-    gone = host.appliance("uninstall", NAME, "--purge")
+    gone = host.appliance("instance", "uninstall", NAME, "--purge")
     assert gone.returncode == 0, gone.stdout + gone.stderr
     assert m.is_active(units.unit_name(NAME)) in ("inactive", "unknown")
     assert m.is_active(f"{units.STATE_UNIT}.timer") == "inactive"
@@ -258,6 +242,5 @@ def test_a_bare_host_becomes_a_monitored_gated_service_and_is_left_as_found(
         f"docker ps -a --filter name=^{units.container_name(NAME)}$ --format '{{{{.ID}}}}'"
     )
     assert ps.stdout.strip() == "", ps.stdout
-    after = host.files()
-    left, lost = sorted(after - before), sorted(before - after)
+    left, lost = m.compare(before)
     assert (left, lost) == ([], []), f"left behind: {left}; removed: {lost}"

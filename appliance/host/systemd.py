@@ -11,6 +11,7 @@ import os
 import shlex
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import ApplianceError
 
@@ -43,6 +44,16 @@ class Systemd:
     def from_env(cls) -> Systemd:
         """The prefix from ``APPLIANCE_SYSTEMD_PREFIX`` (shell words), empty when unset."""
         return cls(tuple(shlex.split(os.environ.get(PREFIX_ENV, ""))))
+
+    @classmethod
+    def for_root(cls, root: Path) -> Systemd | None:
+        """The systemd that runs the units of the tree under ``root``: the host's for ``/``,
+        the one ``APPLIANCE_SYSTEMD_PREFIX`` enters for another root (a machine's, seen from
+        the host); None for a tree with none named (a test tree, an image being built), where
+        a command touches nothing outside the tree."""
+        if Path(root) == Path("/") or os.environ.get(PREFIX_ENV, "").strip():
+            return cls.from_env()
+        return None
 
     def _run(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
         cmd = [*self.prefix, *args]

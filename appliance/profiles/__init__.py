@@ -18,6 +18,7 @@ import pydantic
 
 from .. import records
 from ..errors import UsageError
+from ..host.layout import Layout
 
 # Placeholder for the tiny dev model directory in CPU profiles; filled in at serve time.
 DEVMODEL = "{devmodel}"
@@ -301,9 +302,7 @@ def installed(root: Path | str, instance: str, name: str) -> Profile:
     """The profile instance ``instance`` serves, by the name its env file gives: the operator's
     copy installed next to it (``ENV_DIR/INSTANCE.profile.toml``) when there is one, else the
     shipped profile of that name."""
-    from ..host.names import profile_copy
-
-    copy = Path(root) / profile_copy(instance).lstrip("/")
+    copy = Layout(Path(root)).profile_copy(instance)
     if not copy.exists():
         return get(name)
     prof = load_file(copy)

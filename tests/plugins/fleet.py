@@ -38,6 +38,7 @@ import pytest
 from appliance import __version__, devmodel, units
 from appliance.engine.local import free_port
 from appliance.host import envfile
+from appliance.host.layout import Layout
 
 from . import nspawn
 from .docker_engine import CANARY_TEST_REPO, NO_MTP_TAG, inspect_container, machine_lock
@@ -73,7 +74,7 @@ class FleetHost:
         return self.machine.root
 
     def env_image(self) -> str | None:
-        return envfile.read(self.root / units.paths(self.instance).env).get(envfile.IMAGE_KEY)
+        return envfile.read(Layout(self.root).env_file(self.instance)).get(envfile.IMAGE_KEY)
 
     def container(self, fmt: str = "{{.Config.Image}}") -> str:
         """``docker inspect`` of the instance's container; raises when it cannot be read (no

@@ -36,6 +36,7 @@ from appliance import devmodel, units
 from appliance.engine.local import free_port
 from appliance.fsutil import write_atomic
 from appliance.host import envfile
+from appliance.host.layout import Layout
 
 from . import nspawn
 from .docker_engine import machine_lock
@@ -92,11 +93,11 @@ class SystemdInstance:
 
     @property
     def env_path(self) -> Path:
-        return self.root / units.paths(self.instance).env
+        return Layout(self.root).env_file(self.instance)
 
     @property
     def api_key(self) -> str:
-        return (self.root / units.paths(self.instance).api_key).read_text().strip()
+        return Layout(self.root).api_key_file(self.instance).read_text().strip()
 
     def image(self) -> str:
         return envfile.read(self.env_path).get(envfile.IMAGE_KEY) or ""
@@ -203,11 +204,11 @@ def _upgrade_from_the_old_layout(inst: SystemdInstance) -> Upgrade:
     exec_start = inst.show("ExecStart")
     served = inst.chat("before the upgrade", max_tokens=4).status_code
     key = inst.api_key
-    install = inst.appliance("install", inst.instance, "--profile", PROFILE)
+    install = inst.appliance("instance", "install", inst.instance, "--profile", PROFILE)
     if install.returncode != 0:
         raise nspawn.NspawnError(f"appliance install failed:\n{install.stderr}")
     env_after = envfile.read(inst.env_path).values
-    key_path = inst.root / units.paths(inst.instance).api_key
+    key_path = Layout(inst.root).api_key_file(inst.instance)
     key_path.write_bytes(key_path.read_bytes().strip() + b"\r\n")
     inst.machine.daemon_reload()
     inst.restart()
