@@ -1,7 +1,7 @@
 """The decisions of playbooks/multinode-cutover.yml, in Python (Ansible loads a role's filters).
 
-The play asks every host of a group for the preflight of its own nodes (`appliance multinode
-cutover GROUP IMAGE --check`, one JSON object per host); these filters turn those answers into
+The play asks every host of a group for the preflight of its own nodes (`appliance cutover
+GROUP IMAGE --check`, one JSON object per host); these filters turn those answers into
 the move, or refuse it with one line. They run on the controller, which need not have the
 appliance installed: plain Python, no import of it.
 """
