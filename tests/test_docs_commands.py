@@ -1,4 +1,4 @@
-"""Every `appliance` command line in the README and the gotchas parses as written.
+"""Every `appliance` command line in the README, the gotchas, the ADRs and docs/ parses as written.
 
 A line in a code block is a command an operator pastes: click parses it whole (the command path,
 every option, every argument), the way it would before running. An inline mention (`appliance
@@ -19,7 +19,10 @@ import pytest
 from appliance.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = [REPO / "README.md", *sorted((REPO / "gotchas").glob("*.md"))]
+DOCS = [
+    REPO / "README.md",
+    *(doc for folder in ("gotchas", "adr", "docs") for doc in sorted((REPO / folder).glob("*.md"))),
+]
 FENCE = re.compile(r"^```[a-z]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 INLINE = re.compile(r"`(appliance [^`]+)`")
 
@@ -38,14 +41,14 @@ def _lines() -> list[tuple[str, str, bool]]:
     """(file, command line, in a code block) for each appliance command in the docs."""
     out = []
     for doc in DOCS:
-        text = doc.read_text()
+        name, text = str(doc.relative_to(REPO)), doc.read_text()
         blocks = [m.group(1) for m in FENCE.finditer(text)]
         for block in blocks:
             for line in block.splitlines():
                 if line.strip().startswith("appliance "):
-                    out.append((doc.name, line.strip(), True))
+                    out.append((name, line.strip(), True))
         prose = FENCE.sub("", text)
-        out += [(doc.name, m.group(1), False) for m in INLINE.finditer(prose)]
+        out += [(name, m.group(1), False) for m in INLINE.finditer(prose)]
     return out
 
 
