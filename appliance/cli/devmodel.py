@@ -29,7 +29,7 @@ def devmodel_build(directory: Path, drafter: str, seed: int) -> None:
 
     \b
     Example:
-      appliance devmodel build ./tiny --drafter copy --seed 0
+      appliance dev devmodel build ./tiny --drafter copy --seed 0
       vllm serve ./tiny/target --speculative-config \\
         '{"method":"mtp","model":"./tiny/drafter","num_speculative_tokens":2}'
     """

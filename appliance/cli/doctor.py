@@ -28,8 +28,8 @@ def doctor(endpoint: Endpoint, no_generate: bool, as_json: bool) -> None:
 
     \b
     Examples:
-      appliance doctor 31b
-      appliance doctor --url http://127.0.0.1:8000 --profile cpu-tiny-mtp
+      appliance instance doctor 31b
+      appliance instance doctor --url http://127.0.0.1:8000 --profile cpu-tiny-mtp
     """
     report = lib.run(
         endpoint.url,

@@ -26,8 +26,8 @@ def generate(check: bool, repo: Path) -> None:
 
     \b
     Examples:
-      appliance generate            # after editing appliance/observability or a profile
-      appliance generate --check    # CI: fails on drift or hand edits
+      appliance dev generate          # after editing appliance/observability or a profile
+      appliance dev generate --check  # CI: fails on drift or hand edits
     """
     if check:
         gen.require_current(repo)
