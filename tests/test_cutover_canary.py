@@ -158,7 +158,7 @@ def test_an_instance_without_a_canary_has_no_canary_series(tmp_path):
 
 @pytest.mark.docker
 def test_an_old_engine_that_cannot_answer_the_canary_refuses_the_cutover_untouched(
-    mtp_instance, preflight_images
+    mtp_instance, preflight_images, restart_refused
 ):
     env = mtp_instance.env_path
     env.write_bytes(
@@ -168,7 +168,7 @@ def test_an_old_engine_that_cannot_answer_the_canary_refuses_the_cutover_untouch
     r = CliRunner().invoke(
         cli,
         ["cutover", "i1", preflight_images["mtp"], "--root", str(mtp_instance.root)],
-        env={"APPLIANCE_SYSTEMD_PREFIX": "/nonexistent/appliance-test/no-systemctl"},
+        env=restart_refused,
     )
     assert r.exit_code == 1, r.output
     error = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]

@@ -66,7 +66,8 @@ def test_status_and_the_state_metrics_read_the_groups_real_units(multinode_group
     not gemma4-vllm@GROUP (no such unit: it read `inactive`), so the state textfile carries the
     head's real state and Gemma4InstanceFailed can fire for a failed head."""
     g = multinode_group
-    monkeypatch.setenv("APPLIANCE_SYSTEMD_PREFIX", shlex.join(g.machine.enter_argv()))
+    for key, value in g.machine.tree_env().items():
+        monkeypatch.setenv(key, value)
     argv = ["status", GROUP, "--json", "--write-metrics", "--root", str(g.machine.root)]
     result = CliRunner().invoke(cli, argv)
     assert result.exit_code == 0, result.output
@@ -85,7 +86,7 @@ def test_a_hangup_during_the_gates_rolls_every_node_back(multinode_group):
     m = g.machine
     env_path = Layout(m.root).env_file(GROUP)
     before, old_id = env_path.read_bytes(), g.container_image_id("head")
-    env = dict(os.environ, APPLIANCE_SYSTEMD_PREFIX=shlex.join(m.enter_argv()))
+    env = dict(os.environ, **m.tree_env())
     # The canary is the cutover test's (below); here it would only delay the restart.
     argv = [APPLIANCE, "cutover", GROUP, g.derived_image, "--no-canary"]
     argv += ["--root", str(m.root)]
@@ -124,7 +125,7 @@ def test_cutover_moves_both_nodes_and_a_killed_rollback_is_recovered(multinode_g
     m = g.machine
     ctx = g.context()
     old_id = g.container_image_id("head")
-    env_vars = dict(os.environ, APPLIANCE_SYSTEMD_PREFIX=shlex.join(m.enter_argv()))
+    env_vars = dict(os.environ, **m.tree_env())
     run = {"env": env_vars, "cwd": REPO, "capture_output": True, "text": True}
     cut = [APPLIANCE, "cutover", GROUP, g.derived_image, "--timeout", "900"]
     moved = subprocess.run([*cut, "--root", str(m.root)], check=False, **run)
@@ -205,7 +206,7 @@ def test_uninstall_purge_of_the_group_leaves_the_machine_as_found(multinode_grou
     were before its install (the bare host's comparison). Last: the group is gone after it."""
     g = multinode_group
     m = g.machine
-    env = dict(os.environ, APPLIANCE_SYSTEMD_PREFIX=shlex.join(m.enter_argv()))
+    env = dict(os.environ, **m.tree_env())
     argv = [APPLIANCE, "uninstall", GROUP, "--purge", "--root", str(m.root)]
     gone = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, check=False)
     assert gone.returncode == 0, gone.stdout + gone.stderr

@@ -21,6 +21,7 @@ from ..cutover.status import status as get_status
 from ..errors import UsageError
 from ..host import lock as locks
 from ..host.layout import Layout
+from ..host.systemd import Systemd
 from .options import gate_options, root_option
 
 
@@ -31,7 +32,12 @@ def echo_progress(msg: str) -> None:
 
 
 def _context(root: Path, progress: bool = True) -> Context:
-    return Context(layout=Layout(root), progress=echo_progress if progress else (lambda _m: None))
+    # The tree's own systemd and Docker only: never the host's for a tree (host/reach.py).
+    return Context(
+        layout=Layout(root),
+        systemd=Systemd.of_tree(root),
+        progress=echo_progress if progress else (lambda _m: None),
+    )
 
 
 @click.command(name="cutover")
@@ -187,7 +193,7 @@ def status(name: str | None, write_metrics: bool, quiet: bool, json_: bool, root
     ctx = _context(root, progress=False)
     if write_metrics:
         # Cutovers write it too; between them only this refresh shows a unit that gave up.
-        written = cutover_metrics.write(layout, cutover_metrics.local_docker(), ctx.systemd)
+        written = cutover_metrics.write(layout, cutover_metrics.local_docker(root), ctx.systemd)
         click.echo(f"wrote {written}")
         if quiet:
             return

@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import labels, state_metrics
 from ..canary import baseline as baselines
 from ..errors import ApplianceError
-from ..host import envfile
+from ..host import envfile, reach
 from ..host.layout import Layout
 from . import history
 
@@ -96,13 +96,16 @@ def refresh(layout: Layout, systemd=None) -> Path | None:
     instance's series go (Prometheus would show it serving on). None when there is none."""
     if not layout.metrics_textfile().exists():
         return None
-    return write(layout, local_docker(), systemd)
+    return write(layout, local_docker(layout.root), systemd)
 
 
-def local_docker():
-    """A Docker client, or None when the engine cannot be reached (labels then read unknown)."""
+def local_docker(root: Path = Path("/")):
+    """The Docker client of the tree under ``root``, or None when it has none a command may ask
+    (host/reach.py) or the engine cannot be reached (labels then read unknown)."""
     import docker
 
+    if not reach.docker(root):
+        return None
     try:
         return docker.from_env()
     except docker.errors.DockerException:
