@@ -7,6 +7,7 @@ reviewer can diff two hosts' profiles field by field.
 
 from __future__ import annotations
 
+import functools
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -270,20 +271,50 @@ def load_file(path: Path | str) -> Profile:
     return from_dict(data, where=str(path.name))
 
 
-def _shipped() -> dict[str, tuple[Profile, str]]:
-    """Every shipped profile and its TOML text, by name."""
-    out: dict[str, tuple[Profile, str]] = {}
-    for entry in sorted(resources.files(__package__).joinpath("data").iterdir(), key=str):
-        if entry.name.endswith(".toml"):
+# Hand-made profiles (the CPU ones, MIG, multi-node) and the ones `appliance generate` writes
+# from the table (appliance/profiles/catalog.py): both ship, a name in one folder only.
+FOLDERS = ("data", "generated")
+
+
+@functools.cache
+def _shipped() -> dict[str, tuple[Profile, str, str]]:
+    """Every shipped profile, its TOML text and its folder, by name."""
+    out: dict[str, tuple[Profile, str, str]] = {}
+    for folder in FOLDERS:
+        entries = resources.files(__package__).joinpath(folder)
+        for entry in sorted(entries.iterdir(), key=str):
+            if not entry.name.endswith(".toml"):
+                continue
             text = entry.read_text()
-            prof = from_dict(tomllib.loads(text), where=entry.name)
-            out[prof.name] = (prof, text)
+            prof = from_dict(tomllib.loads(text), where=f"{folder}/{entry.name}")
+            if prof.name in out:
+                raise UsageError(f"profile {prof.name} ships twice ({out[prof.name][2]}, {folder})")
+            out[prof.name] = (prof, text, folder)
     return out
+
+
+def reload() -> None:
+    """Read the shipped profiles again (after ``appliance generate`` rewrote some)."""
+    _shipped.cache_clear()
 
 
 def all_profiles() -> dict[str, Profile]:
     """Every shipped profile, by name."""
-    return {name: prof for name, (prof, _) in _shipped().items()}
+    return {name: prof for name, (prof, _, _) in _shipped().items()}
+
+
+def examples() -> dict[str, Profile]:
+    """The shipped profiles whose units are committed as reviewed examples (systemd/): the
+    hand-made ones and the seed hosts' generated ones (the other generated profiles differ
+    from those in figures only)."""
+    from .generated import reference_names
+
+    keep = reference_names()
+    return {
+        name: prof
+        for name, (prof, _, folder) in _shipped().items()
+        if folder == "data" or name in keep
+    }
 
 
 def shipped_text(name: str) -> str:

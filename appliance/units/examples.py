@@ -1,7 +1,8 @@
 """The reviewed examples committed under ``systemd/``.
 
-:func:`example_files` renders them with :func:`render` for every shipped profile (instance named
-after it), so a reviewer reads exactly what ``appliance install`` writes: the one unit
+:func:`example_files` renders them with :func:`render` for the hand-made profiles and the seed
+hosts' generated ones (``profiles.examples``; instance named after the profile), so a reviewer
+reads exactly what ``appliance install`` writes: the one unit
 (``systemd/gemma4-vllm@.service``) and one env file and one args file per profile
 (``systemd/env/``, ``systemd/args/``); for a multi-node profile, what ``appliance multinode
 install`` writes (the head, worker and probe units, the group's env file, each role's args).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-from ..profiles import all_profiles
+from ..profiles import examples
 from .template import Options, RenderedFile, paths, render, state_units
 
 UNIT_DIR = "systemd"
@@ -29,7 +30,7 @@ EXAMPLE_OPTIONS = {"mig24-e4b-mtp": Options(gpus="device=0:0")}
 def example_files() -> dict[str, RenderedFile]:
     """Every example, keyed by its path in the repository."""
     out: dict[str, RenderedFile] = {}
-    for name, profile in sorted(all_profiles().items()):
+    for name, profile in sorted(examples().items()):
         if profile.multinode is not None:
             continue  # rendered by appliance.multinode (a head and a worker unit), not here
         p = paths(name)
@@ -49,7 +50,7 @@ def _multinode_files() -> dict[str, RenderedFile]:
     from .. import multinode  # it builds on this package
 
     out: dict[str, RenderedFile] = {}
-    for name, profile in sorted(all_profiles().items()):
+    for name, profile in sorted(examples().items()):
         if profile.multinode is None:
             continue
         for node in (multinode.Node(roles=("head",)), multinode.Node(roles=("worker",))):
