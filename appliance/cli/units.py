@@ -103,6 +103,8 @@ def install(
     """Install instance NAME: the shared unit and serve program, its env file (values kept),
     args file and API key (0600). Upgrades an instance installed by the old layout in place.
     Refuses, writing nothing, when `appliance host check` finds a blocker (unless --force).
+    Without --profile: the one the instance's env file names, or for a new instance on a GPU
+    host the one `appliance profiles suggest` puts first (said on stderr).
 
     \b
     Example:
@@ -110,6 +112,14 @@ def install(
       systemctl daemon-reload && systemctl enable --now gemma4-vllm@31b
     """
     checked: list[hostcheck.Report] = []
+    check = host_check or root == Path("/")
+    if profile is None and check and units.named_profile(root, instance) is None:
+        # This host's GPUs choose (under another --root only with --host-check: its GPUs are
+        # this host's then too).
+        profile, said = hostcheck.suggested(
+            f"instance {instance} names no profile", "say which: --profile NAME"
+        )
+        click.echo(said, err=True)
 
     def preflight(plan: units.Planned) -> None:
         command = f"appliance host check {instance} --profile {plan.profile.name}"
@@ -117,7 +127,6 @@ def install(
             command += f" --root {root}"
         checked.append(hostcheck.gate(plan, force=force, command=command))
 
-    check = host_check or root == Path("/")
     result = units.install(
         profile, instance, root=root, options=_options(kw), preflight=preflight if check else None
     )
