@@ -516,14 +516,15 @@ def gpu_of(gpu_name: str, nominal_gb: float) -> Gpu | None:
     return same[0] if same else identify(gpu_name) if gpu_name else None
 
 
-_SIZE = re.compile(r"gemma-4-(e2b|e4b|26b-a4b|31b)", re.IGNORECASE)
+# A Gemma 4 size in a repo name: "google/gemma-4-31B-it", "nvidia/Gemma-4-31B-IT-NVFP4".
+SIZE = re.compile(r"gemma-4-(e2b|e4b|26b-a4b|31b)", re.IGNORECASE)
 
 
 def of_profile(repo: str, drafter_matches: str = "", quantization: str | None = None):
     """The table's (model, checkpoint) a profile serves, by its model repo (or the checkpoint
     it was derived from); None when the table does not know it."""
     for name in (repo, drafter_matches):
-        found = _SIZE.search(name or "")
+        found = SIZE.search(name or "")
         if not found:
             continue
         m = model(found.group(1).lower())

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from .catalog import GIB, Attention, Checkpoint, Model
 
+DEFAULT_UTILIZATION = 0.90  # vLLM's gpu_memory_utilization when a profile leaves it unset
 OVERHEAD_GIB = 3.0  # per GPU: activations, CUDA graphs, CUDA context (an allowance)
 BLOCK = 16  # vLLM's KV block: a request's blocks round up, plus one for a window's start
 IN_FLIGHT_BATCHES = 2  # asynchronous scheduling with MTP: two batches in flight

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from . import catalog
 from .catalog import Checkpoint, Gpu, Model, Reference
-from .fit import SMALL_GPU_GIB, Fit, auto_batched_tokens, fit, tp_problem
+from .fit import DEFAULT_UTILIZATION, SMALL_GPU_GIB, Fit, auto_batched_tokens, fit, tp_problem
 
 FOLDER = "appliance/profiles/generated"
 CONTEXTS = (32768, 16384, 8192, 4096)
@@ -64,6 +64,22 @@ class Shape:
     fit: Fit
     reference: Reference | None = None
 
+    @classmethod
+    def of(cls, gpu: Gpu, count: int, m: Model, c: Checkpoint, args: dict, f: Fit, ref=None):
+        """The shape of ``args`` (as :func:`_choose` returns them) and its fit ``f``."""
+        return cls(
+            gpu,
+            count,
+            m,
+            c,
+            args["max_model_len"],
+            args["max_num_seqs"],
+            args["batched"],
+            args["utilization"],
+            f,
+            ref,
+        )
+
     @property
     def name(self) -> str:
         return profile_name(self.gpu.key, self.count, self.model.key, self.checkpoint.precision)
@@ -86,7 +102,7 @@ class Omitted:
 
 
 def _fit(shape_args: dict, gpu: Gpu, m: Model, c: Checkpoint, tp: int) -> Fit:
-    util = shape_args["utilization"] or 0.90  # vLLM's default when unset
+    util = shape_args["utilization"] or DEFAULT_UTILIZATION
     batched = shape_args["batched"] or auto_batched_tokens(gpu.memory_gib)
     return fit(
         m,
@@ -164,17 +180,7 @@ def _longer(gpu: Gpu, m: Model, c: Checkpoint, after: int) -> Shape | None:
         if chosen is not None and chosen[0]["max_model_len"] == CONTEXTS[0]:
             args, f = chosen
             if args["max_num_seqs"] >= MIN_SEQS:
-                return Shape(
-                    gpu,
-                    count,
-                    m,
-                    c,
-                    args["max_model_len"],
-                    args["max_num_seqs"],
-                    args["batched"],
-                    args["utilization"],
-                    f,
-                )
+                return Shape.of(gpu, count, m, c, args, f)
     return None
 
 
@@ -226,19 +232,7 @@ def _shape(gpu: Gpu, m: Model, c: Checkpoint) -> tuple[Shape | None, str]:
             f = _fit(args, gpu, m, c, count)
             if not f.fits:
                 raise TableError(f"reference {gpu.key}x{count} {m.key}: {f.line()}")
-        shape = Shape(
-            gpu,
-            count,
-            m,
-            c,
-            args["max_model_len"],
-            args["max_num_seqs"],
-            args["batched"],
-            args["utilization"],
-            f,
-            ref,
-        )
-        return shape, ""
+        return Shape.of(gpu, count, m, c, args, f, ref), ""
     return None, "does not fit: " + "; ".join(reasons)
 
 
@@ -280,7 +274,7 @@ def toml_text(s: Shape) -> str:
     lines += [
         "#",
         f"# Fit per GPU ({g.memory_gib:.1f} GiB usable of {g.nominal_gb:g} GB, at "
-        f"{s.utilization or 0.90:.2f}; {s.max_model_len} tokens x "
+        f"{s.utilization or DEFAULT_UTILIZATION:.2f}; {s.max_model_len} tokens x "
         + (
             f"{s.max_num_seqs} sequences):"
             if s.max_num_seqs

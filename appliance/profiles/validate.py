@@ -274,7 +274,7 @@ def estimated_fit(p: Profile, gpu_gib: float | None = None) -> memory.Fit | None
         m,
         c,
         gpu_gib=gib,
-        utilization=p.gpu_memory_utilization or 0.90,
+        utilization=p.gpu_memory_utilization or memory.DEFAULT_UTILIZATION,
         tp=max(p.tensor_parallel_size, 1),
         pp=max(p.pipeline_parallel_size, 1),
         max_model_len=p.max_model_len,
@@ -295,9 +295,6 @@ def _fits(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
             "when one max_model_len request does not fit)",
             "lower max_model_len, max_num_batched_tokens or max_num_seqs, or use more GPUs",
         )
-
-
-_SIZE = re.compile(r"gemma-4-(e2b|e4b|26b-a4b|31b)", re.IGNORECASE)
 
 
 def _basename(model: str) -> str:
@@ -339,7 +336,7 @@ def _drafter(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
             f"use the target's assistant ({expected}), or set drafter_matches to the model "
             "the drafter was trained for",
         )
-    sizes = {m.group(1).lower() for name in (p.model, target) if (m := _SIZE.search(name))}
+    sizes = {m.group(1).lower() for name in (p.model, target) if (m := catalog.SIZE.search(name))}
     if len(sizes) > 1:
         yield Finding(
             "error",
