@@ -257,7 +257,7 @@ def _comment(lines) -> list[str]:
 def _describe(s: Shape) -> str:
     m, c, g = s.model, s.checkpoint, s.gpu
     weights = {"bf16": "bf16", "fp8": "FP8 weights", "nvfp4": "NVFP4"}[c.precision]
-    on = f"{s.count}x {g.name.removeprefix('NVIDIA ')}"
+    on = f"{s.count}x {g.name.removeprefix('NVIDIA ')} {g.nominal_gb:g} GB"
     tp = f", TP={s.count}" if s.count > 1 else ""
     text_only = ", text-only" if c.language_model_only else ""
     k = s.value("k", m.k)
