@@ -35,7 +35,10 @@ from appliance.serve import argsfile, container, environment
 from appliance.units import engine_args, instance, template, timing
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = sorted(n for n, p in profiles.all_profiles().items() if p.multinode is None)
+# The profiles whose units are committed examples (the hand-made ones and the seed hosts');
+# the other generated profiles render the same units with other figures.
+SHIPPED = sorted(n for n, p in profiles.examples().items() if p.multinode is None)
+EVERY = sorted(n for n, p in profiles.all_profiles().items() if p.multinode is None)
 MIG = "mig24-e4b-mtp"
 
 
@@ -328,7 +331,7 @@ def test_args_carry_the_profile_flags_and_mtp_only_as_mtp_records():
 
 
 def test_args_records_are_the_profiles_exact_serve_arguments():
-    for name in SHIPPED:
+    for name in EVERY:
         prof = profiles.get(name)
         dm = "/models" if prof.uses_devmodel else None
         args = files_of_render(name, "e")["args"]

@@ -23,7 +23,7 @@ import httpx
 
 from .. import devmodel
 from ..errors import EngineError, UsageError
-from ..profiles import Profile, get
+from ..profiles import Profile, lookup
 
 # Nothing in the appliance may reach the internet at run time: no hub, no usage stats.
 OFFLINE_ENV = {
@@ -141,7 +141,7 @@ def serve(
     progress: Progress | None = None,
 ) -> Iterator[LocalEngine]:
     """Start the real vLLM for ``profile`` on 127.0.0.1, wait for ``/health``, yield, stop."""
-    prof = get(profile) if isinstance(profile, str) else profile
+    prof = lookup(profile) if isinstance(profile, str) else profile
     if prof.hardware.device != "cpu":
         raise UsageError(
             f"profile {prof.name} needs {prof.hardware.gpus}x {prof.hardware.gpu_name or 'GPU'}",

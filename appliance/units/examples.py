@@ -1,7 +1,8 @@
 """The reviewed examples committed under ``systemd/``.
 
-:func:`example_files` renders them with :func:`render` for every shipped profile (instance named
-after it), so a reviewer reads exactly what ``appliance install`` writes: the one unit
+:func:`example_files` renders them with :func:`render` for the hand-made profiles and the seed
+hosts' generated ones (``profiles.examples``; instance named after the profile), so a reviewer
+reads exactly what ``appliance install`` writes: the one unit
 (``systemd/gemma4-vllm@.service``) and one env file and one args file per profile
 (``systemd/env/``, ``systemd/args/``); a multi-node profile's group is
 :mod:`appliance.multinode.examples`.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-from ..profiles import all_profiles
+from ..profiles import examples
 from .template import REL, Options, RenderedFile, rel, render, state_units
 
 UNIT_DIR = "systemd"
@@ -29,7 +30,7 @@ EXAMPLE_OPTIONS = {"mig24-e4b-mtp": Options(gpus="device=0:0")}
 def example_files() -> dict[str, RenderedFile]:
     """Every single-node example and the state units, keyed by its path in the repository."""
     out: dict[str, RenderedFile] = {}
-    for name, profile in sorted(all_profiles().items()):
+    for name, profile in sorted(examples().items()):
         if profile.multinode is not None:
             continue  # a group: appliance.multinode.examples
         files = render(profile, name, EXAMPLE_OPTIONS.get(name))

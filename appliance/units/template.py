@@ -34,7 +34,7 @@ from ..host import envfile
 from ..host.layout import STATE_DIR, Layout
 from ..host.names import DATA_DIR, ENV_DIR, STATE_UNIT, UNIT_TEMPLATE, check_instance
 from ..host.values import check_gpus, check_host, check_path, check_port
-from ..profiles import Profile, get
+from ..profiles import PROFILE_NAME, Profile, get
 from ..profiles import validate as pv
 from ..serve import bundle
 from ..serve.argsfile import CONTROL, check_argument
@@ -49,7 +49,7 @@ APPLIANCE_BIN = "/usr/local/bin/appliance"
 DEFAULT_IMAGE = "gemma4-vllm:latest"
 
 # Docker container names and systemd instance names both; no dots first, no slashes.
-_PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_PROFILE_NAME = re.compile(PROFILE_NAME)  # the record's own rule; also for a replaced record
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 MODE_UNIT = 0o644

@@ -79,6 +79,11 @@ def write_tree(root: Path, files: dict[str, RenderedFile]) -> WriteResult:
     return result
 
 
+def named_profile(root: Path | str, instance: str) -> str | None:
+    """The profile an installed instance's env file names (None: not installed, or none)."""
+    return _existing_env(Path(root), instance).get(PROFILE_KEY) or None
+
+
 def _existing_env(root: Path, instance: str) -> dict[str, str]:
     path = Layout(root).env_file(instance)
     if not path.exists():
