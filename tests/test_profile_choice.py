@@ -66,6 +66,6 @@ def test_models_verify_takes_a_profile_file(tmp_path, mine):
 
 
 def test_local_serve_reads_a_profile_file_before_refusing_a_gpu_one(mine):
-    res = CliRunner().invoke(cli, ["local", "serve", "--profile", str(mine)])
+    res = CliRunner().invoke(cli, ["dev", "local", "serve", "--profile", str(mine)])
     assert res.exit_code == 2
     assert res.output.startswith("Error: profile mine-l4 needs 4x GPU")

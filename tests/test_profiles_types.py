@@ -161,7 +161,8 @@ def test_a_value_outside_its_range_is_refused_by_validate_and_install_alike(
     res = CliRunner().invoke(cli, ["profiles", "validate", "--file", str(path)])
     assert (res.exit_code, res.output) == (2, f"Error: x.toml{line}\n")
     root = tmp_path / "root"
-    res = CliRunner().invoke(cli, ["install", "t1", "--profile", str(path), "--root", str(root)])
+    argv = ["instance", "install", "t1", "--profile", str(path), "--root", str(root)]
+    res = CliRunner().invoke(cli, argv)
     assert (res.exit_code, res.output) == (2, f"Error: {path}{line}\n")  # the file as given
     assert not root.exists()
 
