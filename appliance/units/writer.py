@@ -331,8 +331,7 @@ def uninstall(
     held = locks.hold(lock_path, name, "uninstall") if lock_path.exists() else None
     with held or contextlib.nullcontext():
         if systemd is not None:
-            for unit in _enabled_units(shape):
-                systemd.stop_and_disable(unit)
+            systemd.stop_and_disable(*_enabled_units(shape))
         for path in mine + ([p for p in state if p != lock_path] if purge else []):
             _remove(path, result)
         for dropin in {p.parent for p in mine if p.parent.name.endswith(".service.d")}:
