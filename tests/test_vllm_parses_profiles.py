@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from appliance import labels, profiles
 from appliance.multinode import node_args
 from appliance.profiles import validate
-from appliance.serve.container import speculative_args
+from appliance.serve.container import queue_args, speculative_args
 from appliance.units import engine_args
 
 SHIPPED = sorted(profiles.all_profiles())
@@ -85,14 +85,20 @@ def vllm_serve() -> VllmServe:
 
 
 def _argvs(profile: profiles.Profile) -> dict[str, list[str]]:
-    """The engine's argv per node role, as the serve program runs it on an MTP image."""
+    """The engine's argv per node role, as the serve program runs it on an MTP image of the
+    vLLM here (0.32: the queue bound's flag too)."""
     address = ["--host", profile.host, "--port", str(profile.port)]
     if profile.multinode is None:
         runs = {"single": engine_args.serve_args(profile, [])}
     else:
         runs = {role: node_args(profile, role, 1, "g") for role in ("head", "worker")}
     return {
-        role: [*args.serve, *address, *speculative_args(args, MTP_IMAGE_LABELS)[0]]
+        role: [
+            *args.serve,
+            *address,
+            *speculative_args(args, MTP_IMAGE_LABELS)[0],
+            *queue_args(args, MTP_IMAGE_LABELS)[0],
+        ]
         for role, args in runs.items()
     }
 
@@ -109,6 +115,8 @@ def test_vllm_reads_every_shipped_profiles_arguments(vllm_serve, name):
         assert ea.pipeline_parallel_size == profile.pipeline_parallel_size
         assert ea.max_model_len == profile.max_model_len
         assert ea.max_num_seqs == profile.max_num_seqs
+        # vLLM's admission bound (vllm/config/scheduler.py max_num_queued_reqs, PR #49445).
+        assert ea.max_num_queued_reqs == profile.queue_bound
         assert ea.quantization == profile.quantization
         assert ea.kv_cache_dtype == (profile.kv_cache_dtype or "auto")
         assert ea.enforce_eager == profile.enforce_eager

@@ -25,6 +25,13 @@ DEVMODEL = "{devmodel}"
 # A driver version as nvidia-smi prints it ("575.51.03"), or empty (not stated).
 DriverVersion = Annotated[str, pydantic.StringConstraints(pattern=r"^(\d+(\.\d+)*)?$")]
 Gib = Annotated[float, pydantic.Field(ge=0)]
+Positive = Annotated[int, pydantic.Field(ge=1)]
+
+# The engine's queue bound (vLLM's --max-num-queued-reqs, in vLLM since 0.29, PR #49445) counts
+# requests in flight, running and waiting (vllm/config/scheduler.py, max_num_queued_reqs). Twice
+# max_num_seqs: a full batch running and one more waiting, so a request that is let in waits at
+# most about one request's time; past it vLLM answers 503 at once (gotchas/queue-bound.md).
+QUEUE_PER_SEQUENCE = 2
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,8 @@ class Profile:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    # The queue bound, when not QUEUE_PER_SEQUENCE x max_num_seqs (see :attr:`queue_bound`).
+    max_num_queued_reqs: Positive | None = None
     gpu_memory_utilization: float | None = None
     kv_cache_dtype: str | None = None
     quantization: str | None = None
@@ -144,6 +153,18 @@ class Profile:
     @property
     def uses_devmodel(self) -> bool:
         return DEVMODEL in self.model
+
+    @property
+    def queue_bound(self) -> int | None:
+        """Requests the engine holds at most, running and waiting, before it answers 503: the
+        explicit ``max_num_queued_reqs``, else ``QUEUE_PER_SEQUENCE`` x ``max_num_seqs``; None
+        (vLLM's unbounded queue) when the profile states neither, since vLLM's own
+        ``max_num_seqs`` then depends on the device it finds."""
+        if self.max_num_queued_reqs is not None:
+            return self.max_num_queued_reqs
+        if self.max_num_seqs is not None:
+            return QUEUE_PER_SEQUENCE * self.max_num_seqs
+        return None
 
     def serve_args(
         self,
@@ -194,6 +215,14 @@ class Profile:
             return []
         dm = str(devmodel) if devmodel is not None else None
         return ["--speculative-config", self.speculative.to_json(dm)]
+
+    def queue_args(self) -> list[str]:
+        """``--max-num-queued-reqs`` (vLLM >= 0.29) when the profile has a :attr:`queue_bound`.
+
+        Apart from :meth:`serve_args`, like the MTP flags: an older vLLM refuses the flag, so the
+        serve program passes it only to an image whose labelled vLLM has it."""
+        bound = self.queue_bound
+        return [] if bound is None else ["--max-num-queued-reqs", str(bound)]
 
     def per_request_metrics_args(self) -> list[str]:
         """``--per-request-spec-decode-metrics`` (vLLM >= 0.32), only with speculative decoding."""
