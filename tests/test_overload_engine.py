@@ -1,16 +1,23 @@
-"""Overload against a real CPU engine started with a queue bound (issue 46 §3).
+"""Overload, and a k schedule read back, against a real CPU engine of their own (issue 46).
 
 A burst several times what the engine holds: the excess is turned away with vLLM's 503 while
 the requests let in wait, every request let in is answered in full, nothing hangs past its
 deadline, and the engine serves afterwards. The agent marks a turned-away call and counts it;
-``bench --concurrency`` counts rejections per level.
+``bench --concurrency`` counts rejections per level. ``tune --verify`` reads the engine's
+per-batch-size k schedule back from its draft counters.
 
-The bound is set at start (``--max-num-queued-reqs``), so these tests start one engine of their
-own: ``max_num_seqs`` 2, the profile's derived bound of 4. Which requests vLLM lets in depends on
-when each arrives against when earlier ones finish; to make the count exact, the engine's
-scheduler is held (vLLM's own dev-mode ``POST /pause?mode=keep``, which keeps the requests let in
-waiting and runs nothing, vllm/entrypoints/rl/online/api_router.py) while the burst arrives, then
-released. A second burst runs unheld, as traffic does, and prints its figures.
+The bound and the schedule are set at start (``--max-num-queued-reqs``, the speculative
+config), so these tests start one engine of their own: ``max_num_seqs`` 2, the profile's derived
+bound of 4, and k=2 with the schedule [[1, 1, 1], [2, 2, 2]] (one draft token alone, two in a
+pair). The CPU build runs the V1 model runner, which hands the scheduler's k to the Gemma 4
+drafter every step (``propose(num_speculative_tokens=...)`` in
+vllm/v1/worker/gpu_model_runner.py, read by vllm/v1/spec_decode/llm_base_proposer.py).
+
+Which requests vLLM lets in depends on when each arrives against when earlier ones finish; to
+make the count exact, the engine's scheduler is held (vLLM's own dev-mode ``POST
+/pause?mode=keep``, which keeps the requests let in waiting and runs nothing,
+vllm/entrypoints/rl/online/api_router.py) while the burst arrives, then released. A second burst
+runs unheld, as traffic does, and prints its figures.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import json
 import statistics
 import time
 from collections.abc import Iterator
@@ -25,14 +33,16 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from click.testing import CliRunner
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry
 
-from appliance import agent, profiles
-from appliance.bench import concurrency, prompts, report, runner
+from appliance import agent, profiles, specdecode
+from appliance.bench import concurrency, prompts, report, runner, tune
+from appliance.cli import cli
 from appliance.engine import local
 from appliance.errors import OverloadedError
 from appliance.vllm_client import Generation, VLLMClient
@@ -49,9 +59,19 @@ PROMPT = "Tell me about the sea."
 BUSY = "The engine is currently busy and cannot accept new requests."  # vllm/exceptions.py
 
 
+SCHEDULE = ((1, 1, 1), (2, SEQS, 2))
+
+
+def scheduled() -> profiles.Profile:
+    """cpu-tiny-mtp with the schedule: what ``appliance tune --write`` would make of it."""
+    base = profiles.get("cpu-tiny-mtp")
+    spec = dataclasses.replace(base.speculative, num_speculative_tokens_per_batch_size=SCHEDULE)
+    return dataclasses.replace(base, name="cpu-tiny-mtp-scheduled", speculative=spec)
+
+
 @pytest.fixture(scope="module")
 def bounded() -> Iterator[local.LocalEngine]:
-    base = profiles.get("cpu-tiny-mtp")
+    base = scheduled()
     prof = dataclasses.replace(
         base,
         name="cpu-tiny-mtp-bounded",
@@ -234,3 +254,29 @@ def test_bench_counts_the_requests_turned_away_per_level(bounded):
     assert d["time_to_rejection_s"]["n"] == level - BOUND
     table = report.markdown("concurrency", concurrency.ConcurrencyResult(ep, [result]))
     assert f"| {level} | {BOUND} | {level - BOUND} | {BOUND * MAX_TOKENS} |" in table
+
+
+def test_tune_verify_reads_the_schedule_back_from_the_draft_counters(bounded, tmp_path):
+    prof = scheduled()
+    path = tmp_path / "scheduled.toml"
+    path.write_text(tune.with_schedule_text(profiles.shipped_text("cpu-tiny-mtp"), prof))
+    args = ["tune", "--url", bounded.url, "--profile", str(path), "--verify", "--json"]
+    args += ["--concurrency", "1", "--requests", "2", "--limit", "1", "--max-tokens", "32"]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    (alone,) = json.loads(res.stdout)["levels"]
+    # Alone the schedule says k=1 (k=2 unscheduled): every draft was one token.
+    assert (alone["verdict"], alone["k_at"], alone["drafted_per_step"]) == ("follows", 1, 1.0)
+    # The control: the same engine drafts two tokens a step in a pair (both held, then run
+    # together from their first step), as the schedule says there; so one alone is the schedule
+    # at work, not a drafter that only ever drafts one.
+    with VLLMClient(bounded.url, timeout=DEADLINE_S) as client:
+        before = client.snapshot()
+        with concurrent.futures.ThreadPoolExecutor(SEQS) as pool:
+            with held(bounded.url):
+                pair = [pool.submit(_ask, client) for _ in range(SEQS)]
+            assert all(isinstance(f.result(timeout=DEADLINE_S), Generation) for f in pair)
+        moved = specdecode.delta(before, client.snapshot())
+    check = specdecode.check_schedule(moved, SEQS, k=2, k_at=2, k_most=2)
+    assert (check.verdict, check.drafted_per_step) == ("unchanged", 2.0)
+    print(f"\ntune --verify: {alone}; a pair: {check.summary()}")

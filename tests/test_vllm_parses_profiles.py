@@ -22,6 +22,7 @@ import pytest
 from hypothesis import strategies as st
 
 from appliance import labels, profiles
+from appliance.bench import tune
 from appliance.multinode import node_args
 from appliance.profiles import validate
 from appliance.serve.container import queue_args, speculative_args
@@ -192,6 +193,27 @@ def _appliance_refuses(schedule) -> bool:
 @hypothesis.given(st.one_of(st.lists(_ENTRIES, min_size=1, max_size=4), _SHAPES))
 def test_the_schedule_is_refused_exactly_where_vllms_scheduler_refuses_it(vllm_serve, schedule):
     assert _appliance_refuses(schedule) == _vllm_refuses(schedule), schedule
+
+
+@st.composite
+def _valid_schedules(draw):
+    """Ranges from batch size 1, with gaps and a tail past 64 or short of it, in any order."""
+    starts = [1, *sorted(draw(st.lists(st.integers(2, 70), max_size=3, unique=True)))]
+    ends = [*(s - 1 for s in starts[1:]), 80]
+    entries = [(s, draw(st.integers(s, e)), draw(st.integers(0, 5))) for s, e in zip(starts, ends)]
+    return draw(st.permutations(entries))
+
+
+@hypothesis.settings(max_examples=200)
+@hypothesis.given(_valid_schedules(), st.integers(1, 4))
+def test_tunes_k_per_batch_size_is_the_lookup_vllms_scheduler_builds(vllm_serve, schedule, k):
+    """``appliance tune --verify`` reads each level against the k vLLM's scheduler drafts there
+    (vllm/v1/core/sched/scheduler.py: ``dynamic_sd_lookup[batch size]`` every step)."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    assert not _appliance_refuses(schedule)
+    lookup = build_dynamic_sd_schedule_lookup([list(e) for e in schedule], 64, k)
+    assert [tune.k_at(tuple(schedule), k, b) for b in range(1, 65)] == lookup[1:]
 
 
 @pytest.mark.parametrize(
