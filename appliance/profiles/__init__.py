@@ -79,8 +79,9 @@ class Hardware:
 @dataclass(frozen=True)
 class Canary:
     """The optional ``[canary]`` table: whether a cutover runs the output canary, its thresholds
-    and run settings, and an operator's JSONL (``prompts``; a relative path is under
-    ``/etc/gemma4-vllm``) that extends the shipped set, or replaces it (``replace``)."""
+    and run settings, an operator's JSONL (``prompts``; a relative path is under
+    ``/etc/gemma4-vllm``) that extends the shipped set, or replaces it (``replace``), and whether
+    it also runs the set batched (every case at once, judged against the answers alone)."""
 
     enabled: bool = False
     min_parity: float = 1.0
@@ -90,6 +91,7 @@ class Canary:
     seed: int = 0
     prompts: str = ""
     replace: bool = False
+    batched: bool = False
 
 
 @dataclass(frozen=True)
