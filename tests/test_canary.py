@@ -366,6 +366,19 @@ def test_batched_answers_that_drift_are_judged_by_the_parity_floor():
     assert canary.compare(_rec(ALONE), rec, canary.Policy(min_parity=0.6)).ok
 
 
+def test_a_profile_turns_the_batched_pass_on_for_its_canary():
+    prof = profiles.get("rtx5090x2-31b-fp8-mtp")  # max_num_seqs = 1
+    assert not canary.plan(prof).batched  # off unless the profile says so
+    on = dataclasses.replace(prof, canary=dataclasses.replace(prof.canary, batched=True))
+    plan = canary.plan(on)
+    assert (plan.batched, plan.at_once) == (True, 1)
+    table = profiles.from_dict(
+        {"name": "x", "description": "d", "model": "m", "served_model_name": "s"}
+        | {"canary": {"enabled": True, "batched": True}}
+    )
+    assert canary.plan(table).batched
+
+
 def test_a_record_keeps_its_batched_pass_and_an_older_one_loads_without(tmp_path):
     rec = _with_batched(_rec(ALONE), {"c": (1, 13, 14, 15, 99, 99)})
     path = canary.save(rec, tmp_path / "r.json")
