@@ -23,8 +23,8 @@ from pathlib import Path
 from .. import records, specdecode
 from ..errors import EngineError, OverloadedError, UsageError
 from ..fsutil import write_atomic
-from ..vllm_client import VLLMClient
-from .cases import CanarySet
+from ..vllm_client import Generation, VLLMClient
+from .cases import CanarySet, Case
 
 FORMAT = "appliance-canary-record/1"
 DEFAULT_MAX_TOKENS = 64
@@ -208,39 +208,18 @@ def run(
                 raise _too_slow(within, len(outputs), len(cset.cases))
             counters = None if per_request else _counters(client)
             try:
-                ans = client.generate(
-                    model,
-                    list(case.messages),
-                    settings.max_tokens,
-                    temperature=0.0,
-                    seed=settings.seed,
-                    token_ids=True,
-                    timeout=left,
-                )
+                ans = _ask(client, model, case, settings, left)
             except EngineError:
                 if time.monotonic() >= deadline:  # the request ran into the bound
                     raise _too_slow(within, len(outputs), len(cset.cases)) from None
                 raise
-            passed = case.check.passes(ans.text) if case.check is not None else None
             spec = SpecFigures.of(ans.spec, "request")
             per_request = per_request or spec is not None
             if spec is None and counters is not None and (now := _counters(client)) is not None:
                 spec = SpecFigures.of(specdecode.delta(counters, now), "counters")
-            outputs.append(
-                Output(
-                    id=case.id,
-                    kind=case.kind,
-                    text=ans.text,
-                    token_ids=ans.token_ids,
-                    completion_tokens=ans.completion_tokens,
-                    finish_reason=ans.finish_reason,
-                    seconds=ans.seconds,
-                    passed=passed,
-                    spec=spec,
-                )
-            )
+            outputs.append(_output(case, ans, spec))
             if progress:
-                mark = {True: "pass", False: "fail", None: "-"}[passed]
+                mark = {True: "pass", False: "fail", None: "-"}[outputs[-1].passed]
                 progress(
                     f"  {case.id}: {ans.completion_tokens} tokens, {ans.seconds:.2f} s, {mark}"
                 )
@@ -288,15 +267,7 @@ def _together(
                     fix="raise --canary-timeout, or find out why the engine answers so slowly",
                 )
             try:
-                return client.generate(
-                    model,
-                    list(case.messages),
-                    settings.max_tokens,
-                    temperature=0.0,
-                    seed=settings.seed,
-                    token_ids=True,
-                    timeout=left,
-                )
+                return _ask(client, model, case, settings, left)
             except OverloadedError:
                 time.sleep(min(RETRY_AFTER_S, max(0.0, deadline - time.monotonic())))
 
@@ -305,20 +276,38 @@ def _together(
         concurrent.futures.ThreadPoolExecutor(workers) as pool,
     ):
         answers = list(pool.map(ask, cases))
+    # Only the response's own figures: the counters hold the whole batch's drafts.
     return tuple(
-        Output(
-            id=case.id,
-            kind=case.kind,
-            text=ans.text,
-            token_ids=ans.token_ids,
-            completion_tokens=ans.completion_tokens,
-            finish_reason=ans.finish_reason,
-            seconds=ans.seconds,
-            passed=case.check.passes(ans.text) if case.check is not None else None,
-            # Only the response's own figures: the counters hold the whole batch's drafts.
-            spec=SpecFigures.of(ans.spec, "request"),
-        )
+        _output(case, ans, SpecFigures.of(ans.spec, "request"))
         for case, ans in zip(cases, answers, strict=True)
+    )
+
+
+def _ask(client: VLLMClient, model: str, case: Case, settings: Settings, left: float) -> Generation:
+    """One case's greedy answer, with its token ids, within ``left`` seconds."""
+    return client.generate(
+        model,
+        list(case.messages),
+        settings.max_tokens,
+        temperature=0.0,
+        seed=settings.seed,
+        token_ids=True,
+        timeout=left,
+    )
+
+
+def _output(case: Case, ans: Generation, spec: SpecFigures | None) -> Output:
+    """A case's answer as the record keeps it, its check judged."""
+    return Output(
+        id=case.id,
+        kind=case.kind,
+        text=ans.text,
+        token_ids=ans.token_ids,
+        completion_tokens=ans.completion_tokens,
+        finish_reason=ans.finish_reason,
+        seconds=ans.seconds,
+        passed=case.check.passes(ans.text) if case.check is not None else None,
+        spec=spec,
     )
 
 
