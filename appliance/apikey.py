@@ -77,12 +77,13 @@ def resolve(
 ) -> ApiKey | None:
     """The key to send: ``api_key_file``, else ``api_key``, else the instance's key file.
 
-    The instance's file (``<root>/etc/gemma4-vllm/<instance>.api-key``, written by ``appliance
-    install``) is optional: an instance without one runs vLLM without a key. A named
+    The instance's file (``<root>/etc/gemma4-vllm/<instance>.api-key``, a group's head's
+    ``<group>-head.api-key``, written by ``appliance instance install``) is optional: an
+    instance without one runs vLLM without a key. A named
     ``api_key_file`` must exist. Every file is read by :func:`read`'s rule.
     """
     # A bad instance name is the first thing to report, whatever else was given.
-    key_path = Layout(root).api_key_file(instance) if instance is not None else None
+    key_path = Layout(root).served_key_file(instance) if instance is not None else None
     if api_key_file is not None:
         key = read(api_key_file)
         if key is None:

@@ -14,17 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ApplianceError
-from .host import envfile
-from .units import UNIT_TEMPLATE, container_name, paths
+from .host import envfile, reach
+from .host.layout import UNIT_DIR, Layout
+from .host.names import container_name, node_container
 from .units.instance import Instance, from_env
-from .units.template import UNIT_DIR
 
 # Where a unit template may be installed: the appliance's own place first, then the vendor ones.
-UNIT_DIRS = (
-    Path(UNIT_DIR).relative_to("/"),
-    Path("usr/lib/systemd/system"),
-    Path("lib/systemd/system"),
-)
+UNIT_DIRS = (UNIT_DIR, Path("usr/lib/systemd/system"), Path("lib/systemd/system"))
 
 
 @dataclass
@@ -57,12 +53,16 @@ class InstanceFacts:
 def read(instance: str, root: Path = Path("/"), docker_client=None) -> InstanceFacts:
     """Read the unit, env file, record and container of ``instance`` (read-only, never raises
     for the host's state: a Docker that cannot be asked is ``docker_error``)."""
-    root = Path(root)
-    env_path = root / paths(instance).env  # validates the name before any path is built
+    layout = Layout(Path(root))
+    root = layout.root
+    env_path = layout.env_file(instance)  # validates the name before any path is built
+    shape = layout.shape(instance)
+    # A group's head where this host runs it (it serves the API), else its worker.
+    template = (layout.node_template(shape.roles[0]) if shape.group else layout.unit_template).name
     facts = InstanceFacts()
     for d in UNIT_DIRS:
-        if (root / d / UNIT_TEMPLATE).is_file():
-            facts.unit_path = root / d / UNIT_TEMPLATE
+        if (root / d / template).is_file():
+            facts.unit_path = root / d / template
             break
     if env_path.is_file():
         facts.env_path = env_path
@@ -75,17 +75,23 @@ def read(instance: str, root: Path = Path("/"), docker_client=None) -> InstanceF
                 facts.record = from_env(root, instance, facts.env)
             except ApplianceError as exc:
                 facts.record_error = str(exc)
-    _container_facts(facts, instance, docker_client)
+    container = (
+        node_container(instance, shape.roles[0]) if shape.group else container_name(instance)
+    )
+    if docker_client is None and not reach.docker(root):
+        facts.docker_error = str(reach.refusal(root, "Docker"))
+        return facts
+    _container_facts(facts, container, docker_client)
     return facts
 
 
-def _container_facts(facts: InstanceFacts, instance: str, docker_client) -> None:
+def _container_facts(facts: InstanceFacts, container: str, docker_client) -> None:
     try:
         import docker  # imported here: a check without an instance must not need Docker
 
         client = docker_client or docker.from_env(timeout=5)
         try:
-            ctr = client.containers.get(container_name(instance))
+            ctr = client.containers.get(container)
         except docker.errors.NotFound:
             return
         facts.container_status = ctr.status

@@ -188,6 +188,14 @@ def pytest_configure(config) -> None:
     # KeyboardInterrupt it is, as in a terminal.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Each stream picks ports from its own half of the engines' range: a port one stream holds
+    # for minutes while its container is down between two starts (no retry can follow a unit's
+    # restart) is never handed out by the other stream's free_port().
+    only = config.getoption("--stream")
+    if only:
+        low, high = local.PORT_RANGE
+        mid = (low + high) // 2
+        local.PORT_RANGE = (low, mid) if only == STREAMS[1] else (mid, high)
 
 
 def pytest_addoption(parser) -> None:

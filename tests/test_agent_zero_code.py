@@ -30,77 +30,107 @@ from appliance.vllm_client import VLLMClient
 
 MODEL = "gemma4-tiny"
 
-# Sequential calls, each after the previous one's figures had time to complete (the script
-# cannot call agent.flush: it does not know the agent). It prints what the engine itself said
-# per call to stderr: (operation, streamed, the figures' source, the span attribute, its value):
-# the per-request block where the endpoint returns one, else the usage, and for LangChain,
-# whose messages hide the block, the engine's own draft-token counter delta over the call.
+# Sequential calls, each once the previous one's span has ended (the script cannot call
+# agent.flush: it does not know the agent; it waits through the OpenTelemetry API, with a span
+# processor on the launcher's provider: an agent span ends once its figures are read). It prints
+# what the engine itself said per call to stderr: (operation, streamed, the figures' source, the
+# span attribute, its value): the per-request block where the endpoint returns one, else the
+# usage, and for LangChain, whose messages hide the block, the engine's own draft-token counter
+# delta over the call.
 SCRIPT = textwrap.dedent(
     """
-    import asyncio, json, os, sys, time
+    import asyncio, json, os, sys, threading
     import anthropic, httpx, openai
     from langchain_openai import ChatOpenAI
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import SpanProcessor
 
     URL = os.environ["ENGINE_URL"] + "/v1"
     MSG = [{"role": "user", "content": "Tell me about the sea."}]
     said = []
 
-    def block(obj):
+    def block(obj):  # the engine's figures for this request, from its own block
         extra = getattr(obj, "model_extra", None) or {}
         sd = (extra.get("metrics") or {}).get("speculative_decoding")
-        return sd and sd["num_draft_tokens"]
+        return sd and {"draft_tokens": sd["num_draft_tokens"],
+                       "accepted": sd["num_accepted_draft_tokens"]}
 
-    def pause():
-        time.sleep(1.5)
+    def req(op, stream, obj):  # a call whose response carries its block
+        b = block(obj)
+        said.append((op, stream, "request", DRAFTS, b and b["draft_tokens"], b))
+
+    ended = threading.Condition()
+    calls_ended = [0]
+
+    class Ended(SpanProcessor):
+        def on_end(self, span):
+            if "gen_ai.vllm.mtp.source" in (span.attributes or {}):
+                with ended:
+                    calls_ended[0] += 1
+                    ended.notify_all()
+
+    trace.get_tracer_provider().add_span_processor(Ended())
+
+    def pause(calls=None):  # until the spans of `calls` calls (default: those said) ended
+        want = len(said) if calls is None else calls
+        with ended:
+            if not ended.wait_for(lambda: calls_ended[0] >= want, timeout=120):
+                sys.exit(f"only {calls_ended[0]} of {want} calls' spans ended")
 
     DRAFTS = "gen_ai.vllm.mtp.draft_tokens"
     OUT = "gen_ai.usage.output_tokens"
 
-    def drafts():
+    def counters():  # the engine's draft-token and accepted counters now
         page = httpx.get(os.environ["ENGINE_URL"] + "/metrics").text
-        name = "vllm:spec_decode_num_draft_tokens_total"
-        return sum(float(l.rsplit(" ", 1)[1]) for l in page.splitlines() if l.startswith(name))
+        def total(name):
+            return sum(float(l.rsplit(" ", 1)[1]) for l in page.splitlines()
+                       if l.startswith(f"vllm:spec_decode_num_{name}_total"))
+        return {"draft_tokens": total("draft_tokens"), "accepted": total("accepted_tokens")}
+
+    def note_delta(op, stream, source, before):  # the engine's counter delta over a call
+        pause(len(said) + 1)
+        d = {k: round(v - before[k]) for k, v in counters().items()}
+        said.append((op, stream, source, DRAFTS, d["draft_tokens"], d))
 
     def counted(op, stream, source, run):
-        before = drafts()
+        before = counters()
         run()
-        pause()
-        said.append((op, stream, source, DRAFTS, round(drafts() - before)))
+        note_delta(op, stream, source, before)
 
     c = openai.OpenAI(base_url=URL, api_key="unused", max_retries=0)
     r = c.chat.completions.create(model="gemma4-tiny", messages=MSG, max_tokens=24, temperature=0)
-    said.append(("chat", False, "request", DRAFTS, block(r))); pause()
+    req("chat", False, r); pause()
     last = None
     for last in c.chat.completions.create(
         model="gemma4-tiny", messages=MSG, max_tokens=24, temperature=0, stream=True,
         stream_options={"include_usage": True},
     ):
         pass
-    said.append(("chat", True, "request", DRAFTS, block(last))); pause()
+    req("chat", True, last); pause()
     r = c.completions.create(model="gemma4-tiny", prompt="The sea is", max_tokens=24, temperature=0)
-    said.append(("text_completion", False, "request", DRAFTS, block(r))); pause()
+    req("text_completion", False, r); pause()
     r = c.responses.create(model="gemma4-tiny", input="Tell me about the sea.",
                            max_output_tokens=24, temperature=0)
-    said.append(("responses", False, "counters", OUT, r.usage.output_tokens)); pause()
+    said.append(("responses", False, "counters", OUT, r.usage.output_tokens, None)); pause()
     for ev in c.responses.create(model="gemma4-tiny", input="Tell me about the sea.",
                                  max_output_tokens=24, temperature=0, stream=True):
         pass
-    said.append(("responses", True, "counters", OUT, ev.response.usage.output_tokens))
+    said.append(("responses", True, "counters", OUT, ev.response.usage.output_tokens, None))
     pause()
     m = anthropic.Anthropic(base_url=os.environ["ENGINE_URL"], api_key="unused", max_retries=0)
     # The Anthropic SDK 2.x names no temperature: it goes in the body's extras, as vLLM reads.
     T0 = {"extra_body": {"temperature": 0}}
     r = m.messages.create(model="gemma4-tiny", messages=MSG, max_tokens=24, **T0)
-    said.append(("messages", False, "counters", OUT, r.usage.output_tokens)); pause()
+    said.append(("messages", False, "counters", OUT, r.usage.output_tokens, None)); pause()
     for ev in m.messages.create(model="gemma4-tiny", messages=MSG, max_tokens=24, **T0,
                                 stream=True):
         if ev.type == "message_delta":
             out = ev.usage.output_tokens
-    said.append(("messages", True, "counters", OUT, out)); pause()
+    said.append(("messages", True, "counters", OUT, out, None)); pause()
     # messages.stream posts without going through create: its with block sends the request.
     with m.messages.stream(model="gemma4-tiny", messages=MSG, max_tokens=24, **T0) as s:
         out = s.get_final_message().usage.output_tokens
-    said.append(("messages", True, "counters", OUT, out)); pause()
+    said.append(("messages", True, "counters", OUT, out, None)); pause()
 
     # LangChain builds its own OpenAI client: invoke() posts through with_raw_response (the
     # per-request block); stream() without stream_usage asks no usage (the counters path, no
@@ -118,18 +148,17 @@ SCRIPT = textwrap.dedent(
         a = openai.AsyncOpenAI(base_url=URL, api_key="unused", max_retries=0)
         r = await a.chat.completions.create(
             model="gemma4-tiny", messages=MSG, max_tokens=24, temperature=0)
-        said.append(("chat", False, "request", DRAFTS, block(r)))
-        await asyncio.sleep(1.5)
-        before = drafts()
+        req("chat", False, r)
+        await asyncio.to_thread(pause)
+        before = counters()
         await lc.ainvoke("Tell me about the sea.")
-        await asyncio.sleep(1.5)
-        said.append(("chat", False, "request", DRAFTS, round(drafts() - before)))
+        await asyncio.to_thread(note_delta, "chat", False, "request", before)
         s = await a.responses.create(model="gemma4-tiny", input="Tell me about the sea.",
                                      max_output_tokens=24, temperature=0, stream=True)
         async for ev in s:
             pass
-        said.append(("responses", True, "counters", OUT, ev.response.usage.output_tokens))
-        await asyncio.sleep(1.5)
+        said.append(("responses", True, "counters", OUT, ev.response.usage.output_tokens, None))
+        await asyncio.to_thread(pause)
 
     asyncio.run(main())
     print("SAID " + json.dumps(said), file=sys.stderr)
@@ -198,7 +227,7 @@ def test_an_unmodified_script_under_opentelemetry_instrument_gets_one_span_per_c
     assert all(ours[s["parent_id"]]["name"] == f"chat {MODEL}" for s in sdk), sdk
     assert len(every) == len(spans) + len(sdk), [s["name"] for s in every]
     by_start = sorted(spans, key=lambda s: s["start_time"])
-    for (operation, stream, source, attribute, engine_said), span in zip(
+    for (operation, stream, source, attribute, engine_said, engine), span in zip(
         said, by_start, strict=True
     ):
         a = span["attributes"]
@@ -210,6 +239,11 @@ def test_an_unmodified_script_under_opentelemetry_instrument_gets_one_span_per_c
         # nothing (the call reads a fresh before-reading first).
         assert (a["gen_ai.vllm.mtp.source"], a["gen_ai.vllm.mtp.shared"]) == (source, False), a
         assert a[attribute] == engine_said, (operation, stream, a)
+        if engine is not None:  # the call's own block, or the counters' delta over it
+            assert a["gen_ai.vllm.mtp.draft_tokens"] == engine["draft_tokens"] > 0, (engine, a)
+            assert a["gen_ai.vllm.mtp.accepted"] == engine["accepted"], (engine, a)
+            rate = engine["accepted"] / engine["draft_tokens"]
+            assert a["gen_ai.vllm.mtp.acceptance"] == pytest.approx(rate, abs=1e-9), (engine, a)
     # Every call exact, so together they are the engine's counter delta over the script.
     assert sum(s["attributes"]["gen_ai.vllm.mtp.draft_tokens"] for s in spans) == delta.draft_tokens
     assert sum(s["attributes"]["gen_ai.vllm.mtp.accepted"] for s in spans) == delta.accepted
@@ -473,11 +507,7 @@ def test_anthropic_messages_stream_left_early_cancelled_or_unentered_ends_once_l
         assert a[3]["gen_ai.vllm.mtp.status"] == "abandoned"
         # The engine's aborted requests have ended; the next call is exact again.
         with VLLMClient(mtp_engine.url) as obs:
-            for _ in range(100):
-                if not obs.snapshot().running:
-                    break
-                time.sleep(0.1)
-            before = obs.snapshot()
+            before = idle(obs)
             with sync.messages.stream(**kw) as s:
                 s.until_done()
             assert agent.flush(30)

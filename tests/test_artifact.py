@@ -151,7 +151,7 @@ def test_the_installed_package_writes_the_plane_and_installs_an_instance(install
     assert [p.name for p in other.iterdir()] == ["keep"]
 
     root = tmp_path / "host"
-    installed.run("install", "i1", "--profile", "cpu-tiny-mtp", "--root", str(root))
+    installed.run("instance", "install", "i1", "--profile", "cpu-tiny-mtp", "--root", str(root))
     assert (root / "etc/systemd/system/gemma4-vllm@.service").is_file()
     assert (root / "etc/gemma4-vllm/i1.env").is_file()
     assert (root / "usr/local/libexec/gemma4-vllm/serve").is_file()

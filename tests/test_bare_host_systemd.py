@@ -19,18 +19,19 @@ left at `/`:
    exactly what they held before `appliance install`.
 
 What stands in for something real, and why: no package index is reachable from these machines,
-so pip installs the wheel with `--no-index --no-deps`, and the declared dependencies are linked
+so pip installs the wheel with `--no-index --no-deps`, and the declared dependencies are copied
 from the suite's environment (same Debian, same Python 3.11; tests/test_packaging.py proves that
-set is the whole of what the package imports). Docker is the host's engine, bound in (nspawn.py).
-The cutover runs without the output canary: its gate is tested on the shared instance
-(tests/test_cutover_systemd.py) and costs a canary run on a second engine here.
+set is the whole of what the package imports) into a folder bound in outside /tmp: wherever the
+suite's venv lies, the units (PrivateTmp=yes) see them as they would see a host's own venv.
+Docker is the host's engine, bound in (nspawn.py). The cutover runs without the output canary:
+its gate is tested on the shared instance (tests/test_cutover_systemd.py) and costs a canary run
+on a second engine here.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sysconfig
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,16 +40,18 @@ from pathlib import Path
 import httpx
 import pytest
 from plugins import nspawn
-from plugins.systemd_instance import MTP_IMAGE, START_TIMEOUT, VLLM_CACHE
+from plugins.systemd_instance import MTP_IMAGE, START_TIMEOUT
 from test_artifact import build_wheel
 from test_packaging import dependency_links
 
 from appliance import devmodel, specdecode, units
 from appliance.engine.local import free_port
+from appliance.host.layout import Layout
 from appliance.observability import scrape
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
 
+VLLM_CACHE = nspawn.vllm_cache_dir("barehost")
 NAME = "bare"
 PROFILE = "cpu-tiny-mtp"
 GPU_PROFILE = "l4x4-31b-mtp"
@@ -60,10 +63,6 @@ ARTIFACT = "/srv/artifact"
 DEPENDENCIES = "/srv/dependencies"
 TEXTFILE_DIR = "/var/lib/gemma4-appliance/metrics"
 NODE_EXPORTER = "prometheus-node-exporter.service"
-# What the machine's own life changes under the trees compared before and after (journals,
-# systemd's timestamps, apt's and Python's caches): not the appliance's doing.
-UNRELATED = ("var/lib/systemd/", "var/log/", "var/cache/", "var/lib/private/")
-TREES = ("etc", "usr/local", "var/lib")
 
 
 @dataclass
@@ -80,19 +79,6 @@ class BareHost:
     def sh(self, line: str, timeout: float = 900):
         return self.machine.run("sh", "-c", line, check=False, timeout=timeout)
 
-    def files(self) -> set[str]:
-        """Every path under the compared trees (type-tagged, so a file replaced by a link shows)."""
-        out = set()
-        for tree in TREES:
-            base = self.machine.root / tree
-            for path in base.rglob("*"):
-                rel = str(path.relative_to(self.machine.root))
-                if rel.startswith(UNRELATED) or "__pycache__" in rel:
-                    continue
-                kind = "l" if path.is_symlink() else "d" if path.is_dir() else "f"
-                out.add(f"{kind} {rel}")
-        return out
-
 
 @pytest.fixture(scope="module")
 def bare_host(appliance_images, tmp_path_factory) -> Iterator[BareHost]:
@@ -101,14 +87,12 @@ def bare_host(appliance_images, tmp_path_factory) -> Iterator[BareHost]:
     assert CUTOVER_IMAGE in appliance_images["cpu-mtp"].tags
     tmp = tmp_path_factory.mktemp("bare-host")
     wheel = build_wheel(tmp)
-    links = dependency_links(tmp / "site")
-    site = sysconfig.get_paths()["purelib"]  # where the links point
+    dependencies = dependency_links(tmp / "site", copy=True)
     model_dir = devmodel.cached("copy").root
     VLLM_CACHE.mkdir(parents=True, exist_ok=True)
     binds = [
         (str(wheel.parent), ARTIFACT),
-        (str(links), DEPENDENCIES),
-        (site, site),
+        (str(dependencies), DEPENDENCIES),
         (str(model_dir), str(model_dir)),
         (str(VLLM_CACHE), str(VLLM_CACHE)),
     ]
@@ -193,11 +177,11 @@ def test_a_bare_host_becomes_a_monitored_gated_service_and_is_left_as_found(
     assert found["nvidia.driver"]["status"] == "blocker"
     assert "nvidia-smi not found" in found["nvidia.driver"]["message"]
     assert found["systemd"]["status"] == "ok" and found["user"]["status"] == "ok"
-    before = host.files()
+    before = m.files()
 
     # Install (the host check runs first, here for the CPU profile) and the line it prints.
     install = host.appliance(
-        "install", NAME, "--profile", PROFILE, "--image", MTP_IMAGE,
+        "instance", "install", NAME, "--profile", PROFILE, "--image", MTP_IMAGE,
         "--port", str(host.port), "--model-dir", str(host.model_dir),
         "--vllm-cache-dir", str(VLLM_CACHE),
     )  # fmt: skip
@@ -212,7 +196,7 @@ def test_a_bare_host_becomes_a_monitored_gated_service_and_is_left_as_found(
     assert enabled.returncode == 0, enabled.stdout + enabled.stderr
     m.wait_active(units.unit_name(NAME), timeout=START_TIMEOUT)
 
-    key = (m.root / units.paths(NAME).api_key).read_text().strip()
+    key = Layout(m.root).api_key_file(NAME).read_text().strip()
     resp = _chat(host, key)
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 8
@@ -250,7 +234,7 @@ def test_a_bare_host_becomes_a_monitored_gated_service_and_is_left_as_found(
     assert specdecode.parse(httpx.get(f"http://127.0.0.1:{host.port}/metrics").text).speculative
 
     # Uninstall --purge: the engine gone, the timer off, the trees as before install.
-    gone = host.appliance("uninstall", NAME, "--purge")
+    gone = host.appliance("instance", "uninstall", NAME, "--purge")
     assert gone.returncode == 0, gone.stdout + gone.stderr
     assert m.is_active(units.unit_name(NAME)) in ("inactive", "unknown")
     assert m.is_active(f"{units.STATE_UNIT}.timer") == "inactive"
@@ -258,6 +242,5 @@ def test_a_bare_host_becomes_a_monitored_gated_service_and_is_left_as_found(
         f"docker ps -a --filter name=^{units.container_name(NAME)}$ --format '{{{{.ID}}}}'"
     )
     assert ps.stdout.strip() == "", ps.stdout
-    after = host.files()
-    left, lost = sorted(after - before), sorted(before - after)
+    left, lost = m.compare(before)
     assert (left, lost) == ([], []), f"left behind: {left}; removed: {lost}"

@@ -158,7 +158,7 @@ def test_an_instance_without_a_canary_has_no_canary_series(tmp_path):
 
 @pytest.mark.docker
 def test_an_old_engine_that_cannot_answer_the_canary_refuses_the_cutover_untouched(
-    mtp_instance, preflight_images
+    mtp_instance, preflight_images, restart_refused
 ):
     env = mtp_instance.env_path
     env.write_bytes(
@@ -168,7 +168,7 @@ def test_an_old_engine_that_cannot_answer_the_canary_refuses_the_cutover_untouch
     r = CliRunner().invoke(
         cli,
         ["cutover", "i1", preflight_images["mtp"], "--root", str(mtp_instance.root)],
-        env={"APPLIANCE_SYSTEMD_PREFIX": "/nonexistent/appliance-test/no-systemctl"},
+        env=restart_refused,
     )
     assert r.exit_code == 1, r.output
     error = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
@@ -208,8 +208,8 @@ def test_status_shows_each_instance_baseline_or_none(tmp_path):
     assert baseline.keep(_mtp_record(15), layout.canary_baseline("a1")) is not None
     layout.canary_baseline("c3").write_text("{}")
     res = CliRunner().invoke(cli, ["status", "--json", "--root", str(tmp_path)])
-    assert res.exit_code == 0, res.output
-    a1, b2, c3 = (json.loads(line) for line in res.output.splitlines())
+    assert res.exit_code == 1, res.output  # none serves here
+    a1, b2, c3 = json.loads(res.output)["instances"]
     assert a1["baseline"] == {
         "image": "gemma4-vllm:0.32.0-mtp",
         "vllm_version": "0.32.0",
@@ -222,7 +222,7 @@ def test_status_shows_each_instance_baseline_or_none(tmp_path):
     assert c3["baseline"] is None
     assert c3["baseline_error"].startswith(f"acceptance baseline {layout.canary_baseline('c3')}")
     res = CliRunner().invoke(cli, ["status", "--root", str(tmp_path)])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output
     lines = [ln for ln in res.output.splitlines() if ln.startswith("  baseline:")]
     assert lines[:2] == [
         (

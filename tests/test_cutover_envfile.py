@@ -150,8 +150,22 @@ while True:
 """
 
 
+def _stopped_inside_a_write(proc: subprocess.Popen, directory: Path, name: str) -> Path:
+    """Stop ``proc`` (SIGSTOP) at a moment its temporary file exists, i.e. inside a write;
+    returns that file. The writer spends most of its time inside one, so few tries are needed;
+    which try lands is the host's timing, never the outcome."""
+    for _ in range(10_000):
+        os.kill(proc.pid, signal.SIGSTOP)
+        tmp = list(directory.glob(f".{name}.{proc.pid}.*.tmp"))
+        if tmp:
+            return tmp[0]
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.001)
+    raise AssertionError("the writer was never stopped inside a write")
+
+
 def test_sigkill_mid_write_leaves_old_or_new_never_part(tmp_path):
-    # Large contents make each write take long enough that most kills land inside one.
+    # Large contents: each write takes a while, and the writer does nothing else.
     a = SEED_LIKE + b"# padding A\n" * 400_000
     b = envfile.set_value(a, "VLLM_IMAGE", "gemma4-vllm:0.32.0-mtp") + b"# padding B\n" * 10
     (tmp_path / "a").write_bytes(a)
@@ -160,16 +174,19 @@ def test_sigkill_mid_write_leaves_old_or_new_never_part(tmp_path):
     target.parent.mkdir()
     target.write_bytes(a)
 
-    for i in range(12):
+    for i in range(8):
         proc = subprocess.Popen(
             [sys.executable, "-c", _WRITER, str(target), str(tmp_path / "a"), str(tmp_path / "b")],
             stdout=subprocess.PIPE,
             cwd=Path(__file__).resolve().parents[1],
         )
         assert proc.stdout.readline() == b"go\n"
-        time.sleep(0.05 + 0.037 * i)
+        time.sleep(0.01 * i)  # a different point of the write loop each time
+        # The kill lands inside a write: the writer is stopped with its temporary file there.
+        tmp = _stopped_inside_a_write(proc, target.parent, target.name)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+        assert tmp.exists(), f"kill {i}: the writer was not inside a write"
         got = target.read_bytes()
         assert got in (a, b), f"kill {i}: env file is partial ({len(got)} bytes)"
     # The killed writers' temporary files (full copies, secrets among them for a key file) go

@@ -53,3 +53,26 @@ def test_a_failed_unit_with_no_job_fails_the_gate_at_once():
     with pytest.raises(gates.GateFailed) as failed:
         gates.wait(systemd, EXPECT, timeout=60)
     assert failed.value.gate == "unit" and systemd.reads == 2
+
+
+def test_a_restart_merged_into_a_running_start_is_not_taken_for_a_crash():
+    """The race of a gated restart queued while an earlier restart job still runs: systemd
+    re-runs the merged job as a restart, so the start just begun (I1) is stopped and the next one
+    (I2) is ours. Neither start counts while a job is pending; I2, settled, passes the gate."""
+    systemd = ScriptedSystemd(
+        UnitState("active", "running", "", 0, "old"),
+        UnitState("activating", "start", "4711", 0, "I1"),
+        UnitState("activating", "start", "4711", 0, "I1"),
+        UnitState("deactivating", "stop-sigterm", "4711", 0, "I1"),
+        UnitState("deactivating", "stop-sigterm", "4711", 0, "I1"),
+        UnitState("activating", "start", "4711", 0, "I2"),
+        UnitState("activating", "start", "4711", 0, "I2"),
+        UnitState("active", "running", "", 0, "I2"),
+        UnitState("active", "running", "", 0, "I2"),
+        # Then the engine dies while /health is awaited: the next gate fails on it at once.
+        UnitState("failed", "failed", "", 0, "I2"),
+    )
+    with pytest.raises(gates.GateFailed) as failed:
+        gates.wait(systemd, EXPECT, timeout=60)
+    assert [(g.name, g.ok) for g in failed.value.gates] == [("unit", True), ("health", False)]
+    assert "is failed (failed)" in failed.value.detail

@@ -63,7 +63,8 @@ def test_history_command_prints_entries_with_gate_timings(tmp_path):
     assert "cutover  rolled_back gemma4-vllm:pre-mtp -> gemma4-vllm:mtp  (42s)" in result.output
     assert "gates: unit ok 0.1s, health FAILED 40.0s" in result.output
     as_json = CliRunner().invoke(cli, ["history", "i1", "--json", "--root", str(tmp_path)])
-    assert Entry.from_dict(json.loads(as_json.output)).id == e.id
+    [entry] = json.loads(as_json.output)["entries"]
+    assert Entry.from_dict(entry).id == e.id
 
 
 def test_history_of_an_invalid_instance_name_is_a_usage_error(tmp_path):
@@ -89,10 +90,10 @@ def test_history_of_an_installed_instance_without_cutovers_says_so(tmp_path):
     result = CliRunner().invoke(cli, ["history", "fresh", "--root", str(tmp_path)])
     assert (result.exit_code, result.output) == (0, "fresh: no cutover or rollback yet\n")
     result = CliRunner().invoke(cli, ["history", "fresh", "--json", "--root", str(tmp_path)])
-    assert (result.exit_code, result.output) == (0, "")
+    assert (result.exit_code, json.loads(result.output)) == (0, {"entries": []})
 
 
-def test_status_json_is_one_object_per_instance_with_its_history(tmp_path):
+def test_status_json_is_one_object_with_each_instance_and_its_history(tmp_path):
     from appliance import units
     from appliance.profiles import get
 
@@ -101,10 +102,11 @@ def test_status_json_is_one_object_per_instance_with_its_history(tmp_path):
     e = Entry.begin("a1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:mtp")
     history.append(Layout(tmp_path).history_file("a1"), _done(e, "rolled_back"))
     result = CliRunner().invoke(cli, ["status", "--json", "--root", str(tmp_path)])
-    assert result.exit_code == 0, result.output
-    a1, b2 = (json.loads(line) for line in result.output.splitlines())
+    # Exit 1: neither serves (no unit, nothing listening), and status says so by its code too.
+    assert result.exit_code == 1, result.output
+    a1, b2 = json.loads(result.output)["instances"]
     assert (a1["instance"], a1["unit"], b2["instance"]) == ("a1", "gemma4-vllm@a1.service", "b2")
     assert a1["url"] == "http://127.0.0.1:9" and a1["healthy"] is False  # nothing listens on 9
     assert [x["outcome"] for x in a1["entries"]] == ["rolled_back"] and b2["entries"] == []
     one = CliRunner().invoke(cli, ["status", "b2", "--json", "--root", str(tmp_path)])
-    assert json.loads(one.output)["instance"] == "b2"
+    assert [st["instance"] for st in json.loads(one.output)["instances"]] == ["b2"]

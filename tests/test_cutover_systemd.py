@@ -24,6 +24,7 @@ from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE, PRE_MTP_IMAGE, Sys
 from appliance import canary, specdecode
 from appliance.cutover import history
 from appliance.host.layout import Layout
+from appliance.vllm_client import VLLMClient
 
 # pre_mtp_image: built on first use; the machines stream runs this module after those that need
 # no pre-MTP image (tests/conftest.py).
@@ -176,6 +177,29 @@ def _two_at_once(inst: SystemdInstance, *args: str) -> subprocess.CompletedProce
     assert "busy" in busy.lower() or "in progress" in busy.lower(), busy
     out, err = next(o for p, o in zip(procs, outs, strict=True) if p.returncode == 0)
     return subprocess.CompletedProcess(argv, 0, out, err)
+
+
+def test_editing_vllm_image_and_restarting_the_unit_serves_the_new_image(systemd_instance):
+    """The operator's own gesture, no appliance command: edit VLLM_IMAGE in the instance's env
+    file, ``systemctl restart gemma4-vllm@NAME``, and the engine that answers is the new image's
+    (its vLLM version from /version, its model from /v1/models, MTP off in /metrics). It leaves
+    the instance on the pre-MTP image, where the seed's replay below starts."""
+    inst = systemd_instance
+    inst.ensure(MTP_IMAGE)
+    with VLLMClient(inst.url, api_key=inst.api_key) as engine:
+        assert engine.version() == "0.32.0"
+    assert specdecode.parse(inst.metrics()).speculative
+    env = f"/etc/gemma4-vllm/{inst.instance}.env"
+    inst.machine.run("sed", "-i", f"s|^VLLM_IMAGE=.*|VLLM_IMAGE={PRE_MTP_IMAGE}|", env)
+    assert f"VLLM_IMAGE={PRE_MTP_IMAGE}\n" in (inst.root / env.lstrip("/")).read_text()
+    restarted = inst.machine.systemctl("restart", inst.unit, check=False, timeout=900)
+    assert restarted.returncode == 0, inst.machine.journal(inst.unit)
+    assert inst.container_image() == PRE_MTP_IMAGE
+    with VLLMClient(inst.url, api_key=inst.api_key) as engine:
+        assert engine.version() == "0.19.0"
+        assert [m.id for m in engine.models()] == ["gemma4-tiny"]
+    assert not specdecode.parse(inst.metrics()).speculative
+    assert inst.chat("after the edit", max_tokens=8).status_code == 200
 
 
 def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):

@@ -19,7 +19,7 @@ from appliance.hostcheck.nvidia import gpu_findings
 def _doctor(*args: str, env: dict | None = None):
     # VLLM_API_KEY from the caller's shell must not leak into a test that means "no key".
     res = CliRunner().invoke(
-        cli, ["doctor", "--json", *args], env={"VLLM_API_KEY": None, **(env or {})}
+        cli, ["instance", "doctor", "--json", *args], env={"VLLM_API_KEY": None, **(env or {})}
     )
     return res, json.loads(res.output)
 
@@ -142,7 +142,15 @@ def test_invalid_instance_name_is_a_one_line_usage_error(tmp_path):
     for args in (["--instance", "../x"], ["--instance", "../x", "--api-key-file", "/dev/null"]):
         res = CliRunner().invoke(
             cli,
-            ["doctor", "--url", f"http://127.0.0.1:{free_port()}", "--root", str(tmp_path), *args],
+            [
+                "instance",
+                "doctor",
+                "--url",
+                f"http://127.0.0.1:{free_port()}",
+                "--root",
+                str(tmp_path),
+                *args,
+            ],
         )
         assert res.exit_code == 2, res.output
         assert (
@@ -154,26 +162,38 @@ def test_invalid_instance_name_is_a_one_line_usage_error(tmp_path):
 def test_api_key_file_problems_are_usage_errors(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     res = CliRunner().invoke(
-        cli, ["doctor", "--url", url, "--api-key-file", str(tmp_path / "missing")]
+        cli, ["instance", "doctor", "--url", url, "--api-key-file", str(tmp_path / "missing")]
     )
     assert res.exit_code == 2 and res.output.startswith("Error: API key file ")
     assert res.output.endswith("missing does not exist\n")
     (tmp_path / "empty").write_text(" \r\n")
     res = CliRunner().invoke(
-        cli, ["doctor", "--url", url, "--api-key-file", str(tmp_path / "empty")]
+        cli, ["instance", "doctor", "--url", url, "--api-key-file", str(tmp_path / "empty")]
     )
     # The one key-file rule (appliance.apikey): whitespace and CRLF are not a key.
     assert res.exit_code == 2 and f"{tmp_path / 'empty'} is empty (" in res.output
     assert len(res.output.splitlines()) == 1
     (tmp_path / "k").write_text("abc\n")
     res = CliRunner().invoke(
-        cli, ["doctor", "--url", url, "--api-key", "abc", "--api-key-file", str(tmp_path / "k")]
+        cli,
+        [
+            "instance",
+            "doctor",
+            "--url",
+            url,
+            "--api-key",
+            "abc",
+            "--api-key-file",
+            str(tmp_path / "k"),
+        ],
     )
     assert res.exit_code == 2 and "not both" in res.output
 
 
 def test_help_never_shows_the_key():
-    res = CliRunner().invoke(cli, ["doctor", "--help"], env={"VLLM_API_KEY": "s3cret-value"})
+    res = CliRunner().invoke(
+        cli, ["instance", "doctor", "--help"], env={"VLLM_API_KEY": "s3cret-value"}
+    )
     assert res.exit_code == 0 and "VLLM_API_KEY" in res.output
     assert "s3cret-value" not in res.output
 

@@ -50,7 +50,7 @@ def test_the_instance_wins_over_an_exported_url(root):
 
 def test_an_instance_not_installed_is_one_line_and_exit_2(tmp_path):
     for argv in (
-        ["doctor", "nosuch"],
+        ["instance", "doctor", "nosuch"],
         ["bench", "nosuch"],
         ["canary", "record", "nosuch", "--out", str(tmp_path / "r.json")],
     ):
@@ -65,14 +65,16 @@ def test_an_instance_not_installed_is_one_line_and_exit_2(tmp_path):
 
 
 def test_two_different_names_are_refused(root):
-    res = CliRunner().invoke(cli, ["doctor", "tiny", "--instance", "other", "--root", str(root)])
+    res = CliRunner().invoke(
+        cli, ["instance", "doctor", "tiny", "--instance", "other", "--root", str(root)]
+    )
     assert res.exit_code == 2
     assert res.output == "Error: two instances named: 'tiny' and --instance 'other'\n"
 
 
 def test_doctor_by_name_probes_the_instances_own_port(root):
     # Nothing listens there: the report names the port it tried, from the env file.
-    res = CliRunner().invoke(cli, ["doctor", "tiny", "--root", str(root), "--json"])
+    res = CliRunner().invoke(cli, ["instance", "doctor", "tiny", "--root", str(root), "--json"])
     body = json.loads(res.output)
     assert res.exit_code == 1
     reach = next(c for c in body["checks"] if c["name"] == "engine.reachable")
@@ -89,7 +91,7 @@ def test_doctor_canary_and_bench_reach_an_installed_instance_by_name(mtp_engine,
     )
     where = ["tiny", "--root", str(tmp_path)]
     runner = CliRunner()
-    res = runner.invoke(cli, ["doctor", *where, "--json"], env={"VLLM_API_KEY": None})
+    res = runner.invoke(cli, ["instance", "doctor", *where, "--json"], env={"VLLM_API_KEY": None})
     checks = {c["name"]: c for c in json.loads(res.output)["checks"]}
     assert checks["engine.reachable"]["evidence"]["url"] == mtp_engine.url, res.output
     assert checks["vllm.version"]["status"] == "ok"

@@ -225,9 +225,10 @@ def test_cli_json_and_usage(tmp_path, monkeypatch):
     }
     res = CliRunner().invoke(cli, ["host", "check"])
     assert res.exit_code == 2
-    assert (
-        res.output
-        == "Error: say which instance or profile (appliance host check NAME, or --profile P)\n"
+    # Nothing to suggest one from either: no nvidia-smi here (tests/test_profiles_suggest.py).
+    assert res.output == (
+        "Error: say which instance or profile: no NVIDIA GPU here to suggest a profile for "
+        "(nvidia-smi not found) (appliance host check NAME, or --profile P)\n"
     )
 
 
@@ -237,7 +238,7 @@ def test_cli_json_and_usage(tmp_path, monkeypatch):
 def test_install_refuses_on_a_blocker_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
     root = tmp_path / "root"
-    argv = ["install", "g1", "-p", "l4x4-31b-mtp", "--root", str(root), "--host-check"]
+    argv = ["instance", "install", "g1", "-p", "l4x4-31b-mtp", "--root", str(root), "--host-check"]
     res = CliRunner().invoke(cli, argv)
     assert res.exit_code == 1
     assert res.output.startswith(
@@ -255,7 +256,9 @@ def test_install_refuses_on_a_blocker_and_writes_nothing(tmp_path, monkeypatch):
 
 def test_install_under_another_root_checks_only_when_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
-    res = CliRunner().invoke(cli, ["install", "g2", "-p", "l4x4-31b-mtp", "--root", str(tmp_path)])
+    res = CliRunner().invoke(
+        cli, ["instance", "install", "g2", "-p", "l4x4-31b-mtp", "--root", str(tmp_path)]
+    )
     assert res.exit_code == 0, res.output
     # The installed instance, as installed: its own key file is checked too.
     check = ["host", "check", "g2", "--root", str(tmp_path), "--json"]

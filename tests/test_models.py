@@ -37,6 +37,7 @@ from appliance import profiles, units
 from appliance.cli import cli
 from appliance.doctor.host import models_check
 from appliance.host import envfile
+from appliance.host.layout import Layout
 from appliance.models import cache, where
 from appliance.models import verify as mv
 from appliance.units import instance
@@ -603,9 +604,9 @@ def _install(root: Path, profile_file: Path, cache_dir: Path) -> None:
 
 
 def _serve_run(root: Path, path: str) -> subprocess.CompletedProcess:
-    values = envfile.read(root / units.paths("h").env).values
+    values = envfile.read(Layout(root).env_file("h")).values
     return subprocess.run(
-        [str(root / units.paths("h").script), "h", "run"],
+        [str(Layout(root).serve_program), "h", "run"],
         env={**values, "PATH": path, "APPLIANCE_ROOT": str(root)},
         capture_output=True,
         text=True,
@@ -705,7 +706,7 @@ def test_doctor_checks_the_instance_models_quick_with_the_fix(pulled, profile_fi
     (root / "hf").symlink_to(pulled)
     # The profile is the test's own file, not a shipped one that the env file could name: the
     # record is built with it directly (doctor.run builds it from the env file: test_doctor.py).
-    env = envfile.read(root / units.paths("h").env)
+    env = envfile.read(Layout(root).env_file("h"))
     inst = instance.Instance(
         "h", prof, env.get("VLLM_IMAGE"), "127.0.0.1", 8000, env, Path("/x"), Path("/y")
     )

@@ -1,5 +1,5 @@
-"""The multi-node cutover against the real Docker engine, without systemd (issue 24): what it
-reads and writes around the group's lock. The real pair under systemd is
+"""A group's cutover against the real Docker engine, without systemd: what it reads and writes
+around the group's lock. The real pair under systemd is
 tests/test_multinode_systemd.py."""
 
 from __future__ import annotations
@@ -10,22 +10,19 @@ from pathlib import Path
 import pytest
 
 from appliance import multinode, units
+from appliance.cutover import flow
 from appliance.cutover.context import Context
 from appliance.cutover.flow import RollbackFailed
 from appliance.fsutil import write_atomic
 from appliance.host import envfile
 from appliance.host import lock as locks
-from appliance.host.layout import Layout
+from appliance.host.layout import Layout, Node
 from appliance.host.systemd import Systemd
-from appliance.multinode import cutover as mcut
 
 pytestmark = pytest.mark.docker
 
 GROUP = "grp"
 PROFILE = "cpu-tiny-mtp-2node"
-# Every systemctl call fails at once: the restart is the first gate to fail, so a cutover goes
-# straight to its way back (which fails the same way) without a systemd on this host.
-NO_SYSTEMD = Systemd(("false",))
 
 
 class _Images:
@@ -52,14 +49,16 @@ class _ConcurrentAtFirstLookup:
 
 def _install(root: Path, image: str) -> Path:
     opts = units.Options(image=image, model_dir="/srv/tiny")
-    multinode.install(PROFILE, GROUP, multinode.Node(roles=("head", "worker")), root=root,
+    multinode.install(PROFILE, GROUP, Node(roles=("head", "worker")), root=root,
                       options=opts)  # fmt: skip
-    return root / multinode.env_path(GROUP)
+    return Layout(root).env_file(GROUP)
 
 
-def test_the_env_files_are_read_under_the_lock(tmp_path, cutover_docker, preflight_images):
-    """Issue 24 section 4 (N7): an install that finishes under the group's lock while a cutover
-    waits for it changed the env file; the cutover's way back writes back THAT file, not the
+def test_the_env_files_are_read_under_the_lock(
+    tmp_path, cutover_docker, preflight_images, restart_refused
+):
+    """An install that finishes under the group's lock while a cutover waits for it changed the
+    env file; the cutover's way back writes back THAT file, not the
     bytes it read before the lock."""
     env_path = _install(tmp_path, preflight_images["pre-mtp"])
     layout = Layout(tmp_path)
@@ -71,13 +70,14 @@ def test_the_env_files_are_read_under_the_lock(tmp_path, cutover_docker, preflig
         write_atomic(env_path, changed)
         concurrent.close()
 
+    # The restart is the first gate to fail (the tree's systemd refuses it), so the cutover goes
+    # straight to its way back, which fails the same way.
     ctx = Context(
         layout=layout,
-        systemd=NO_SYSTEMD,
+        systemd=Systemd((restart_refused["APPLIANCE_SYSTEMD_PREFIX"],)),
         docker_client=_ConcurrentAtFirstLookup(cutover_docker, finish_the_install),
     )
-    hosts = [mcut.Host("this host", multinode.Node(roles=("head", "worker")), tmp_path, NO_SYSTEMD)]
     with pytest.raises(RollbackFailed, match="failed gate 'restart'"):
         # No engine serves here: the output canary could not record the old image.
-        mcut.cutover(ctx, GROUP, preflight_images["mtp"], hosts, timeout=5, canary=False)
+        flow.cutover(ctx, GROUP, preflight_images["mtp"], timeout=5, canary=False)
     assert env_path.read_bytes() == changed, "the way back wrote the bytes read before the lock"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from click.testing import CliRunner
 
 from appliance import multinode, units
 from appliance.cli import cli
+from appliance.cutover.group import host_node
+from appliance.host.layout import Layout, Node
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN = REPO / "deploy/ansible/roles/gemma4_appliance/filter_plugins/multinode.py"
@@ -22,11 +25,26 @@ PROFILE = "cpu-tiny-mtp-2node"
 
 
 def _plugin():
+    """The filters as plain Python, as the plugin says tests load it. Not through ansible-core,
+    which the fleet extra installs: importing it patches ``sys.intern`` for this whole process,
+    and torch (imported in-process by a later test) then fails with "substitute_in_graph expects
+    a function" (seen: the fast tier alone, tests/test_devmodel.py)."""
     spec = importlib.util.spec_from_file_location("gemma4_multinode_filters", PLUGIN)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    held = sys.modules.get("ansible", _ABSENT)
+    sys.modules["ansible"] = None  # type: ignore[assignment]  # `import ansible.x` -> ImportError
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if held is _ABSENT:
+            del sys.modules["ansible"]
+        else:
+            sys.modules["ansible"] = held
     return mod
+
+
+_ABSENT = object()
 
 
 _FILTERS = _plugin()
@@ -34,18 +52,26 @@ plan, why = _FILTERS.multinode_plan, _FILTERS.multinode_why
 
 
 def _check(
-    roles, ranks, *, remote=(), env="img:old", image_id="sha256:new", runs=False, canary=None
+    roles,
+    ranks,
+    *,
+    remote=(),
+    env="img:old",
+    image_id="sha256:new",
+    env_id="sha256:old",
+    runs=False,
+    canary=None,
 ):
     return {
         "canary": "head" in roles if canary is None else canary,
-        "group": GROUP,
+        "name": GROUP,
         "roles": list(roles),
         "ranks": list(ranks),
         "remote_ranks": list(remote),
         "image": "img:new",
         "image_id": image_id,
         "env_image": env,
-        "env_image_id": "sha256:old",
+        "env_image_id": env_id,
         "runs_image": runs,
     }
 
@@ -107,6 +133,10 @@ def test_a_split_left_by_a_stopped_move_is_named_and_the_way_back_is_the_heads()
             {"a": _check(["head"], [], remote=[1]), "b": _check(["worker"], [1], image_id="x")},
             "img:new is a different image on different hosts",
         ),
+        (  # the way back: the old tag names another image on the worker's host
+            {"a": _check(["head"], [], remote=[1]), "b": _check(["worker"], [1], env_id="y")},
+            "img:old is a different image on different hosts",
+        ),
         ({}, "no host of the group answered"),
     ],
 )
@@ -128,19 +158,18 @@ def test_why_a_step_failed_is_the_appliances_error_line():
     assert why(None) == "failed"
 
 
-def _install(root: Path, node: multinode.Node) -> None:
+def _install(root: Path, node: Node) -> None:
     opts = units.Options(image="gemma4-vllm:0.32.0", model_dir="/srv/tiny")
     multinode.install(PROFILE, GROUP, node, root=root, options=opts)
 
 
 def test_a_head_whose_worker_runs_elsewhere_moves_only_without_its_own_way_back(tmp_path):
-    """Before, `appliance multinode cutover` on such a head refused with `worker ranks []`: a
-    group across hosts could not be moved at all. Now the head moves as one step of the
-    fleet's play (--no-rollback); alone it says why not and names the play."""
-    _install(tmp_path, multinode.Node(("head",)))
-    env = tmp_path / multinode.env_path(GROUP)
+    """The head moves as one step of the fleet's play (--no-rollback); alone it says why not
+    and names the play."""
+    _install(tmp_path, Node(("head",)))
+    env = Layout(tmp_path).env_file(GROUP)
     before = env.read_bytes()
-    argv = ["multinode", "cutover", GROUP, "gemma4-vllm:0.32.0-mtp", "--root", str(tmp_path)]
+    argv = ["cutover", GROUP, "gemma4-vllm:0.32.0-mtp", "--root", str(tmp_path)]
     result = CliRunner().invoke(cli, argv)
     assert result.exit_code != 0
     line = result.output.strip()
@@ -150,17 +179,18 @@ def test_a_head_whose_worker_runs_elsewhere_moves_only_without_its_own_way_back(
     assert not (tmp_path / "var").exists(), "nothing written: not even the lock"
 
 
-def test_a_host_without_a_node_of_the_group_is_told_so(tmp_path):
-    _install(tmp_path, multinode.Node(("head",)))
-    argv = ["multinode", "rollback", "other", "--root", str(tmp_path)]
+def test_a_name_this_host_does_not_run_is_told_so(tmp_path):
+    _install(tmp_path, Node(("head",)))
+    argv = ["rollback", "other", "--root", str(tmp_path)]
     result = CliRunner().invoke(cli, argv)
-    assert result.exit_code != 0
-    assert "this host runs no node of group other" in result.output
+    assert result.exit_code == 2
+    assert "no instance other" in result.output
 
 
 def test_a_worker_hosts_node_is_read_from_its_args_file(tmp_path):
-    _install(tmp_path, multinode.Node(("worker",), rank=2 - 1))
-    assert multinode.host_node(tmp_path, GROUP) == multinode.Node(("worker",), 1)
+    _install(tmp_path, Node(("worker",), rank=2 - 1))
+    layout = Layout(tmp_path)
+    assert host_node(layout, layout.shape(GROUP)) == Node(("worker",), 1)
 
 
 @pytest.mark.docker
@@ -168,14 +198,15 @@ def test_each_hosts_check_is_what_the_play_plans_with(tmp_path, preflight_images
     """`--check` on a head host and on a worker host (two roots, the real Docker engine): JSON
     lines that the play's plan takes as they are; nothing is written on either host."""
     monkeypatch.setenv("APPLIANCE_SYSTEMD_PREFIX", "true")  # no systemd here: no unit loaded
+    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")  # the trees' Docker
     old, new = preflight_images["pre-mtp"], preflight_images["mtp"]
     checks = {}
-    for host, node in (("a", multinode.Node(("head",))), ("b", multinode.Node(("worker",), 1))):
+    for host, node in (("a", Node(("head",))), ("b", Node(("worker",), 1))):
         root = tmp_path / host
         opts = units.Options(image=old, model_dir="/srv/tiny")
         multinode.install(PROFILE, GROUP, node, root=root, options=opts)
         listing = sorted(p for p in root.rglob("*"))
-        argv = ["multinode", "cutover", GROUP, new, "--check", "--root", str(root)]
+        argv = ["cutover", GROUP, new, "--check", "--root", str(root)]
         result = CliRunner().invoke(cli, argv)
         assert result.exit_code == 0, result.output + result.stderr
         checks[host] = json.loads(result.stdout)

@@ -8,10 +8,11 @@ import json
 
 from click.testing import CliRunner
 
-from appliance import multinode, units
+from appliance import units
 from appliance.cli import cli
+from appliance.host.layout import Layout
 
-INSTALL = ["multinode", "install", "-p", "spark2-31b-nvfp4-mtp", "-g", "g31", "--port", "8061"]
+INSTALL = ["instance", "install", "g31", "-p", "spark2-31b-nvfp4-mtp", "--port", "8061"]
 
 
 def _install(root, *extra: str) -> None:
@@ -33,10 +34,10 @@ def test_the_heads_host_scrapes_the_head_and_a_workers_host_nothing(tmp_path):
 
 def test_a_group_is_served_by_its_head_and_worker_units_not_an_instance_unit(tmp_path):
     _install(tmp_path, "--role", "head")
-    assert multinode.host_units(tmp_path, "g31") == ["gemma4-vllm-head@g31.service"]
+    assert Layout(tmp_path).shape("g31").units == ("gemma4-vllm-head@g31.service",)
     _install(tmp_path, "--role", "worker", "--rank", "1")
-    assert multinode.host_units(tmp_path, "g31") == [
+    assert Layout(tmp_path).shape("g31").units == (
         "gemma4-vllm-head@g31.service", "gemma4-vllm-worker@g31.service"
-    ]  # fmt: skip
+    )  # fmt: skip
     units.install("cpu-tiny-mtp", "tiny", root=tmp_path)
-    assert multinode.host_units(tmp_path, "tiny") == ["gemma4-vllm@tiny.service"]
+    assert Layout(tmp_path).shape("tiny").units == ("gemma4-vllm@tiny.service",)

@@ -18,12 +18,13 @@ from click.testing import CliRunner
 from plugins.multinode import GROUP, MTP_IMAGE
 from plugins.systemd_instance import APPLIANCE, REPO
 
-from appliance import multinode, state_metrics
+import docker
+from appliance import state_metrics
 from appliance.cli import cli
 from appliance.cutover import history
 from appliance.host import envfile
 from appliance.host.layout import Layout
-from appliance.multinode import cutover as mcut
+from appliance.host.names import node_container
 
 pytestmark = [pytest.mark.systemd, pytest.mark.multinode]
 
@@ -46,15 +47,15 @@ def test_the_worker_starts_first_and_the_head_serves_with_mtp(multinode_group):
     # Start order: the worker's engine started before the head's (After= in the drop-in).
     assert 0 < g.started_at(g.worker) < g.started_at(g.head)
     # One engine across two processes: the head is rank 0 of 2, the worker headless.
-    head_cmd = g.docker.containers.get(multinode.container_name(GROUP, "head")).attrs["Args"]
-    worker_cmd = g.docker.containers.get(multinode.container_name(GROUP, "worker")).attrs["Args"]
+    head_cmd = g.docker.containers.get(node_container(GROUP, "head")).attrs["Args"]
+    worker_cmd = g.docker.containers.get(node_container(GROUP, "worker")).attrs["Args"]
     assert "--headless" in worker_cmd and "--headless" not in head_cmd
     assert head_cmd[head_cmd.index("--node-rank") + 1] == "0"
     assert worker_cmd[worker_cmd.index("--node-rank") + 1] == "1"
     assert head_cmd[head_cmd.index("--tensor-parallel-size") + 1] == "2"
     # Both containers as hardened as an instance's, and meeting through the host's IPC.
     for role in ("head", "worker"):
-        host = g.docker.containers.get(multinode.container_name(GROUP, role)).attrs["HostConfig"]
+        host = g.docker.containers.get(node_container(GROUP, role)).attrs["HostConfig"]
         assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"], role
         assert (host["Init"], host["IpcMode"]) == (True, "host"), role
     _serves_with_mtp(g)
@@ -65,29 +66,29 @@ def test_status_and_the_state_metrics_read_the_groups_real_units(multinode_group
     not gemma4-vllm@GROUP (no such unit: it read `inactive`), so the state textfile carries the
     head's real state and Gemma4InstanceFailed can fire for a failed head."""
     g = multinode_group
-    monkeypatch.setenv("APPLIANCE_SYSTEMD_PREFIX", shlex.join(g.machine.enter_argv()))
+    for key, value in g.machine.tree_env().items():
+        monkeypatch.setenv(key, value)
     argv = ["status", GROUP, "--json", "--write-metrics", "--root", str(g.machine.root)]
     result = CliRunner().invoke(cli, argv)
     assert result.exit_code == 0, result.output
     text = Layout(g.machine.root).metrics_textfile().read_text()
     state = rf'{state_metrics.UNIT_STATE}{{instance="{GROUP}",result="[a-z-]*",state="(\w+)"}} 1\.0'
     assert re.findall(state, text) == ["active"], text
-    st = json.loads(result.output.splitlines()[-1])
+    [st] = json.loads(result.output.splitlines()[-1])["instances"]
     assert st["units"] == {g.head: "active", g.worker: "active"}
     assert st["running_id"] == g.container_image_id("head")
 
 
 def test_a_hangup_during_the_gates_rolls_every_node_back(multinode_group):
-    """Issue 24 (N7): SIGHUP (an SSH session gone) while the group's cutover waits for its gates.
-    Before, the signal's default action ended the process with every env file on the new image,
-    ungated, and the history "started"; now it is the cutover's way back, as for an instance."""
+    """SIGHUP (an SSH session gone) while the group's cutover waits for its gates: the
+    cutover's way back, as for an instance."""
     g = multinode_group
     m = g.machine
-    env_path = m.root / multinode.env_path(GROUP)
+    env_path = Layout(m.root).env_file(GROUP)
     before, old_id = env_path.read_bytes(), g.container_image_id("head")
-    env = dict(os.environ, APPLIANCE_SYSTEMD_PREFIX=shlex.join(m.enter_argv()))
+    env = dict(os.environ, **m.tree_env())
     # The canary is the cutover test's (below); here it would only delay the restart.
-    argv = [APPLIANCE, "multinode", "cutover", GROUP, g.derived_image, "--no-canary"]
+    argv = [APPLIANCE, "cutover", GROUP, g.derived_image, "--no-canary"]
     argv += ["--root", str(m.root)]
     proc = subprocess.Popen(
         argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -116,28 +117,33 @@ def test_a_hangup_during_the_gates_rolls_every_node_back(multinode_group):
 
 
 def test_cutover_moves_both_nodes_and_a_killed_rollback_is_recovered(multinode_group):
-    """The group's cutover is the instance's state machine (issue 24 section 1): the output
-    canary gates it, and a rollback killed outright (SIGKILL, as a power loss would) leaves a
-    state that `appliance status GROUP` names with its one recovery command, which brings every
-    node back and closes the killed entry."""
+    """A group moves through the instance's own commands and state machine: `appliance cutover
+    GROUP IMAGE` (the output canary gates it), then `appliance rollback GROUP` killed outright
+    (SIGKILL, as a power loss would) leaves a state that `appliance status GROUP` names with its
+    one recovery command, which brings every node back and closes the killed entry."""
     g = multinode_group
     m = g.machine
-    ctx, hosts = g.context(), g.hosts()
+    ctx = g.context()
     old_id = g.container_image_id("head")
-    entry = mcut.cutover(ctx, GROUP, g.derived_image, hosts, timeout=900)
+    env_vars = dict(os.environ, **m.tree_env())
+    run = {"env": env_vars, "cwd": REPO, "capture_output": True, "text": True}
+    cut = [APPLIANCE, "cutover", GROUP, g.derived_image, "--timeout", "900"]
+    moved = subprocess.run([*cut, "--root", str(m.root)], check=False, **run)
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    assert f"{GROUP}: now on {g.derived_image} (was {MTP_IMAGE}); gates passed" in moved.stdout
+    entry = history.entries(ctx.layout.history_file(GROUP))[-1]
     assert entry.outcome == "ok", entry
     names = [gate.name for gate in entry.gates]
-    assert {"unit", "image", "health", "generation"} <= set(names) and "worker machine" in names
+    assert {"unit", "image", "health", "generation"} <= set(names) and "worker rank 1" in names
     assert names[-1] == "canary" and entry.canary["verdict"] == "pass", entry.canary
-    env = envfile.read(m.root / multinode.env_path(GROUP))
+    env = envfile.read(Layout(m.root).env_file(GROUP))
     assert env.get(envfile.IMAGE_KEY) == g.derived_image
     new_id = g.docker.images.get(g.derived_image).id
     assert new_id != old_id
     assert g.container_image_id("head") == g.container_image_id("worker") == new_id
     _serves_with_mtp(g)
 
-    env_vars = dict(os.environ, APPLIANCE_SYSTEMD_PREFIX=shlex.join(m.enter_argv()))
-    argv = [APPLIANCE, "multinode", "rollback", GROUP, "--root", str(m.root)]
+    argv = [APPLIANCE, "rollback", GROUP, "--root", str(m.root)]
     proc = subprocess.Popen(
         argv, env=env_vars, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -155,16 +161,14 @@ def test_cutover_moves_both_nodes_and_a_killed_rollback_is_recovered(multinode_g
         if proc.poll() is None:
             proc.kill()
     status = [APPLIANCE, "status", GROUP, "--json", "--root", str(m.root)]
-    run = {"env": env_vars, "cwd": REPO, "capture_output": True, "text": True}
     out = subprocess.run(status, check=False, **run)
-    assert out.returncode == 0, out.stderr
-    st = json.loads(out.stdout.splitlines()[-1])
-    recovery = f"appliance multinode rollback {GROUP} --root {m.root}"
+    [st] = json.loads(out.stdout)["instances"]
+    recovery = f"appliance rollback {GROUP} --root {shlex.quote(str(m.root))}"
     assert st["recovery"] == recovery, st
     killed = history.entries(ctx.layout.history_file(GROUP))[-1]
     assert (killed.kind, killed.outcome) == ("rollback", "interrupted"), killed
 
-    back = subprocess.run([APPLIANCE, *recovery.split()[1:]], check=False, **run)
+    back = subprocess.run([APPLIANCE, *shlex.split(recovery)[1:]], check=False, **run)
     assert back.returncode == 0, back.stdout + back.stderr
     assert "recovered the interrupted rollback" in back.stdout, back.stdout
     last = history.entries(ctx.layout.history_file(GROUP))[-1]
@@ -185,7 +189,7 @@ def test_a_dead_worker_takes_the_head_down_and_both_come_back_in_order(multinode
     # first process (the others die with its PID namespace). Not `docker kill`: on a loaded host
     # dockerd gives up waiting for the exit of a process that holds GBs ("did not receive an exit
     # event") and answers 500, though the signal went out.
-    worker = g.docker.containers.get(multinode.container_name(GROUP, "worker"))
+    worker = g.docker.containers.get(node_container(GROUP, "worker"))
     os.kill(worker.attrs["State"]["Pid"], signal.SIGKILL)
     # Without unit dependencies the head would keep answering /health 200 here (the trap this
     # guards against); with BindsTo=/PartOf= systemd takes it down and restarts both.
@@ -194,3 +198,21 @@ def test_a_dead_worker_takes_the_head_down_and_both_come_back_in_order(multinode
     assert m.is_active(g.worker) == "active" and m.is_active(g.head) == "active"
     assert 0 < g.started_at(g.worker) < g.started_at(g.head)
     _serves_with_mtp(g)
+
+
+def test_uninstall_purge_of_the_group_leaves_the_machine_as_found(multinode_group):
+    """`appliance uninstall GROUP --purge`, the instance's command: the group's units stopped
+    and disabled, its containers gone, and the machine's /etc, /usr/local and /var/lib as they
+    were before its install (the bare host's comparison). Last: the group is gone after it."""
+    g = multinode_group
+    m = g.machine
+    env = dict(os.environ, **m.tree_env())
+    argv = [APPLIANCE, "uninstall", GROUP, "--purge", "--root", str(m.root)]
+    gone = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, check=False)
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    assert {m.is_active(g.head), m.is_active(g.worker)} <= {"inactive", "unknown"}
+    for role in ("head", "worker"):
+        with pytest.raises(docker.errors.NotFound):
+            g.docker.containers.get(node_container(GROUP, role))
+    left, lost = m.compare(g.before)
+    assert (left, lost) == ([], []), f"left behind: {left}; removed: {lost}"

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from appliance import multinode, profiles, units
+from appliance.host.layout import Layout, Node
+from appliance.host.names import ROLES, node_unit
 from appliance.units import timing
 
 CPU_PAIR = "cpu-tiny-mtp-2node"
@@ -25,7 +27,7 @@ def _root(tmp_path: Path, profile: str) -> Path:
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
     cpu = profiles.get(profile).uses_devmodel
     opts = units.Options(image="gemma4-vllm:0.32.0-mtp", model_dir="/srv/tiny" if cpu else None)
-    multinode.install(profile, "grp", multinode.Node(roles=("head", "worker")), root=root,
+    multinode.install(profile, "grp", Node(roles=("head", "worker")), root=root,
                       options=opts)  # fmt: skip
     return root
 
@@ -54,7 +56,7 @@ def _exposure(root: Path, unit: str) -> float:
 @pytest.mark.parametrize("profile", SHIPPED)
 def test_head_worker_and_probe_units_are_hardened_like_an_instance(tmp_path, profile):
     root = _root(tmp_path, profile)
-    names = [multinode.unit_name("grp", r) for r in multinode.ROLES]
+    names = [node_unit("grp", r) for r in ROLES]
     names.append("gemma4-vllm-probe@grp.service")
     scores = {n: _exposure(root, n) for n in names}
     print(f"\nsystemd-analyze security --offline=yes: {scores}")
@@ -73,7 +75,7 @@ def test_the_hardening_block_is_the_instance_units_own(tmp_path):
     """One block, not a copy that drifts: head and worker carry the instance unit's settings."""
     root = _root(tmp_path, CPU_PAIR)
     units.install("cpu-tiny-mtp", "x", root=root)
-    instance = _hardening((root / units.paths("x").unit).read_text())
+    instance = _hardening(Layout(root).unit_template.read_text())
     assert "CapabilityBoundingSet=" in instance and "IPAddressAllow=localhost" in instance
     for name in (multinode.HEAD_TEMPLATE, multinode.WORKER_TEMPLATE, multinode.PROBE_SERVICE):
         text = (root / "etc/systemd/system" / name).read_text()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -71,14 +72,23 @@ def plain_python(tmp_path_factory) -> Path:
     return root / "venv/bin/python"
 
 
-def dependency_links(links: Path) -> Path:
-    """Link the declared dependencies of the package (extras off) from this environment into
-    the new folder ``links``; returns it (a path entry for a ``.pth`` file)."""
+def dependency_links(links: Path, *, copy: bool = False) -> Path:
+    """Link (or, with ``copy``, copy) the declared dependencies of the package (extras off) from
+    this environment into the new folder ``links``; returns it (a path entry for a ``.pth``
+    file). A copy does not depend on where this environment lies: a machine that binds it in
+    sees it whole, whatever it hides (a unit's PrivateTmp= hides a venv under /tmp)."""
     links.mkdir()
     for dist in sorted(_closure(DIST) - {DIST}):
         for path in _top_level_paths(dist):
-            if path.exists() and not (links / path.name).exists():
-                (links / path.name).symlink_to(path)
+            dest = links / path.name
+            if not path.exists() or dest.exists():
+                continue
+            if not copy:
+                dest.symlink_to(path)
+            elif path.is_dir():
+                shutil.copytree(path, dest, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(path, dest)
     return links
 
 

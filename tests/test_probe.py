@@ -122,7 +122,7 @@ def test_absent_without_speculative_decoding(baseline_engine):
 def _doctor_evidence(url: str) -> dict:
     res = CliRunner().invoke(
         cli,
-        ["doctor", "--json", "--url", url, "--profile", "cpu-tiny-mtp"],
+        ["instance", "doctor", "--json", "--url", url, "--profile", "cpu-tiny-mtp"],
         env={"VLLM_API_KEY": None},
     )
     body = json.loads(res.output)

@@ -39,8 +39,8 @@ def _config_dir(tmp_path: Path, host_root: Path) -> Path:
 
 def test_install_lists_every_instance_on_its_own_port_and_promtool_accepts_it(tmp_path):
     host = tmp_path / "host"
-    _cli("install", "-p", "l4x4-31b-mtp", "31b", "--root", str(host))
-    _cli("install", "-p", "cpu-tiny-mtp", "tiny", "--port", "8123", "--root", str(host))
+    _cli("instance", "install", "-p", "l4x4-31b-mtp", "31b", "--root", str(host))
+    _cli("instance", "install", "-p", "cpu-tiny-mtp", "tiny", "--port", "8123", "--root", str(host))
     groups = json.loads(units.writer.scrape_targets_file(host).read_text())
     assert groups == [
         {
@@ -53,12 +53,12 @@ def test_install_lists_every_instance_on_its_own_port_and_promtool_accepts_it(tm
     assert res.returncode == 0 and "WARNING" not in res.stdout + res.stderr, res.stdout + res.stderr
     # Re-install changes nothing; the last uninstall removes the file.
     assert not units.install(None, "tiny", root=host).changed
-    _cli("uninstall", "tiny", "--root", str(host))
+    _cli("instance", "uninstall", "tiny", "--root", str(host))
     assert [
         g["labels"]["instance"]
         for g in json.loads(units.writer.scrape_targets_file(host).read_text())
     ] == ["31b"]
-    _cli("uninstall", "31b", "--root", str(host))
+    _cli("instance", "uninstall", "31b", "--root", str(host))
     assert not units.writer.scrape_targets_file(host).exists()
 
 

@@ -33,6 +33,7 @@ from plugins.systemd_instance import MTP_IMAGE, SystemdInstance
 from appliance import apikey, labels, units
 from appliance.engine.local import free_port
 from appliance.host import envfile
+from appliance.host.layout import Layout
 
 SERVE = "/usr/local/libexec/gemma4-vllm/serve"
 
@@ -42,7 +43,7 @@ def crlf_instance(systemd_instance: SystemdInstance):
     """The shared instance on the MTP image; its key file has had CRLF line endings since the
     session set it up (tests/plugins/systemd_instance.py), so no restart is needed here."""
     inst = systemd_instance
-    key_path = inst.root / units.paths(inst.instance).api_key
+    key_path = Layout(inst.root).api_key_file(inst.instance)
     assert key_path.read_bytes().endswith(b"\r\n")
     inst.ensure(MTP_IMAGE)
     return inst, key_path.read_bytes().decode().strip()
@@ -212,16 +213,16 @@ def test_an_unlabelled_image_gets_the_key_by_name_and_no_output_shows_it(tmp_pat
         root=tmp_path,
         options=units.Options(port=free_port(), model_dir=str(tmp_path)),
     )
-    key_path = tmp_path / units.paths(instance).api_key
+    key_path = Layout(tmp_path).api_key_file(instance)
     key = key_path.read_text().strip()
     key_path.write_text(f"{key}\r\n")
     env = {
-        **envfile.read(tmp_path / units.paths(instance).env).values,
+        **envfile.read(Layout(tmp_path).env_file(instance)).values,
         "PATH": os.environ["PATH"],
         "APPLIANCE_ROOT": str(tmp_path),
         "VLLM_CACHE_DIR": str(tmp_path / "cache"),
     }
-    script = str(tmp_path / units.paths(instance).script)
+    script = str(Layout(tmp_path).serve_program)
     for tag, path_in_args in (("mtp-0.32", "--env VLLM_API_KEY"), ("nolabels", "--env")):
         proc = subprocess.run(
             [script, instance, "print"],

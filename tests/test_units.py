@@ -35,7 +35,10 @@ from appliance.serve import argsfile, container, environment
 from appliance.units import engine_args, instance, template, timing
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = sorted(n for n, p in profiles.all_profiles().items() if p.multinode is None)
+# The profiles whose units are committed examples (the hand-made ones and the seed hosts');
+# the other generated profiles render the same units with other figures.
+SHIPPED = sorted(n for n, p in profiles.examples().items() if p.multinode is None)
+EVERY = sorted(n for n, p in profiles.all_profiles().items() if p.multinode is None)
 MIG = "mig24-e4b-mtp"
 
 
@@ -76,9 +79,9 @@ def serve(root: Path, name: str, command: str, path: str, **env: str):
     """The installed serve script, run as the unit runs it: the env file's values in its
     environment (systemd's EnvironmentFile=), ``env`` on top, files under ``root``, and ``path``
     as PATH."""
-    values = envfile.read(root / units.paths(name).env).values
+    values = envfile.read(Layout(root).env_file(name)).values
     return subprocess.run(
-        [str(root / units.paths(name).script), name, command],
+        [str(Layout(root).serve_program), name, command],
         env={**values, **env, "PATH": path, "APPLIANCE_ROOT": str(root)},
         capture_output=True,
         text=True,
@@ -165,9 +168,9 @@ def test_two_instances_of_two_profiles_share_one_serve_script(tmp_path):
     assert (libexec / "serve").read_bytes() == template.serve_program()
     assert len(list((root / "etc/systemd/system").glob("gemma4-vllm@*"))) == 1
     for name, profile, port in (("big", "l4x4-31b-mtp", "8050"), ("small", "cpu-tiny", "8123")):
-        env = envfile.read(root / units.paths(name).env)
+        env = envfile.read(Layout(root).env_file(name))
         assert (env.get("APPLIANCE_PROFILE"), env.get("VLLM_PORT")) == (profile, port)
-        args = (root / units.paths(name).args).read_text()
+        args = Layout(root).args_file(name).read_text()
         assert of_kind(args, "profile") == [profile]
     proc = verify(root, "big", "small")
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
@@ -177,7 +180,7 @@ def test_verify_is_not_vacuous(tmp_path):
     """The same check reports an instance whose serve script is not executable."""
     root = verify_root(tmp_path)
     units.install("cpu-tiny", "a", root=root)
-    (root / units.paths("a").script).chmod(0o644)
+    Layout(root).serve_program.chmod(0o644)
     proc = verify(root, "a")
     assert "gemma4-vllm/serve is not executable" in proc.stdout + proc.stderr
 
@@ -265,7 +268,7 @@ def test_the_unit_is_hardened_to_an_exposure_of_at_most_2_5(tmp_path):
     exposure, out = security_exposure(root, "x")
     print(f"\nsystemd-analyze security --offline=yes: exposure {exposure}")
     assert exposure <= 2.5, out
-    unit = (root / units.paths("x").unit).read_text()
+    unit = Layout(root).unit_template.read_text()
     settings = unit_settings(unit)
     # The probe reaches loopback only; the Docker socket and the probe's families, nothing else.
     assert (settings["IPAddressDeny"], settings["IPAddressAllow"]) == ("any", "localhost")
@@ -279,7 +282,7 @@ def test_the_unit_is_hardened_to_an_exposure_of_at_most_2_5(tmp_path):
         ln for ln in unit.splitlines()
         if not ln.startswith(tuple(HARDENING)) and not ln.startswith("NoNewPrivileges=")
     )  # fmt: skip
-    (root / units.paths("x").unit).write_text(bare + "\n")
+    Layout(root).unit_template.write_text(bare + "\n")
     assert security_exposure(root, "x")[0] > 9.0
 
 
@@ -294,8 +297,9 @@ HARDENING = (
 
 def files_of_render(profile: str, name: str) -> dict[str, str]:
     files = units.render(profile, name, opts_for(profile))
-    p = units.paths(name)
-    return {role: files[getattr(p, role)].content for role in ("unit", "env", "args")}
+    rel = Layout(Path())
+    paths = {"unit": rel.unit_template, "env": rel.env_file(name), "args": rel.args_file(name)}
+    return {role: files[str(path)].content for role, path in paths.items()}
 
 
 def test_args_carry_the_profile_flags_and_mtp_only_as_mtp_records():
@@ -327,7 +331,7 @@ def test_args_carry_the_profile_flags_and_mtp_only_as_mtp_records():
 
 
 def test_args_records_are_the_profiles_exact_serve_arguments():
-    for name in SHIPPED:
+    for name in EVERY:
         prof = profiles.get(name)
         dm = "/models" if prof.uses_devmodel else None
         args = files_of_render(name, "e")["args"]
@@ -437,15 +441,15 @@ def test_shell_in_profile_tokens_is_one_argument_and_never_runs(tmp_path, no_doc
         env={"EVIL": SHELL_TOKENS[0]},
     )
     units.install(prof, "h", root=tmp_path, options=units.Options(model_dir=str(tmp_path)))
-    args = (tmp_path / units.paths("h").args).read_text()
+    args = Layout(tmp_path).args_file("h").read_text()
     serve_args = of_kind(args, "serve")
     assert serve_args[serve_args.index("--served-model-name") + 1] == SHELL_TOKENS[0]
     # The profile's extra flags, then the media guard every args file ends with.
     assert serve_args[-len(SHELL_TOKENS) - 1 : -2] == list(SHELL_TOKENS[1:])
     assert f"EVIL={SHELL_TOKENS[0]}" in of_kind(args, "docker")
-    env_text = (tmp_path / units.paths("h").env).read_text()
+    env_text = Layout(tmp_path).env_file("h").read_text()
     assert "touch" not in env_text
-    assert "touch" not in (tmp_path / units.paths("h").unit).read_text()
+    assert "touch" not in Layout(tmp_path).unit_template.read_text()
     # The real script reads every record, checks the env, then stops at its first docker call.
     proc = serve(tmp_path, "h", "print", no_docker_path)
     assert proc.returncode == 78, proc.stderr
@@ -480,7 +484,7 @@ def test_a_bad_env_value_is_a_configuration_error_before_docker(
 
 def test_a_missing_or_foreign_args_file_is_a_configuration_error(tmp_path, no_docker_path):
     units.install("cpu-tiny", "e", root=tmp_path)
-    args = tmp_path / units.paths("e").args
+    args = Layout(tmp_path).args_file("e")
     good = json.loads(args.read_text())
     for change, says in (
         ({"format": 3}, "has format 3, this serve program reads 2"),
@@ -505,7 +509,7 @@ def test_a_missing_or_foreign_args_file_is_a_configuration_error(tmp_path, no_do
 def test_an_args_file_of_format_1_is_still_read(tmp_path, no_docker_path):
     """An instance not yet re-installed after an upgrade replaced the shared serve program."""
     units.install("cpu-tiny", "e", root=tmp_path, options=units.Options(model_dir=str(tmp_path)))
-    args = tmp_path / units.paths("e").args
+    args = Layout(tmp_path).args_file("e")
     new = argsfile.parse(args.read_text(), "args")
     lines = ["# written by an older appliance", "format  1", "profile cpu-tiny"]
     lines += [f"serve   {a}" for a in new.serve] + [f"docker  {a}" for a in new.docker]
@@ -521,7 +525,7 @@ def test_an_args_file_of_format_1_is_still_read(tmp_path, no_docker_path):
 
 def test_the_script_refuses_a_bad_instance_name_or_command(tmp_path):
     units.install("cpu-tiny", "e", root=tmp_path)
-    script = str(tmp_path / units.paths("e").script)
+    script = str(Layout(tmp_path).serve_program)
     for argv in (["../e", "print"], ["e"], ["e", "explode"], ["$(id)", "run"]):
         proc = subprocess.run([script, *argv], capture_output=True, text=True, check=False)
         assert proc.returncode == 2 and "usage:" in proc.stderr, argv
@@ -531,24 +535,21 @@ def test_the_script_refuses_a_bad_instance_name_or_command(tmp_path):
 
 
 def test_install_writes_every_file_with_its_mode(tmp_path):
-    result = run("install", "t1", "--profile", "cpu-tiny-mtp", "--root", str(tmp_path))
+    result = run("instance", "install", "t1", "--profile", "cpu-tiny-mtp", "--root", str(tmp_path))
     assert result.exit_code == 0, result.output
-    p = units.paths("t1")
-    modes = {
-        rel: (tmp_path / rel).stat().st_mode & 0o777
-        for rel in (p.unit, p.env, p.args, p.script, p.api_key)
+    p = Layout(tmp_path)
+    want = {
+        p.unit_template: 0o644,
+        p.env_file("t1"): 0o644,
+        p.args_file("t1"): 0o644,
+        p.serve_program: 0o755,
+        p.api_key_file("t1"): 0o600,
     }
-    assert modes == {
-        p.unit: 0o644,
-        p.env: 0o644,
-        p.args: 0o644,
-        p.script: 0o755,
-        p.api_key: 0o600,
-    }
-    key = (tmp_path / p.api_key).read_text().strip()
+    assert {path: path.stat().st_mode & 0o777 for path in want} == want
+    key = p.api_key_file("t1").read_text().strip()
     assert len(key) >= 32
     assert key not in result.output
-    env = envfile.read(tmp_path / p.env)
+    env = envfile.read(p.env_file("t1"))
     assert env.get("VLLM_IMAGE") == units.DEFAULT_IMAGE
     assert not list(tmp_path.rglob(".*.tmp"))  # no temporary file left behind
 
@@ -560,7 +561,7 @@ def test_install_is_idempotent(tmp_path):
     # the unit, serve script, env, args, key, the state service and timer and the scrape targets
     assert result.written == [] and result.removed == [] and len(result.unchanged) == 8
     assert snapshot(tmp_path) == before
-    cli_result = run("install", "-p", "l4x4-31b-mtp", "ref", "--root", str(tmp_path))
+    cli_result = run("instance", "install", "-p", "l4x4-31b-mtp", "ref", "--root", str(tmp_path))
     assert "wrote" not in cli_result.output and snapshot(tmp_path) == before
 
 
@@ -571,17 +572,17 @@ def test_install_keeps_the_image_values_host_and_port_already_there(tmp_path):
         root=tmp_path,
         options=units.Options(port=8123, host="::1", model_dir="/srv/tiny"),
     )
-    env_path = tmp_path / units.paths("c").env
-    key_before = (tmp_path / units.paths("c").api_key).read_bytes()
+    env_path = Layout(tmp_path).env_file("c")
+    key_before = Layout(tmp_path).api_key_file("c").read_bytes()
     # What a cutover does: rewrite the one assignment.
     env_path.write_bytes(envfile.read(env_path).with_value("VLLM_IMAGE", "gemma4-vllm:pre-mtp"))
     # No --profile: the one the env file names.
-    assert run("install", "c", "--root", str(tmp_path)).exit_code == 0
+    assert run("instance", "install", "c", "--root", str(tmp_path)).exit_code == 0
     inst = instance.read(tmp_path, "c")
     assert (inst.image, inst.host, inst.port) == ("gemma4-vllm:pre-mtp", "::1", 8123)
     assert inst.base_url == "http://[::1]:8123"
     assert envfile.read(env_path).get("MODEL_DIR") == "/srv/tiny"
-    assert (tmp_path / units.paths("c").api_key).read_bytes() == key_before
+    assert Layout(tmp_path).api_key_file("c").read_bytes() == key_before
     # An explicit --image is the operator saying so: it wins.
     units.install(
         "cpu-tiny-mtp", "c", root=tmp_path, options=units.Options(image="gemma4-vllm:mtp")
@@ -600,17 +601,30 @@ def test_a_second_instance_of_a_profile_gets_the_next_free_port_recorded_in_its_
         ports.append(instance.read(tmp_path, f"s{n}").port)
     base = profiles.get(MIG).port
     assert ports == [base, base + 1, base + 2, base + 3]
-    assert envfile.read(tmp_path / units.paths("s1").env).get("VLLM_PORT") == str(base + 1)
+    assert envfile.read(Layout(tmp_path).env_file("s1")).get("VLLM_PORT") == str(base + 1)
     # A re-install keeps each instance's own port.
-    assert run("install", "s1", "--root", str(tmp_path)).exit_code == 0
+    assert run("instance", "install", "s1", "--root", str(tmp_path)).exit_code == 0
     assert instance.read(tmp_path, "s1").port == base + 1
 
 
 def test_an_explicit_port_another_instance_serves_on_is_refused_and_nothing_written(tmp_path):
-    assert run("install", "a", "-p", "cpu-tiny-mtp", "--root", str(tmp_path)).exit_code == 0
+    assert (
+        run("instance", "install", "a", "-p", "cpu-tiny-mtp", "--root", str(tmp_path)).exit_code
+        == 0
+    )
     port = instance.read(tmp_path, "a").port
     before = snapshot(tmp_path)
-    result = run("install", "b", "-p", "cpu-tiny-mtp", "--port", str(port), "--root", str(tmp_path))
+    result = run(
+        "instance",
+        "install",
+        "b",
+        "-p",
+        "cpu-tiny-mtp",
+        "--port",
+        str(port),
+        "--root",
+        str(tmp_path),
+    )
     assert result.exit_code == 2, result.output
     assert f"port {port} is already instance a's" in result.output
     assert f"--port {port + 1}" in result.output
@@ -619,12 +633,12 @@ def test_an_explicit_port_another_instance_serves_on_is_refused_and_nothing_writ
 
 
 def test_install_prints_enable_now_on_a_first_install_and_restart_after(tmp_path):
-    first = run("install", "f", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
+    first = run("instance", "install", "f", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
     assert (
         "next: systemctl daemon-reload && systemctl enable --now gemma4-vllm@f.service"
         in first.output
     )
-    again = run("install", "f", "--image", "gemma4-vllm:mtp", "--root", str(tmp_path))
+    again = run("instance", "install", "f", "--image", "gemma4-vllm:mtp", "--root", str(tmp_path))
     assert (
         "next: systemctl daemon-reload && systemctl restart gemma4-vllm@f.service" in again.output
     )
@@ -648,19 +662,19 @@ def test_an_operators_profile_file_is_validated_installed_next_to_the_instance_a
     mine = _my_profile(tmp_path)
     root = tmp_path / "root"
     monkeypatch.chdir(tmp_path)
-    result = run("install", "m", "--profile", "./mine.toml", "--root", str(root))
+    result = run("instance", "install", "m", "--profile", "./mine.toml", "--root", str(root))
     assert result.exit_code == 0, result.output
-    copy = root / units.paths("m").profile
+    copy = Layout(root).profile_copy("m")
     assert copy.read_bytes() == mine.read_bytes() and copy.stat().st_mode & 0o777 == 0o644
-    assert envfile.read(root / units.paths("m").env).get("APPLIANCE_PROFILE") == "mine-tiny"
+    assert envfile.read(Layout(root).env_file("m")).get("APPLIANCE_PROFILE") == "mine-tiny"
     inst = instance.read(root, "m")
     assert (inst.profile.name, inst.profile.max_model_len) == ("mine-tiny", 384)
-    args = (root / units.paths("m").args).read_text()
+    args = Layout(root).args_file("m").read_text()
     assert '"384"' in args
     # A re-install reads the installed copy (the operator's file may be gone by then).
     mine.unlink()
     before = snapshot(root)
-    assert run("install", "m", "--root", str(root)).exit_code == 0
+    assert run("instance", "install", "m", "--root", str(root)).exit_code == 0
     assert snapshot(root) == before
     # profiles show/validate read a file too.
     copy_arg = str(copy)
@@ -668,7 +682,7 @@ def test_an_operators_profile_file_is_validated_installed_next_to_the_instance_a
     assert shown.exit_code == 0 and "--max-model-len 384" in shown.output
     assert run("profiles", "validate", copy_arg).output.startswith("mine-tiny: ok")
     # uninstall takes the copy with the instance.
-    assert run("uninstall", "m", "--root", str(root)).exit_code == 0
+    assert run("instance", "uninstall", "m", "--root", str(root)).exit_code == 0
     assert not copy.exists()
 
 
@@ -683,14 +697,14 @@ def test_an_operators_profile_file_is_validated_installed_next_to_the_instance_a
 def test_a_bad_profile_file_is_one_line_and_nothing_is_written(tmp_path, edits, message):
     mine = _my_profile(tmp_path, **edits)
     root = tmp_path / "root"
-    result = run("install", "m", "--profile", str(mine), "--root", str(root))
+    result = run("instance", "install", "m", "--profile", str(mine), "--root", str(root))
     assert result.exit_code in (1, 2), result.output
     assert message in result.output
     assert not root.exists() or not any(p.is_file() for p in root.rglob("*"))
 
 
 def test_install_without_a_profile_needs_one_named_somewhere(tmp_path):
-    result = run("install", "new", "--root", str(tmp_path))
+    result = run("instance", "install", "new", "--root", str(tmp_path))
     assert result.exit_code == 2
     assert "instance new names no profile" in result.output and "--profile" in result.output
     assert list(tmp_path.iterdir()) == []
@@ -698,7 +712,7 @@ def test_install_without_a_profile_needs_one_named_somewhere(tmp_path):
 
 def test_install_tightens_a_key_file_readable_by_others(tmp_path):
     units.install("cpu-tiny", "k", root=tmp_path)
-    key = tmp_path / units.paths("k").api_key
+    key = Layout(tmp_path).api_key_file("k")
     content = key.read_bytes()
     key.chmod(0o644)
     result = units.install("cpu-tiny", "k", root=tmp_path)
@@ -707,13 +721,15 @@ def test_install_tightens_a_key_file_readable_by_others(tmp_path):
 
 
 def test_render_out_writes_the_same_tree_without_a_key(tmp_path):
-    result = run("render", "-p", MIG, "slice1", "--gpus", "device=0:1", "--out", str(tmp_path))
+    result = run(
+        "instance", "render", "-p", MIG, "slice1", "--gpus", "device=0:1", "--out", str(tmp_path)
+    )
     assert result.exit_code == 0, result.output
-    p = units.paths("slice1")
-    assert (tmp_path / p.unit).is_file() and (tmp_path / p.script).is_file()
-    assert (tmp_path / p.args).is_file()
-    assert not (tmp_path / p.api_key).exists()
-    assert "VLLM_GPUS=device=0:1" in (tmp_path / p.env).read_text()
+    p = Layout(tmp_path)
+    assert p.unit_template.is_file() and p.serve_program.is_file()
+    assert p.args_file("slice1").is_file()
+    assert not p.api_key_file("slice1").exists()
+    assert "VLLM_GPUS=device=0:1" in p.env_file("slice1").read_text()
 
 
 # --- the instance record -------------------------------------------------------------------------
@@ -742,7 +758,7 @@ def test_the_instance_record_reads_the_env_file_once(tmp_path):
 )
 def test_the_instance_record_names_what_is_wrong(tmp_path, edit, error):
     units.install("cpu-tiny", "r", root=tmp_path)
-    env_path = tmp_path / units.paths("r").env
+    env_path = Layout(tmp_path).env_file("r")
     env_path.write_bytes(envfile.set_value(env_path.read_bytes(), *edit))
     with pytest.raises(UsageError, match=re.escape(error)):
         instance.read(tmp_path, "r")
@@ -765,7 +781,7 @@ def test_install_upgrades_an_instance_of_the_old_layout_in_place(tmp_path):
     with pytest.raises(UsageError, match="APPLIANCE_PROFILE is not set"):
         instance.read(root, "systest")
 
-    result = run("install", "-p", "cpu-tiny-mtp", "systest", "--root", str(root))
+    result = run("instance", "install", "-p", "cpu-tiny-mtp", "systest", "--root", str(root))
     assert result.exit_code == 0, result.output
     assert f"removed   {old['script']}" in result.output
     assert not old["script"].exists()
@@ -806,7 +822,7 @@ def test_uninstall_removes_the_instance_and_the_shared_files_with_the_last(tmp_p
         k: v for k, v in snapshot(tmp_path).items() if "small" in k or "gemma4-vllm@." in k
     }
 
-    result = run("uninstall", "big", "--root", str(tmp_path))
+    result = run("instance", "uninstall", "big", "--root", str(tmp_path))
     assert result.exit_code == 0, result.output
     for rel in (
         "etc/gemma4-vllm/big.env",
@@ -819,16 +835,16 @@ def test_uninstall_removes_the_instance_and_the_shared_files_with_the_last(tmp_p
     assert layout.history_file("big").exists() and layout.rollback_slot("big").exists()
     after = snapshot(tmp_path)
     assert {k: after[k] for k in small_before} == small_before  # the other instance untouched
-    assert (tmp_path / units.paths("small").script).exists()
+    assert Layout(tmp_path).serve_program.exists()
 
-    result = run("uninstall", "small", "--purge", "--root", str(tmp_path))
+    result = run("instance", "uninstall", "small", "--purge", "--root", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert not layout.history_file("small").exists() and not layout.rollback_slot("small").exists()
     assert not (tmp_path / "usr/local/libexec/gemma4-vllm").exists()
-    assert not (tmp_path / units.paths("small").unit).exists()
+    assert not Layout(tmp_path).unit_template.exists()
     assert layout.history_file("big").exists()  # big was not purged
 
-    result = run("uninstall", "small", "--root", str(tmp_path))
+    result = run("instance", "uninstall", "small", "--root", str(tmp_path))
     assert result.exit_code == 2 and "instance small is not installed" in result.output
 
 
@@ -864,13 +880,13 @@ def test_uninstall_drops_the_instance_from_the_state_metrics_and_purge_leaves_th
     assert status.exit_code == 0, status.output
     assert 'instance="big"' in layout.metrics_textfile().read_text()
 
-    result = run("uninstall", "big", "--purge", "--root", str(tmp_path))
+    result = run("instance", "uninstall", "big", "--purge", "--root", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert f"wrote     {layout.metrics_textfile()}" in result.output
     text = layout.metrics_textfile().read_text()
     assert 'instance="big"' not in text and 'instance="small"' in text
 
-    result = run("uninstall", "small", "--purge", "--root", str(tmp_path))
+    result = run("instance", "uninstall", "small", "--purge", "--root", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert f"removed   {layout.state_dir}" in result.output
     assert snapshot(tmp_path) == before
@@ -881,7 +897,7 @@ def test_uninstall_removes_an_old_layout_instance_too(tmp_path):
     old = install_old_layout(
         tmp_path, port=18555, image="gemma4-vllm:mtp", model_dir="/m", vllm_cache_dir="/c"
     )
-    assert run("uninstall", "systest", "--root", str(tmp_path)).exit_code == 0
+    assert run("instance", "uninstall", "systest", "--root", str(tmp_path)).exit_code == 0
     assert not any(path.exists() for path in old.values())
 
 
@@ -922,7 +938,7 @@ def installed(tmp_path) -> Path:
 def test_bad_input_is_a_clear_error_and_writes_nothing(installed, command, args, message):
     before = snapshot(installed)
     where = ["--root", str(installed)] if command == "install" else ["--out", str(installed)]
-    result = run(command, *where, *args)
+    result = run("instance", command, *where, *args)
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0]
@@ -937,19 +953,19 @@ def test_a_profile_with_validation_errors_is_refused_before_writing(tmp_path):
 
 
 def test_an_invalid_image_already_in_the_env_file_is_refused(installed):
-    env_path = installed / units.paths("x").env
+    env_path = Layout(installed).env_file("x")
     env_path.write_text(env_path.read_text().replace("gemma4-vllm:latest", "bad image"))
     before = snapshot(installed)
-    result = run("install", "-p", "cpu-tiny-mtp", "x", "--root", str(installed))
+    result = run("instance", "install", "-p", "cpu-tiny-mtp", "x", "--root", str(installed))
     assert result.exit_code == 2 and "invalid image reference 'bad image'" in result.output
     assert snapshot(installed) == before
 
 
 def test_an_env_file_systemd_could_read_differently_is_refused_by_install(installed):
-    env_path = installed / units.paths("x").env
+    env_path = Layout(installed).env_file("x")
     env_path.write_text(env_path.read_text() + "# note \\\nVLLM_IMAGE=other:1\n")
     before = snapshot(installed)
-    result = run("install", "-p", "cpu-tiny-mtp", "x", "--root", str(installed))
+    result = run("instance", "install", "-p", "cpu-tiny-mtp", "x", "--root", str(installed))
     assert result.exit_code == 2
     assert f"{env_path}:" in result.output and "comment ending in a backslash" in result.output
     assert snapshot(installed) == before
@@ -1052,7 +1068,7 @@ def test_run_refuses_a_broken_model_with_one_line_and_exit_78(
     assert (proc.returncode, proc.stdout) == (78, ""), proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, lines
-    env_path = root / units.paths("m").env
+    env_path = Layout(root).env_file("m")
     fix = model_verify.model_dir_fix(str(env_path))
     assert lines[0].startswith(f"gemma4-vllm@m: models not ready: {want}"), lines[0]
     assert lines[0].endswith(f" ({fix})")
@@ -1076,7 +1092,7 @@ def test_an_args_file_of_an_older_install_is_served_without_the_check(
     # Re-installing one instance rewrites the shared program; the others' args files stay as
     # they were until their own re-install (format 1, perhaps without models), and still start.
     root, model_dir = tiny_instance
-    args = root / units.paths("m").args
+    args = Layout(root).args_file("m")
     new = argsfile.read(args)
     lines = ["format 1", f"profile {new.profile}", *(f"serve {a}" for a in new.serve)]
     args.write_text("\n".join(lines) + "\n")
@@ -1088,7 +1104,7 @@ def test_an_args_file_of_an_older_install_is_served_without_the_check(
 
 def test_a_hand_edited_model_record_cannot_leave_its_directory(tiny_instance, no_docker_path):
     root, _ = tiny_instance
-    args = root / units.paths("m").args
+    args = Layout(root).args_file("m")
     args.write_text(args.read_text().replace('"name": "target"', '"name": "../../etc"'))
     proc = serve(root, "m", "run", no_docker_path)
     assert proc.returncode == 78
@@ -1234,20 +1250,32 @@ def test_the_units_state_reaches_the_state_metrics_one_series_per_state():
     assert state_metrics.UNIT_STATE + "{" not in generate_latest(reg).decode()
 
 
-def test_the_old_instance_option_still_works_and_names_the_new_form(tmp_path):
-    argv = ["install", "-i", "old", "-p", "cpu-tiny", "--root", str(tmp_path)]
-    result = CliRunner().invoke(cli, argv, prog_name="appliance")
+OLD_SPELLINGS = [
+    (["install", "o1", "-p", "cpu-tiny"], "instance install"),
+    (
+        ["multinode", "install", "-p", "cpu-tiny-mtp-2node", "-g", "o1", "--role", "both"],
+        "instance install o1 --profile cpu-tiny-mtp-2node --role both",
+    ),
+]
+
+
+@pytest.mark.parametrize(("old", "new"), OLD_SPELLINGS, ids=["install", "multinode-install"])
+def test_an_old_spelling_still_works_and_names_the_new_form(tmp_path, old, new):
+    result = CliRunner().invoke(cli, [*old, "--root", str(tmp_path)], prog_name="appliance")
     assert result.exit_code == 0, result.output
-    assert result.stderr == "warning: --instance is deprecated: write `appliance install old`\n"
-    assert (tmp_path / units.paths("old").env).is_file()
-    both = run("uninstall", "new", "--instance", "old", "--root", str(tmp_path))
-    assert both.exit_code == 2
-    assert "two instances named: 'new' and --instance 'old'" in both.output
-    neither = CliRunner().invoke(cli, ["uninstall", "--root", str(tmp_path)], prog_name="appliance")
-    assert (neither.exit_code, neither.output) == (
-        2,
-        "Error: appliance uninstall needs the instance's NAME\n",
+    [warning] = result.stderr.splitlines()
+    assert warning.startswith("warning: `appliance ") and f"is now `appliance {new}" in warning
+    assert Layout(tmp_path).env_file("o1").is_file()
+    gone = run("uninstall", "o1", "--root", str(tmp_path))
+    assert gone.exit_code == 0 and "is now `appliance instance uninstall`" in gone.stderr
+    assert not Layout(tmp_path).env_file("o1").exists()
+
+
+def test_install_needs_the_name(tmp_path):
+    neither = CliRunner().invoke(
+        cli, ["instance", "uninstall", "--root", str(tmp_path)], prog_name="appliance"
     )
+    assert neither.exit_code == 2 and "Missing argument 'NAME'" in neither.output
 
 
 # --- the host's state-metrics timer ------------------------------------------------------------
@@ -1278,27 +1306,27 @@ def test_the_state_timer_and_service_pass_verify_and_the_service_is_hardened(tmp
     )  # fmt: skip
     m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", proc.stdout + proc.stderr)
     assert m and float(m.group(1)) <= 2.5, proc.stdout + proc.stderr
-    service = (root / units.paths("x").state_service).read_text()
+    service = Layout(root).state_units[0].read_text()
     settings = unit_settings(service)
     assert settings["ExecStart"] == "/usr/local/bin/appliance status --write-metrics --quiet"
     assert (settings["StateDirectory"], settings["UMask"]) == ("gemma4-appliance", "0022")
     textfile = Layout(Path("/")).metrics_textfile()
     assert f"--collector.textfile.directory={textfile.parent}" in service
-    assert "OnUnitActiveSec=1min" in (root / units.paths("x").state_timer).read_text()
+    assert "OnUnitActiveSec=1min" in Layout(root).state_units[1].read_text()
 
 
 def test_the_state_units_stay_until_the_last_instance_goes(tmp_path):
-    run("install", "a", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
-    b = run("install", "b", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
+    run("instance", "install", "a", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
+    b = run("instance", "install", "b", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
     assert "gemma4-appliance-state.timer" in b.output  # the enable line names it
     unit_dir = tmp_path / "etc/systemd/system"
     # What `systemctl enable` would link: uninstall takes it with the timer.
     wants = unit_dir / "timers.target.wants"
     wants.mkdir()
     (wants / STATE_UNITS[1]).symlink_to(unit_dir / STATE_UNITS[1])
-    assert run("uninstall", "a", "--root", str(tmp_path)).exit_code == 0
+    assert run("instance", "uninstall", "a", "--root", str(tmp_path)).exit_code == 0
     assert all((unit_dir / u).exists() for u in STATE_UNITS)
-    assert run("uninstall", "b", "--root", str(tmp_path)).exit_code == 0
+    assert run("instance", "uninstall", "b", "--root", str(tmp_path)).exit_code == 0
     assert not any((unit_dir / u).exists() for u in STATE_UNITS)
     assert not os.path.lexists(wants / STATE_UNITS[1])
 

@@ -21,6 +21,7 @@ import pytest
 from appliance import profiles, units
 from appliance.engine.local import free_port
 from appliance.host import envfile
+from appliance.host.layout import Layout
 
 pytestmark = pytest.mark.docker
 
@@ -35,13 +36,13 @@ def script(tmp_path) -> Path:
         root=tmp_path,
         options=units.Options(port=free_port(), model_dir=str(tmp_path)),
     )
-    return tmp_path / units.paths(INSTANCE).script
+    return Layout(tmp_path).serve_program
 
 
 def serve(script: Path, tmp_path: Path, command: str, image: str, timeout: float = 60, **env):
     """The script as the unit runs it: the env file's values in its environment, ``env`` on
     top, the instance's files under ``tmp_path``."""
-    values = envfile.read(tmp_path / units.paths(INSTANCE).env).values
+    values = envfile.read(Layout(tmp_path).env_file(INSTANCE)).values
     return subprocess.run(
         [str(script), INSTANCE, command],
         env={
@@ -79,7 +80,7 @@ def test_an_mtp_image_gets_the_speculative_config(script, tmp_path, serve_images
     assert "serving with Gemma 4 MTP speculative decoding (--speculative-config " in proc.stderr
     assert f"{tmp_path}:/models:ro" in args and "--gpus" not in args
     # The key goes by name; its value is in no argument.
-    key = (tmp_path / units.paths(INSTANCE).api_key).read_text().strip()
+    key = Layout(tmp_path).api_key_file(INSTANCE).read_text().strip()
     assert args[args.index("VLLM_API_KEY") - 1] == "--env" and key not in proc.stdout
 
 
@@ -132,7 +133,7 @@ def test_shell_in_a_profile_reaches_docker_as_one_argument_and_never_runs(tmp_pa
         env={"EVIL": tokens[0]},
     )
     units.install(prof, INSTANCE, root=tmp_path, options=units.Options(model_dir=str(tmp_path)))
-    script = tmp_path / units.paths(INSTANCE).script
+    script = Layout(tmp_path).serve_program
     args = argv(serve(script, tmp_path, "print", serve_images["mtp-0.32"]))
     assert args[args.index("--served-model-name") + 1] == tokens[0]
     assert tokens[1] in args and tokens[2] in args and f"EVIL={tokens[0]}" in args
@@ -161,7 +162,7 @@ def test_remove_clears_a_leftover_container(script, tmp_path, serve_images):
 def test_wait_healthy_returns_once_health_answers_200(tmp_path):
     port = free_port()
     units.install("cpu-tiny", INSTANCE, root=tmp_path, options=units.Options(port=port))
-    script = tmp_path / units.paths(INSTANCE).script
+    script = Layout(tmp_path).serve_program
     seen: list[str] = []
 
     # A stand-in /health, on purpose: a real loading vLLM cannot be made to answer a given

@@ -19,6 +19,7 @@ from plugins.systemd_instance import MTP_IMAGE, PRE_MTP_IMAGE, SystemdInstance
 
 from appliance import profiles, specdecode, units
 from appliance.engine.local import free_port
+from appliance.host.layout import Layout
 from appliance.host.systemd import Systemd
 from appliance.units import instance
 
@@ -153,5 +154,5 @@ def test_uninstall_disables_a_second_instance_and_leaves_the_first_serving(syste
     state = inst.machine.systemctl("is-enabled", units.unit_name("spare"), check=False)
     assert state.stdout.strip() == "disabled", state
     assert not list((inst.root / "etc/gemma4-vllm").glob("spare.*"))
-    assert (inst.root / units.paths("spare").script).exists()  # systest still needs it
+    assert Layout(inst.root).serve_program.exists()  # systest still needs it
     assert inst.machine.is_active(inst.unit) == "active"

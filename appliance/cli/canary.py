@@ -19,7 +19,7 @@ from ..canary import record as records
 from ..endpoint import Endpoint
 from ..host import envfile
 from ..host.layout import Layout
-from ..profiles import get
+from ..profiles import lookup
 from .options import endpoint_options
 
 
@@ -153,8 +153,8 @@ def canary_record(
     "--profile",
     "profile_name",
     default=None,
-    help="Judge by this profile's [canary] thresholds (default: 100% parity, no task drop, "
-    "acceptance down by at most 0.1).",
+    help="Judge by this profile's [canary] thresholds, a shipped name or a TOML file of yours "
+    "(default: 100% parity, no task drop, acceptance down by at most 0.1).",
 )
 @click.option("--min-parity", type=float, default=None, help="Least share of identical outputs.")
 @click.option(
@@ -182,7 +182,7 @@ def canary_compare(
     Example:
       appliance canary compare before.json after.json --profile l4x4-31b-mtp
     """
-    base = lib.Policy.of(get(profile_name).canary) if profile_name else lib.Policy()
+    base = lib.Policy.of(lookup(profile_name).canary) if profile_name else lib.Policy()
     given = {
         "min_parity": min_parity,
         "max_pass_rate_drop": max_pass_rate_drop,

@@ -66,28 +66,6 @@ def prompt_options(f):
     )(f)
 
 
-def instance_name(f):
-    """The instance as the positional ``NAME``, the one spelling; ``--instance``/``-i`` (the
-    old one) still works for a release, hidden, with one line on stderr naming the new form.
-    The command receives ``instance``."""
-
-    @functools.wraps(f)
-    def wrapper(name, old_instance, **kwargs):
-        ctx = click.get_current_context()
-        instance = endpoint.pick_instance(name, old_instance)
-        if instance is None:
-            raise UsageError(f"{ctx.command_path} needs the instance's NAME")
-        if old_instance is not None:
-            click.echo(
-                f"warning: --instance is deprecated: write `{ctx.command_path} {instance}`",
-                err=True,
-            )
-        return f(instance=instance, **kwargs)
-
-    wrapper = click.option("--instance", "-i", "old_instance", hidden=True, default=None)(wrapper)
-    return click.argument("name", required=False, metavar="NAME")(wrapper)
-
-
 def endpoint_options(*, profile_help: str, default_url: str | None = endpoint.DEFAULT_URL):
     """The one way to name an engine (doctor, bench, canary record): ``[NAME]``, ``--instance``,
     ``--url``, ``--profile``, ``--root`` and the API key options, handed to the command as one

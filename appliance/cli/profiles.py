@@ -1,4 +1,5 @@
-"""``appliance profiles``: the shipped serving profiles and their validation."""
+"""``appliance profiles``: the shipped serving profiles, their validation, and the ones that fit
+this host."""
 
 from __future__ import annotations
 
@@ -100,4 +101,23 @@ def profiles_validate(
         for finding in findings:
             click.echo(f"  {finding}")
     if failed:
+        raise click.exceptions.Exit(1)
+
+
+@profiles.command(name="suggest")
+@click.option("--json", "json_", is_flag=True, help="The GPUs, the best and every profile's why.")
+def profiles_suggest(json_: bool) -> None:
+    """The shipped profiles that fit this host's GPUs (nvidia-smi), best first, one line of
+    why each; then why the others do not. Exit 1 when none fits.
+
+    \b
+    Example:
+      appliance profiles suggest
+      appliance install 31b --profile "$(appliance profiles suggest --json | jq -r .best)"
+    """
+    from ..hostcheck import suggest
+
+    found = suggest.suggest()
+    click.echo(json.dumps(found.to_dict(), indent=2) if json_ else found.text())
+    if found.best is None:
         raise click.exceptions.Exit(1)

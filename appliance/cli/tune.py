@@ -12,7 +12,7 @@ from ..bench import concurrency, prompts, runner
 from ..bench import tune as tune_lib
 from ..endpoint import Endpoint
 from ..errors import ApplianceError, UsageError
-from ..host.names import profile_copy
+from ..host.layout import Layout
 from ..tables import table
 from .options import endpoint_options, progress_bar, prompt_options
 
@@ -23,7 +23,7 @@ def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles
     if profile_name and profiles.is_file_ref(profile_name):
         return Path(profile_name).read_text()
     if endpoint.instance and not profile_name:
-        copy = endpoint.root / profile_copy(endpoint.instance).lstrip("/")
+        copy = Layout(endpoint.root).profile_copy(endpoint.instance)
         if copy.exists():
             return copy.read_text()
     return profiles.shipped_text(profile.name)

@@ -1,5 +1,5 @@
-"""``appliance render``, ``install`` and ``uninstall``: an instance's unit,
-env file, args file and the shared serve program, from a profile."""
+"""``appliance instance render|install|uninstall NAME``: an instance's units, env file, args
+file and the shared serve program, from a profile; a multi-node profile's group node by node."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from pathlib import Path
 
 import click
 
-from .. import hostcheck, units
+from .. import hostcheck, installer, units
 from ..cutover import metrics as cutover_metrics
-from ..host.layout import Layout
+from ..errors import UsageError
+from ..host.layout import Layout, Node
 from ..host.systemd import Systemd
-from .options import instance_name, root_option
+from .options import root_option
 
 
 def instance_options(profile_required: bool):
@@ -73,18 +74,43 @@ def _report(result: units.WriteResult) -> None:
         click.echo(f"warning: {warning}", err=True)
 
 
+def _node(kw: dict) -> Node | None:
+    """The group node ``--role``/``--rank`` name, None when neither is given."""
+    role, rank = kw.pop("role"), kw.pop("rank")
+    if role is None:
+        if rank is not None:
+            raise UsageError("--rank goes with --role worker or both")
+        return None
+    return Node(roles=("head", "worker") if role == "both" else (role,), rank=rank or 1)
+
+
+def node_options(f):
+    """``--role`` and ``--rank``: which node of a multi-node group this host runs."""
+    f = click.option("--rank", type=click.IntRange(min=1), help="A worker's node rank [1].")(f)
+    return click.option(
+        "--role",
+        type=click.Choice(["head", "worker", "both"]),
+        help="A multi-node profile: the node(s) of the group NAME this host runs (both: the "
+        "head and its worker on this one host) [head].",
+    )(f)
+
+
 @click.command()
-@instance_name
+@click.argument("name", metavar="NAME")
 @instance_options(profile_required=True)
+@node_options
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output dir.")
-def render(profile: str, instance: str, out: str, **kw) -> None:
-    """Render instance NAME's unit, env and args files and the serve program into --out."""
-    _report(units.render_to(profile, instance, Path(out), _options(kw)))
+def render(profile: str, name: str, out: str, **kw) -> None:
+    """Render NAME's units, env and args files and the serve program into --out, as install
+    would lay them out under --root."""
+    node = _node(kw)
+    _report(installer.render_to(profile, name, Path(out), _options(kw), node=node))
 
 
 @click.command()
-@instance_name
+@click.argument("name", metavar="NAME")
 @instance_options(profile_required=False)
+@node_options
 @root_option
 @click.option(
     "--host-check",
@@ -98,55 +124,61 @@ def render(profile: str, instance: str, out: str, **kw) -> None:
     help="Install despite the host check's blockers; REASON is printed with each of them.",
 )
 def install(
-    profile: str | None, instance: str, root: Path, host_check: bool, force: str | None, **kw
+    profile: str | None, name: str, root: Path, host_check: bool, force: str | None, **kw
 ) -> None:
-    """Install instance NAME: the shared unit and serve program, its env file (values kept),
-    args file and API key (0600). Upgrades an instance installed by the old layout in place.
-    Refuses, writing nothing, when `appliance host check` finds a blocker (unless --force).
+    """Install NAME: the shared unit and serve program, its env file (values kept), args file
+    and API key (0600). A multi-node profile installs this host's node(s) of the group NAME
+    (--role, --rank). Refuses, writing nothing, when `appliance host check` finds a blocker
+    (unless --force). Without --profile: the one the instance's env file names, or for a new
+    instance on a GPU host the one `appliance profiles suggest` puts first (said on stderr).
 
     \b
     Example:
-      appliance install 31b --profile l4x4-31b-mtp --image gemma4-vllm:0.32.0-mtp
+      appliance instance install 31b --profile l4x4-31b-mtp --image gemma4-vllm:0.32.0-mtp
       systemctl daemon-reload && systemctl enable --now gemma4-vllm@31b
     """
+    node = _node(kw)
     checked: list[hostcheck.Report] = []
+    check = host_check or root == Path("/")
+    if profile is None and node is None and check and units.named_profile(root, name) is None:
+        # This host's GPUs choose (under another --root only with --host-check: its GPUs are
+        # this host's then too).
+        profile, said = hostcheck.suggested(
+            f"instance {name} names no profile", "say which: --profile NAME"
+        )
+        click.echo(said, err=True)
 
     def preflight(plan: units.Planned) -> None:
-        command = f"appliance host check {instance} --profile {plan.profile.name}"
+        command = f"appliance host check {name} --profile {plan.profile.name}"
         if root != Path("/"):
             command += f" --root {root}"
         checked.append(hostcheck.gate(plan, force=force, command=command))
 
-    check = host_check or root == Path("/")
-    result = units.install(
-        profile, instance, root=root, options=_options(kw), preflight=preflight if check else None
+    done = installer.install(
+        profile,
+        name,
+        root=root,
+        options=_options(kw),
+        node=node,
+        preflight=preflight if check else None,
     )
     for blocker in checked[0].blockers if checked else ():
         click.echo(f"warning: installed despite {blocker.line()} (--force: {force})", err=True)
-    _report(result)
-    if result.first_install:
-        # Never enabled yet: restart would start it once and leave it off at the next boot.
-        click.echo(
-            "next: systemctl daemon-reload && systemctl enable --now "
-            f"{units.unit_name(instance)} {units.STATE_UNIT}.timer"
-        )
-    elif result.changed:
-        # Until the reload, systemd runs the unit as it last read it (after an upgrade: with
-        # the per-instance script that is gone now).
-        click.echo(
-            f"next: systemctl daemon-reload && systemctl restart {units.unit_name(instance)}"
-        )
+    _report(done.result)
+    if done.next_step:
+        click.echo(f"next: {done.next_step}")
 
 
 @click.command()
-@instance_name
+@click.argument("name", metavar="NAME")
 @click.option("--purge", is_flag=True, help="Also remove its cutover history and rollback slot.")
 @root_option
-def uninstall(instance: str, purge: bool, root: Path) -> None:
-    """Stop and disable instance NAME and remove what install wrote for it (the shared unit and
-    serve program with the last instance). systemctl is called only when --root is /."""
-    systemd = Systemd.from_env() if root == Path("/") else None
-    _report(units.uninstall(instance, root=root, purge=purge, systemd=systemd))
+def uninstall(name: str, purge: bool, root: Path) -> None:
+    """Stop and disable NAME (an instance, or this host's nodes of a group) and remove what
+    install wrote for it (a shared unit and the serve program with the last instance that uses
+    them). systemctl is called for / (or the tree's own systemd, APPLIANCE_SYSTEMD_PREFIX)."""
+    systemd = Systemd.for_root(root)
+    _report(units.uninstall(name, root=root, purge=purge, systemd=systemd))
     written = cutover_metrics.refresh(Layout(root), systemd)
     if written is not None:
         click.echo(f"wrote     {written}")

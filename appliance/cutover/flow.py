@@ -40,13 +40,13 @@ from ..errors import ApplianceError, EngineError, UsageError
 from ..fsutil import private_dir, write_atomic
 from ..host import envfile
 from ..host import lock as locks
-from ..host.layout import check_instance
 from . import gates, history, metrics, slot
 from .context import Context, PreflightError
 from .history import Entry, Gate
-from .preflight import check_compatible, target, way_back
+from .preflight import check_compatible, way_back
 from .signals import Interrupted, guard
-from .target import InstanceTarget, Target
+from .target import Target
+from .targets import target
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -87,8 +87,8 @@ def cutover(
     canary_timeout: float = canaries.DEFAULT_TIMEOUT,
     canary_before: Path | None = None,
 ) -> Entry:
-    """Move ``instance`` (a name, or a :class:`Target` such as a multi-node group) to ``image``
-    through the gates; on failure, back to where it was.
+    """Move ``instance`` (a name of either shape, or a :class:`Target`) to ``image`` through the
+    gates; on failure, back to where it was.
 
     ``canary``: run the output canary (None: the profile's ``[canary] enabled``);
     ``canary_files``: the operator's JSONL cases, added to the shipped set;
@@ -100,13 +100,16 @@ def cutover(
     ``allow_unit_overrides``: warn instead of refusing when a drop-in or another env file may
     set the image (:func:`unit_overrides`).
     """
-    tgt = instance_target(ctx, instance) if isinstance(instance, str) else instance
+    tgt = target(ctx, instance) if isinstance(instance, str) else instance
     name = tgt.name
     imageref.validate(image)
+    tgt.check_way_back(rollback)
     layout = ctx.layout
     api_key = tgt.api_key()
+    # The canary asks the API: a host that runs only a group's worker has none.
+    enabled = canary if tgt.answers else False
     # The canary's set is read and checked here: a malformed line refuses the cutover untouched.
-    plan = canaries.plan(tgt.profile, root=layout.root, enabled=canary, files=canary_files)
+    plan = canaries.plan(tgt.profile, root=layout.root, enabled=enabled, files=canary_files)
     new = tgt.inspect(ctx, image)
     check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
     tgt.check_overrides(ctx, allow=allow_unit_overrides)
@@ -232,10 +235,40 @@ def cutover(
         )
 
 
-def instance_target(ctx: Context, name: str) -> InstanceTarget:
-    """The installed instance ``name`` on this host, as a cutover target."""
-    check_instance(name)
-    return InstanceTarget(target(ctx, name))
+def check(
+    ctx: Context,
+    name: str,
+    image: str,
+    *,
+    allow_no_mtp: bool = False,
+    allow_unit_overrides: bool = False,
+) -> dict[str, object]:
+    """The cutover's preflight of ``name`` to ``image``, touching nothing: the reference valid,
+    the image here, compatible with the profile, no unit override, the env file readable.
+    Returns what the fleet's play compares across a group's hosts (the image IDs, the image the
+    env file names now and its ID: the way back) and whether ``name`` already runs ``image``."""
+    tgt = target(ctx, name)
+    imageref.validate(image)
+    new = tgt.inspect(ctx, image)
+    check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
+    tgt.check_overrides(ctx, allow=allow_unit_overrides)
+    current = tgt.read().image
+    node = tgt.node
+    return {
+        "name": name,
+        "shape": tgt.noun,
+        "roles": sorted(node.roles) if node else [],
+        "ranks": [node.rank] if node and "worker" in node.roles else [],
+        "remote_ranks": list(tgt.remote_ranks),
+        "image": image,
+        "image_id": new.id,
+        "env_image": current,
+        "env_image_id": tgt.inspect(ctx, current).id if current else None,
+        "runs_image": current == image and tgt.runs(ctx, new),
+        # The output canary (the profile's [canary]) where the API answers: the group's play
+        # records the head's answers before any worker moves.
+        "canary": tgt.answers and tgt.profile.canary.enabled,
+    }
 
 
 def interrupted_gates(stop: Interrupted, so_far: list[Gate]) -> list[Gate]:

@@ -91,10 +91,14 @@ class _Run:
         # until the restart queued for it (PartOf=) runs.
         if st.active in ("failed", "inactive") and not st.job:
             raise self.fail(name, f"unit {self.expect.unit} is {st.active} ({st.sub})")
+        # A start counts as ours only once no job is pending: a restart queued while an earlier
+        # start job ran is re-run by systemd as a restart, which stops the start just begun (a
+        # new invocation that is not a crash). Crashes after that show in NRestarts.
         fresh = st.invocation and st.invocation != self.expect.previous_invocation
-        if fresh and not self.invocation:
+        if fresh and not st.job and not self.invocation:
             self.invocation = st.invocation
-        if st.restarts > self.restarts0 or (fresh and st.invocation != self.invocation):
+        moved = self.invocation and st.invocation != self.invocation
+        if st.restarts > self.restarts0 or moved:
             raise self.fail(name, f"the engine exited and systemd restarted the unit ({st.sub})")
 
     def wait(self, name: str, probe: Callable[[], str | None], what: str) -> str:

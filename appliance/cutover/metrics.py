@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .. import labels, multinode, state_metrics
+from .. import labels, state_metrics
 from ..canary import baseline as baselines
 from ..errors import ApplianceError
-from ..host import envfile
+from ..host import envfile, reach
 from ..host.layout import Layout
 from . import history
 
@@ -26,9 +26,8 @@ def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metri
     gave up at its start limit reaches the alert."""
 
     out = []
-    for env_path in sorted(layout.env_dir.glob("*.env")):
-        instance = env_path.stem
-        image = envfile.read(env_path).get(envfile.IMAGE_KEY) or ""
+    for instance in layout.installed():
+        image = envfile.read(layout.env_file(instance)).get(envfile.IMAGE_KEY) or ""
         found: dict[str, str] = {}
         if docker_client is not None and image:
             import docker
@@ -69,7 +68,7 @@ def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metri
 def _unit(layout: Layout, name: str, systemd) -> state_metrics.UnitStatus:
     """The state of the unit that serves ``name`` here: an instance's unit, or a group's head
     and worker units with a failed one first (either one down is the group down)."""
-    found = [state_metrics.unit_status(systemd, u) for u in multinode.host_units(layout.root, name)]
+    found = [state_metrics.unit_status(systemd, u) for u in layout.shape(name).units]
     return next((u for u in found if u.active == "failed"), found[0])
 
 
@@ -97,13 +96,16 @@ def refresh(layout: Layout, systemd=None) -> Path | None:
     instance's series go (Prometheus would show it serving on). None when there is none."""
     if not layout.metrics_textfile().exists():
         return None
-    return write(layout, local_docker(), systemd)
+    return write(layout, local_docker(layout.root), systemd)
 
 
-def local_docker():
-    """A Docker client, or None when the engine cannot be reached (labels then read unknown)."""
+def local_docker(root: Path = Path("/")):
+    """The Docker client of the tree under ``root``, or None when it has none a command may ask
+    (host/reach.py) or the engine cannot be reached (labels then read unknown)."""
     import docker
 
+    if not reach.docker(root):
+        return None
     try:
         return docker.from_env()
     except docker.errors.DockerException:

@@ -3,26 +3,17 @@ was killed (SIGKILL, power loss: its history entry has no end)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from .. import multinode
 from ..errors import ApplianceError, UsageError
 from ..host import envfile
 from ..host import lock as locks
 from ..host.layout import Layout
 from . import gates, history, slot
 from .context import Context
-from .flow import (
-    DEFAULT_TIMEOUT,
-    JOURNAL_LINES,
-    RollbackFailed,
-    cutover,
-    finish,
-    instance_target,
-)
+from .flow import DEFAULT_TIMEOUT, JOURNAL_LINES, RollbackFailed, cutover, finish
 from .history import Entry, Gate
 from .signals import guard
 from .target import Target
+from .targets import target
 
 
 def rollback(
@@ -31,13 +22,12 @@ def rollback(
     *,
     timeout: float = DEFAULT_TIMEOUT,
     to: str | None = None,
-    way_back: bool = True,
 ) -> Entry:
-    """Return ``instance`` (a name, or a :class:`Target` such as a group) to ``to`` (default:
+    """Return ``instance`` (a name of either shape, or a :class:`Target`) to ``to`` (default:
     the image in its rollback slot), through the same gates; after a killed cutover,
-    :func:`recover` it instead. ``way_back=False``: a rollback that fails its gates stays where
-    it failed (a group's head whose workers run elsewhere: the fleet's play moves them)."""
-    tgt = instance_target(ctx, instance) if isinstance(instance, str) else instance
+    :func:`recover` it instead. A target without a way back of its own (a group's head whose
+    workers run elsewhere: the fleet's play moves them) stays where a failed rollback left it."""
+    tgt = target(ctx, instance) if isinstance(instance, str) else instance
     name = tgt.name
     if interrupted_entry(ctx.layout, name) is not None:
         return recover(ctx, tgt, timeout=timeout)
@@ -54,7 +44,7 @@ def rollback(
         tgt,
         image,
         timeout=timeout,
-        rollback=way_back,
+        rollback=tgt.own_way_back,
         allow_no_mtp=True,
         kind="rollback",
         canary=False,
@@ -80,20 +70,12 @@ def recovery_image(entry: Entry) -> str | None:
     return entry.from_image if entry.kind == "cutover" else entry.to_image
 
 
-def recovery_command(layout: Layout, name: str) -> str:
-    """The one command that recovers a killed cutover of ``name`` (an instance, or a multi-node
-    group whose units run on this host)."""
-    root = "" if layout.root == Path("/") else f" --root {layout.root}"
-    noun = "multinode rollback" if multinode.host_roles(layout.root, name) else "rollback"
-    return f"appliance {noun} {name}{root}"
-
-
 def recover(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_TIMEOUT) -> Entry:
     """Finish a cutover or rollback whose process was killed: write back the env files saved
     before it (their exact bytes, or the image it left when none were saved) and the rollback
     slot, restart unless that image is already what runs, gate it, and close the killed history
     entry (``rolled_back``, ``interrupted: killed``)."""
-    tgt = instance_target(ctx, instance) if isinstance(instance, str) else instance
+    tgt = target(ctx, instance) if isinstance(instance, str) else instance
     name = tgt.name
     layout = ctx.layout
     api_key = tgt.api_key()
@@ -149,7 +131,7 @@ def recover(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_TI
             ) from None
         _set_gates(entry, got)
         outcome: history.Outcome = "rolled_back" if entry.kind == "cutover" else "ok"
-        entry.error = f"{why}; recovered by `{recovery_command(layout, name)}`: on {image}"
+        entry.error = f"{why}; recovered by `{tgt.command('rollback')}`: on {image}"
         return finish(ctx, entry, outcome, entry.error, saved)
 
 

@@ -16,19 +16,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import multinode
 from ..canary import baseline as baselines
 from ..errors import ApplianceError, EngineError
 from ..host import envfile
 from ..host import lock as locks
-from ..host.names import check_instance, container_name
+from ..host.names import check_instance, container_name, node_container
 from ..vllm_client import VLLMClient
 from . import history
 from .context import Context
 from .history import Entry
-from .preflight import ImageInfo, inspect_image, running_image_id, target
-from .recovery import recovery_command, recovery_image
+from .preflight import ImageInfo, inspect_image, running_image_id
+from .recovery import recovery_image
 from .slot import rollback_image
+from .target import command
+from .targets import target
 
 
 @dataclass
@@ -68,20 +69,25 @@ class Status:
     baseline: dict | None = None
     baseline_error: str | None = None
 
+    @property
+    def serving(self) -> bool:
+        """Every unit active, the API answering where this host serves it, its files read."""
+        units_up = all(state == "active" for state in self.units.values())
+        return units_up and self.healthy is not False and self.instance_error is None
+
 
 def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     """Gather the status of ``instance`` (read only: touches nothing)."""
     check_instance(instance)
     layout = ctx.layout
     env = envfile.read(layout.env_file(instance))  # a clear error when not installed
-    units = multinode.host_units(layout.root, instance)
-    st = Status(instance, units[0], env.get(envfile.IMAGE_KEY))
-    st.units = {u: ctx.systemd.active_state(u) for u in units}
-    st.unit_state = st.units[units[0]]
-    roles = multinode.host_roles(layout.root, instance)
+    shape = layout.shape(instance)
+    st = Status(instance, shape.units[0], env.get(envfile.IMAGE_KEY))
+    st.units = {u: ctx.systemd.active_state(u) for u in shape.units}
+    st.unit_state = st.units[shape.units[0]]
     # The container of the head where it runs here (it serves the API), else the worker's.
     st.container = (
-        multinode.container_name(instance, roles[0]) if roles else container_name(instance)
+        node_container(instance, shape.roles[0]) if shape.group else container_name(instance)
     )
     st.rollback_image = rollback_image(layout, instance)
     st.in_progress = locks.current_holder(layout.lock_file(instance))
@@ -106,7 +112,7 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
         st.interrupted = _which(last, env) + "; " + _runs(st)
         back = recovery_image(last)
         if back:
-            st.recovery = recovery_command(layout, instance)
+            st.recovery = command(layout.root, "rollback", instance)
             saved = layout.saved_env(instance)
             how = (
                 f"writes back {saved} (the env file before it)"
@@ -115,7 +121,7 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
             )
             st.recovery_note = f"returns to {back} through the gates; {how}"
         else:
-            st.recovery = f"appliance cutover {instance} IMAGE"
+            st.recovery = command(layout.root, "cutover", instance, "IMAGE")
             st.recovery_note = "the interrupted cutover started from no image: choose one"
     try:
         tgt = target(ctx, instance)
@@ -123,6 +129,8 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     except ApplianceError as exc:
         st.instance_error = str(exc)
         return st
+    if not tgt.answers:
+        return st  # a group's worker host: the API is the head's, on another host
     st.url = tgt.base_url
     with VLLMClient(tgt.base_url, timeout=3.0, api_key=api_key) as client:
         try:

@@ -1,16 +1,18 @@
-"""What one cutover moves, in two shapes: an instance (one env file, one unit on this host) and a
-multi-node group (an env file per host, head and worker units; ``appliance.multinode.cutover``).
+"""What one cutover moves, in two shapes: a single-node instance (one unit) and the nodes of a
+multi-node group this host runs (head and worker units, :mod:`.group`); :func:`target` picks
+the shape the host layer says a name has.
 
-The state machine (:mod:`.flow`: lock, signals, history, saved env files and rollback slot,
+The state machine (:mod:`.flow`: lock, signals, history, saved env file and rollback slot,
 preflight, gates, canary, the way back, recovery after a kill, state metrics) is written once
-against :class:`Target`; each shape says only how its files are read and written, where its
-image must be present, how it restarts and what its gates check.
+against :class:`Target`; each shape says only which units it restarts, in what order, and what
+its gates check.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Protocol
 from ..errors import EngineError, UsageError
 from ..fsutil import write_atomic
 from ..host import envfile
+from ..host.layout import Node
 from ..host.systemd import SystemdError
 from ..profiles import Profile
 from ..units.instance import Instance
@@ -56,24 +59,41 @@ class Snapshot:
 
 
 class Target(Protocol):
-    """One thing a cutover moves. ``name`` keys its lock, history, rollback slot, saved files
-    and canary records under the (head's) state directory."""
+    """One thing a cutover moves: a single-node instance or the nodes of a multi-node group this
+    host runs. ``name`` keys its lock, history, rollback slot, saved env file and canary records
+    under the state directory."""
 
     name: str
     profile: Profile
     base_url: str
     served_model: str
-    env_files: str  # the env file(s) it reads, for messages
+    env_path: Path  # the env file it reads
     noun: str  # "instance", "group": how messages name it
+    node: Node | None  # a group's nodes this host runs; None for a single-node instance
+    remote_ranks: tuple[int, ...]  # a group's worker ranks that run on other hosts
+
+    @property
+    def answers(self) -> bool:
+        """It serves the API on this host (the canary and the model gates can ask it)."""
+        ...
+
+    @property
+    def own_way_back(self) -> bool:
+        """A failed move can be gated back on this host alone."""
+        ...
+
+    def check_way_back(self, rollback: bool) -> None:
+        """Refuse a move with a way back it cannot gate (a UsageError naming what to do)."""
+        ...
 
     def api_key(self) -> str | None: ...
 
     def read(self) -> Snapshot:
-        """Every env file now (read again under the lock)."""
+        """The env file now (read again under the lock)."""
         ...
 
     def write(self, content: Mapping[str, bytes]) -> None:
-        """Write each env file's bytes; on a failure, put back the ones written."""
+        """Write the env file's bytes."""
         ...
 
     def save(self, path: Path, snap: Snapshot) -> None:
@@ -85,7 +105,7 @@ class Target(Protocol):
         ...
 
     def inspect(self, ctx: Context, ref: str) -> ImageInfo:
-        """``ref`` as every host the target runs on holds it (the same image ID)."""
+        """``ref`` as this host holds it."""
         ...
 
     def check_overrides(self, ctx: Context, *, allow: bool) -> None: ...
@@ -103,21 +123,72 @@ class Target(Protocol):
 
     def journal(self, ctx: Context, lines: int) -> str: ...
 
-    def command(self, verb: str, *args: str, root: Path = Path("/")) -> str:
+    def command(self, verb: str, *args: str) -> str:
         """The CLI line an operator types for ``verb`` (cutover, rollback) on this target."""
         ...
 
 
+def command(root: Path, verb: str, name: str, *args: str) -> str:
+    """The CLI line an operator types for ``verb`` on ``name`` under ``root`` (the same for
+    both shapes)."""
+    where = "" if root == Path("/") else f" --root {shlex.quote(str(root))}"
+    return " ".join(["appliance", verb, name, *args]) + where
+
+
+class EnvFileTarget:
+    """What both shapes share: one env file on this host (``env_path``), read, written, saved
+    and put back byte for byte, and the operator's command line for a verb."""
+
+    name: str
+    env_path: Path
+    root: Path  # the host's root the env file is under (``/`` on a real host)
+    answers = True
+    own_way_back = True
+
+    @property
+    def env_files(self) -> str:
+        return str(self.env_path)
+
+    def check_way_back(self, rollback: bool) -> None:
+        return None
+
+    def read(self) -> Snapshot:
+        return Snapshot({"": envfile.read(self.env_path)})
+
+    def write(self, content: Mapping[str, bytes]) -> None:
+        write_atomic(self.env_path, content[""])
+
+    def save(self, path: Path, snap: Snapshot) -> None:
+        # The env file's own bytes: what an older appliance left is read the same way.
+        write_atomic(path, snap.files[""].raw, mode=0o600)
+
+    def saved(self, path: Path) -> dict[str, bytes] | None:
+        try:
+            return {"": path.read_bytes()}
+        except OSError:
+            return None
+
+    def command(self, verb: str, *args: str) -> str:
+        return command(self.root, verb, self.name, *args)
+
+
 @dataclass(frozen=True)
-class InstanceTarget:
-    """An instance: ``gemma4-vllm@NAME`` and its env file on this host."""
+class InstanceTarget(EnvFileTarget):
+    """A single-node instance: ``gemma4-vllm@NAME`` and its env file on this host."""
 
     inst: Instance
+    root: Path = Path("/")
     noun = "instance"
+    node: Node | None = None  # not a group
+    remote_ranks: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
         return self.inst.name
+
+    @property
+    def env_path(self) -> Path:
+        return self.inst.env_path
 
     @property
     def profile(self) -> Profile:
@@ -135,28 +206,8 @@ class InstanceTarget:
     def unit(self) -> str:
         return self.inst.unit
 
-    @property
-    def env_files(self) -> str:
-        return str(self.inst.env_path)
-
     def api_key(self) -> str | None:
         return self.inst.api_key()
-
-    def read(self) -> Snapshot:
-        return Snapshot({"": envfile.read(self.inst.env_path)})
-
-    def write(self, content: Mapping[str, bytes]) -> None:
-        write_atomic(self.inst.env_path, content[""])
-
-    def save(self, path: Path, snap: Snapshot) -> None:
-        # The env file's own bytes: what an older appliance left is read the same way.
-        write_atomic(path, snap.files[""].raw, mode=0o600)
-
-    def saved(self, path: Path) -> dict[str, bytes] | None:
-        try:
-            return {"": path.read_bytes()}
-        except OSError:
-            return None
 
     def inspect(self, ctx: Context, ref: str) -> ImageInfo:
         return inspect_image(ctx, ref)
@@ -181,10 +232,6 @@ class InstanceTarget:
     def journal(self, ctx: Context, lines: int) -> str:
         return f"last journal lines of {self.unit}:\n{ctx.systemd.journal(self.unit, lines)}"
 
-    def command(self, verb: str, *args: str, root: Path = Path("/")) -> str:
-        root_opt = "" if root == Path("/") else f" --root {root}"
-        return " ".join(["appliance", verb, self.name, *args]) + root_opt
-
 
 def expect(inst: Instance, image: ImageInfo, api_key: str | None) -> gates.Expect:
     """What the instance's unit must show once it runs ``image``."""
@@ -204,17 +251,19 @@ def expect(inst: Instance, image: ImageInfo, api_key: str | None) -> gates.Expec
 def restart_and_wait(
     ctx: Context, unit: str, expect: gates.Expect, timeout: float, *, restart: bool = True
 ) -> list[Gate]:
-    """Restart ``unit`` and gate it; ``restart=False`` gates the engine already running (any
-    start counts)."""
+    """Restart ``unit`` (a job still pending on it settled first, within ``timeout``) and gate
+    it; ``restart=False`` gates the engine already running (any start counts)."""
     if restart:
         ctx.progress(f"restarting {unit}")
-        expect = dataclasses.replace(expect, previous_invocation=ctx.systemd.invocation_id(unit))
         try:
+            ctx.systemd.settle(unit, timeout)
+            previous = ctx.systemd.invocation_id(unit)
             ctx.systemd.restart(unit)
         except SystemdError as exc:
             raise gates.GateFailed(
                 "restart", str(exc), [Gate("restart", False, 0.0, str(exc))]
             ) from exc
+        expect = dataclasses.replace(expect, previous_invocation=previous)
     return gates.wait(
         ctx.systemd,
         expect,

@@ -24,7 +24,7 @@ import httpx
 
 from .. import devmodel, versions
 from ..errors import EngineError, UsageError
-from ..profiles import Profile, get
+from ..profiles import Profile, lookup
 
 # Nothing in the appliance may reach the internet at run time: no hub, no usage stats.
 OFFLINE_ENV = {
@@ -159,7 +159,7 @@ def serve(
     progress: Progress | None = None,
 ) -> Iterator[LocalEngine]:
     """Start the real vLLM for ``profile`` on 127.0.0.1, wait for ``/health``, yield, stop."""
-    prof = get(profile) if isinstance(profile, str) else profile
+    prof = lookup(profile) if isinstance(profile, str) else profile
     if prof.hardware.device != "cpu":
         raise UsageError(
             f"profile {prof.name} needs {prof.hardware.gpus}x {prof.hardware.gpu_name or 'GPU'}",

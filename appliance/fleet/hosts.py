@@ -19,13 +19,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..cutover.context import Context
-from ..cutover.preflight import target
 from ..cutover.status import status
 from ..errors import ApplianceError, UsageError
 from ..host.layout import Layout
 from ..host.names import check_instance, container_name
 from ..observability import file_sd
 from ..observability.file_sd import EngineTarget
+from ..units.instance import read as read_instance
 from . import soak
 
 DEFAULT_GROUP = "gemma4"
@@ -85,7 +85,7 @@ def host_status(instance: str, root: Path = Path("/")) -> HostStatus:
     )
     if st.healthy and st.url:
         try:
-            key = target(ctx, instance).api_key()
+            key = read_instance(ctx.layout.root, instance).api_key()
             since_start = soak.window(None, soak.read(st.url, key)).spec
             out.acceptance = since_start.acceptance
             out.tokens_per_step = since_start.tokens_per_step

@@ -26,7 +26,15 @@ from pathlib import Path
 
 from ..errors import ApplianceError, UsageError
 
+# The keys the appliance writes in an env file, their one home (templates, serve program, status).
 IMAGE_KEY = "VLLM_IMAGE"
+PROFILE_KEY = "APPLIANCE_PROFILE"
+HOST_KEY = "VLLM_HOST"
+PORT_KEY = "VLLM_PORT"
+GPUS_KEY = "VLLM_GPUS"
+MODEL_DIR_KEY = "MODEL_DIR"
+HF_CACHE_KEY = "HF_CACHE_DIR"
+VLLM_CACHE_KEY = "VLLM_CACHE_DIR"
 
 _ASSIGN = re.compile(rb"^[ \t]*([A-Za-z_][A-Za-z0-9_]*)[ \t]*=(.*?)(\r?)$")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

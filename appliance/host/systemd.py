@@ -11,10 +11,12 @@ import os
 import shlex
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import ApplianceError
+from . import reach
 
-PREFIX_ENV = "APPLIANCE_SYSTEMD_PREFIX"
+PREFIX_ENV = reach.SYSTEMD_ENV
 
 
 class SystemdError(ApplianceError):
@@ -38,13 +40,30 @@ class Systemd:
 
     prefix: tuple[str, ...] = ()
     timeout: float = 120.0
+    refusal: str = ""  # set: every call raises SystemdError with it (a tree with no systemd)
 
     @classmethod
     def from_env(cls) -> Systemd:
         """The prefix from ``APPLIANCE_SYSTEMD_PREFIX`` (shell words), empty when unset."""
         return cls(tuple(shlex.split(os.environ.get(PREFIX_ENV, ""))))
 
+    @classmethod
+    def for_root(cls, root: Path) -> Systemd | None:
+        """The systemd that runs the units of the tree under ``root``: the host's for ``/``,
+        the one ``APPLIANCE_SYSTEMD_PREFIX`` enters for another root (a machine's, seen from
+        the host); None for a tree with none named (a test tree, an image being built), where
+        a command touches nothing outside the tree (:mod:`.reach`)."""
+        return cls.from_env() if reach.systemd(root) else None
+
+    @classmethod
+    def of_tree(cls, root: Path) -> Systemd:
+        """:meth:`for_root`, or one that refuses every call in one line naming what to set."""
+        found = cls.for_root(root)
+        return found if found is not None else cls(refusal=str(reach.refusal(root, "systemd")))
+
     def _run(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+        if self.refusal:
+            raise SystemdError(self.refusal)
         cmd = [*self.prefix, *args]
         try:
             return subprocess.run(
@@ -73,6 +92,17 @@ class Systemd:
         self.reset_failed(unit)
         self._check("systemctl", "restart", "--no-block", unit)
 
+    def settle(self, unit: str, timeout: float) -> None:
+        """Stop ``unit`` if a job is pending on it (waiting at most ``timeout`` seconds), so that
+        the next restart is one job of its own.
+
+        A restart queued while an earlier start job runs (a killed cutover's, say) is merged
+        into it and re-run as a restart: systemd stops the start just begun, and a gate that
+        read the unit before would take the next start for a crash. A blocking stop cancels
+        the pending job and returns once the unit is down."""
+        if self.state(unit).job:
+            self._check("systemctl", "stop", unit, timeout=timeout)
+
     def reset_failed(self, unit: str) -> None:
         """Clear ``unit``'s failed state and its start-limit count (a unit systemd does not
         know, or one not failed, is left as it is)."""
@@ -97,8 +127,12 @@ class Systemd:
             return ""
 
     def active_state(self, unit: str) -> str:
-        """``active``, ``activating``, ``failed``, ``inactive``, ... (never raises on a state)."""
-        return self._run("systemctl", "is-active", unit).stdout.strip() or "unknown"
+        """``active``, ``activating``, ``failed``, ``inactive``, ...; ``unknown`` when systemd
+        cannot be asked (never raises)."""
+        try:
+            return self._run("systemctl", "is-active", unit).stdout.strip() or "unknown"
+        except SystemdError:
+            return "unknown"
 
     def show(self, unit: str, *props: str) -> dict[str, str]:
         """Unit properties (``systemctl show -p``) as strings."""

@@ -12,17 +12,20 @@ import ipaddress
 import re
 
 from ..errors import UsageError
+from .envfile import GPUS_KEY, HF_CACHE_KEY, MODEL_DIR_KEY, VLLM_CACHE_KEY
 
-# An IPv4/IPv6 address or a host name; never starts with "-" (it would read as a flag).
-_HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9.:-]{0,252}")
+# An IPv4/IPv6 address or a host name; never starts with "-" (it would read as a flag). A
+# profile's host field has the same rule (appliance.profiles).
+HOST_PATTERN = r"[A-Za-z0-9:][A-Za-z0-9.:-]{0,252}"
+_HOST = re.compile(HOST_PATTERN)
 _GPUS = re.compile(r"all|[0-9]+|device=[A-Za-z0-9:,/_-]+")
 _PATH = re.compile(r"/[A-Za-z0-9._/@+-]*")
 ANY_ADDRESS = frozenset({"0.0.0.0", "::"})
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 # The env file's host paths: each becomes a mount of the engine's container.
-PATH_KEYS = ("MODEL_DIR", "HF_CACHE_DIR", "VLLM_CACHE_DIR")
+PATH_KEYS = (MODEL_DIR_KEY, HF_CACHE_KEY, VLLM_CACHE_KEY)
 # What an args file may require the env file to set (nothing else is looked up by name).
-REQUIRABLE_KEYS = ("VLLM_GPUS", *PATH_KEYS)
+REQUIRABLE_KEYS = (GPUS_KEY, *PATH_KEYS)
 
 
 def check_host(host: str, where: str | None = None) -> str:

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ApplianceError, UsageError
+from ..host import envfile
+from ..host.layout import Layout
 from ..host.names import DATA_DIR
 from ..models.where import under_root
 from ..profiles import Profile, lookup
-from ..units import DEFAULT_IMAGE, Options, Planned, paths, planned
+from ..units import DEFAULT_IMAGE, Options, Planned, planned
 from .disk import weights_finding
 from .docker import docker_findings
 from .findings import Finding, Report, Status
@@ -39,6 +41,7 @@ __all__ = [
     "for_profile",
     "gate",
     "run",
+    "suggested",
     "target",
 ]
 
@@ -99,14 +102,14 @@ def target(
     install writes). ``kept_port``: the port the installed env file had, if any."""
     return Target(
         profile=profile,
-        host=values["VLLM_HOST"],
-        port=int(values["VLLM_PORT"]),
-        hf_home=under_root(root, values.get("HF_CACHE_DIR") or f"{DATA_DIR}/huggingface"),
-        image=values["VLLM_IMAGE"],
+        host=values[envfile.HOST_KEY],
+        port=int(values[envfile.PORT_KEY]),
+        hf_home=under_root(root, values.get(envfile.HF_CACHE_KEY) or f"{DATA_DIR}/huggingface"),
+        image=values[envfile.IMAGE_KEY],
         root=root,
         instance=instance,
         api_key=api_key,
-        own_port=kept_port == values["VLLM_PORT"],
+        own_port=kept_port == values[envfile.PORT_KEY],
     )
 
 
@@ -129,14 +132,14 @@ def run(t: Target, *, docker_client=None, gpu_query=None) -> Report:
 def for_install(plan: Planned) -> Target:
     """What :func:`appliance.units.install` is about to install (its key file is checked when
     the instance is installed already: install creates a missing one and tightens its mode)."""
-    key = plan.root / paths(plan.instance).api_key if plan.existing else None
+    key = Layout(plan.root).api_key_file(plan.instance) if plan.existing else None
     return target(
         plan.profile,
         plan.env_values(),
         root=plan.root,
         instance=plan.instance,
         api_key=key,
-        kept_port=plan.existing.get("VLLM_PORT"),
+        kept_port=plan.existing.get(envfile.PORT_KEY),
     )
 
 
@@ -170,6 +173,18 @@ def check(
         root=root,
     )
     return run(t, docker_client=docker_client)
+
+
+def suggested(need: str, fix: str) -> tuple[str, str]:
+    """The profile ``appliance profiles suggest`` puts first for this host's GPUs, and the line
+    that says it was taken; without a GPU or a fitting profile a UsageError: ``need`` (what the
+    command lacks), why none was suggested, and ``fix``."""
+    from . import suggest
+
+    try:
+        return suggest.best()
+    except UsageError as exc:
+        raise UsageError(f"{need}: {exc.message}", fix=fix) from None
 
 
 def gate(plan: Planned, *, force: str | None, command: str) -> Report:

@@ -14,7 +14,8 @@ from pathlib import Path
 from .. import profiles
 from ..errors import UsageError
 from ..host import envfile
-from ..host.names import DATA_DIR, ENV_DIR, check_instance
+from ..host.layout import Layout
+from ..host.names import DATA_DIR, ENV_DIR
 from ..profiles import DEVMODEL, Profile
 from . import ModelSpec, verify
 
@@ -77,24 +78,23 @@ def locate(
     if isinstance(profile, Profile):
         prof = profile  # the instance's own: --instance names it in a fix command
     elif profile:
-        prof = profiles.get(profile)
+        prof = profiles.lookup(profile)  # a shipped name or the operator's file
         selector += ["--profile", profile]
     elif profile_file:
         prof = profiles.load_file(profile_file)
         selector += ["--profile-file", str(profile_file)]
     cache: Path | None = hf_cache_dir
     if instance is not None:
-        check_instance(instance)
-        env = env or envfile.read(under_root(root, f"{ENV_DIR}/{instance}.env"))
+        env = env or envfile.read(Layout(Path(root)).env_file(instance))
         if prof is None:
-            name = env.get("APPLIANCE_PROFILE")
+            name = env.get(envfile.PROFILE_KEY)
             if not name:
                 raise UsageError(
-                    f"{env.path} names no APPLIANCE_PROFILE",
+                    f"{env.path} names no {envfile.PROFILE_KEY}",
                     fix=f"re-run appliance install {instance}, or pass --profile",
                 )
             prof = profiles.installed(root, instance, name)
-        if cache is None and (value := env.get("HF_CACHE_DIR")):
+        if cache is None and (value := env.get(envfile.HF_CACHE_KEY)):
             cache = under_root(root, value)
         selector = [instance, *selector]
     if prof is None:

@@ -23,138 +23,32 @@ Start order, health and a worker's death: see the unit templates and
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
-from pathlib import Path, PurePosixPath
-from typing import Literal
+from dataclasses import replace
+from pathlib import Path
 
 import jinja2
 
 from ..errors import UsageError
 from ..fsutil import write_atomic
 from ..host import envfile, names
+from ..host.envfile import HOST_KEY, IMAGE_KEY, PORT_KEY, PROFILE_KEY
+from ..host.layout import LOCAL_WORKER_DROPIN, Layout, Node
+from ..host.names import HEAD_TEMPLATE, PROBE_SERVICE, PROBE_TIMER, WORKER_TEMPLATE, Role
 from ..profiles import Profile, get
 from ..profiles import validate as pv
 from ..serve.argsfile import ServeArgs
-from ..serve.argsfile import read as read_args
 from ..units import engine_args
 from ..units import template as ut
+from ..units.template import REL, rel
 from ..units.timing import STOP_GRACE_S, unit_timing
 from ..units.writer import WriteResult, write_scrape_targets, write_tree
 
-Role = Literal["head", "worker"]
-ROLES: tuple[Role, ...] = ("head", "worker")
-HEAD_TEMPLATE = "gemma4-vllm-head@.service"
-WORKER_TEMPLATE = "gemma4-vllm-worker@.service"
-PROBE_SERVICE = "gemma4-vllm-probe@.service"
-PROBE_TIMER = "gemma4-vllm-probe@.timer"
-LOCAL_WORKER_DROPIN = "50-local-worker.conf"
-LOCAL_HEAD_DROPIN = "50-local-head.conf"
+__all__ = ["Node", "install", "node_args", "render", "require_multinode"]
+
 PROBE_INTERVAL_S = 30
 # CPU profiles (every node on one host): vLLM's zmq ipc:// sockets, shared by the containers.
 RPC_DIR = "/run/gemma4-vllm-rpc"
-# The group name plus "-worker" must stay a valid instance (container and args names).
-_MAX_GROUP = 64 - len("-worker")
-_FIXED_KEYS = ("VLLM_IMAGE", "APPLIANCE_PROFILE", "VLLM_HOST", "VLLM_PORT")
-
-
-@dataclass(frozen=True)
-class Node:
-    """What one host of a group runs: its roles (the head's host may run a worker too, as the
-    CPU test profile does) and a worker's node rank (1..nodes-1)."""
-
-    roles: tuple[Role, ...] = ("head",)
-    rank: int = 1
-
-    @property
-    def colocated(self) -> bool:
-        """Head and worker on this one host: the head is bound to the worker (BindsTo=)."""
-        return "head" in self.roles and "worker" in self.roles
-
-
-def check_group(name: str) -> str:
-    """``name`` if it is a valid group name, else a UsageError."""
-    names.check_instance(name)
-    if len(name) > _MAX_GROUP:
-        raise UsageError(f"group name {name!r} is longer than {_MAX_GROUP} characters")
-    return name
-
-
-def node_instance(group: str, role: Role) -> str:
-    """The serve program's instance of ``role`` in ``group`` (its args, key and container)."""
-    return f"{check_group(group)}-{role}"
-
-
-def unit_name(group: str, role: Role) -> str:
-    return f"gemma4-vllm-{role}@{check_group(group)}.service"
-
-
-def container_name(group: str, role: Role) -> str:
-    return names.container_name(node_instance(group, role))
-
-
-def _rel(path: str) -> str:
-    return str(PurePosixPath(path).relative_to("/"))
-
-
-def env_path(group: str) -> str:
-    return _rel(f"{names.ENV_DIR}/{check_group(group)}.env")
-
-
-def args_path(group: str, role: Role) -> str:
-    return _rel(f"{names.ENV_DIR}/{node_instance(group, role)}.args")
-
-
-def api_key_path(group: str, role: Role) -> str:
-    return _rel(f"{names.ENV_DIR}/{node_instance(group, role)}.api-key")
-
-
-def host_roles(root: Path | str, name: str) -> tuple[Role, ...]:
-    """The roles this host runs for group ``name``, by the args files installed under ``root``;
-    ``()`` when ``name`` is a single-host instance (or no group at all)."""
-    if len(name) > _MAX_GROUP:
-        return ()
-    return tuple(r for r in ROLES if (Path(root) / args_path(name, r)).exists())
-
-
-def host_node(root: Path | str, group: str) -> Node:
-    """What this host runs of ``group``: its roles and a worker's node rank, read from the args
-    files installed under ``root``; a UsageError when it runs no node of ``group``."""
-    roles = host_roles(root, group)
-    if not roles:
-        raise UsageError(
-            f"this host runs no node of group {group} (no {names.ENV_DIR}/{group}-head.args "
-            "or -worker.args)",
-            fix=f"`appliance multinode install --group {group} ...` first, or name the group "
-            "this host runs",
-        )
-    rank = 1
-    if "worker" in roles:
-        serve = list(read_args(Path(root) / args_path(group, "worker")).serve)
-        try:
-            rank = int(serve[serve.index("--node-rank") + 1])
-        except (ValueError, IndexError):
-            raise UsageError(
-                f"{names.ENV_DIR}/{group}-worker.args names no --node-rank",
-                fix=f"reinstall the worker: `appliance multinode install --group {group} "
-                "--role worker --rank N`",
-            ) from None
-    return Node(roles=roles, rank=rank)
-
-
-def host_units(root: Path | str, name: str) -> list[str]:
-    """The units that serve ``name`` on this host: a group's head and/or worker units, else
-    the instance's ``gemma4-vllm@NAME`` (a group has no such unit)."""
-    roles = host_roles(root, name)
-    return [unit_name(name, r) for r in roles] if roles else [names.unit_name(name)]
-
-
-def dropin_path(group: str) -> str:
-    return _rel(f"{ut.UNIT_DIR}/{unit_name(group, 'head')}.d/{LOCAL_WORKER_DROPIN}")
-
-
-def worker_dropin_path(group: str) -> str:
-    return _rel(f"{ut.UNIT_DIR}/{unit_name(group, 'worker')}.d/{LOCAL_HEAD_DROPIN}")
+_FIXED_KEYS = (IMAGE_KEY, PROFILE_KEY, HOST_KEY, PORT_KEY)
 
 
 def require_multinode(profile: Profile) -> Profile:
@@ -247,8 +141,8 @@ def render(
     rendered (UsageError) for a profile without ``[multinode]``, with validation errors, or a
     bad name, rank, image, host or path."""
     node = node or Node()
-    check_group(group)
-    if not node.roles or any(r not in ROLES for r in node.roles):
+    names.check_group(group)
+    if not node.roles or any(r not in names.ROLES for r in node.roles):
         raise UsageError(f"node roles {node.roles!r}", fix="head, worker or both")
     prof = require_multinode(get(profile) if isinstance(profile, str) else profile)
     ut.check_profile(prof)  # the single-node renderer's string checks, one rule
@@ -257,7 +151,7 @@ def render(
     any_role: Role = node.roles[0]
     context = {
         "profile": prof,
-        "instance": node_instance(group, any_role),
+        "instance": names.node_instance(group, any_role),
         "labels": ut.labels,
         "env_dir": names.ENV_DIR,
         "serve_script": ut.SERVE_SCRIPT,
@@ -272,33 +166,33 @@ def render(
     }
     env = _jinja()
     files: dict[str, ut.RenderedFile] = {
-        _rel(ut.SERVE_SCRIPT): ut.RenderedFile(ut.serve_program(), ut.MODE_PROGRAM),
+        rel(REL.serve_program): ut.RenderedFile(ut.serve_program(), ut.MODE_PROGRAM),
     }
     for role in node.roles:
         args = node_args(prof, role, node.rank, group)
         rank = 0 if role == "head" else node.rank
         about = (
-            f"{names.ENV_DIR}/{node_instance(group, role)}.args: the engine arguments of the "
-            f"{role} of group {group} (node rank {rank} of {prof.multinode.nodes}), from profile "
-            f"{prof.name}. Generated by `appliance multinode install`; do not edit."
+            f"{names.ENV_DIR}/{names.node_instance(group, role)}.args: the engine arguments of "
+            f"the {role} of group {group} (node rank {rank} of {prof.multinode.nodes}), from "
+            f"profile {prof.name}. Generated by `appliance instance install`; do not edit."
         )
-        files[args_path(group, role)] = ut.RenderedFile(args.to_json(about), ut.MODE_ARGS)
-    files[env_path(group)] = ut.RenderedFile(
+        path = rel(REL.node_args_file(group, role))
+        files[path] = ut.RenderedFile(args.to_json(about), ut.MODE_ARGS)
+    files[rel(REL.env_file(group))] = ut.RenderedFile(
         env.get_template("group.env.j2").render(context), ut.MODE_ENV
     )
     if "head" in node.roles:
-        for name in (PROBE_SERVICE, PROBE_TIMER):
+        for path, name in zip(REL.probe_units, (PROBE_SERVICE, PROBE_TIMER), strict=True):
             text = env.get_template(name + ".j2").render(context)
-            files[_rel(f"{ut.UNIT_DIR}/{name}")] = ut.RenderedFile(text, ut.MODE_UNIT)
+            files[rel(path)] = ut.RenderedFile(text, ut.MODE_UNIT)
         if node.colocated:
-            text = env.get_template("local-worker.conf.j2").render(context)
-            files[dropin_path(group)] = ut.RenderedFile(text, ut.MODE_UNIT)
-            text = env.get_template("local-head.conf.j2").render(context)
-            files[worker_dropin_path(group)] = ut.RenderedFile(text, ut.MODE_UNIT)
+            for role, template in (("head", "local-worker"), ("worker", "local-head")):
+                text = env.get_template(f"{template}.conf.j2").render(context)
+                files[rel(REL.node_dropin(group, role))] = ut.RenderedFile(text, ut.MODE_UNIT)
     for role, name in (("worker", WORKER_TEMPLATE), ("head", HEAD_TEMPLATE)):
         if role in node.roles:
             text = env.get_template(name + ".j2").render(context)
-            files[_rel(f"{ut.UNIT_DIR}/{name}")] = ut.RenderedFile(text, ut.MODE_UNIT)
+            files[rel(REL.node_template(role))] = ut.RenderedFile(text, ut.MODE_UNIT)
     # The host's state metrics (status, cutover annotations, the failed-unit alert), as an
     # instance's install writes them: one service and timer per host, whatever it runs.
     files.update(ut.state_units())
@@ -317,36 +211,18 @@ def install(
     env file (VLLM_IMAGE above all) are kept unless given in ``options``. Each role gets an API
     key file (0600, created once). Does not call systemctl."""
     root = Path(root)
+    layout = Layout(root)
     node = node or Node()
-    existing_path = root / env_path(group)
+    existing_path = layout.env_file(group)
     existing = envfile.read(existing_path).values if existing_path.exists() else {}
     opts = ut.options_from_env(existing, options or ut.Options())
     files = render(profile, group, node, opts)  # everything validated before the first write
     result = write_tree(root, files)
     for role in node.roles:
-        key = root / api_key_path(group, role)
+        key = layout.node_api_key_file(group, role)
         if not key.exists():
             write_atomic(key, (secrets.token_urlsafe(32) + "\n").encode(), mode=ut.MODE_SECRET)
             result.written.append(key)
     # The head is scraped like an instance (the engines' file_sd targets of this host).
     write_scrape_targets(root, result)
     return result
-
-
-def images(envs: Iterable[tuple[str, Path]]) -> dict[str, str | None]:
-    """``{node: VLLM_IMAGE}`` of each node's copy of the group's env file."""
-    return {name: envfile.read(path).get(envfile.IMAGE_KEY) for name, path in envs}
-
-
-def require_one_image(found: dict[str, str | None]) -> str | None:
-    """The group's one image; a UsageError naming each node's when the nodes disagree (vLLM's
-    ranks must run the same engine: a mixed group fails at the rendezvous or, worse, later)."""
-    distinct = set(found.values())
-    if len(distinct) > 1:
-        listing = ", ".join(f"{n}: {img or 'unset'}" for n, img in sorted(found.items()))
-        raise UsageError(
-            f"the group's nodes name different images ({listing})",
-            fix="every node must run the same VLLM_IMAGE: `appliance multinode cutover` moves "
-            "them together",
-        )
-    return next(iter(distinct), None)

@@ -31,6 +31,7 @@ MODULES = (
     "imageref.py",
     "fsutil.py",
     "host/__init__.py",
+    "host/envfile.py",
     "host/names.py",
     "host/layout.py",
     "host/lock.py",

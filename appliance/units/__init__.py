@@ -6,7 +6,8 @@
 - :func:`install` ``(profile, instance, root=Path("/"), options=...)`` writes them under
   ``root`` atomically with their modes, keeps what the env file already says (``VLLM_IMAGE``
   above all), creates the API key file (0600), and upgrades an instance of the old layout.
-- :func:`uninstall` removes what install wrote for an instance (the shared files with the last).
+- :func:`uninstall` removes what install wrote for an instance of either shape (the shared
+  files with the last).
 - :mod:`.instance`: :func:`instance.read` ``(root, name) -> Instance``, an installed instance's
   facts read once from its env file.
 - :func:`render_to` writes a rendered tree for review (``appliance render --out DIR``).
@@ -15,23 +16,20 @@
 
 from __future__ import annotations
 
-from ..host.names import ENV_DIR, UNIT_TEMPLATE, check_instance, container_name, unit_name
-from .template import (
-    DEFAULT_IMAGE,
-    LIBEXEC_DIR,
-    SERVE_SCRIPT,
+from ..host.names import (
+    ENV_DIR,
     STATE_UNIT,
-    Options,
-    Paths,
-    RenderedFile,
-    paths,
-    render,
+    UNIT_TEMPLATE,
+    check_instance,
+    container_name,
+    unit_name,
 )
+from .template import DEFAULT_IMAGE, SERVE_SCRIPT, Options, RenderedFile, render
 from .writer import (
     Planned,
     WriteResult,
     install,
-    installed_instances,
+    named_profile,
     planned,
     render_to,
     uninstall,
@@ -41,20 +39,17 @@ from .writer import (
 __all__ = [
     "DEFAULT_IMAGE",
     "ENV_DIR",
-    "LIBEXEC_DIR",
     "SERVE_SCRIPT",
     "STATE_UNIT",
     "UNIT_TEMPLATE",
     "Options",
-    "Paths",
     "Planned",
     "RenderedFile",
     "WriteResult",
     "check_instance",
     "container_name",
     "install",
-    "installed_instances",
-    "paths",
+    "named_profile",
     "planned",
     "render",
     "render_to",

@@ -18,14 +18,11 @@ from pathlib import Path
 from .. import profiles
 from ..errors import UsageError
 from ..host import envfile, values
+from ..host.envfile import HOST_KEY, PORT_KEY, PROFILE_KEY
+from ..host.layout import Layout
 from ..host.names import container_name, unit_name
 from ..host.values import check_host, check_port
 from ..profiles import Profile
-from .template import paths
-
-PROFILE_KEY = "APPLIANCE_PROFILE"
-HOST_KEY = "VLLM_HOST"
-PORT_KEY = "VLLM_PORT"
 
 
 @dataclass(frozen=True)
@@ -86,15 +83,14 @@ def read(root: Path | str, name: str) -> Instance:
     by an older appliance: re-run install, which upgrades it); an unknown profile; a host or
     port that is not one.
     """
-    root = Path(root)
-    return from_env(root, name, envfile.read(root / paths(name).env))
+    return from_env(root, name, envfile.read(Layout(Path(root)).env_file(name)))
 
 
 def from_env(root: Path | str, name: str, env: envfile.EnvFile) -> Instance:
     """The record of instance ``name`` from its env file ``env``, already read (errors as
     :func:`read`)."""
     root = Path(root)
-    p = paths(name)
+    layout = Layout(root)
     upgrade = f"re-run `appliance install {name} --profile PROFILE` (it upgrades in place)"
 
     def required(key: str) -> str:
@@ -114,6 +110,6 @@ def from_env(root: Path | str, name: str, env: envfile.EnvFile) -> Instance:
         host=host,
         port=port,
         env=env,
-        args_path=root / p.args,
-        api_key_path=root / p.api_key,
+        args_path=layout.args_file(name),
+        api_key_path=layout.served_key_file(name),
     )

@@ -23,34 +23,33 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from dataclasses import dataclass
+from pathlib import Path
 
 import jinja2
 
 from .. import imageref, labels
 from ..errors import UsageError
+from ..host import envfile
 from ..host.layout import STATE_DIR, Layout
-from ..host.names import DATA_DIR, ENV_DIR, UNIT_TEMPLATE, check_instance, profile_copy
+from ..host.names import DATA_DIR, ENV_DIR, STATE_UNIT, UNIT_TEMPLATE, check_instance
 from ..host.values import check_gpus, check_host, check_path, check_port
-from ..profiles import Profile, get
+from ..profiles import PROFILE_NAME, Profile, get
 from ..profiles import validate as pv
 from ..serve import bundle
 from ..serve.argsfile import CONTROL, check_argument
 from .engine_args import args_text, serve_args
 from .timing import STOP_GRACE_S, unit_timing
 
-LIBEXEC_DIR = "/usr/local/libexec/gemma4-vllm"
-SERVE_SCRIPT = f"{LIBEXEC_DIR}/serve"
-UNIT_DIR = "/etc/systemd/system"
-# The state metrics' timer and its service: one pair per host, whatever the instances (ADR 0016).
-STATE_UNIT = "gemma4-appliance-state"
+# Paths relative to the root, the keys of a rendered tree; and as the units name them.
+REL = Layout(Path())
+SERVE_SCRIPT = str(Layout().serve_program)
 # Where `pip install` as root and the Ansible role (appliance_bin) put the appliance's command.
 APPLIANCE_BIN = "/usr/local/bin/appliance"
 DEFAULT_IMAGE = "gemma4-vllm:latest"
 
 # Docker container names and systemd instance names both; no dots first, no slashes.
-_PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_PROFILE_NAME = re.compile(PROFILE_NAME)  # the record's own rule; also for a replaced record
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 MODE_UNIT = 0o644
@@ -82,32 +81,9 @@ class Options:
     vllm_cache_dir: str | None = None
 
 
-@dataclass(frozen=True)
-class Paths:
-    """Where an instance's files live, relative to the root they are installed under."""
-
-    instance: str
-    unit: str = field(init=False)
-    script: str = field(init=False)
-    env: str = field(init=False)
-    args: str = field(init=False)
-    api_key: str = field(init=False)
-    profile: str = field(init=False)  # the operator's own profile file, when installed from one
-    state_service: str = field(init=False)  # the host's state-metrics service and timer
-    state_timer: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        def rel(p: str) -> str:
-            return str(PurePosixPath(p).relative_to("/"))
-
-        object.__setattr__(self, "unit", rel(f"{UNIT_DIR}/{UNIT_TEMPLATE}"))
-        object.__setattr__(self, "script", rel(SERVE_SCRIPT))
-        object.__setattr__(self, "env", rel(f"{ENV_DIR}/{self.instance}.env"))
-        object.__setattr__(self, "args", rel(f"{ENV_DIR}/{self.instance}.args"))
-        object.__setattr__(self, "api_key", rel(f"{ENV_DIR}/{self.instance}.api-key"))
-        object.__setattr__(self, "profile", rel(profile_copy(self.instance)))
-        object.__setattr__(self, "state_service", rel(f"{UNIT_DIR}/{STATE_UNIT}.service"))
-        object.__setattr__(self, "state_timer", rel(f"{UNIT_DIR}/{STATE_UNIT}.timer"))
+def rel(path: Path) -> str:
+    """``path`` (of :data:`REL`) as the key of a rendered tree."""
+    return path.as_posix()
 
 
 def check_profile(prof: Profile) -> None:
@@ -133,11 +109,6 @@ def check_profile(prof: Profile) -> None:
         if not _ENV_KEY.fullmatch(key):
             raise UsageError(f"profile {prof.name}: invalid environment variable name {key!r}")
         check_argument(value, f"profile {prof.name}: env {key}")
-
-
-def paths(instance: str) -> Paths:
-    """The relative paths of ``instance``'s files and of the shared unit and serve program."""
-    return Paths(check_instance(instance))
 
 
 @functools.cache
@@ -168,10 +139,10 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
     """The env file's assignments, in order, from the options (defaults where unset)."""
     port = opts.port if opts.port is not None else profile.port
     values = {
-        "VLLM_IMAGE": imageref.validate(opts.image or DEFAULT_IMAGE),
-        "APPLIANCE_PROFILE": profile.name,
-        "VLLM_HOST": check_host(opts.host if opts.host is not None else profile.host),
-        "VLLM_PORT": str(check_port(port, f"port {port}")),
+        envfile.IMAGE_KEY: imageref.validate(opts.image or DEFAULT_IMAGE),
+        envfile.PROFILE_KEY: profile.name,
+        envfile.HOST_KEY: check_host(opts.host if opts.host is not None else profile.host),
+        envfile.PORT_KEY: str(check_port(port, f"port {port}")),
     }
     if profile.hardware.device != "cpu":
         if opts.gpus is None and profile.hardware.mig:
@@ -179,11 +150,12 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
                 f"profile {profile.name} runs one instance per MIG slice: say which slice",
                 fix="pass --gpus device=GPU:MIG (e.g. device=0:1) or device=MIG-<uuid>",
             )
-        values["VLLM_GPUS"] = check_gpus(opts.gpus or "all")
+        values[envfile.GPUS_KEY] = check_gpus(opts.gpus or "all")
     elif opts.gpus is not None:
         raise UsageError(f"profile {profile.name} runs on the CPU: --gpus does not apply")
     if profile.uses_devmodel:
-        values["MODEL_DIR"] = check_path("model dir", opts.model_dir or f"{DATA_DIR}/models/tiny")
+        model_dir = opts.model_dir or f"{DATA_DIR}/models/tiny"
+        values[envfile.MODEL_DIR_KEY] = check_path("model dir", model_dir)
     elif opts.model_dir is not None:
         raise UsageError(
             f"profile {profile.name} serves {profile.model}: --model-dir applies to the "
@@ -191,10 +163,10 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
             fix="put the weights in the Hugging Face cache (--hf-cache-dir)",
         )
     if not profile.uses_devmodel:
-        values["HF_CACHE_DIR"] = check_path(
+        values[envfile.HF_CACHE_KEY] = check_path(
             "HF cache dir", opts.hf_cache_dir or f"{DATA_DIR}/huggingface"
         )
-    values["VLLM_CACHE_DIR"] = check_path(
+    values[envfile.VLLM_CACHE_KEY] = check_path(
         "vLLM cache dir", opts.vllm_cache_dir or f"{DATA_DIR}/cache/{instance}"
     )
     return values
@@ -217,7 +189,8 @@ def render(
     if prof.multinode is not None:
         raise UsageError(
             f"profile {prof.name} serves one model across {prof.multinode.nodes} hosts",
-            fix=f"appliance multinode install --profile {prof.name} (a head and worker units)",
+            fix=f"install each host's node: appliance instance install NAME --profile {prof.name} "
+            "--role head|worker|both [--rank N]",
         )
     check_profile(prof)
     pv.require_valid(prof)
@@ -235,13 +208,15 @@ def render(
         "stop_grace_s": STOP_GRACE_S,
     }
     env = jinja_env()
-    p = paths(instance)
+    unit = env.get_template(UNIT_TEMPLATE + ".j2").render(context)
     # In the order they are written: what the others refer to first, the unit last.
     return {
-        p.script: RenderedFile(serve_program(), MODE_PROGRAM),
-        p.args: RenderedFile(args_text(args, instance), MODE_ARGS),
-        p.env: RenderedFile(env.get_template("instance.env.j2").render(context), MODE_ENV),
-        p.unit: RenderedFile(env.get_template(UNIT_TEMPLATE + ".j2").render(context), MODE_UNIT),
+        rel(REL.serve_program): RenderedFile(serve_program(), MODE_PROGRAM),
+        rel(REL.args_file(instance)): RenderedFile(args_text(args, instance), MODE_ARGS),
+        rel(REL.env_file(instance)): RenderedFile(
+            env.get_template("instance.env.j2").render(context), MODE_ENV
+        ),
+        rel(REL.unit_template): RenderedFile(unit, MODE_UNIT),
         **state_units(),
     }
 
@@ -256,12 +231,12 @@ def state_units() -> dict[str, RenderedFile]:
         "state_dir_name": STATE_DIR.relative_to("var/lib"),
     }
     env = jinja_env()
-    p = paths("state")
+    service, timer = REL.state_units
     return {
-        p.state_service: RenderedFile(
+        rel(service): RenderedFile(
             env.get_template(f"{STATE_UNIT}.service.j2").render(context), MODE_UNIT
         ),
-        p.state_timer: RenderedFile(
+        rel(timer): RenderedFile(
             env.get_template(f"{STATE_UNIT}.timer.j2").render(context), MODE_UNIT
         ),
     }
@@ -270,18 +245,18 @@ def state_units() -> dict[str, RenderedFile]:
 def options_from_env(existing: Mapping[str, str], explicit: Options) -> Options:
     """``explicit`` with each unset option taken from an existing env file's value."""
     keys = {
-        "image": "VLLM_IMAGE",
-        "gpus": "VLLM_GPUS",
-        "host": "VLLM_HOST",
-        "port": "VLLM_PORT",
-        "model_dir": "MODEL_DIR",
-        "hf_cache_dir": "HF_CACHE_DIR",
-        "vllm_cache_dir": "VLLM_CACHE_DIR",
+        "image": envfile.IMAGE_KEY,
+        "gpus": envfile.GPUS_KEY,
+        "host": envfile.HOST_KEY,
+        "port": envfile.PORT_KEY,
+        "model_dir": envfile.MODEL_DIR_KEY,
+        "hf_cache_dir": envfile.HF_CACHE_KEY,
+        "vllm_cache_dir": envfile.VLLM_CACHE_KEY,
     }
     merged = {
         attr: getattr(explicit, attr) if getattr(explicit, attr) is not None else existing.get(key)
         for attr, key in keys.items()
     }
     if merged["port"] is not None and not isinstance(merged["port"], int):
-        merged["port"] = check_port(merged["port"], f"VLLM_PORT={merged['port']!r}")
+        merged["port"] = check_port(merged["port"], f"{envfile.PORT_KEY}={merged['port']!r}")
     return Options(**merged)

@@ -22,29 +22,22 @@ from ..errors import UsageError
 from ..fsutil import write_atomic
 from ..host import envfile
 from ..host import lock as locks
-from ..host.layout import Layout
-from ..host.names import ENV_DIR, unit_name
+from ..host.envfile import PORT_KEY, PROFILE_KEY
+from ..host.layout import Layout, Shape
+from ..host.names import PROBE_TIMER
 from ..host.systemd import Systemd
 from ..observability import file_sd
 from ..profiles import Profile, get, installed, is_file_ref, operators_file
 from . import instance as instances
-from .instance import PROFILE_KEY
 from .template import (
-    LIBEXEC_DIR,
     MODE_ARGS,
     MODE_SECRET,
-    UNIT_DIR,
     Options,
     RenderedFile,
     env_values,
     options_from_env,
-    paths,
     render,
 )
-
-# Where `systemctl enable` links an instance (the unit's WantedBy=).
-WANTS_DIR = f"{UNIT_DIR}/multi-user.target.wants"
-TIMERS_WANTS_DIR = f"{UNIT_DIR}/timers.target.wants"
 
 
 @dataclass
@@ -86,8 +79,13 @@ def write_tree(root: Path, files: dict[str, RenderedFile]) -> WriteResult:
     return result
 
 
+def named_profile(root: Path | str, instance: str) -> str | None:
+    """The profile an installed instance's env file names (None: not installed, or none)."""
+    return _existing_env(Path(root), instance).get(PROFILE_KEY) or None
+
+
 def _existing_env(root: Path, instance: str) -> dict[str, str]:
-    path = root / paths(instance).env
+    path = Layout(root).env_file(instance)
     if not path.exists():
         return {}
     return envfile.read(path).values
@@ -100,7 +98,7 @@ _OLD_PORT_LINE = re.compile(r"^readonly PORT=(\d+)$", re.MULTILINE)
 
 def old_serve_script(root: Path, instance: str) -> Path:
     """Where the old layout kept ``instance``'s own rendered serve script."""
-    return Path(root) / _rel(LIBEXEC_DIR) / f"serve-{instance}.sh"
+    return Layout(Path(root)).serve_program.with_name(f"serve-{instance}.sh")
 
 
 def migrate_port_from_old_serve_script(root: Path, instance: str) -> int | None:
@@ -145,17 +143,17 @@ def planned(
     """Resolve :func:`install`'s inputs without writing: the profile (``None``: the one the env
     file names; an operator's file; the copy installed before), the kept values and the port."""
     root = Path(root)
-    p = paths(instance)
+    layout = Layout(root)
     existing = _existing_env(root, instance)
     explicit = options or Options()
-    if explicit.port is None and "VLLM_PORT" not in existing:
+    if explicit.port is None and PORT_KEY not in existing:
         port = migrate_port_from_old_serve_script(root, instance)
         explicit = replace(explicit, port=port)
     opts = options_from_env(existing, explicit)
     if profile is None:
         if not existing.get(PROFILE_KEY):
             raise UsageError(
-                f"instance {instance} names no profile in {root / p.env}",
+                f"instance {instance} names no profile in {layout.env_file(instance)}",
                 fix="say which: --profile NAME",
             )
         profile = existing[PROFILE_KEY]
@@ -164,8 +162,8 @@ def planned(
         prof, own = operators_file(profile)
     elif isinstance(profile, str) and profile == existing.get(PROFILE_KEY):
         prof = installed(root, instance, profile)  # the copy installed before, if any: kept
-        if (root / p.profile).exists():
-            own = (root / p.profile).read_bytes()
+        if layout.profile_copy(instance).exists():
+            own = layout.profile_copy(instance).read_bytes()
     elif isinstance(profile, str):
         prof = get(profile)
     else:
@@ -196,20 +194,21 @@ def install(
     systemctl: ``root`` may be an image being built.
     """
     root = Path(root)
-    p = paths(instance)
+    layout = Layout(root)
     plan = planned(profile, instance, root=root, options=options)
     prof, opts, existing, own = plan.profile, plan.options, plan.existing, plan.own
     files = render(prof, instance, opts)  # validates everything before the first write
     if preflight is not None:
         preflight(plan)
+    copy = layout.profile_copy(instance)
     if own is not None:
-        files = {p.profile: RenderedFile(own, MODE_ARGS), **files}
+        files = {str(copy.relative_to(root)): RenderedFile(own, MODE_ARGS), **files}
     result = write_tree(root, files)
-    if own is None and (root / p.profile).exists():
-        (root / p.profile).unlink()  # now serving a shipped profile: the old copy would mislead
-        result.removed.append(root / p.profile)
+    if own is None and copy.exists():
+        copy.unlink()  # now serving a shipped profile: the old copy would mislead
+        result.removed.append(copy)
     result.first_install = not existing
-    key = root / p.api_key
+    key = layout.api_key_file(instance)
     if not key.exists():
         write_atomic(key, (secrets.token_urlsafe(32) + "\n").encode(), mode=MODE_SECRET)
         result.written.append(key)
@@ -233,11 +232,11 @@ def _choose_port(
     one its env file keeps, else the profile's or, when another instance has that, the next
     free one (several instances of one profile, e.g. the four MIG slices of a card)."""
     taken: dict[int, str] = {}
-    for name in installed_instances(root):
+    for name in Layout(root).installed():
         if name == instance:
             continue
         try:
-            port = int(_existing_env(root, name).get("VLLM_PORT", ""))
+            port = int(_existing_env(root, name).get(PORT_KEY, ""))
         except (UsageError, ValueError):
             continue  # unreadable: install and the serve program refuse it with its own words
         taken.setdefault(port, name)
@@ -269,12 +268,11 @@ def write_scrape_targets(root: Path, result: WriteResult) -> None:
     """Rewrite the engines' scrape targets from the installed instances and the heads of the
     groups installed here (a worker serves no API); an instance whose env file cannot be read
     is left out with a warning (it does not serve as installed either)."""
-    from .. import multinode  # it builds on this package
-
+    layout = Layout(root)
     targets = []
-    for name in installed_instances(root):
-        roles = multinode.host_roles(root, name)
-        if roles and "head" not in roles:
+    for name in layout.installed():
+        shape = layout.shape(name)
+        if shape.group and "head" not in shape.roles:
             continue
         try:
             inst = instances.read(root, name)
@@ -300,93 +298,118 @@ def write_scrape_targets(root: Path, result: WriteResult) -> None:
         result.written.append(path)
 
 
-def installed_instances(root: Path | str) -> list[str]:
-    """The instances with an env file under ``root``, sorted."""
-    return sorted(p.stem for p in (Path(root) / _rel(ENV_DIR)).glob("*.env"))
-
-
 def uninstall(
-    instance: str,
+    name: str,
     *,
     root: Path | str = Path("/"),
     purge: bool = False,
     systemd: Systemd | None = None,
 ) -> WriteResult:
-    """Remove what :func:`install` wrote for ``instance`` under ``root``.
+    """Remove what ``install`` wrote for ``name`` (an instance, or the nodes of a group this
+    host runs) under ``root``.
 
-    With ``systemd`` (the CLI passes one when ``root`` is ``/``) the unit is stopped and
-    disabled first, and systemd reloaded after. The env, args and API key files go, and the
-    instance's enablement link; its cutover history and rollback slot stay unless ``purge``.
-    The shared unit and serve program go with the last instance. Refused while a cutover of the
-    instance is in progress (its lock is held).
+    With ``systemd`` (the CLI passes one when ``root`` is ``/``) its units are stopped and
+    disabled first, and systemd reloaded after. Its env file, args and API key files, drop-ins
+    and enablement links go; its cutover history and rollback slot stay unless ``purge``. A unit
+    template goes with the last instance of its shape, the serve program and the state units
+    with the last instance. Refused while a cutover of ``name`` is in progress (its lock is
+    held), and before anything is removed when ``name`` is not installed here.
     """
-
     root = Path(root)
-    p = paths(instance)
     layout = Layout(root)
-    mine = [root / p.env, root / p.args, root / p.api_key, old_serve_script(root, instance)]
-    mine.append(root / p.profile)
-    mine.append(root / _rel(WANTS_DIR) / unit_name(instance))
-    state = [
-        layout.history_file(instance),
-        layout.rollback_slot(instance),
-        layout.saved_env(instance),
-        layout.saved_slot(instance),
-        layout.lock_file(instance),
-        layout.canary_record(instance, "before"),
-        layout.canary_record(instance, "after"),
-        layout.canary_baseline(instance),
-    ]
+    shape = layout.shape(name)
+    mine = [layout.env_file(name), *_own_files(layout, shape, root)]
+    mine += [layout.wants_link(u) for u in _enabled_units(shape)]
+    state = list(layout.state_files(name))
     if not any(os.path.lexists(f) for f in mine) and not (purge and any(f.exists() for f in state)):
-        raise UsageError(f"instance {instance} is not installed under {root}")
+        raise UsageError(f"{shape.noun} {name} is not installed under {root}")
     result = WriteResult()
-    # A cutover in progress holds the lock file; with none, no cutover ever ran here.
-    lock_path = layout.lock_file(instance)
-    held = (
-        locks.hold(lock_path, instance, "uninstall")
-        if lock_path.exists()
-        else contextlib.nullcontext()
-    )
-    with held:
+    # A cutover in progress holds the lock file; with none, no cutover ever ran here. The lock
+    # file itself is never unlinked while held: a rollback started meanwhile would lock a new
+    # inode and run beside the purge (host/lock.py).
+    lock_path = layout.lock_file(name)
+    held = locks.hold(lock_path, name, "uninstall") if lock_path.exists() else None
+    with held or contextlib.nullcontext():
         if systemd is not None:
-            systemd.stop_and_disable(unit_name(instance))
-        for path in mine + (state if purge else []):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                result.removed.append(path)
-        if not installed_instances(root):
-            timer = PurePosixPath(p.state_timer).name
-            if systemd is not None:
-                systemd.stop_and_disable(timer)
-            shared_files = [root / p.unit, root / p.script, root / p.state_service]
-            shared_files += [root / p.state_timer, root / _rel(TIMERS_WANTS_DIR) / timer]
-            for shared in shared_files:
-                with contextlib.suppress(FileNotFoundError):
-                    shared.unlink()
-                    result.removed.append(shared)
+            for unit in _enabled_units(shape):
+                systemd.stop_and_disable(unit)
+        for path in mine + ([p for p in state if p != lock_path] if purge else []):
+            _remove(path, result)
+        for dropin in {p.parent for p in mine if p.parent.name.endswith(".service.d")}:
             with contextlib.suppress(OSError):
-                (root / p.script).parent.rmdir()  # only when empty
+                dropin.rmdir()  # only when empty: an operator's own drop-in keeps it
+        _remove_shared(layout, systemd, result)
         write_scrape_targets(root, result)
-        if purge and not installed_instances(root):
-            _leave_as_found(root, instance, result)
-        if systemd is not None:
-            systemd.daemon_reload()
+    if purge and lock_path.exists():
+        _remove(lock_path, result)  # released: nothing can be waiting on this inode any more
+    if purge and not layout.installed():
+        _leave_as_found(layout, name, result)
+    if systemd is not None:
+        systemd.daemon_reload()
     return result
 
 
-def _leave_as_found(root: Path, instance: str, result: WriteResult) -> None:
+def _own_files(layout: Layout, shape: Shape, root: Path) -> list[Path]:
+    """The files install wrote for ``shape`` alone (not the shared units and program)."""
+    name = shape.name
+    if not shape.group:
+        own = [layout.args_file(name), layout.api_key_file(name), layout.profile_copy(name)]
+        return [*own, old_serve_script(root, name)]
+    files = []
+    for role in shape.roles:
+        files += [layout.node_args_file(name, role), layout.node_api_key_file(name, role)]
+        files.append(layout.node_dropin(name, role))
+    return files
+
+
+def _enabled_units(shape: Shape) -> list[str]:
+    """The units ``systemctl enable`` may have linked for ``shape``."""
+    units = list(shape.units)
+    if "head" in shape.roles:
+        units.append(PROBE_TIMER.replace("@.", f"@{shape.name}."))
+    return units
+
+
+def _remove(path: Path, result: WriteResult) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+        result.removed.append(path)
+
+
+def _remove_shared(layout: Layout, systemd: Systemd | None, result: WriteResult) -> None:
+    """The unit templates no installed instance uses any more; with the last instance of any
+    shape, the serve program and the state units (the timer stopped first)."""
+    shapes = [layout.shape(n) for n in layout.installed()]
+    roles = {r for s in shapes for r in s.roles}
+    unused = []
+    if not any(not s.group for s in shapes):
+        unused.append(layout.unit_template)
+    for role in ("head", "worker"):
+        if role not in roles:
+            unused.append(layout.node_template(role))
+    if "head" not in roles:
+        unused += list(layout.probe_units)
+    if not shapes:
+        service, timer = layout.state_units
+        if systemd is not None:
+            systemd.stop_and_disable(timer.name)
+        unused += [layout.serve_program, service, timer, layout.wants_link(timer.name)]
+    for path in unused:
+        _remove(path, result)
+    with contextlib.suppress(OSError):
+        layout.serve_program.parent.rmdir()  # only when empty
+
+
+def _leave_as_found(layout: Layout, name: str, result: WriteResult) -> None:
     """After the last instance's purge: the state textfile (it would keep the last instance's
     series) and the folders install, cutovers and the state timer made, each only when nothing
     else is in it (an operator's own file, e.g. the Hub token, keeps its folder)."""
-    layout = Layout(root)
     textfile = layout.metrics_textfile()
-    with contextlib.suppress(FileNotFoundError):
-        textfile.unlink()
-        result.removed.append(textfile)
-    folders = [*layout.private_dirs(instance), textfile.parent, layout.state_dir]
-    folders += [root / _rel(file_sd.TARGETS_DIR), root / _rel(ENV_DIR)]
+    _remove(textfile, result)
+    folders = [*layout.private_dirs(name), textfile.parent, layout.state_dir]
+    folders += [layout.root / _rel(file_sd.TARGETS_DIR), layout.env_dir]
     # usr/local/libexec: a minimal Debian has none until install makes it.
-    folders.append((root / paths(instance).script).parent.parent)
+    folders.append(layout.serve_program.parent.parent)
     for folder in folders:
         with contextlib.suppress(OSError):  # not empty, or already gone
             folder.rmdir()

@@ -42,6 +42,17 @@ def machine_lock(name: str) -> Iterator[None]:
         yield
 
 
+def inspect_container(name: str, fmt: str) -> str:
+    """``docker inspect --format FMT NAME`` on the host's engine; raises when it fails (no such
+    container included): a read that failed never passes for a value."""
+    proc = subprocess.run(
+        ["docker", "inspect", "--format", fmt, name], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"docker inspect {name} exited {proc.returncode}: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
 def _answers(timeout: float = 2.0) -> bool:
     import docker.errors
 
@@ -60,7 +71,12 @@ def _answers(timeout: float = 2.0) -> bool:
 
 
 def ensure_dockerd(timeout: float = 60.0) -> subprocess.Popen | None:
-    """Start dockerd unless one answers; return the process this call started, else None."""
+    """Start dockerd unless one answers; return the process this call started, else None.
+
+    It is also named the Docker of the trees the tests give ``--root`` (``DOCKER_HOST``): a
+    command on a tree asks no Docker unless one is named (appliance/host/reach.py), and the
+    tests' trees run their containers on this engine."""
+    os.environ.setdefault("DOCKER_HOST", f"unix://{SOCKET}")
     if _answers():
         return None
     with machine_lock("dockerd"):

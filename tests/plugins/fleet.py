@@ -38,10 +38,13 @@ import pytest
 from appliance import __version__, devmodel, units
 from appliance.engine.local import free_port
 from appliance.host import envfile
+from appliance.host.layout import Layout
 
 from . import nspawn
-from .docker_engine import CANARY_TEST_REPO, NO_MTP_TAG, machine_lock
-from .systemd_instance import MTP_IMAGE, PROFILE, VLLM_CACHE
+from .docker_engine import CANARY_TEST_REPO, NO_MTP_TAG, inspect_container, machine_lock
+from .systemd_instance import MTP_IMAGE, PROFILE
+
+VLLM_CACHE = nspawn.vllm_cache_dir("fleet")
 
 # The hosts start with MTP off and roll out to MTP on: the MTP image with its MTP label off (the
 # same engine, started in about half the time of the real vLLM 0.19 image). The rollout from
@@ -71,17 +74,12 @@ class FleetHost:
         return self.machine.root
 
     def env_image(self) -> str | None:
-        return envfile.read(self.root / units.paths(self.instance).env).get(envfile.IMAGE_KEY)
+        return envfile.read(Layout(self.root).env_file(self.instance)).get(envfile.IMAGE_KEY)
 
     def container(self, fmt: str = "{{.Config.Image}}") -> str:
-        """``docker inspect`` of the instance's container (empty when there is none)."""
-        proc = subprocess.run(
-            ["docker", "inspect", "--format", fmt, units.container_name(self.instance)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        return proc.stdout.strip()
+        """``docker inspect`` of the instance's container; raises when it cannot be read (no
+        such container included), so two failed reads never compare equal."""
+        return inspect_container(units.container_name(self.instance), fmt)
 
     def history(self) -> list[dict]:
         """The instance's cutover history as stored (oldest first); raises when it cannot be read

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,9 +22,15 @@ import pytest
 from appliance import devmodel, multinode, profiles, specdecode, units
 from appliance.engine.local import free_port
 from appliance.host import envfile
+from appliance.host.layout import Layout, Node
+from appliance.host.names import node_container, node_unit
 
+from . import nspawn
+from .docker_engine import inspect_container
 from .fleet import OFF_IMAGE, VENV_BIN, Fleet, FleetHost
-from .multinode import PROFILE, VLLM_CACHE, remove_group
+from .multinode import PROFILE, remove_group
+
+VLLM_CACHE = nspawn.vllm_cache_dir("fleet-group")
 
 GROUP = "xhost"
 START_TIMEOUT = 600
@@ -44,21 +49,16 @@ class FleetGroup:
         return self.head if role == "head" else self.worker
 
     def unit(self, role: str) -> str:
-        return multinode.unit_name(GROUP, role)
+        return node_unit(GROUP, role)
 
     def env_image(self, role: str) -> str | None:
-        path = self.node(role).root / multinode.env_path(GROUP)
+        path = Layout(self.node(role).root).env_file(GROUP)
         return envfile.read(path).get(envfile.IMAGE_KEY)
 
     def container(self, role: str, fmt: str = "{{.Image}}") -> str:
-        """``docker inspect`` of the node's container (empty when there is none)."""
-        proc = subprocess.run(
-            ["docker", "inspect", "--format", fmt, multinode.container_name(GROUP, role)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        return proc.stdout.strip()
+        """``docker inspect`` of the node's container; raises when it cannot be read (no such
+        container included), so two failed reads never compare equal."""
+        return inspect_container(node_container(GROUP, role), fmt)
 
     def history(self, role: str) -> list[dict]:
         """The node's host's record of the group (read inside the machine, not over SSH)."""
@@ -119,13 +119,13 @@ def fleet_group(fleet_hosts: Fleet) -> Iterator[FleetGroup]:
     group = FleetGroup(fleet_hosts, head, worker, port)
     remove_group(GROUP)
     try:
-        nodes = ((head, multinode.Node(("head",))), (worker, multinode.Node(("worker",), 1)))
+        nodes = ((head, Node(("head",))), (worker, Node(("worker",), 1)))
         for host, node in nodes:
             multinode.install(prof, GROUP, node, root=host.root, options=opts)
             # The serve script mounts the key file, which the host's dockerd would look for on
             # the host: no key on 127.0.0.1 (as tests/plugins/multinode.py).
             for role in node.roles:
-                (host.root / multinode.api_key_path(GROUP, role)).unlink()
+                Layout(host.root).node_api_key_file(GROUP, role).unlink()
             # The play runs `appliance` by PATH, as the fleet's install links it.
             host.machine.run("ln", "-sf", str(VENV_BIN / "appliance"), "/usr/local/bin/appliance")
             host.machine.daemon_reload()

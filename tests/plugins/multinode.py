@@ -34,9 +34,9 @@ import pytest
 from appliance import devmodel, multinode, profiles, specdecode, units
 from appliance.cutover.context import Context
 from appliance.engine.local import free_port
-from appliance.host.layout import Layout
+from appliance.host.layout import Layout, Node
+from appliance.host.names import ROLES, node_container, node_unit
 from appliance.host.systemd import Systemd
-from appliance.multinode import cutover as mcut
 
 from . import nspawn
 from .docker_engine import machine_lock
@@ -50,7 +50,7 @@ DERIVED_TAG = "0.32.0-mtp-b"
 DERIVED_IMAGE = f"{DERIVED_REPO}:{DERIVED_TAG}"
 BUILD_DIGEST_LABEL = "io.gemma4-appliance.build-digest"
 START_TIMEOUT = 600.0
-VLLM_CACHE = nspawn.CACHE.parent / "multinode-vllm-cache"
+VLLM_CACHE = nspawn.vllm_cache_dir("multinode")
 
 
 def build_derived_image(client, parent_id: str) -> str:
@@ -93,14 +93,15 @@ class Group:
     port: int
     docker: object
     derived_image: str
+    before: set[str]  # the machine's files before the group's install (Machine.files)
 
     @property
     def head(self) -> str:
-        return multinode.unit_name(GROUP, "head")
+        return node_unit(GROUP, "head")
 
     @property
     def worker(self) -> str:
-        return multinode.unit_name(GROUP, "worker")
+        return node_unit(GROUP, "worker")
 
     @property
     def url(self) -> str:
@@ -108,7 +109,7 @@ class Group:
 
     @property
     def api_key(self) -> str | None:
-        path = self.machine.root / multinode.api_key_path(GROUP, "head")
+        path = Layout(self.machine.root).node_api_key_file(GROUP, "head")
         return path.read_text().strip() if path.exists() else None
 
     def show(self, unit: str, prop: str) -> str:
@@ -126,19 +127,8 @@ class Group:
             progress=lambda msg: print("multinode:", msg, flush=True),
         )
 
-    def hosts(self) -> list[mcut.Host]:
-        return [
-            mcut.Host(
-                "machine",
-                multinode.Node(roles=("head", "worker")),
-                self.machine.root,
-                Systemd(tuple(self.machine.enter_argv())),
-                self.docker,
-            )
-        ]
-
     def container_image_id(self, role: str) -> str:
-        return self.docker.containers.get(multinode.container_name(GROUP, role)).attrs["Image"]
+        return self.docker.containers.get(node_container(GROUP, role)).attrs["Image"]
 
     def chat(self, content: str = "hello", max_tokens: int = 24) -> httpx.Response:
         return httpx.post(
@@ -193,12 +183,12 @@ def multinode_group(appliance_images, docker_engine) -> Iterator[Group]:
         machine_lock(f"group-{GROUP}"),
         nspawn.boot(MACHINE, binds=[(str(model_dir), str(model_dir))]) as m,
     ):
-        group = Group(m, port, docker_engine, derived)
+        group = Group(m, port, docker_engine, derived, m.files())
         try:
             multinode.install(
                 prof,
                 GROUP,
-                multinode.Node(roles=("head", "worker")),
+                Node(roles=("head", "worker")),
                 root=m.root,
                 options=units.Options(
                     image=MTP_IMAGE,
@@ -211,8 +201,8 @@ def multinode_group(appliance_images, docker_engine) -> Iterator[Group]:
             # the host's: it resolves the machine's /etc/gemma4-vllm/... on the host, where it
             # does not exist (it would create a directory there). No key files, then: on
             # 127.0.0.1 the serve script serves without a key (it says so in the journal).
-            for role in multinode.ROLES:
-                (m.root / multinode.api_key_path(GROUP, role)).unlink()
+            for role in ROLES:
+                Layout(m.root).node_api_key_file(GROUP, role).unlink()
             m.daemon_reload()
             m.systemctl("start", "--no-block", group.head)
             m.wait_active(group.head, timeout=START_TIMEOUT)
@@ -226,9 +216,9 @@ def multinode_group(appliance_images, docker_engine) -> Iterator[Group]:
 def remove_group(group: str) -> None:
     """What a CPU group leaves on the host's dockerd: its containers, and the zmq socket folder
     they shared."""
-    for role in multinode.ROLES:
+    for role in ROLES:
         subprocess.run(
-            ["docker", "rm", "--force", multinode.container_name(group, role)],
+            ["docker", "rm", "--force", node_container(group, role)],
             capture_output=True,
             check=False,
         )

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -62,6 +63,21 @@ BASE_PACKAGES = (
 )
 CACHE = Path(os.environ.get("APPLIANCE_SYSTEM_CACHE", "/var/cache/gemma4-appliance")) / "nspawn"
 DOCKER_SOCKET = Path("/var/run/docker.sock")
+
+
+# The trees an install writes to (Machine.files), and what the machine's own life changes
+# there (journals, systemd's timestamps, apt's and Python's caches): not the appliance's doing.
+COMPARED_TREES = ("etc", "usr/local", "var/lib")
+UNRELATED = ("var/lib/systemd/", "var/log/", "var/cache/", "var/lib/private/")
+
+
+def vllm_cache_dir(fixture: str) -> Path:
+    """The vLLM compile cache of one fixture's engines, kept across runs on this machine. One
+    per fixture: engines of the same image and profile started at once by two fixtures (the
+    two streams run side by side) would write one compile directory."""
+    return CACHE.parent / "vllm-cache" / fixture
+
+
 MASKED_UNITS = (
     "console-getty.service",
     "dbus.service",
@@ -240,6 +256,33 @@ class Machine:
                 break
             time.sleep(0.5)
         raise NspawnError(f"{unit} is {state!r}:\n{self.journal(unit)}")
+
+    def tree_env(self) -> dict[str, str]:
+        """What names the machine's own systemd and Docker to a command run from the host with
+        ``--root`` at the machine's root (appliance/host/reach.py): its systemd, entered, and
+        the Docker bound into it (the host's engine)."""
+        return {
+            "APPLIANCE_SYSTEMD_PREFIX": shlex.join(self.enter_argv()),
+            "DOCKER_HOST": f"unix://{DOCKER_SOCKET}",
+        }
+
+    def files(self) -> set[str]:
+        """Every path under the machine's /etc, /usr/local and /var/lib (type-tagged, so a file
+        replaced by a link shows), less what the machine's own life changes there."""
+        out = set()
+        for tree in COMPARED_TREES:
+            for path in (self.root / tree).rglob("*"):
+                rel = str(path.relative_to(self.root))
+                if rel.startswith(UNRELATED) or "__pycache__" in rel:
+                    continue
+                kind = "l" if path.is_symlink() else "d" if path.is_dir() else "f"
+                out.add(f"{kind} {rel}")
+        return out
+
+    def compare(self, before: set[str]) -> tuple[list[str], list[str]]:
+        """What :meth:`files` has now that ``before`` had not, and what it lost."""
+        after = self.files()
+        return sorted(after - before), sorted(before - after)
 
     def write(self, path: str, text: str, mode: int = 0o644) -> Path:
         """Write a file at container path ``path`` (from the host, atomically)."""

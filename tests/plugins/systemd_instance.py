@@ -36,6 +36,7 @@ from appliance import devmodel, units
 from appliance.engine.local import free_port
 from appliance.fsutil import write_atomic
 from appliance.host import envfile
+from appliance.host.layout import Layout
 
 from . import nspawn
 from .docker_engine import machine_lock
@@ -48,7 +49,7 @@ PRE_MTP_IMAGE = "gemma4-vllm:pre-mtp"
 BROKEN_IMAGE = "gemma4-vllm:0.32.0-mtp-broken"
 START_TIMEOUT = 600.0
 REPO = Path(__file__).resolve().parents[2]
-VLLM_CACHE = nspawn.CACHE.parent / "systemd-vllm-cache"
+VLLM_CACHE = nspawn.vllm_cache_dir("systest")
 APPLIANCE = str(Path(sys.executable).parent / "appliance")
 
 
@@ -92,11 +93,11 @@ class SystemdInstance:
 
     @property
     def env_path(self) -> Path:
-        return self.root / units.paths(self.instance).env
+        return Layout(self.root).env_file(self.instance)
 
     @property
     def api_key(self) -> str:
-        return (self.root / units.paths(self.instance).api_key).read_text().strip()
+        return Layout(self.root).api_key_file(self.instance).read_text().strip()
 
     def image(self) -> str:
         return envfile.read(self.env_path).get(envfile.IMAGE_KEY) or ""
@@ -113,11 +114,12 @@ class SystemdInstance:
         return int(self.show("MainPID") or 0)
 
     def restart(self, timeout: float = START_TIMEOUT) -> None:
-        """``systemctl restart`` and wait until active (= /health 200, ExecStartPost)."""
+        """``systemctl restart`` and wait until a new start is active (= /health 200,
+        ExecStartPost): the first ``active`` after the restart could still be the old start."""
+        previous = self.show("InvocationID")
         self.machine.systemctl("reset-failed", self.unit, check=False)
         self.machine.systemctl("restart", "--no-block", self.unit)
-        time.sleep(1)
-        self.machine.wait_active(self.unit, timeout=timeout)
+        self.wait_restarted(previous, timeout=timeout)
 
     def wait_restarted(self, previous_invocation: str, timeout: float = START_TIMEOUT) -> None:
         """Wait until a start newer than ``previous_invocation`` is active (serving)."""
@@ -173,11 +175,7 @@ class SystemdInstance:
 
     def appliance_argv(self, *args: str) -> tuple[list[str], dict[str, str]]:
         """The real CLI's argv and environment: systemd inside the machine, files under its root."""
-        env = dict(
-            os.environ,
-            APPLIANCE_SYSTEMD_PREFIX=self.systemd_prefix(),
-            APPLIANCE_ROOT=str(self.root),
-        )
+        env = dict(os.environ, **self.machine.tree_env(), APPLIANCE_ROOT=str(self.root))
         return [APPLIANCE, *args], env
 
     def appliance(self, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
@@ -202,11 +200,11 @@ def _upgrade_from_the_old_layout(inst: SystemdInstance) -> Upgrade:
     exec_start = inst.show("ExecStart")
     served = inst.chat("before the upgrade", max_tokens=4).status_code
     key = inst.api_key
-    install = inst.appliance("install", inst.instance, "--profile", PROFILE)
+    install = inst.appliance("instance", "install", inst.instance, "--profile", PROFILE)
     if install.returncode != 0:
         raise nspawn.NspawnError(f"appliance install failed:\n{install.stderr}")
     env_after = envfile.read(inst.env_path).values
-    key_path = inst.root / units.paths(inst.instance).api_key
+    key_path = Layout(inst.root).api_key_file(inst.instance)
     key_path.write_bytes(key_path.read_bytes().strip() + b"\r\n")
     inst.machine.daemon_reload()
     inst.restart()

@@ -1,7 +1,7 @@
 """The decisions of playbooks/multinode-cutover.yml, in Python (Ansible loads a role's filters).
 
-The play asks every host of a group for the preflight of its own nodes (`appliance multinode
-cutover GROUP IMAGE --check`, one JSON object per host); these filters turn those answers into
+The play asks every host of a group for the preflight of its own nodes (`appliance cutover
+GROUP IMAGE --check`, one JSON object per host); these filters turn those answers into
 the move, or refuse it with one line. They run on the controller, which need not have the
 appliance installed: plain Python, no import of it.
 """
@@ -44,7 +44,7 @@ def multinode_plan(
     workers = sorted((h for h in checks if h != head), key=lambda h: checks[h]["ranks"])
     for h in workers:
         if not checks[h]["ranks"]:
-            raise _Refused(f"{h} runs no node of group {checks[h]['group']}")
+            raise _Refused(f"{h} runs no node of group {checks[h]['name']}")
     expected = sorted(checks[head]["remote_ranks"])
     found = sorted(r for h in workers for r in checks[h]["ranks"])
     if found != expected:
@@ -52,14 +52,10 @@ def multinode_plan(
             f"the head on {head} waits for worker ranks {expected} on other hosts, the play's "
             f"worker hosts run ranks {found}: set multinode_hosts to every host of the group"
         )
-    ids = {h: c["image_id"] for h, c in checks.items()}
-    if len(set(ids.values())) > 1:
-        listing = ", ".join(f"{h}: {i[:19]}" for h, i in sorted(ids.items()))
-        raise _Refused(
-            f"{image} is a different image on different hosts ({listing}): the nodes would run "
-            "different engines; load the same image everywhere (playbooks/rollout.yml's archive)"
-        )
+    _one_image(checks, "image_id", image)
     old = checks[head]["env_image"]
+    if old:  # the way back: every node back on one engine, or the head's gates wait in vain
+        _one_image(checks, "env_image_id", old)
     move_workers = [h for h in workers if not checks[h]["runs_image"]]
     move_head = bool(move_workers) or not checks[head]["runs_image"]
     wanted = checks[head].get("canary", False) if canary in (None, "") else _flag(canary)
@@ -75,6 +71,18 @@ def multinode_plan(
         "old_image": old,
         "split": split,
     }
+
+
+def _one_image(checks: dict[str, dict], key: str, image: str) -> None:
+    """Refuse unless every host holds ``image`` as one image ID (``key`` of its answer: the
+    new image's, or the way back's): the nodes of a group must run one engine."""
+    ids = {h: c.get(key) or "absent" for h, c in checks.items()}
+    if len(set(ids.values())) > 1:
+        listing = ", ".join(f"{h}: {i[:19]}" for h, i in sorted(ids.items()))
+        raise _Refused(
+            f"{image} is a different image on different hosts ({listing}): the nodes would run "
+            "different engines; load the same image everywhere (playbooks/rollout.yml's archive)"
+        )
 
 
 def _flag(value: bool | str) -> bool:

@@ -1,0 +1,253 @@
+"""A multi-node group as a cutover target: the nodes of the group this host runs move to one
+image together, or none does.
+
+The state machine is the instance's (:mod:`.flow`: the lock, signals, history, the saved env
+file and rollback slot, preflight, the output canary, the way back, recovery after a kill, state
+metrics); :class:`GroupTarget` says what differs for a group:
+
+- the units: the head's and/or the worker's, as this host runs them (:class:`Shape`); no drop-in
+  or other env file may set the image of either;
+- move: the worker first, then the head (where the worker shares the head's host its restart
+  takes the head with it: BindsTo=/PartOf=); gates ON THE HEAD (unit active on a new start, its
+  container on the new image, /health, model and version, one generation, MTP counters moving),
+  then the worker unit active on a new start with its container on the image;
+- a host that runs only a worker serves no API: its gate is the worker's, and no canary runs.
+
+A group whose nodes run on several hosts is moved by the fleet's play
+(``deploy/ansible/playbooks/multinode-cutover.yml``), one host at a time through this same
+target: each worker host first, then the head (gated on generation, which needs every worker).
+The head's own way back cannot be gated before those workers are back, so the head moves only
+without one (``--no-rollback``) and the play's rescue moves every node back, workers first
+(gotchas/multinode-cross-host-cutover.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import apikey, profiles
+from ..errors import EngineError, UsageError
+from ..host import envfile
+from ..host.layout import Layout, Node, Shape
+from ..host.names import node_container, node_unit
+from ..host.systemd import SystemdError
+from ..host.values import base_url
+from ..serve.argsfile import read as read_args
+from . import gates
+from .context import Context
+from .history import Gate
+from .preflight import ImageInfo, check_overrides, env_overrides, inspect_image, running_image_id
+from .target import EnvFileTarget
+
+
+def host_node(layout: Layout, shape: Shape) -> Node:
+    """What this host runs of group ``shape``: its roles, and a worker's node rank read from
+    its args file."""
+    rank = 1
+    if "worker" in shape.roles:
+        path = layout.node_args_file(shape.name, "worker")
+        serve = list(read_args(path).serve)
+        try:
+            rank = int(serve[serve.index("--node-rank") + 1])
+        except (ValueError, IndexError):
+            raise UsageError(
+                f"{path} names no --node-rank",
+                fix=f"reinstall the worker: `appliance instance install {shape.name} "
+                "--role worker --rank N`",
+            ) from None
+    return Node(roles=shape.roles, rank=rank)
+
+
+@dataclass(frozen=True)
+class GroupTarget(EnvFileTarget):
+    """The nodes of group ``name`` this host runs (``node``), as :mod:`.flow` moves them (a
+    :class:`~.target.Target`). ``remote_ranks``: the worker ranks of a head's group that run on
+    other hosts (moved by the fleet's play, not by this target)."""
+
+    name: str
+    node: Node
+    profile: profiles.Profile
+    env_path: Path
+    root: Path
+    base_url: str
+    key_path: Path | None
+    remote_ranks: tuple[int, ...] = ()
+    noun = "group"
+
+    @property
+    def served_model(self) -> str:
+        return self.profile.served_model_name
+
+    @property
+    def answers(self) -> bool:
+        return "head" in self.node.roles
+
+    def api_key(self) -> str | None:
+        return apikey.read(self.key_path) if self.key_path else None
+
+    def check_way_back(self, rollback: bool) -> None:
+        """A head whose workers run elsewhere moves only without its own way back: that way
+        back is gated on generation, which needs those workers back first."""
+        if self.remote_ranks and rollback:
+            ranks = ", ".join(str(r) for r in self.remote_ranks)
+            raise UsageError(
+                f"group {self.name}: the worker(s) of rank {ranks} run on other hosts, which "
+                "this host does not move; the head's way back would be gated before they are back",
+                fix="move the group with deploy/ansible/playbooks/multinode-cutover.yml (workers "
+                "first, gates on the head, every node back on failure), or pass --no-rollback "
+                "and move the workers yourself",
+            )
+
+    @property
+    def own_way_back(self) -> bool:
+        return not self.remote_ranks
+
+    def inspect(self, ctx: Context, ref: str) -> ImageInfo:
+        return inspect_image(ctx, ref)
+
+    def check_overrides(self, ctx: Context, *, allow: bool) -> None:
+        own = "/" + str(self.env_path.relative_to(ctx.layout.root))
+        checks = {
+            node_unit(self.name, role): functools.partial(
+                env_overrides, ctx.systemd, ctx.layout.root, node_unit(self.name, role), own
+            )
+            for role in self.node.roles
+        }
+        check_overrides(ctx, checks, self.env_path.name, allow)
+
+    def move(
+        self, ctx: Context, image: ImageInfo, api_key: str | None, timeout: float, restart: bool
+    ) -> list[Gate]:
+        """Restart the nodes (unless ``restart`` is False: any start counts) and run the gates
+        on the head, then check the worker."""
+        t0 = time.monotonic()
+        before = _restart(ctx, self, timeout) if restart else {}
+        passed = []
+        if "head" in self.node.roles:
+            passed = _head_gates(ctx, self, image, api_key, timeout, before.get("head", ""))
+        if "worker" in self.node.roles:
+            passed.append(_worker_gate(ctx, self, image, before.get("worker", ""), t0, timeout))
+            if not passed[-1].ok:
+                raise gates.GateFailed(passed[-1].name, passed[-1].detail, passed)
+        return passed
+
+    def runs(self, ctx: Context, image: ImageInfo) -> bool:
+        for role in self.node.roles:
+            if ctx.systemd.state(node_unit(self.name, role)).active != "active":
+                return False
+            try:
+                if running_image_id(ctx, node_container(self.name, role)) != image.id:
+                    return False
+            except EngineError:
+                return False
+        return True
+
+    def journal(self, ctx: Context, lines: int) -> str:
+        role = "head" if self.answers else "worker"
+        unit = node_unit(self.name, role)
+        return f"last journal lines of the {role}:\n{ctx.systemd.journal(unit, lines)}"
+
+
+def group_target(ctx: Context, shape: Shape) -> GroupTarget:
+    """The group ``shape`` names, as this host runs it: its profile, the head's URL and key,
+    and (on the head's host) the worker ranks other hosts run."""
+    layout = ctx.layout
+    node = host_node(layout, shape)
+    env_path = layout.env_file(shape.name)
+    env = envfile.read(env_path)
+    prof = profiles.get(env.get(envfile.PROFILE_KEY) or "")
+    if prof.multinode is None:
+        raise UsageError(
+            f"{env_path} names profile {prof.name}, which serves one host, but this host runs "
+            f"node(s) {', '.join(node.roles)} of group {shape.name}",
+            fix=f"reinstall the group with its multi-node profile: `appliance instance install "
+            f"{shape.name} --profile PROFILE --role ...`",
+        )
+    url = base_url(env.get(envfile.HOST_KEY) or "127.0.0.1", env.get(envfile.PORT_KEY))
+    head = "head" in node.roles
+    key = layout.node_api_key_file(shape.name, "head") if head else None
+    ranks = {node.rank} if "worker" in node.roles else set()
+    remote = tuple(r for r in range(1, prof.multinode.nodes) if r not in ranks) if head else ()
+    return GroupTarget(shape.name, node, prof, env_path, layout.root, url, key, remote)
+
+
+def _restart(ctx: Context, tgt: GroupTarget, timeout: float) -> dict[str, str]:
+    """Restart the nodes in order (a job still pending on a unit settled first, within
+    ``timeout``); returns each role's InvocationID before it."""
+    before = {}
+    try:
+        for role in tgt.node.roles:
+            unit = node_unit(tgt.name, role)
+            ctx.systemd.settle(unit, timeout)
+            before[role] = ctx.systemd.invocation_id(unit)
+            # Every unit the restart reaches, not only the one restarted: a head restarted
+            # through its worker (PartOf=) would count this start against its start limit,
+            # and a cutover and its rollback would leave it one worker death from `failed`.
+            ctx.systemd.reset_failed(unit)
+        # Where the worker shares the head's host, its restart reaches the head (PartOf=).
+        role = "worker" if "worker" in tgt.node.roles else "head"
+        ctx.progress(f"restarting {node_unit(tgt.name, role)}")
+        ctx.systemd.restart(node_unit(tgt.name, role))
+    except SystemdError as exc:
+        gate = Gate("restart", False, 0.0, str(exc))
+        raise gates.GateFailed("restart", str(exc), [gate]) from exc
+    return before
+
+
+def _head_gates(
+    ctx: Context,
+    tgt: GroupTarget,
+    image: ImageInfo,
+    api_key: str | None,
+    timeout: float,
+    previous: str,
+) -> list[Gate]:
+    """The instance's gates, on the head (generation among them: it needs every worker)."""
+    expect = gates.Expect(
+        unit=node_unit(tgt.name, "head"),
+        base_url=tgt.base_url,
+        served_model=tgt.served_model,
+        vllm_version=image.vllm_version,
+        mtp=tgt.profile.mtp and image.mtp,
+        api_key=api_key,
+        previous_invocation=previous,
+        container=node_container(tgt.name, "head"),
+        image=image.ref,
+        image_id=image.id,
+    )
+    return gates.wait(
+        ctx.systemd,
+        expect,
+        timeout=timeout,
+        progress=ctx.progress,
+        running_image=lambda c: running_image_id(ctx, c),
+    )
+
+
+def _worker_gate(
+    ctx: Context, tgt: GroupTarget, image: ImageInfo, previous: str, t0: float, timeout: float
+) -> Gate:
+    """The worker unit active on a new start, its container running ``image``; waited for
+    until ``timeout`` (a worker host's own target checks right after the restart, when its
+    container may not run yet), failed at once by a unit that failed."""
+    unit = node_unit(tgt.name, "worker")
+    container = node_container(tgt.name, "worker")
+    name = f"worker rank {tgt.node.rank}"
+    while True:
+        st = ctx.systemd.state(unit)
+        got = running_image_id(ctx, container)
+        secs = round(time.monotonic() - t0, 2)
+        if st.active != "active" or not st.invocation or st.invocation == previous:
+            why = f"{unit} is {st.active} ({st.sub}), not a new start"
+        elif got != image.id:
+            why = f"its container runs {got or 'nothing'}, not {image.ref}"
+        else:
+            detail = f"{unit} active on a new start, container on {image.ref}"
+            ctx.progress(f"{name}: ok ({detail})")
+            return Gate(name, True, secs, detail)
+        if st.active == "failed" or secs >= timeout:
+            return Gate(name, False, secs, why)
+        time.sleep(gates.POLL)

@@ -1,0 +1,105 @@
+"""Install or render an instance of either shape, and the one next step an operator types.
+
+A profile with a ``[multinode]`` table is served by a group: this host's node(s) of it are
+installed by :mod:`appliance.multinode` (``node``: head, worker or both, and a worker's rank);
+any other profile by :mod:`appliance.units`. Which one is decided here, once: by the node
+asked for, else the profile given, else what the host already runs under that name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import multinode, profiles, units
+from .errors import UsageError
+from .host import envfile
+from .host.layout import Layout, Node
+from .host.names import STATE_UNIT, node_unit, unit_name
+from .units.writer import WriteResult, write_tree
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What an install wrote, and the command that starts (or restarts) what it installed."""
+
+    result: WriteResult
+    next_step: str | None
+
+
+def group_profile(
+    profile: str | profiles.Profile | None, name: str, root: Path, node: Node | None
+) -> profiles.Profile | None:
+    """The multi-node profile ``name`` is installed with, None for a single-node instance; a
+    UsageError when ``node`` is asked for a profile that serves one host."""
+    if profile is None:
+        path = Layout(root).env_file(name)
+        if not Layout(root).shape(name).group or not path.exists():
+            if node is not None:
+                raise UsageError("--role needs the group's --profile on its first install")
+            return None
+        profile = envfile.read(path).get(envfile.PROFILE_KEY) or ""
+    if isinstance(profile, str) and profiles.is_file_ref(profile):
+        prof, _ = profiles.operators_file(profile)  # its errors name the file as given
+    else:
+        prof = profiles.get(profile) if isinstance(profile, str) else profile
+    if prof.multinode is None:
+        if node is not None:
+            raise UsageError(
+                f"profile {prof.name} serves one host: --role and --rank apply to a profile "
+                "with a [multinode] table"
+            )
+        return None
+    return prof
+
+
+def install(
+    profile: str | profiles.Profile | None,
+    name: str,
+    *,
+    root: Path | str = Path("/"),
+    options: units.Options | None = None,
+    node: Node | None = None,
+    preflight: Callable[[units.Planned], None] | None = None,
+) -> Installed:
+    """Install ``name`` under ``root`` (an instance, or this host's ``node`` of group ``name``:
+    the head by default); idempotent, values already in the env file kept. ``preflight`` sees
+    a single-node install before anything is written (``appliance install``'s host check)."""
+    root = Path(root)
+    first = not Layout(root).env_file(name).exists()
+    group = group_profile(profile, name, root, node)
+    if group is not None:
+        node = node or Node()
+        result = multinode.install(group, name, node, root=root, options=options)
+        # The worker's host starts its worker; the head's starts the head (and, where both run
+        # here, the worker with it: BindsTo=).
+        unit = node_unit(name, "head" if "head" in node.roles else "worker")
+    else:
+        result = units.install(profile, name, root=root, options=options, preflight=preflight)
+        unit = unit_name(name)
+    if first:
+        # Never enabled yet: restart would start it once and leave it off at the next boot.
+        step = f"systemctl daemon-reload && systemctl enable --now {unit} {STATE_UNIT}.timer"
+    elif result.changed:
+        # Until the reload, systemd runs the unit as it last read it.
+        step = f"systemctl daemon-reload && systemctl restart {unit}"
+    else:
+        step = None
+    return Installed(result, step)
+
+
+def render_to(
+    profile: str,
+    name: str,
+    out: Path,
+    options: units.Options | None = None,
+    *,
+    node: Node | None = None,
+) -> WriteResult:
+    """Render ``name``'s files into ``out`` as install lays them out under a root (no API
+    key): an instance's, or the group node's ``node`` (the head by default)."""
+    group = group_profile(profile, name, out, node)
+    if group is None:
+        return units.render_to(profile, name, out, options)
+    return write_tree(out, multinode.render(group, name, node or Node(), options))
