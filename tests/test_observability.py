@@ -181,7 +181,7 @@ def test_promtool_check_config_and_rules():
     assert len(rule_files) == 2
     res = _promtool("check", "rules", *rule_files)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 20 rules found" in res.stdout and "SUCCESS: 8 rules found" in res.stdout
+    assert "SUCCESS: 20 rules found" in res.stdout and "SUCCESS: 9 rules found" in res.stdout
 
 
 def test_promtool_unit_tests_pass():
@@ -233,6 +233,24 @@ def test_promtool_extremes_tests_catch_a_changed_share_limit(tmp_path):
     res = _promtool("test", "rules", "extremes.test.yml", cwd=root / "prometheus/tests")
     assert res.returncode == 1  # the healthy role (a quarter near 1) now fires
     assert "Gemma4MTPRepetitionSuspects" in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"rejected_share_max": 0.15},  # e1's sustained tenth of the traffic no longer fires
+        {"rejected_share_max": 0.01},  # e3's steady 2% fires too
+        {"rejected_for": "3m"},  # e1 fires by 12m, before its 15m
+    ],
+)
+def test_promtool_rejection_tests_catch_a_changed_threshold(tmp_path, changed):
+    root = _copy_generated(tmp_path)
+    (root / "prometheus/rules/gemma4-mtp-alerts.yml").write_text(
+        rules.render(rules.alert_groups(rules.Thresholds(**changed)))
+    )
+    res = _promtool("test", "rules", "alerts.test.yml", cwd=root / "prometheus/tests")
+    assert res.returncode == 1
+    assert "Gemma4RequestsRejected" in res.stdout + res.stderr
 
 
 @pytest.mark.parametrize(

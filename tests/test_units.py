@@ -362,6 +362,33 @@ def test_the_api_key_reaches_docker_on_stdin_or_by_name_never_as_a_value(tmp_pat
     assert (keyless.stdin, keyless.env) == (None, {}) and "--interactive" not in keyless.argv
 
 
+def test_the_queue_bound_reaches_only_an_image_whose_vllm_has_the_flag(tmp_path):
+    # rtx5090x2-31b-fp8-mtp states max_num_seqs = 1: a bound of 2 (vLLM >= 0.29 has the flag).
+    args = engine_args.serve_args(profiles.get("rtx5090x2-31b-fp8-mtp"), [])
+    assert args.queue == ("--max-num-queued-reqs", "2")
+    assert "--max-num-queued-reqs" not in args.serve
+    assert argsfile.parse(args.to_json("x"), "x.args") == args  # the args file keeps it
+    settings = environment.Settings("img:1", "127.0.0.1", 8000, "all", None, "/hf", None)
+
+    def run(vllm: str | None):
+        image = {labels.MTP: "true"} | ({labels.VLLM_VERSION: vllm} if vllm else {})
+        return container.command("i", args, settings, image, None, tmp_path / "k")
+
+    new = run("0.32.0")
+    assert new.argv[-2:] == ["--max-num-queued-reqs", "2"]
+    assert "queue bound --max-num-queued-reqs 2: 503 past it" in new.notes
+    for old, shown in (("0.21.0", "0.21.0"), (None, "unlabelled")):
+        cmd = run(old)
+        assert "--max-num-queued-reqs" not in cmd.argv
+        assert f"image's vLLM {shown} has no --max-num-queued-reqs (needs >= 0.29.0)" in (
+            " ".join(cmd.notes)
+        )
+    # A profile without a bound says nothing about it.
+    plain = engine_args.serve_args(profiles.get("l4x4-31b-mtp"), [])
+    cmd = container.command("i", plain, settings, {labels.VLLM_VERSION: "0.32.0"}, None, tmp_path)
+    assert "--max-num-queued-reqs" not in cmd.argv and "queue" not in " ".join(cmd.notes)
+
+
 # --- profile strings are data, never code -------------------------------------------------------
 
 MARK = "/tmp/gemma4-units-pwned"

@@ -22,6 +22,9 @@ E2E = Selector("vllm:e2e_request_latency_seconds")
 RUNNING = Selector("vllm:num_requests_running")
 WAITING = Selector("vllm:num_requests_waiting")
 KV_CACHE = Selector("vllm:kv_cache_usage_perc")  # a fraction 0..1 despite the name
+REQUEST_SUCCESS = Selector("vllm:request_success_total")  # label finished_reason
+# Requests turned away with 503 at the queue bound (vLLM >= 0.29; labels model_name, reason).
+ADMISSION_REJECTIONS = Selector("vllm:admission_rejections_total")
 
 # The MTP telemetry agent (labels: role, model; calls also source, outcome; errors kind).
 AGENT_ACCEPTANCE = Selector("gemma4_agent_call_acceptance")

@@ -69,6 +69,11 @@ class Thresholds:
     # workload alone moves it by a few points; a regression like vLLM PR 49262 moves it by 20-40.
     baseline_margin: float = 0.15
     baseline_for: str = "30m"
+    # Requests turned away at the queue bound (503), as a share of those that arrived (turned
+    # away + finished) over 5m: a burst's few are the bound doing its job; a twentieth of the
+    # traffic for a quarter of an hour is a host short of capacity (gotchas/queue-bound.md).
+    rejected_share_max: float = 0.05
+    rejected_for: str = "15m"
 
 
 @dataclass(frozen=True)
@@ -251,12 +256,14 @@ def recording_groups() -> tuple[Group, ...]:
 
 
 def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
-    """Drafter drift, acceptance below the baseline, MTP counters flat, engine down, KV cache
-    near full."""
+    """Drafter drift, acceptance below the baseline, MTP counters flat, engine down, requests
+    turned away at the queue bound, KV cache near full."""
     busy = (sum_rate(n.DRAFT_TOKENS, ENGINE_BY, LONG) > t.min_draft_tokens_per_s).paren()
     busy_long = (sum_rate(n.DRAFT_TOKENS, ENGINE_BY, BASELINE) > t.min_draft_tokens_per_s).paren()
     generating = (sum_rate(n.GENERATION_TOKENS, ENGINE_BY, LONG) > 0).paren()
     flat = agg("sum", ENGINE_BY, rate(n.DRAFTS, LONG)).eq(0).paren()
+    rejected = sum_rate(n.ADMISSION_REJECTIONS, ENGINE_BY, LONG)
+    arrived = (rejected + sum_rate(n.REQUEST_SUCCESS, ENGINE_BY, LONG)).paren()
     alerts = (
         Rule(
             "Gemma4MTPAcceptanceLow",
@@ -333,6 +340,22 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
                 "gemma4-vllm@{{ $labels.instance }}`, fix the cause, then `systemctl "
                 "reset-failed` and start it, or `appliance rollback {{ $labels.instance }}`. "
                 "See gotchas/unit-restarts-and-start-limit.md.",
+            },
+        ),
+        Rule(
+            "Gemma4RequestsRejected",
+            ratio(rejected, arrived) > t.rejected_share_max,
+            "The engine keeps turning requests away at its queue bound (503).",
+            alert=True,
+            for_=t.rejected_for,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": f"Requests turned away at the queue bound on {ON_INSTANCE}",
+                "description": "{{ $labels.model_name }} answers 503 to "
+                "{{ $value | humanizePercentage }} of its requests (limit "
+                f"{t.rejected_share_max:.0%}) for {t.rejected_for}: more traffic than the "
+                "engine holds. Add capacity or send less; raise the profile's queue bound only "
+                "if callers can wait longer. See gotchas/queue-bound.md.",
             },
         ),
         Rule(
