@@ -14,7 +14,7 @@ from ..fleet import hosts, soak
 from ..fsutil import write_atomic
 from ..observability import scrape
 from ..units.instance import read as read_instance
-from .options import root_option
+from .options import OutputPath, root_option
 
 
 @click.group(name="fleet")
@@ -31,7 +31,7 @@ def _instance(root: Path, name: str):
 @click.argument("instance")
 @click.option(
     "--out",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     required=True,
     help="Where to write the reading (JSON): the soak's pre-cutover figures.",
 )
@@ -134,13 +134,13 @@ def status(instance: str, json_: bool, root: Path) -> None:
 @click.option("--group", default=hosts.DEFAULT_GROUP, show_default=True)
 @click.option(
     "--out",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     default=None,
     help="The file_sd JSON to write (default: stdout).",
 )
 @click.option(
     "--state-out",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     default=None,
     help="Also write each host's appliance-state target (labelled host) to this file_sd JSON.",
 )
@@ -184,7 +184,7 @@ _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")  # Prometheus' duration s
 @click.option("--scrape-interval", default="15s", show_default=True)
 @click.option(
     "--out",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     default=None,
     help="The config to write (default: stdout); says `wrote` or `unchanged`.",
 )

@@ -21,7 +21,7 @@ from ..cutover.context import Context
 from ..host.layout import Layout
 from ..host.systemd import Systemd
 from .cutover import echo_progress
-from .options import gate_options, root_option
+from .options import OutputPath, gate_options, root_option
 
 
 @click.group("multinode")
@@ -148,7 +148,7 @@ def cutover_cmd(
 @click.argument("group")
 @click.option(
     "--out",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     required=True,
     help="Write the record (JSON) here, atomically.",
 )

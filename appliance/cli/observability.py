@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ..observability import plane
+from .options import OutputPath
 
 
 @click.group(name="observability")
@@ -18,7 +19,7 @@ def observability() -> None:
 @click.option(
     "--out",
     required=True,
-    type=click.Path(path_type=Path),
+    type=OutputPath(directory=True),
     help="A new or empty folder, or one this wrote before (updated: your changes are kept).",
 )
 @click.option(

@@ -11,7 +11,7 @@ from .. import hostcheck, units
 from ..cutover import metrics as cutover_metrics
 from ..host.layout import Layout
 from ..host.systemd import Systemd
-from .options import instance_name, root_option
+from .options import OutputPath, instance_name, root_option
 
 
 def instance_options(profile_required: bool):
@@ -76,10 +76,10 @@ def _report(result: units.WriteResult) -> None:
 @click.command()
 @instance_name
 @instance_options(profile_required=True)
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output dir.")
-def render(profile: str, instance: str, out: str, **kw) -> None:
+@click.option("--out", "-o", required=True, type=OutputPath(directory=True), help="Output dir.")
+def render(profile: str, instance: str, out: Path, **kw) -> None:
     """Render instance NAME's unit, env and args files and the serve program into --out."""
-    _report(units.render_to(profile, instance, Path(out), _options(kw)))
+    _report(units.render_to(profile, instance, out, _options(kw)))
 
 
 @click.command()
