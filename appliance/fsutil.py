@@ -63,6 +63,22 @@ def check_target(path: Path | str, option: str, *, directory: bool = False) -> P
     return path
 
 
+def shared_dir(path: Path | str, *, top: Path | str | None = None) -> Path:
+    """``path`` as a folder other users may read (0755), created with its parents whatever the
+    umask; ``path`` and the folders between it and ``top`` (itself included) get at least
+    0755, for a reader that runs as another user (node_exporter)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o755)
+    if top is not None:
+        for folder in path.parents:
+            if not folder.is_relative_to(top):
+                break
+            if folder.stat().st_mode & 0o755 != 0o755:
+                folder.chmod(folder.stat().st_mode | 0o755)
+    return path
+
+
 def write_atomic(path: Path | str, data: bytes | str, *, mode: int | None = None) -> Path:
     """Replace ``path`` with ``data``; ``mode`` defaults to the existing file's mode, else 0644.
 

@@ -28,7 +28,10 @@ def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metri
     out = []
     for env_path in sorted(layout.env_dir.glob("*.env")):
         instance = env_path.stem
-        image = envfile.read(env_path).get(envfile.IMAGE_KEY) or ""
+        try:
+            image, env_error = envfile.read(env_path).get(envfile.IMAGE_KEY) or "", None
+        except ApplianceError as exc:  # marked in its own series; the others are written
+            image, env_error = "", str(exc)
         found: dict[str, str] = {}
         if docker_client is not None and image:
             import docker
@@ -61,6 +64,7 @@ def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metri
                 canary=last_canary,
                 unit=_unit(layout, instance, systemd) if systemd is not None else None,
                 baseline=_baseline(layout, instance),
+                env_error=env_error,
             )
         )
     return out
@@ -87,9 +91,12 @@ def _baseline(layout: Layout, instance: str) -> state_metrics.BaselineState | No
 
 def write(layout: Layout, docker_client=None, systemd=None) -> Path:
     """Write the state textfile for every instance under ``layout`` (see :func:`states`)."""
-    return state_metrics.write_textfile(
-        layout.metrics_textfile(), states(layout, docker_client, systemd)
-    )
+    return write_states(layout, states(layout, docker_client, systemd))
+
+
+def write_states(layout: Layout, found: list[state_metrics.InstanceState]) -> Path:
+    """Write ``found`` (from :func:`states`) as ``layout``'s state textfile."""
+    return state_metrics.write_textfile(layout.metrics_textfile(), found, top=layout.state_dir)
 
 
 def refresh(layout: Layout, systemd=None) -> Path | None:
