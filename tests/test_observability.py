@@ -181,7 +181,7 @@ def test_promtool_check_config_and_rules():
     assert len(rule_files) == 2
     res = _promtool("check", "rules", *rule_files)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 20 rules found" in res.stdout and "SUCCESS: 8 rules found" in res.stdout
+    assert "SUCCESS: 20 rules found" in res.stdout and "SUCCESS: 10 rules found" in res.stdout
 
 
 def test_promtool_unit_tests_pass():
@@ -223,6 +223,23 @@ def test_promtool_unit_tests_catch_a_changed_threshold(tmp_path):
     res = _promtool("test", "rules", "alerts.test.yml", cwd=root / "prometheus/tests")
     assert res.returncode == 1
     assert "Gemma4MTPAcceptanceLow" in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(
+    ("changed", "alert"),
+    [
+        ({"state_stale_s": 600.0}, "Gemma4StateMetricsStale"),  # not yet firing at 25m
+        ({"state_stale_s": 120.0}, "Gemma4StateMetricsStale"),  # firing already at 19m
+    ],
+)
+def test_promtool_state_alert_tests_catch_a_changed_threshold(tmp_path, changed, alert):
+    root = _copy_generated(tmp_path)
+    (root / "prometheus/rules/gemma4-mtp-alerts.yml").write_text(
+        rules.render(rules.alert_groups(rules.Thresholds(**changed)))
+    )
+    res = _promtool("test", "rules", "alerts.test.yml", cwd=root / "prometheus/tests")
+    assert res.returncode == 1
+    assert alert in res.stdout + res.stderr
 
 
 def test_promtool_extremes_tests_catch_a_changed_share_limit(tmp_path):
