@@ -347,7 +347,10 @@ def uninstall(
         if lock_path.exists()
         else contextlib.nullcontext()
     )
-    with held:
+    # The lock file goes last, by its holder (InstanceLock.remove): unlinked any earlier, a
+    # rollback started meanwhile would lock a new file and run beside the purge.
+    state.remove(lock_path)
+    with held as holding:
         if systemd is not None:
             systemd.stop_and_disable(unit_name(instance))
         for path in mine + (state if purge else []):
@@ -367,10 +370,13 @@ def uninstall(
             with contextlib.suppress(OSError):
                 (root / p.script).parent.rmdir()  # only when empty
         write_scrape_targets(root, result)
-        if purge and not installed_instances(root):
-            _leave_as_found(root, instance, result)
-        if systemd is not None:
-            systemd.daemon_reload()
+        if purge and holding is not None:
+            holding.remove()
+            result.removed.append(lock_path)
+    if purge and not installed_instances(root):
+        _leave_as_found(root, instance, result)
+    if systemd is not None:
+        systemd.daemon_reload()
     return result
 
 
