@@ -1255,6 +1255,9 @@ def test_the_state_timer_and_service_pass_verify_and_the_service_is_hardened(tmp
     settings = unit_settings(service)
     assert settings["ExecStart"] == "/usr/local/bin/appliance status --write-metrics --quiet"
     assert (settings["StateDirectory"], settings["UMask"]) == ("gemma4-appliance", "0022")
+    # Ordered after Docker, never pulling it up (a real systemd shows it:
+    # tests/test_units_edges_systemd.py).
+    assert settings["After"] == "docker.service" and "Wants" not in settings
     textfile = Layout(Path("/")).metrics_textfile()
     assert f"--collector.textfile.directory={textfile.parent}" in service
     assert "OnUnitActiveSec=1min" in (root / units.paths("x").state_timer).read_text()
