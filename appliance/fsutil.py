@@ -121,7 +121,12 @@ def atomic_writer(path: Path | str, *, mode: int | None = None) -> Iterator[Bina
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path | str) -> None:
+    """Sync folder ``path``: a file created or renamed in it survives a power cut only then."""
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)
     finally:
