@@ -1,8 +1,9 @@
 """``serve INSTANCE COMMAND``: the unit's commands (see :mod:`appliance.serve`).
 
 Every line goes to stderr, prefixed ``gemma4-vllm@INSTANCE:``, which the journal keeps. Exit 78
-(EX_CONFIG, which the unit never restarts) for a configuration problem, 1 for a failure a
-restart may fix, 2 for a wrong command line.
+(EX_CONFIG, which the unit never restarts) for a configuration problem, 75 (EX_TEMPFAIL) for a
+model folder not there yet (a late mount), 1 for another failure a restart may fix, 2 for a wrong
+command line.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 :func:`example_files` renders them with :func:`render` for every shipped profile (instance named
 after it), so a reviewer reads exactly what ``appliance install`` writes: the one unit
-(``systemd/gemma4-vllm@.service``) and one env file and one args file per profile
-(``systemd/env/``, ``systemd/args/``); for a multi-node profile, what ``appliance multinode
+(``systemd/gemma4-vllm@.service``) and one env file, one args file and one mounts drop-in per
+profile (``systemd/env/``, ``systemd/args/``, ``systemd/mounts/``); for a multi-node profile, what ``appliance multinode
 install`` writes (the head, worker and probe units, the group's env file, each role's args).
 The one serve program is not an example: it is :mod:`appliance.serve`, bundled at install.
 ``appliance generate`` (``appliance.generate``) writes and checks the examples.
@@ -19,8 +19,9 @@ from .template import Options, RenderedFile, paths, render, state_units
 UNIT_DIR = "systemd"
 ENV_DIR = "systemd/env"
 ARGS_DIR = "systemd/args"
+MOUNTS_DIR = "systemd/mounts"
 # Folders whose every file `appliance generate` must produce (appliance.generate).
-FOLDERS = (UNIT_DIR, ENV_DIR, ARGS_DIR)
+FOLDERS = (UNIT_DIR, ENV_DIR, ARGS_DIR, MOUNTS_DIR)
 
 # A MIG profile needs its slice: the examples use the first slice of GPU 0.
 EXAMPLE_OPTIONS = {"mig24-e4b-mtp": Options(gpus="device=0:0")}
@@ -37,6 +38,7 @@ def example_files() -> dict[str, RenderedFile]:
         out[f"{UNIT_DIR}/{PurePosixPath(p.unit).name}"] = files[p.unit]
         out[f"{ENV_DIR}/{PurePosixPath(p.env).name}"] = files[p.env]
         out[f"{ARGS_DIR}/{PurePosixPath(p.args).name}"] = files[p.args]
+        out[f"{MOUNTS_DIR}/{name}.conf"] = files[p.mounts]
     for path, file in state_units().items():
         out[f"{UNIT_DIR}/{PurePosixPath(path).name}"] = file
     out.update(_multinode_files())

@@ -10,7 +10,10 @@ the root they are installed under, so ``appliance render --out DIR`` and ``appli
 - ``etc/gemma4-vllm/<instance>.env``: the operator's values (image, profile, host, port, GPUs,
   paths), read by systemd and by :mod:`appliance.units.instance`;
 - ``etc/gemma4-vllm/<instance>.args``: the profile's engine and docker arguments (JSON,
-  :mod:`appliance.serve.argsfile`), read by the serve program as data.
+  :mod:`appliance.serve.argsfile`), read by the serve program as data;
+- ``etc/systemd/system/gemma4-vllm@<instance>.service.d/mounts.conf``: ``RequiresMountsFor=``
+  the instance's model and cache folders (a late mount is waited for, not taken for a missing
+  model).
 
 Profile strings are data, never code: every value that reaches a file is validated first
 (names, host, paths, GPU selection, image) or is an argument the serve program passes to docker
@@ -31,8 +34,15 @@ import jinja2
 from .. import imageref, labels
 from ..errors import UsageError
 from ..host.layout import STATE_DIR, Layout
-from ..host.names import DATA_DIR, ENV_DIR, UNIT_TEMPLATE, check_instance, profile_copy
-from ..host.values import check_gpus, check_host, check_path, check_port
+from ..host.names import (
+    DATA_DIR,
+    ENV_DIR,
+    UNIT_TEMPLATE,
+    check_instance,
+    profile_copy,
+    unit_name,
+)
+from ..host.values import PATH_KEYS, check_gpus, check_host, check_path, check_port
 from ..profiles import Profile, get
 from ..profiles import validate as pv
 from ..serve import bundle
@@ -45,6 +55,8 @@ SERVE_SCRIPT = f"{LIBEXEC_DIR}/serve"
 UNIT_DIR = "/etc/systemd/system"
 # The state metrics' timer and its service: one pair per host, whatever the instances (ADR 0016).
 STATE_UNIT = "gemma4-appliance-state"
+# The instance's own drop-in: RequiresMountsFor= the folders its env file names.
+MOUNTS_DROPIN = "mounts.conf"
 # Where `pip install` as root and the Ansible role (appliance_bin) put the appliance's command.
 APPLIANCE_BIN = "/usr/local/bin/appliance"
 DEFAULT_IMAGE = "gemma4-vllm:latest"
@@ -93,6 +105,7 @@ class Paths:
     args: str = field(init=False)
     api_key: str = field(init=False)
     profile: str = field(init=False)  # the operator's own profile file, when installed from one
+    mounts: str = field(init=False)  # the instance's RequiresMountsFor= drop-in
     state_service: str = field(init=False)  # the host's state-metrics service and timer
     state_timer: str = field(init=False)
 
@@ -106,6 +119,8 @@ class Paths:
         object.__setattr__(self, "args", rel(f"{ENV_DIR}/{self.instance}.args"))
         object.__setattr__(self, "api_key", rel(f"{ENV_DIR}/{self.instance}.api-key"))
         object.__setattr__(self, "profile", rel(profile_copy(self.instance)))
+        dropins = f"{UNIT_DIR}/{unit_name(self.instance)}.d"
+        object.__setattr__(self, "mounts", rel(f"{dropins}/{MOUNTS_DROPIN}"))
         object.__setattr__(self, "state_service", rel(f"{UNIT_DIR}/{STATE_UNIT}.service"))
         object.__setattr__(self, "state_timer", rel(f"{UNIT_DIR}/{STATE_UNIT}.timer"))
 
@@ -233,6 +248,9 @@ def render(
         "gpus_hint": "one MIG slice per instance" if prof.hardware.mig else "default all",
         "timing": unit_timing(),
         "stop_grace_s": STOP_GRACE_S,
+        "unit_dir": UNIT_DIR,
+        "dropin_name": MOUNTS_DROPIN,
+        "mounts": [values[k] for k in PATH_KEYS if k in values],
     }
     env = jinja_env()
     p = paths(instance)
@@ -242,6 +260,7 @@ def render(
         p.args: RenderedFile(args_text(args, instance), MODE_ARGS),
         p.env: RenderedFile(env.get_template("instance.env.j2").render(context), MODE_ENV),
         p.unit: RenderedFile(env.get_template(UNIT_TEMPLATE + ".j2").render(context), MODE_UNIT),
+        p.mounts: RenderedFile(env.get_template(f"{MOUNTS_DROPIN}.j2").render(context), MODE_UNIT),
         **state_units(),
     }
 

@@ -326,6 +326,7 @@ def uninstall(
     layout = Layout(root)
     mine = [root / p.env, root / p.args, root / p.api_key, old_serve_script(root, instance)]
     mine.append(root / p.profile)
+    mine.append(root / p.mounts)
     mine.append(root / _rel(WANTS_DIR) / unit_name(instance))
     state = [
         layout.history_file(instance),
@@ -357,6 +358,9 @@ def uninstall(
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 result.removed.append(path)
+        with contextlib.suppress(OSError):  # the drop-in folder, unless an operator's is in it
+            (root / p.mounts).parent.rmdir()
+            result.removed.append((root / p.mounts).parent)
         if not installed_instances(root):
             timer = PurePosixPath(p.state_timer).name
             if systemd is not None:
