@@ -3,8 +3,9 @@
 :func:`example_files` renders them with :func:`render` for every shipped profile (instance named
 after it), so a reviewer reads exactly what ``appliance install`` writes: the one unit
 (``systemd/gemma4-vllm@.service``) and one env file, one args file and one mounts drop-in per
-profile (``systemd/env/``, ``systemd/args/``, ``systemd/mounts/``); for a multi-node profile, what ``appliance multinode
-install`` writes (the head, worker and probe units, the group's env file, each role's args).
+profile (``systemd/env/``, ``systemd/args/``, ``systemd/mounts/``); for a multi-node profile,
+what ``appliance multinode install`` writes (the head, worker and probe units, the group's env
+file, each role's args).
 The one serve program is not an example: it is :mod:`appliance.serve`, bundled at install.
 ``appliance generate`` (``appliance.generate``) writes and checks the examples.
 """
