@@ -50,6 +50,7 @@ PROBE_SERVICE = "gemma4-vllm-probe@.service"
 PROBE_TIMER = "gemma4-vllm-probe@.timer"
 LOCAL_WORKER_DROPIN = "50-local-worker.conf"
 LOCAL_HEAD_DROPIN = "50-local-head.conf"
+RENDEZVOUS_DROPIN = "40-rendezvous.conf"
 PROBE_INTERVAL_S = 30
 # CPU profiles (every node on one host): vLLM's zmq ipc:// sockets, shared by the containers.
 RPC_DIR = "/run/gemma4-vllm-rpc"
@@ -155,6 +156,10 @@ def dropin_path(group: str) -> str:
 
 def worker_dropin_path(group: str) -> str:
     return _rel(f"{ut.UNIT_DIR}/{unit_name(group, 'worker')}.d/{LOCAL_HEAD_DROPIN}")
+
+
+def rendezvous_dropin_path(group: str) -> str:
+    return _rel(f"{ut.UNIT_DIR}/{unit_name(group, 'worker')}.d/{RENDEZVOUS_DROPIN}")
 
 
 def require_multinode(profile: Profile) -> Profile:
@@ -269,6 +274,8 @@ def render(
         "probe_interval_s": PROBE_INTERVAL_S,
         "dropin": LOCAL_WORKER_DROPIN,
         "group": group,
+        "master_addr": prof.multinode.master_addr,
+        "master_port": prof.multinode.master_port,
     }
     env = _jinja()
     files: dict[str, ut.RenderedFile] = {
@@ -295,6 +302,9 @@ def render(
             files[dropin_path(group)] = ut.RenderedFile(text, ut.MODE_UNIT)
             text = env.get_template("local-head.conf.j2").render(context)
             files[worker_dropin_path(group)] = ut.RenderedFile(text, ut.MODE_UNIT)
+    if "worker" in node.roles:
+        text = env.get_template("rendezvous.conf.j2").render(context)
+        files[rendezvous_dropin_path(group)] = ut.RenderedFile(text, ut.MODE_UNIT)
     for role, name in (("worker", WORKER_TEMPLATE), ("head", HEAD_TEMPLATE)):
         if role in node.roles:
             text = env.get_template(name + ".j2").render(context)

@@ -126,8 +126,13 @@ class Unit:
 
 
 def run(unit: Unit) -> None:
-    """Exec the engine's container: from here on the docker client is the unit's main process."""
+    """Exec the engine's container: from here on the docker client is the unit's main process.
+    A multi-node worker first waits for its head's rendezvous (:func:`health.wait_listening`)."""
     cmd = unit.command(check_models=True)
+    if (head := unit.args().rendezvous()) is not None:
+        took = health.wait_listening(*head, unit.log)
+        if took >= health.POLL_S:
+            unit.log(f"the head's rendezvous at {head[0]}:{head[1]} answers after {took:.0f} s")
     os.environ.update(cmd.env)
     if cmd.stdin is not None:
         fd = os.open(cmd.stdin, os.O_RDONLY)
