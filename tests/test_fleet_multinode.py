@@ -138,3 +138,54 @@ def test_a_worker_host_lost_mid_move_stops_the_play_then_a_second_run_rejoins(
     _ok(again)
     _on(g, MTP_IMAGE)
     assert g.generates() is not None
+
+
+def test_a_head_host_lost_mid_move_leaves_every_node_as_it_is(fleet_group: FleetGroup):
+    """Review S6: fleet-a's sshd goes away once the head's env file names the new image (its
+    move under way, --no-rollback: the play's rescue is its way back). The rescue used to move
+    the worker back to the old image under the head, which finished its own move without its
+    SSH session: a split group, under a stop line saying the other nodes were left as they
+    were. Now the worker stays where it moved, the line says so, and the head's move ends by
+    itself onto it: the group whole on the new image."""
+    g = fleet_group
+    worker_before = len(g.history("worker"))
+    head_before = len(g.history("head"))
+    lost = threading.Event()
+    done = threading.Event()
+
+    def lose_the_head_host() -> None:
+        while not done.is_set():
+            if g.env_image("head") == OFF_IMAGE:
+                g.head.ssh_off()
+                lost.set()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=lose_the_head_host, daemon=True)
+    watcher.start()
+    try:
+        run = g.move(OFF_IMAGE, multinode_allow_no_mtp=True, multinode_canary=False)
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+        g.head.ssh_on()
+        g.fleet.wait_reachable()
+    assert lost.is_set(), run.output[-4000:]
+    assert run.returncode != 0, run.output[-4000:]
+    out = " ".join(run.output.split())
+    assert "stopped: fleet-a became unreachable during its move" in out, out[-4000:]
+    assert "the other nodes are left as they are" in out
+    # The worker moved once and was not moved back.
+    assert [(e["kind"], e["outcome"]) for e in g.history("worker")[worker_before:]] == [
+        ("cutover", "ok")
+    ]
+    assert g.env_image("worker") == OFF_IMAGE
+    deadline = time.monotonic() + START_TIMEOUT
+    while not g.history("head")[head_before:] or g.history("head")[-1]["outcome"] == "started":
+        assert time.monotonic() < deadline, g.history("head")[-1:]
+        time.sleep(1)
+    assert g.history("head")[-1]["outcome"] == "ok", g.history("head")[-1]
+    _on(g, OFF_IMAGE)
+    again = g.move(MTP_IMAGE)
+    _ok(again)
+    _on(g, MTP_IMAGE)
