@@ -12,14 +12,16 @@ regression; the other host's sshd gone), each rolling the canary back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
-from plugins.fleet import OFF_IMAGE, Fleet
+from plugins.fleet import OFF_IMAGE, Fleet, FleetHost
 from plugins.observability import PROMETHEUS
 from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE
 
@@ -37,6 +39,37 @@ def _on(fleet: Fleet, name: str, image: str) -> None:
     assert h.env_image() == image
     assert h.container() == image
     assert h.container("{{.State.Running}}") == "true"
+
+
+@contextlib.contextmanager
+def lost_once(
+    fleet: Fleet, when: Callable[[], bool], *hosts: FleetHost
+) -> Iterator[threading.Event]:
+    """For the block: the sshd of ``hosts`` goes away as soon as ``when()`` holds (a host gone
+    from the management network, its engine still up), and comes back after the block. The
+    event says it happened."""
+    lost = threading.Event()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if when():
+                for h in hosts:
+                    h.ssh_off()
+                lost.set()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield lost
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+        for h in hosts:
+            h.ssh_on()
+        fleet.wait_reachable()
 
 
 def test_install_twice_second_run_changes_nothing(fleet: Fleet):
@@ -212,28 +245,10 @@ def test_a_host_lost_mid_rollout_rolls_back_every_host_moved(fleet: Fleet):
     b_started = b.container("{{.State.StartedAt}}")
     b_history = b.history()
     a_before = len(a.history())
-    lost = threading.Event()
-    done = threading.Event()
-
-    def lose_b_once_a_moves() -> None:
-        # fleet-a's env file names the new image from the cutover's first step; fleet-b's
-        # turn comes after fleet-a's gates, canary and soak.
-        while not done.is_set():
-            if a.env_image() == MTP_IMAGE:
-                b.ssh_off()
-                lost.set()
-                return
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=lose_b_once_a_moves, daemon=True)
-    watcher.start()
-    try:
+    # fleet-a's env file names the new image from the cutover's first step; fleet-b's turn
+    # comes after fleet-a's gates, canary and soak.
+    with lost_once(fleet, lambda: a.env_image() == MTP_IMAGE, b) as lost:
         run = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
-    finally:
-        done.set()
-        watcher.join(timeout=30)
-        b.ssh_on()
-        fleet.wait_reachable()
     assert lost.is_set(), run.output[-4000:]
     assert run.returncode != 0, run.output[-4000:]
     assert "rollout of gemma4-vllm:0.32.0-mtp stopped at fleet-b: fleet-b is unreachable" in (
@@ -257,28 +272,8 @@ def test_a_moved_host_unreachable_at_the_rollback_is_named_in_the_stop_line(flee
     nothing saying so. Now the stop line names both hosts and what to run once they are back."""
     a, b = fleet.host("fleet-a"), fleet.host("fleet-b")
     b_before = len(b.history())
-    lost = threading.Event()
-    done = threading.Event()
-
-    def lose_both_once_b_moves() -> None:
-        while not done.is_set():
-            if b.env_image() == MTP_IMAGE:
-                a.ssh_off()
-                b.ssh_off()
-                lost.set()
-                return
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=lose_both_once_b_moves, daemon=True)
-    watcher.start()
-    try:
+    with lost_once(fleet, lambda: b.env_image() == MTP_IMAGE, a, b) as lost:
         run = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
-    finally:
-        done.set()
-        watcher.join(timeout=30)
-        a.ssh_on()
-        b.ssh_on()
-        fleet.wait_reachable()
     assert lost.is_set(), run.output[-4000:]
     assert run.returncode != 0, run.output[-4000:]
     out = " ".join(run.output.split())
