@@ -222,8 +222,10 @@ def test_a_worker_waits_out_its_heads_outage_and_the_group_comes_back_unaided(mu
     program waits for the rendezvous first (one start, no container yet).
 
     A second group on this machine, its worker installed alone (the head's host, down, is
-    nowhere), with the rendezvous timeout at 10 s instead of 30 min so that the old behaviour
-    shows within minutes; the head comes back by being installed and started here."""
+    nowhere), with the rendezvous timeout at 90 s instead of 30 min so that the old behaviour
+    shows within minutes (the head waits as long for the worker to join: a worker's container
+    takes tens of seconds to start here); the head comes back by being installed and started
+    here."""
     g = multinode_group
     m = g.machine
     group = "n6"
@@ -231,7 +233,7 @@ def test_a_worker_waits_out_its_heads_outage_and_the_group_comes_back_unaided(mu
     prof = profiles.get(PROFILE)
     prof = dataclasses.replace(
         prof,
-        extra_args=(*prof.extra_args, "--distributed-timeout-seconds", "10"),
+        extra_args=(*prof.extra_args, "--distributed-timeout-seconds", "90"),
         multinode=dataclasses.replace(prof.multinode, master_port=free_port()),
     )
     port = free_port()
@@ -263,7 +265,8 @@ def test_a_worker_waits_out_its_heads_outage_and_the_group_comes_back_unaided(mu
         assert m.is_active(worker) == "active" and g.show(worker, "NRestarts") == "0"
         # The head's host is back.
         lay(("head", "worker"))
-        m.systemctl("start", head, timeout=START_TIMEOUT)  # returns once it generates
+        started = m.systemctl("start", head, check=False, timeout=START_TIMEOUT)  # generates
+        assert started.returncode == 0, m.journal(head, 80) + m.journal(worker, 40)
         assert m.is_active(worker) == "active" and g.show(worker, "NRestarts") == "0"
         resp = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
