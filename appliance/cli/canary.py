@@ -20,7 +20,7 @@ from ..endpoint import Endpoint
 from ..host import envfile
 from ..host.layout import Layout
 from ..profiles import lookup
-from .options import endpoint_options
+from .options import OutputPath, endpoint_options
 
 
 @click.group()
@@ -42,7 +42,7 @@ def _instance_image(instance: str | None, root: Path) -> str | None:
 )
 @click.option(
     "--out",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     required=True,
     help="Write the record (JSON) here, atomically.",
 )

@@ -14,7 +14,7 @@ from ..endpoint import Endpoint
 from ..errors import ApplianceError, UsageError
 from ..host.layout import Layout
 from ..tables import table
-from .options import endpoint_options, progress_bar, prompt_options
+from .options import OutputPath, endpoint_options, progress_bar, prompt_options
 
 
 def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles.Profile) -> str:
@@ -63,7 +63,7 @@ def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles
 @click.option(
     "--write",
     "dest",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     default=None,
     metavar="FILE",
     help="Write the profile with the schedule here (validated; atomic: a failure keeps the "

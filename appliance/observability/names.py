@@ -42,6 +42,12 @@ LAST_CUTOVER = Selector("gemma4_appliance_last_cutover_timestamp_seconds")
 LAST_CANARY = Selector("gemma4_appliance_last_canary_timestamp_seconds")
 UNIT_STATE = Selector("gemma4_appliance_unit_state")
 ACCEPTANCE_BASELINE = Selector("gemma4_appliance_acceptance_baseline")
+ENV_FILE_READABLE = Selector("gemma4_appliance_env_file_readable")
+
+# node_exporter's textfile collector (collector/textfile.go): the mtime of each *.prom file it
+# read, labelled `file` (the file's path; its base name in releases before 1.5).
+TEXTFILE_MTIME = Selector("node_textfile_mtime_seconds")
+NODE_EXPORTER = frozenset({TEXTFILE_MTIME.metric})
 
 # Series Prometheus makes itself for every target.
 UP = Selector("up")

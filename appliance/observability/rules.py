@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.utils import floatToGoString
 
+from ..host.layout import Layout
 from . import names as n
 from .promql import Expr, Selector, agg, histogram_quantile, rate, ratio, recorded, sum_rate
 
@@ -74,6 +75,11 @@ class Thresholds:
     # traffic for a quarter of an hour is a host short of capacity (gotchas/queue-bound.md).
     rejected_share_max: float = 0.05
     rejected_for: str = "15m"
+    # The state timer rewrites the textfile every minute (ADR 0016): five missed runs is a
+    # writer that stopped (a refused file, a hung Docker or D-Bus, a disabled timer), not a
+    # slow one (a run may take its 50 s TimeoutStartSec, then the scrape interval).
+    state_stale_s: float = 300.0
+    state_stale_for: str = "5m"
 
 
 @dataclass(frozen=True)
@@ -359,6 +365,38 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
             },
         ),
         Rule(
+            "Gemma4StateMetricsStale",
+            Expr("time()") - _state_textfile() > t.state_stale_s,
+            "The state textfile is not rewritten any more: every state series (a failed unit "
+            "included) shows the past.",
+            alert=True,
+            for_=t.state_stale_for,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": "The appliance's state metrics are stale{{ with $labels.host }} on "
+                "host {{ . }}{{ end }}",
+                "description": "{{ $labels.file }} was last written {{ $value | "
+                "humanizeDuration }} ago (the state timer writes it every minute): "
+                "`systemctl status gemma4-appliance-state.service` and `appliance status "
+                "--write-metrics` say why. Until then a unit that fails raises no "
+                "Gemma4InstanceFailed.",
+            },
+        ),
+        Rule(
+            "Gemma4EnvFileRefused",
+            n.ENV_FILE_READABLE.where(job=n.JOB_STATE).expr.eq(0),
+            "The appliance refuses the instance's env file: no cutover, rollback or status.",
+            alert=True,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": f"The env file of {ON_INSTANCE} is refused",
+                "description": "/etc/gemma4-vllm/{{ $labels.instance }}.env has a line systemd "
+                "and the appliance could read differently: the unit runs on, but cutover, "
+                "rollback and status refuse the instance. `appliance status "
+                "{{ $labels.instance }}` names the line. See gotchas/alert-thresholds.md.",
+            },
+        ),
+        Rule(
             "Gemma4KVCacheNearFull",
             agg("max", ENGINE_BY, n.KV_CACHE.expr) > t.kv_cache_max,
             "KV cache nearly full: requests will queue or be preempted.",
@@ -374,6 +412,14 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
         ),
     )
     return (Group("gemma4_mtp.alerts", alerts), Group("gemma4_mtp_extremes.alerts", _extremes(t)))
+
+
+def _state_textfile() -> Expr:
+    """The state textfile's mtime as node_exporter reports it (``file`` is its path, or its
+    base name before node_exporter 1.5)."""
+    name = Layout().metrics_textfile().name.replace(".", "[.]")
+    matchers = (("job", "=", n.JOB_STATE), ("file", "=~", f"(.*/)?{name}"))
+    return Selector(n.TEXTFILE_MTIME.metric, matchers).expr
 
 
 def _extremes(t: Thresholds) -> tuple[Rule, ...]:

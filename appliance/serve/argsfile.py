@@ -85,6 +85,17 @@ class ServeArgs:
         body = {"format": FORMAT, "about": about, **fields}
         return json.dumps(body, indent=2) + "\n"
 
+    def rendezvous(self) -> tuple[str, int] | None:
+        """A headless worker's head: ``--master-addr`` and ``--master-port``; None for any other
+        node or instance."""
+        if "--headless" not in self.serve:
+            return None
+        flags = dict(zip(self.serve, self.serve[1:]))
+        try:
+            return flags["--master-addr"], int(flags["--master-port"])
+        except (KeyError, ValueError):
+            return None
+
     def served_model_name(self) -> str | None:
         """The ``--served-model-name`` the engine answers to, if the arguments set one."""
         for flag, value in zip(self.serve, self.serve[1:]):
