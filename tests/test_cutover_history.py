@@ -83,7 +83,8 @@ def test_history_and_status_of_an_unknown_instance_is_one_line_and_exit_2(tmp_pa
         assert result.exit_code == 2, result.output
         assert result.output == (
             f"Error: no instance nosuch: no {tmp_path}/etc/gemma4-vllm/nosuch.env and no history"
-            " (`appliance status` lists the installed instances)\n"
+            " (`appliance status` lists the installed instances;"
+            " `appliance instance install nosuch --profile PROFILE` installs it)\n"
         )
 
 

@@ -135,8 +135,9 @@ def test_unknown_instance_says_install_first(tmp_path, preflight_images):
     result = CliRunner().invoke(
         cli, ["cutover", "nope", preflight_images["mtp"], "--root", str(tmp_path)]
     )
-    assert result.exit_code == 1, result.output
-    assert "no env file" in result.output and "appliance install" in result.output
+    assert result.exit_code == 2, result.output
+    assert f"no instance nope: no {tmp_path}/etc/gemma4-vllm/nope.env" in result.output
+    assert "`appliance instance install nope --profile PROFILE` installs it" in result.output
     assert not any(tmp_path.iterdir())
 
 

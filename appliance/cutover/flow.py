@@ -103,8 +103,9 @@ def cutover(
     tgt = target(ctx, instance) if isinstance(instance, str) else instance
     name = tgt.name
     imageref.validate(image)
-    tgt.check_way_back(rollback)
     layout = ctx.layout
+    locks.refuse_if_busy(layout.lock_file(name), name)
+    tgt.check_way_back(rollback)
     api_key = tgt.api_key()
     # The canary asks the API: a host that runs only a group's worker has none.
     enabled = canary if tgt.answers else False
@@ -112,10 +113,11 @@ def cutover(
     plan = canaries.plan(tgt.profile, root=layout.root, enabled=enabled, files=canary_files)
     new = tgt.inspect(ctx, image)
     check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
-    tgt.check_overrides(ctx, allow=allow_unit_overrides)
-    # Refused here, nothing is written, not even the lock.
     first_ref = tgt.read().image
     old, unusable = way_back(ctx, first_ref, image, rollback, way_back_required, tgt.inspect)
+    # Systemd last: the refusals above need only the files and Docker.
+    tgt.check_overrides(ctx, allow=allow_unit_overrides)
+    # Refused up to here, nothing is written, not even the lock.
 
     lock = locks.hold(layout.lock_file(name), name, f"{kind} to {image}")
     with lock as held, guard(ctx.progress) as sig:

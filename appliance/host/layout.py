@@ -188,7 +188,8 @@ class Layout:
         if not (self.env_file(name).exists() or self.history_file(name).exists()):
             raise UsageError(
                 f"no instance {name}: no {self.env_file(name)} and no history",
-                fix="`appliance status` lists the installed instances",
+                fix=f"`appliance status` lists the installed instances; "
+                f"`appliance instance install {name} --profile PROFILE` installs it",
             )
 
     # ---- the appliance's state, per instance ----------------------------------------------------

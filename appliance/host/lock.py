@@ -85,18 +85,30 @@ def hold(path: Path, instance: str, action: str) -> Iterator[InstanceLock]:
         fd = _open(path)
         try:
             if not _acquire(fd):
-                h = read_holder(path)
-                alive = h.pid and pid_alive(h.pid)
-                who = f"pid {h.pid}, {h.action}" if alive else "an unknown process"
-                raise LockBusy(
-                    f"instance {instance} is busy: a cutover or rollback is in progress ({who})",
-                    fix="wait for it to finish, then check `appliance status`",
-                ) from None
+                raise _busy(instance, read_holder(path)) from None
             if _still_named(fd, path):
                 yield InstanceLock(fd, instance, action, path)
                 return
         finally:
             os.close(fd)  # closing the descriptor releases the flock
+
+
+def refuse_if_busy(path: Path, instance: str) -> None:
+    """Raise :class:`LockBusy` now when another cutover or rollback holds the lock: checked
+    first, before any preflight, so the operator hears about the move in progress (and
+    nothing else is asked of Docker or systemd meanwhile). Creates nothing."""
+    holder = current_holder(path)
+    if holder is not None:
+        raise _busy(instance, holder)
+
+
+def _busy(instance: str, h: Holder) -> LockBusy:
+    alive = h.pid and pid_alive(h.pid)
+    who = f"pid {h.pid}, {h.action}" if alive else "an unknown process"
+    return LockBusy(
+        f"instance {instance} is busy: a cutover or rollback is in progress ({who})",
+        fix="wait for it to finish, then check `appliance status`",
+    )
 
 
 def _still_named(fd: int, path: Path) -> bool:
