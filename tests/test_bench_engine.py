@@ -154,8 +154,8 @@ def test_a_concurrency_level_counts_what_vllm_bench_serve_counts(mtp_engine, tmp
 
 
 def _appliance_level(url: str, data, n: int, out_len: int, concurrency: int) -> dict:
-    """One level of `appliance bench --concurrency`, its counts checked."""
-    args = ["bench", "--url", url, "--prompt-file", str(data), "--max-tokens", str(out_len)]
+    """One level of `appliance bench load`, its counts checked."""
+    args = ["bench", "load", "--url", url, "--prompt-file", str(data), "--max-tokens", str(out_len)]
     args += ["--concurrency", str(concurrency), "--requests", str(n), "--json"]
     res = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -178,6 +178,7 @@ def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):
         cli,
         [
             "bench",
+            "compare",
             "--mtp-url",
             mtp_engine.url,
             "--baseline-url",
@@ -233,13 +234,14 @@ def _environ_kept():
 def test_tune_writes_a_schedule_that_vllms_config_applies(
     mtp_engine, baseline_engine, tmp_path, monkeypatch
 ):
-    """``appliance tune`` on the session engines (it starts none): one run per level at the
+    """``appliance bench tune`` on the session engines (it starts none): one run per level at the
     profile's k=2 and on the baseline, a k per level, and the profile copy it writes, read by
     vLLM's own config code (a restart to watch the counters would cost an engine start): the
     speculative config vLLM resolves keeps the schedule, and the per-batch-size lookup its
     scheduler builds from it gives each level the k tune chose."""
     dest = tmp_path / "tuned.toml"
     args = [
+        "bench",
         "tune",
         *("--url", mtp_engine.url, "--baseline-url", baseline_engine.url),
         *("--profile", "cpu-tiny-mtp", "--concurrency", "1,4", "--requests", "4"),
@@ -293,7 +295,8 @@ def test_paired_bench_fails_an_mtp_side_that_drafts_worse(mtp_engine, mtp_random
     """The canary's and the soak's acceptance judgement, in the paired bench (issue 26): the
     random drafter against the copy drafter, same target, same answers, far fewer accepted."""
     out = tmp_path / "paired.json"
-    args = ["bench", "--mtp-url", mtp_random_engine.url, "--baseline-url", mtp_engine.url]
+    args = ["bench", "compare", "--mtp-url", mtp_random_engine.url]
+    args += ["--baseline-url", mtp_engine.url]
     args += ["--limit", "1", "--max-tokens", "16", "--runs", "1", "--warmups", "0"]
     res = CliRunner().invoke(cli, [*args, "--out", str(out)])
     assert res.exit_code == 1, res.output
@@ -317,6 +320,7 @@ def test_api_key_file_lets_bench_through(api_key_engine, tmp_path):
 
     args = [
         "bench",
+        "run",
         "--url",
         api_key_engine.url,
         "--prompts",

@@ -51,7 +51,7 @@ def test_the_instance_wins_over_an_exported_url(root):
 def test_an_instance_not_installed_is_one_line_and_exit_2(tmp_path):
     for argv in (
         ["instance", "doctor", "nosuch"],
-        ["bench", "nosuch"],
+        ["bench", "run", "nosuch"],
         ["canary", "record", "nosuch", "--out", str(tmp_path / "r.json")],
     ):
         res = CliRunner().invoke(cli, [*argv, "--root", str(tmp_path)])
@@ -105,7 +105,8 @@ def test_doctor_canary_and_bench_reach_an_installed_instance_by_name(mtp_engine,
     assert (rec.url, rec.profile, len(rec.outputs)) == (mtp_engine.url, "cpu-tiny-mtp", 14)
 
     art = tmp_path / "bench.json"
-    bench = ["bench", *where, "--limit", "1", "--max-tokens", "8", "--runs", "1", "--warmups", "0"]
+    bench = ["bench", "run", *where, "--limit", "1", "--max-tokens", "8", "--runs", "1"]
+    bench += ["--warmups", "0"]
     # The old spelling of --out still writes the artifact, and says the new one.
     res = runner.invoke(cli, [*bench, "--json-output", str(art)], env={"VLLM_API_KEY": None})
     assert res.exit_code == 0, res.output

@@ -135,6 +135,7 @@ def _bench_evidence(url: str, tmp_path) -> dict:
         cli,
         [
             "bench",
+            "run",
             "--url",
             url,
             "--prompts",

@@ -294,7 +294,7 @@ def test_report_path_in_a_missing_directory_fails_before_the_bench_runs(tmp_path
     target = tmp_path / "file-not-dir"
     target.write_text("x")
     res = CliRunner().invoke(
-        cli, ["bench", "--url", "http://127.0.0.1:9", "--report", str(target / "r.html")]
+        cli, ["bench", "run", "--url", "http://127.0.0.1:9", "--report", str(target / "r.html")]
     )
     assert res.exit_code == 2, res.output
     assert "--report" in res.output and not (target / "r.html").exists()
@@ -474,6 +474,7 @@ def paired_run(mtp_engine, baseline_engine, tmp_path_factory) -> tuple[dict, str
         cli,
         [
             "bench",
+            "compare",
             "--mtp-url",
             mtp_engine.url,
             "--baseline-url",
@@ -530,7 +531,7 @@ def test_paired_report_matches_the_artifact_and_renders(paired_run, browser):
 @pytest.mark.bench
 @pytest.mark.own_engines
 def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(browser, tmp_path):
-    """`bench --sweep-k 1,3 --drafter partial` starts its own engine per k (two real engines);
+    """`bench sweep --k 1,3 --drafter partial` starts its own engine per k (two real engines);
     the recommended k is the one with the lowest printed TPOT, the report shows the same record,
     and the tokens per step predicted for k' = 1 from the k=3 run alone are within 5% of the
     ones measured at k=1 (counts, not timings: the predicted TPOT is printed). A k=2 engine, once
@@ -541,7 +542,8 @@ def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(
         cli,
         [
             "bench",
-            "--sweep-k",
+            "sweep",
+            "--k",
             "1,3",
             "--drafter",
             "partial",

@@ -1,4 +1,4 @@
-"""``appliance tune`` without an engine: the k per level from the predictions of
+"""``appliance bench tune`` without an engine: the k per level from the predictions of
 appliance/specdecode.py, the schedule's ranges, and the profile copy it writes.
 
 The engine test (tests/test_bench_engine.py) runs tune against the session engines and hands
@@ -91,7 +91,7 @@ def test_the_copy_keeps_the_profiles_text_and_reads_back_as_the_tuned_profile(tm
     assert tuned.speculative.num_speculative_tokens_per_batch_size == ((1, 4, 2), (5, 8, 1))
     # Every comment of the original is still there, in order.
     assert [ln for ln in source.splitlines() if ln.startswith("#")] == [
-        ln for ln in text.splitlines() if ln.startswith("#") and "appliance tune" not in ln
+        ln for ln in text.splitlines() if ln.startswith("#") and "appliance bench tune" not in ln
     ]
     # Tuning the copy's copy replaces the schedule rather than adding a second one.
     again = dataclasses.replace(
@@ -129,9 +129,11 @@ def test_tune_measures_a_fixed_k_of_an_mtp_profile_only():
 
 def test_cli_refuses_before_touching_a_server(tmp_path):
     runner = CliRunner()
-    res = runner.invoke(cli, ["tune", "--url", "http://127.0.0.1:9", "--profile", "cpu-tiny-mtp"])
+    res = runner.invoke(
+        cli, ["bench", "tune", "--url", "http://127.0.0.1:9", "--profile", "cpu-tiny-mtp"]
+    )
     assert res.exit_code == 2 and "--baseline-url" in res.output
-    args = ["tune", "--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:9"]
+    args = ["bench", "tune", "--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:9"]
     res = runner.invoke(cli, [*args, "--profile", "cpu-tiny"])
     assert res.exit_code == 2 and "Error: profile cpu-tiny has no MTP to tune" in res.output
     res = runner.invoke(cli, [*args, "--profile", "cpu-tiny-mtp", "--concurrency", "0"])
@@ -141,3 +143,13 @@ def test_cli_refuses_before_touching_a_server(tmp_path):
     path.write_text(profiles.shipped_text("cpu-tiny").replace('"cpu-tiny"', '"mine"', 1))
     res = runner.invoke(cli, [*args, "--profile", str(path)])
     assert res.exit_code == 2 and "profile mine has no MTP to tune" in res.output
+
+
+def test_the_old_spelling_still_runs_and_names_the_new_form():
+    args = ["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:9"]
+    res = CliRunner().invoke(cli, ["tune", *args, "--profile", "cpu-tiny"])
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == [
+        "warning: `appliance tune` is now `appliance bench tune`",
+        "Error: profile cpu-tiny has no MTP to tune",
+    ]

@@ -37,7 +37,6 @@ COMMANDS = {
     "profiles": ("profiles", "profiles"),
     "rollback": ("cutover", "rollback"),
     "status": ("cutover", "status"),
-    "tune": ("tune", "tune"),
 }
 # The old spellings, hidden, for one release (cli/aliases.py): each says its new form on stderr.
 # The README's demo command, `appliance demo`, stays as written, without a warning.
@@ -49,6 +48,7 @@ MOVED = {
     "install": ("units", "install", "instance install"),
     "local": ("local", "local", "dev local"),
     "render": ("units", "render", "instance render"),
+    "tune": ("tune", "tune", "bench tune"),
     "uninstall": ("units", "uninstall", "instance uninstall"),
 }
 

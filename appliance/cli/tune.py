@@ -1,4 +1,4 @@
-"""``appliance tune``: k per batch size from one concurrency run, as vLLM's k schedule."""
+"""``appliance bench tune``: k per batch size from one concurrency run, as vLLM's k schedule."""
 
 from __future__ import annotations
 
@@ -93,9 +93,9 @@ def tune(
 
     \b
     Examples:
-      appliance tune 31b --baseline-url http://127.0.0.1:8002 --write 31b-tuned.toml
-      appliance install 31b --profile 31b-tuned.toml    # then restart to apply
-      appliance tune --url http://127.0.0.1:8001 --profile l4x4-31b-mtp \\
+      appliance bench tune 31b --baseline-url http://127.0.0.1:8002 --write 31b-tuned.toml
+      appliance instance install 31b --profile 31b-tuned.toml    # then restart to apply
+      appliance bench tune --url http://127.0.0.1:8001 --profile l4x4-31b-mtp \\
           --baseline-url http://127.0.0.1:8002 --concurrency 1,8,32 --json
 
     A prediction, not a measurement of the schedule: bench the tuned profile to confirm. On
