@@ -343,11 +343,12 @@ def test_api_key_file_lets_bench_through(api_key_engine, tmp_path):
     key.write_text(API_KEY + "\n")
     res = CliRunner().invoke(
         cli,
-        [*args, "--api-key-file", str(key), "--out", str(out)],
+        [*args, "--api-key-file", str(key), "--out", str(out), "--json"],
         env={"VLLM_API_KEY": None},
     )
     assert res.exit_code == 0, res.output
     art = json.loads(out.read_text())
+    assert json.loads(res.stdout) == art  # --json prints the artifact, one object
     runs = art["single"]["runs"]
     assert len(runs) == 1 and runs[0]["output_tokens"] == 8
     assert "api_key" not in art["endpoints"][0]

@@ -73,7 +73,7 @@ def test_status_and_the_state_metrics_read_the_groups_real_units(multinode_group
     text = Layout(g.machine.root).metrics_textfile().read_text()
     state = rf'{state_metrics.UNIT_STATE}{{instance="{GROUP}",result="[a-z-]*",state="(\w+)"}} 1\.0'
     assert re.findall(state, text) == ["active"], text
-    [st] = json.loads(result.output.splitlines()[-1])["instances"]
+    [st] = json.loads(result.stdout)["instances"]
     assert st["units"] == {g.head: "active", g.worker: "active"}
     assert st["running_id"] == g.container_image_id("head")
 

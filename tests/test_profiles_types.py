@@ -92,10 +92,7 @@ def test_a_missing_field_is_named(tmp_path):
 
 
 def test_profiles_list_and_show_have_json():
-    rows = [
-        json.loads(line)
-        for line in CliRunner().invoke(cli, ["profiles", "list", "--json"]).output.splitlines()
-    ]
+    rows = json.loads(CliRunner().invoke(cli, ["profiles", "list", "--json"]).output)["profiles"]
     assert sorted(r["name"] for r in rows) == sorted(profiles.all_profiles())
     tiny = next(r for r in rows if r["name"] == "cpu-tiny-mtp")
     assert (tiny["mtp"], tiny["num_speculative_tokens"], tiny["errors"]) == (True, 2, 0)

@@ -491,10 +491,12 @@ def paired_run(mtp_engine, baseline_engine, tmp_path_factory) -> tuple[dict, str
             str(art),
             "--report",
             str(page),
+            "--json",
         ],
         catch_exceptions=False,
     )
     assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == json.loads(art.read_text())  # one object: the artifact
     return json.loads(art.read_text()), page.read_text(), page
 
 

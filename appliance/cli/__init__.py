@@ -83,6 +83,10 @@ class ApplianceGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            # Ctrl-C is 130 (128 + SIGINT), as in the shell: not 1, which says refused or failed.
+            click.echo("Error: interrupted", err=True)
+            sys.exit(130)
         except ApplianceError as exc:
             click.echo(f"Error: {exc}", err=True)
             sys.exit(exc.exit_code)

@@ -4,7 +4,6 @@ endpoint, MTP against its baseline, several k, one endpoint under load, and k pe
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import click
@@ -17,6 +16,7 @@ from ..endpoint import Endpoint
 from ..errors import ApplianceError, UsageError
 from ..profiles import get
 from .options import endpoint_options, progress_bar, prompt_options
+from .output import echo_json
 from .tune import tune
 
 FIGURES = """\b
@@ -172,7 +172,7 @@ def _finish(kind: str, settings: dict, env: dict, result) -> None:
     if settings["report_html"]:  # rendered from the artifact's record: one source for both
         reports.write(settings["report_html"], reports.render_bench(body))
     if settings["as_json"]:
-        click.echo(json.dumps(body, indent=2, sort_keys=True))
+        echo_json(body)
     else:
         click.echo(report.markdown(kind, result))
 
