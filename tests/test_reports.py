@@ -385,10 +385,11 @@ def bench_artifact(kind: str, variant: str = "") -> dict:
 def demo_record(engine: bool = True) -> dict:
     """A demo record (``DemoReport.to_dict()``): one call with figures, one without."""
     from appliance import demo, specdecode
+    from appliance.agent import Figures
 
     calls = [
-        demo.DemoCall(1, False, 48, None, 16, 32, 24, 0.75, 2.5, "request"),
-        demo.DemoCall(2, True, 32, 20, None, None, None, None, None, "unknown"),
+        demo.DemoCall(1, False, 48, None, Figures("request", "ok", False, 16, 32, 24, 0.75, 2.5)),
+        demo.DemoCall(2, True, 32, 20, Figures("unknown", "missing")),
     ]
     delta = specdecode.Delta("ok", 16, 32, 24) if engine else None
     return demo.DemoReport("http://127.0.0.1:9/?a=1&b=2", HOSTILE, calls, delta).to_dict()
@@ -440,7 +441,8 @@ def test_the_demo_page_prints_its_record_and_nothing_else(engine):
     parsed = assert_page_matches_record(page, record)
     assert _listed_charts(page) == parsed.charts == ["call-acceptance", "call-tokens-per-step"]
     paths = {p for p, _, _ in parsed.values}
-    assert {"calls.0.acceptance", "calls.1.acceptance", "totals.draft_tokens"} <= paths
+    assert {"calls.0.figures.acceptance", "calls.1.figures.acceptance"} <= paths
+    assert "totals.draft_tokens" in paths
     assert ("engine_counters_delta.draft_tokens" in paths) == engine
 
 
@@ -622,6 +624,7 @@ def test_demo_report_from_the_same_record_as_demo_json(mtp_engine, browser, tmp_
     parsed = assert_page_matches_record(page.read_text(), record)
     paths = {p for p, _, _ in parsed.values}
     for i in range(3):
-        assert f"calls.{i}.acceptance" in paths and f"calls.{i}.tokens_per_step" in paths
+        assert f"calls.{i}.figures.acceptance" in paths
+        assert f"calls.{i}.figures.tokens_per_step" in paths
     assert set(parsed.charts) == {"call-acceptance", "call-tokens-per-step"}
     assert_renders(browser, page, set(parsed.charts))
