@@ -8,10 +8,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from appliance.bench import prompts, stats
-from appliance.cli import cli
 from appliance.engine.local import free_port
 from appliance.errors import UsageError
 
@@ -56,13 +54,12 @@ def test_messages_form_and_default_ids(tmp_path):
         ('{"prompt": "a"}\n[1, 2]\n', "line 2: expected a JSON object"),
     ],
 )
-def test_bad_prompt_file_exits_nonzero_without_artifact(tmp_path, content, message):
+def test_bad_prompt_file_exits_nonzero_without_artifact(tmp_path, content, message, cli_run):
     f = tmp_path / "p.jsonl"
     f.write_text(content)
     out = tmp_path / "art.json"
     # A URL nobody listens on: the file must be rejected before any server is contacted.
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         [
             "bench",
             "run",
@@ -73,16 +70,15 @@ def test_bad_prompt_file_exits_nonzero_without_artifact(tmp_path, content, messa
             "--out",
             str(out),
         ],
+        code=2,
     )
-    assert res.exit_code == 2, res.output
     assert message in res.output
     assert not out.exists() and list(tmp_path.iterdir()) == [f]
 
 
-def test_unreachable_url_exits_nonzero_without_artifact(tmp_path):
+def test_unreachable_url_exits_nonzero_without_artifact(tmp_path, cli_run):
     out = tmp_path / "art.json"
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         [
             "bench",
             "run",
@@ -93,49 +89,45 @@ def test_unreachable_url_exits_nonzero_without_artifact(tmp_path):
             "--out",
             str(out),
         ],
+        code=1,
     )
-    assert res.exit_code == 1
     assert "cannot reach" in res.output
     assert list(tmp_path.iterdir()) == []
 
 
-def test_non_vllm_server_is_refused_without_artifact(tmp_path, plain_http_server):
+def test_non_vllm_server_is_refused_without_artifact(tmp_path, plain_http_server, cli_run):
     out = tmp_path / "art.json"
-    res = CliRunner().invoke(
-        cli, ["bench", "run", "--url", plain_http_server, "--limit", "1", "--out", str(out)]
+    res = cli_run(
+        ["bench", "run", "--url", plain_http_server, "--limit", "1", "--out", str(out)], code=1
     )
-    assert res.exit_code == 1
     assert "/health is not 200" in res.output
     assert list(tmp_path.iterdir()) == []
 
 
-def test_api_key_options_are_checked_before_any_server(tmp_path):
+def test_api_key_options_are_checked_before_any_server(tmp_path, cli_run):
     url = f"http://127.0.0.1:{free_port()}"
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         ["bench", "run", "--url", url, "--limit", "1", "--api-key-file", str(tmp_path / "missing")],
+        code=2,
     )
-    assert res.exit_code == 2 and res.output.startswith("Error: API key file ")
+    assert res.output.startswith("Error: API key file ")
     assert res.output.endswith("missing does not exist\n")
-    res = CliRunner().invoke(
-        cli, ["bench", "run", "--url", url, "--limit", "1", "--instance", "../x"]
-    )
-    assert res.exit_code == 2
+    res = cli_run(["bench", "run", "--url", url, "--limit", "1", "--instance", "../x"], code=2)
     assert res.output.startswith("Error: invalid instance name '../x'")
     assert len(res.output.splitlines()) == 1
     # The instance's key file is looked up under --root (APPLIANCE_ROOT), not under /.
     key = tmp_path / "etc/gemma4-vllm/tiny.api-key"
     key.parent.mkdir(parents=True)
     key.write_text("\n")
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         ["bench", "run", "--url", url, "--limit", "1", "--instance", "tiny"],
         env={"APPLIANCE_ROOT": str(tmp_path), "VLLM_API_KEY": None},
+        code=2,
     )
-    assert res.exit_code == 2 and f"API key file {key} is empty" in res.output
+    assert f"API key file {key} is empty" in res.output
 
 
-def test_each_subcommand_takes_only_its_own_options():
+def test_each_subcommand_takes_only_its_own_options(cli_run):
     url = f"http://127.0.0.1:{free_port()}"
     for argv, message in (
         (["sweep", "--url", url, "--k", "1,2"], "No such option '--url'"),
@@ -146,8 +138,8 @@ def test_each_subcommand_takes_only_its_own_options():
         (["run", "--url", url, "--concurrency", "1"], "No such option '--concurrency'"),
         (["run", "--limit", "1"], "bench run measures one engine: give NAME or --url"),
     ):
-        res = CliRunner().invoke(cli, ["bench", *argv], env={"APPLIANCE_URL": None})
-        assert res.exit_code == 2 and message in res.output, (argv, res.output)
+        res = cli_run(["bench", *argv], env={"APPLIANCE_URL": None}, code=2)
+        assert message in res.output, (argv, res.output)
 
 
 @pytest.mark.parametrize(
@@ -159,11 +151,11 @@ def test_each_subcommand_takes_only_its_own_options():
         (["--url", "URL", "--concurrency", "0"], "bench load NAME", "distinct integers"),
     ],
 )
-def test_the_old_single_command_still_runs_and_names_the_new_form(old, new, message):
+def test_the_old_single_command_still_runs_and_names_the_new_form(old, new, message, cli_run):
     """One release of the old `appliance bench OPTIONS`: the subcommand its options chose runs
     (here up to its first refusal, on a closed port), after one line naming the new form."""
     url = f"http://127.0.0.1:{free_port()}"
-    res = CliRunner().invoke(cli, ["bench", *[url if a == "URL" else a for a in old]])
+    res = cli_run(["bench", *[url if a == "URL" else a for a in old]], code=None)
     warning, error = res.stderr.splitlines()
     assert warning.startswith("warning: `appliance bench ") and f"`appliance {new}" in warning
     assert error.startswith("Error: ") and message in error
@@ -221,11 +213,10 @@ def test_artifact_write_is_atomic(tmp_path):
         (["--concurrency", "1", "--report", "r.html"], "No such option '--report'"),
     ],
 )
-def test_bad_load_input_is_one_line_before_any_server(tmp_path, args, message):
+def test_bad_load_input_is_one_line_before_any_server(tmp_path, args, message, cli_run):
     # The URL is a closed port: every refusal here comes before the first request.
     url = f"http://127.0.0.1:{free_port()}"
-    res = CliRunner().invoke(cli, ["bench", "load", "--url", url, *args], catch_exceptions=False)
-    assert res.exit_code == 2, res.output
+    res = cli_run(["bench", "load", "--url", url, *args], code=2)
     assert message in res.output
     assert res.output.startswith("Error: ") or res.output.startswith("Usage: ")
     assert not (tmp_path / "r.html").exists()

@@ -8,11 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from click.testing import CliRunner
 from plugins.http_servers import Route
 
 from appliance import doctor, profiles
-from appliance.cli import cli
 from appliance.doctor.engine import defect_checks
 from appliance.errors import UsageError
 from appliance.profiles import Speculative, defects
@@ -126,21 +124,20 @@ def test_validate_names_each_defect_with_its_link_and_fix():
     assert "fixed in: unknown" in init.message and "VLLM_USE_V2_MODEL_RUNNER=1" in init.fix
 
 
-def test_cli_validate_prints_one_warning_line_per_defect():
+def test_cli_validate_prints_one_warning_line_per_defect(cli_run):
     args = ["profiles", "validate", "h100-31b-mtp", "--vllm-version", "0.25.1"]
-    res = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output  # warnings only
+    res = cli_run(args)  # warnings only: exit 0
     lines = [ln for ln in res.output.splitlines() if "vllm-project/vllm" in ln]
     assert len(lines) == 2, res.output
     init = next(ln for ln in lines if "[mtp-init-0.25.1]" in ln)
     assert init.startswith("  warning: ") and "issues/48848" in init and "(fix: " in init
     assert any("[mtp-block-table-concurrency]" in ln and "pull/43982" in ln for ln in lines)
     # The shipped profiles on the image's own vLLM: nothing to say.
-    res = CliRunner().invoke(cli, ["profiles", "validate", "--vllm-version", "0.32.0"])
-    assert res.exit_code == 0 and "vllm-project/vllm" not in res.output, res.output
+    res = cli_run(["profiles", "validate", "--vllm-version", "0.32.0"])
+    assert "vllm-project/vllm" not in res.output, res.output
 
 
-def test_cli_validate_fails_on_an_error_level_defect(tmp_path):
+def test_cli_validate_fails_on_an_error_level_defect(tmp_path, cli_run):
     path = tmp_path / "fp8kv.toml"
     path.write_text(
         'name = "fp8kv"\ndescription = "x"\nmodel = "google/gemma-4-31B-it"\n'
@@ -149,8 +146,7 @@ def test_cli_validate_fails_on_an_error_level_defect(tmp_path):
         '[hardware]\ngpus = 1\ngpu_memory_gib = 80\ncompute_capability = "9.0"\n'
     )
     args = ["profiles", "validate", "--file", str(path), "--vllm-version", "0.25.1"]
-    res = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert res.exit_code == 1
+    res = cli_run(args, code=1)
     assert "error: [fp8-kv-mtp-0.25.1]" in res.output and "warning: [mtp-draft-kv-scales]" in (
         res.output
     )

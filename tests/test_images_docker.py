@@ -18,12 +18,11 @@ from pathlib import Path
 import docker.errors
 import httpx
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.docker_engine import CACHE as DOCKER_CACHE
 from plugins.docker_engine import tiny_rootfs
 
 from appliance import devmodel, labels, profiles, specdecode
-from appliance.cli import cli
 from appliance.engine.local import free_port
 from appliance.host.layout import Layout
 from appliance.images import scheme
@@ -34,7 +33,7 @@ OCI = "org.opencontainers.image."
 
 
 def _invoke(*args: str):
-    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    result = invoke(list(args), code=None)
     return result
 
 
@@ -295,13 +294,14 @@ def test_protected_images_survive_every_prune(test_repo, docker_engine, applianc
     assert _exists(docker_engine, appliance_images["cpu-pre-mtp"].image_id)
 
 
-def test_rm_refuses_a_referenced_image_and_removes_a_free_one(test_repo, docker_engine, tmp_path):
+def test_rm_refuses_a_referenced_image_and_removes_a_free_one(
+    test_repo, docker_engine, tmp_path, cli_run
+):
     repo = test_repo.repo
     used = test_repo("2.0.0-mtp")
     free = test_repo("0.2.0")
     _instance(tmp_path, "a", f"{repo}:2.0.0-mtp")
-    result = CliRunner().invoke(cli, ["image", "rm", f"{repo}:2.0.0-mtp", "--root", str(tmp_path)])
-    assert result.exit_code == 2
+    result = cli_run(["image", "rm", f"{repo}:2.0.0-mtp", "--root", str(tmp_path)], code=2)
     assert "refusing to remove" in result.output and "instance a" in result.output
     assert _exists(docker_engine, used)
     result = _invoke("image", "rm", f"{repo}:0.2.0", "--root", str(tmp_path))
@@ -310,16 +310,14 @@ def test_rm_refuses_a_referenced_image_and_removes_a_free_one(test_repo, docker_
 
 
 def test_rm_and_prune_of_an_image_a_stopped_container_uses_say_so_and_remove_nothing(
-    test_repo, docker_engine, tmp_path
+    test_repo, docker_engine, tmp_path, cli_run
 ):
     repo = test_repo.repo
     used = test_repo("3.0.0")
     # Created, never started: a stopped container still holds its image.
     container = docker_engine.containers.create(used, ["/README"])
     try:
-        result = CliRunner().invoke(cli, ["image", "rm", f"{repo}:3.0.0", "--root", str(tmp_path)])
-        assert result.exit_code == 1, result.output
-        assert result.exception is None or isinstance(result.exception, SystemExit)
+        result = cli_run(["image", "rm", f"{repo}:3.0.0", "--root", str(tmp_path)], code=1)
         lines = result.output.strip().splitlines()
         assert len(lines) == 1, result.output
         assert lines[0].startswith(f"Error: cannot remove {repo}:3.0.0: the Docker engine refused")
@@ -327,8 +325,7 @@ def test_rm_and_prune_of_an_image_a_stopped_container_uses_say_so_and_remove_not
         assert "docker ps -a --filter ancestor=" in lines[0]
         assert docker_engine.images.get(f"{repo}:3.0.0").id == used
         # By id too (what `image rm` accepts): refused the same way, nothing removed.
-        result = CliRunner().invoke(cli, ["image", "rm", used, "--root", str(tmp_path)])
-        assert result.exit_code == 1, result.output
+        result = cli_run(["image", "rm", used, "--root", str(tmp_path)], code=1)
         assert "Error: cannot remove" in result.output and "Traceback" not in result.output
         # prune reports it as kept, with the engine's reason, and goes on.
         result = _invoke(
@@ -341,14 +338,15 @@ def test_rm_and_prune_of_an_image_a_stopped_container_uses_say_so_and_remove_not
         container.remove(force=True)
 
 
-def test_tag_the_engine_rejects_is_one_clear_line_and_tags_nothing(test_repo, docker_engine):
+def test_tag_the_engine_rejects_is_one_clear_line_and_tags_nothing(
+    test_repo, docker_engine, cli_run
+):
     repo = test_repo.repo
     # A valid version whose tag is longer than the engine's 128 characters: the scheme's rules
     # accept it, the engine refuses it.
     version = "0." + ".".join(["1"] * 70)
     image_id = test_repo("candidate", version, mtp=True)
-    result = CliRunner().invoke(cli, ["image", "tag", image_id, "--repository", repo])
-    assert result.exit_code == 1, result.output
+    result = cli_run(["image", "tag", image_id, "--repository", repo], code=1)
     lines = result.output.strip().splitlines()
     assert len(lines) == 1, result.output
     assert lines[0].startswith(f"Error: cannot tag {image_id[:19]} as {repo}:{version}-mtp")
@@ -357,7 +355,9 @@ def test_tag_the_engine_rejects_is_one_clear_line_and_tags_nothing(test_repo, do
     assert docker_engine.images.get(image_id).tags == [f"{repo}:candidate"]
 
 
-def test_tag_moves_latest_and_keeps_the_last_non_mtp_image_as_pre_mtp(test_repo, docker_engine):
+def test_tag_moves_latest_and_keeps_the_last_non_mtp_image_as_pre_mtp(
+    test_repo, docker_engine, cli_run
+):
     repo = test_repo.repo
     old = test_repo("latest", "0.19.0", mtp=False)
     new = test_repo("candidate", "0.32.0", mtp=True)
@@ -366,8 +366,8 @@ def test_tag_moves_latest_and_keeps_the_last_non_mtp_image_as_pre_mtp(test_repo,
     assert set(result.output.split()) >= {f"{repo}:0.32.0-mtp", f"{repo}:mtp", f"{repo}:latest"}
     assert docker_engine.images.get(f"{repo}:latest").id == new
     assert docker_engine.images.get(f"{repo}:pre-mtp").id == old
-    unlabelled = CliRunner().invoke(cli, ["image", "tag", appliance_base_ref(docker_engine)])
-    assert unlabelled.exit_code == 2 and "no appliance labels" in unlabelled.output
+    unlabelled = cli_run(["image", "tag", appliance_base_ref(docker_engine)], code=2)
+    assert "no appliance labels" in unlabelled.output
 
 
 def appliance_base_ref(client) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.hub import (
     DRAFTER_REPO,
     HUB_CLIENT_VERSION,
@@ -34,7 +34,6 @@ from plugins.hub import (
 )
 
 from appliance import profiles, units
-from appliance.cli import cli
 from appliance.doctor.host import models_check
 from appliance.host import envfile
 from appliance.host.layout import Layout
@@ -85,7 +84,7 @@ def _args(profile_file: Path, cache_dir: Path) -> list[str]:
 
 
 def _run(args: list[str], env: dict[str, str] | None = None):
-    return CliRunner().invoke(cli, ["models", *args], env=env, catch_exceptions=False)
+    return invoke(["models", *args], env=env, code=None)
 
 
 def _pull_cmd(profile_file, cache_dir, token_file) -> list[str]:

@@ -292,20 +292,16 @@ def test_the_heads_key_goes_to_loopback_only(tmp_path):
         server.shutdown()
 
 
-def test_cli_install_is_idempotent_and_names_the_first_unit(tmp_path):
-    from click.testing import CliRunner
-
-    from appliance.cli import cli
+def test_cli_install_is_idempotent_and_names_the_first_unit(tmp_path, cli_run):
 
     base = ["instance", "install", "grp", "-p", "spark2-31b-nvfp4-mtp", "--root", str(tmp_path)]
     argv = [*base, "--role", "worker", "--rank", "1", "--image", "gemma4-vllm:0.32.0-mtp"]
-    first = CliRunner().invoke(cli, argv)
-    assert first.exit_code == 0, first.output
+    first = cli_run(argv)
     assert "systemctl enable --now gemma4-vllm-worker@grp.service" in first.output
     assert Layout(tmp_path).node_args_file("grp", "worker").exists()
     assert not Layout(tmp_path).node_args_file("grp", "head").exists()
-    again = CliRunner().invoke(cli, argv)
-    assert again.exit_code == 0 and "next:" not in again.output
+    again = cli_run(argv)
+    assert "next:" not in again.output
     assert not any(line.startswith("wrote") for line in again.output.splitlines())
-    bad = CliRunner().invoke(cli, [*base, "--role", "worker", "--rank", "5"])
-    assert bad.exit_code == 2 and "rank 5" in bad.output
+    bad = cli_run([*base, "--role", "worker", "--rank", "5"], code=2)
+    assert "rank 5" in bad.output

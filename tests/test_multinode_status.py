@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import json
 
-from click.testing import CliRunner
+from plugins.cli import invoke
 
 from appliance import units
-from appliance.cli import cli
 from appliance.host.layout import Layout
 
 INSTALL = ["instance", "install", "g31", "-p", "spark2-31b-nvfp4-mtp", "--port", "8061"]
 
 
 def _install(root, *extra: str) -> None:
-    result = CliRunner().invoke(cli, [*INSTALL, *extra, "--root", str(root)])
-    assert result.exit_code == 0, result.output
+    invoke([*INSTALL, *extra, "--root", str(root)])
 
 
 def test_the_heads_host_scrapes_the_head_and_a_workers_host_nothing(tmp_path):

@@ -14,13 +14,11 @@ import signal
 import subprocess
 
 import pytest
-from click.testing import CliRunner
 from plugins.multinode import GROUP, MTP_IMAGE
 from plugins.systemd_instance import APPLIANCE, REPO
 
 import docker
 from appliance import state_metrics
-from appliance.cli import cli
 from appliance.cutover import history
 from appliance.host import envfile
 from appliance.host.layout import Layout
@@ -61,15 +59,16 @@ def test_the_worker_starts_first_and_the_head_serves_with_mtp(multinode_group):
     _serves_with_mtp(g)
 
 
-def test_status_and_the_state_metrics_read_the_groups_real_units(multinode_group, monkeypatch):
+def test_status_and_the_state_metrics_read_the_groups_real_units(
+    multinode_group, monkeypatch, cli_run
+):
     """Issue 24 (N6): `appliance status GROUP --write-metrics` reads the head and worker units,
     not gemma4-vllm@GROUP (no such unit: it read `inactive`), so the state textfile carries the
     head's real state and Gemma4InstanceFailed can fire for a failed head."""
     g = multinode_group
     monkeypatch.setenv("APPLIANCE_SYSTEMD_PREFIX", shlex.join(g.machine.enter_argv()))
     argv = ["status", GROUP, "--json", "--write-metrics", "--root", str(g.machine.root)]
-    result = CliRunner().invoke(cli, argv)
-    assert result.exit_code == 0, result.output
+    result = cli_run(argv)
     text = Layout(g.machine.root).metrics_textfile().read_text()
     state = rf'{state_metrics.UNIT_STATE}{{instance="{GROUP}",result="[a-z-]*",state="(\w+)"}} 1\.0'
     assert re.findall(state, text) == ["active"], text

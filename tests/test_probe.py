@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.http_servers import Route
 
 from appliance import probe
-from appliance.cli import cli
 from appliance.cutover import gates
 from appliance.engine.local import free_port
 from appliance.errors import EngineError
@@ -120,10 +119,10 @@ def test_absent_without_speculative_decoding(baseline_engine):
 
 
 def _doctor_evidence(url: str) -> dict:
-    res = CliRunner().invoke(
-        cli,
+    res = invoke(
         ["instance", "doctor", "--json", "--url", url, "--profile", "cpu-tiny-mtp"],
         env={"VLLM_API_KEY": None},
+        code=None,
     )
     body = json.loads(res.output)
     return next(c for c in body["checks"] if c["name"] == "mtp.counters")["evidence"]
@@ -131,8 +130,7 @@ def _doctor_evidence(url: str) -> dict:
 
 def _bench_evidence(url: str, tmp_path) -> dict:
     out = tmp_path / "bench.json"
-    res = CliRunner().invoke(
-        cli,
+    res = invoke(
         [
             "bench",
             "run",
@@ -153,7 +151,6 @@ def _bench_evidence(url: str, tmp_path) -> dict:
         ],
         env={"VLLM_API_KEY": None},
     )
-    assert res.exit_code == 0, res.output
     assert "MTP probe: MTP active: drafts" in res.output
     return json.loads(out.read_text())["endpoints"][0]["mtp"]
 

@@ -24,11 +24,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from click.testing import CliRunner
 
 from appliance import demo as demo_lib
 from appliance import reports
-from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.reports.figures import resolve
 
@@ -289,14 +287,13 @@ def test_unknown_artifact_kind_is_a_usage_error():
         reports.render_bench({"kind": "other"})
 
 
-def test_report_path_in_a_missing_directory_fails_before_the_bench_runs(tmp_path):
+def test_report_path_in_a_missing_directory_fails_before_the_bench_runs(tmp_path, cli_run):
     # Bad input costs nothing: no server is contacted (the URLs lead nowhere) and nothing written.
     target = tmp_path / "file-not-dir"
     target.write_text("x")
-    res = CliRunner().invoke(
-        cli, ["bench", "run", "--url", "http://127.0.0.1:9", "--report", str(target / "r.html")]
+    res = cli_run(
+        ["bench", "run", "--url", "http://127.0.0.1:9", "--report", str(target / "r.html")], code=2
     )
-    assert res.exit_code == 2, res.output
     assert "--report" in res.output and not (target / "r.html").exists()
 
 
@@ -468,12 +465,11 @@ def test_names_from_the_record_are_text_on_the_page_never_markup():
 
 
 @pytest.fixture(scope="module")
-def paired_run(mtp_engine, baseline_engine, tmp_path_factory) -> tuple[dict, str, Path]:
+def paired_run(mtp_engine, baseline_engine, tmp_path_factory, cli_run) -> tuple[dict, str, Path]:
     """One small paired bench through the CLI, with both the JSON artifact and the report."""
     d = tmp_path_factory.mktemp("paired")
     art, page = d / "paired.json", d / "paired.html"
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         [
             "bench",
             "compare",
@@ -494,10 +490,8 @@ def paired_run(mtp_engine, baseline_engine, tmp_path_factory) -> tuple[dict, str
             "--report",
             str(page),
             "--json",
-        ],
-        catch_exceptions=False,
+        ]
     )
-    assert res.exit_code == 0, res.output
     assert json.loads(res.stdout) == json.loads(art.read_text())  # one object: the artifact
     return json.loads(art.read_text()), page.read_text(), page
 
@@ -534,7 +528,9 @@ def test_paired_report_matches_the_artifact_and_renders(paired_run, browser):
 @pytest.mark.engine
 @pytest.mark.bench
 @pytest.mark.own_engines
-def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(browser, tmp_path):
+def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(
+    browser, tmp_path, cli_run
+):
     """`bench sweep --k 1,3 --drafter partial` starts its own engine per k (two real engines);
     the recommended k is the one with the lowest printed TPOT, the report shows the same record,
     and the tokens per step predicted for k' = 1 from the k=3 run alone are within 5% of the
@@ -542,8 +538,7 @@ def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(
     swept here too, cost a third engine start for a second such point; the arithmetic at every
     k' is property-tested in tests/test_specdecode.py."""
     art, page = tmp_path / "sweep.json", tmp_path / "sweep.html"
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         [
             "bench",
             "sweep",
@@ -561,10 +556,8 @@ def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(
             str(art),
             "--report",
             str(page),
-        ],
-        catch_exceptions=False,
+        ]
     )
-    assert res.exit_code == 0, res.output
     print(res.output)
     rows = re.findall(
         r"^\| (\d+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \| (.+) \|$",

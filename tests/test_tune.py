@@ -12,12 +12,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import profiles, specdecode
 from appliance.bench import tune
 from appliance.bench.concurrency import LevelResult
-from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.profiles import validate
 
@@ -127,28 +125,26 @@ def test_tune_measures_a_fixed_k_of_an_mtp_profile_only():
         tune.check_profile(tuned)
 
 
-def test_cli_refuses_before_touching_a_server(tmp_path):
-    runner = CliRunner()
-    res = runner.invoke(
-        cli, ["bench", "tune", "--url", "http://127.0.0.1:9", "--profile", "cpu-tiny-mtp"]
+def test_cli_refuses_before_touching_a_server(tmp_path, cli_run):
+    res = cli_run(
+        ["bench", "tune", "--url", "http://127.0.0.1:9", "--profile", "cpu-tiny-mtp"], code=2
     )
-    assert res.exit_code == 2 and "--baseline-url" in res.output
+    assert "--baseline-url" in res.output
     args = ["bench", "tune", "--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:9"]
-    res = runner.invoke(cli, [*args, "--profile", "cpu-tiny"])
-    assert res.exit_code == 2 and "Error: profile cpu-tiny has no MTP to tune" in res.output
-    res = runner.invoke(cli, [*args, "--profile", "cpu-tiny-mtp", "--concurrency", "0"])
-    assert res.exit_code == 2 and "--concurrency" in res.output
+    res = cli_run([*args, "--profile", "cpu-tiny"], code=2)
+    assert "Error: profile cpu-tiny has no MTP to tune" in res.output
+    res = cli_run([*args, "--profile", "cpu-tiny-mtp", "--concurrency", "0"], code=2)
+    assert "--concurrency" in res.output
     # A profile file is a --profile too (endpoint.resolve reads it).
     path = tmp_path / "mine.toml"
     path.write_text(profiles.shipped_text("cpu-tiny").replace('"cpu-tiny"', '"mine"', 1))
-    res = runner.invoke(cli, [*args, "--profile", str(path)])
-    assert res.exit_code == 2 and "profile mine has no MTP to tune" in res.output
+    res = cli_run([*args, "--profile", str(path)], code=2)
+    assert "profile mine has no MTP to tune" in res.output
 
 
-def test_the_old_spelling_still_runs_and_names_the_new_form():
+def test_the_old_spelling_still_runs_and_names_the_new_form(cli_run):
     args = ["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:9"]
-    res = CliRunner().invoke(cli, ["tune", *args, "--profile", "cpu-tiny"])
-    assert res.exit_code == 2
+    res = cli_run(["tune", *args, "--profile", "cpu-tiny"], code=2)
     assert res.stderr.splitlines() == [
         "warning: `appliance tune` is now `appliance bench tune`",
         "Error: profile cpu-tiny has no MTP to tune",

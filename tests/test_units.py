@@ -20,11 +20,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.units import install_old_layout
 
 from appliance import devmodel, generate, labels, profiles, units
-from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.host import envfile
 from appliance.host.layout import Layout
@@ -53,7 +52,7 @@ def opts_for(name: str, **kw) -> units.Options:
 
 
 def run(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return invoke(list(args), code=None)
 
 
 def snapshot(root: Path) -> dict[str, tuple[bytes, int, int]]:
@@ -1230,9 +1229,8 @@ OLD_SPELLINGS = [
 
 
 @pytest.mark.parametrize(("old", "new"), OLD_SPELLINGS, ids=["install", "multinode-install"])
-def test_an_old_spelling_still_works_and_names_the_new_form(tmp_path, old, new):
-    result = CliRunner().invoke(cli, [*old, "--root", str(tmp_path)], prog_name="appliance")
-    assert result.exit_code == 0, result.output
+def test_an_old_spelling_still_works_and_names_the_new_form(tmp_path, old, new, cli_run):
+    result = cli_run([*old, "--root", str(tmp_path)])
     [warning] = result.stderr.splitlines()
     assert warning.startswith("warning: `appliance ") and f"is now `appliance {new}" in warning
     assert Layout(tmp_path).env_file("o1").is_file()
@@ -1241,11 +1239,9 @@ def test_an_old_spelling_still_works_and_names_the_new_form(tmp_path, old, new):
     assert not Layout(tmp_path).env_file("o1").exists()
 
 
-def test_install_needs_the_name(tmp_path):
-    neither = CliRunner().invoke(
-        cli, ["instance", "uninstall", "--root", str(tmp_path)], prog_name="appliance"
-    )
-    assert neither.exit_code == 2 and "Missing argument 'NAME'" in neither.output
+def test_install_needs_the_name(tmp_path, cli_run):
+    neither = cli_run(["instance", "uninstall", "--root", str(tmp_path)], code=2)
+    assert "Missing argument 'NAME'" in neither.output
 
 
 # --- the host's state-metrics timer ------------------------------------------------------------
