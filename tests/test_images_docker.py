@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -566,7 +567,7 @@ def test_a_new_base_forgets_superseded_ones(appliance_images, docker_engine, tmp
     assert [p.name for p in tmp_path.iterdir()] == [f"{current.split(':')[1]}.tar"]
 
 
-# --- the API key file (issue 11: secrets stay secret) ------------------------------------------
+# --- the API key file (secrets stay secret) ----------------------------------------------------
 
 # The image's vLLM replaced by a script that prints what the entry point handed it, mounted over
 # vllm_main.py: the real image and the real entry point, without an engine start.
@@ -576,26 +577,21 @@ _SHOW_KEY = "import os, sys\nprint(repr(os.environ.get('VLLM_API_KEY')), sys.arg
 @pytest.mark.parametrize(
     ("content", "via"),
     [
-        (b"k3y-Value_1.~+/=\n", "stdin"),
-        (b"k3y-Value_1\r\n", "stdin"),  # CRLF: the same key for the engine and Python's strip()
-        (b"k3y-Value_1\r\n", "file"),
-        (b"\r\n  k3y-Value_1 \t\r\n\r\n", "stdin"),
-        (b"", "stdin"),
-        (b" \r\n", "file"),
-        (b"two words\n", "stdin"),
-        (b"k$y\n", "stdin"),
-        ("k\u00e9y\n".encode(), "stdin"),
+        (b"k3y-Value_1.~+/=\n", "serve"),
+        (b"\r\n  k3y-Value_1 \t\r\n\r\n", "serve"),  # CRLF: the same key as Python's strip()
+        (b"k3y-Value_1\n", "file"),  # a mounted secret: its content, less the trailing newline
+        (b"", "stdin"),  # a key promised on stdin and none there
+        (b"\n", "file"),
     ],
 )
-def test_the_entry_point_reads_the_key_by_the_appliances_rule(
-    appliance_images, tmp_path, content, via
-):
-    """The key on stdin (what the serve program does) or in a mounted secret file: the same key
-    as appliance/apikey.py reads, or exit 78 and one line that does not show it."""
+def test_the_entry_point_takes_the_key_it_is_handed(appliance_images, tmp_path, content, via):
+    """The key the serve program hands over (its key file read by the appliance's one rule,
+    then written alone into the container's stdin), or a mounted secret file: the engine's
+    VLLM_API_KEY is that key; none where one was promised is exit 78 and one line."""
     import subprocess
 
     from appliance import apikey
-    from appliance.errors import UsageError
+    from appliance.serve.main import key_pipe
 
     image = appliance_images["cpu-mtp"]
     assert image.labels[labels.API_KEY_STDIN] == "true"
@@ -603,12 +599,13 @@ def test_the_entry_point_reads_the_key_by_the_appliances_rule(
     key_file.write_bytes(content)
     key_file.chmod(0o600)  # as `appliance install` writes it
     show.write_text(_SHOW_KEY)
-    how = (
-        ["--interactive", "--env", f"{labels.API_KEY_STDIN_ENV}=1"]
-        if via == "stdin"
-        else ["--volume", f"{key_file}:{labels.API_KEY_PATH}:ro"]
-    )
-    with key_file.open("rb") as stdin:
+    if via == "file":
+        how, stdin, want = ["--volume", f"{key_file}:{labels.API_KEY_PATH}:ro"], None, content
+    else:
+        how = ["--interactive", "--env", f"{labels.API_KEY_STDIN_ENV}=1"]
+        want = apikey.read(key_file).encode() if via == "serve" else content
+        stdin = key_pipe(want.decode())
+    try:
         proc = subprocess.run(
             ["docker", "run", "--rm", "--pull", "never", "--cap-drop", "ALL"]
             + ["--security-opt", "no-new-privileges", "--network", "none", *how]
@@ -619,22 +616,23 @@ def test_the_entry_point_reads_the_key_by_the_appliances_rule(
             timeout=120,
             check=False,
         )
+    finally:
+        if stdin is not None:
+            os.close(stdin)
     out, err = proc.stdout.decode(), proc.stderr.decode()
-    try:
-        want = apikey.parse(content.decode(), str(key_file))
-    except UsageError:
+    key = want.decode().rstrip("\n")
+    if not key:
         assert proc.returncode == 78 and out == "", (out, err)
-        assert len(err.strip().splitlines()) == 1 and "API key" in err
-        assert not (content.strip() and content.strip().decode() in err)
+        assert len(err.strip().splitlines()) == 1 and "API key" in err and "empty" in err
         return
     assert proc.returncode == 0, err
-    assert out.strip() == f"{want!r} ['serve', '/models/target', '--port', '1']"
+    assert out.strip() == f"{key!r} ['serve', '/models/target', '--port', '1']"
 
 
 def test_without_a_key_file_the_entry_point_leaves_the_environment_alone(
     appliance_images, tmp_path
 ):
-    """An older serve script passes --env VLLM_API_KEY: the new image still serves it."""
+    """A VLLM_API_KEY given to the container (`docker run --env`, compose) is left as it is."""
     import subprocess
 
     show = tmp_path / "show.py"

@@ -195,7 +195,7 @@ def test_unit_runs_the_one_script_with_the_instance_its_env_file_restart_policy_
         f"ExecStartPost={serve_path} %i wait-healthy",
         f"ExecStop={serve_path} %i stop",
         f"ExecStopPost=-{serve_path} %i remove",
-        # always: vLLM exits 0 when its engine core dies (vllm#48966); issue 11.
+        # always: vLLM exits 0 when its engine core dies (vllm#48966).
         "Restart=always",
         "RestartPreventExitStatus=78",
     ):
@@ -221,7 +221,7 @@ def test_the_start_limit_trips_when_every_start_fails_slowly(name):
     """systemd counts starts in a fixed window of StartLimitIntervalSec and refuses the start
     after StartLimitBurst of them. The slowest crash loop: each start hangs to TimeoutStartSec,
     then waits RestartSec. The start after the burst must still fall inside the window (with
-    margin for the stop commands), or a broken image is reloaded forever (issue 11)."""
+    margin for the stop commands), or a broken image is reloaded forever."""
     unit = unit_settings(files_of_render(name, "x")["unit"])
     burst = int(unit["StartLimitBurst"])
     interval = int(unit["StartLimitIntervalSec"])
@@ -346,7 +346,8 @@ def test_the_api_key_reaches_docker_on_stdin_or_by_name_never_as_a_value(tmp_pat
     settings = environment.Settings("img:1", "127.0.0.1", 8000, None, "/m", None, None)
     stdin_image = {labels.API_KEY_STDIN: "true", labels.MTP: "true"}
     cmd = container.command("k", args, settings, stdin_image, "s3cret", key_file)
-    assert cmd.stdin == key_file and cmd.env == {}
+    assert (cmd.stdin, cmd.key, cmd.env) == (key_file, "s3cret", {})
+    assert "s3cret" not in repr(cmd)
     assert cmd.argv[cmd.argv.index("--interactive") + 2] == f"{labels.API_KEY_STDIN_ENV}=1"
     old = container.command("k", args, settings, {labels.MTP: "true"}, "s3cret", key_file)
     assert (old.stdin, old.env) == (None, {"VLLM_API_KEY": "s3cret"})
@@ -355,7 +356,21 @@ def test_the_api_key_reaches_docker_on_stdin_or_by_name_never_as_a_value(tmp_pat
     for c in (cmd, old):
         assert not [a for a in c.argv if "s3cret" in a or a.startswith("--api-key")]
     keyless = container.command("k", args, settings, stdin_image, None, key_file)
-    assert (keyless.stdin, keyless.env) == (None, {}) and "--interactive" not in keyless.argv
+    assert (keyless.stdin, keyless.key, keyless.env) == (None, None, {})
+    assert "--interactive" not in keyless.argv
+
+
+def test_the_container_stdin_holds_the_checked_key_alone(tmp_path):
+    """What the serve program hands the image's entry point: the key its file holds by the one
+    rule (CRLF and spaces around it are not part of it), then the end of the input."""
+    from appliance import apikey
+    from appliance.serve.main import key_pipe
+
+    key_file = tmp_path / "k.api-key"
+    key_file.write_bytes(b"\r\n  s3cret-Key_1 \t\r\n")
+    fd = key_pipe(apikey.read(key_file))
+    with os.fdopen(fd, "rb") as stdin:
+        assert stdin.read() == b"s3cret-Key_1"
 
 
 # --- profile strings are data, never code -------------------------------------------------------
@@ -560,7 +575,7 @@ def test_install_keeps_the_image_values_host_and_port_already_there(tmp_path):
 
 
 def test_a_second_instance_of_a_profile_gets_the_next_free_port_recorded_in_its_env(tmp_path):
-    # Issue 25 §3: the MIG profile is meant for four slices per card, one instance each.
+    # the MIG profile is meant for four slices per card, one instance each.
     ports = []
     for n in range(4):
         result = run(
@@ -1095,7 +1110,7 @@ def test_args_name_each_model_the_check_looks_for():
         engine_args.serve_args(dataclasses.replace(pinned, model="../x"), [])
 
 
-# --- stop and remove (issue 11) ----------------------------------------------------------------
+# --- stop and remove ---------------------------------------------------------------------------
 
 
 @pytest.fixture
