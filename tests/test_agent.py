@@ -649,7 +649,7 @@ def test_demo_records_carry_source_and_shared(mtp_engine, monkeypatch):
     assert "request" in demo.format_table(report)
 
 
-# -- interruption, identity, headers (issue 13 part 1) -------------------------------------------
+# -- interruption, identity, headers -------------------------------------------------------------
 
 
 def _sequential_sources(t, n=2):
@@ -793,7 +793,7 @@ def test_no_request_text_in_error_status_without_content_capture(mtp_engine):
     assert "secret" not in str(span.attributes) and str(bare.value)
 
 
-# -- the snapshot path off the caller's path (issue 13 part 2) ----------------------------------
+# -- the snapshot path off the caller's path ----------------------------------------------------
 
 
 def _movement(url, fn):

@@ -289,7 +289,7 @@ def test_tune_writes_a_schedule_that_vllms_config_applies(
 def test_paired_bench_fails_an_mtp_side_that_drafts_worse(
     mtp_engine, mtp_random_engine, tmp_path, cli_run
 ):
-    """The canary's and the soak's acceptance judgement, in the paired bench (issue 26): the
+    """The canary's and the soak's acceptance judgement, in the paired bench: the
     random drafter against the copy drafter, same target, same answers, far fewer accepted."""
     out = tmp_path / "paired.json"
     args = ["bench", "compare", "--mtp-url", mtp_random_engine.url]

@@ -370,7 +370,7 @@ def test_a_canary_on_a_hung_engine_fails_within_its_bound_naming_it():
     assert "--canary-timeout" in str(err.value)
 
 
-# --- acceptance: how the answers were made (issue 26) -----------------------------------------
+# --- acceptance: how the answers were made ----------------------------------------------------
 
 
 def _drafted(rec: Record, accepted: dict[str, int], k: int = 2, drafts: int = 10) -> Record:
@@ -436,7 +436,7 @@ def test_a_profile_sets_the_acceptance_tolerance_and_the_cli_can_override_it(tmp
     assert "max_acceptance_drop must be within 0..1" in res.output
 
 
-# --- the acceptance baseline: a cutover from an image without MTP (issue 26 section 3) ---------
+# --- the acceptance baseline: a cutover from an image without MTP ------------------------------
 
 MTP_IMAGE = "gemma4-vllm:0.32.0-mtp"
 

@@ -199,7 +199,7 @@ def rec_random(mtp_random_engine) -> canary.Record:
 
 
 def test_the_random_drafter_keeps_every_answer_and_fails_on_acceptance(rec_mtp, rec_random):
-    """The regression the answers cannot show (issue 26): the same target, a drafter whose drafts
+    """The regression the answers cannot show: the same target, a drafter whose drafts
     are never accepted; greedy verification keeps every answer token-identical."""
     for rec in (rec_mtp, rec_random):
         assert {o.spec.source for o in rec.outputs} == {"request"}  # vLLM 0.32's own block

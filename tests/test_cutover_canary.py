@@ -178,7 +178,7 @@ def test_an_old_engine_that_cannot_answer_the_canary_refuses_the_cutover_untouch
     assert not layout.rollback_slot("i1").exists()
 
 
-# --- the acceptance baseline in status and the state metrics (issue 26 section 3) -------------
+# --- the acceptance baseline in status and the state metrics ----------------------------------
 
 
 def _mtp_record(accepted: int, drafts: int = 10, k: int = 2) -> Record:

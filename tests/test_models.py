@@ -483,7 +483,7 @@ def test_manifest_paths_cannot_escape_the_cache(pulled, profile_file, tmp_path):
     assert laid == ["hub", f"hub/{cache.LOCK_NAME}"]
 
 
-# --- weights you can trust (issue 25 §4; security review N3, N10) ---------------------------
+# --- weights you can trust (security review N3, N10) ----------------------------------------
 
 
 def _flip_last_byte(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Multi-node profiles, their validation and the head/worker units (issue 15 part 2), fast.
+"""Multi-node profiles, their validation and the head/worker units, fast.
 
 The real pair under systemd is tests/test_multinode_systemd.py."""
 
@@ -260,7 +260,7 @@ def _non_loopback_address() -> str:
 
 
 def test_the_heads_key_goes_to_loopback_only(tmp_path):
-    """Issue 24 section 4 (N11): a head bound to another address would get its API key in clear
+    """A head bound to another address would get its API key in clear
     HTTP; like the instance unit, whose probe reaches only loopback, the serve program refuses
     (exit 78, one line, no request) instead of sending it."""
     _install(tmp_path, "cpu-tiny-mtp-2node", Node(roles=("head",)))

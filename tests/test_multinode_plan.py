@@ -1,4 +1,4 @@
-"""The fleet's move of a group across hosts, without hosts (issue 24 section 2): each host's
+"""The fleet's move of a group across hosts, without hosts: each host's
 preflight as `appliance multinode cutover GROUP IMAGE --check` prints it, and the play's
 decisions (deploy/ansible/roles/gemma4_appliance/filter_plugins/multinode.py) on those answers.
 The play itself, over SSH on two real hosts: tests/test_fleet_multinode.py."""

@@ -1,4 +1,4 @@
-"""A group is watched like an instance (issue 24 section 1): ``multinode install`` puts the
+"""A group is watched like an instance: ``multinode install`` puts the
 head in this host's scrape targets (a worker serves no API), and status names the group's real
 units. The same under real systemd, with the state metrics: tests/test_multinode_systemd.py."""
 

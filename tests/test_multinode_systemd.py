@@ -1,4 +1,4 @@
-"""A multi-node group for real (issue 15 part 2): head + worker units under real systemd in
+"""A multi-node group for real: head + worker units under real systemd in
 nspawn, each running the CPU image through the serve script, vLLM's own multi-node with
 tensor parallelism 2 across the two "nodes" (tests/plugins/multinode.py).
 
@@ -62,7 +62,7 @@ def test_the_worker_starts_first_and_the_head_serves_with_mtp(multinode_group):
 def test_status_and_the_state_metrics_read_the_groups_real_units(
     multinode_group, monkeypatch, cli_run
 ):
-    """Issue 24 (N6): `appliance status GROUP --write-metrics` reads the head and worker units,
+    """`appliance status GROUP --write-metrics` reads the head and worker units,
     not gemma4-vllm@GROUP (no such unit: it read `inactive`), so the state textfile carries the
     head's real state and Gemma4InstanceFailed can fire for a failed head."""
     g = multinode_group

@@ -1,5 +1,5 @@
 """The MTP probe: against the real CPU engines, a dead port and a broken page; and the check of
-issue 10: doctor, the cutover gate and bench give the same verdict and figures on one engine."""
+doctor, the cutover gate and bench give the same verdict and figures on one engine."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def _bench_evidence(url: str, tmp_path) -> dict:
 
 @pytest.mark.engine
 def test_doctor_gate_and_bench_agree_on_one_engine(mtp_counters_engine, tmp_path):
-    """Issue 10's check: one engine, three callers, one verdict, the same figures.
+    """One engine, three callers, one verdict, the same figures.
 
     The engine sends no per-request block, so every figure comes from the counter delta under the
     one attribution rule (nothing else runs: source ``counters``). The probe's generation is

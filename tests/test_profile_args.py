@@ -75,7 +75,7 @@ def test_every_shipped_profile_file_loads():
         assert prof.serve_args(devmodel="/m")[0]
 
 
-# --- the engine container's privileges and media fetching (issue 11, least privilege) ---------
+# --- the engine container's privileges and media fetching (least privilege) -------------------
 
 
 def _container_args(name: str) -> tuple[list[str], list[str]]:

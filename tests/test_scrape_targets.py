@@ -1,4 +1,4 @@
-"""The engines Prometheus scrapes come from the installed instances (issue 11, "the reference host
+"""The engines Prometheus scrapes come from the installed instances ("the reference host
 is watched"): `appliance install` and `uninstall` keep a file_sd targets file, and the shipped
 prometheus.yml reads it. Real promtool and a real Prometheus."""
 

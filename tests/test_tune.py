@@ -44,7 +44,7 @@ def test_the_captured_counters_predict_every_k_and_the_cheap_draft_wins():
 
 
 def test_a_decaying_drafter_under_load_gets_a_smaller_k():
-    # Per position 0.8 / 0.5 / 0.3 at k=3 (issue 27's partial drafter): 1.8, 2.3, 2.6 tok/step.
+    # Per position 0.8 / 0.5 / 0.3 at k=3 (the partial drafter): 1.8, 2.3, 2.6 tok/step.
     lengths = specdecode.predicted_lengths((0.8, 0.5, 0.3))
     assert lengths == pytest.approx((1.8, 2.3, 2.6))
     # Alone: a step costs 10 ms + 1 ms per draft; at k=3, 13 ms / 2.6 = 5 ms a token.
