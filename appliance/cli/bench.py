@@ -19,16 +19,22 @@ from .options import endpoint_options, progress_bar, prompt_options
 from .output import echo_json
 from .tune import tune
 
-FIGURES = """\b
+TABLE = """\b
 Figures (vLLM's definitions; see gotchas/benchmarking-mtp.md):
   tok/step       1 + accepted / drafts: tokens one engine step yields (bonus included)
   per position   accepted at draft position i / drafts (prefix acceptance: falls with i)
   predicted      tok/step at every k' <= k from one run at k: 1 + the first k' positions
   TTFT           send -> first streamed chunk carrying a choice
   TPOT           (E2EL - TTFT) / (usage tokens - 1), E2EL: send -> last such chunk
-  ITL            gap between chunks: one engine step (1 + accepted tokens) under MTP
-On the CPU engine these say the arithmetic is right, not how a GPU scales: a CPU step costs
-about k times a token, a GPU step is nearly free up to its compute bound."""
+  ITL            gap between chunks: one engine step (1 + accepted tokens) under MTP"""
+CPU_NOTE = """On the CPU engine these say the arithmetic is right, not how a GPU scales:
+a CPU step costs about k times a token, a GPU step is nearly free up to its compute bound."""
+
+
+def figures(*rows: str) -> str:
+    """The help's table of the figures bench prints (``rows``: a command's own, added)."""
+    return "\n".join([TABLE, *rows, CPU_NOTE])
+
 
 # The old single command's modes, by the option that chose each (the first found wins), and
 # how the old spelling reads now: `appliance bench OPTIONS` runs `appliance bench SUB OPTIONS`.
@@ -189,7 +195,7 @@ def _named(endpoint: Endpoint, command: str) -> dict:
     return report.environment(endpoint.profile, labels)
 
 
-@bench.command("run", epilog=FIGURES)
+@bench.command("run", epilog=figures())
 @endpoint_options(
     profile_help="Profile recorded in the artifact [default: the instance's].", default_url=None
 )
@@ -213,7 +219,7 @@ def bench_run(endpoint: Endpoint, settings: dict) -> None:
     _finish("single", settings, env, result)
 
 
-@bench.command("compare", epilog=FIGURES)
+@bench.command("compare", epilog=figures())
 @click.option("--mtp-url", required=True, help="The MTP endpoint ...")
 @click.option("--baseline-url", required=True, help="... and the same model without MTP.")
 @click.option(
@@ -259,7 +265,7 @@ def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
     return out
 
 
-@bench.command("sweep", epilog=FIGURES)
+@bench.command("sweep", epilog=figures())
 @click.option(
     "--k", "ks", required=True, metavar="K,K,...", help="The k values, e.g. 1,2,3,4 (1..16)."
 )
@@ -313,9 +319,10 @@ def bench_sweep(ks: str, k_url, drafter: str, endpoint: Endpoint, settings: dict
 
 @bench.command(
     "load",
-    epilog=FIGURES
-    + "\n  out tok/s      usage tokens of the level over its duration (first request queued ->"
-    "\n                 last done, as vllm bench serve times it)",
+    epilog=figures(
+        "  out tok/s      usage tokens of the level over its duration (first request queued ->",
+        "                 last done, as vllm bench serve times it)",
+    ),
 )
 @endpoint_options(
     profile_help="Profile recorded in the artifact [default: the instance's].", default_url=None
