@@ -40,7 +40,10 @@ def group_profile(
                 raise UsageError("--role needs the group's --profile on its first install")
             return None
         profile = envfile.read(path).get(envfile.PROFILE_KEY) or ""
-    prof = profiles.lookup(profile) if isinstance(profile, str) else profile
+    if isinstance(profile, str) and profiles.is_file_ref(profile):
+        prof, _ = profiles.operators_file(profile)  # its errors name the file as given
+    else:
+        prof = profiles.get(profile) if isinstance(profile, str) else profile
     if prof.multinode is None:
         if node is not None:
             raise UsageError(

@@ -183,6 +183,10 @@ ELSEWHERE = {
     "bench load": "test_bench_engine.py::_appliance_level",
     "bench compare": "test_reports.py::paired_run",
     "bench tune": "test_bench_engine.py::test_tune_writes_a_schedule_that_vllms_config_applies",
+    # nvidia-smi's captured answers, printed by its one fake (no GPU here).
+    "profiles suggest": (
+        "test_profiles_suggest.py::test_the_suggested_profile_passes_host_check_for_the_captures_gpus"
+    ),
     "dev demo": "test_demo.py::test_demo_json_records_add_up_to_the_engines_counter_deltas",
     "image build": "test_images_docker.py::test_warm_build_is_a_cache_hit",
     "image list": (

@@ -153,7 +153,7 @@ def test_an_instance_without_a_canary_has_no_canary_series(tmp_path):
 
 @pytest.mark.docker
 def test_an_old_engine_that_cannot_answer_the_canary_refuses_the_cutover_untouched(
-    mtp_instance, preflight_images, cli_run
+    mtp_instance, preflight_images, restart_refused, cli_run
 ):
     env = mtp_instance.env_path
     env.write_bytes(
@@ -162,7 +162,7 @@ def test_an_old_engine_that_cannot_answer_the_canary_refuses_the_cutover_untouch
     before = env.read_bytes()
     r = cli_run(
         ["cutover", "i1", preflight_images["mtp"], "--root", str(mtp_instance.root)],
-        env={"APPLIANCE_SYSTEMD_PREFIX": "/nonexistent/appliance-test/no-systemctl"},
+        env=restart_refused,
         code=1,
     )
     error = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]

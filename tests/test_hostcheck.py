@@ -223,9 +223,10 @@ def test_cli_json_and_usage(tmp_path, monkeypatch, cli_run):
         "docker.engine",
     }
     res = cli_run(["host", "check"], code=2)
-    assert (
-        res.output
-        == "Error: say which instance or profile (appliance host check NAME, or --profile P)\n"
+    # Nothing to suggest one from either: no nvidia-smi here (tests/test_profiles_suggest.py).
+    assert res.output == (
+        "Error: say which instance or profile: no NVIDIA GPU here to suggest a profile for "
+        "(nvidia-smi not found) (appliance host check NAME, or --profile P)\n"
     )
 
 

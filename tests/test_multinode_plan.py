@@ -197,6 +197,7 @@ def test_each_hosts_check_is_what_the_play_plans_with(
     """`--check` on a head host and on a worker host (two roots, the real Docker engine): JSON
     lines that the play's plan takes as they are; nothing is written on either host."""
     monkeypatch.setenv("APPLIANCE_SYSTEMD_PREFIX", "true")  # no systemd here: no unit loaded
+    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")  # the trees' Docker
     old, new = preflight_images["pre-mtp"], preflight_images["mtp"]
     checks = {}
     for host, node in (("a", Node(("head",))), ("b", Node(("worker",), 1))):

@@ -149,3 +149,33 @@ def test_the_old_spelling_still_runs_and_names_the_new_form(cli_run):
         "warning: `appliance tune` is now `appliance bench tune`",
         "Error: profile cpu-tiny has no MTP to tune",
     ]
+
+
+def test_verify_reads_each_level_against_the_schedule():
+    tuned = result(profiles.get("cpu-tiny-mtp"), [(1, 1), (4, 2)]).tuned()
+    assert tuned.speculative.num_speculative_tokens_per_batch_size == ((1, 2, 1), (3, 4, 2))
+    # The capture's engine drafted k=2 at every step (it had no schedule): alone, where this
+    # schedule says k=1, that is a drafter ignoring it; at 4 requests the schedule keeps k=2.
+    alone, four = tune.verify(tuned, [captured_level(1), captured_level(4)])
+    assert (alone.verdict, alone.k_at, alone.k_most) == ("ignored", 1, 1)
+    assert (four.verdict, four.k_at, four.k_most) == ("unchanged", 2, 2)
+    with pytest.raises(UsageError, match="has no num_speculative_tokens_per_batch_size"):
+        tune.verify(profiles.get("cpu-tiny-mtp"), [captured_level(1)])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "k", "want"),
+    [
+        (((1, 4, 2), (5, 64, 1)), 2, {1: 2, 4: 2, 5: 1, 64: 1, 100: 1}),
+        (((1, 2, 3), (9, 16, 1)), 3, {2: 3, 3: 3, 8: 3, 9: 1}),  # a gap carries the k before it
+        (((5, 64, 1), (1, 4, 4)), 2, {1: 2, 5: 1}),  # unsorted; k above the profile's is capped
+    ],
+)
+def test_the_k_at_each_batch_size_is_vllms_lookup(schedule, k, want):
+    assert {b: tune.k_at(schedule, k, b) for b in want} == want
+
+
+def test_cli_verify_refuses_a_profile_without_a_schedule_before_touching_a_server(cli_run):
+    args = ["bench", "tune", "--url", "http://127.0.0.1:9", "--profile", "cpu-tiny-mtp"]
+    res = cli_run([*args, "--verify"], code=2)
+    assert "Error: profile cpu-tiny-mtp has no num_speculative_tokens_per_batch_size" in res.output

@@ -4,7 +4,6 @@ endpoint, MTP against its baseline, several k, one endpoint under load, and k pe
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import click
 
@@ -15,7 +14,7 @@ from ..devmodel import DRAFTER_KINDS
 from ..endpoint import Endpoint
 from ..errors import ApplianceError, UsageError
 from ..profiles import get
-from .options import endpoint_options, progress_bar, prompt_options
+from .options import OutputPath, endpoint_options, progress_bar, prompt_options
 from .output import echo_json
 from .tune import tune
 
@@ -118,19 +117,19 @@ def bench_options(*, report_page: bool = True):
             ),
             click.option(
                 "--out",
-                type=click.Path(path_type=Path),
+                type=OutputPath(),
                 default=None,
                 metavar="FILE",
                 help="Write the JSON artifact here (only when the bench succeeds).",
             ),
-            click.option("--json-output", "old_out", type=click.Path(path_type=Path), hidden=True),
+            click.option("--json-output", "old_out", type=OutputPath(), hidden=True),
         ]
         if report_page:
             options.append(
                 click.option(
                     "--report",
                     "report_html",
-                    type=click.Path(path_type=Path),
+                    type=OutputPath(),
                     default=None,
                     help="Write a self-contained HTML report (charts inline) of the same record.",
                 )
@@ -152,7 +151,7 @@ def bench_options(*, report_page: bool = True):
 
 def _checked(s: dict) -> dict:
     """The settings with the config built: every input validated before a server is touched
-    (bad input costs nothing and writes nothing)."""
+    (bad input costs nothing and writes nothing; OutputPath checked the outputs already)."""
     if s["old_out"] is not None:
         click.echo(f"warning: --json-output is deprecated: write --out {s['old_out']}", err=True)
         s["out"] = s["out"] or s["old_out"]
@@ -165,8 +164,6 @@ def _checked(s: dict) -> dict:
         s["temperature"],
         s["seed"],
     )
-    if s["report_html"]:
-        reports.check_target(s["report_html"])
     return s
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from .. import state_metrics
 from ..cutover import flow, history, recovery, report
 from ..cutover import metrics as cutover_metrics
 from ..cutover.context import Context
@@ -21,6 +22,7 @@ from ..cutover.status import status as get_status
 from ..errors import UsageError
 from ..host import lock as locks
 from ..host.layout import Layout
+from ..host.systemd import Systemd
 from .options import gate_options, root_option
 from .output import echo_json
 
@@ -32,7 +34,12 @@ def echo_progress(msg: str) -> None:
 
 
 def _context(root: Path, progress: bool = True) -> Context:
-    return Context(layout=Layout(root), progress=echo_progress if progress else (lambda _m: None))
+    # The tree's own systemd and Docker only: never the host's for a tree (host/reach.py).
+    return Context(
+        layout=Layout(root),
+        systemd=Systemd.of_tree(root),
+        progress=echo_progress if progress else (lambda _m: None),
+    )
 
 
 @click.command(name="cutover")
@@ -188,8 +195,16 @@ def status(name: str | None, write_metrics: bool, quiet: bool, json_: bool, root
     ctx = _context(root, progress=False)
     if write_metrics:
         # Cutovers write it too; between them only this refresh shows a unit that gave up.
-        written = cutover_metrics.write(layout, cutover_metrics.local_docker(), ctx.systemd)
+        found = cutover_metrics.states(layout, cutover_metrics.local_docker(root), ctx.systemd)
+        written = cutover_metrics.write_states(layout, found)
         click.echo(f"wrote {written}", err=json_)  # with --json, stdout is the one object
+        for st in found:
+            if st.env_error:
+                click.echo(
+                    f"warning: {st.instance}: marked {state_metrics.ENV_FILE_READABLE} 0: "
+                    f"{st.env_error}",
+                    err=True,
+                )
         if quiet:
             return
     found = [get_status(ctx, n) for n in names]

@@ -11,7 +11,7 @@ from .. import images
 from ..images import archive, inventory, lock, prune, scheme, targets
 from ..images import build as image_build
 from ..tables import table
-from .options import root_option
+from .options import OutputPath, root_option
 from .output import echo_json
 
 REPO_OPTION = click.option(
@@ -76,7 +76,7 @@ def image_tag(source: str, repository: str) -> None:
 @click.option("json_", "--json", is_flag=True, help="Print JSON.")
 def image_list(root: Path, repository: str, json_: bool) -> None:
     """Appliance images: tags, labels, and which instance uses which image."""
-    found, missing = inventory.list_images(images.client(), root, repository)
+    found, missing = inventory.list_images(images.client(root=root), root, repository)
     if json_:
         rows = [
             {
@@ -125,7 +125,7 @@ def image_list(root: Path, repository: str, json_: bool) -> None:
 @REPO_OPTION
 def image_prune(mode: str, dry_run: bool, root: Path, repository: str) -> None:
     """Remove appliance images; never one an instance or a rollback slot refers to."""
-    r = prune.prune(images.client(), root, mode, repository, dry_run)
+    r = prune.prune(images.client(root=root), root, mode, repository, dry_run)
     verb = "would remove" if dry_run else "removed"
     for i in r.removed:
         click.echo(f"{verb} {i.short_id} {' '.join(i.tags) or '<none>'}")
@@ -139,7 +139,7 @@ def image_prune(mode: str, dry_run: bool, root: Path, repository: str) -> None:
 @REPO_OPTION
 def image_rm(ref: str, root: Path, repository: str) -> None:
     """Remove image REF unless an instance or a rollback slot refers to it."""
-    image_id = prune.remove(images.client(), ref, root, repository)
+    image_id = prune.remove(images.client(root=root), ref, root, repository)
     click.echo(f"removed {ref} ({image_id[7:19]})")
 
 
@@ -148,7 +148,7 @@ def image_rm(ref: str, root: Path, repository: str) -> None:
 @click.option(
     "--out",
     required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputPath(),
     help="The archive to write (its directory must exist).",
 )
 @click.option("json_", "--json", is_flag=True, help="Print the record as JSON.")

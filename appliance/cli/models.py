@@ -17,11 +17,11 @@ from .output import echo_json
 def _where(fn):
     """The options that say which models and which cache (shared by every subcommand)."""
 
-    @click.option("--profile", help="A shipped profile name.")
+    @click.option("--profile", help="A shipped profile name, or a TOML file of yours.")
     @click.option(
         "--profile-file",
         type=click.Path(dir_okay=False, path_type=Path),
-        help="A profile TOML file of your own.",
+        help="A profile TOML file of your own (the same as --profile FILE).",
     )
     @click.argument("name", required=False, metavar="[NAME]")
     @click.option(

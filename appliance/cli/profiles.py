@@ -1,4 +1,5 @@
-"""``appliance profiles``: the shipped serving profiles and their validation."""
+"""``appliance profiles``: the shipped serving profiles, their validation, and the ones that fit
+this host."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def profiles_show(name: str, json_: bool) -> None:
     yours (a path: ./mine.toml), findings on stderr."""
     p = prof.lookup(name)
     model_dir = "$DEVMODEL" if p.uses_devmodel else None
-    argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir)]
+    argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir), *p.queue_args()]
     if json_:
         findings = [dataclasses.asdict(f) for f in pv.check(p)]
         echo_json({"name": p.name, "argv": argv, "findings": findings})
@@ -105,4 +106,26 @@ def profiles_validate(
         for finding in findings:
             click.echo(f"  {finding}")
     if failed:
+        raise click.exceptions.Exit(1)
+
+
+@profiles.command(name="suggest")
+@click.option("--json", "json_", is_flag=True, help="The GPUs, the best and every profile's why.")
+def profiles_suggest(json_: bool) -> None:
+    """The shipped profiles that fit this host's GPUs (nvidia-smi), best first, one line of
+    why each; then why the others do not. Exit 1 when none fits.
+
+    \b
+    Example:
+      appliance profiles suggest
+      appliance install 31b --profile "$(appliance profiles suggest --json | jq -r .best)"
+    """
+    from ..hostcheck import suggest
+
+    found = suggest.suggest()
+    if json_:
+        echo_json(found.to_dict())
+    else:
+        click.echo(found.text())
+    if found.best is None:
         raise click.exceptions.Exit(1)

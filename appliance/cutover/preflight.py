@@ -146,13 +146,19 @@ def check_overrides(
     ctx: Context, checks: dict[str, Callable[[], list[str]]], env_name: str, allow: bool
 ) -> None:
     """Run each unit's override check (``{unit: check}``); refuse, or with ``allow`` warn, on
-    any finding. A unit systemd cannot be asked about is a warning."""
+    any finding. A unit systemd cannot be asked about is refused (it could not be restarted)."""
     problems = []
     for unit, check in checks.items():
         try:
             problems += check()
         except SystemdError as exc:
-            ctx.progress(f"warning: cannot check {unit} for overrides ({exc})")
+            # A systemd that cannot be asked cannot restart the unit either: refused here,
+            # before the env file is written, not after a restart and a way back that fail.
+            raise PreflightError(
+                f"cannot ask systemd about {unit}: {exc}",
+                fix="run it where the unit's systemd answers (APPLIANCE_SYSTEMD_PREFIX names "
+                "another one)",
+            ) from exc
     if not problems:
         return
     what = "; ".join(problems)

@@ -41,6 +41,7 @@ __all__ = [
     "for_profile",
     "gate",
     "run",
+    "suggested",
     "target",
 ]
 
@@ -172,6 +173,18 @@ def check(
         root=root,
     )
     return run(t, docker_client=docker_client)
+
+
+def suggested(need: str, fix: str) -> tuple[str, str]:
+    """The profile ``appliance profiles suggest`` puts first for this host's GPUs, and the line
+    that says it was taken; without a GPU or a fitting profile a UsageError: ``need`` (what the
+    command lacks), why none was suggested, and ``fix``."""
+    from . import suggest
+
+    try:
+        return suggest.best()
+    except UsageError as exc:
+        raise UsageError(f"{need}: {exc.message}", fix=fix) from None
 
 
 def gate(plan: Planned, *, force: str | None, command: str) -> Report:

@@ -10,7 +10,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..errors import ApplianceError
+from ..host import reach
 
 
 class DockerUnavailable(ApplianceError):
@@ -27,11 +30,16 @@ def refused(action: str, exc, fix: str | None = None) -> EngineRefused:
     return EngineRefused(f"cannot {action}: the Docker engine refused: {why}", fix=fix)
 
 
-def client(timeout: int = 1800):
-    """A Docker SDK client for the local engine (``DOCKER_HOST`` or the default socket)."""
+def client(timeout: int = 1800, root: Path = Path("/")):
+    """A Docker SDK client for the local engine (``DOCKER_HOST`` or the default socket); for a
+    ``root`` other than ``/``, only the tree's own, named by ``DOCKER_HOST`` (host/reach.py):
+    an image prune of a test tree must not judge the host's images by the tree's references."""
     import docker.errors
 
     import docker
+
+    if not reach.docker(root):
+        raise reach.refusal(root, "Docker")
 
     try:
         c = docker.from_env(timeout=timeout)

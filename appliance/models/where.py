@@ -78,7 +78,7 @@ def locate(
     if isinstance(profile, Profile):
         prof = profile  # the instance's own: --instance names it in a fix command
     elif profile:
-        prof = profiles.get(profile)
+        prof = profiles.lookup(profile)  # a shipped name or the operator's file
         selector += ["--profile", profile]
     elif profile_file:
         prof = profiles.load_file(profile_file)

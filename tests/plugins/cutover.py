@@ -101,3 +101,28 @@ def mtp_instance(tmp_path, preflight_images) -> Iterator[InstanceTree]:
     """Instance ``i1`` with profile cpu-tiny-mtp, on the pre-MTP test image."""
     env = write_env(tmp_path, "i1", preflight_images["pre-mtp"], "cpu-tiny-mtp")
     yield InstanceTree(tmp_path, "i1", env)
+
+
+# FAKE, and why: the systemd of a tree whose units answer every query but refuse a restart (as
+# a masked unit does: "Unit is masked"). The docker tier has no systemd to mask a unit in (real
+# systemd is the nspawn tier's), and a systemd that does not answer at all is refused before a
+# cutover writes anything, so the restart's own failure, and the way back after it, need this.
+RESTART_REFUSED = """#!/bin/sh
+# PREFIX systemctl|journalctl ARGS...: answers `show` (the unit is not loaded), refuses the rest.
+case "$2" in
+  show) echo "LoadState=not-found"; echo "ActiveState=inactive" ;;
+  is-active) echo "inactive"; exit 3 ;;
+  reset-failed) exit 0 ;;
+  *) echo "Failed to $2 unit: Unit is masked." >&2; exit 1 ;;
+esac
+"""
+
+
+@pytest.fixture(scope="session")
+def restart_refused(tmp_path_factory) -> dict[str, str]:
+    """The environment of a CLI call on a test tree: the host's Docker named as the tree's
+    (``DOCKER_HOST``) and :data:`RESTART_REFUSED` as its systemd (``APPLIANCE_SYSTEMD_PREFIX``)."""
+    script = tmp_path_factory.mktemp("systemd") / "restart-refused"
+    script.write_text(RESTART_REFUSED)
+    script.chmod(0o755)
+    return {"APPLIANCE_SYSTEMD_PREFIX": str(script), "DOCKER_HOST": "unix:///var/run/docker.sock"}

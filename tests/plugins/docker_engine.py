@@ -71,7 +71,12 @@ def _answers(timeout: float = 2.0) -> bool:
 
 
 def ensure_dockerd(timeout: float = 60.0) -> subprocess.Popen | None:
-    """Start dockerd unless one answers; return the process this call started, else None."""
+    """Start dockerd unless one answers; return the process this call started, else None.
+
+    It is also named the Docker of the trees the tests give ``--root`` (``DOCKER_HOST``): a
+    command on a tree asks no Docker unless one is named (appliance/host/reach.py), and the
+    tests' trees run their containers on this engine."""
+    os.environ.setdefault("DOCKER_HOST", f"unix://{SOCKET}")
     if _answers():
         return None
     with machine_lock("dockerd"):

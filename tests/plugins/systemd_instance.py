@@ -175,11 +175,7 @@ class SystemdInstance:
 
     def appliance_argv(self, *args: str) -> tuple[list[str], dict[str, str]]:
         """The real CLI's argv and environment: systemd inside the machine, files under its root."""
-        env = dict(
-            os.environ,
-            APPLIANCE_SYSTEMD_PREFIX=self.systemd_prefix(),
-            APPLIANCE_ROOT=str(self.root),
-        )
+        env = dict(os.environ, **self.machine.tree_env(), APPLIANCE_ROOT=str(self.root))
         return [APPLIANCE, *args], env
 
     def appliance(self, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
