@@ -25,7 +25,7 @@ from .errors import UsageError
 
 def private_dir(path: Path | str) -> Path:
     """``path`` as a directory only its owner may enter (0700), created with its parents; an
-    existing one is tightened (state directories made by an older appliance were 0755)."""
+    existing one is tightened (a looser one lets other users read what it holds)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     if path.stat().st_mode & 0o077:

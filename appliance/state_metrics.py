@@ -1,6 +1,6 @@
 """The appliance's state as Prometheus metrics, written as a node_exporter textfile.
 
-The cutover command (issue 5) calls :func:`write_textfile` after every cutover or rollback; the
+The cutover command calls :func:`write_textfile` after every cutover or rollback; the
 node's Prometheus reads it through node_exporter's textfile collector (``honor_labels`` keeps
 our ``instance`` label, the appliance instance name). Grafana draws the image per instance and
 annotates cutovers and rollbacks from these series.
@@ -20,17 +20,17 @@ from .fsutil import shared_dir, write_atomic
 IMAGE_INFO = "gemma4_appliance_image_info"
 CUTOVER_EVENTS = "gemma4_appliance_cutover_events"  # exposed as ..._total
 LAST_CUTOVER = "gemma4_appliance_last_cutover_timestamp_seconds"
-# The last output canary a cutover ran (issue 14): when, its verdict and figures as labels (for
+# The last output canary a cutover ran: when, its verdict and figures as labels (for
 # the dashboards' annotation text), and its figures as values.
 LAST_CANARY = "gemma4_appliance_last_canary_timestamp_seconds"
 CANARY_OK = "gemma4_appliance_canary_ok"
 CANARY_PARITY = "gemma4_appliance_canary_parity"
 CANARY_PASS_RATE = "gemma4_appliance_canary_pass_rate"
 CANARY_SECONDS = "gemma4_appliance_canary_seconds"
-# The instance's unit as `systemctl show` reports it (issue 11): a crash loop that hit the start
+# The instance's unit as `systemctl show` reports it: a crash loop that hit the start
 # limit leaves the unit `failed`, which nothing else on the dashboards would show.
 UNIT_STATE = "gemma4_appliance_unit_state"
-# The instance's acceptance baseline (issue 26): its last passing canary record that drafted.
+# The instance's acceptance baseline: its last passing canary record that drafted.
 # The alert Gemma4AcceptanceBelowBaseline compares the engine's live acceptance with it.
 ACCEPTANCE_BASELINE = "gemma4_appliance_acceptance_baseline"
 TOKENS_PER_STEP_BASELINE = "gemma4_appliance_tokens_per_step_baseline"

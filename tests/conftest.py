@@ -27,6 +27,7 @@ hypothesis.settings.load_profile("suite")
 
 # Plugins that others import come first, so pytest registers (and assert-rewrites) them itself.
 pytest_plugins: list[str] = [
+    "plugins.cli",
     "plugins.docker_engine",
     "plugins.nspawn",
     "plugins.http_servers",

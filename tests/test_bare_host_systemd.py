@@ -1,4 +1,4 @@
-"""From a bare host to a monitored, gated service with the appliance alone (issue 25).
+"""From a bare host to a monitored, gated service with the appliance alone.
 
 One machine booted with real systemd (tests/plugins/nspawn.py) that has Debian's packages and
 nothing of the appliance: the operator's path of the README's "On a GPU host" section, with the

@@ -10,12 +10,10 @@ import socket
 import threading
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import canary, profiles
 from appliance.canary import cases, checks
 from appliance.canary.record import Output, Record, Settings, SpecFigures
-from appliance.cli import cli
 from appliance.errors import EngineError, UsageError
 
 
@@ -298,22 +296,17 @@ def test_record_round_trips_and_bad_files_are_refused(tmp_path):
         canary.load(tmp_path / "none.json")
 
 
-def test_cli_compare_exit_codes_and_json(tmp_path):
+def test_cli_compare_exit_codes_and_json(tmp_path, cli_run):
     a = canary.save(_rec({"a": (1, 2), "b": (3,)}), tmp_path / "a.json")
     b = canary.save(_rec({"a": (1, 2), "b": (4,)}), tmp_path / "b.json")
-    r = CliRunner().invoke(cli, ["canary", "compare", str(a), str(a)])
-    assert r.exit_code == 0, r.output
+    r = cli_run(["canary", "compare", str(a), str(a)])
     assert r.output.startswith("canary passed")
-    r = CliRunner().invoke(cli, ["canary", "compare", str(a), str(b)])
-    assert r.exit_code == 1
+    r = cli_run(["canary", "compare", str(a), str(b)], code=1)
     assert "canary FAILED" in r.output and "differs: b" in r.output
-    r = CliRunner().invoke(
-        cli, ["canary", "compare", str(a), str(b), "--min-parity", "0.5", "--json"]
-    )
-    assert r.exit_code == 0, r.output
+    r = cli_run(["canary", "compare", str(a), str(b), "--min-parity", "0.5", "--json"])
     assert json.loads(r.output)["parity"] == 0.5
-    r = CliRunner().invoke(cli, ["canary", "compare", str(a), str(b), "--min-parity", "2"])
-    assert r.exit_code == 2 and "min_parity must be within 0..1" in r.output
+    r = cli_run(["canary", "compare", str(a), str(b), "--min-parity", "2"], code=2)
+    assert "min_parity must be within 0..1" in r.output
 
 
 # --- answers under batching against answers alone (vLLM #46088) ------------------------------
@@ -392,22 +385,21 @@ def test_a_record_keeps_its_batched_pass_and_an_older_one_loads_without(tmp_path
 # --- refused before anything is sent ---------------------------------------------------------
 
 
-def test_malformed_set_is_refused_before_any_connection(tmp_path):
+def test_malformed_set_is_refused_before_any_connection(tmp_path, cli_run):
     # Nothing listens on the port: had the command connected first, the error would be the
     # engine's ("cannot reach"), not the set's.
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": \n')
     out = tmp_path / "out.json"
     url = f"http://127.0.0.1:{_free_port()}"
-    r = CliRunner().invoke(
-        cli, ["canary", "record", "--url", url, "--out", str(out), "--canary-file", str(bad)]
+    r = cli_run(
+        ["canary", "record", "--url", url, "--out", str(out), "--canary-file", str(bad)], code=2
     )
-    assert r.exit_code == 2, r.output
     assert r.output.strip().splitlines() == [f"Error: {bad} line 2: invalid JSON (Expecting value)"]
     assert not out.exists()
     # The same URL with a good set does try to connect: the ordering above is what was tested.
-    r = CliRunner().invoke(cli, ["canary", "record", "--url", url, "--out", str(out)])
-    assert r.exit_code == 1 and "cannot reach" in r.output
+    r = cli_run(["canary", "record", "--url", url, "--out", str(out)], code=1)
+    assert "cannot reach" in r.output
     assert not out.exists()
 
 
@@ -451,7 +443,7 @@ def test_a_canary_on_a_hung_engine_fails_within_its_bound_naming_it():
     assert "--canary-timeout" in str(err.value)
 
 
-# --- acceptance: how the answers were made (issue 26) -----------------------------------------
+# --- acceptance: how the answers were made ----------------------------------------------------
 
 
 def _drafted(rec: Record, accepted: dict[str, int], k: int = 2, drafts: int = 10) -> Record:
@@ -503,22 +495,21 @@ def test_records_without_figures_compare_on_answers_only_and_say_so():
     assert "acceptance not compared (a record has no speculative-decoding figures)" in c.summary()
 
 
-def test_a_profile_sets_the_acceptance_tolerance_and_the_cli_can_override_it(tmp_path):
+def test_a_profile_sets_the_acceptance_tolerance_and_the_cli_can_override_it(tmp_path, cli_run):
     before = _drafted(_rec(IDS), dict.fromkeys(IDS, 16))
     after = _drafted(_rec(IDS), dict.fromkeys(IDS, 13))  # a 15-point drop
     paths = []
     for name, rec in (("b", before), ("a", after)):
         paths.append(str(canary.save(rec, tmp_path / f"{name}.json")))
-    run = CliRunner().invoke
-    res = run(cli, ["canary", "compare", *paths, "--profile", "cpu-tiny-mtp"])
-    assert res.exit_code == 1 and "draft acceptance fell 80% -> 65%" in res.output
-    res = run(cli, ["canary", "compare", *paths, "--max-acceptance-drop", "0.2", "--json"])
-    assert res.exit_code == 0 and json.loads(res.output)["acceptance"]["median_change"] == -0.15
-    res = run(cli, ["canary", "compare", *paths, "--max-acceptance-drop", "2"])
-    assert res.exit_code == 2 and "max_acceptance_drop must be within 0..1" in res.output
+    res = cli_run(["canary", "compare", *paths, "--profile", "cpu-tiny-mtp"], code=1)
+    assert "draft acceptance fell 80% -> 65%" in res.output
+    res = cli_run(["canary", "compare", *paths, "--max-acceptance-drop", "0.2", "--json"])
+    assert json.loads(res.output)["acceptance"]["median_change"] == -0.15
+    res = cli_run(["canary", "compare", *paths, "--max-acceptance-drop", "2"], code=2)
+    assert "max_acceptance_drop must be within 0..1" in res.output
 
 
-# --- the acceptance baseline: a cutover from an image without MTP (issue 26 section 3) ---------
+# --- the acceptance baseline: a cutover from an image without MTP ------------------------------
 
 MTP_IMAGE = "gemma4-vllm:0.32.0-mtp"
 

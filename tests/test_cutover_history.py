@@ -8,9 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from click.testing import CliRunner
-
-from appliance.cli import cli
 from appliance.cutover import history
 from appliance.cutover.history import Entry, Gate
 from appliance.host.layout import Layout
@@ -58,29 +55,26 @@ def test_a_line_cut_short_by_a_crash_is_skipped_and_the_next_starts_fresh(tmp_pa
     assert [e.id for e in history.entries(path)] == [first.id, second.id]
 
 
-def test_history_command_prints_entries_with_gate_timings(tmp_path):
+def test_history_command_prints_entries_with_gate_timings(tmp_path, cli_run):
     layout = Layout(tmp_path)
     e = Entry.begin("i1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:mtp")
     history.append(layout.history_file("i1"), _done(e, "rolled_back"))
-    result = CliRunner().invoke(cli, ["history", "i1", "--root", str(tmp_path)])
-    assert result.exit_code == 0, result.output
+    result = cli_run(["history", "i1", "--root", str(tmp_path)])
     assert "cutover  rolled_back gemma4-vllm:pre-mtp -> gemma4-vllm:mtp  (42s)" in result.output
     assert "gates: unit ok 0.1s, health FAILED 40.0s" in result.output
-    as_json = CliRunner().invoke(cli, ["history", "i1", "--json", "--root", str(tmp_path)])
+    as_json = cli_run(["history", "i1", "--json", "--root", str(tmp_path)])
     [entry] = json.loads(as_json.output)["entries"]
     assert Entry.from_dict(entry).id == e.id
 
 
-def test_history_of_an_invalid_instance_name_is_a_usage_error(tmp_path):
-    result = CliRunner().invoke(cli, ["history", "../etc", "--root", str(tmp_path)])
-    assert result.exit_code == 2
+def test_history_of_an_invalid_instance_name_is_a_usage_error(tmp_path, cli_run):
+    result = cli_run(["history", "../etc", "--root", str(tmp_path)], code=2)
     assert "invalid instance name '../etc'" in result.output
 
 
-def test_history_and_status_of_an_unknown_instance_is_one_line_and_exit_2(tmp_path):
+def test_history_and_status_of_an_unknown_instance_is_one_line_and_exit_2(tmp_path, cli_run):
     for argv in (["history", "nosuch"], ["status", "nosuch"]):
-        result = CliRunner().invoke(cli, [*argv, "--root", str(tmp_path)])
-        assert result.exit_code == 2, result.output
+        result = cli_run([*argv, "--root", str(tmp_path)], code=2)
         assert result.output == (
             f"Error: no instance nosuch: no {tmp_path}/etc/gemma4-vllm/nosuch.env and no history"
             " (`appliance status` lists the installed instances;"
@@ -88,17 +82,17 @@ def test_history_and_status_of_an_unknown_instance_is_one_line_and_exit_2(tmp_pa
         )
 
 
-def test_history_of_an_installed_instance_without_cutovers_says_so(tmp_path):
+def test_history_of_an_installed_instance_without_cutovers_says_so(tmp_path, cli_run):
     env = Layout(tmp_path).env_file("fresh")
     env.parent.mkdir(parents=True)
     env.write_text("VLLM_IMAGE=gemma4-vllm:mtp\n")
-    result = CliRunner().invoke(cli, ["history", "fresh", "--root", str(tmp_path)])
-    assert (result.exit_code, result.output) == (0, "fresh: no cutover or rollback yet\n")
-    result = CliRunner().invoke(cli, ["history", "fresh", "--json", "--root", str(tmp_path)])
-    assert (result.exit_code, json.loads(result.output)) == (0, {"entries": []})
+    result = cli_run(["history", "fresh", "--root", str(tmp_path)])
+    assert result.output == "fresh: no cutover or rollback yet\n"
+    result = cli_run(["history", "fresh", "--json", "--root", str(tmp_path)])
+    assert json.loads(result.output) == {"entries": []}
 
 
-def test_status_json_is_one_object_with_each_instance_and_its_history(tmp_path):
+def test_status_json_is_one_object_with_each_instance_and_its_history(tmp_path, cli_run):
     from appliance import units
     from appliance.profiles import get
 
@@ -106,14 +100,13 @@ def test_status_json_is_one_object_with_each_instance_and_its_history(tmp_path):
         units.install(get("cpu-tiny"), name, root=tmp_path, options=units.Options(port=port))
     e = Entry.begin("a1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:mtp")
     history.append(Layout(tmp_path).history_file("a1"), _done(e, "rolled_back"))
-    result = CliRunner().invoke(cli, ["status", "--json", "--root", str(tmp_path)])
+    result = cli_run(["status", "--json", "--root", str(tmp_path)], code=1)
     # Exit 1: neither serves (no unit, nothing listening), and status says so by its code too.
-    assert result.exit_code == 1, result.output
     a1, b2 = json.loads(result.output)["instances"]
     assert (a1["instance"], a1["unit"], b2["instance"]) == ("a1", "gemma4-vllm@a1.service", "b2")
     assert a1["url"] == "http://127.0.0.1:9" and a1["healthy"] is False  # nothing listens on 9
     assert [x["outcome"] for x in a1["entries"]] == ["rolled_back"] and b2["entries"] == []
-    one = CliRunner().invoke(cli, ["status", "b2", "--json", "--root", str(tmp_path)])
+    one = cli_run(["status", "b2", "--json", "--root", str(tmp_path)], code=1)
     assert [st["instance"] for st in json.loads(one.output)["instances"]] == ["b2"]
 
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 
-from appliance.cli import cli
 from appliance.cutover import history
 from appliance.host.layout import Layout
 
@@ -24,7 +23,7 @@ def _cutover(tree, env: dict[str, str], image: str, *extra: str):
     # No engine serves here, so the output canary could not record the old image: off.
     args = ["cutover", tree.instance, image, "--root", str(tree.root), "--timeout", "5"]
     args += ["--no-canary", *extra]
-    return CliRunner().invoke(cli, args, env=env)
+    return invoke(args, env=env, code=None)
 
 
 def test_without_a_previous_image_it_says_so_not_no_rollback(
@@ -56,7 +55,7 @@ def test_with_no_rollback_it_names_the_flag(mtp_instance, preflight_images, rest
 
 
 def test_rollback_goes_ahead_when_the_image_it_leaves_is_gone(
-    mtp_instance, preflight_images, restart_refused
+    mtp_instance, preflight_images, restart_refused, cli_run
 ):
     """The emergency a rollback exists for: the current image was removed (or is broken).
 
@@ -70,7 +69,7 @@ def test_rollback_goes_ahead_when_the_image_it_leaves_is_gone(
     layout.rollback_slot("i1").parent.mkdir(parents=True, exist_ok=True)
     layout.rollback_slot("i1").write_text(json.dumps(slot) + "\n")
     args = ["rollback", "i1", "--root", str(mtp_instance.root), "--timeout", "5"]
-    result = CliRunner().invoke(cli, args, env=restart_refused)
+    result = cli_run(args, env=restart_refused, code=None)
     # It went ahead: the env file names the rollback target, and the restart was attempted
     # (it fails here only because the tree's systemd refuses it).
     assert f"VLLM_IMAGE={preflight_images['pre-mtp']}" in env.read_text()

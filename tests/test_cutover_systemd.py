@@ -135,7 +135,7 @@ def test_an_image_that_changes_the_answers_fails_the_canary_and_is_rolled_back(
 def test_an_image_that_drafts_worse_with_the_same_answers_is_rolled_back_on_acceptance(
     systemd_instance, degraded_image
 ):
-    """Issue 26. The degraded image is a deliberate fault (tests/plugins/docker_engine.py): the
+    """The degraded image is a deliberate fault (tests/plugins/docker_engine.py): the
     MTP image drafting with a random drafter. Every gate passes, every answer is token-identical,
     and the canary's acceptance judgement rolls the cutover back."""
     inst = systemd_instance
@@ -259,7 +259,7 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     prom = layout.metrics_textfile().read_text()
     assert f'gemma4_appliance_canary_ok{{instance="{inst.instance}"}} 1.0' in prom
     assert 'vllm="0.19.0->0.32.0"' in prom
-    # Issue 26 §3: 0.19 drafted nothing, so the MTP image's acceptance is judged against the
+    # 0.19 drafted nothing, so the MTP image's acceptance is judged against the
     # instance's acceptance baseline (an earlier cutover's, or none yet), and its passing record
     # is the baseline from now on: kept on disk, shown by status, exported with the state.
     judged = c["baseline"]

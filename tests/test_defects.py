@@ -8,11 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from click.testing import CliRunner
 from plugins.http_servers import Route
 
 from appliance import doctor, profiles
-from appliance.cli import cli
 from appliance.doctor.engine import defect_checks
 from appliance.errors import UsageError
 from appliance.profiles import Speculative, defects
@@ -177,10 +175,9 @@ def test_validate_names_each_defect_with_its_link_and_fix():
     assert "fixed in: unknown" in init.message and "VLLM_USE_V2_MODEL_RUNNER=1" in init.fix
 
 
-def test_cli_validate_prints_one_warning_line_per_defect():
+def test_cli_validate_prints_one_warning_line_per_defect(cli_run):
     args = ["profiles", "validate", "h100-31b-mtp", "--vllm-version", "0.25.1"]
-    res = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output  # warnings only
+    res = cli_run(args)  # warnings only: exit 0
     lines = [ln for ln in res.output.splitlines() if "vllm-project/vllm" in ln]
     assert len(lines) == 3, res.output
     init = next(ln for ln in lines if "[mtp-init-0.25.1]" in ln)
@@ -189,13 +186,12 @@ def test_cli_validate_prints_one_warning_line_per_defect():
     assert any("[kv-auto-mtp-batching]" in ln and "issues/46088" in ln for ln in lines)
     # The shipped profiles on the image's own vLLM: only the batching defect closed upstream
     # with no known release (the output canary's concurrent run is its check).
-    res = CliRunner().invoke(cli, ["profiles", "validate", "--vllm-version", "0.32.0"])
-    assert res.exit_code == 0, res.output
+    res = cli_run(["profiles", "validate", "--vllm-version", "0.32.0"])
     named = {ln.split("]")[0] for ln in res.output.splitlines() if "vllm-project/vllm" in ln}
     assert named == {"  warning: [kv-auto-mtp-batching"}, res.output
 
 
-def test_cli_validate_fails_on_an_error_level_defect(tmp_path):
+def test_cli_validate_fails_on_an_error_level_defect(tmp_path, cli_run):
     path = tmp_path / "fp8kv.toml"
     path.write_text(
         'name = "fp8kv"\ndescription = "x"\nmodel = "google/gemma-4-31B-it"\n'
@@ -204,8 +200,7 @@ def test_cli_validate_fails_on_an_error_level_defect(tmp_path):
         '[hardware]\ngpus = 1\ngpu_memory_gib = 80\ncompute_capability = "9.0"\n'
     )
     args = ["profiles", "validate", "--file", str(path), "--vllm-version", "0.25.1"]
-    res = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert res.exit_code == 1
+    res = cli_run(args, code=1)
     assert "error: [fp8-kv-mtp-0.25.1]" in res.output and "warning: [mtp-draft-kv-scales]" in (
         res.output
     )
@@ -291,7 +286,7 @@ def test_the_table_loads_and_ids_are_unique():
     assert defects.load(ENTRY, "t.toml")[0].needs == defects.Needs(mtp=True)
 
 
-def test_mtp_with_pipeline_parallelism_is_refused_naming_the_defect_and_the_fix():
+def test_mtp_with_pipeline_parallelism_is_refused_naming_the_defect_and_the_fix(cli_run):
     # What the two-host profile shipped as (TP 4 x PP 2 + MTP): vLLM 0.32's Gemma 4 proposer
     # returns before sharing the target's embedding on a PP group (vllm/v1/spec_decode/gemma4.py
     # _maybe_share_embeddings), and upstream reports MTP failing under PP (#52069, #49355).
@@ -301,5 +296,5 @@ def test_mtp_with_pipeline_parallelism_is_refused_naming_the_defect_and_the_fix(
     assert "\n" not in line and "issues/52069" in line
     assert line.startswith("profile l4x4x2-31b-mtp: Gemma 4 MTP does not run under pipeline")
     assert exc.value.fix.startswith("run tensor parallel across the hosts instead")
-    res = CliRunner().invoke(cli, ["profiles", "validate", "l4x4x2-31b-mtp"])
-    assert res.exit_code == 0, res.output  # the shipped shape is tensor parallel now
+    cli_run(["profiles", "validate", "l4x4x2-31b-mtp"])
+    # the shipped shape is tensor parallel now

@@ -1,5 +1,5 @@
-"""A multi-node group whose nodes run on two hosts, moved by the fleet's play (issue 24 section
-2): deploy/ansible/playbooks/multinode-cutover.yml with real ansible-core over SSH, the head of
+"""A multi-node group whose nodes run on two hosts, moved by the fleet's play:
+deploy/ansible/playbooks/multinode-cutover.yml with real ansible-core over SSH, the head of
 ``cpu-tiny-mtp-2node`` on ``fleet-a`` and its worker on ``fleet-b`` (tests/plugins/fleet_group.py).
 
 Before, nothing moved such a group: `appliance multinode cutover` on the head refused with

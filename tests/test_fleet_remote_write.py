@@ -17,10 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.observability import PROMETHEUS, PROMTOOL
 
-from appliance.cli import cli
 from appliance.engine.local import free_port
 
 SECRET = "s3cret-in-a-file"
@@ -60,7 +59,7 @@ def _receiver() -> Iterator[tuple[str, list[str], threading.Event]]:
 
 def _scrape_config(out: Path, url: str, *args: str):
     argv = ["fleet", "scrape-config", "--host", "l4-01", "--remote-write", url, *args]
-    return CliRunner().invoke(cli, [*argv, "--out", str(out)])
+    return invoke([*argv, "--out", str(out)], code=None)
 
 
 def test_the_agent_sends_basic_auth_read_from_a_file_and_its_config_is_roots_alone(tmp_path):

@@ -10,10 +10,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import labels, versions
-from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.host.layout import Layout
 from appliance.images import base, inventory, lock, scheme, targets
@@ -185,9 +183,8 @@ def test_unknown_target_is_a_usage_error():
         ["image", "prune", "--mode", "everything"],
     ],
 )
-def test_cli_rejects_bad_input_with_exit_2(args):
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 2, result.output
+def test_cli_rejects_bad_input_with_exit_2(args, cli_run):
+    result = cli_run(args, code=2)
     assert "Invalid value" in result.output
 
 
@@ -201,11 +198,10 @@ def test_cuda_target_needs_a_version_before_touching_docker():
         build.build(object(), "cpu-mtp", vllm_version="0.19.0")
 
 
-def test_cli_without_a_docker_engine_is_a_one_line_error(monkeypatch):
+def test_cli_without_a_docker_engine_is_a_one_line_error(monkeypatch, cli_run):
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
-    result = CliRunner().invoke(cli, ["image", "build", "cuda"])
+    result = cli_run(["image", "build", "cuda"], code=1)
     # Reaching Docker is the first thing; without an engine, a one-line error, exit 1.
-    assert result.exit_code == 1
     assert result.output.startswith("Error: cannot reach the Docker engine")
 
 

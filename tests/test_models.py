@@ -25,7 +25,7 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.hub import (
     DRAFTER_REPO,
     HUB_CLIENT_VERSION,
@@ -37,7 +37,6 @@ from plugins.hub import (
 from test_cutover_lock import _squatter
 
 from appliance import profiles, units
-from appliance.cli import cli
 from appliance.doctor.host import models_check
 from appliance.host import envfile
 from appliance.host.layout import Layout
@@ -88,7 +87,7 @@ def _args(profile_file: Path, cache_dir: Path) -> list[str]:
 
 
 def _run(args: list[str], env: dict[str, str] | None = None):
-    return CliRunner().invoke(cli, ["models", *args], env=env, catch_exceptions=False)
+    return invoke(["models", *args], env=env, code=None)
 
 
 def _pull_cmd(profile_file, cache_dir, token_file) -> list[str]:
@@ -487,7 +486,7 @@ def test_manifest_paths_cannot_escape_the_cache(pulled, profile_file, tmp_path):
     assert laid == ["hub", f"hub/{cache.LOCK_NAME}"]
 
 
-# --- weights you can trust (issue 25 §4; security review N3, N10) ---------------------------
+# --- weights you can trust (security review N3, N10) ----------------------------------------
 
 
 def _flip_last_byte(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Multi-node profiles, their validation and the head/worker units (issue 15 part 2), fast.
+"""Multi-node profiles, their validation and the head/worker units, fast.
 
 The real pair under systemd is tests/test_multinode_systemd.py."""
 
@@ -284,7 +284,7 @@ def _non_loopback_address() -> str:
 
 
 def test_the_heads_key_goes_to_loopback_only(tmp_path):
-    """Issue 24 section 4 (N11): a head bound to another address would get its API key in clear
+    """A head bound to another address would get its API key in clear
     HTTP; like the instance unit, whose probe reaches only loopback, the serve program refuses
     (exit 78, one line, no request) instead of sending it."""
     _install(tmp_path, "cpu-tiny-mtp-2node", Node(roles=("head",)))
@@ -316,20 +316,16 @@ def test_the_heads_key_goes_to_loopback_only(tmp_path):
         server.shutdown()
 
 
-def test_cli_install_is_idempotent_and_names_the_first_unit(tmp_path):
-    from click.testing import CliRunner
-
-    from appliance.cli import cli
+def test_cli_install_is_idempotent_and_names_the_first_unit(tmp_path, cli_run):
 
     base = ["instance", "install", "grp", "-p", "spark2-31b-nvfp4-mtp", "--root", str(tmp_path)]
     argv = [*base, "--role", "worker", "--rank", "1", "--image", "gemma4-vllm:0.32.0-mtp"]
-    first = CliRunner().invoke(cli, argv)
-    assert first.exit_code == 0, first.output
+    first = cli_run(argv)
     assert "systemctl enable --now gemma4-vllm-worker@grp.service" in first.output
     assert Layout(tmp_path).node_args_file("grp", "worker").exists()
     assert not Layout(tmp_path).node_args_file("grp", "head").exists()
-    again = CliRunner().invoke(cli, argv)
-    assert again.exit_code == 0 and "next:" not in again.output
+    again = cli_run(argv)
+    assert "next:" not in again.output
     assert not any(line.startswith("wrote") for line in again.output.splitlines())
-    bad = CliRunner().invoke(cli, [*base, "--role", "worker", "--rank", "5"])
-    assert bad.exit_code == 2 and "rank 5" in bad.output
+    bad = cli_run([*base, "--role", "worker", "--rank", "5"], code=2)
+    assert "rank 5" in bad.output

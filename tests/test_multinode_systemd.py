@@ -1,4 +1,4 @@
-"""A multi-node group for real (issue 15 part 2): head + worker units under real systemd in
+"""A multi-node group for real: head + worker units under real systemd in
 nspawn, each running the CPU image through the serve script, vLLM's own multi-node with
 tensor parallelism 2 across the two "nodes" (tests/plugins/multinode.py).
 
@@ -18,7 +18,6 @@ import time
 
 import httpx
 import pytest
-from click.testing import CliRunner
 from plugins.multinode import (
     GROUP,
     MTP_IMAGE,
@@ -31,7 +30,6 @@ from plugins.systemd_instance import APPLIANCE, REPO
 
 import docker
 from appliance import devmodel, multinode, profiles, state_metrics, units
-from appliance.cli import cli
 from appliance.cutover import history
 from appliance.engine.local import free_port
 from appliance.host import envfile
@@ -73,20 +71,21 @@ def test_the_worker_starts_first_and_the_head_serves_with_mtp(multinode_group):
     _serves_with_mtp(g)
 
 
-def test_status_and_the_state_metrics_read_the_groups_real_units(multinode_group, monkeypatch):
-    """Issue 24 (N6): `appliance status GROUP --write-metrics` reads the head and worker units,
+def test_status_and_the_state_metrics_read_the_groups_real_units(
+    multinode_group, monkeypatch, cli_run
+):
+    """`appliance status GROUP --write-metrics` reads the head and worker units,
     not gemma4-vllm@GROUP (no such unit: it read `inactive`), so the state textfile carries the
     head's real state and Gemma4InstanceFailed can fire for a failed head."""
     g = multinode_group
     for key, value in g.machine.tree_env().items():
         monkeypatch.setenv(key, value)
     argv = ["status", GROUP, "--json", "--write-metrics", "--root", str(g.machine.root)]
-    result = CliRunner().invoke(cli, argv)
-    assert result.exit_code == 0, result.output
+    result = cli_run(argv)
     text = Layout(g.machine.root).metrics_textfile().read_text()
     state = rf'{state_metrics.UNIT_STATE}{{instance="{GROUP}",result="[a-z-]*",state="(\w+)"}} 1\.0'
     assert re.findall(state, text) == ["active"], text
-    [st] = json.loads(result.output.splitlines()[-1])["instances"]
+    [st] = json.loads(result.stdout)["instances"]
     assert st["units"] == {g.head: "active", g.worker: "active"}
     assert st["running_id"] == g.container_image_id("head")
 

@@ -1,5 +1,5 @@
 """The head and worker units of a multi-node group share the instance unit's hardening block,
-timings and start-limit arithmetic (issue 24 section 1, review N6), checked on the rendered files
+timings and start-limit arithmetic (review N6), checked on the rendered files
 with the real ``systemd-analyze``. That they serve, cut over and roll back under these settings
 is tests/test_multinode_systemd.py."""
 

@@ -106,7 +106,7 @@ def test_required_panels_exist():
         "Draft acceptance by engine",
         "Output tokens per second by running image",
         "Draft acceptance by running image",
-        # Per-call extremes per role (issue 13).
+        # Per-call extremes per role.
         "Calls at the acceptance extremes by role",
     ):
         assert needed in titles

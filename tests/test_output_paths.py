@@ -14,9 +14,6 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
-from appliance.cli import cli
 
 DEAD = "http://127.0.0.1:1"
 
@@ -28,11 +25,11 @@ def _commands(tmp: Path) -> list[tuple[list[str], str, bool]]:
     root = ["--root", str(tmp / "host")]
     remote = ["--remote-write", "http://c:9090/api/v1/write"]
     return [
-        (["bench", "--url", DEAD, "--limit", "1", "--runs", "1"], "--out", False),
-        (["bench", "--url", DEAD, "--limit", "1", "--runs", "1"], "--report", False),
+        (["bench", "run", "--url", DEAD, "--limit", "1", "--runs", "1"], "--out", False),
+        (["bench", "run", "--url", DEAD, "--limit", "1", "--runs", "1"], "--report", False),
         (["canary", "record", "--url", DEAD], "--out", False),
         (
-            ["tune", "--url", DEAD, "--profile", "cpu-tiny-mtp", "--baseline-url", DEAD],
+            ["bench", "tune", "--url", DEAD, "--profile", "cpu-tiny-mtp", "--baseline-url", DEAD],
             "--write",
             False,
         ),
@@ -43,7 +40,7 @@ def _commands(tmp: Path) -> list[tuple[list[str], str, bool]]:
         (["canary", "record", "g1", *root], "--out", False),
         (["image", "save", "gemma4-vllm:mtp"], "--out", False),
         (["models", "export", "--profile", "l4x4-31b-mtp", *root], "--to", True),
-        (["demo"], "--report", False),
+        (["dev", "demo"], "--report", False),
         (["instance", "render", "a1", "-p", "cpu-tiny-mtp"], "--out", True),
         (["observability", "write"], "--out", True),
     ]
@@ -79,12 +76,12 @@ def _one_error_line(res) -> str | None:
     return None
 
 
-def test_every_bad_output_is_one_line_a_non_zero_exit_and_nothing_written(tmp_path):
+def test_every_bad_output_is_one_line_a_non_zero_exit_and_nothing_written(tmp_path, cli_run):
     wrong = []
     for argv, option, folder in _commands(tmp_path):
         for path in _bad_paths(tmp_path, folder):
             before = _tree(tmp_path)
-            res = CliRunner().invoke(cli, [*argv, option, str(path)])
+            res = cli_run([*argv, option, str(path)], code=None)
             problem = _one_error_line(res)
             if problem is None and str(path) not in res.stderr:
                 problem = f"the line does not name {path}: {res.stderr.strip()}"
@@ -95,30 +92,31 @@ def test_every_bad_output_is_one_line_a_non_zero_exit_and_nothing_written(tmp_pa
     assert not wrong, "\n".join(wrong)
 
 
-def test_an_os_error_anywhere_in_a_command_is_one_line_naming_the_path(tmp_path):
+def test_an_os_error_anywhere_in_a_command_is_one_line_naming_the_path(tmp_path, cli_run):
     """Past the options, the host's own refusal (here: a --root no folder can be made in) is one
     line too, with exit 1: an OSError is the host's answer, not the appliance's bug."""
     for argv in (
         ["instance", "install", "a1", "--profile", "cpu-tiny-mtp", "--root", "/proc/nope"],
         ["status", "--write-metrics", "--quiet", "--root", "/proc/nope"],
     ):
-        res = CliRunner().invoke(cli, argv)
+        res = cli_run(argv, code=None)
         assert _one_error_line(res) is None, (argv, res.exception, res.output)
         assert "/proc/nope" in res.stderr, res.stderr
 
 
 @pytest.mark.engine
-def test_a_measurement_with_a_bad_output_is_refused_before_it_starts(mtp_engine, tmp_path):
+def test_a_measurement_with_a_bad_output_is_refused_before_it_starts(mtp_engine, tmp_path, cli_run):
     """The review's D1 calls against a real engine: the old code ran the whole measurement, then
     ended in a FileNotFoundError traceback with nothing printed."""
     url = mtp_engine.url
     calls = [
-        ["bench", "--url", url, "--limit", "1", "--runs", "1", "--max-tokens", "8", "--out"],
+        ["bench", "run", "--url", url, "--limit", "1", "--runs", "1", "--max-tokens", "8", "--out"],
         ["canary", "record", "--url", url, "--out"],
-        ["tune", "--url", url, "--profile", "cpu-tiny-mtp", "--baseline-url", url, "--limit"]
+        ["bench", "tune", "--url", url, "--profile", "cpu-tiny-mtp", "--baseline-url", url]
+        + ["--limit"]
         + ["1", "--concurrency", "1", "--requests", "1", "--write"],
     ]
     for argv in calls:
-        res = CliRunner().invoke(cli, [*argv, "/proc/nope/x.json"])
+        res = cli_run([*argv, "/proc/nope/x.json"], code=None)
         assert _one_error_line(res) is None, (argv, res.exception, res.output)
         assert res.stdout == "", res.stdout  # refused before the progress bar and the figures

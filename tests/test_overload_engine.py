@@ -33,7 +33,6 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from click.testing import CliRunner
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -42,7 +41,6 @@ from prometheus_client import CollectorRegistry
 
 from appliance import agent, profiles, specdecode
 from appliance.bench import concurrency, prompts, report, runner, tune
-from appliance.cli import cli
 from appliance.engine import local
 from appliance.errors import OverloadedError
 from appliance.vllm_client import Generation, VLLMClient
@@ -256,14 +254,13 @@ def test_bench_counts_the_requests_turned_away_per_level(bounded):
     assert f"| {level} | {BOUND} | {level - BOUND} | {BOUND * MAX_TOKENS} |" in table
 
 
-def test_tune_verify_reads_the_schedule_back_from_the_draft_counters(bounded, tmp_path):
+def test_tune_verify_reads_the_schedule_back_from_the_draft_counters(bounded, tmp_path, cli_run):
     prof = scheduled()
     path = tmp_path / "scheduled.toml"
     path.write_text(tune.with_schedule_text(profiles.shipped_text("cpu-tiny-mtp"), prof))
-    args = ["tune", "--url", bounded.url, "--profile", str(path), "--verify", "--json"]
+    args = ["bench", "tune", "--url", bounded.url, "--profile", str(path), "--verify", "--json"]
     args += ["--concurrency", "1", "--requests", "2", "--limit", "1", "--max-tokens", "32"]
-    res = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
+    res = cli_run(args)
     (alone,) = json.loads(res.stdout)["levels"]
     # Alone the schedule says k=1 (k=2 unscheduled): every draft was one token.
     assert (alone["verdict"], alone["k_at"], alone["drafted_per_step"]) == ("follows", 1, 1.0)

@@ -6,10 +6,8 @@ import dataclasses
 import json
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import profiles
-from appliance.cli import cli
 from appliance.errors import UsageError
 
 
@@ -69,9 +67,8 @@ def test_the_queue_bound_comes_from_the_sequences_unless_stated():
     assert "--max-num-queued-reqs" not in stated.serve_args()
 
 
-def test_profiles_show_prints_the_bound_with_the_command():
-    res = CliRunner().invoke(cli, ["profiles", "show", "rtx5090x2-31b-fp8-mtp", "--json"])
-    assert res.exit_code == 0, res.output
+def test_profiles_show_prints_the_bound_with_the_command(cli_run):
+    res = cli_run(["profiles", "show", "rtx5090x2-31b-fp8-mtp", "--json"])
     assert json.loads(res.stdout)["argv"][-2:] == ["--max-num-queued-reqs", "2"]
 
 
@@ -107,7 +104,7 @@ def test_every_shipped_profile_file_loads():
         assert prof.serve_args(devmodel="/m")[0]
 
 
-# --- the engine container's privileges and media fetching (issue 11, least privilege) ---------
+# --- the engine container's privileges and media fetching (least privilege) -------------------
 
 
 def _container_args(name: str) -> tuple[list[str], list[str]]:

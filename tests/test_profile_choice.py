@@ -7,11 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import canary
 from appliance.canary.record import Output, Settings
-from appliance.cli import cli
 
 MINE = """name = "mine-l4"
 description = "an operator's copy of the 4x L4 profile, 90% parity"
@@ -48,24 +46,23 @@ def _record(tokens_b: tuple[int, ...]) -> canary.Record:
     )
 
 
-def test_canary_compare_judges_by_a_profile_file(tmp_path, mine):
+def test_canary_compare_judges_by_a_profile_file(tmp_path, mine, cli_run):
     a = canary.save(_record((3,)), tmp_path / "a.json")
     b = canary.save(_record((4,)), tmp_path / "b.json")
-    res = CliRunner().invoke(cli, ["canary", "compare", str(a), str(b), "--profile", str(mine)])
+    res = cli_run(["canary", "compare", str(a), str(b), "--profile", str(mine)])
     # Half the outputs differ: the file's min_parity 0.5 passes it (the default 100% would not).
-    assert res.exit_code == 0, res.output
     assert res.output.startswith("canary passed")
 
 
-def test_models_verify_takes_a_profile_file(tmp_path, mine):
-    res = CliRunner().invoke(
-        cli, ["models", "verify", "--profile", str(mine), "--hf-cache-dir", str(tmp_path / "c")]
+def test_models_verify_takes_a_profile_file(tmp_path, mine, cli_run):
+    res = cli_run(
+        ["models", "verify", "--profile", str(mine), "--hf-cache-dir", str(tmp_path / "c")],
+        code=None,
     )
     assert "unknown profile" not in res.output
     assert "google/gemma-4-31B-it" in res.output  # reported missing from the empty cache
 
 
-def test_local_serve_reads_a_profile_file_before_refusing_a_gpu_one(mine):
-    res = CliRunner().invoke(cli, ["dev", "local", "serve", "--profile", str(mine)])
-    assert res.exit_code == 2
+def test_local_serve_reads_a_profile_file_before_refusing_a_gpu_one(mine, cli_run):
+    res = cli_run(["dev", "local", "serve", "--profile", str(mine)], code=2)
     assert res.output.startswith("Error: profile mine-l4 needs 4x GPU")

@@ -8,10 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import profiles
-from appliance.cli import cli
 from appliance.profiles import catalog, generated
 from appliance.profiles import fit as memory
 from appliance.profiles import validate as pv
@@ -148,6 +146,6 @@ def test_generated_files_say_their_fit_and_that_they_are_generated():
     assert "| NVIDIA H200 (141 GB) | 31B-it | bf16 | `h200-31b-mtp` | 1 |" in index
 
 
-def test_profiles_list_shows_the_generated_profiles():
-    res = CliRunner().invoke(cli, ["profiles", "list"])
-    assert res.exit_code == 0 and "h200-31b-mtp" in res.output and "spark-e4b-mtp" in res.output
+def test_profiles_list_shows_the_generated_profiles(cli_run):
+    res = cli_run(["profiles", "list"])
+    assert "h200-31b-mtp" in res.output and "spark-e4b-mtp" in res.output

@@ -12,11 +12,10 @@ import json
 import shutil
 
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from test_hostcheck import NO_DOCKER, fake_nvidia_smi
 
 from appliance import profiles
-from appliance.cli import cli
 from appliance.hostcheck import nvidia, suggest
 
 # Each real capture, the profile suggested first, and a profile that does not fit with why.
@@ -39,7 +38,7 @@ CAPTURES = {
 
 
 def run(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return invoke(list(args), code=None)
 
 
 @pytest.mark.parametrize("capture", sorted(CAPTURES))
@@ -90,24 +89,23 @@ def test_the_text_lists_the_fitting_best_first_and_says_why_the_others_do_not(
     assert all(ln.startswith("  ") and ": " in ln for ln in lines[others + 1 :])
 
 
-def test_a_gpu_nothing_fits_exits_1_with_every_reason(tmp_path, monkeypatch):
+def test_a_gpu_nothing_fits_exits_1_with_every_reason(tmp_path, monkeypatch, cli_run):
     # A 16 GB RTX 5070 Ti: below every profile's GPU memory.
     fake_nvidia_smi(tmp_path, monkeypatch, "rtx5070ti.csv")
     res = run("profiles", "suggest")
     assert res.exit_code == 1
     assert "no shipped profile fits these GPUs" in res.output
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
-    res = CliRunner().invoke(cli, ["host", "check", "--root", str(tmp_path / "r")])
-    assert res.exit_code == 2
+    res = cli_run(["host", "check", "--root", str(tmp_path / "r")], code=2)
     assert res.output == (
         "Error: say which instance or profile: no shipped profile fits 1x NVIDIA GeForce RTX "
         "5070 Ti (appliance host check NAME, or --profile P)\n"
     )
 
 
-def test_no_gpu_here_is_said_and_the_fix_is_a_profile():
+def test_no_gpu_here_is_said_and_the_fix_is_a_profile(cli_run):
     assert shutil.which("nvidia-smi") is None, "this test describes a machine without a GPU"
-    res = CliRunner().invoke(cli, ["profiles", "suggest"])
+    res = cli_run(["profiles", "suggest"], code=None)
     assert (res.exit_code, res.output) == (
         2,
         (

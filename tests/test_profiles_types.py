@@ -9,12 +9,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance import profiles
-from appliance.cli import cli
 from appliance.errors import UsageError
 
 SHIPPED = Path(profiles.__file__).parent / "data" / "l4x4x2-31b-mtp.toml"
@@ -75,31 +73,28 @@ def test_any_field_of_any_type_is_a_profile_or_one_line(where, value):
         ("hardware = 3", "x.toml [hardware]: expected a table, got 3"),
     ],
 )
-def test_profiles_validate_file_names_the_field(tmp_path, toml, line):
+def test_profiles_validate_file_names_the_field(tmp_path, toml, line, cli_run):
     path = tmp_path / "x.toml"
     path.write_text(
         'name = "x"\ndescription = "d"\nmodel = "m"\nserved_model_name = "s"\n' + toml + "\n"
     )
-    res = CliRunner().invoke(cli, ["profiles", "validate", "--file", str(path)])
-    assert (res.exit_code, res.output) == (2, f"Error: {line}\n")
+    res = cli_run(["profiles", "validate", "--file", str(path)], code=2)
+    assert res.output == f"Error: {line}\n"
 
 
-def test_a_missing_field_is_named(tmp_path):
+def test_a_missing_field_is_named(tmp_path, cli_run):
     path = tmp_path / "x.toml"
     path.write_text('name = "x"\ndescription = "d"\nmodel = "m"\n')
-    res = CliRunner().invoke(cli, ["profiles", "validate", "--file", str(path)])
-    assert (res.exit_code, res.output) == (2, "Error: x.toml: missing field(s) served_model_name\n")
+    res = cli_run(["profiles", "validate", "--file", str(path)], code=2)
+    assert res.output == "Error: x.toml: missing field(s) served_model_name\n"
 
 
-def test_profiles_list_and_show_have_json():
-    rows = [
-        json.loads(line)
-        for line in CliRunner().invoke(cli, ["profiles", "list", "--json"]).output.splitlines()
-    ]
+def test_profiles_list_and_show_have_json(cli_run):
+    rows = json.loads(cli_run(["profiles", "list", "--json"]).output)["profiles"]
     assert sorted(r["name"] for r in rows) == sorted(profiles.all_profiles())
     tiny = next(r for r in rows if r["name"] == "cpu-tiny-mtp")
     assert (tiny["mtp"], tiny["num_speculative_tokens"], tiny["errors"]) == (True, 2, 0)
-    shown = json.loads(CliRunner().invoke(cli, ["profiles", "show", "cpu-tiny", "--json"]).output)
+    shown = json.loads(cli_run(["profiles", "show", "cpu-tiny", "--json"]).output)
     assert shown["argv"] == [
         "vllm",
         "serve",
@@ -155,14 +150,14 @@ def _profile_file(tmp_path: Path, table: str = "", **top: str) -> Path:
     ],
 )
 def test_a_value_outside_its_range_is_refused_by_validate_and_install_alike(
-    tmp_path, top, table, line
+    tmp_path, top, table, line, cli_run
 ):
     path = _profile_file(tmp_path, table, **CPU, **top)
-    res = CliRunner().invoke(cli, ["profiles", "validate", "--file", str(path)])
+    res = cli_run(["profiles", "validate", "--file", str(path)], code=None)
     assert (res.exit_code, res.output) == (2, f"Error: x.toml{line}\n")
     root = tmp_path / "root"
     argv = ["instance", "install", "t1", "--profile", str(path), "--root", str(root)]
-    res = CliRunner().invoke(cli, argv)
+    res = cli_run(argv, code=None)
     assert (res.exit_code, res.output) == (2, f"Error: {path}{line}\n")  # the file as given
     assert not root.exists()
 

@@ -6,10 +6,9 @@ import dataclasses
 import shlex
 
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 
 from appliance import labels, profiles
-from appliance.cli import cli
 from appliance.profiles import Hardware, Speculative
 from appliance.profiles import validate as pv
 
@@ -198,7 +197,7 @@ def test_a_malformed_version_is_a_usage_error():
 
 
 def run(*args):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return invoke(list(args), code=None)
 
 
 def test_cli_validate_all_shipped_profiles_passes():

@@ -10,9 +10,7 @@ without a systemd to answer: a cutover that reached it failed its restart and it
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
-
-from appliance.cli import cli
+from plugins.cli import invoke
 
 pytestmark = pytest.mark.docker
 
@@ -21,7 +19,7 @@ HOST_ONLY = ("APPLIANCE_SYSTEMD_PREFIX", "DOCKER_HOST", "APPLIANCE_ROOT")
 
 def _invoke(argv: list[str], **env: str):
     """The CLI with none of the variables that name a tree's systemd or Docker, but ``env``."""
-    return CliRunner().invoke(cli, argv, env={**dict.fromkeys(HOST_ONLY), **env})
+    return invoke(argv, env={**dict.fromkeys(HOST_ONLY), **env}, code=None)
 
 
 def _untouched(tree, env_before: bytes) -> None:

@@ -20,11 +20,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.units import install_old_layout
 
 from appliance import devmodel, generate, labels, profiles, units
-from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.host import envfile
 from appliance.host.layout import Layout
@@ -56,7 +55,7 @@ def opts_for(name: str, **kw) -> units.Options:
 
 
 def run(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return invoke(list(args), code=None)
 
 
 def snapshot(root: Path) -> dict[str, tuple[bytes, int, int]]:
@@ -202,7 +201,7 @@ def test_unit_runs_the_one_script_with_the_instance_its_env_file_restart_policy_
         f"ExecStartPost={serve_path} %i wait-healthy",
         f"ExecStop={serve_path} %i stop",
         f"ExecStopPost=-{serve_path} %i remove",
-        # always: vLLM exits 0 when its engine core dies (vllm#48966); issue 11.
+        # always: vLLM exits 0 when its engine core dies (vllm#48966).
         "Restart=always",
         "RestartPreventExitStatus=78",
     ):
@@ -228,7 +227,7 @@ def test_the_start_limit_trips_when_every_start_fails_slowly(name):
     """systemd counts starts in a fixed window of StartLimitIntervalSec and refuses the start
     after StartLimitBurst of them. The slowest crash loop: each start hangs to TimeoutStartSec,
     then waits RestartSec. The start after the burst must still fall inside the window (with
-    margin for the stop commands), or a broken image is reloaded forever (issue 11)."""
+    margin for the stop commands), or a broken image is reloaded forever."""
     unit = unit_settings(files_of_render(name, "x")["unit"])
     burst = int(unit["StartLimitBurst"])
     interval = int(unit["StartLimitIntervalSec"])
@@ -353,7 +352,8 @@ def test_the_api_key_reaches_docker_on_stdin_or_by_name_never_as_a_value(tmp_pat
     settings = environment.Settings("img:1", "127.0.0.1", 8000, None, "/m", None, None)
     stdin_image = {labels.API_KEY_STDIN: "true", labels.MTP: "true"}
     cmd = container.command("k", args, settings, stdin_image, "s3cret", key_file)
-    assert cmd.stdin == key_file and cmd.env == {}
+    assert (cmd.stdin, cmd.key, cmd.env) == (key_file, "s3cret", {})
+    assert "s3cret" not in repr(cmd)
     assert cmd.argv[cmd.argv.index("--interactive") + 2] == f"{labels.API_KEY_STDIN_ENV}=1"
     old = container.command("k", args, settings, {labels.MTP: "true"}, "s3cret", key_file)
     assert (old.stdin, old.env) == (None, {"VLLM_API_KEY": "s3cret"})
@@ -362,7 +362,21 @@ def test_the_api_key_reaches_docker_on_stdin_or_by_name_never_as_a_value(tmp_pat
     for c in (cmd, old):
         assert not [a for a in c.argv if "s3cret" in a or a.startswith("--api-key")]
     keyless = container.command("k", args, settings, stdin_image, None, key_file)
-    assert (keyless.stdin, keyless.env) == (None, {}) and "--interactive" not in keyless.argv
+    assert (keyless.stdin, keyless.key, keyless.env) == (None, None, {})
+    assert "--interactive" not in keyless.argv
+
+
+def test_the_container_stdin_holds_the_checked_key_alone(tmp_path):
+    """What the serve program hands the image's entry point: the key its file holds by the one
+    rule (CRLF and spaces around it are not part of it), then the end of the input."""
+    from appliance import apikey
+    from appliance.serve.main import key_pipe
+
+    key_file = tmp_path / "k.api-key"
+    key_file.write_bytes(b"\r\n  s3cret-Key_1 \t\r\n")
+    fd = key_pipe(apikey.read(key_file))
+    with os.fdopen(fd, "rb") as stdin:
+        assert stdin.read() == b"s3cret-Key_1"
 
 
 def test_the_queue_bound_reaches_only_an_image_whose_vllm_has_the_flag(tmp_path):
@@ -615,7 +629,7 @@ def test_install_keeps_the_image_values_host_and_port_already_there(tmp_path):
 
 
 def test_a_second_instance_of_a_profile_gets_the_next_free_port_recorded_in_its_env(tmp_path):
-    # Issue 25 §3: the MIG profile is meant for four slices per card, one instance each.
+    # the MIG profile is meant for four slices per card, one instance each.
     ports = []
     for n in range(4):
         result = run(
@@ -1150,7 +1164,7 @@ def test_args_name_each_model_the_check_looks_for():
         engine_args.serve_args(dataclasses.replace(pinned, model="../x"), [])
 
 
-# --- stop and remove (issue 11) ----------------------------------------------------------------
+# --- stop and remove ---------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -1284,9 +1298,8 @@ OLD_SPELLINGS = [
 
 
 @pytest.mark.parametrize(("old", "new"), OLD_SPELLINGS, ids=["install", "multinode-install"])
-def test_an_old_spelling_still_works_and_names_the_new_form(tmp_path, old, new):
-    result = CliRunner().invoke(cli, [*old, "--root", str(tmp_path)], prog_name="appliance")
-    assert result.exit_code == 0, result.output
+def test_an_old_spelling_still_works_and_names_the_new_form(tmp_path, old, new, cli_run):
+    result = cli_run([*old, "--root", str(tmp_path)])
     [warning] = result.stderr.splitlines()
     assert warning.startswith("warning: `appliance ") and f"is now `appliance {new}" in warning
     assert Layout(tmp_path).env_file("o1").is_file()
@@ -1295,11 +1308,9 @@ def test_an_old_spelling_still_works_and_names_the_new_form(tmp_path, old, new):
     assert not Layout(tmp_path).env_file("o1").exists()
 
 
-def test_install_needs_the_name(tmp_path):
-    neither = CliRunner().invoke(
-        cli, ["instance", "uninstall", "--root", str(tmp_path)], prog_name="appliance"
-    )
-    assert neither.exit_code == 2 and "Missing argument 'NAME'" in neither.output
+def test_install_needs_the_name(tmp_path, cli_run):
+    neither = cli_run(["instance", "uninstall", "--root", str(tmp_path)], code=2)
+    assert "Missing argument 'NAME'" in neither.output
 
 
 # --- the host's state-metrics timer ------------------------------------------------------------

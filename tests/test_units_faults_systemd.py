@@ -1,4 +1,4 @@
-"""The unit keeps the engine serving, and gives up on a crash loop (issue 11), under real systemd.
+"""The unit keeps the engine serving, and gives up on a crash loop, under real systemd.
 
 The shared instance (tests/plugins/systemd_instance.py: cpu-tiny-mtp in a booted nspawn machine,
 the host's Docker) is used as an operator's box is:

@@ -1,4 +1,4 @@
-"""Every shipped profile's `vllm serve` arguments, read by vLLM itself (issue 26 §4).
+"""Every shipped profile's `vllm serve` arguments, read by vLLM itself.
 
 No GPU profile's command line had ever been read by vLLM: a misspelt flag or a wrong
 speculative-config key would first fail on a GPU host at start. Here the arguments the

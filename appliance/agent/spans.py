@@ -47,7 +47,7 @@ ROLE = "appliance.agent.role"
 
 MTP = "gen_ai.vllm.mtp."
 MTP_DRAFTS = MTP + "drafts"
-MTP_DRAFT_TOKENS = MTP + "draft_tokens"  # vLLM's num_draft_tokens (was "drafted")
+MTP_DRAFT_TOKENS = MTP + "draft_tokens"  # vLLM's num_draft_tokens
 MTP_ACCEPTED = MTP + "accepted"
 MTP_ACCEPTANCE = MTP + "acceptance"
 MTP_TOKENS_PER_STEP = MTP + "tokens_per_step"

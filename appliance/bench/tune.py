@@ -1,4 +1,4 @@
-"""``appliance tune``: the k for each batch size from one run, written as vLLM's k schedule.
+"""``appliance bench tune``: the k for each batch size from one run, written as vLLM's k schedule.
 
 A running vLLM cannot change ``num_speculative_tokens``, so a sweep over k costs a model load per
 k (471 s for 31B NVFP4 in a seed). vLLM's dynamic speculative decoding takes a schedule instead,
@@ -265,7 +265,7 @@ def with_schedule_text(source: str, tuned: Profile) -> str:
     ranges = tuned.speculative.num_speculative_tokens_per_batch_size
     entries = ", ".join(f"[{', '.join(map(str, e))}]" for e in ranges)
     line = (
-        "# Written by `appliance tune`: [first batch size, last, k] ranges (vLLM's dynamic "
+        "# Written by `appliance bench tune`: [first batch size, last, k] ranges (vLLM's dynamic "
         f"speculative decoding).\n{SCHEDULE_KEY} = [{entries}]\n"
     )
     text = source[:body_start] + line + body + source[body_end:]

@@ -39,7 +39,6 @@ COMMANDS = {
     "profiles": ("profiles", "profiles"),
     "rollback": ("cutover", "rollback"),
     "status": ("cutover", "status"),
-    "tune": ("tune", "tune"),
 }
 # The old spellings, hidden, for one release (cli/aliases.py): each says its new form on stderr.
 # The README's demo command, `appliance demo`, stays as written, without a warning.
@@ -51,6 +50,7 @@ MOVED = {
     "install": ("units", "install", "instance install"),
     "local": ("local", "local", "dev local"),
     "render": ("units", "render", "instance render"),
+    "tune": ("tune", "tune", "bench tune"),
     "uninstall": ("units", "uninstall", "instance uninstall"),
 }
 
@@ -85,6 +85,10 @@ class ApplianceGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            # Ctrl-C is 130 (128 + SIGINT), as in the shell: not 1, which says refused or failed.
+            click.echo("Error: interrupted", err=True)
+            sys.exit(130)
         except ApplianceError as exc:
             click.echo(f"Error: {exc}", err=True)
             sys.exit(exc.exit_code)

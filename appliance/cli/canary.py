@@ -7,7 +7,6 @@ edit): record before, change, record after, compare. The same library code as th
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from ..host import envfile
 from ..host.layout import Layout
 from ..profiles import lookup
 from .options import OutputPath, endpoint_options
+from .output import echo_json
 
 
 @click.group()
@@ -192,7 +192,7 @@ def canary_compare(
     b, a = lib.load(before), lib.load(after)
     result = lib.compare(b, a, policy)
     if as_json:
-        click.echo(json.dumps(result.figures(), indent=2))
+        echo_json(result.figures())
     else:
         click.echo(result.summary())
         for cid in result.differing:

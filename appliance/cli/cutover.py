@@ -24,6 +24,7 @@ from ..host import lock as locks
 from ..host.layout import Layout
 from ..host.systemd import Systemd
 from .options import gate_options, root_option
+from .output import echo_json
 
 
 def echo_progress(msg: str) -> None:
@@ -196,7 +197,7 @@ def status(name: str | None, write_metrics: bool, quiet: bool, json_: bool, root
         # Cutovers write it too; between them only this refresh shows a unit that gave up.
         found = cutover_metrics.states(layout, cutover_metrics.local_docker(root), ctx.systemd)
         written = cutover_metrics.write_states(layout, found)
-        click.echo(f"wrote {written}")
+        click.echo(f"wrote {written}", err=json_)  # with --json, stdout is the one object
         for st in found:
             if st.env_error:
                 click.echo(
@@ -209,7 +210,7 @@ def status(name: str | None, write_metrics: bool, quiet: bool, json_: bool, root
     found = [get_status(ctx, n) for n in names]
     if json_:
         instances = [dataclasses.asdict(st) for st in found]
-        click.echo(json.dumps({"instances": instances}, sort_keys=True, default=str))
+        echo_json({"instances": instances})
     else:
         for st in found:
             click.echo("\n".join(report.status_lines(st)))
@@ -230,7 +231,7 @@ def history_(name: str, json_: bool, root: Path) -> None:
     entries = history.entries(layout.history_file(name), live_ids=live)
     if json_:
         found = [dataclasses.asdict(e) for e in entries]
-        click.echo(json.dumps({"entries": found}, sort_keys=True))
+        echo_json({"entries": found})
         return
     if not entries:
         click.echo(f"{name}: no cutover or rollback yet")

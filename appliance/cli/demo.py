@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -12,6 +11,7 @@ from .. import reports
 from ..engine import local as engine
 from .local import progress_printer
 from .options import OutputPath
+from .output import echo_json
 
 
 @click.command()
@@ -36,6 +36,6 @@ def demo(calls: int, max_tokens: int, role: str, json_: bool, report_html: Path 
     if report_html:  # the same record --json prints
         reports.write(report_html, reports.render_demo(report.to_dict()))
     if json_:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        echo_json(report.to_dict())
     else:
         click.echo(demo_lib.format_table(report))

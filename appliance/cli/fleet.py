@@ -15,6 +15,7 @@ from ..fsutil import write_atomic
 from ..observability import scrape
 from ..units.instance import read as read_instance
 from .options import OutputPath, root_option
+from .output import echo_json
 
 
 @click.group(name="fleet")
@@ -96,7 +97,7 @@ def soak_(
     run.thresholds = thresholds
     verdict = soak.run(run, before, progress=lambda m: click.echo(m, err=True))
     if json_:
-        click.echo(json.dumps(verdict.to_dict(), indent=2))
+        echo_json(verdict.to_dict())
     else:
         b, s = verdict.before, verdict.soak
         for label, w in (("before", b), ("soak", s)):
@@ -123,7 +124,7 @@ def status(instance: str, json_: bool, root: Path) -> None:
     """INSTANCE on this host: env file's image, running container's image, MTP, acceptance."""
     st = hosts.host_status(instance, root)
     if json_:
-        click.echo(json.dumps(st.to_dict()))
+        echo_json(st.to_dict())
         return
     for key, value in st.to_dict().items():
         click.echo(f"{key:>16}: {'-' if value is None else value}")

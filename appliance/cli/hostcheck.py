@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import click
 from .. import hostcheck
 from . import CONTEXT
 from .options import root_option
+from .output import echo_json
 from .units import _options, instance_options
 
 
@@ -43,5 +43,8 @@ def host_check(name: str | None, profile: str | None, root: Path, as_json: bool,
         )
         click.echo(said, err=True)
     report = hostcheck.check(profile, name, root=root, options=_options(kw))
-    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.text())
+    if as_json:
+        echo_json(report.to_dict())
+    else:
+        click.echo(report.text())
     sys.exit(0 if report.ok else 1)

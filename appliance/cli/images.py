@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import click
@@ -13,6 +12,7 @@ from ..images import archive, inventory, lock, prune, scheme, targets
 from ..images import build as image_build
 from ..tables import table
 from .options import OutputPath, root_option
+from .output import echo_json
 
 REPO_OPTION = click.option(
     "--repository", default=scheme.REPOSITORY, show_default=True, help="Image repository."
@@ -53,7 +53,7 @@ def image_build_cmd(
         progress=progress,
     )
     if json_:
-        click.echo(json.dumps(r.__dict__, indent=2, sort_keys=True))
+        echo_json(dict(r.__dict__))
         return
     state = "cached" if r.cached else f"built in {r.seconds:.0f}s"
     click.echo(f"{r.target}: {r.image_id[7:19]} {_gb(r.size_bytes)} {state}")
@@ -94,7 +94,7 @@ def image_list(root: Path, repository: str, json_: bool) -> None:
             for i in found
         ]
         miss = [{"instance": r.instance, "source": r.source, "ref": r.ref} for r in missing]
-        click.echo(json.dumps({"images": rows, "missing": miss}, indent=2, sort_keys=True))
+        echo_json({"images": rows, "missing": miss})
         return
     rows = []
     for i in found:
@@ -179,7 +179,7 @@ def image_load(file: Path, expect_id: str | None, json_: bool) -> None:
 
 def _print_archive(r: archive.LoadResult, done: str, json_: bool) -> None:
     if json_:
-        click.echo(json.dumps(dataclasses.asdict(r), indent=2, sort_keys=True))
+        echo_json(dataclasses.asdict(r))
         return
     click.echo(f"{done} ({_gb(r.size_bytes)}, {r.seconds:.0f}s)")
     click.echo(f"  image id:       {r.image_id}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import click
@@ -12,6 +11,7 @@ from .. import endpoint
 from ..models import EX_CONFIG, ModelsNotReady, importer, pull, token, verify, where
 from ..models import export as export_mod
 from .options import root_option
+from .output import echo_json
 
 
 def _where(fn):
@@ -149,7 +149,7 @@ def models_verify(loc: where.Location, quick: bool, json_: bool) -> None:
     with one line per problem, each naming the model and the command that fixes it."""
     if json_:
         report = verify.verify(loc, quick=quick)
-        click.echo(json.dumps(report.to_dict(loc.fix()), sort_keys=True))
+        echo_json(report.to_dict(loc.fix()))
         if not report.ok:
             raise SystemExit(EX_CONFIG)
         return

@@ -4,7 +4,6 @@ this host."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 
 import click
@@ -12,6 +11,7 @@ import click
 from .. import profiles as prof
 from ..profiles import validate as pv
 from ..tables import table
+from .output import echo_json
 
 
 @click.group()
@@ -27,23 +27,28 @@ def _status(findings: list[pv.Finding]) -> str:
 
 
 @profiles.command(name="list")
-@click.option("--json", "json_", is_flag=True, help="One JSON object per profile and line.")
+@click.option("--json", "json_", is_flag=True, help='One JSON object: {"profiles": [...]}.')
 def profiles_list(json_: bool) -> None:
     """List the shipped profiles with their validation status."""
     shipped = sorted(prof.all_profiles().items())
     if json_:
+        rows = []
         for name, p in shipped:
             findings = pv.check(p)
             errors = len(pv.errors(findings))
-            row = {
-                "name": name,
-                "mtp": p.mtp,
-                "num_speculative_tokens": p.speculative.num_speculative_tokens if p.mtp else None,
-                "errors": errors,
-                "warnings": len(findings) - errors,
-                "description": p.description,
-            }
-            click.echo(json.dumps(row, sort_keys=True))
+            rows.append(
+                {
+                    "name": name,
+                    "mtp": p.mtp,
+                    "num_speculative_tokens": (
+                        p.speculative.num_speculative_tokens if p.mtp else None
+                    ),
+                    "errors": errors,
+                    "warnings": len(findings) - errors,
+                    "description": p.description,
+                }
+            )
+        echo_json({"profiles": rows})
         return
     rows = [
         (
@@ -68,7 +73,7 @@ def profiles_show(name: str, json_: bool) -> None:
     argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir), *p.queue_args()]
     if json_:
         findings = [dataclasses.asdict(f) for f in pv.check(p)]
-        click.echo(json.dumps({"name": p.name, "argv": argv, "findings": findings}))
+        echo_json({"name": p.name, "argv": argv, "findings": findings})
         return
     click.echo(shlex.join(argv))
     for finding in pv.check(p):
@@ -118,6 +123,9 @@ def profiles_suggest(json_: bool) -> None:
     from ..hostcheck import suggest
 
     found = suggest.suggest()
-    click.echo(json.dumps(found.to_dict(), indent=2) if json_ else found.text())
+    if json_:
+        echo_json(found.to_dict())
+    else:
+        click.echo(found.text())
     if found.best is None:
         raise click.exceptions.Exit(1)

@@ -1,8 +1,7 @@
-"""``appliance tune``: k per batch size from one concurrency run, as vLLM's k schedule."""
+"""``appliance bench tune``: k per batch size from one concurrency run, as vLLM's k schedule."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -15,6 +14,7 @@ from ..errors import ApplianceError, UsageError
 from ..host.layout import Layout
 from ..tables import table
 from .options import OutputPath, endpoint_options, progress_bar, prompt_options
+from .output import echo_json
 
 
 def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles.Profile) -> str:
@@ -103,9 +103,9 @@ def tune(
 
     \b
     Examples:
-      appliance tune 31b --baseline-url http://127.0.0.1:8002 --write 31b-tuned.toml
-      appliance install 31b --profile 31b-tuned.toml    # then restart to apply
-      appliance tune --url http://127.0.0.1:8001 --profile l4x4-31b-mtp \\
+      appliance bench tune 31b --baseline-url http://127.0.0.1:8002 --write 31b-tuned.toml
+      appliance instance install 31b --profile 31b-tuned.toml    # then restart to apply
+      appliance bench tune --url http://127.0.0.1:8001 --profile l4x4-31b-mtp \\
           --baseline-url http://127.0.0.1:8002 --concurrency 1,8,32 --json
       appliance tune 31b --verify --concurrency 1,8,32   # after the restart
 
@@ -145,7 +145,7 @@ def tune(
     warnings = tune_lib.write(dest, source, result.tuned(name)) if dest and source else []
     if as_json:
         out = result.to_dict() | {"written": str(dest) if dest else None, "name": name}
-        click.echo(json.dumps(out, indent=2, sort_keys=True))
+        echo_json(out)
     else:
         rows = [
             [
@@ -200,7 +200,7 @@ def _verify(
     checks = tune_lib.verify(profile, result.levels)
     if as_json:
         out = {"profile": profile.name, "levels": [c.to_dict() for c in checks]}
-        click.echo(json.dumps(out, indent=2, sort_keys=True))
+        echo_json(out)
     else:
         for c in checks:
             click.echo(c.summary())

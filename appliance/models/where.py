@@ -85,6 +85,8 @@ def locate(
         selector += ["--profile-file", str(profile_file)]
     cache: Path | None = hf_cache_dir
     if instance is not None:
+        if env is None:
+            Layout(Path(root)).require_known(instance)  # an unknown name is bad input (exit 2)
         env = env or envfile.read(Layout(Path(root)).env_file(instance))
         if prof is None:
             name = env.get(envfile.PROFILE_KEY)

@@ -172,7 +172,7 @@ def _k_schedule(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
             f"[speculative] num_speculative_tokens_per_batch_size: {problem}: vLLM's scheduler "
             "refuses it at engine start",
             "give non-overlapping [first, last, k] ranges starting at batch size 1 "
-            "(appliance tune writes one)",
+            "(appliance bench tune writes one)",
         )
         return
     if not schedule:

@@ -134,12 +134,26 @@ def run(unit: Unit) -> None:
         if took >= health.POLL_S:
             unit.log(f"the head's rendezvous at {head[0]}:{head[1]} answers after {took:.0f} s")
     os.environ.update(cmd.env)
-    if cmd.stdin is not None:
-        fd = os.open(cmd.stdin, os.O_RDONLY)
+    if cmd.key is not None:
+        fd = key_pipe(cmd.key)
         os.dup2(fd, 0)
         os.close(fd)
     sys.stdout.flush()
     os.execvp("docker", ["docker", *cmd.argv])
+
+
+def key_pipe(key: str) -> int:
+    """A pipe's read end holding ``key`` alone, then its end: the container's stdin. The key was
+    checked here (:mod:`appliance.apikey`), so the image's entry point takes it as it comes."""
+    read, write = os.pipe()
+    try:
+        data = key.encode()
+        # At most apikey.MAX_KEY_BYTES, within a pipe's buffer: written whole before the exec.
+        if os.write(write, data) != len(data):
+            raise OSError("the API key did not fit in the pipe to the container's stdin")
+    finally:
+        os.close(write)
+    return read
 
 
 def print_command(unit: Unit) -> None:

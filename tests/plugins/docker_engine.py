@@ -197,7 +197,7 @@ def tiny_rootfs(note: str) -> bytes:
     return buf.getvalue()
 
 
-# ---- small images derived from the real MTP image (the cutover's output canary, issue 14) ----
+# ---- small images derived from the real MTP image (the cutover's output canary) ----------
 
 CANARY_TEST_REPO = "gemma4-canary-test"
 CANARY_DIGEST_LABEL = "io.gemma4-appliance.test-digest"
@@ -260,7 +260,7 @@ def _context_tar(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-# ---- an image that crashes right after becoming healthy (the unit's start limit, issue 11) ----
+# ---- an image that crashes right after becoming healthy (the unit's start limit) ----------
 
 CRASH_TAG = "0.32.0-mtp-crash-after-health"
 CRASH_EXIT = 3
@@ -304,7 +304,7 @@ def crash_recipe(parent_id: str) -> dict[str, dict[str, bytes]]:
     }
 
 
-# ---- an image that drafts worse and answers the same (issue 26's acceptance gate) -------------
+# ---- an image that drafts worse and answers the same (the acceptance gate) --------------------
 
 DEGRADED_TAG = "0.32.0-mtp-degraded-drafter"
 DEGRADED_DRAFTER = "/opt/gemma4-appliance/degraded-drafter"

@@ -1,6 +1,6 @@
 """One CPU instance of ``gemma4-vllm@.service`` installed and running under real systemd.
 
-Shared by the units' systemd test (issue 4) and the cutover's (issue 5): a container engine
+Shared by the units' systemd test and the cutover's: a container engine
 start costs about a minute on a 2-core machine, so the session boots ONE systemd-nspawn machine
 (tests/plugins/nspawn.py: real systemd 252, the host's Docker engine bound in) and serves ONE
 instance of ``cpu-tiny-mtp``, and every test moves that one instance between images. Tests that
