@@ -56,7 +56,7 @@ NAME = "bare"
 PROFILE = "cpu-tiny-mtp"
 GPU_PROFILE = "l4x4-31b-mtp"
 # The other tag `appliance image build` gives the MTP image (the same image ID).
-CUTOVER_IMAGE = "gemma4-vllm:mtp"
+CUTOVER_IMAGE = "gemma4-vllm:mtp-cpu"
 VENV = "/opt/gemma4-appliance"
 ARTIFACT = "/srv/artifact"
 # Outside /tmp: the state service runs with PrivateTmp=.

@@ -1,6 +1,7 @@
 """`appliance cutover|rollback|status|history` end to end: real systemd booted in systemd-nspawn,
-the host's Docker engine, the real CPU images (``gemma4-vllm:pre-mtp`` = vLLM 0.19,
-``gemma4-vllm:0.32.0-mtp``, and ``gemma4-vllm:0.32.0-mtp-broken`` whose engine exits at start),
+the host's Docker engine, the real CPU images (``gemma4-vllm:0.19.0-cpu`` = vLLM 0.19,
+``gemma4-vllm:0.32.0-mtp-cpu``, and ``gemma4-vllm:0.32.0-mtp-broken-cpu`` whose engine exits at
+start),
 and an image derived from the MTP one (tests/plugins/docker_engine.py ``canary_images``) with
 another chat template (answers change). cpu-tiny-mtp turns the output canary on, so every
 cutover here runs it unless the test says ``--no-canary``.
@@ -252,7 +253,7 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     }
     assert all(o.token_ids and len(o.token_ids) == o.completion_tokens for o in before.outputs)
     # Its cost is printed and kept: per prompt and in all, before and after.
-    assert "canary: recording 14 prompts on gemma4-vllm:pre-mtp before the restart" in r.stderr
+    assert f"canary: recording 14 prompts on {PRE_MTP_IMAGE} before the restart" in r.stderr
     assert r.stderr.count("canary: 14 prompts in ") == 2 and "s per prompt" in r.stderr
     assert c["seconds_before"] > 0 and c["seconds_per_prompt_after"] > 0
     assert f"{inst.instance}: canary passed" in r.stdout

@@ -52,6 +52,28 @@ def test_broken_image_gets_no_floating_tag():
     assert plan.tags == ("gemma4-vllm:0.32.0-mtp-broken",)
 
 
+CPU = {labels.VARIANT: "cpu"}
+
+
+def test_a_cpu_image_gets_tags_of_its_own_never_the_products():
+    """The old scheme gave a CPU image gemma4-vllm:0.32.0-mtp, :mtp and :latest, the tags of
+    the GPU hosts' image: `install` took it for an L4 profile."""
+    assert scheme.plan_tags({**MTP_LABELS, **CPU}).tags == (
+        "gemma4-vllm:0.32.0-mtp-cpu",
+        "gemma4-vllm:mtp-cpu",
+        "gemma4-vllm:latest-cpu",
+    )
+    assert scheme.plan_tags({**PRE_LABELS, **CPU}).tags == (
+        "gemma4-vllm:0.19.0-cpu",
+        "gemma4-vllm:pre-mtp-cpu",
+    )
+    broken = {**MTP_LABELS, **CPU, scheme.BROKEN: "true"}
+    assert scheme.plan_tags(broken).tags == ("gemma4-vllm:0.32.0-mtp-broken-cpu",)
+    # The CUDA image keeps the product's tags.
+    cuda = {**MTP_LABELS, labels.VARIANT: "cuda"}
+    assert scheme.plan_tags(cuda).tags == scheme.plan_tags(MTP_LABELS).tags
+
+
 def test_unlabelled_image_is_refused():
     with pytest.raises(UsageError, match="no appliance labels"):
         scheme.plan_tags({"org.opencontainers.image.version": "1"})

@@ -111,7 +111,8 @@ def cutover(
     # The canary's set is read and checked here: a malformed line refuses the cutover untouched.
     plan = canaries.plan(tgt.profile, root=layout.root, enabled=enabled, files=canary_files)
     new = tgt.inspect(ctx, image)
-    check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
+    for warning in check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp):
+        ctx.progress(f"warning: {warning}")
     tgt.check_overrides(ctx, allow=allow_unit_overrides)
     # Refused here, nothing is written, not even the lock.
     first_ref = tgt.read().image
@@ -250,7 +251,7 @@ def check(
     tgt = target(ctx, name)
     imageref.validate(image)
     new = tgt.inspect(ctx, image)
-    check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
+    warnings = check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
     tgt.check_overrides(ctx, allow=allow_unit_overrides)
     current = tgt.read().image
     node = tgt.node
@@ -268,6 +269,7 @@ def check(
         # The output canary (the profile's [canary]) where the API answers: the group's play
         # records the head's answers before any worker moves.
         "canary": tgt.answers and tgt.profile.canary.enabled,
+        "warnings": warnings,
     }
 
 

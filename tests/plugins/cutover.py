@@ -20,12 +20,16 @@ from .docker_engine import machine_lock, tiny_rootfs
 
 TEST_REPO = "gemma4-cutover-test"
 
-# tag -> labels. "nolabels" is any image not built by the appliance; "badlabels" lies.
+# tag -> labels. "nolabels" is any image not built by the appliance; "badlabels" lies. "mtp" and
+# "pre-mtp" stand for the CPU images; "cuda-mtp" for the GPU hosts' image, "novariant" for one
+# made by hand that does not say which build it is.
 PREFLIGHT_IMAGES = {
-    "mtp": {labels.VLLM_VERSION: "0.32.0", labels.MTP: "true"},
-    "pre-mtp": {labels.VLLM_VERSION: "0.19.0", labels.MTP: "false"},
+    "mtp": {labels.VLLM_VERSION: "0.32.0", labels.MTP: "true", labels.VARIANT: "cpu"},
+    "pre-mtp": {labels.VLLM_VERSION: "0.19.0", labels.MTP: "false", labels.VARIANT: "cpu"},
     "nolabels": {},
     "badlabels": {labels.VLLM_VERSION: "0.19.0", labels.MTP: "true"},
+    "cuda-mtp": {labels.VLLM_VERSION: "0.32.0", labels.MTP: "true", labels.VARIANT: "cuda"},
+    "novariant": {labels.VLLM_VERSION: "0.32.0", labels.MTP: "true"},
 }
 
 
