@@ -98,6 +98,24 @@ def test_bad_repositories_are_usage_errors(bad):
         scheme.check_repository(bad)
 
 
+@pytest.mark.parametrize(
+    ("ref", "floats"),
+    [
+        ("gemma4-vllm:latest", True),
+        ("gemma4-vllm:mtp-cpu", True),
+        ("gemma4-vllm:pre-mtp", True),
+        ("gemma4-vllm", True),  # no tag: Docker's latest
+        ("registry.local:5000/gemma4-vllm", True),
+        ("registry.local:5000/gemma4-vllm:0.32.0-mtp", False),
+        ("gemma4-vllm:0.32.0-mtp-cpu", False),
+        ("gemma4-vllm:latest@sha256:" + "a" * 64, False),
+        ("sha256:" + "a" * 64, False),
+    ],
+)
+def test_floating_tags_are_the_ones_the_scheme_moves(ref, floats):
+    assert scheme.floating(ref) is floats
+
+
 # --- references (what pruning protects) -------------------------------------------------------
 
 

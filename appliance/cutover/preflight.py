@@ -13,7 +13,7 @@ from ..errors import ApplianceError, EngineError, UsageError
 from ..host import envfile
 from ..host.layout import ENV_DIR
 from ..host.systemd import Systemd, SystemdError
-from ..images import variant
+from ..images import scheme, variant
 from ..profiles import Profile
 from ..units.instance import Instance
 from ..units.instance import read as read_instance
@@ -82,6 +82,29 @@ def check_compatible(image: ImageInfo, profile: Profile, *, allow_no_mtp: bool) 
             "`appliance rollback` or `--allow-no-mtp`",
         )
     return [built.warning] if built.warning else []
+
+
+def check_pinned(
+    ctx: Context,
+    image: ImageInfo,
+    inspect: Callable[[Context, str], ImageInfo] = inspect_image,
+) -> None:
+    """Refuse a floating tag (``mtp``, ``latest``, ``pre-mtp``, their ``-cpu`` forms: the next
+    ``appliance image build`` moves them, and the unit's next plain restart would run whatever
+    the tag names then, ungated), naming the version tag of the image it names now (its ID
+    when that tag is not here)."""
+    if not scheme.floating(image.ref):
+        return
+    instead = scheme.version_ref(image.labels, image.ref)
+    try:
+        same = instead is not None and inspect(ctx, instead).id == image.id
+    except (PreflightError, UsageError):
+        same = False
+    raise PreflightError(
+        f"{image.ref} is a floating tag: `appliance image build` moves it, and the next restart "
+        "would run whatever it names then, without the gates",
+        fix=f"cut over to {instead if same else image.id} (what it names now), or pass --force",
+    )
 
 
 def target(ctx: Context, name: str) -> Instance:
