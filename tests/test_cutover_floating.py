@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 
+import docker.errors
 import pytest
 from click.testing import CliRunner
 from plugins.cutover import TEST_REPO
 from plugins.docker_engine import SOCKET
 
+from appliance import labels
 from appliance.cli import cli
 
 pytestmark = pytest.mark.docker
@@ -24,8 +26,8 @@ DOCKER = {"DOCKER_HOST": f"unix://{SOCKET}"}  # the trees' Docker is the host's 
 CPU_MTP = "gemma4-vllm:0.32.0-mtp-cpu"
 
 
-def _invoke(*argv: str):
-    return CliRunner().invoke(cli, list(argv), env=DOCKER)
+def _invoke(*argv: str, env: dict[str, str] = DOCKER):
+    return CliRunner().invoke(cli, list(argv), env=env)
 
 
 @pytest.fixture
@@ -37,11 +39,13 @@ def floating(cutover_docker, preflight_images) -> str:
 
 
 def test_a_cutover_to_a_floating_tag_is_refused_naming_the_version_tag(
-    mtp_instance, preflight_images, floating
+    restart_refused, mtp_instance, preflight_images, floating
 ):
     before = mtp_instance.snapshot()
     for argv in ([], ["--check"]):
-        result = _invoke("cutover", "i1", floating, "--root", str(mtp_instance.root), *argv)
+        result = _invoke(
+            "cutover", "i1", floating, "--root", str(mtp_instance.root), *argv, env=restart_refused
+        )
         assert result.exit_code == 1, result.output
         assert result.output.startswith(
             f"Error: {floating} is a floating tag: `appliance image build` moves it, and the "
@@ -51,16 +55,15 @@ def test_a_cutover_to_a_floating_tag_is_refused_naming_the_version_tag(
     assert mtp_instance.snapshot() == before
 
 
-def test_force_takes_a_floating_tag_all_the_same(mtp_instance, floating):
-    result = _invoke(
-        "cutover", "i1", floating, "--check", "--force", "--root", str(mtp_instance.root)
-    )
+def test_force_takes_a_floating_tag_all_the_same(restart_refused, mtp_instance, floating):
+    argv = ["cutover", "i1", floating, "--check", "--force", "--root", str(mtp_instance.root)]
+    result = _invoke(*argv, env=restart_refused)
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["image"] == floating
 
 
 def test_a_floating_tag_without_its_version_tag_here_is_named_by_its_id(
-    mtp_instance, preflight_images, cutover_docker
+    restart_refused, mtp_instance, preflight_images, cutover_docker
 ):
     """No tag at all is Docker's ``latest``; the image has no version tag here: the ID then."""
     image = cutover_docker.images.get(preflight_images["novariant"])
@@ -74,17 +77,19 @@ def test_a_floating_tag_without_its_version_tag_here_is_named_by_its_id(
             "--root",
             str(mtp_instance.root),
         ]
-        result = _invoke(*argv)
+        result = _invoke(*argv, env=restart_refused)
         assert result.exit_code == 1, result.output
         assert f"(cut over to {image.id} (what it names now), or pass --force)" in result.output
     finally:
         cutover_docker.images.remove("gemma4-floating-test:latest")
 
 
-def test_the_real_cpu_images_latest_is_refused_for_its_version_tag(mtp_instance, appliance_images):
+def test_the_real_cpu_images_latest_is_refused_for_its_version_tag(
+    restart_refused, mtp_instance, appliance_images
+):
     assert CPU_MTP in appliance_images["cpu-mtp"].tags
     argv = ["cutover", "i1", "gemma4-vllm:latest-cpu", "--check", "--root", str(mtp_instance.root)]
-    result = _invoke(*argv)
+    result = _invoke(*argv, env=restart_refused)
     assert result.exit_code == 1, result.output
     assert f"(cut over to {CPU_MTP} (what it names now), or pass --force)" in result.output
 
@@ -95,16 +100,29 @@ def test_install_without_image_takes_the_version_tag_of_the_newest_image_of_its_
     """The old default was gemma4-vllm:latest whatever the host held: a CPU image's tag (then),
     and a tag the next build moves."""
     assert CPU_MTP in appliance_images["cpu-mtp"].tags
-    result = _invoke("install", "t", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
+    result = _invoke("instance", "install", "t", "-p", "cpu-tiny-mtp", "--root", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert f"VLLM_IMAGE={CPU_MTP}\n" in (tmp_path / "etc/gemma4-vllm/t.env").read_text()
     assert "warning: no cpu appliance image" not in result.output
 
 
-def test_install_with_no_image_of_its_build_here_keeps_latest_and_says_it_floats(tmp_path):
-    """No CUDA image on this CPU-only host: the GPU build's latest, with the warning."""
-    argv = ["install", "g", "-p", "l4x4-31b-mtp", "--root", str(tmp_path)]
+def test_install_with_no_image_of_its_build_here_falls_back_to_latest_never_a_cpu_image(
+    tmp_path, docker_engine
+):
+    """No CUDA image on this CPU-only host: the GPU build's latest, with the warning that it
+    floats; or, on a host upgraded from the old scheme, where gemma4-vllm:latest still names the
+    CPU image, the refusal of that CPU image. Never a CPU image in a GPU profile's env file."""
+    argv = ["instance", "install", "g", "-p", "l4x4-31b-mtp", "--root", str(tmp_path)]
     result = _invoke(*argv)
+    try:
+        old = docker_engine.images.get("gemma4-vllm:latest").labels.get(labels.VARIANT)
+    except docker.errors.ImageNotFound:
+        old = None
+    if old == "cpu":
+        assert result.exit_code == 2, result.output
+        assert "Error: image gemma4-vllm:latest is a cpu build" in result.output
+        assert not (tmp_path / "etc").exists()
+        return
     assert result.exit_code == 0, result.output
     assert "VLLM_IMAGE=gemma4-vllm:latest\n" in (tmp_path / "etc/gemma4-vllm/g.env").read_text()
     assert (

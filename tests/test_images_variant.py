@@ -26,8 +26,8 @@ CPU_TAG = "gemma4-vllm:0.32.0-mtp-cpu"
 DOCKER = {"DOCKER_HOST": f"unix://{SOCKET}"}  # the trees' Docker is the host's (host/reach.py)
 
 
-def _invoke(*argv: str):
-    return CliRunner().invoke(cli, list(argv), env=DOCKER)
+def _invoke(*argv: str, env: dict[str, str] = DOCKER):
+    return CliRunner().invoke(cli, list(argv), env=env)
 
 
 def _files(root) -> dict[str, bytes]:
@@ -50,7 +50,9 @@ def test_the_cpu_image_has_tags_of_its_own_and_says_it_is_a_cpu_build(
 
 
 def test_install_refuses_a_cpu_image_for_a_gpu_profile_and_writes_nothing(tmp_path, cpu_image):
-    result = _invoke("install", "31b", "-p", GPU, "--image", cpu_image, "--root", str(tmp_path))
+    result = _invoke(
+        "instance", "install", "31b", "-p", GPU, "--image", cpu_image, "--root", str(tmp_path)
+    )
     assert result.exit_code == 2, result.output
     assert result.output.startswith(
         f"Error: image {cpu_image} is a cpu build (io.gemma4-appliance.variant=cpu) and profile "
@@ -63,7 +65,9 @@ def test_install_refuses_a_cpu_image_for_a_gpu_profile_and_writes_nothing(tmp_pa
 
 def test_install_refuses_a_cuda_image_for_a_cpu_profile(tmp_path, preflight_images):
     cuda = preflight_images["cuda-mtp"]
-    result = _invoke("install", "t", "-p", "cpu-tiny-mtp", "--image", cuda, "--root", str(tmp_path))
+    result = _invoke(
+        "instance", "install", "t", "-p", "cpu-tiny-mtp", "--image", cuda, "--root", str(tmp_path)
+    )
     assert result.exit_code == 2, result.output
     assert f"Error: image {cuda} is a cuda build" in result.output
     assert "profile cpu-tiny-mtp runs on cpu" in result.output
@@ -75,7 +79,9 @@ def test_install_of_an_image_that_does_not_say_its_build_warns_and_installs(
     tmp_path, preflight_images
 ):
     ref = preflight_images["novariant"]
-    result = _invoke("install", "t", "-p", "cpu-tiny-mtp", "--image", ref, "--root", str(tmp_path))
+    result = _invoke(
+        "instance", "install", "t", "-p", "cpu-tiny-mtp", "--image", ref, "--root", str(tmp_path)
+    )
     assert result.exit_code == 0, result.output
     assert (
         f"warning: image {ref} has no io.gemma4-appliance.variant label (made by hand?): "
@@ -84,20 +90,26 @@ def test_install_of_an_image_that_does_not_say_its_build_warns_and_installs(
     assert f"VLLM_IMAGE={ref}\n" in (tmp_path / "etc/gemma4-vllm/t.env").read_text()
 
 
-def test_cutover_preflight_refuses_a_cpu_image_for_a_gpu_profile(tmp_path, cpu_image):
+def test_cutover_preflight_refuses_a_cpu_image_for_a_gpu_profile(
+    restart_refused, tmp_path, cpu_image
+):
     env = write_env(tmp_path, "31b", "gemma4-vllm:0.32.0-mtp", GPU)
     before = _files(tmp_path)
-    result = _invoke("cutover", "31b", cpu_image, "--check", "--root", str(tmp_path))
+    result = _invoke(
+        "cutover", "31b", cpu_image, "--check", "--root", str(tmp_path), env=restart_refused
+    )
     assert result.exit_code == 1, result.output
     assert f"Error: image {cpu_image} is a cpu build" in result.output
     assert f"profile {GPU} runs on cuda" in result.output
     assert _files(tmp_path) == before and env.exists()
 
 
-def test_cutover_preflight_refuses_a_cuda_image_for_a_cpu_profile(mtp_instance, preflight_images):
+def test_cutover_preflight_refuses_a_cuda_image_for_a_cpu_profile(
+    restart_refused, mtp_instance, preflight_images
+):
     before = mtp_instance.snapshot()
     argv = ["cutover", "i1", preflight_images["cuda-mtp"], "--root", str(mtp_instance.root)]
-    result = _invoke(*argv)
+    result = _invoke(*argv, env=restart_refused)
     assert result.exit_code == 1, result.output
     assert (
         "is a cuda build (io.gemma4-appliance.variant=cuda) and profile cpu-tiny-mtp runs on cpu"
@@ -106,10 +118,12 @@ def test_cutover_preflight_refuses_a_cuda_image_for_a_cpu_profile(mtp_instance, 
 
 
 def test_cutover_check_of_an_image_that_does_not_say_its_build_carries_the_warning(
-    mtp_instance, preflight_images
+    restart_refused, mtp_instance, preflight_images
 ):
     ref = preflight_images["novariant"]
-    result = _invoke("cutover", "i1", ref, "--check", "--root", str(mtp_instance.root))
+    result = _invoke(
+        "cutover", "i1", ref, "--check", "--root", str(mtp_instance.root), env=restart_refused
+    )
     assert result.exit_code == 0, result.output
     [warning] = json.loads(result.output)["warnings"]
     assert warning.startswith(f"image {ref} has no io.gemma4-appliance.variant label")
