@@ -68,17 +68,17 @@ def install(
     options: units.Options | None = None,
     node: Node | None = None,
     preflight: Callable[[units.Planned], None] | None = None,
-    docker_client=None,
 ) -> Installed:
     """Install ``name`` under ``root`` (an instance, or this host's ``node`` of group ``name``:
     the head by default); idempotent, values already in the env file kept. ``preflight`` sees
     a single-node install before anything is written (``appliance install``'s host check).
-    ``docker_client``: the host's Docker (default: asked when ``root`` may reach one)."""
+    The image is judged against the host's Docker where ``root`` may reach one."""
     root = Path(root)
     first = not Layout(root).env_file(name).exists()
     group = group_profile(profile, name, root, node)
-    client = docker_client if docker_client is not None else images.reachable(root)
-    options, notes = _image(client, group or profile, name, root, options or units.Options())
+    options, notes = _image(
+        images.reachable(root), group or profile, name, root, options or units.Options()
+    )
     if group is not None:
         node = node or Node()
         result = multinode.install(group, name, node, root=root, options=options)
