@@ -44,6 +44,8 @@ FALSE = "false"
 MTP_MIN_VLLM = "0.21.0"
 # The first vLLM release with ``--per-request-spec-decode-metrics``.
 PER_REQUEST_METRICS_MIN_VLLM = "0.32.0"
+# The first vLLM release with ``--max-num-queued-reqs`` (PR #49445; the v0.29.0 release notes).
+QUEUE_BOUND_MIN_VLLM = "0.29.0"
 
 
 def supports_mtp(labels: Mapping[str, str] | None) -> bool:

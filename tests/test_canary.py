@@ -316,6 +316,79 @@ def test_cli_compare_exit_codes_and_json(tmp_path):
     assert r.exit_code == 2 and "min_parity must be within 0..1" in r.output
 
 
+# --- answers under batching against answers alone (vLLM #46088) ------------------------------
+
+
+def _with_batched(rec: Record, answers: dict[str, tuple[int, ...]]) -> Record:
+    """``rec`` with a batched pass whose answers are ``answers`` (the rest as alone)."""
+    alone = {o.id: o.token_ids for o in rec.outputs}
+    together = _rec(alone | answers).outputs
+    return dataclasses.replace(rec, batched=together)
+
+
+ALONE = {"a": (1, 2, 3, 4, 5, 6), "b": (7, 8, 9, 10, 11, 12), "c": (1, 13, 14, 15, 16, 17)}
+
+
+def test_batched_answers_equal_to_the_answers_alone_pass():
+    rec = _with_batched(_rec(ALONE), {})
+    check = canary.batched(rec)
+    assert (check.identical, check.outputs, check.crossed, check.ok) == (3, 3, (), True)
+    assert check.summary() == "batched answers pass: 3/3 token-identical to the answers alone"
+    c = canary.compare(_rec(ALONE), rec)
+    assert c.ok and "under batching 3/3 as alone" in c.summary()
+    assert c.figures()["batched"]["ok"] is True
+    assert canary.batched(_rec(ALONE)) is None  # no batched pass: nothing to judge
+
+
+def test_an_answer_taken_from_another_sequence_fails_naming_the_defect():
+    # Under batching a's answer is b's: mixed; c's follows a's for two tokens only: a drift.
+    rec = _with_batched(_rec(ALONE), {"a": ALONE["b"], "c": (1, 2, 99, 99, 99, 99)})
+    check = canary.batched(rec, min_parity=0.0)
+    assert check.differing == ("a", "c") and check.crossed == (("a", "b"),)
+    (failure,) = check.failures()
+    assert failure == (
+        "under batching a answered like b (vLLM #46088: --kv-cache-dtype auto with MTP: answers "
+        "mixed across the sequences of a batch)"
+    )
+    c = canary.compare(_rec(ALONE), rec, canary.Policy(min_parity=0.0))
+    assert c.verdict == "fail" and failure in c.summary()
+
+
+def test_batched_answers_that_drift_are_judged_by_the_parity_floor():
+    # c diverges late under batching (a GPU's numerics can): below 100%, not a mix-up.
+    rec = _with_batched(_rec(ALONE), {"c": (1, 13, 14, 15, 99, 99)})
+    check = canary.batched(rec)
+    assert (check.differing, check.crossed, check.ok) == (("c",), (), False)
+    assert check.failures() == [
+        "under batching 2/3 answers equal the same engine's answers alone (67%, min 100%): c differ"
+    ]
+    assert canary.batched(rec, min_parity=0.6).ok
+    assert canary.compare(_rec(ALONE), rec, canary.Policy(min_parity=0.6)).ok
+
+
+def test_a_profile_turns_the_batched_pass_on_for_its_canary():
+    prof = profiles.get("rtx5090x2-31b-fp8-mtp")  # max_num_seqs = 1
+    assert not canary.plan(prof).batched  # off unless the profile says so
+    on = dataclasses.replace(prof, canary=dataclasses.replace(prof.canary, batched=True))
+    plan = canary.plan(on)
+    assert (plan.batched, plan.at_once) == (True, 1)
+    table = profiles.from_dict(
+        {"name": "x", "description": "d", "model": "m", "served_model_name": "s"}
+        | {"canary": {"enabled": True, "batched": True}}
+    )
+    assert canary.plan(table).batched
+
+
+def test_a_record_keeps_its_batched_pass_and_an_older_one_loads_without(tmp_path):
+    rec = _with_batched(_rec(ALONE), {"c": (1, 13, 14, 15, 99, 99)})
+    path = canary.save(rec, tmp_path / "r.json")
+    assert canary.load(path) == rec
+    data = json.loads(path.read_text())
+    del data["batched"]  # a record written before the batched pass
+    path.write_text(json.dumps(data))
+    assert canary.load(path).batched == ()
+
+
 # --- refused before anything is sent ---------------------------------------------------------
 
 

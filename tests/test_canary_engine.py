@@ -225,3 +225,22 @@ def test_without_per_request_metrics_the_figures_come_from_the_counters(mtp_coun
     rec = _record(mtp_counters_engine)
     assert {o.spec.source for o in rec.outputs} == {"counters"}
     assert all(o.spec.drafts > 0 for o in rec.outputs)
+
+
+def test_answers_under_batching_equal_the_answers_alone(mtp_engine, rec_mtp, tmp_path):
+    """The batched pass (issue 46): the 14 cases again, all sent at once, so the engine decodes
+    them in one batch with MTP; each answer must equal the same engine's answer alone. The
+    defect it is for (vLLM #46088: answers mixed across a batch with --kv-cache-dtype auto and
+    MTP) is a GPU one; test_canary.py shows the verdict on such a record."""
+    out = tmp_path / "batched.json"
+    args = ["canary", "record", "--url", mtp_engine.url, "--profile", "cpu-tiny-mtp"]
+    r = CliRunner().invoke(cli, [*args, "--out", str(out), "--batched"])
+    assert r.exit_code == 0, r.output
+    assert "batched answers pass: 14/14 token-identical to the answers alone" in r.output
+    rec = canary.load(out)
+    assert [o.id for o in rec.batched] == [o.id for o in rec.outputs]
+    assert all(o.completion_tokens == rec.settings.max_tokens for o in rec.batched)
+    # Every batched answer made with drafts, exact per request under the batch.
+    assert {o.spec.source for o in rec.batched if o.spec} == {"request"}
+    assert canary.compare(rec_mtp, rec, POLICY).verdict == "pass"
+    print(f"\nbatched canary: {rec.cost()}")

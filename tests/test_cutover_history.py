@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -133,3 +137,52 @@ def test_a_rollback_slot_keeps_the_image_id_and_an_older_slot_reads_without_it(t
     layout.rollback_slot("i1").write_text('{"image": "gemma4-vllm:pre-mtp", "entry": "e0"}\n')
     assert slot.read(layout, "i1") == slot.Slot("gemma4-vllm:pre-mtp", None)
     assert slot.rollback_image(layout, "i1") == "gemma4-vllm:pre-mtp"
+
+
+# Appends one begin line to the history at argv[1]; with argv[2] > 0, under a file size limit
+# of that many bytes (RLIMIT_FSIZE: the kernel cuts the write short, then refuses it with EFBIG,
+# as a full disk does; SIGXFSZ ignored so the write returns instead of killing the process).
+_APPEND = """
+import resource, signal, sys
+from pathlib import Path
+from appliance.cutover import history
+entry = history.Entry.begin("i1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:0.32.0-mtp")
+if int(sys.argv[2]):
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]),) * 2)
+history.append(Path(sys.argv[1]), entry)
+"""
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _append(path: Path, limit: int = 0, *tracer: str) -> subprocess.CompletedProcess:
+    argv = [*tracer, sys.executable, "-c", _APPEND, str(path), str(limit)]
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False)
+
+
+def test_an_append_the_disk_cuts_short_fails_and_leaves_the_history_as_it_was(tmp_path):
+    """The history's write result was ignored: a short write left half a line and the cutover
+    went on as if its entry were recorded."""
+    path = tmp_path / "history" / "i1.jsonl"
+    assert _append(path).returncode == 0
+    before = path.read_bytes()
+    res = _append(path, len(before) + 20)
+    assert res.returncode != 0 and "File too large" in res.stderr, res.stderr
+    assert path.read_bytes() == before
+
+
+def test_an_append_syncs_the_folder_that_holds_the_history(tmp_path):
+    """A new history file is durable only once its folder is: the append fsyncs the folder
+    after the file (seen in the real system calls, strace)."""
+    path = tmp_path / "history" / "i1.jsonl"
+    log = tmp_path / "strace.txt"
+    res = _append(path, 0, "strace", "-qq", "-e", "trace=openat,fsync", "-o", str(log))
+    assert res.returncode == 0, res.stderr
+    calls = log.read_text()
+    file_fd = re.search(rf'openat\(AT_FDCWD, "{re.escape(str(path))}", [^)]*\) = (\d+)', calls)
+    dir_fds = re.findall(
+        rf'openat\(AT_FDCWD, "{re.escape(str(path.parent))}", [^)]*O_DIRECTORY[^)]*\) = (\d+)',
+        calls,
+    )
+    assert file_fd and f"fsync({file_fd.group(1)})" in calls, calls
+    assert any(f"fsync({fd})" in calls for fd in dir_fds), calls

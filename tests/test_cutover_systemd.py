@@ -317,7 +317,8 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     else:
         assert judged["change"]["samples"] > 0
     assert f"canary: the acceptance baseline of {inst.instance} is now acceptance" in r.stderr
-    kept = json.loads(inst.appliance("status", inst.instance, "--json").stdout)["baseline"]
+    [st] = json.loads(inst.appliance("status", inst.instance, "--json").stdout)["instances"]
+    kept = st["baseline"]
     assert kept["image"] == MTP_IMAGE and kept["vllm_version"] == "0.32.0"
     assert kept["acceptance"] > 0.5 and kept["tokens_per_step"] > 1.5  # the copy drafter
     assert f'gemma4_appliance_acceptance_baseline{{instance="{inst.instance}"}}' in (

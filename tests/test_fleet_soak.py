@@ -403,13 +403,22 @@ def test_the_agent_unit_is_hardened(tmp_path):
 
     template = ANSIBLE_DIR / "roles/gemma4_appliance/templates/gemma4-prometheus-agent.service.j2"
     unit = tmp_path / "gemma4-prometheus-agent.service"
+    # Ansible's template module: trim_blocks on.
     unit.write_text(
-        jinja2.Template(template.read_text(), keep_trailing_newline=True).render(
+        jinja2.Template(template.read_text(), keep_trailing_newline=True, trim_blocks=True).render(
             monitoring_agent_bin="/usr/bin/prometheus",
             monitoring_agent_flag="--enable-feature=agent",
             monitoring_agent_port=9095,
+            monitoring_credentials=[{"name": "remote-write-password"}],
         )
     )
+    # The config (0600) and the credentials reach the dynamic user through LoadCredential=.
+    text = unit.read_text()
+    assert "  --config.file=%d/prometheus.yml \\\n" in text
+    assert (
+        "LoadCredential=prometheus.yml:/etc/gemma4-prometheus-agent/prometheus.yml\n"
+        "LoadCredential=remote-write-password:/etc/gemma4-prometheus-agent/remote-write-password\n"
+    ) in text
     verify = subprocess.run(
         ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, check=False
     )

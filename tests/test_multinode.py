@@ -127,7 +127,7 @@ def test_multinode_table_rejects_unknown_fields():
 # --- the units --------------------------------------------------------------------------------
 
 
-def _install(root: Path, name: str, node: multinode.Node, **kw) -> None:
+def _install(root: Path, name: str, node: Node, **kw) -> None:
     opts = units.Options(image="gemma4-vllm:0.32.0-mtp", **kw)
     if profiles.get(name).uses_devmodel:
         opts = dataclasses.replace(opts, model_dir="/srv/tiny")

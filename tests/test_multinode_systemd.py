@@ -6,25 +6,37 @@ The order of the tests matters only for time: one group, moved by every test."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
+import time
 
+import httpx
 import pytest
 from click.testing import CliRunner
-from plugins.multinode import GROUP, MTP_IMAGE
+from plugins.multinode import (
+    GROUP,
+    MTP_IMAGE,
+    PROFILE,
+    START_TIMEOUT,
+    VLLM_CACHE,
+    remove_group,
+)
 from plugins.systemd_instance import APPLIANCE, REPO
 
 import docker
-from appliance import state_metrics
+from appliance import devmodel, multinode, profiles, state_metrics, units
 from appliance.cli import cli
 from appliance.cutover import history
+from appliance.engine.local import free_port
 from appliance.host import envfile
-from appliance.host.layout import Layout
-from appliance.host.names import node_container
+from appliance.host.layout import Layout, Node
+from appliance.host.names import node_container, node_unit
 
 pytestmark = [pytest.mark.systemd, pytest.mark.multinode]
 
@@ -197,6 +209,86 @@ def test_a_dead_worker_takes_the_head_down_and_both_come_back_in_order(multinode
     g.wait_new_start(g.head, head_inv)
     assert m.is_active(g.worker) == "active" and m.is_active(g.head) == "active"
     assert 0 < g.started_at(g.worker) < g.started_at(g.head)
+    _serves_with_mtp(g)
+
+
+def _files_of(m, group: str) -> list:
+    """What `multinode install` laid for ``group`` alone (not the shared unit templates)."""
+    etc = m.root / "etc/gemma4-vllm"
+    units_dir = m.root / "etc/systemd/system"
+    return [*etc.glob(f"{group}.*"), *etc.glob(f"{group}-*"), *units_dir.glob(f"*@{group}.*")]
+
+
+def test_a_worker_waits_out_its_heads_outage_and_the_group_comes_back_unaided(multinode_group):
+    """Review N6: a worker started while its head's host is down. Its engine waited for the
+    rendezvous, exited at torch's timeout and was restarted until the start limit left it
+    `failed`: the group then needed `reset-failed` once the head was back. Now the serve
+    program waits for the rendezvous first (one start, no container yet).
+
+    A second group on this machine, its worker installed alone (the head's host, down, is
+    nowhere), with the rendezvous timeout at 90 s instead of 30 min so that the old behaviour
+    shows within minutes (the head waits as long for the worker to join: a worker's container
+    takes tens of seconds to start here); the head comes back by being installed and started
+    here."""
+    g = multinode_group
+    m = g.machine
+    group = "n6"
+    worker, head = node_unit(group, "worker"), node_unit(group, "head")
+    prof = profiles.get(PROFILE)
+    prof = dataclasses.replace(
+        prof,
+        extra_args=(*prof.extra_args, "--distributed-timeout-seconds", "90"),
+        multinode=dataclasses.replace(prof.multinode, master_port=free_port()),
+    )
+    port = free_port()
+    opts = units.Options(
+        image=MTP_IMAGE,
+        port=port,
+        model_dir=str(devmodel.cached("copy").root),
+        vllm_cache_dir=str(VLLM_CACHE),
+    )
+
+    def lay(roles) -> None:
+        multinode.install(prof, group, Node(roles=roles, rank=1), root=m.root, options=opts)
+        for role in roles:  # no key files on 127.0.0.1, as the fixture's group (see there)
+            Layout(m.root).node_api_key_file(group, role).unlink(missing_ok=True)
+        m.daemon_reload()
+
+    m.systemctl("stop", g.worker)  # and the head (PartOf=): room for the second pair
+    try:
+        lay(("worker",))
+        m.systemctl("start", worker)
+        deadline = time.monotonic() + START_TIMEOUT
+        while "waiting for the head's rendezvous" not in m.journal(worker, 200):
+            state = (m.is_active(worker), g.show(worker, "Result"), g.show(worker, "NRestarts"))
+            assert state[0] != "failed", (state, m.journal(worker, 60))
+            assert time.monotonic() < deadline, (state, m.journal(worker, 60))
+            time.sleep(1)
+        assert m.is_active(worker) == "active" and g.show(worker, "NRestarts") == "0"
+        # The head's host is back.
+        lay(("head", "worker"))
+        started = m.systemctl("start", head, check=False, timeout=START_TIMEOUT)  # generates
+        assert started.returncode == 0, m.journal(head, 80) + m.journal(worker, 40)
+        assert m.is_active(worker) == "active" and g.show(worker, "NRestarts") == "0"
+        resp = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "gemma4-tiny", "prompt": "back", "max_tokens": 4, "temperature": 0},
+            timeout=120,
+        )
+        assert resp.status_code == 200, resp.text
+    finally:
+        m.systemctl("stop", worker, check=False, timeout=180)
+        m.systemctl("reset-failed", worker, head, check=False)
+        for path in _files_of(m, group):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        m.daemon_reload()
+        remove_group(group)
+        # The fixture's group: its head may have exited 1 when it was stopped (it is `failed`).
+        m.systemctl("reset-failed", g.head, g.worker, check=False)
+        m.systemctl("start", g.head, timeout=START_TIMEOUT)
     _serves_with_mtp(g)
 
 

@@ -141,3 +141,34 @@ def test_cli_refuses_before_touching_a_server(tmp_path):
     path.write_text(profiles.shipped_text("cpu-tiny").replace('"cpu-tiny"', '"mine"', 1))
     res = runner.invoke(cli, [*args, "--profile", str(path)])
     assert res.exit_code == 2 and "profile mine has no MTP to tune" in res.output
+
+
+def test_verify_reads_each_level_against_the_schedule():
+    tuned = result(profiles.get("cpu-tiny-mtp"), [(1, 1), (4, 2)]).tuned()
+    assert tuned.speculative.num_speculative_tokens_per_batch_size == ((1, 2, 1), (3, 4, 2))
+    # The capture's engine drafted k=2 at every step (it had no schedule): alone, where this
+    # schedule says k=1, that is a drafter ignoring it; at 4 requests the schedule keeps k=2.
+    alone, four = tune.verify(tuned, [captured_level(1), captured_level(4)])
+    assert (alone.verdict, alone.k_at, alone.k_most) == ("ignored", 1, 1)
+    assert (four.verdict, four.k_at, four.k_most) == ("unchanged", 2, 2)
+    with pytest.raises(UsageError, match="has no num_speculative_tokens_per_batch_size"):
+        tune.verify(profiles.get("cpu-tiny-mtp"), [captured_level(1)])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "k", "want"),
+    [
+        (((1, 4, 2), (5, 64, 1)), 2, {1: 2, 4: 2, 5: 1, 64: 1, 100: 1}),
+        (((1, 2, 3), (9, 16, 1)), 3, {2: 3, 3: 3, 8: 3, 9: 1}),  # a gap carries the k before it
+        (((5, 64, 1), (1, 4, 4)), 2, {1: 2, 5: 1}),  # unsorted; k above the profile's is capped
+    ],
+)
+def test_the_k_at_each_batch_size_is_vllms_lookup(schedule, k, want):
+    assert {b: tune.k_at(schedule, k, b) for b in want} == want
+
+
+def test_cli_verify_refuses_a_profile_without_a_schedule_before_touching_a_server():
+    args = ["tune", "--url", "http://127.0.0.1:9", "--profile", "cpu-tiny-mtp", "--verify"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2
+    assert "Error: profile cpu-tiny-mtp has no num_speculative_tokens_per_batch_size" in res.output

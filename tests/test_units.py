@@ -166,7 +166,10 @@ def test_two_instances_of_two_profiles_share_one_serve_script(tmp_path):
     libexec = root / "usr/local/libexec/gemma4-vllm"
     assert [p.name for p in libexec.iterdir()] == ["serve"]
     assert (libexec / "serve").read_bytes() == template.serve_program()
-    assert len(list((root / "etc/systemd/system").glob("gemma4-vllm@*"))) == 1
+    # One unit; each instance has only its mounts drop-in.
+    unit_files = sorted(p.name for p in (root / "etc/systemd/system").glob("gemma4-vllm@*"))
+    dropins = [f"gemma4-vllm@{i}.service.d" for i in ("big", "small")]
+    assert unit_files == ["gemma4-vllm@.service", *dropins]
     for name, profile, port in (("big", "l4x4-31b-mtp", "8050"), ("small", "cpu-tiny", "8123")):
         env = envfile.read(Layout(root).env_file(name))
         assert (env.get("APPLIANCE_PROFILE"), env.get("VLLM_PORT")) == (profile, port)
@@ -362,6 +365,33 @@ def test_the_api_key_reaches_docker_on_stdin_or_by_name_never_as_a_value(tmp_pat
     assert (keyless.stdin, keyless.env) == (None, {}) and "--interactive" not in keyless.argv
 
 
+def test_the_queue_bound_reaches_only_an_image_whose_vllm_has_the_flag(tmp_path):
+    # rtx5090x2-31b-fp8-mtp states max_num_seqs = 1: a bound of 2 (vLLM >= 0.29 has the flag).
+    args = engine_args.serve_args(profiles.get("rtx5090x2-31b-fp8-mtp"), [])
+    assert args.queue == ("--max-num-queued-reqs", "2")
+    assert "--max-num-queued-reqs" not in args.serve
+    assert argsfile.parse(args.to_json("x"), "x.args") == args  # the args file keeps it
+    settings = environment.Settings("img:1", "127.0.0.1", 8000, "all", None, "/hf", None)
+
+    def run(vllm: str | None):
+        image = {labels.MTP: "true"} | ({labels.VLLM_VERSION: vllm} if vllm else {})
+        return container.command("i", args, settings, image, None, tmp_path / "k")
+
+    new = run("0.32.0")
+    assert new.argv[-2:] == ["--max-num-queued-reqs", "2"]
+    assert "queue bound --max-num-queued-reqs 2: 503 past it" in new.notes
+    for old, shown in (("0.21.0", "0.21.0"), (None, "unlabelled")):
+        cmd = run(old)
+        assert "--max-num-queued-reqs" not in cmd.argv
+        assert f"image's vLLM {shown} has no --max-num-queued-reqs (needs >= 0.29.0)" in (
+            " ".join(cmd.notes)
+        )
+    # A profile without a bound says nothing about it.
+    plain = engine_args.serve_args(profiles.get("l4x4-31b-mtp"), [])
+    cmd = container.command("i", plain, settings, {labels.VLLM_VERSION: "0.32.0"}, None, tmp_path)
+    assert "--max-num-queued-reqs" not in cmd.argv and "queue" not in " ".join(cmd.notes)
+
+
 # --- profile strings are data, never code -------------------------------------------------------
 
 MARK = "/tmp/gemma4-units-pwned"
@@ -439,7 +469,6 @@ def test_shell_in_profile_tokens_is_one_argument_and_never_runs(tmp_path, no_doc
         ("VLLM_IMAGE", f"x$(touch {MARK})", "is not a valid image reference"),
         ("VLLM_CACHE_DIR", "/tmp/a b", "is not a plain absolute path"),
         ("MODEL_DIR", "/var/tmp/gemma4-no-such-dir", "the unit has a private /tmp"),
-        ("MODEL_DIR", "/srv/gemma4-no-such-dir", "/srv/gemma4-no-such-dir in /"),
         ("VLLM_GPUS", "all;id", "invalid GPU selection 'all;id'"),
         ("APPLIANCE_PROFILE", "cpu-tiny", "but the args file is profile cpu-tiny-mtp"),
         ("VLLM_HOST", "", "VLLM_HOST is not set"),
@@ -453,6 +482,27 @@ def test_a_bad_env_value_is_a_configuration_error_before_docker(
     assert proc.returncode == 78 and proc.stdout == "", proc.stderr
     assert message in proc.stderr and key in proc.stderr
     assert not Path(MARK).exists()
+
+
+@pytest.mark.parametrize(
+    ("profile", "key"), [("cpu-tiny-mtp", "MODEL_DIR"), ("l4x4-31b-mtp", "HF_CACHE_DIR")]
+)
+def test_a_model_folder_not_there_yet_is_a_failure_the_unit_retries(
+    tmp_path, no_docker_path, profile, key
+):
+    """Review S11: models on a file system mounted late (NFS, a `nofail` disk) exited 78 at
+    boot, which the unit never restarts. A folder that is not there at all is exit 75 now; the
+    unit restarts on anything but 78 (tests/test_units_edges_systemd.py shows systemd doing it),
+    and its drop-in makes systemd mount the folders before it starts the instance."""
+    late = "/srv/gemma4-not-mounted-yet/models"
+    units.install(profile, "e", root=tmp_path, options=units.Options(**{key.lower(): late}))
+    proc = serve(tmp_path, "e", "run", no_docker_path, **{key: late})
+    assert proc.returncode == 75, proc.stderr
+    assert f"{key}={late}" in proc.stderr and "is not a directory (yet?)" in proc.stderr
+    dropin = Layout(tmp_path).mounts_dropin("e").read_text()
+    assert re.search(rf"^RequiresMountsFor={re.escape(late)} ", dropin, re.MULTILINE), dropin
+    unit = unit_settings(Layout(tmp_path).unit_template.read_text())
+    assert (unit["Restart"], unit["RestartPreventExitStatus"]) == ("always", "78")
 
 
 def test_a_missing_or_foreign_args_file_is_a_configuration_error(tmp_path, no_docker_path):
@@ -537,8 +587,9 @@ def test_install_is_idempotent(tmp_path):
     units.install("l4x4-31b-mtp", "ref", root=tmp_path)
     before = snapshot(tmp_path)
     result = units.install("l4x4-31b-mtp", "ref", root=tmp_path)
-    # the unit, serve script, env, args, key, the state service and timer and the scrape targets
-    assert result.written == [] and result.removed == [] and len(result.unchanged) == 8
+    # the unit, its mounts drop-in, serve script, env, args, key, the state service and timer
+    # and the scrape targets
+    assert result.written == [] and result.removed == [] and len(result.unchanged) == 9
     assert snapshot(tmp_path) == before
     cli_result = run("instance", "install", "-p", "l4x4-31b-mtp", "ref", "--root", str(tmp_path))
     assert "wrote" not in cli_result.output and snapshot(tmp_path) == before
@@ -1290,6 +1341,9 @@ def test_the_state_timer_and_service_pass_verify_and_the_service_is_hardened(tmp
     settings = unit_settings(service)
     assert settings["ExecStart"] == "/usr/local/bin/appliance status --write-metrics --quiet"
     assert (settings["StateDirectory"], settings["UMask"]) == ("gemma4-appliance", "0022")
+    # Ordered after Docker, never pulling it up (a real systemd shows it:
+    # tests/test_units_edges_systemd.py).
+    assert settings["After"] == "docker.service" and "Wants" not in settings
     textfile = Layout(Path("/")).metrics_textfile()
     assert f"--collector.textfile.directory={textfile.parent}" in service
     assert "OnUnitActiveSec=1min" in Layout(root).state_units[1].read_text()

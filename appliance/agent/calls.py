@@ -39,7 +39,7 @@ class CallRecord:
     operation: str
     model: str | None
     stream: bool
-    outcome: str  # ok | error
+    outcome: str  # ok | error | rejected (the engine turned the call away: HTTP 503)
     error_type: str | None
     duration_s: float
     time_to_first_chunk_s: float | None
@@ -547,7 +547,7 @@ class Call:
             if error is not None:
                 spans.set_error(span, error, self.settings.config.capture_content)
             span.end(end_time=self.ended_ns)
-        outcome = "ok" if error is None else "error"
+        outcome = "ok" if error is None else "rejected" if spans.rejected(error) else "error"
         m = self.settings.metrics
         labels = {"role": self.role, "model": model or ""}
         m.calls.labels(**labels, source=fig.source, outcome=outcome).inc()

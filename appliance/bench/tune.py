@@ -204,6 +204,46 @@ def run(
     return TuneResult(profile, choices, mtp_levels, base_levels, time.monotonic() - start)
 
 
+# --- reading a schedule back from the engine ---------------------------------------------------
+
+
+def k_at(schedule: tuple[tuple[int, ...], ...], k: int, batch_size: int) -> int:
+    """The k vLLM's scheduler drafts at ``batch_size`` under ``schedule`` (a valid one): the
+    range's k, carried forward through gaps and past the last range, capped at ``k``
+    (``build_dynamic_sd_schedule_lookup`` in vllm/v1/spec_decode/dynamic/utils.py)."""
+    chosen = None
+    for start, _end, entry_k in sorted(schedule, key=lambda e: e[0]):
+        if start > batch_size:
+            break
+        chosen = entry_k
+    if chosen is None:
+        raise UsageError(f"the schedule {[list(e) for e in schedule]} does not start at 1")
+    return min(k, chosen)
+
+
+def verify(profile: Profile, levels: list[LevelResult]) -> list[specdecode.ScheduleCheck]:
+    """Each level of a bench of the endpoint serving ``profile`` (its schedule) against what the
+    schedule says there: does the drafter draft fewer tokens per step where it should?"""
+    spec = profile.speculative
+    if spec is None or not spec.num_speculative_tokens_per_batch_size:
+        raise UsageError(
+            f"profile {profile.name} has no {SCHEDULE_KEY} to verify",
+            fix="give the tuned profile the endpoint serves (appliance tune --write)",
+        )
+    schedule, k = spec.num_speculative_tokens_per_batch_size, spec.num_speculative_tokens
+    out = []
+    for lv in levels:
+        n = lv.concurrency
+        figures, _source = lv.spec()
+        most = max(k_at(schedule, k, b) for b in range(1, n + 1))
+        out.append(
+            specdecode.check_schedule(
+                figures or specdecode.Delta("absent"), n, k, k_at(schedule, k, n), most
+            )
+        )
+    return out
+
+
 # --- writing the profile copy -----------------------------------------------------------------
 
 _HEADER = re.compile(r"^\s*\[speculative\]\s*(#.*)?$", re.MULTILINE)

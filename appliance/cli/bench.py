@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
@@ -14,7 +13,7 @@ from ..devmodel import DRAFTER_KINDS
 from ..endpoint import Endpoint
 from ..errors import ApplianceError, UsageError
 from ..profiles import get
-from .options import endpoint_options, progress_bar, prompt_options
+from .options import OutputPath, endpoint_options, progress_bar, prompt_options
 
 
 def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
@@ -85,16 +84,16 @@ def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
 @click.option("--seed", type=int, default=None)
 @click.option(
     "--out",
-    type=click.Path(path_type=Path),
+    type=OutputPath(),
     default=None,
     metavar="FILE",
     help="Write the JSON artifact here (only when the bench succeeds).",
 )
-@click.option("--json-output", "old_out", type=click.Path(path_type=Path), hidden=True)
+@click.option("--json-output", "old_out", type=OutputPath(), hidden=True)
 @click.option(
     "--report",
     "report_html",
-    type=click.Path(path_type=Path),
+    type=OutputPath(),
     default=None,
     help="Write a self-contained HTML report (charts inline) of the same record.",
 )
@@ -172,8 +171,6 @@ def bench(
     if max_acceptance_drop is None:
         max_acceptance_drop = profile.canary.max_acceptance_drop if profile else 0.1
     tolerance = acceptance.Tolerance(max_acceptance_drop)
-    if report_html:
-        reports.check_target(report_html)
     levels = concurrency_lib.parse_levels(concurrency) if concurrency else None
     if levels and not url:
         raise UsageError("--concurrency benches one endpoint: give NAME or --url")

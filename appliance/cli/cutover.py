@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from .. import state_metrics
 from ..cutover import flow, history, recovery, report
 from ..cutover import metrics as cutover_metrics
 from ..cutover.context import Context
@@ -204,8 +205,16 @@ def status(name: str | None, write_metrics: bool, quiet: bool, json_: bool, root
     ctx = _context(root, progress=False)
     if write_metrics:
         # Cutovers write it too; between them only this refresh shows a unit that gave up.
-        written = cutover_metrics.write(layout, cutover_metrics.local_docker(root), ctx.systemd)
+        found = cutover_metrics.states(layout, cutover_metrics.local_docker(root), ctx.systemd)
+        written = cutover_metrics.write_states(layout, found)
         click.echo(f"wrote {written}")
+        for st in found:
+            if st.env_error:
+                click.echo(
+                    f"warning: {st.instance}: marked {state_metrics.ENV_FILE_READABLE} 0: "
+                    f"{st.env_error}",
+                    err=True,
+                )
         if quiet:
             return
     found = [get_status(ctx, n) for n in names]

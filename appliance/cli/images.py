@@ -12,7 +12,7 @@ from .. import images
 from ..images import archive, inventory, lock, prune, scheme, targets
 from ..images import build as image_build
 from ..tables import table
-from .options import root_option
+from .options import OutputPath, root_option
 
 REPO_OPTION = click.option(
     "--repository", default=scheme.REPOSITORY, show_default=True, help="Image repository."
@@ -150,7 +150,7 @@ def image_rm(ref: str, root: Path, repository: str) -> None:
 @click.option(
     "--out",
     required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputPath(),
     help="The archive to write (its directory must exist).",
 )
 @click.option("json_", "--json", is_flag=True, help="Print the record as JSON.")

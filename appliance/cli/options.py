@@ -12,6 +12,7 @@ import click
 from .. import endpoint
 from ..bench import prompts
 from ..errors import UsageError
+from ..fsutil import check_target
 
 # One meaning everywhere: where the host's /etc and /var/lib are (an image being built, a test
 # tree, or an nspawn machine's root seen from the host).
@@ -23,6 +24,21 @@ root_option = click.option(
     envvar="APPLIANCE_ROOT",
     help="Prefix of the host's /etc and /var/lib (an image being built, a test tree).",
 )
+
+
+class OutputPath(click.Path):
+    """A path the command writes (a file, or a folder with ``directory``), checked as the
+    command line is parsed: a place nothing can be written is one ``Error:`` line before any
+    work (a bench's whole measurement), never a traceback after it."""
+
+    def __init__(self, *, directory: bool = False) -> None:
+        super().__init__(path_type=Path)
+        self.directory = directory
+
+    def convert(self, value, param, ctx) -> Path:
+        path = super().convert(value, param, ctx)
+        label = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
+        return check_target(path, label, directory=self.directory)
 
 
 def api_key_options(f):

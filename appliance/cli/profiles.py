@@ -65,7 +65,7 @@ def profiles_show(name: str, json_: bool) -> None:
     yours (a path: ./mine.toml), findings on stderr."""
     p = prof.lookup(name)
     model_dir = "$DEVMODEL" if p.uses_devmodel else None
-    argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir)]
+    argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir), *p.queue_args()]
     if json_:
         findings = [dataclasses.asdict(f) for f in pv.check(p)]
         click.echo(json.dumps({"name": p.name, "argv": argv, "findings": findings}))

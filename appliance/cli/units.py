@@ -12,7 +12,7 @@ from ..cutover import metrics as cutover_metrics
 from ..errors import UsageError
 from ..host.layout import Layout, Node
 from ..host.systemd import Systemd
-from .options import root_option
+from .options import OutputPath, root_option
 
 
 def instance_options(profile_required: bool):
@@ -101,12 +101,12 @@ def node_options(f):
 @click.argument("name", metavar="NAME")
 @instance_options(profile_required=True)
 @node_options
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output dir.")
-def render(profile: str, name: str, out: str, **kw) -> None:
+@click.option("--out", "-o", required=True, type=OutputPath(directory=True), help="Output dir.")
+def render(profile: str, name: str, out: Path, **kw) -> None:
     """Render NAME's units, env and args files and the serve program into --out, as install
     would lay them out under --root."""
     node = _node(kw)
-    _report(installer.render_to(profile, name, Path(out), _options(kw), node=node))
+    _report(installer.render_to(profile, name, out, _options(kw), node=node))
 
 
 @click.command()

@@ -33,6 +33,10 @@ TIMERS_WANTS_DIR = UNIT_DIR / "timers.target.wants"
 # Drop-ins binding a group's head and worker where both run on one host.
 LOCAL_WORKER_DROPIN = "50-local-worker.conf"
 LOCAL_HEAD_DROPIN = "50-local-head.conf"
+# The worker's wait for its head's rendezvous (the head's address let through the hardening).
+RENDEZVOUS_DROPIN = "40-rendezvous.conf"
+# An instance's own drop-in: RequiresMountsFor= the folders its env file names.
+MOUNTS_DROPIN = "mounts.conf"
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,14 @@ class Layout:
         """The drop-in binding ``role`` to the other node where both run on this host."""
         dropin = LOCAL_WORKER_DROPIN if role == "head" else LOCAL_HEAD_DROPIN
         return self.unit_dir / f"{names.node_unit(group, role)}.d" / dropin
+
+    def mounts_dropin(self, instance: str) -> Path:
+        """The instance's drop-in waiting for the mounts of its model and cache folders."""
+        return self.unit_dir / f"{names.unit_name(instance)}.d" / MOUNTS_DROPIN
+
+    def rendezvous_dropin(self, group: str) -> Path:
+        """The drop-in letting a group's worker reach its head's rendezvous."""
+        return self.unit_dir / f"{names.node_unit(group, 'worker')}.d" / RENDEZVOUS_DROPIN
 
     @property
     def serve_program(self) -> Path:

@@ -108,12 +108,17 @@ class Systemd:
         know, or one not failed, is left as it is)."""
         self._run("systemctl", "reset-failed", unit)
 
-    def stop_and_disable(self, unit: str) -> None:
-        """Stop ``unit`` (waiting for its ExecStop) and disable it; a unit systemd does not know
-        is left alone."""
-        if self.show(unit, "LoadState").get("LoadState") == "not-found":
+    def stop_and_disable(self, *units: str) -> None:
+        """Stop ``units`` together (one job transaction, waiting for their ExecStop) and disable
+        them, and clear a failed state they end in (a group's head may exit non-zero as its
+        worker goes: the unit being removed must not linger as `failed`); units systemd does not
+        know are left alone."""
+        known = [u for u in units if self.show(u, "LoadState").get("LoadState") != "not-found"]
+        if not known:
             return
-        self._check("systemctl", "disable", "--now", unit)
+        self._check("systemctl", "disable", "--now", *known)
+        for unit in known:
+            self.reset_failed(unit)
 
     def daemon_reload(self) -> None:
         """Make systemd read the unit files again (after installing or removing one)."""

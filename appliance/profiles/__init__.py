@@ -29,6 +29,12 @@ DEVMODEL = "{devmodel}"
 DriverVersion = Annotated[str, pydantic.StringConstraints(pattern=r"^(\d+(\.\d+)*)?$")]
 Gib = Annotated[float, pydantic.Field(ge=0)]
 
+# The engine's queue bound (vLLM's --max-num-queued-reqs, in vLLM since 0.29, PR #49445) counts
+# requests in flight, running and waiting (vllm/config/scheduler.py, max_num_queued_reqs). Twice
+# max_num_seqs: a full batch running and one more waiting, so a request that is let in waits at
+# most about one request's time; past it vLLM answers 503 at once (gotchas/queue-bound.md).
+QUEUE_PER_SEQUENCE = 2
+
 # The range of every bounded field: a value outside it is one line naming the field and the
 # range (records.Rule). `profiles validate`, `install` and every other reader build profiles
 # through this record, so they refuse the same values with the same words.
@@ -98,8 +104,9 @@ class Hardware:
 @dataclass(frozen=True)
 class Canary:
     """The optional ``[canary]`` table: whether a cutover runs the output canary, its thresholds
-    and run settings, and an operator's JSONL (``prompts``; a relative path is under
-    ``/etc/gemma4-vllm``) that extends the shipped set, or replaces it (``replace``)."""
+    and run settings, an operator's JSONL (``prompts``; a relative path is under
+    ``/etc/gemma4-vllm``) that extends the shipped set, or replaces it (``replace``), and whether
+    it also runs the set batched (every case at once, judged against the answers alone)."""
 
     enabled: bool = False
     min_parity: Share = 1.0
@@ -109,6 +116,7 @@ class Canary:
     seed: AtLeast0 = 0
     prompts: str = ""
     replace: bool = False
+    batched: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,8 @@ class Profile:
     max_model_len: AtLeast1 | None = None
     max_num_batched_tokens: AtLeast1 | None = None
     max_num_seqs: AtLeast1 | None = None
+    # The queue bound, when not QUEUE_PER_SEQUENCE x max_num_seqs (see :attr:`queue_bound`).
+    max_num_queued_reqs: AtLeast1 | None = None
     gpu_memory_utilization: Utilisation | None = None
     kv_cache_dtype: str | None = None
     quantization: str | None = None
@@ -170,6 +180,18 @@ class Profile:
     @property
     def uses_devmodel(self) -> bool:
         return DEVMODEL in self.model
+
+    @property
+    def queue_bound(self) -> int | None:
+        """Requests the engine holds at most, running and waiting, before it answers 503: the
+        explicit ``max_num_queued_reqs``, else ``QUEUE_PER_SEQUENCE`` x ``max_num_seqs``; None
+        (vLLM's unbounded queue) when the profile states neither, since vLLM's own
+        ``max_num_seqs`` then depends on the device it finds."""
+        if self.max_num_queued_reqs is not None:
+            return self.max_num_queued_reqs
+        if self.max_num_seqs is not None:
+            return QUEUE_PER_SEQUENCE * self.max_num_seqs
+        return None
 
     def serve_args(
         self,
@@ -220,6 +242,14 @@ class Profile:
             return []
         dm = str(devmodel) if devmodel is not None else None
         return ["--speculative-config", self.speculative.to_json(dm)]
+
+    def queue_args(self) -> list[str]:
+        """``--max-num-queued-reqs`` (vLLM >= 0.29) when the profile has a :attr:`queue_bound`.
+
+        Apart from :meth:`serve_args`, like the MTP flags: an older vLLM refuses the flag, so the
+        serve program passes it only to an image whose labelled vLLM has it."""
+        bound = self.queue_bound
+        return [] if bound is None else ["--max-num-queued-reqs", str(bound)]
 
     def per_request_metrics_args(self) -> list[str]:
         """``--per-request-spec-decode-metrics`` (vLLM >= 0.32), only with speculative decoding."""

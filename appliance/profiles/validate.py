@@ -506,6 +506,20 @@ def _interfaces(p: Profile) -> Iterable[Finding]:
         )
 
 
+def _queue(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    # vLLM counts running and waiting requests against the bound (vllm/v1/engine/async_llm.py,
+    # check_admission): one below max_num_seqs turns callers away while the batch has room.
+    bound, seqs = p.queue_bound, p.max_num_seqs
+    if bound is not None and seqs is not None and bound < seqs:
+        yield Finding(
+            "warning",
+            "queue-bound",
+            f"max_num_queued_reqs = {bound} is below max_num_seqs = {seqs}: vLLM answers 503 "
+            "while the batch still has room (the bound counts running requests too)",
+            "remove max_num_queued_reqs (2 x max_num_seqs), or raise it (gotchas/queue-bound.md)",
+        )
+
+
 RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
     _batched_tokens,
     _known_defects,
@@ -518,6 +532,7 @@ RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
     _drafter,
     _exposure,
     _multinode,
+    _queue,
 )
 
 

@@ -1,5 +1,5 @@
 """The engine's ``docker run`` command: the args file's arguments, the instance's settings, and
-the image's labels deciding the Gemma 4 MTP flags and how the API key travels.
+the image's labels deciding the Gemma 4 MTP flags, the queue bound and how the API key travels.
 
 An image not labelled MTP is served without the speculative config, so pointing ``VLLM_IMAGE``
 at a pre-MTP image is a safe rollback. The key never enters an argument or the container's
@@ -46,6 +46,20 @@ def speculative_args(args: ServeArgs, image_labels: Mapping[str, str]) -> tuple[
     return out, f"serving with Gemma 4 MTP speculative decoding ({' '.join(args.mtp)})"
 
 
+def queue_args(args: ServeArgs, image_labels: Mapping[str, str]) -> tuple[list[str], str | None]:
+    """The queue bound's flag this image gets, and the journal line saying why (None: the
+    profile has no bound)."""
+    if not args.queue:
+        return [], None
+    version = labels.vllm_version(image_labels)
+    if version and versions.has_queue_bound(version):
+        return list(args.queue), f"queue bound {' '.join(args.queue)}: 503 past it"
+    return [], (
+        f"image's vLLM {version or 'unlabelled'} has no --max-num-queued-reqs (needs >= "
+        f"{labels.QUEUE_BOUND_MIN_VLLM}): serving with vLLM's unbounded queue"
+    )
+
+
 def command(
     instance: str,
     args: ServeArgs,
@@ -61,6 +75,9 @@ def command(
     notes = [f"image {settings.image}: version {image_version}, vLLM {vllm}, Gemma 4 MTP {mtp}"]
     spec, why = speculative_args(args, image_labels)
     notes.append(why)
+    queue, why = queue_args(args, image_labels)
+    if why:
+        notes.append(why)
     key_args: list[str] = []
     stdin, env = None, {}
     if key is not None and labels.reads_api_key_stdin(image_labels):
@@ -111,5 +128,6 @@ def command(
         "--port",
         str(settings.port),
         *spec,
+        *queue,
     ]
     return Command(argv, stdin, env, notes)

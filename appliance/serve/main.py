@@ -1,8 +1,9 @@
 """``serve INSTANCE COMMAND``: the unit's commands (see :mod:`appliance.serve`).
 
 Every line goes to stderr, prefixed ``gemma4-vllm@INSTANCE:``, which the journal keeps. Exit 78
-(EX_CONFIG, which the unit never restarts) for a configuration problem, 1 for a failure a
-restart may fix, 2 for a wrong command line.
+(EX_CONFIG, which the unit never restarts) for a configuration problem, 75 (EX_TEMPFAIL) for a
+model folder not there yet (a late mount), 1 for another failure a restart may fix, 2 for a wrong
+command line.
 """
 
 from __future__ import annotations
@@ -125,8 +126,13 @@ class Unit:
 
 
 def run(unit: Unit) -> None:
-    """Exec the engine's container: from here on the docker client is the unit's main process."""
+    """Exec the engine's container: from here on the docker client is the unit's main process.
+    A multi-node worker first waits for its head's rendezvous (:func:`health.wait_listening`)."""
     cmd = unit.command(check_models=True)
+    if (head := unit.args().rendezvous()) is not None:
+        took = health.wait_listening(*head, unit.log)
+        if took >= health.POLL_S:
+            unit.log(f"the head's rendezvous at {head[0]}:{head[1]} answers after {took:.0f} s")
     os.environ.update(cmd.env)
     if cmd.stdin is not None:
         fd = os.open(cmd.stdin, os.O_RDONLY)

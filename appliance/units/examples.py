@@ -2,10 +2,10 @@
 
 :func:`example_files` renders them with :func:`render` for the hand-made profiles and the seed
 hosts' generated ones (``profiles.examples``; instance named after the profile), so a reviewer
-reads exactly what ``appliance install`` writes: the one unit
-(``systemd/gemma4-vllm@.service``) and one env file and one args file per profile
-(``systemd/env/``, ``systemd/args/``); a multi-node profile's group is
-:mod:`appliance.multinode.examples`.
+reads exactly what ``appliance instance install`` writes: the one unit
+(``systemd/gemma4-vllm@.service``) and one env file, one args file and one mounts drop-in per
+profile (``systemd/env/``, ``systemd/args/``, ``systemd/mounts/``); a multi-node profile's group
+is :mod:`appliance.multinode.examples`.
 The one serve program is not an example: it is :mod:`appliance.serve`, bundled at install.
 ``appliance generate`` (``appliance.generate``) writes and checks the examples.
 """
@@ -20,8 +20,9 @@ from .template import REL, Options, RenderedFile, rel, render, state_units
 UNIT_DIR = "systemd"
 ENV_DIR = "systemd/env"
 ARGS_DIR = "systemd/args"
+MOUNTS_DIR = "systemd/mounts"
 # Folders whose every file `appliance generate` must produce (appliance.generate).
-FOLDERS = (UNIT_DIR, ENV_DIR, ARGS_DIR)
+FOLDERS = (UNIT_DIR, ENV_DIR, ARGS_DIR, MOUNTS_DIR)
 
 # A MIG profile needs its slice: the examples use the first slice of GPU 0.
 EXAMPLE_OPTIONS = {"mig24-e4b-mtp": Options(gpus="device=0:0")}
@@ -36,6 +37,7 @@ def example_files() -> dict[str, RenderedFile]:
         files = render(profile, name, EXAMPLE_OPTIONS.get(name))
         for path in (REL.unit_template, REL.env_file(name), REL.args_file(name)):
             out[example_path(rel(path))] = files[rel(path)]
+        out[f"{MOUNTS_DIR}/{name}.conf"] = files[rel(REL.mounts_dropin(name))]
     for path, file in state_units().items():
         out[example_path(path)] = file
     return dict(sorted(out.items()))

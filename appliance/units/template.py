@@ -10,7 +10,10 @@ the root they are installed under, so ``appliance render --out DIR`` and ``appli
 - ``etc/gemma4-vllm/<instance>.env``: the operator's values (image, profile, host, port, GPUs,
   paths), read by systemd and by :mod:`appliance.units.instance`;
 - ``etc/gemma4-vllm/<instance>.args``: the profile's engine and docker arguments (JSON,
-  :mod:`appliance.serve.argsfile`), read by the serve program as data.
+  :mod:`appliance.serve.argsfile`), read by the serve program as data;
+- ``etc/systemd/system/gemma4-vllm@<instance>.service.d/mounts.conf``: ``RequiresMountsFor=``
+  the instance's model and cache folders (a late mount is waited for, not taken for a missing
+  model).
 
 Profile strings are data, never code: every value that reaches a file is validated first
 (names, host, paths, GPU selection, image) or is an argument the serve program passes to docker
@@ -33,7 +36,7 @@ from ..errors import UsageError
 from ..host import envfile
 from ..host.layout import STATE_DIR, Layout
 from ..host.names import DATA_DIR, ENV_DIR, STATE_UNIT, UNIT_TEMPLATE, check_instance
-from ..host.values import check_gpus, check_host, check_path, check_port
+from ..host.values import PATH_KEYS, check_gpus, check_host, check_path, check_port
 from ..images.choice import fallback
 from ..profiles import PROFILE_NAME, Profile, get
 from ..profiles import validate as pv
@@ -209,6 +212,8 @@ def render(
         "gpus_hint": "one MIG slice per instance" if prof.hardware.mig else "default all",
         "timing": unit_timing(),
         "stop_grace_s": STOP_GRACE_S,
+        "mounts_dropin": Layout().mounts_dropin(instance),
+        "mounts": [values[k] for k in PATH_KEYS if k in values],
     }
     env = jinja_env()
     unit = env.get_template(UNIT_TEMPLATE + ".j2").render(context)
@@ -220,6 +225,9 @@ def render(
             env.get_template("instance.env.j2").render(context), MODE_ENV
         ),
         rel(REL.unit_template): RenderedFile(unit, MODE_UNIT),
+        rel(REL.mounts_dropin(instance)): RenderedFile(
+            env.get_template("mounts.conf.j2").render(context), MODE_UNIT
+        ),
         **state_units(),
     }
 
