@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from appliance.cutover import history
+from appliance.cutover import history, slot
 from appliance.cutover.history import Entry, Gate
 from appliance.host.layout import Layout
 
@@ -108,6 +108,29 @@ def test_status_json_is_one_object_with_each_instance_and_its_history(tmp_path, 
     assert [x["outcome"] for x in a1["entries"]] == ["rolled_back"] and b2["entries"] == []
     one = cli_run(["status", "b2", "--json", "--root", str(tmp_path)], code=1)
     assert [st["instance"] for st in json.loads(one.output)["instances"]] == ["b2"]
+
+
+def test_a_line_written_before_image_ids_were_kept_is_read_without_them(tmp_path):
+    """The IDs are new fields: a line of an older appliance stays readable, IDs unknown."""
+    path = tmp_path / "h.jsonl"
+    e = Entry.begin("i1", "cutover", "a:1", "b:2", "sha256:" + "a" * 64, "sha256:" + "b" * 64)
+    old = json.loads(_done(e, "ok").to_json())
+    del old["from_image_id"], old["to_image_id"]
+    path.write_text(json.dumps(old) + "\n")
+    [got] = history.entries(path)
+    assert (got.from_image, got.from_image_id, got.to_image_id) == ("a:1", None, None)
+    history.append(path, Entry.begin("i1", "rollback", "b:2", "a:1", "sha256:" + "b" * 64))
+    assert history.entries(path)[-1].from_image_id == "sha256:" + "b" * 64
+
+
+def test_a_rollback_slot_keeps_the_image_id_and_an_older_slot_reads_without_it(tmp_path):
+    layout = Layout(tmp_path)
+    layout.rollback_slot("i1").parent.mkdir(parents=True)
+    slot.write(layout, "i1", "gemma4-vllm:0.19.0", "e1", "sha256:" + "c" * 64)
+    assert slot.read(layout, "i1") == slot.Slot("gemma4-vllm:0.19.0", "sha256:" + "c" * 64)
+    layout.rollback_slot("i1").write_text('{"image": "gemma4-vllm:pre-mtp", "entry": "e0"}\n')
+    assert slot.read(layout, "i1") == slot.Slot("gemma4-vllm:pre-mtp", None)
+    assert slot.rollback_image(layout, "i1") == "gemma4-vllm:pre-mtp"
 
 
 # Appends one begin line to the history at argv[1]; with argv[2] > 0, under a file size limit

@@ -49,7 +49,7 @@ def test_mtp_profile_and_image_without_mtp_names_both(mtp_instance, preflight_im
     result = _cutover(mtp_instance, preflight_images["pre-mtp"])
     assert result.exit_code == 1, result.output
     assert (
-        "profile cpu-tiny-mtp requests Gemma 4 MTP but image gemma4-cutover-test:pre-mtp "
+        f"profile cpu-tiny-mtp requests Gemma 4 MTP but image {preflight_images['pre-mtp']} "
         "(vLLM 0.19.0) does not support it"
     ) in result.output
     assert mtp_instance.snapshot() == before

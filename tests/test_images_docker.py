@@ -44,7 +44,7 @@ def _invoke(*args: str):
 def test_mtp_image_is_tagged_per_scheme_and_labelled(appliance_images, docker_engine):
     r = appliance_images["cpu-mtp"]
     tags = set(docker_engine.images.get(r.image_id).tags)
-    assert {"gemma4-vllm:0.32.0-mtp", "gemma4-vllm:mtp", "gemma4-vllm:latest"} <= tags
+    assert {"gemma4-vllm:0.32.0-mtp-cpu", "gemma4-vllm:mtp-cpu", "gemma4-vllm:latest-cpu"} <= tags
     lab = docker_engine.images.get(r.image_id).labels
     assert lab[labels.VLLM_VERSION] == "0.32.0"
     assert lab[labels.MTP] == "true"
@@ -58,8 +58,8 @@ def test_mtp_image_is_tagged_per_scheme_and_labelled(appliance_images, docker_en
 def test_pre_mtp_image_is_tagged_per_scheme_and_labelled(appliance_images, docker_engine):
     r = appliance_images["cpu-pre-mtp"]
     image = docker_engine.images.get(r.image_id)
-    assert {"gemma4-vllm:0.19.0", "gemma4-vllm:pre-mtp"} <= set(image.tags)
-    assert "gemma4-vllm:latest" not in image.tags
+    assert {"gemma4-vllm:0.19.0-cpu", "gemma4-vllm:pre-mtp-cpu"} <= set(image.tags)
+    assert "gemma4-vllm:latest-cpu" not in image.tags
     assert image.labels[labels.VLLM_VERSION] == "0.19.0"
     assert image.labels[labels.MTP] == "false"
     assert image.labels[labels.VERSION] == "0.19.0"
@@ -69,7 +69,9 @@ def test_pre_mtp_image_is_tagged_per_scheme_and_labelled(appliance_images, docke
 def test_broken_image_keeps_mtp_labels_and_no_floating_tag(appliance_images, docker_engine):
     r = appliance_images["cpu-broken"]
     image = docker_engine.images.get(r.image_id)
-    assert image.tags == ["gemma4-vllm:0.32.0-mtp-broken"]
+    assert "gemma4-vllm:0.32.0-mtp-broken-cpu" in image.tags
+    # No floating tag (a host upgraded from the old scheme may keep its old version tag).
+    assert not [t for t in image.tags if scheme.floating(t)], image.tags
     assert image.labels[labels.MTP] == "true"  # every pre-cutover check passes...
     assert image.labels[scheme.BROKEN] == "true"
     assert image.labels[labels.VERSION] == "0.32.0-mtp-broken"
@@ -146,9 +148,9 @@ def _rollback(root: Path, name: str, image: str) -> None:
 
 
 def test_list_reports_tags_labels_and_which_instance_uses_which_image(appliance_images, tmp_path):
-    _instance(tmp_path, "gpu0", "gemma4-vllm:mtp")
-    _instance(tmp_path, "gpu1", "gemma4-vllm:0.32.0-mtp")
-    _rollback(tmp_path, "gpu0", "gemma4-vllm:pre-mtp")
+    _instance(tmp_path, "gpu0", "gemma4-vllm:mtp-cpu")
+    _instance(tmp_path, "gpu1", "gemma4-vllm:0.32.0-mtp-cpu")
+    _rollback(tmp_path, "gpu0", "gemma4-vllm:pre-mtp-cpu")
     _instance(tmp_path, "ghost", "gemma4-vllm:9.9.9-mtp")
     result = _invoke("image", "list", "--root", str(tmp_path), "--json")
     assert result.exit_code == 0, result.output
@@ -157,7 +159,7 @@ def test_list_reports_tags_labels_and_which_instance_uses_which_image(appliance_
     mtp = by_id[appliance_images["cpu-mtp"].image_id]
     assert mtp["used_by"] == ["gpu0", "gpu1"]
     assert mtp["mtp"] is True and mtp["vllm_version"] == "0.32.0"
-    assert "gemma4-vllm:latest" in mtp["tags"]
+    assert "gemma4-vllm:latest-cpu" in mtp["tags"] and mtp["variant"] == "cpu"
     pre = by_id[appliance_images["cpu-pre-mtp"].image_id]
     assert pre["rollback_for"] == ["gpu0"] and pre["used_by"] == []
     assert pre["labels"][labels.MTP] == "false"

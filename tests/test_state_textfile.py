@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import state_metrics
+from appliance.host import envfile
 from appliance.host.layout import Layout
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
@@ -89,6 +90,7 @@ def test_node_exporter_reads_the_textfile_whatever_the_writers_umask(host, umask
         [*NOBODY, "cat", str(textfile)], capture_output=True, text=True, check=False
     )
     assert read.returncode == 0, read.stderr
-    assert 'gemma4_appliance_image_info{image="gemma4-vllm:latest",instance="a1"' in read.stdout
+    image = envfile.read(Layout(host).env_file("a1")).get(envfile.IMAGE_KEY)  # install's choice
+    assert f'gemma4_appliance_image_info{{image="{image}",instance="a1"' in read.stdout
     assert stat.S_IMODE(textfile.stat().st_mode) == 0o644
     assert stat.S_IMODE(textfile.parent.stat().st_mode) == 0o755

@@ -70,6 +70,12 @@ def _context(root: Path, progress: bool = True) -> Context:
     help="Judge IMAGE against these answers of the old image (`appliance canary record NAME "
     "--out FILE`) instead of recording them now: a group's head whose workers moved first.",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Cut over to a floating tag (latest, mtp, pre-mtp, their -cpu forms) all the same: "
+    "the next `appliance image build` moves it, and the next restart runs what it names then.",
+)
 @gate_options
 @root_option
 def cutover(
@@ -84,6 +90,7 @@ def cutover(
     canary_file: tuple[Path, ...],
     canary_timeout: float,
     allow_unit_overrides: bool,
+    force: bool,
     root: Path,
 ) -> None:
     """Move NAME to IMAGE: restart, gate, and roll back automatically on failure.
@@ -92,7 +99,9 @@ def cutover(
     (the worker first, gates on the head). Ctrl-C, SIGTERM or a hang-up during the gates rolls
     back too. The way back is not interrupted by further signals and takes at most --timeout
     seconds more. If the cutover is killed outright, `appliance status NAME` prints the
-    recovery command.
+    recovery command. IMAGE is a version tag (or an image ID): a floating tag (latest, mtp,
+    pre-mtp, their -cpu forms) is refused without --force, since the next `appliance image
+    build` moves it.
 
     \b
     Example:
@@ -106,6 +115,7 @@ def cutover(
             image,
             allow_no_mtp=allow_no_mtp,
             allow_unit_overrides=allow_unit_overrides,
+            force=force,
         )
         click.echo(json.dumps(found, sort_keys=True))
         return
@@ -121,6 +131,7 @@ def cutover(
         canary_timeout=canary_timeout,
         canary_before=canary_before,
         allow_unit_overrides=allow_unit_overrides,
+        force=force,
     )
     click.echo(f"{name}: now on {entry.to_image} (was {entry.from_image}); gates passed")
     if entry.canary:

@@ -87,6 +87,7 @@ def image_list(root: Path, repository: str, json_: bool) -> None:
                 "created": i.created,
                 "vllm_version": i.vllm_version,
                 "mtp": i.mtp,
+                "variant": i.variant,
                 "used_by": i.used_by,
                 "rollback_for": i.rollback_for,
                 "protected": prune.protection(i, repository),
@@ -103,9 +104,10 @@ def image_list(root: Path, repository: str, json_: bool) -> None:
             used += f" (rollback: {','.join(i.rollback_for)})"
         mtp = "yes" if i.mtp else "no"
         tags = " ".join(i.tags) or "<none>"
-        rows.append((i.short_id, i.vllm_version or "?", mtp, _gb(i.size_bytes), used, tags))
-    headers = ("IMAGE ID", "VLLM", "MTP", "SIZE", "USED BY", "TAGS")
-    click.echo(table(headers, rows, "<<<><<"))
+        build = i.variant or "?"
+        rows.append((i.short_id, i.vllm_version or "?", mtp, build, _gb(i.size_bytes), used, tags))
+    headers = ("IMAGE ID", "VLLM", "MTP", "BUILD", "SIZE", "USED BY", "TAGS")
+    click.echo(table(headers, rows, "<<<<><<"))
     for r in missing:
         click.echo(
             f"missing: instance {r.instance} ({r.source}) refers to {r.ref}, not in the engine"

@@ -30,7 +30,9 @@ def instance_options(profile_required: bool):
                     "--profile", "-p", "profile", required=profile_required, help=profile_help
                 ),
                 click.option(
-                    "--image", help="VLLM_IMAGE (default: kept, else gemma4-vllm:latest)."
+                    "--image",
+                    help="VLLM_IMAGE (default: kept, else the version tag of the newest image "
+                    "of the profile's build here, else gemma4-vllm:latest or :latest-cpu).",
                 ),
                 click.option("--gpus", help="docker --gpus value (MIG profiles: device=GPU:MIG)."),
                 click.option(

@@ -61,9 +61,21 @@ class Entry:
     # What interrupted it: a signal's name (SIGINT, SIGTERM, SIGHUP), or "killed" when a later
     # `appliance rollback` finished an entry whose process died without an end line.
     interrupted: str | None = None
+    # The image IDs the references named at the start: tags move (`appliance image build`), an
+    # ID does not. None in a line written by an older appliance, or when it could not be seen.
+    from_image_id: str | None = None
+    to_image_id: str | None = None
 
     @classmethod
-    def begin(cls, instance: str, kind: Kind, from_image: str | None, to_image: str) -> Entry:
+    def begin(
+        cls,
+        instance: str,
+        kind: Kind,
+        from_image: str | None,
+        to_image: str,
+        from_image_id: str | None = None,
+        to_image_id: str | None = None,
+    ) -> Entry:
         return cls(
             id=uuid.uuid4().hex[:12],
             instance=instance,
@@ -73,6 +85,8 @@ class Entry:
             outcome="started",
             started=time.time(),
             pid=os.getpid(),
+            from_image_id=from_image_id,
+            to_image_id=to_image_id,
         )
 
     def to_json(self) -> str:

@@ -37,6 +37,7 @@ from ..host import envfile
 from ..host.layout import STATE_DIR, Layout
 from ..host.names import DATA_DIR, ENV_DIR, STATE_UNIT, UNIT_TEMPLATE, check_instance
 from ..host.values import PATH_KEYS, check_gpus, check_host, check_path, check_port
+from ..images.choice import fallback
 from ..profiles import PROFILE_NAME, Profile, get
 from ..profiles import validate as pv
 from ..serve import bundle
@@ -49,7 +50,9 @@ REL = Layout(Path())
 SERVE_SCRIPT = str(Layout().serve_program)
 # Where `pip install` as root and the Ansible role (appliance_bin) put the appliance's command.
 APPLIANCE_BIN = "/usr/local/bin/appliance"
-DEFAULT_IMAGE = "gemma4-vllm:latest"
+# When no image is named and install found none on the host (appliance/images/choice.py): the
+# build's latest, gemma4-vllm:latest for a GPU profile, gemma4-vllm:latest-cpu for a CPU one.
+DEFAULT_IMAGE = fallback("cuda")
 
 # Docker container names and systemd instance names both; no dots first, no slashes.
 _PROFILE_NAME = re.compile(PROFILE_NAME)  # the record's own rule; also for a replaced record
@@ -142,7 +145,7 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
     """The env file's assignments, in order, from the options (defaults where unset)."""
     port = opts.port if opts.port is not None else profile.port
     values = {
-        envfile.IMAGE_KEY: imageref.validate(opts.image or DEFAULT_IMAGE),
+        envfile.IMAGE_KEY: imageref.validate(opts.image or fallback(profile.hardware.device)),
         envfile.PROFILE_KEY: profile.name,
         envfile.HOST_KEY: check_host(opts.host if opts.host is not None else profile.host),
         envfile.PORT_KEY: str(check_port(port, f"port {port}")),

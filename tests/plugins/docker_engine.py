@@ -139,9 +139,10 @@ if pytest is not None:
     def appliance_images(docker_engine) -> Images:
         """The CPU images, each built (or found already built) through
         ``appliance.images.build`` when a test first asks for it: ``images["cpu-mtp"]`` is a
-        BuildResult, tagged per the scheme (``gemma4-vllm:0.32.0-mtp``/``mtp``/``latest``;
-        ``cpu-pre-mtp``: ``gemma4-vllm:0.19.0``/``pre-mtp``; ``cpu-broken``:
-        ``gemma4-vllm:0.32.0-mtp-broken``). Cold: a few minutes each; warm: a label lookup."""
+        BuildResult, tagged per the scheme (``gemma4-vllm:0.32.0-mtp-cpu``/``mtp-cpu``/
+        ``latest-cpu``; ``cpu-pre-mtp``: ``gemma4-vllm:0.19.0-cpu``/``pre-mtp-cpu``;
+        ``cpu-broken``: ``gemma4-vllm:0.32.0-mtp-broken-cpu``). Cold: a few minutes each; warm:
+        a label lookup and the tags (a machine with the old scheme's tags gets the new ones)."""
         return Images(docker_engine)
 
 

@@ -44,9 +44,9 @@ from .units import OLD_LAYOUT_INSTANCE, install_old_layout
 
 INSTANCE = OLD_LAYOUT_INSTANCE  # "systest"
 PROFILE = "cpu-tiny-mtp"
-MTP_IMAGE = "gemma4-vllm:0.32.0-mtp"
-PRE_MTP_IMAGE = "gemma4-vllm:pre-mtp"
-BROKEN_IMAGE = "gemma4-vllm:0.32.0-mtp-broken"
+MTP_IMAGE = "gemma4-vllm:0.32.0-mtp-cpu"
+PRE_MTP_IMAGE = "gemma4-vllm:0.19.0-cpu"
+BROKEN_IMAGE = "gemma4-vllm:0.32.0-mtp-broken-cpu"
 START_TIMEOUT = 600.0
 REPO = Path(__file__).resolve().parents[2]
 VLLM_CACHE = nspawn.vllm_cache_dir("systest")
@@ -248,7 +248,8 @@ def systemd_instance(appliance_images) -> Iterator[SystemdInstance]:
 
 @pytest.fixture(scope="session")
 def pre_mtp_image(appliance_images) -> str:
-    """``gemma4-vllm:pre-mtp`` (vLLM 0.19, no MTP: the seed's rollback image), built on first use.
+    """``gemma4-vllm:0.19.0-cpu`` (vLLM 0.19, no MTP: the seed's rollback image), built on first
+    use.
     The machines stream runs the modules that need it last (tests/conftest.py), so the 9 GB
     build goes on while the others run."""
     assert PRE_MTP_IMAGE in appliance_images["cpu-pre-mtp"].tags
