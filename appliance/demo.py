@@ -26,26 +26,15 @@ PROMPTS = (
 
 @dataclass(frozen=True)
 class DemoCall:
-    """One demo call and what MTP did for it (the agent's figures, vLLM's names)."""
+    """One demo call and what MTP did for it: the agent's figures as it recorded them (vLLM's
+    names, and where they came from: request | counters | shared | absent | unknown)."""
 
     call: int
     stream: bool
     output_tokens: int
     chunks: int | None
-    drafts: int | None
-    draft_tokens: int | None
-    accepted: int | None
-    acceptance: float | None
-    tokens_per_step: float | None
-    source: str  # the agent's: request | counters | shared | absent | unknown
-    shared: bool = False
+    figures: agent.Figures
     role: str = "demo"
-
-    @property
-    def spec(self) -> specdecode.Delta:
-        return specdecode.Delta(
-            "absent" if self.drafts is None else "ok", self.drafts, self.draft_tokens, self.accepted
-        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,7 +52,8 @@ class DemoReport:
     @property
     def totals(self) -> dict:
         """The calls' figures added up; the ratios are over the sums (specdecode's)."""
-        total = specdecode.summed([c.spec for c in self.calls]) or specdecode.Delta("absent")
+        total = specdecode.summed([c.figures.counts for c in self.calls])
+        total = total or specdecode.Delta("absent")
         figures = total.to_dict()
         return {
             "calls": len(self.calls),
@@ -106,23 +96,8 @@ def run(url: str, calls: int = 4, max_tokens: int = 64, *, role: str = "demo") -
             _call(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, stream)
             agent.flush()  # a /metrics-attributed call's record arrives from the agent's thread
             rec = seen[-1]
-            f = rec.figures
-            records.append(
-                DemoCall(
-                    call=i + 1,
-                    stream=stream,
-                    output_tokens=rec.output_tokens or 0,
-                    chunks=rec.chunks,
-                    drafts=f.drafts,
-                    draft_tokens=f.draft_tokens,
-                    accepted=f.accepted,
-                    acceptance=f.acceptance,
-                    tokens_per_step=f.tokens_per_step,
-                    source=f.source,
-                    shared=f.shared,
-                    role=rec.role,
-                )
-            )
+            out = rec.output_tokens or 0
+            records.append(DemoCall(i + 1, stream, out, rec.chunks, rec.figures, rec.role))
         engine_delta = specdecode.delta(start, observer.snapshot())
     finally:
         client.close()
@@ -159,14 +134,14 @@ def format_table(report: DemoReport) -> str:
             c.call,
             "stream" if c.stream else "plain",
             c.output_tokens,
-            _n(c.drafts),
-            _n(c.draft_tokens),
-            _n(c.accepted),
-            _f(c.acceptance),
-            _f(c.tokens_per_step),
-            c.source + ("*" if c.shared else ""),
+            _n(f.drafts),
+            _n(f.draft_tokens),
+            _n(f.accepted),
+            _f(f.acceptance),
+            _f(f.tokens_per_step),
+            f.source + ("*" if f.shared else ""),
         )
-        for c in report.calls
+        for c, f in ((c, c.figures) for c in report.calls)
     ]
     t = report.totals
     rows.append(

@@ -35,6 +35,20 @@ class NotVLLMError(EngineError):
     """Something answered, but it is not a vLLM OpenAI-compatible server."""
 
 
+class OverloadedError(EngineError):
+    """The engine turned the request away with 503: its queue bound is reached (vLLM's
+    ``--max-num-queued-reqs``/``--max-num-queued-tokens``); a later try, or another instance,
+    may be let in. ``seconds``: how long the answer took."""
+
+    def __init__(self, url: str, detail: str, seconds: float = 0.0) -> None:
+        super().__init__(
+            f"{url} answered 503: {detail}",
+            fix="retry later or on another instance; if it lasts, add capacity or raise the "
+            "profile's queue bound (gotchas/queue-bound.md)",
+        )
+        self.seconds = seconds
+
+
 class AuthError(EngineError):
     """The server refused the request's API key (HTTP 401): the one message for every caller."""
 

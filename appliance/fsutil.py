@@ -20,14 +20,62 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from .errors import UsageError
+
 
 def private_dir(path: Path | str) -> Path:
     """``path`` as a directory only its owner may enter (0700), created with its parents; an
-    existing one is tightened (state directories made by an older appliance were 0755)."""
+    existing one is tightened (a looser one lets other users read what it holds)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     if path.stat().st_mode & 0o077:
         path.chmod(0o700)
+    return path
+
+
+def check_target(path: Path | str, option: str, *, directory: bool = False) -> Path:
+    """Refuse, before any work, an output ``path`` that cannot be written: a folder where a file
+    goes (or a file where a folder goes), a file in the way of its parents, or a place no file
+    can be made (``/proc``, a read-only mount, another user's folder). Probes by creating and
+    removing a temporary file in the nearest existing folder: as root, permission bits say
+    nothing about /proc or a read-only mount. Writes nothing that stays."""
+    path = Path(path)
+    if directory and path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {path} is a file, not a folder", fix="name a folder")
+    if not directory and path.is_dir():
+        raise UsageError(f"{option} {path} is a folder", fix="give a file name in it")
+    nearest = path if directory and path.is_dir() else path.parent
+    while not nearest.exists() and not nearest.is_symlink():
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise UsageError(
+            f"{option} {path}: {nearest} is not a folder", fix="choose a path in a folder"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(dir=nearest, prefix=".appliance-probe.")
+    except OSError as exc:
+        raise UsageError(
+            f"{option} {path}: cannot write in {nearest} ({exc.strerror})",
+            fix="choose a path in a writable folder",
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+    return path
+
+
+def shared_dir(path: Path | str, *, top: Path | str | None = None) -> Path:
+    """``path`` as a folder other users may read (0755), created with its parents whatever the
+    umask; ``path`` and the folders between it and ``top`` (itself included) get at least
+    0755, for a reader that runs as another user (node_exporter)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o755)
+    if top is not None:
+        for folder in path.parents:
+            if not folder.is_relative_to(top):
+                break
+            if folder.stat().st_mode & 0o755 != 0o755:
+                folder.chmod(folder.stat().st_mode | 0o755)
     return path
 
 
@@ -73,7 +121,12 @@ def atomic_writer(path: Path | str, *, mode: int | None = None) -> Iterator[Bina
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path | str) -> None:
+    """Sync folder ``path``: a file created or renamed in it survives a power cut only then."""
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)
     finally:

@@ -49,6 +49,9 @@ class Source:
     folders: tuple[str, ...]
     # Problems the producer itself finds (e.g. a recorded series nobody defines).
     problems: Callable[[], list[str]] = list
+    # Called after its files were written: a later source may read them (the shipped profiles
+    # are read once per process, and the units examples are rendered from them).
+    written: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -61,11 +64,19 @@ class Result:
 
 def sources() -> list[Source]:
     """Every source of generated files in the repository."""
+    from . import profiles
     from .multinode import examples as group_examples
     from .observability import generate as observability
+    from .profiles import generated as profile_files
     from .units import examples
 
     return [
+        Source(
+            "profiles",
+            lambda: {p: GeneratedFile(t) for p, t in profile_files.outputs().items()},
+            (profile_files.FOLDER,),
+            written=profiles.reload,
+        ),
         Source(
             "observability",
             lambda: {p: GeneratedFile(t) for p, t in observability.outputs().items()},
@@ -133,6 +144,7 @@ def _run(repo: Path, *, write: bool, only: list[Source] | None) -> Result:
     result = Result()
     for src in only if only is not None else sources():
         produced = src.files()
+        wrote = False
         for rel, want in sorted(produced.items()):
             why = _state(repo / rel, want)
             if why is None:
@@ -140,8 +152,11 @@ def _run(repo: Path, *, write: bool, only: list[Source] | None) -> Result:
             if write:
                 write_atomic(repo / PurePosixPath(rel), want.content, mode=want.mode)
                 result.written.append(rel)
+                wrote = True
             else:
                 result.problems.append(f"{rel}: {why}")
+        if wrote:
+            src.written()
         result.problems += _strays(repo, src, produced)
         result.problems += src.problems()
     return result

@@ -4,19 +4,25 @@ A profile with a ``[multinode]`` table is served by a group: this host's node(s)
 installed by :mod:`appliance.multinode` (``node``: head, worker or both, and a worker's rank);
 any other profile by :mod:`appliance.units`. Which one is decided here, once: by the node
 asked for, else the profile given, else what the host already runs under that name.
+
+The image is decided here too, for both shapes: the one given, else the one the env file keeps,
+else :func:`appliance.images.choice.default_image` (the newest version tag of the profile's build
+on the host). Where the host's Docker can be asked, an image of the other build (a CPU image for
+a GPU profile, or the reverse) is refused before anything is written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import multinode, profiles, units
+from . import images, multinode, profiles, units
 from .errors import UsageError
 from .host import envfile
 from .host.layout import Layout, Node
 from .host.names import STATE_UNIT, node_unit, unit_name
+from .images import choice, variant
 from .units.writer import WriteResult, write_tree
 
 
@@ -40,7 +46,10 @@ def group_profile(
                 raise UsageError("--role needs the group's --profile on its first install")
             return None
         profile = envfile.read(path).get(envfile.PROFILE_KEY) or ""
-    prof = profiles.lookup(profile) if isinstance(profile, str) else profile
+    if isinstance(profile, str) and profiles.is_file_ref(profile):
+        prof, _ = profiles.operators_file(profile)  # its errors name the file as given
+    else:
+        prof = profiles.get(profile) if isinstance(profile, str) else profile
     if prof.multinode is None:
         if node is not None:
             raise UsageError(
@@ -62,10 +71,14 @@ def install(
 ) -> Installed:
     """Install ``name`` under ``root`` (an instance, or this host's ``node`` of group ``name``:
     the head by default); idempotent, values already in the env file kept. ``preflight`` sees
-    a single-node install before anything is written (``appliance install``'s host check)."""
+    a single-node install before anything is written (``appliance install``'s host check).
+    The image is judged against the host's Docker where ``root`` may reach one."""
     root = Path(root)
     first = not Layout(root).env_file(name).exists()
     group = group_profile(profile, name, root, node)
+    options, notes = _image(
+        images.reachable(root), group or profile, name, root, options or units.Options()
+    )
     if group is not None:
         node = node or Node()
         result = multinode.install(group, name, node, root=root, options=options)
@@ -75,6 +88,7 @@ def install(
     else:
         result = units.install(profile, name, root=root, options=options, preflight=preflight)
         unit = unit_name(name)
+    result.warnings[:0] = notes
     if first:
         # Never enabled yet: restart would start it once and leave it off at the next boot.
         step = f"systemctl daemon-reload && systemctl enable --now {unit} {STATE_UNIT}.timer"
@@ -84,6 +98,42 @@ def install(
     else:
         step = None
     return Installed(result, step)
+
+
+def _image(
+    client, profile: str | profiles.Profile | None, name: str, root: Path, opts: units.Options
+) -> tuple[units.Options, list[str]]:
+    """``opts`` with the image install writes (the one given, the env file's, else the chosen
+    default), and the warnings; a UsageError, before anything is written, for an image of the
+    other build than the profile's."""
+    existing = Layout(root).env_file(name)
+    kept = envfile.read(existing).get(envfile.IMAGE_KEY) if existing.exists() else None
+    if isinstance(profile, profiles.Profile):
+        prof = profile
+    else:
+        prof = units.planned(profile, name, root=root, options=opts).profile
+    notes = []
+    image = opts.image or kept
+    if image is None:
+        chosen = choice.default_image(client, prof.hardware.device, prof.mtp, prof.name)
+        opts = replace(opts, image=chosen.ref)
+        image = chosen.ref
+        if chosen.warning:
+            notes.append(chosen.warning)
+    if client is None:
+        return opts, notes
+    import docker.errors
+
+    try:
+        found = client.images.get(image).labels
+    except (docker.errors.DockerException, OSError):
+        return opts, notes  # not here (or not askable): nothing to judge, as before
+    fit = variant.fit(image, found, prof.hardware.device, prof.name)
+    if fit.refusal is not None:
+        raise UsageError(fit.refusal, fix=fit.fix)
+    if fit.warning is not None:
+        notes.append(fit.warning)
+    return opts, notes
 
 
 def render_to(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ApplianceError
-from .host import envfile
+from .host import envfile, reach
 from .host.layout import UNIT_DIR, Layout
 from .host.names import container_name, node_container
 from .units.instance import Instance, from_env
@@ -78,6 +78,9 @@ def read(instance: str, root: Path = Path("/"), docker_client=None) -> InstanceF
     container = (
         node_container(instance, shape.roles[0]) if shape.group else container_name(instance)
     )
+    if docker_client is None and not reach.docker(root):
+        facts.docker_error = str(reach.refusal(root, "Docker"))
+        return facts
     _container_facts(facts, container, docker_client)
     return facts
 

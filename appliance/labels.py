@@ -19,6 +19,12 @@ VERSION = "org.opencontainers.image.version"
 VLLM_VERSION = "io.gemma4-appliance.vllm.version"
 # "true" when the image's vLLM serves Gemma 4 MTP (vLLM >= 0.21, PR #41745), else "false".
 MTP = "io.gemma4-appliance.mtp"
+# Which build of vLLM the image holds: "cpu" (docker/cpu/Dockerfile) or "cuda" (docker/Dockerfile),
+# what a profile's ``[hardware] device`` must be. Written by every appliance Dockerfile since the
+# first; the builder checks it against the target it built. An image without it (made by hand)
+# is judged by its other labels only, with a warning (appliance/images/variant.py).
+VARIANT = "io.gemma4-appliance.variant"
+VARIANTS = ("cpu", "cuda")
 # Set on containers (not images) by the serve program: which unit instance runs the container.
 INSTANCE = "io.gemma4-appliance.instance"
 # "true" when the image's entry point (docker/entrypoint.sh) reads the API key from its stdin
@@ -38,6 +44,8 @@ FALSE = "false"
 MTP_MIN_VLLM = "0.21.0"
 # The first vLLM release with ``--per-request-spec-decode-metrics``.
 PER_REQUEST_METRICS_MIN_VLLM = "0.32.0"
+# The first vLLM release with ``--max-num-queued-reqs`` (PR #49445; the v0.29.0 release notes).
+QUEUE_BOUND_MIN_VLLM = "0.29.0"
 
 
 def supports_mtp(labels: Mapping[str, str] | None) -> bool:
@@ -48,6 +56,12 @@ def supports_mtp(labels: Mapping[str, str] | None) -> bool:
 def reads_api_key_stdin(labels: Mapping[str, str] | None) -> bool:
     """True when the image's entry point reads the API key from its stdin (``API_KEY_STDIN``)."""
     return (labels or {}).get(API_KEY_STDIN, "").strip().lower() == TRUE
+
+
+def variant(labels: Mapping[str, str] | None) -> str | None:
+    """The labelled build (``cpu`` or ``cuda``), or None when the image does not say."""
+    value = (labels or {}).get(VARIANT, "").strip().lower()
+    return value or None
 
 
 def vllm_version(labels: Mapping[str, str] | None) -> str | None:

@@ -12,13 +12,47 @@ from __future__ import annotations
 import functools
 import json
 import typing
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, dataclass, fields
+from typing import Annotated, Literal
 
 import pydantic
 
 from .errors import UsageError
 
 _SHOWN = 60  # characters of a wrong value kept in the message: one line, even for a big one
+# pydantic's errors for a value of the right type that breaks the field's constraint: the
+# message is then the field's own rule (:class:`Rule`), whole, not the one bound it crossed.
+_CONSTRAINT_ERRORS = frozenset(
+    {
+        "greater_than",
+        "greater_than_equal",
+        "less_than",
+        "less_than_equal",
+        "string_pattern_mismatch",
+        "string_too_short",
+        "string_too_long",
+        "literal_error",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a constrained field's value must be, in words (``"within 1..65535"``): a value
+    outside is ``FIELD = VALUE: must be RULE``."""
+
+    text: str
+
+
+def ranged(kind, rule: str, **constraints):
+    """``kind`` with pydantic's ``constraints`` (``ge``, ``le``, ``pattern``...) and the one line
+    that says them: ``ranged(int, "within 1..65535", ge=1, le=65535)``."""
+    return Annotated[kind, pydantic.Field(**constraints), Rule(rule)]
+
+
+def one_of(*values: str):
+    """A string that is one of ``values``, said as such when it is not."""
+    return Annotated[Literal[values], Rule(f"one of {', '.join(values)}")]
 
 
 def build(cls, data: dict, where: str):
@@ -42,7 +76,7 @@ def build(cls, data: dict, where: str):
         try:
             _adapter(hints[name]).validate_python(value, strict=True)
         except pydantic.ValidationError as exc:
-            raise problem(where, exc, (name,)) from None
+            raise problem(where, exc, (name,), _rule(hints[name])) from None
     return cls(**data)
 
 
@@ -79,15 +113,32 @@ def require(data, key: str, want, where: str, fix: str | None = None) -> dict:
     return data
 
 
-def problem(where: str, exc: pydantic.ValidationError, prefix: tuple = ()) -> UsageError:
-    """The first error of ``exc`` as one line: ``WHERE: FIELD = VALUE: REASON``."""
+def problem(
+    where: str, exc: pydantic.ValidationError, prefix: tuple = (), rule: Rule | None = None
+) -> UsageError:
+    """The first error of ``exc`` as one line: ``WHERE: FIELD = VALUE: REASON`` (the field's
+    ``rule`` as the reason when the value is of its type but outside it)."""
     err = exc.errors()[0]
     at = ".".join(map(str, (*prefix, *err["loc"])))
     if err["type"] == "missing":
         return UsageError(f"{where}: missing field {at}")
     if not at:  # the record as a whole (not JSON, not an object, its own check): no value
         return UsageError(f"{where}: {err['msg']}")
-    return UsageError(f"{where}: {at} = {_shown(err['input'])}: {err['msg']}")
+    reason = err["msg"]
+    if rule is not None and err["type"] in _CONSTRAINT_ERRORS:
+        reason = f"must be {rule.text}"
+    return UsageError(f"{where}: {at} = {_shown(err['input'])}: {reason}")
+
+
+def _rule(kind) -> Rule | None:
+    """The :class:`Rule` of a field's type, also inside ``X | None``."""
+    for meta in getattr(kind, "__metadata__", ()):
+        if isinstance(meta, Rule):
+            return meta
+    for arg in typing.get_args(kind):
+        if (found := _rule(arg)) is not None:
+            return found
+    return None
 
 
 def _shown(value) -> str:

@@ -16,7 +16,7 @@ for which figures belong to one request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -419,3 +419,96 @@ def step_cost(a: tuple[int, float, float], b: tuple[int, float, float]) -> StepC
 def predicted_tpot(lengths: tuple[float, ...], cost: StepCost) -> tuple[float, ...]:
     """TPOT at k' = 1..len(lengths): one step's time over the tokens it yields."""
     return tuple(cost.at(i + 1) / length for i, length in enumerate(lengths))
+
+
+# --- a k schedule, read back from the counters --------------------------------------------------
+# vLLM counts every verified draft (num_drafts) and its tokens (num_draft_tokens): their ratio is
+# the k the drafter actually drafted, on average. A drafter that follows a per-batch-size schedule
+# drafts fewer where the schedule says so; one that ignores it (vLLM #57053, #51510: the V2 model
+# runner's MTP drafter) drafts num_speculative_tokens at every step. The counters see the drafts
+# the scheduler verified: a runner that drafted more and had them cut would look like it follows.
+
+ScheduleVerdict = Literal["follows", "ignored", "unchanged", "unmeasured"]
+
+
+def drafted_per_step(d: Delta) -> float | None:
+    """Mean draft tokens per draft, ``draft_tokens / drafts``; ``None`` without drafts."""
+    if d.status != "ok" or not d.drafts or d.draft_tokens is None:
+        return None
+    return d.draft_tokens / d.drafts
+
+
+@dataclass(frozen=True)
+class ScheduleCheck:
+    """One concurrency level's drafts against the schedule.
+
+    ``k``: num_speculative_tokens, what a drafter ignoring the schedule drafts at every step;
+    ``k_at``: the schedule's k at batch size ``concurrency`` (where the level runs once full);
+    ``k_most``: the most the schedule drafts at any batch size from 1 to ``concurrency`` (the
+    level passes through them as it fills and drains). Verdicts: ``ignored`` when some draft was
+    longer than ``k_most`` allows, or when every draft was ``k`` tokens where ``k_at`` is less;
+    ``follows`` when the drafts were shorter than ``k`` where the schedule says so; ``unchanged``
+    when the schedule keeps ``k`` at this batch size (nothing to see); ``unmeasured`` without
+    drafts, or where the schedule says k=0 (a step that drafts nothing is not counted).
+    """
+
+    concurrency: int
+    k: int
+    k_at: int
+    k_most: int
+    drafts: int | None
+    draft_tokens: int | None
+    verdict: ScheduleVerdict
+
+    @property
+    def drafted_per_step(self) -> float | None:
+        if not self.drafts or self.draft_tokens is None:
+            return None
+        return self.draft_tokens / self.drafts
+
+    def summary(self) -> str:
+        """One plain line: what the schedule says here and what the drafter did."""
+        says = f"concurrency {self.concurrency}: the schedule says k={self.k_at}"
+        if self.verdict == "unmeasured":
+            if self.k_at == 0 and self.drafts:
+                return f"{says}: a step that drafts nothing leaves no trace in the draft counters"
+            return f"{says}; no drafts counted, nothing to read"
+        drafted = f"drafted {self.drafted_per_step:.2f} tokens per step"
+        if self.verdict == "unchanged":
+            return f"{says}, the profile's k: {drafted}, nothing to verify here"
+        if self.verdict == "follows":
+            return f"{says} (k={self.k} unscheduled): {drafted}, fewer as scheduled"
+        if (
+            self.draft_tokens is not None
+            and self.drafts
+            and self.draft_tokens > (self.k_most * self.drafts)
+        ):
+            why = f"more than the {self.k_most} the schedule allows at any batch size up to here"
+        else:
+            why = (
+                f"every draft {self.k} tokens: the schedule is not applied (or the level never "
+                f"ran {self.concurrency} requests at once)"
+            )
+        return f"{says}: DOES NOT FOLLOW: {drafted}, {why} (vLLM #57053)"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "drafted_per_step": self.drafted_per_step}
+
+
+def check_schedule(d: Delta, concurrency: int, k: int, k_at: int, k_most: int) -> ScheduleCheck:
+    """The verdict on one level's counter movement ``d`` (see :class:`ScheduleCheck`)."""
+
+    def out(verdict: ScheduleVerdict) -> ScheduleCheck:
+        return ScheduleCheck(concurrency, k, k_at, k_most, d.drafts, d.draft_tokens, verdict)
+
+    if d.status != "ok" or d.drafts is None or d.draft_tokens is None:
+        return out("unmeasured")
+    if d.draft_tokens > k_most * d.drafts:
+        return out("ignored")  # a draft longer than any batch size here may draft
+    if k_at >= k:
+        return out("unchanged")
+    if not d.drafts or k_at == 0:
+        # A step that drafts nothing is no draft: k=0 leaves no trace in these counters.
+        return out("unmeasured")
+    # Once the level runs ``concurrency`` requests, each draft is k_at < k tokens: not one was.
+    return out("ignored" if d.draft_tokens >= k * d.drafts else "follows")

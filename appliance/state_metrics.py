@@ -1,6 +1,6 @@
 """The appliance's state as Prometheus metrics, written as a node_exporter textfile.
 
-The cutover command (issue 5) calls :func:`write_textfile` after every cutover or rollback; the
+The cutover command calls :func:`write_textfile` after every cutover or rollback; the
 node's Prometheus reads it through node_exporter's textfile collector (``honor_labels`` keeps
 our ``instance`` label, the appliance instance name). Grafana draws the image per instance and
 annotates cutovers and rollbacks from these series.
@@ -12,28 +12,33 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, write_to_textfile
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from .errors import UsageError
+from .fsutil import shared_dir, write_atomic
 
 IMAGE_INFO = "gemma4_appliance_image_info"
 CUTOVER_EVENTS = "gemma4_appliance_cutover_events"  # exposed as ..._total
 LAST_CUTOVER = "gemma4_appliance_last_cutover_timestamp_seconds"
-# The last output canary a cutover ran (issue 14): when, its verdict and figures as labels (for
+# The last output canary a cutover ran: when, its verdict and figures as labels (for
 # the dashboards' annotation text), and its figures as values.
 LAST_CANARY = "gemma4_appliance_last_canary_timestamp_seconds"
 CANARY_OK = "gemma4_appliance_canary_ok"
 CANARY_PARITY = "gemma4_appliance_canary_parity"
 CANARY_PASS_RATE = "gemma4_appliance_canary_pass_rate"
 CANARY_SECONDS = "gemma4_appliance_canary_seconds"
-# The instance's unit as `systemctl show` reports it (issue 11): a crash loop that hit the start
+# The instance's unit as `systemctl show` reports it: a crash loop that hit the start
 # limit leaves the unit `failed`, which nothing else on the dashboards would show.
 UNIT_STATE = "gemma4_appliance_unit_state"
-# The instance's acceptance baseline (issue 26): its last passing canary record that drafted.
+# The instance's acceptance baseline: its last passing canary record that drafted.
 # The alert Gemma4AcceptanceBelowBaseline compares the engine's live acceptance with it.
 ACCEPTANCE_BASELINE = "gemma4_appliance_acceptance_baseline"
 TOKENS_PER_STEP_BASELINE = "gemma4_appliance_tokens_per_step_baseline"
 UNIT_RESTARTS = "gemma4_appliance_unit_restarts"
+# 0 when the appliance refuses the instance's env file (a line systemd may read differently):
+# its other series are then missing, and cutover, rollback and status refuse it, while the
+# unit runs on what systemd reads. The other instances' series are written all the same.
+ENV_FILE_READABLE = "gemma4_appliance_env_file_readable"
 # systemd's ActiveState values: one series each, 1 for the current one.
 UNIT_STATES = ("active", "activating", "deactivating", "reloading", "inactive", "failed")
 
@@ -154,6 +159,7 @@ class InstanceState:
     canary: CanaryState | None = None  # the last cutover that ran the output canary
     unit: UnitStatus | None = None  # the unit's state when the textfile was written
     baseline: BaselineState | None = None  # the acceptance baseline, when one is kept
+    env_error: str | None = None  # why the appliance refuses its env file (image then unknown)
 
 
 def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
@@ -234,7 +240,15 @@ def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
         ["instance"],
         registry=reg,
     )
+    env_ok = Gauge(
+        ENV_FILE_READABLE,
+        "1 when the appliance reads the instance's env file, 0 when it refuses it (its image "
+        "is then unknown, and cutover, rollback and status refuse the instance).",
+        ["instance"],
+        registry=reg,
+    )
     for s in states:
+        env_ok.labels(s.instance).set(0 if s.env_error else 1)
         if (b := s.baseline) is not None:
             baseline_acc.labels(s.instance).set(b.acceptance)
             baseline_tps.labels(s.instance).set(b.tokens_per_step)
@@ -244,7 +258,8 @@ def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
                     1 if state == u.active else 0
                 )
             unit_restarts.labels(s.instance).set(u.restarts)
-        info.labels(s.instance, s.image, s.vllm_version, "true" if s.mtp else "false").set(1)
+        if s.env_error is None:
+            info.labels(s.instance, s.image, s.vllm_version, "true" if s.mtp else "false").set(1)
         for (kind, outcome), count in sorted(s.events.items()):
             if kind not in KINDS or outcome not in OUTCOMES:
                 raise UsageError(
@@ -273,15 +288,19 @@ def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
     return reg
 
 
-def write_textfile(path: str | Path, states: Iterable[InstanceState]) -> Path:
+def write_textfile(
+    path: str | Path, states: Iterable[InstanceState], *, top: Path | None = None
+) -> Path:
     """Write the textfile for ``states`` atomically (temp file + rename, as node_exporter needs).
 
-    node_exporter reads only ``*.prom`` files, so ``path`` must end in ``.prom``.
+    node_exporter reads only ``*.prom`` files, so ``path`` must end in ``.prom``. It runs as
+    another user: the file is 0644 and its folder 0755 whatever the caller's umask (a cutover
+    from a shell with umask 077 made it root's alone), and the folders above it up to ``top``
+    (the state directory) are made enterable.
     """
     path = Path(path)
     if path.suffix != ".prom":
         raise UsageError(f"{path}: the textfile collector reads only *.prom files")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # prometheus_client writes a temp file beside the target and renames it over: atomic.
-    write_to_textfile(str(path), build_registry(list(states)))
+    shared_dir(path.parent, top=top)
+    write_atomic(path, generate_latest(build_registry(list(states))), mode=0o644)
     return path

@@ -51,6 +51,11 @@ def has_per_request_metrics(version: str) -> bool:
     return _at_least(version, labels.PER_REQUEST_METRICS_MIN_VLLM)
 
 
+def has_queue_bound(version: str) -> bool:
+    """True when vLLM ``version`` has ``--max-num-queued-reqs`` (unreadable: no)."""
+    return _at_least(version, labels.QUEUE_BOUND_MIN_VLLM)
+
+
 def _at_least(version: str, minimum: str) -> bool:
     try:
         return not older(version, minimum)

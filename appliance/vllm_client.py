@@ -18,7 +18,7 @@ from typing import Self
 import httpx
 
 from . import metrics_reader, specdecode
-from .errors import AuthError, EngineError, NotVLLMError
+from .errors import AuthError, EngineError, NotVLLMError, OverloadedError
 
 
 def bearer(api_key: str | None) -> dict[str, str]:
@@ -160,12 +160,12 @@ class VLLMClient:
             if not stream:
                 start = time.perf_counter()
                 resp = self._http.post(CHAT_PATH, json=payload, **kw)
-                _check_generation(resp, self.base_url, resp.read)
+                _check_generation(resp, self.base_url, resp.read, start)
                 gen = _generation(url, model, resp.json(), (), None)
                 return replace(gen, seconds=round(time.perf_counter() - start, 4))
             start = time.perf_counter()  # TTFT counts from the send, headers included
             with self._http.stream("POST", CHAT_PATH, json=payload, **kw) as resp:
-                _check_generation(resp, self.base_url, resp.read)
+                _check_generation(resp, self.base_url, resp.read, start)
                 reader = _StreamReader(url, model, start)
                 for line in resp.iter_lines():
                     reader.feed(line)
@@ -259,7 +259,7 @@ async def generate_streamed(
         async with http.stream("POST", CHAT_PATH, json=payload, **kw) as resp:
             if resp.status_code != 200:
                 await resp.aread()
-            _check_generation(resp, base, lambda: resp.content)
+            _check_generation(resp, base, lambda: resp.content, start)
             reader = _StreamReader(url, model, start)
             # Read to the end of the body, past [DONE]: a response left unread closes its
             # connection, and the next request would pay a new one (vLLM's client reads on too).
@@ -284,13 +284,29 @@ def _generation_errors(url: str) -> Iterator[None]:
         raise EngineError(f"{url} answered something that is not JSON: {exc}") from exc
 
 
-def _check_generation(resp: httpx.Response, base: str, body: Callable[[], bytes]) -> None:
-    """Raise for a refused key or any status but 200 (``body`` gives the answer's bytes)."""
+def _check_generation(
+    resp: httpx.Response, base: str, body: Callable[[], bytes], start: float | None = None
+) -> None:
+    """Raise for a refused key, a request turned away (503: :class:`OverloadedError`, with the
+    seconds since ``start``) or any other status but 200 (``body`` gives the answer's bytes)."""
     if resp.status_code == 401:
         raise AuthError(f"{base}{resp.request.url.path}")
+    if resp.status_code == 503:
+        seconds = 0.0 if start is None else time.perf_counter() - start
+        raise OverloadedError(f"{base}{CHAT_PATH}", _error_message(body()), seconds)
     if resp.status_code != 200:
         text = body().decode(errors="replace")[:300]
         raise EngineError(f"{base}{CHAT_PATH} answered {resp.status_code}: {text}")
+
+
+def _error_message(raw: bytes) -> str:
+    """The message of an OpenAI-style error body (vLLM's), else the body's start."""
+    text = raw.decode(errors="replace")
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:300]
+    return str(message)[:300]
 
 
 class _StreamReader:
@@ -318,6 +334,15 @@ class _StreamReader:
             obj = json.loads(data)
         except json.JSONDecodeError as exc:
             raise EngineError(f"{self.url} streamed a chunk that is not JSON: {data[:80]}") from exc
+        error = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(error, dict):
+            # vLLM's error event: a request turned away after its response started (the
+            # admission check in add_request, after the render: vLLM #58192) arrives as
+            # HTTP 200 and this, with the status as its code.
+            message = str(error.get("message"))[:300]
+            if error.get("code") == 503:
+                raise OverloadedError(self.url, message, now - self.start)
+            raise EngineError(f"{self.url} streamed an error: {message}")
         if obj.get("choices"):
             self.times.append(now - self.start)
             choice = obj["choices"][0]

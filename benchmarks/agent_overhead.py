@@ -44,7 +44,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from appliance import agent, profiles, specdecode
-from appliance.agent import calls, patch
+from appliance.agent import calls, patch, responses
 from appliance.agent import metrics as agent_metrics
 from appliance.agent.instrumentor import AnthropicInstrumentor, OpenAIInstrumentor
 from appliance.agent.server import server_for
@@ -232,7 +232,7 @@ class Bench:
         create = type(res).create
         bound = getattr(create, "__wrapped__", create).__get__(res)
         self._inside_call = 0.0
-        patch.call(self.no_read, calls.MESSAGES, bound, (), self.mkw, anthropic.Stream)
+        patch.call(self.no_read, responses.MESSAGES, bound, (), self.mkw, anthropic.Stream)
         self.inside_no_read.append(self._inside_call)
 
     def call_anthropic(self) -> None:

@@ -1,11 +1,11 @@
-"""What ``appliance tune`` costs against a restart-per-k sweep, on the CPU engine, in one run.
+"""What ``appliance bench tune`` costs against a restart-per-k sweep, on the CPU engine, in one run.
 
 Both answer "which k at each concurrency level" for the tiny pair with the partial drafter
 (acceptance falling by position):
 
 - tune: one MTP engine at k = ``--k`` and one baseline engine, each benched once per level;
   k' <= k predicted from that run (appliance/bench/tune.py);
-- the sweep: one engine per k in 1..k (a model load each, as ``bench --sweep-k`` does), each
+- the sweep: one engine per k in 1..k (a model load each, as ``bench sweep`` does), each
   benched at every level; the measured fastest k (lowest median TPOT) per level.
 
 Printed side by side: each one's wall time (engine starts included) and their ratio, and per

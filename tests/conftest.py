@@ -27,6 +27,7 @@ hypothesis.settings.load_profile("suite")
 
 # Plugins that others import come first, so pytest registers (and assert-rewrites) them itself.
 pytest_plugins: list[str] = [
+    "plugins.cli",
     "plugins.docker_engine",
     "plugins.nspawn",
     "plugins.http_servers",
@@ -182,6 +183,13 @@ def stream(item: pytest.Item) -> str:
     return "machines" if ("systemd" in kw and "fleet" not in kw) or alone else "host"
 
 
+def stream_ports(name: str, whole: tuple[int, int]) -> tuple[int, int]:
+    """The half of the engines' port range ``whole`` that stream ``name`` picks ports from."""
+    low, high = whole
+    mid = (low + high) // 2
+    return (low, mid) if name == STREAMS[1] else (mid, high)
+
+
 def pytest_configure(config) -> None:
     # scripts/test.sh starts each stream in the background, where the shell sets SIGINT to
     # ignored, and stops a stream with SIGINT so that it tears its machines and engines down:
@@ -193,9 +201,7 @@ def pytest_configure(config) -> None:
     # restart) is never handed out by the other stream's free_port().
     only = config.getoption("--stream")
     if only:
-        low, high = local.PORT_RANGE
-        mid = (low + high) // 2
-        local.PORT_RANGE = (low, mid) if only == STREAMS[1] else (mid, high)
+        local.PORT_RANGE = stream_ports(only, local.PORT_RANGE)
 
 
 def pytest_addoption(parser) -> None:

@@ -630,7 +630,7 @@ def test_demo_exports_spans_when_an_endpoint_is_set(mtp_engine, otlp_receiver, m
     got = otlp_receiver.wait_for(2)
     assert [s.attributes["appliance.agent.role"] for s in got] == ["demo", "demo"]
     assert [s.attributes["gen_ai.request.stream"] for s in got] == [False, True]
-    assert [c.draft_tokens for c in report.calls] == [
+    assert [c.figures.draft_tokens for c in report.calls] == [
         s.attributes["gen_ai.vllm.mtp.draft_tokens"] for s in got
     ]
 
@@ -641,14 +641,15 @@ def test_demo_records_carry_source_and_shared(mtp_engine, monkeypatch):
     report = demo.run(mtp_engine.url, calls=2, max_tokens=16)
     calls = report.to_dict()["calls"]
     for c in calls:
-        assert c["source"] == "request" and c["shared"] is False
-        assert c["output_tokens"] == 16 and c["acceptance"] >= 0.9
+        f = c["figures"]
+        assert f["source"] == "request" and f["shared"] is False
+        assert c["output_tokens"] == 16 and f["acceptance"] >= 0.9
         for key in ("drafts", "draft_tokens", "accepted", "tokens_per_step"):
-            assert c[key] is not None
+            assert f[key] is not None
     assert "request" in demo.format_table(report)
 
 
-# -- interruption, identity, headers (issue 13 part 1) -------------------------------------------
+# -- interruption, identity, headers -------------------------------------------------------------
 
 
 def _sequential_sources(t, n=2):
@@ -792,7 +793,7 @@ def test_no_request_text_in_error_status_without_content_capture(mtp_engine):
     assert "secret" not in str(span.attributes) and str(bare.value)
 
 
-# -- the snapshot path off the caller's path (issue 13 part 2) ----------------------------------
+# -- the snapshot path off the caller's path ----------------------------------------------------
 
 
 def _movement(url, fn):

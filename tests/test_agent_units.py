@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as g
-from opentelemetry.semconv.attributes import error_attributes, server_attributes
+from opentelemetry.semconv.attributes import error_attributes, http_attributes, server_attributes
 from prometheus_client import CollectorRegistry
 
 from appliance import metrics_reader
@@ -87,6 +87,7 @@ def test_pinned_semconv_names_match_the_package():
         (spans.SERVER_ADDRESS, server_attributes.SERVER_ADDRESS),
         (spans.SERVER_PORT, server_attributes.SERVER_PORT),
         (spans.ERROR_TYPE, error_attributes.ERROR_TYPE),
+        (spans.HTTP_RESPONSE_STATUS_CODE, http_attributes.HTTP_RESPONSE_STATUS_CODE),
     ]
     for ours, theirs in pairs:
         assert ours == theirs

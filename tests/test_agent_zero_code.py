@@ -69,7 +69,15 @@ SCRIPT = textwrap.dedent(
                     calls_ended[0] += 1
                     ended.notify_all()
 
-    trace.get_tracer_provider().add_span_processor(Ended())
+    provider = trace.get_tracer_provider()
+    if hasattr(provider, "add_span_processor"):
+        provider.add_span_processor(Ended())
+    else:  # no SDK configured: the agent makes its own provider global at the first call
+        _set = trace.set_tracer_provider
+        def observed(p):
+            _set(p)
+            p.add_span_processor(Ended())
+        trace.set_tracer_provider = observed
 
     def pause(calls=None):  # until the spans of `calls` calls (default: those said) ended
         want = len(said) if calls is None else calls

@@ -1,4 +1,4 @@
-"""One artifact carries everything (issue 25 section 1): the wheel built from this checkout,
+"""One artifact carries everything: the wheel built from this checkout,
 installed into an empty environment outside any checkout, builds the CPU image, writes the
 observability plane and installs an instance, with no repository in reach.
 

@@ -1,4 +1,4 @@
-"""From a bare host to a monitored, gated service with the appliance alone (issue 25).
+"""From a bare host to a monitored, gated service with the appliance alone.
 
 One machine booted with real systemd (tests/plugins/nspawn.py) that has Debian's packages and
 nothing of the appliance: the operator's path of the README's "On a GPU host" section, with the
@@ -55,8 +55,6 @@ VLLM_CACHE = nspawn.vllm_cache_dir("barehost")
 NAME = "bare"
 PROFILE = "cpu-tiny-mtp"
 GPU_PROFILE = "l4x4-31b-mtp"
-# The other tag `appliance image build` gives the MTP image (the same image ID).
-CUTOVER_IMAGE = "gemma4-vllm:mtp"
 VENV = "/opt/gemma4-appliance"
 ARTIFACT = "/srv/artifact"
 # Outside /tmp: the state service runs with PrivateTmp=.
@@ -84,7 +82,6 @@ class BareHost:
 def bare_host(appliance_images, tmp_path_factory) -> Iterator[BareHost]:
     """The machine, with the artifact and its dependencies in reach and nothing installed."""
     assert MTP_IMAGE in appliance_images["cpu-mtp"].tags
-    assert CUTOVER_IMAGE in appliance_images["cpu-mtp"].tags
     tmp = tmp_path_factory.mktemp("bare-host")
     wheel = build_wheel(tmp)
     dependencies = dependency_links(tmp / "site", copy=True)
@@ -223,12 +220,17 @@ def test_a_bare_host_becomes_a_monitored_gated_service_and_is_left_as_found(
     drafts = _sel("vllm:spec_decode_num_draft_tokens_total") + " > 0"
     _until("the engine's MTP counters", lambda: prom.query(drafts))
 
-    # A cutover, gated, as an operator runs it; Prometheus sees it.
-    cut = host.appliance("cutover", NAME, CUTOVER_IMAGE, "--no-canary", timeout=START_TIMEOUT)
+    # A cutover, gated, as an operator runs it; Prometheus sees it. To the same engine by its ID
+    # (what a rollback writes once the tag it recorded has moved): VLLM_IMAGE=sha256:...
+    image_id = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}}", MTP_IMAGE],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    cut = host.appliance("cutover", NAME, image_id, "--no-canary", timeout=START_TIMEOUT)
     assert cut.returncode == 0, cut.stdout + cut.stderr
     events = _sel("gemma4_appliance_cutover_events_total", kind="cutover", outcome="ok")
     _until("the cutover", lambda: prom.query(events + " == 1"))
-    now = _sel("gemma4_appliance_image_info", image=CUTOVER_IMAGE)
+    now = _sel("gemma4_appliance_image_info", image=image_id)
     _until("the new image", lambda: prom.query(now))
     assert _chat(host, key).status_code == 200
     assert specdecode.parse(httpx.get(f"http://127.0.0.1:{host.port}/metrics").text).speculative

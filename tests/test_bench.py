@@ -8,10 +8,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from appliance.bench import prompts, stats
-from appliance.cli import cli
 from appliance.engine.local import free_port
 from appliance.errors import UsageError
 
@@ -56,15 +54,15 @@ def test_messages_form_and_default_ids(tmp_path):
         ('{"prompt": "a"}\n[1, 2]\n', "line 2: expected a JSON object"),
     ],
 )
-def test_bad_prompt_file_exits_nonzero_without_artifact(tmp_path, content, message):
+def test_bad_prompt_file_exits_nonzero_without_artifact(tmp_path, content, message, cli_run):
     f = tmp_path / "p.jsonl"
     f.write_text(content)
     out = tmp_path / "art.json"
     # A URL nobody listens on: the file must be rejected before any server is contacted.
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         [
             "bench",
+            "run",
             "--url",
             f"http://127.0.0.1:{free_port()}",
             "--prompt-file",
@@ -72,18 +70,18 @@ def test_bad_prompt_file_exits_nonzero_without_artifact(tmp_path, content, messa
             "--out",
             str(out),
         ],
+        code=2,
     )
-    assert res.exit_code == 2, res.output
     assert message in res.output
     assert not out.exists() and list(tmp_path.iterdir()) == [f]
 
 
-def test_unreachable_url_exits_nonzero_without_artifact(tmp_path):
+def test_unreachable_url_exits_nonzero_without_artifact(tmp_path, cli_run):
     out = tmp_path / "art.json"
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         [
             "bench",
+            "run",
             "--url",
             f"http://127.0.0.1:{free_port()}",
             "--limit",
@@ -91,52 +89,77 @@ def test_unreachable_url_exits_nonzero_without_artifact(tmp_path):
             "--out",
             str(out),
         ],
+        code=1,
     )
-    assert res.exit_code == 1
     assert "cannot reach" in res.output
     assert list(tmp_path.iterdir()) == []
 
 
-def test_non_vllm_server_is_refused_without_artifact(tmp_path, plain_http_server):
+def test_non_vllm_server_is_refused_without_artifact(tmp_path, plain_http_server, cli_run):
     out = tmp_path / "art.json"
-    res = CliRunner().invoke(
-        cli, ["bench", "--url", plain_http_server, "--limit", "1", "--out", str(out)]
+    res = cli_run(
+        ["bench", "run", "--url", plain_http_server, "--limit", "1", "--out", str(out)], code=1
     )
-    assert res.exit_code == 1
     assert "/health is not 200" in res.output
     assert list(tmp_path.iterdir()) == []
 
 
-def test_api_key_options_are_checked_before_any_server(tmp_path):
+def test_api_key_options_are_checked_before_any_server(tmp_path, cli_run):
     url = f"http://127.0.0.1:{free_port()}"
-    res = CliRunner().invoke(
-        cli, ["bench", "--url", url, "--limit", "1", "--api-key-file", str(tmp_path / "missing")]
+    res = cli_run(
+        ["bench", "run", "--url", url, "--limit", "1", "--api-key-file", str(tmp_path / "missing")],
+        code=2,
     )
-    assert res.exit_code == 2 and res.output.startswith("Error: API key file ")
+    assert res.output.startswith("Error: API key file ")
     assert res.output.endswith("missing does not exist\n")
-    res = CliRunner().invoke(cli, ["bench", "--url", url, "--limit", "1", "--instance", "../x"])
-    assert res.exit_code == 2
+    res = cli_run(["bench", "run", "--url", url, "--limit", "1", "--instance", "../x"], code=2)
     assert res.output.startswith("Error: invalid instance name '../x'")
     assert len(res.output.splitlines()) == 1
     # The instance's key file is looked up under --root (APPLIANCE_ROOT), not under /.
     key = tmp_path / "etc/gemma4-vllm/tiny.api-key"
     key.parent.mkdir(parents=True)
     key.write_text("\n")
-    res = CliRunner().invoke(
-        cli,
-        ["bench", "--url", url, "--limit", "1", "--instance", "tiny"],
+    res = cli_run(
+        ["bench", "run", "--url", url, "--limit", "1", "--instance", "tiny"],
         env={"APPLIANCE_ROOT": str(tmp_path), "VLLM_API_KEY": None},
+        code=2,
     )
-    assert res.exit_code == 2 and f"API key file {key} is empty" in res.output
+    assert f"API key file {key} is empty" in res.output
 
 
-def test_modes_are_exclusive():
-    res = CliRunner().invoke(cli, ["bench", "--url", "http://x", "--sweep-k", "1,2"])
-    assert res.exit_code == 2 and "exactly one of" in res.output
-    res = CliRunner().invoke(cli, ["bench", "--mtp-url", "http://x"])
-    assert res.exit_code == 2 and "both --mtp-url and --baseline-url" in res.output
-    res = CliRunner().invoke(cli, ["bench", "--sweep-k", "1,x"])
-    assert res.exit_code == 2 and "--sweep-k" in res.output
+def test_each_subcommand_takes_only_its_own_options(cli_run):
+    url = f"http://127.0.0.1:{free_port()}"
+    for argv, message in (
+        (["sweep", "--url", url, "--k", "1,2"], "No such option '--url'"),
+        (["compare", "--mtp-url", url], "Missing option '--baseline-url'"),
+        (["sweep", "--k", "1,x"], "--k wants integers"),
+        (["sweep", "--k", "1,2", "--concurrency", "1,4"], "No such option '--concurrency'"),
+        (["load", "--url", url, "--concurrency", "1", "--report", "r.html"], "--report"),
+        (["run", "--url", url, "--concurrency", "1"], "No such option '--concurrency'"),
+        (["run", "--limit", "1"], "bench run measures one engine: give NAME or --url"),
+    ):
+        res = cli_run(["bench", *argv], env={"APPLIANCE_URL": None}, code=2)
+        assert message in res.output, (argv, res.output)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        (["--url", "URL", "--limit", "1"], "bench run NAME", "cannot reach"),
+        (["--mtp-url", "URL", "--baseline-url", "URL"], "bench compare", "cannot reach"),
+        (["--sweep-k", "1,x"], "bench sweep --k K,K", "--k wants integers"),
+        (["--url", "URL", "--concurrency", "0"], "bench load NAME", "distinct integers"),
+    ],
+)
+def test_the_old_single_command_still_runs_and_names_the_new_form(old, new, message, cli_run):
+    """One release of the old `appliance bench OPTIONS`: the subcommand its options chose runs
+    (here up to its first refusal, on a closed port), after one line naming the new form."""
+    url = f"http://127.0.0.1:{free_port()}"
+    res = cli_run(["bench", *[url if a == "URL" else a for a in old]], code=None)
+    warning, error = res.stderr.splitlines()
+    assert warning.startswith("warning: `appliance bench ") and f"`appliance {new}" in warning
+    assert error.startswith("Error: ") and message in error
+    assert res.exit_code == (2 if "--sweep-k" in old or "--concurrency" in old else 1)
 
 
 def test_percentile_matches_linear_interpolation():
@@ -186,22 +209,17 @@ def test_artifact_write_is_atomic(tmp_path):
         (["--concurrency", "1,x"], "--concurrency wants integers"),
         (["--concurrency", "4,4"], "distinct integers"),
         (["--concurrency", "0"], "distinct integers"),
-        (["--concurrency", "1,4", "--report", "r.html"], "--report does not draw --concurrency"),
         (["--concurrency", "1", "--requests", "0"], "--requests must be at least 1"),
+        (["--concurrency", "1", "--report", "r.html"], "No such option '--report'"),
     ],
 )
-def test_bad_concurrency_input_is_one_line_before_any_server(tmp_path, args, message):
+def test_bad_load_input_is_one_line_before_any_server(tmp_path, args, message, cli_run):
     # The URL is a closed port: every refusal here comes before the first request.
     url = f"http://127.0.0.1:{free_port()}"
-    res = CliRunner().invoke(cli, ["bench", "--url", url, *args], catch_exceptions=False)
-    assert res.exit_code == 2, res.output
-    assert message in res.output and res.output.strip().count("\n") == 0
+    res = cli_run(["bench", "load", "--url", url, *args], code=2)
+    assert message in res.output
+    assert res.output.startswith("Error: ") or res.output.startswith("Usage: ")
     assert not (tmp_path / "r.html").exists()
-
-
-def test_concurrency_benches_one_endpoint_only():
-    res = CliRunner().invoke(cli, ["bench", "--sweep-k", "1,2", "--concurrency", "1,4"])
-    assert res.exit_code == 2 and "--concurrency benches one endpoint" in res.output
 
 
 def _rec(tokens: int, drafts: int, pos: list[int], source: str = "request"):

@@ -9,11 +9,10 @@ import subprocess
 
 import httpx
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 
 from appliance import devmodel, profiles
 from appliance.bench import prompts, runner
-from appliance.cli import cli
 from appliance.engine.local import OFFLINE_ENV, engine_command
 
 pytestmark = [pytest.mark.engine, pytest.mark.bench]
@@ -154,11 +153,10 @@ def test_a_concurrency_level_counts_what_vllm_bench_serve_counts(mtp_engine, tmp
 
 
 def _appliance_level(url: str, data, n: int, out_len: int, concurrency: int) -> dict:
-    """One level of `appliance bench --concurrency`, its counts checked."""
-    args = ["bench", "--url", url, "--prompt-file", str(data), "--max-tokens", str(out_len)]
+    """One level of `appliance bench load`, its counts checked."""
+    args = ["bench", "load", "--url", url, "--prompt-file", str(data), "--max-tokens", str(out_len)]
     args += ["--concurrency", str(concurrency), "--requests", str(n), "--json"]
-    res = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
+    res = invoke(args)
     [lv] = json.loads(res.stdout)["concurrency"]["levels"]
     assert lv["concurrency"] == concurrency
     assert lv["requests"] == n and lv["output_tokens"] == n * out_len
@@ -172,12 +170,12 @@ def _appliance_level(url: str, data, n: int, out_len: int, concurrency: int) -> 
     return lv
 
 
-def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):
+def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path, cli_run):
     out = tmp_path / "paired.json"
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         [
             "bench",
+            "compare",
             "--mtp-url",
             mtp_engine.url,
             "--baseline-url",
@@ -192,9 +190,8 @@ def test_paired_mtp_vs_baseline(mtp_engine, baseline_engine, tmp_path):
             str(out),
             "--profile",
             "cpu-tiny-mtp",
-        ],
+        ]
     )
-    assert res.exit_code == 0, res.output
     print(res.output)
     art = json.loads(out.read_text())
     paired = art["paired"]
@@ -231,22 +228,22 @@ def _environ_kept():
 
 
 def test_tune_writes_a_schedule_that_vllms_config_applies(
-    mtp_engine, baseline_engine, tmp_path, monkeypatch
+    mtp_engine, baseline_engine, tmp_path, monkeypatch, cli_run
 ):
-    """``appliance tune`` on the session engines (it starts none): one run per level at the
+    """``appliance bench tune`` on the session engines (it starts none): one run per level at the
     profile's k=2 and on the baseline, a k per level, and the profile copy it writes, read by
     vLLM's own config code (a restart to watch the counters would cost an engine start): the
     speculative config vLLM resolves keeps the schedule, and the per-batch-size lookup its
     scheduler builds from it gives each level the k tune chose."""
     dest = tmp_path / "tuned.toml"
     args = [
+        "bench",
         "tune",
         *("--url", mtp_engine.url, "--baseline-url", baseline_engine.url),
         *("--profile", "cpu-tiny-mtp", "--concurrency", "1,4", "--requests", "4"),
         *("--limit", "1", "--max-tokens", "16", "--write", str(dest), "--json"),
     ]
-    res = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
+    res = cli_run(args)
     out = json.loads(res.stdout)
     chosen = {lv["concurrency"]: lv["chosen_k"] for lv in out["levels"]}
     assert set(chosen) == {1, 4} and set(chosen.values()) <= {1, 2}
@@ -289,14 +286,16 @@ def test_tune_writes_a_schedule_that_vllms_config_applies(
     assert {n: lookup[n] for n in chosen} == chosen
 
 
-def test_paired_bench_fails_an_mtp_side_that_drafts_worse(mtp_engine, mtp_random_engine, tmp_path):
-    """The canary's and the soak's acceptance judgement, in the paired bench (issue 26): the
+def test_paired_bench_fails_an_mtp_side_that_drafts_worse(
+    mtp_engine, mtp_random_engine, tmp_path, cli_run
+):
+    """The canary's and the soak's acceptance judgement, in the paired bench: the
     random drafter against the copy drafter, same target, same answers, far fewer accepted."""
     out = tmp_path / "paired.json"
-    args = ["bench", "--mtp-url", mtp_random_engine.url, "--baseline-url", mtp_engine.url]
+    args = ["bench", "compare", "--mtp-url", mtp_random_engine.url]
+    args += ["--baseline-url", mtp_engine.url]
     args += ["--limit", "1", "--max-tokens", "16", "--runs", "1", "--warmups", "0"]
-    res = CliRunner().invoke(cli, [*args, "--out", str(out)])
-    assert res.exit_code == 1, res.output
+    res = cli_run([*args, "--out", str(out)], code=1)
     assert "Error: the MTP side drafts worse than the baseline: draft acceptance fell" in (
         res.output
     )
@@ -311,12 +310,13 @@ def test_paired_bench_fails_an_mtp_side_that_drafts_worse(mtp_engine, mtp_random
 # The k sweep (two engines of its own) is checked with its report: tests/test_reports.py.
 
 
-def test_api_key_file_lets_bench_through(api_key_engine, tmp_path):
+def test_api_key_file_lets_bench_through(api_key_engine, tmp_path, cli_run):
     """An installed instance's vLLM guards /v1 with its key: bench sends it, and never prints it."""
     from plugins.http_servers import API_KEY
 
     args = [
         "bench",
+        "run",
         "--url",
         api_key_engine.url,
         "--prompts",
@@ -331,19 +331,16 @@ def test_api_key_file_lets_bench_through(api_key_engine, tmp_path):
         "0",
     ]
     out = tmp_path / "art.json"
-    res = CliRunner().invoke(cli, [*args, "--out", str(out)], env={"VLLM_API_KEY": None})
-    assert res.exit_code == 1
+    res = cli_run([*args, "--out", str(out)], env={"VLLM_API_KEY": None}, code=1)
     assert "/v1/models answered 401: the API key is missing or wrong" in res.output
     assert not out.exists()
     key = tmp_path / "k.api-key"
     key.write_text(API_KEY + "\n")
-    res = CliRunner().invoke(
-        cli,
-        [*args, "--api-key-file", str(key), "--out", str(out)],
-        env={"VLLM_API_KEY": None},
+    res = cli_run(
+        [*args, "--api-key-file", str(key), "--out", str(out), "--json"], env={"VLLM_API_KEY": None}
     )
-    assert res.exit_code == 0, res.output
     art = json.loads(out.read_text())
+    assert json.loads(res.stdout) == art  # --json prints the artifact, one object
     runs = art["single"]["runs"]
     assert len(runs) == 1 and runs[0]["output_tokens"] == 8
     assert "api_key" not in art["endpoints"][0]

@@ -10,12 +10,10 @@ import socket
 import threading
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import canary, profiles
 from appliance.canary import cases, checks
 from appliance.canary.record import Output, Record, Settings, SpecFigures
-from appliance.cli import cli
 from appliance.errors import EngineError, UsageError
 
 
@@ -298,43 +296,110 @@ def test_record_round_trips_and_bad_files_are_refused(tmp_path):
         canary.load(tmp_path / "none.json")
 
 
-def test_cli_compare_exit_codes_and_json(tmp_path):
+def test_cli_compare_exit_codes_and_json(tmp_path, cli_run):
     a = canary.save(_rec({"a": (1, 2), "b": (3,)}), tmp_path / "a.json")
     b = canary.save(_rec({"a": (1, 2), "b": (4,)}), tmp_path / "b.json")
-    r = CliRunner().invoke(cli, ["canary", "compare", str(a), str(a)])
-    assert r.exit_code == 0, r.output
+    r = cli_run(["canary", "compare", str(a), str(a)])
     assert r.output.startswith("canary passed")
-    r = CliRunner().invoke(cli, ["canary", "compare", str(a), str(b)])
-    assert r.exit_code == 1
+    r = cli_run(["canary", "compare", str(a), str(b)], code=1)
     assert "canary FAILED" in r.output and "differs: b" in r.output
-    r = CliRunner().invoke(
-        cli, ["canary", "compare", str(a), str(b), "--min-parity", "0.5", "--json"]
-    )
-    assert r.exit_code == 0, r.output
+    r = cli_run(["canary", "compare", str(a), str(b), "--min-parity", "0.5", "--json"])
     assert json.loads(r.output)["parity"] == 0.5
-    r = CliRunner().invoke(cli, ["canary", "compare", str(a), str(b), "--min-parity", "2"])
-    assert r.exit_code == 2 and "min_parity must be within 0..1" in r.output
+    r = cli_run(["canary", "compare", str(a), str(b), "--min-parity", "2"], code=2)
+    assert "min_parity must be within 0..1" in r.output
+
+
+# --- answers under batching against answers alone (vLLM #46088) ------------------------------
+
+
+def _with_batched(rec: Record, answers: dict[str, tuple[int, ...]]) -> Record:
+    """``rec`` with a batched pass whose answers are ``answers`` (the rest as alone)."""
+    alone = {o.id: o.token_ids for o in rec.outputs}
+    together = _rec(alone | answers).outputs
+    return dataclasses.replace(rec, batched=together)
+
+
+ALONE = {"a": (1, 2, 3, 4, 5, 6), "b": (7, 8, 9, 10, 11, 12), "c": (1, 13, 14, 15, 16, 17)}
+
+
+def test_batched_answers_equal_to_the_answers_alone_pass():
+    rec = _with_batched(_rec(ALONE), {})
+    check = canary.batched(rec)
+    assert (check.identical, check.outputs, check.crossed, check.ok) == (3, 3, (), True)
+    assert check.summary() == "batched answers pass: 3/3 token-identical to the answers alone"
+    c = canary.compare(_rec(ALONE), rec)
+    assert c.ok and "under batching 3/3 as alone" in c.summary()
+    assert c.figures()["batched"]["ok"] is True
+    assert canary.batched(_rec(ALONE)) is None  # no batched pass: nothing to judge
+
+
+def test_an_answer_taken_from_another_sequence_fails_naming_the_defect():
+    # Under batching a's answer is b's: mixed; c's follows a's for two tokens only: a drift.
+    rec = _with_batched(_rec(ALONE), {"a": ALONE["b"], "c": (1, 2, 99, 99, 99, 99)})
+    check = canary.batched(rec, min_parity=0.0)
+    assert check.differing == ("a", "c") and check.crossed == (("a", "b"),)
+    (failure,) = check.failures()
+    assert failure == (
+        "under batching a answered like b (vLLM #46088: --kv-cache-dtype auto with MTP: answers "
+        "mixed across the sequences of a batch)"
+    )
+    c = canary.compare(_rec(ALONE), rec, canary.Policy(min_parity=0.0))
+    assert c.verdict == "fail" and failure in c.summary()
+
+
+def test_batched_answers_that_drift_are_judged_by_the_parity_floor():
+    # c diverges late under batching (a GPU's numerics can): below 100%, not a mix-up.
+    rec = _with_batched(_rec(ALONE), {"c": (1, 13, 14, 15, 99, 99)})
+    check = canary.batched(rec)
+    assert (check.differing, check.crossed, check.ok) == (("c",), (), False)
+    assert check.failures() == [
+        "under batching 2/3 answers equal the same engine's answers alone (67%, min 100%): c differ"
+    ]
+    assert canary.batched(rec, min_parity=0.6).ok
+    assert canary.compare(_rec(ALONE), rec, canary.Policy(min_parity=0.6)).ok
+
+
+def test_a_profile_turns_the_batched_pass_on_for_its_canary():
+    prof = profiles.get("rtx5090x2-31b-fp8-mtp")  # max_num_seqs = 1
+    assert not canary.plan(prof).batched  # off unless the profile says so
+    on = dataclasses.replace(prof, canary=dataclasses.replace(prof.canary, batched=True))
+    plan = canary.plan(on)
+    assert (plan.batched, plan.at_once) == (True, 1)
+    table = profiles.from_dict(
+        {"name": "x", "description": "d", "model": "m", "served_model_name": "s"}
+        | {"canary": {"enabled": True, "batched": True}}
+    )
+    assert canary.plan(table).batched
+
+
+def test_a_record_keeps_its_batched_pass_and_an_older_one_loads_without(tmp_path):
+    rec = _with_batched(_rec(ALONE), {"c": (1, 13, 14, 15, 99, 99)})
+    path = canary.save(rec, tmp_path / "r.json")
+    assert canary.load(path) == rec
+    data = json.loads(path.read_text())
+    del data["batched"]  # a record written before the batched pass
+    path.write_text(json.dumps(data))
+    assert canary.load(path).batched == ()
 
 
 # --- refused before anything is sent ---------------------------------------------------------
 
 
-def test_malformed_set_is_refused_before_any_connection(tmp_path):
+def test_malformed_set_is_refused_before_any_connection(tmp_path, cli_run):
     # Nothing listens on the port: had the command connected first, the error would be the
     # engine's ("cannot reach"), not the set's.
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": \n')
     out = tmp_path / "out.json"
     url = f"http://127.0.0.1:{_free_port()}"
-    r = CliRunner().invoke(
-        cli, ["canary", "record", "--url", url, "--out", str(out), "--canary-file", str(bad)]
+    r = cli_run(
+        ["canary", "record", "--url", url, "--out", str(out), "--canary-file", str(bad)], code=2
     )
-    assert r.exit_code == 2, r.output
     assert r.output.strip().splitlines() == [f"Error: {bad} line 2: invalid JSON (Expecting value)"]
     assert not out.exists()
     # The same URL with a good set does try to connect: the ordering above is what was tested.
-    r = CliRunner().invoke(cli, ["canary", "record", "--url", url, "--out", str(out)])
-    assert r.exit_code == 1 and "cannot reach" in r.output
+    r = cli_run(["canary", "record", "--url", url, "--out", str(out)], code=1)
+    assert "cannot reach" in r.output
     assert not out.exists()
 
 
@@ -378,7 +443,7 @@ def test_a_canary_on_a_hung_engine_fails_within_its_bound_naming_it():
     assert "--canary-timeout" in str(err.value)
 
 
-# --- acceptance: how the answers were made (issue 26) -----------------------------------------
+# --- acceptance: how the answers were made ----------------------------------------------------
 
 
 def _drafted(rec: Record, accepted: dict[str, int], k: int = 2, drafts: int = 10) -> Record:
@@ -430,22 +495,21 @@ def test_records_without_figures_compare_on_answers_only_and_say_so():
     assert "acceptance not compared (a record has no speculative-decoding figures)" in c.summary()
 
 
-def test_a_profile_sets_the_acceptance_tolerance_and_the_cli_can_override_it(tmp_path):
+def test_a_profile_sets_the_acceptance_tolerance_and_the_cli_can_override_it(tmp_path, cli_run):
     before = _drafted(_rec(IDS), dict.fromkeys(IDS, 16))
     after = _drafted(_rec(IDS), dict.fromkeys(IDS, 13))  # a 15-point drop
     paths = []
     for name, rec in (("b", before), ("a", after)):
         paths.append(str(canary.save(rec, tmp_path / f"{name}.json")))
-    run = CliRunner().invoke
-    res = run(cli, ["canary", "compare", *paths, "--profile", "cpu-tiny-mtp"])
-    assert res.exit_code == 1 and "draft acceptance fell 80% -> 65%" in res.output
-    res = run(cli, ["canary", "compare", *paths, "--max-acceptance-drop", "0.2", "--json"])
-    assert res.exit_code == 0 and json.loads(res.output)["acceptance"]["median_change"] == -0.15
-    res = run(cli, ["canary", "compare", *paths, "--max-acceptance-drop", "2"])
-    assert res.exit_code == 2 and "max_acceptance_drop must be within 0..1" in res.output
+    res = cli_run(["canary", "compare", *paths, "--profile", "cpu-tiny-mtp"], code=1)
+    assert "draft acceptance fell 80% -> 65%" in res.output
+    res = cli_run(["canary", "compare", *paths, "--max-acceptance-drop", "0.2", "--json"])
+    assert json.loads(res.output)["acceptance"]["median_change"] == -0.15
+    res = cli_run(["canary", "compare", *paths, "--max-acceptance-drop", "2"], code=2)
+    assert "max_acceptance_drop must be within 0..1" in res.output
 
 
-# --- the acceptance baseline: a cutover from an image without MTP (issue 26 section 3) ---------
+# --- the acceptance baseline: a cutover from an image without MTP ------------------------------
 
 MTP_IMAGE = "gemma4-vllm:0.32.0-mtp"
 

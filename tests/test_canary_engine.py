@@ -9,11 +9,9 @@ import json
 import re
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import canary, profiles
 from appliance.canary import cases
-from appliance.cli import cli
 from appliance.vllm_client import VLLMClient
 
 pytestmark = pytest.mark.engine
@@ -123,7 +121,7 @@ def test_a_different_system_prompt_is_compared_case_by_case(rec_mtp, mtp_engine,
     )
 
 
-def test_an_edited_record_fails_compare_in_the_cli(rec_mtp, tmp_path):
+def test_an_edited_record_fails_compare_in_the_cli(rec_mtp, tmp_path, cli_run):
     before = canary.save(rec_mtp, tmp_path / "before.json")
     first = rec_mtp.outputs[0]
     ids = list(first.token_ids)
@@ -132,23 +130,21 @@ def test_an_edited_record_fails_compare_in_the_cli(rec_mtp, tmp_path):
         rec_mtp, outputs=(dataclasses.replace(first, token_ids=tuple(ids)), *rec_mtp.outputs[1:])
     )
     after = canary.save(edited, tmp_path / "after.json")
-    r = CliRunner().invoke(cli, ["canary", "compare", str(before), str(after), "--json"])
-    assert r.exit_code == 1, r.output
+    r = cli_run(["canary", "compare", str(before), str(after), "--json"], code=1)
     figures = json.loads(r.output)
     assert figures["differing"] == [first.id]
     assert figures["median_first_divergence"] == 3
     assert figures["verdict"] == "fail"
 
 
-def test_malformed_set_sends_no_request_to_the_engine(baseline_engine, tmp_path):
+def test_malformed_set_sends_no_request_to_the_engine(baseline_engine, tmp_path, cli_run):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
         '{"id": "fine", "prompt": "hello"}\n{"id": "x", "kind": "task", "prompt": "y"}\n'
     )
     out = tmp_path / "rec.json"
     done = _requests_done(baseline_engine.url)
-    r = CliRunner().invoke(
-        cli,
+    r = cli_run(
         [
             "canary",
             "record",
@@ -159,47 +155,41 @@ def test_malformed_set_sends_no_request_to_the_engine(baseline_engine, tmp_path)
             "--canary-file",
             str(bad),
         ],
+        code=2,
     )
-    assert r.exit_code == 2, r.output
     assert r.output.strip() == f"Error: {bad} line 2: a 'task' needs a 'check'"
     assert not out.exists()
     assert _requests_done(baseline_engine.url) == done
 
 
-def test_cli_record_and_compare_end_to_end(baseline_engine, mtp_random_engine, tmp_path):
+def test_cli_record_and_compare_end_to_end(baseline_engine, mtp_random_engine, tmp_path, cli_run):
     # An installed instance's files under --root: its key file is read by the one rule (the
     # engine has no key and ignores the header) and its env file names the image recorded.
     etc = tmp_path / "root/etc/gemma4-vllm"
     etc.mkdir(parents=True)
     (etc / "tiny.api-key").write_text("s3cret-key\r\n")
     (etc / "tiny.env").write_text("VLLM_IMAGE=gemma4-vllm:0.32.0-mtp\n")
-    runner = CliRunner()
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     base = ["canary", "record", "--profile", "cpu-tiny-mtp", "--root", str(tmp_path / "root")]
-    r = runner.invoke(cli, [*base, "--url", baseline_engine.url, "--out", str(a)])
-    assert r.exit_code == 0, r.output
+    r = cli_run([*base, "--url", baseline_engine.url, "--out", str(a)])
     max_tokens = profiles.get("cpu-tiny-mtp").canary.max_tokens  # the profile's run settings
     assert re.search(
         rf"canary: 14 prompts in [\d.]+ s \([\d.]+ s per prompt, max_tokens {max_tokens}\)",
         r.output,
     ), r.output
-    r = runner.invoke(
-        cli, [*base, "--url", mtp_random_engine.url, "--out", str(b), "--instance", "tiny"]
-    )
-    assert r.exit_code == 0, r.output
+    r = cli_run([*base, "--url", mtp_random_engine.url, "--out", str(b), "--instance", "tiny"])
     assert canary.load(b).image == "gemma4-vllm:0.32.0-mtp"
     assert canary.load(a).image is None
-    r = runner.invoke(cli, ["canary", "compare", str(a), str(b), "--profile", "cpu-tiny-mtp"])
-    assert r.exit_code == 0, r.output
+    r = cli_run(["canary", "compare", str(a), str(b), "--profile", "cpu-tiny-mtp"])
     assert r.output.startswith("canary passed [14/14 outputs token-identical (100%, min 100%)")
 
     # An empty key file is refused before anything is sent or written.
     (etc / "tiny.api-key").write_text("\n")
     c = tmp_path / "c.json"
-    r = runner.invoke(
-        cli, [*base, "--url", baseline_engine.url, "--out", str(c), "--instance", "tiny"]
+    r = cli_run(
+        [*base, "--url", baseline_engine.url, "--out", str(c), "--instance", "tiny"], code=2
     )
-    assert r.exit_code == 2 and "is empty" in r.output
+    assert "is empty" in r.output
     assert not c.exists()
 
 
@@ -209,7 +199,7 @@ def rec_random(mtp_random_engine) -> canary.Record:
 
 
 def test_the_random_drafter_keeps_every_answer_and_fails_on_acceptance(rec_mtp, rec_random):
-    """The regression the answers cannot show (issue 26): the same target, a drafter whose drafts
+    """The regression the answers cannot show: the same target, a drafter whose drafts
     are never accepted; greedy verification keeps every answer token-identical."""
     for rec in (rec_mtp, rec_random):
         assert {o.spec.source for o in rec.outputs} == {"request"}  # vLLM 0.32's own block
@@ -225,3 +215,21 @@ def test_without_per_request_metrics_the_figures_come_from_the_counters(mtp_coun
     rec = _record(mtp_counters_engine)
     assert {o.spec.source for o in rec.outputs} == {"counters"}
     assert all(o.spec.drafts > 0 for o in rec.outputs)
+
+
+def test_answers_under_batching_equal_the_answers_alone(mtp_engine, rec_mtp, tmp_path, cli_run):
+    """The batched pass (issue 46): the 14 cases again, all sent at once, so the engine decodes
+    them in one batch with MTP; each answer must equal the same engine's answer alone. The
+    defect it is for (vLLM #46088: answers mixed across a batch with --kv-cache-dtype auto and
+    MTP) is a GPU one; test_canary.py shows the verdict on such a record."""
+    out = tmp_path / "batched.json"
+    args = ["canary", "record", "--url", mtp_engine.url, "--profile", "cpu-tiny-mtp"]
+    r = cli_run([*args, "--out", str(out), "--batched"])
+    assert "batched answers pass: 14/14 token-identical to the answers alone" in r.output
+    rec = canary.load(out)
+    assert [o.id for o in rec.batched] == [o.id for o in rec.outputs]
+    assert all(o.completion_tokens == rec.settings.max_tokens for o in rec.batched)
+    # Every batched answer made with drafts, exact per request under the batch.
+    assert {o.spec.source for o in rec.batched if o.spec} == {"request"}
+    assert canary.compare(rec_mtp, rec, POLICY).verdict == "pass"
+    print(f"\nbatched canary: {rec.cost()}")

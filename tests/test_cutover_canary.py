@@ -11,14 +11,12 @@ import dataclasses
 import json
 
 import pytest
-from click.testing import CliRunner
 from plugins.cutover import InstanceTree, write_env
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import state_metrics, units
 from appliance.canary import baseline, compare
 from appliance.canary.record import Output, Record, Settings, SpecFigures
-from appliance.cli import cli
 from appliance.cutover import history, metrics
 from appliance.cutover.history import Entry, Gate
 from appliance.engine.local import free_port
@@ -32,27 +30,25 @@ def _tree(tmp_path) -> InstanceTree:
     return InstanceTree(tmp_path, "i1", env)
 
 
-def test_malformed_canary_line_refuses_the_cutover_before_anything_is_touched(tmp_path):
+def test_malformed_canary_line_refuses_the_cutover_before_anything_is_touched(tmp_path, cli_run):
     tree = _tree(tmp_path)
     bad = tmp_path / "ops.jsonl"
     bad.write_text('{"id": "ops-1", "prompt": "fine"}\n{"id": "ops-2", "prompt": \n')
     before = tree.snapshot()
     # The image is not on any host: the canary's set is refused first, without asking Docker.
-    r = CliRunner().invoke(
-        cli,
+    r = cli_run(
         ["cutover", "i1", "gemma4-vllm:not-built", "--root", str(tmp_path), "--canary-file", bad],
+        code=2,
     )
-    assert r.exit_code == 2, r.output
     [line] = r.output.strip().splitlines()
     assert line.startswith("Error: ") and str(bad) in line and "line 2" in line, line
     assert tree.snapshot() == before  # no lock, no history line, no env write
     assert not (tmp_path / "var").exists()
 
 
-def test_canary_cli_options_are_on_cutover_only():
-    runner = CliRunner()
-    assert "--canary / --no-canary" in runner.invoke(cli, ["cutover", "--help"]).output
-    assert "--canary" not in runner.invoke(cli, ["rollback", "--help"]).output
+def test_canary_cli_options_are_on_cutover_only(cli_run):
+    assert "--canary / --no-canary" in cli_run(["cutover", "--help"]).output
+    assert "--canary" not in cli_run(["rollback", "--help"]).output
 
 
 def _record(version: str, ids: tuple[int, ...], passed: bool, seconds: float) -> Record:
@@ -79,7 +75,7 @@ def _figures(before: Record, after: Record) -> dict:
     return Result(before, after, compare(before, after)).figures()
 
 
-def test_history_keeps_the_canary_and_the_history_command_shows_it(tmp_path):
+def test_history_keeps_the_canary_and_the_history_command_shows_it(tmp_path, cli_run):
     layout = Layout(tmp_path)
     path = layout.history_file("i1")
     e = Entry.begin("i1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:0.32.0-mtp")
@@ -99,8 +95,7 @@ def test_history_keeps_the_canary_and_the_history_command_shows_it(tmp_path):
     del old["canary"]
     assert Entry.from_dict(old).canary is None
 
-    r = CliRunner().invoke(cli, ["history", "i1", "--root", str(tmp_path)])
-    assert r.exit_code == 0, r.output
+    r = cli_run(["history", "i1", "--root", str(tmp_path)])
     assert "canary ok 12.0s" in r.output
     assert (
         "    canary: canary passed with warnings: token parity 50% below 100% across vLLM "
@@ -158,19 +153,18 @@ def test_an_instance_without_a_canary_has_no_canary_series(tmp_path):
 
 @pytest.mark.docker
 def test_an_old_engine_that_cannot_answer_the_canary_refuses_the_cutover_untouched(
-    mtp_instance, preflight_images
+    mtp_instance, preflight_images, restart_refused, cli_run
 ):
     env = mtp_instance.env_path
     env.write_bytes(
         env.read_bytes().replace(b"VLLM_PORT=8000", f"VLLM_PORT={free_port()}".encode())
     )
     before = env.read_bytes()
-    r = CliRunner().invoke(
-        cli,
+    r = cli_run(
         ["cutover", "i1", preflight_images["mtp"], "--root", str(mtp_instance.root)],
-        env={"APPLIANCE_SYSTEMD_PREFIX": "/nonexistent/appliance-test/no-systemctl"},
+        env=restart_refused,
+        code=1,
     )
-    assert r.exit_code == 1, r.output
     error = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
     assert len(error) == 1, r.output
     assert (
@@ -184,7 +178,7 @@ def test_an_old_engine_that_cannot_answer_the_canary_refuses_the_cutover_untouch
     assert not layout.rollback_slot("i1").exists()
 
 
-# --- the acceptance baseline in status and the state metrics (issue 26 section 3) -------------
+# --- the acceptance baseline in status and the state metrics ----------------------------------
 
 
 def _mtp_record(accepted: int, drafts: int = 10, k: int = 2) -> Record:
@@ -203,12 +197,11 @@ def _installed(tmp_path, *names: str) -> Layout:
     return Layout(tmp_path)
 
 
-def test_status_shows_each_instance_baseline_or_none(tmp_path):
+def test_status_shows_each_instance_baseline_or_none(tmp_path, cli_run):
     layout = _installed(tmp_path, "a1", "b2", "c3")
     assert baseline.keep(_mtp_record(15), layout.canary_baseline("a1")) is not None
     layout.canary_baseline("c3").write_text("{}")
-    res = CliRunner().invoke(cli, ["status", "--json", "--root", str(tmp_path)])
-    assert res.exit_code == 1, res.output  # none serves here
+    res = cli_run(["status", "--json", "--root", str(tmp_path)], code=1)  # none serves here
     a1, b2, c3 = json.loads(res.output)["instances"]
     assert a1["baseline"] == {
         "image": "gemma4-vllm:0.32.0-mtp",
@@ -221,8 +214,7 @@ def test_status_shows_each_instance_baseline_or_none(tmp_path):
     assert (a1["baseline_error"], b2["baseline"], b2["baseline_error"]) == (None, None, None)
     assert c3["baseline"] is None
     assert c3["baseline_error"].startswith(f"acceptance baseline {layout.canary_baseline('c3')}")
-    res = CliRunner().invoke(cli, ["status", "--root", str(tmp_path)])
-    assert res.exit_code == 1, res.output
+    res = cli_run(["status", "--root", str(tmp_path)], code=1)
     lines = [ln for ln in res.output.splitlines() if ln.startswith("  baseline:")]
     assert lines[:2] == [
         (

@@ -12,11 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.fsutil import write_atomic
 from appliance.host import envfile
@@ -196,7 +194,7 @@ def test_sigkill_mid_write_leaves_old_or_new_never_part(tmp_path):
 
 
 @pytest.mark.parametrize("value", ["80x0", "0", "70000"])
-def test_a_port_that_is_not_a_port_is_a_usage_error_naming_the_file(tmp_path, value):
+def test_a_port_that_is_not_a_port_is_a_usage_error_naming_the_file(tmp_path, value, cli_run):
     env_path = Layout(tmp_path).env_file("i1")
     env_path.parent.mkdir(parents=True)
     env_path.write_text(
@@ -204,15 +202,14 @@ def test_a_port_that_is_not_a_port_is_a_usage_error_naming_the_file(tmp_path, va
         f"VLLM_PORT={value}\n"
     )
     before = env_path.read_bytes()
-    result = CliRunner().invoke(cli, ["cutover", "i1", "gemma4-vllm:mtp", "--root", str(tmp_path)])
-    assert result.exit_code == 2, result.output
+    result = cli_run(["cutover", "i1", "gemma4-vllm:mtp", "--root", str(tmp_path)], code=2)
     assert f"Error: VLLM_PORT={value!r} in {env_path} is not a TCP port" in result.output
     assert "Traceback" not in result.output
     assert env_path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["i1.env"]
 
 
-def test_cutover_refuses_an_ambiguous_env_file_before_anything_is_touched(tmp_path):
+def test_cutover_refuses_an_ambiguous_env_file_before_anything_is_touched(tmp_path, cli_run):
     """The M9 case: systemd 252 runs image a, a lax parser would read and rewrite b."""
     env_path = Layout(tmp_path).env_file("i1")
     env_path.parent.mkdir(parents=True)
@@ -222,8 +219,7 @@ def test_cutover_refuses_an_ambiguous_env_file_before_anything_is_touched(tmp_pa
     )
     before = env_path.read_bytes()
     for args in (["cutover", "i1", "gemma4-vllm:mtp"], ["status", "i1"]):
-        result = CliRunner().invoke(cli, [*args, "--root", str(tmp_path)])
-        assert result.exit_code == 2, result.output
+        result = cli_run([*args, "--root", str(tmp_path)], code=2)
         assert f"Error: {env_path}:5: a comment ending in a backslash" in result.output
     assert env_path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["i1.env"]

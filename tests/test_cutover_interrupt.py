@@ -219,7 +219,7 @@ def test_a_killed_cutover_status_names_its_state_and_the_recovery_command(
     assert inst.env_path.read_bytes() == new_env
 
     s = inst.appliance("status", inst.instance)
-    assert s.returncode == 0, s.stderr
+    assert s.stderr == "", s.stderr  # exit 0 or 1: serving or not, as the kill left it
     print(s.stdout)
     assert (
         f"INTERRUPTED cutover {MTP_IMAGE} -> {off_image} (pid {cut.proc.pid} was killed); "
@@ -249,6 +249,7 @@ def test_a_killed_cutover_status_names_its_state_and_the_recovery_command(
     assert not slot.exists()  # as it was before the killed cutover
     assert not layout.saved_env(inst.instance).exists()
     s = inst.appliance("status", inst.instance)
+    assert s.returncode == 0, s.stdout  # serving again
     assert "INTERRUPTED" not in s.stdout and "recover:" not in s.stdout
     # Nothing left to recover: a second run says so instead of restarting anything.
     invocation = inst.show("InvocationID")

@@ -225,3 +225,46 @@ def test_a_holder_that_never_wrote_is_unknown_not_the_last_writers_dead_pid(tmp_
     finally:
         proc.kill()
         proc.wait()
+
+
+_PURGE = """
+import sys
+from pathlib import Path
+from appliance import units
+units.uninstall("a1", root=Path(sys.argv[1]), purge=True)
+"""
+
+
+def test_a_purge_keeps_the_lock_it_holds_until_it_has_released_it(tmp_path):
+    """`uninstall --purge` holds the instance's lock while it removes its files (review S10).
+    A rollback started meanwhile must be busy, not take a fresh file's lock and run beside it.
+
+    The purge is held inside its locked part for real: the other instance's env file is a FIFO,
+    which the purge reads (for the scrape targets) until this test writes it; opening the FIFO
+    for writing returns only once the purge has opened it."""
+    from appliance import units
+    from appliance.host.layout import Layout
+
+    layout = Layout(tmp_path)
+    for name, port in (("a1", 18301), ("b1", 18302)):
+        units.install("cpu-tiny-mtp", name, root=tmp_path, options=units.Options(port=port))
+    path = layout.lock_file("a1")
+    with lock.hold(path, "a1", "cutover to x:1"):  # a cutover ran once: the file is there
+        pass
+    other = layout.env_file("b1")
+    content = other.read_bytes()
+    other.unlink()
+    os.mkfifo(other)
+    purge = subprocess.Popen(
+        [sys.executable, "-c", _PURGE, str(tmp_path)], cwd=Path(__file__).resolve().parents[1]
+    )
+    try:
+        with open(other, "wb") as fifo:
+            with pytest.raises(lock.LockBusy), lock.hold(path, "a1", "rollback"):
+                pass
+            fifo.write(content)
+        assert purge.wait(timeout=120) == 0
+    finally:
+        purge.kill()
+        purge.wait()
+    assert not path.exists()  # the purge still leaves no lock behind

@@ -14,16 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
-from appliance.cli import cli
+from plugins.cli import invoke
 
 pytestmark = pytest.mark.docker
 
 
 def _cutover(tree, image: str, *extra: str):
     args = ["cutover", tree.instance, image, "--root", str(tree.root), *extra]
-    return CliRunner().invoke(cli, args)
+    return invoke(args, code=None)
 
 
 @pytest.mark.parametrize("image", ["gemma4-vllm:mtp; rm -rf /", "Gemma4-VLLM:mtp", "gemma4-vllm:"])
@@ -51,7 +49,7 @@ def test_mtp_profile_and_image_without_mtp_names_both(mtp_instance, preflight_im
     result = _cutover(mtp_instance, preflight_images["pre-mtp"])
     assert result.exit_code == 1, result.output
     assert (
-        "profile cpu-tiny-mtp requests Gemma 4 MTP but image gemma4-cutover-test:pre-mtp "
+        f"profile cpu-tiny-mtp requests Gemma 4 MTP but image {preflight_images['pre-mtp']} "
         "(vLLM 0.19.0) does not support it"
     ) in result.output
     assert mtp_instance.snapshot() == before
@@ -131,19 +129,16 @@ def test_the_way_back_is_the_image_the_env_file_names_under_the_lock(
     assert "VLLM_IMAGE=gone:1" in mtp_instance.env_path.read_text()
 
 
-def test_unknown_instance_says_install_first(tmp_path, preflight_images):
-    result = CliRunner().invoke(
-        cli, ["cutover", "nope", preflight_images["mtp"], "--root", str(tmp_path)]
-    )
-    assert result.exit_code == 1, result.output
-    assert "no env file" in result.output and "appliance install" in result.output
+def test_unknown_instance_says_install_first(tmp_path, preflight_images, cli_run):
+    result = cli_run(["cutover", "nope", preflight_images["mtp"], "--root", str(tmp_path)], code=2)
+    assert f"no instance nope: no {tmp_path}/etc/gemma4-vllm/nope.env" in result.output
+    assert "`appliance instance install nope --profile PROFILE` installs it" in result.output
     assert not any(tmp_path.iterdir())
 
 
-def test_rollback_without_a_recorded_target_is_refused(mtp_instance):
+def test_rollback_without_a_recorded_target_is_refused(mtp_instance, cli_run):
     before = mtp_instance.snapshot()
-    result = CliRunner().invoke(cli, ["rollback", "i1", "--root", str(mtp_instance.root)])
-    assert result.exit_code == 2, result.output
+    result = cli_run(["rollback", "i1", "--root", str(mtp_instance.root)], code=2)
     assert "instance i1 has no rollback target" in result.output
     assert mtp_instance.snapshot() == before
 

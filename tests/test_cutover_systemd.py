@@ -1,6 +1,7 @@
 """`appliance cutover|rollback|status|history` end to end: real systemd booted in systemd-nspawn,
-the host's Docker engine, the real CPU images (``gemma4-vllm:pre-mtp`` = vLLM 0.19,
-``gemma4-vllm:0.32.0-mtp``, and ``gemma4-vllm:0.32.0-mtp-broken`` whose engine exits at start),
+the host's Docker engine, the real CPU images (``gemma4-vllm:0.19.0-cpu`` = vLLM 0.19,
+``gemma4-vllm:0.32.0-mtp-cpu``, and ``gemma4-vllm:0.32.0-mtp-broken-cpu`` whose engine exits at
+start),
 and an image derived from the MTP one (tests/plugins/docker_engine.py ``canary_images``) with
 another chat template (answers change). cpu-tiny-mtp turns the output canary on, so every
 cutover here runs it unless the test says ``--no-canary``.
@@ -135,7 +136,7 @@ def test_an_image_that_changes_the_answers_fails_the_canary_and_is_rolled_back(
 def test_an_image_that_drafts_worse_with_the_same_answers_is_rolled_back_on_acceptance(
     systemd_instance, degraded_image
 ):
-    """Issue 26. The degraded image is a deliberate fault (tests/plugins/docker_engine.py): the
+    """The degraded image is a deliberate fault (tests/plugins/docker_engine.py): the
     MTP image drafting with a random drafter. Every gate passes, every answer is token-identical,
     and the canary's acceptance judgement rolls the cutover back."""
     inst = systemd_instance
@@ -161,6 +162,53 @@ def test_an_image_that_drafts_worse_with_the_same_answers_is_rolled_back_on_acce
     assert any(f.startswith("draft acceptance fell") for f in c["failures"])
     s = inst.appliance("status", inst.instance)
     assert "canary:     canary FAILED: draft acceptance fell" in s.stdout
+
+
+def test_rollback_returns_to_the_image_id_the_slot_recorded_when_its_tag_moved(
+    systemd_instance, canary_images, docker_engine
+):
+    """S12: the rollback slot kept only a tag, so once `appliance image build` moved it (here
+    `docker tag`, the same move), `appliance rollback` went wherever it named then. The slot and
+    the history keep the image ID too, and the rollback goes to that ID when the tag moved."""
+    inst = systemd_instance
+    inst.ensure(MTP_IMAGE)
+    mtp = docker_engine.images.get(MTP_IMAGE)
+    changed_ref = canary_images["changed-template"]
+    changed = docker_engine.images.get(changed_ref)
+    repo, tag = "gemma4-rollback-test", "0.32.0-mtp-cpu"  # the test's own: no shared tag moves
+    way_back = f"{repo}:{tag}"
+    mtp.tag(repo, tag)
+    try:
+        inst.set_image(way_back)  # the image that runs, by another name: no restart
+        r = inst.appliance(
+            "cutover", inst.instance, changed_ref, "--no-canary", "--timeout", TIMEOUT
+        )
+        assert r.returncode == 0, r.stderr
+        slot = json.loads(Layout(inst.root).rollback_slot(inst.instance).read_text())
+        cut = _history(inst)[-1]
+        changed.tag(repo, tag)  # the slot's tag now names the image that runs
+        r = inst.appliance("rollback", inst.instance, "--timeout", TIMEOUT)
+        assert r.returncode == 0, r.stderr
+        running = docker_engine.containers.get(inst.container).attrs["Image"]
+        assert running == mtp.id, "the rollback went where the tag points now"
+        assert (
+            f"{way_back} names another image ({changed.id}) now: returning to the image it "
+            f"named, {mtp.id}"
+        ) in r.stderr
+        assert inst.image() == mtp.id  # the env file names the ID: no tag can move it
+        back = _history(inst)[-1]
+        assert (back.kind, back.outcome, back.to_image, back.to_image_id) == (
+            "rollback",
+            "ok",
+            mtp.id,
+            mtp.id,
+        )
+        assert (slot["image"], slot["image_id"]) == (way_back, mtp.id)
+        assert (cut.from_image_id, cut.to_image_id) == (mtp.id, changed.id)
+    finally:
+        docker_engine.images.remove(way_back)
+        if inst.image() == mtp.id:
+            inst.set_image(MTP_IMAGE)  # what runs, by its tag: the next test's ensure is a no-op
 
 
 def _two_at_once(inst: SystemdInstance, *args: str) -> subprocess.CompletedProcess:
@@ -252,14 +300,14 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     }
     assert all(o.token_ids and len(o.token_ids) == o.completion_tokens for o in before.outputs)
     # Its cost is printed and kept: per prompt and in all, before and after.
-    assert "canary: recording 14 prompts on gemma4-vllm:pre-mtp before the restart" in r.stderr
+    assert f"canary: recording 14 prompts on {PRE_MTP_IMAGE} before the restart" in r.stderr
     assert r.stderr.count("canary: 14 prompts in ") == 2 and "s per prompt" in r.stderr
     assert c["seconds_before"] > 0 and c["seconds_per_prompt_after"] > 0
     assert f"{inst.instance}: canary passed" in r.stdout
     prom = layout.metrics_textfile().read_text()
     assert f'gemma4_appliance_canary_ok{{instance="{inst.instance}"}} 1.0' in prom
     assert 'vllm="0.19.0->0.32.0"' in prom
-    # Issue 26 §3: 0.19 drafted nothing, so the MTP image's acceptance is judged against the
+    # 0.19 drafted nothing, so the MTP image's acceptance is judged against the
     # instance's acceptance baseline (an earlier cutover's, or none yet), and its passing record
     # is the baseline from now on: kept on disk, shown by status, exported with the state.
     judged = c["baseline"]
@@ -269,7 +317,8 @@ def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     else:
         assert judged["change"]["samples"] > 0
     assert f"canary: the acceptance baseline of {inst.instance} is now acceptance" in r.stderr
-    kept = json.loads(inst.appliance("status", inst.instance, "--json").stdout)["baseline"]
+    [st] = json.loads(inst.appliance("status", inst.instance, "--json").stdout)["instances"]
+    kept = st["baseline"]
     assert kept["image"] == MTP_IMAGE and kept["vllm_version"] == "0.32.0"
     assert kept["acceptance"] > 0.5 and kept["tokens_per_step"] > 1.5  # the copy drafter
     assert f'gemma4_appliance_acceptance_baseline{{instance="{inst.instance}"}}' in (

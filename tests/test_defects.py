@@ -8,11 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from click.testing import CliRunner
 from plugins.http_servers import Route
 
 from appliance import doctor, profiles
-from appliance.cli import cli
 from appliance.doctor.engine import defect_checks
 from appliance.errors import UsageError
 from appliance.profiles import Speculative, defects
@@ -31,6 +29,14 @@ def applies(defect_id: str, version: str | None, profile: profiles.Profile) -> b
 # Per entry: (profile that has its conditions, affected versions, unaffected versions, profiles
 # on an affected version that lack a condition). None as a version: none given.
 H100_FP8_KV = variant("h100-31b-mtp", kv_cache_dtype="fp8")
+# The two-host shape l4x4x2-31b-mtp shipped with before: TP 4 in each host x PP 2 across them.
+PP_MTP = variant("l4x4x2-31b-mtp", tensor_parallel_size=4, pipeline_parallel_size=2)
+B200 = variant(
+    "h100-31b-mtp",
+    hardware=dataclasses.replace(
+        profiles.get("h100-31b-mtp").hardware, gpu_name="NVIDIA B200", compute_capability="10.0"
+    ),
+)
 
 
 def with_schedule(name: str) -> profiles.Profile:
@@ -77,6 +83,49 @@ CASES = {
         with_schedule("h100-31b-mtp"),
         ["0.25.0", "0.31.1"],
         ["0.24.0", "0.32.0", None],
+        [profiles.get("h100-31b-mtp"), with_schedule("cpu-tiny-mtp")],
+    ),
+    "mtp-pipeline-parallel": (
+        PP_MTP,
+        ["0.21.0", "0.32.0", None],
+        ["0.20.0"],
+        [
+            profiles.get("spark2-31b-nvfp4-mtp"),  # tensor parallel across the nodes
+            profiles.get("l4x4x2-31b-mtp"),  # reshaped so: TP 8 across the two hosts
+            dataclasses.replace(PP_MTP, speculative=None),  # PP without MTP
+        ],
+    ),
+    "flashinfer-hd512-mtp-sm100": (
+        B200,
+        ["0.21.0", "0.32.0", None],
+        ["0.20.0"],
+        [
+            profiles.get("h100-31b-mtp"),
+            dataclasses.replace(B200, extra_args=("--attention-backend", "TRITON_ATTN")),
+            dataclasses.replace(B200, speculative=None),
+        ],
+    ),
+    "kv-auto-mtp-batching": (
+        profiles.get("h100-31b-mtp"),
+        ["0.21.0", "0.32.0", None],
+        ["0.20.0"],
+        [
+            H100_FP8_KV,
+            profiles.get("rtx5090x2-31b-fp8-mtp"),  # one sequence at a time
+            profiles.get("cpu-tiny-mtp"),
+            profiles.get("l4x4-31b"),
+        ],
+    ),
+    "fp8-kv-mtp-acceptance": (
+        H100_FP8_KV,
+        ["0.21.0", "0.32.0", None],
+        ["0.20.2"],
+        [profiles.get("h100-31b-mtp"), variant("l4x4-31b", kv_cache_dtype="fp8")],
+    ),
+    "mrv2-dynamic-k-mtp": (
+        with_schedule("h100-31b-mtp"),
+        ["0.21.0", "0.31.1"],
+        ["0.20.0", "0.32.0", None],
         [profiles.get("h100-31b-mtp"), with_schedule("cpu-tiny-mtp")],
     ),
 }
@@ -126,21 +175,23 @@ def test_validate_names_each_defect_with_its_link_and_fix():
     assert "fixed in: unknown" in init.message and "VLLM_USE_V2_MODEL_RUNNER=1" in init.fix
 
 
-def test_cli_validate_prints_one_warning_line_per_defect():
+def test_cli_validate_prints_one_warning_line_per_defect(cli_run):
     args = ["profiles", "validate", "h100-31b-mtp", "--vllm-version", "0.25.1"]
-    res = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output  # warnings only
+    res = cli_run(args)  # warnings only: exit 0
     lines = [ln for ln in res.output.splitlines() if "vllm-project/vllm" in ln]
-    assert len(lines) == 2, res.output
+    assert len(lines) == 3, res.output
     init = next(ln for ln in lines if "[mtp-init-0.25.1]" in ln)
     assert init.startswith("  warning: ") and "issues/48848" in init and "(fix: " in init
     assert any("[mtp-block-table-concurrency]" in ln and "pull/43982" in ln for ln in lines)
-    # The shipped profiles on the image's own vLLM: nothing to say.
-    res = CliRunner().invoke(cli, ["profiles", "validate", "--vllm-version", "0.32.0"])
-    assert res.exit_code == 0 and "vllm-project/vllm" not in res.output, res.output
+    assert any("[kv-auto-mtp-batching]" in ln and "issues/46088" in ln for ln in lines)
+    # The shipped profiles on the image's own vLLM: only the batching defect closed upstream
+    # with no known release (the output canary's concurrent run is its check).
+    res = cli_run(["profiles", "validate", "--vllm-version", "0.32.0"])
+    named = {ln.split("]")[0] for ln in res.output.splitlines() if "vllm-project/vllm" in ln}
+    assert named == {"  warning: [kv-auto-mtp-batching"}, res.output
 
 
-def test_cli_validate_fails_on_an_error_level_defect(tmp_path):
+def test_cli_validate_fails_on_an_error_level_defect(tmp_path, cli_run):
     path = tmp_path / "fp8kv.toml"
     path.write_text(
         'name = "fp8kv"\ndescription = "x"\nmodel = "google/gemma-4-31B-it"\n'
@@ -149,8 +200,7 @@ def test_cli_validate_fails_on_an_error_level_defect(tmp_path):
         '[hardware]\ngpus = 1\ngpu_memory_gib = 80\ncompute_capability = "9.0"\n'
     )
     args = ["profiles", "validate", "--file", str(path), "--vllm-version", "0.25.1"]
-    res = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert res.exit_code == 1
+    res = cli_run(args, code=1)
     assert "error: [fp8-kv-mtp-0.25.1]" in res.output and "warning: [mtp-draft-kv-scales]" in (
         res.output
     )
@@ -163,10 +213,14 @@ def test_doctor_warns_once_per_defect_of_the_servers_version():
         "vllm.defect.mtp-init-0.25.1",
         "vllm.defect.mtp-draft-kv-scales",
         "vllm.defect.mtp-block-table-concurrency",
+        "vllm.defect.fp8-kv-mtp-acceptance",
     }
     assert all(c.status == "warn" and "fix: " in c.summary for c in checks)
     assert checks[0].evidence["server"] == "0.25.1"
-    assert defect_checks("0.32.0", profiles.get("l4x4-31b-mtp")) == []
+    assert [c.name for c in defect_checks("0.32.0", profiles.get("l4x4-31b-mtp"))] == [
+        "vllm.defect.kv-auto-mtp-batching"
+    ]
+    assert defect_checks("0.32.0", profiles.get("rtx5090x2-31b-fp8-mtp")) == []
     assert defect_checks("0.25.1", None) == []  # no profile: no conditions to match
     assert defect_checks("dev", profiles.get("h100-31b-mtp")) == []  # vllm.version fails it
 
@@ -230,3 +284,17 @@ def test_the_table_loads_and_ids_are_unique():
     with pytest.raises(UsageError, match="id x is used twice"):
         defects.load(ENTRY + ENTRY, "t.toml")
     assert defects.load(ENTRY, "t.toml")[0].needs == defects.Needs(mtp=True)
+
+
+def test_mtp_with_pipeline_parallelism_is_refused_naming_the_defect_and_the_fix(cli_run):
+    # What the two-host profile shipped as (TP 4 x PP 2 + MTP): vLLM 0.32's Gemma 4 proposer
+    # returns before sharing the target's embedding on a PP group (vllm/v1/spec_decode/gemma4.py
+    # _maybe_share_embeddings), and upstream reports MTP failing under PP (#52069, #49355).
+    with pytest.raises(pv.ProfileError) as exc:
+        pv.require_valid(PP_MTP, vllm_version="0.32.0")
+    line = str(exc.value)
+    assert "\n" not in line and "issues/52069" in line
+    assert line.startswith("profile l4x4x2-31b-mtp: Gemma 4 MTP does not run under pipeline")
+    assert exc.value.fix.startswith("run tensor parallel across the hosts instead")
+    cli_run(["profiles", "validate", "l4x4x2-31b-mtp"])
+    # the shipped shape is tensor parallel now

@@ -37,16 +37,18 @@ def test_demo_json_records_add_up_to_the_engines_counter_deltas(tmp_path):
     assert engine["status"] == "ok" and engine["drafts"] > 0
     for c in calls:
         assert c["output_tokens"] == 48  # from usage, streamed or not
-        assert c["source"] == "request" and c["shared"] is False
-        assert c["acceptance"] >= 0.9
-        assert c["tokens_per_step"] == pytest.approx(1 + c["accepted"] / c["drafts"])
+        f = c["figures"]  # the agent's record of the call, as it holds it
+        assert f["source"] == "request" and f["shared"] is False
+        assert f["acceptance"] >= 0.9
+        assert f["tokens_per_step"] == pytest.approx(1 + f["accepted"] / f["drafts"])
     for key in ("drafts", "draft_tokens", "accepted"):
-        assert sum(c[key] for c in calls) == engine[key] == report["totals"][key]
+        assert sum(c["figures"][key] for c in calls) == engine[key] == report["totals"][key]
     assert report["totals"]["acceptance"] == engine["acceptance"]  # over the sums, one formula
     assert "drafted" not in json.dumps(report)  # vLLM's names, the same from counter to JSON
     assert "healthy after" in out.stderr
     text = page.read_text()
-    assert 'id="chart-call-acceptance"' in text and 'data-path="calls.1.tokens_per_step"' in text
+    assert 'id="chart-call-acceptance"' in text
+    assert 'data-path="calls.1.figures.tokens_per_step"' in text
     assert [p.name for p in tmp_path.iterdir()] == ["demo.html"]  # no temp file left behind
 
 

@@ -6,14 +6,13 @@ import hashlib
 import json
 from pathlib import Path
 
-from click.testing import CliRunner
+from plugins.cli import invoke
 
 from appliance import devmodel
-from appliance.cli import cli
 
 
 def run(*args):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return invoke(list(args), code=None)
 
 
 def _weight_digest(root: Path) -> str:
@@ -65,28 +64,23 @@ def test_copy_and_random_drafters_differ_but_share_the_target(tmp_path):
     ).read_bytes()
 
 
-def test_non_empty_directory_is_refused_with_one_line_and_exit_2(tmp_path):
+def test_non_empty_directory_is_refused_with_one_line_and_exit_2(tmp_path, cli_run):
     (tmp_path / "keep.txt").write_text("mine")
-    result = CliRunner().invoke(cli, ["dev", "devmodel", "build", str(tmp_path)])
-    assert result.exit_code == 2
+    result = cli_run(["dev", "devmodel", "build", str(tmp_path)], code=2)
     assert result.output.strip().count("\n") == 0
     assert result.output.startswith("Error: ") and "not empty" in result.output
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
 
 
-def test_unwritable_directory_is_refused_with_one_line_and_exit_2(tmp_path):
+def test_unwritable_directory_is_refused_with_one_line_and_exit_2(tmp_path, cli_run):
     # /proc refuses new directories even to root: a real unwritable place.
-    result = CliRunner().invoke(cli, ["dev", "devmodel", "build", "/proc/appliance-test/tiny"])
-    assert result.exit_code == 2
+    result = cli_run(["dev", "devmodel", "build", "/proc/appliance-test/tiny"], code=2)
     assert result.output.startswith("Error: cannot write to /proc/appliance-test")
     assert result.output.strip().count("\n") == 0
 
 
-def test_unknown_drafter_kind_is_a_usage_error(tmp_path):
-    result = CliRunner().invoke(
-        cli, ["dev", "devmodel", "build", str(tmp_path / "x"), "--drafter", "eh"]
-    )
-    assert result.exit_code == 2
+def test_unknown_drafter_kind_is_a_usage_error(tmp_path, cli_run):
+    cli_run(["dev", "devmodel", "build", str(tmp_path / "x"), "--drafter", "eh"], code=2)
     assert not (tmp_path / "x").exists()
 
 

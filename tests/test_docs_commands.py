@@ -53,13 +53,16 @@ def _lines() -> list[tuple[str, str, bool]]:
 
 
 def _command(words: list[str]) -> tuple[click.Command, list[str], click.Context]:
-    """The command ``words`` name and the words left for it."""
+    """The command ``words`` name and the words left for it, found as click finds it (an old
+    spelling a group still takes, such as ``bench --url X``, included)."""
     cmd, ctx = cli, cli.make_context("appliance", [], resilient_parsing=True)
-    while isinstance(cmd, click.Group) and words and not words[0].startswith("-"):
-        sub = cmd.get_command(ctx, words[0])
+    while isinstance(cmd, click.Group) and words:
+        name, sub, rest = cmd.resolve_command(ctx, words)
+        if sub is None and words[0].startswith("-"):
+            break  # the group's own option (--version, --help)
         assert sub is not None, f"no command {words[0]!r} under {ctx.command_path!r}"
-        cmd, words = sub, words[1:]
-        ctx = click.Context(cmd, info_name=sub.name, parent=ctx)
+        cmd, words = sub, rest
+        ctx = click.Context(cmd, info_name=name, parent=ctx, resilient_parsing=True)
     return cmd, words, ctx
 
 

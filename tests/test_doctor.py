@@ -6,20 +6,21 @@ import json
 import shutil
 
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.http_servers import API_KEY, Route
 
 import docker
 from appliance import devmodel, doctor, profiles
-from appliance.cli import cli
 from appliance.engine.local import free_port
 from appliance.hostcheck.nvidia import gpu_findings
 
 
 def _doctor(*args: str, env: dict | None = None):
     # VLLM_API_KEY from the caller's shell must not leak into a test that means "no key".
-    res = CliRunner().invoke(
-        cli, ["instance", "doctor", "--json", *args], env={"VLLM_API_KEY": None, **(env or {})}
+    res = invoke(
+        ["instance", "doctor", "--json", *args],
+        env={"VLLM_API_KEY": None, **(env or {})},
+        code=None,
     )
     return res, json.loads(res.output)
 
@@ -138,10 +139,9 @@ def test_instance_without_container_fails_on_real_docker(tmp_path, docker_engine
     assert (ctr.status, ctr.summary) == ("warn", "no container gemma4-vllm-c")
 
 
-def test_invalid_instance_name_is_a_one_line_usage_error(tmp_path):
+def test_invalid_instance_name_is_a_one_line_usage_error(tmp_path, cli_run):
     for args in (["--instance", "../x"], ["--instance", "../x", "--api-key-file", "/dev/null"]):
-        res = CliRunner().invoke(
-            cli,
+        res = cli_run(
             [
                 "instance",
                 "doctor",
@@ -151,31 +151,30 @@ def test_invalid_instance_name_is_a_one_line_usage_error(tmp_path):
                 str(tmp_path),
                 *args,
             ],
+            code=2,
         )
-        assert res.exit_code == 2, res.output
         assert (
             res.output == "Error: invalid instance name '../x' (use letters, digits, '-' "
             "and '_' (at most 64), starting with a letter or digit)\n"
         )
 
 
-def test_api_key_file_problems_are_usage_errors(tmp_path):
+def test_api_key_file_problems_are_usage_errors(tmp_path, cli_run):
     url = f"http://127.0.0.1:{free_port()}"
-    res = CliRunner().invoke(
-        cli, ["instance", "doctor", "--url", url, "--api-key-file", str(tmp_path / "missing")]
+    res = cli_run(
+        ["instance", "doctor", "--url", url, "--api-key-file", str(tmp_path / "missing")], code=2
     )
-    assert res.exit_code == 2 and res.output.startswith("Error: API key file ")
+    assert res.output.startswith("Error: API key file ")
     assert res.output.endswith("missing does not exist\n")
     (tmp_path / "empty").write_text(" \r\n")
-    res = CliRunner().invoke(
-        cli, ["instance", "doctor", "--url", url, "--api-key-file", str(tmp_path / "empty")]
+    res = cli_run(
+        ["instance", "doctor", "--url", url, "--api-key-file", str(tmp_path / "empty")], code=2
     )
     # The one key-file rule (appliance.apikey): whitespace and CRLF are not a key.
-    assert res.exit_code == 2 and f"{tmp_path / 'empty'} is empty (" in res.output
+    assert f"{tmp_path / 'empty'} is empty (" in res.output
     assert len(res.output.splitlines()) == 1
     (tmp_path / "k").write_text("abc\n")
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         [
             "instance",
             "doctor",
@@ -186,15 +185,14 @@ def test_api_key_file_problems_are_usage_errors(tmp_path):
             "--api-key-file",
             str(tmp_path / "k"),
         ],
+        code=2,
     )
-    assert res.exit_code == 2 and "not both" in res.output
+    assert "not both" in res.output
 
 
-def test_help_never_shows_the_key():
-    res = CliRunner().invoke(
-        cli, ["instance", "doctor", "--help"], env={"VLLM_API_KEY": "s3cret-value"}
-    )
-    assert res.exit_code == 0 and "VLLM_API_KEY" in res.output
+def test_help_never_shows_the_key(cli_run):
+    res = cli_run(["instance", "doctor", "--help"], env={"VLLM_API_KEY": "s3cret-value"})
+    assert "VLLM_API_KEY" in res.output
     assert "s3cret-value" not in res.output
 
 

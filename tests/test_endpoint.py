@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import canary, endpoint, units
-from appliance.cli import cli
 from appliance.profiles import get
 
 PORT = 8123  # not vLLM's 8000 nor the reference profile's 8050: it can only come from the file
@@ -48,14 +46,13 @@ def test_the_instance_wins_over_an_exported_url(root):
     assert endpoint.resolve(default=None).url is None
 
 
-def test_an_instance_not_installed_is_one_line_and_exit_2(tmp_path):
+def test_an_instance_not_installed_is_one_line_and_exit_2(tmp_path, cli_run):
     for argv in (
         ["instance", "doctor", "nosuch"],
-        ["bench", "nosuch"],
+        ["bench", "run", "nosuch"],
         ["canary", "record", "nosuch", "--out", str(tmp_path / "r.json")],
     ):
-        res = CliRunner().invoke(cli, [*argv, "--root", str(tmp_path)])
-        assert res.exit_code == 2, (argv, res.output)
+        res = cli_run([*argv, "--root", str(tmp_path)], code=2)
         assert res.output == (
             "Error: cannot tell where instance nosuch serves: no env file "
             f"{tmp_path}/etc/gemma4-vllm/nosuch.env (install the instance first: appliance "
@@ -64,17 +61,16 @@ def test_an_instance_not_installed_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "r.json").exists()
 
 
-def test_two_different_names_are_refused(root):
-    res = CliRunner().invoke(
-        cli, ["instance", "doctor", "tiny", "--instance", "other", "--root", str(root)]
+def test_two_different_names_are_refused(root, cli_run):
+    res = cli_run(
+        ["instance", "doctor", "tiny", "--instance", "other", "--root", str(root)], code=2
     )
-    assert res.exit_code == 2
     assert res.output == "Error: two instances named: 'tiny' and --instance 'other'\n"
 
 
-def test_doctor_by_name_probes_the_instances_own_port(root):
+def test_doctor_by_name_probes_the_instances_own_port(root, cli_run):
     # Nothing listens there: the report names the port it tried, from the env file.
-    res = CliRunner().invoke(cli, ["instance", "doctor", "tiny", "--root", str(root), "--json"])
+    res = cli_run(["instance", "doctor", "tiny", "--root", str(root), "--json"], code=None)
     body = json.loads(res.output)
     assert res.exit_code == 1
     reach = next(c for c in body["checks"] if c["name"] == "engine.reachable")
@@ -83,15 +79,14 @@ def test_doctor_by_name_probes_the_instances_own_port(root):
 
 
 @pytest.mark.engine
-def test_doctor_canary_and_bench_reach_an_installed_instance_by_name(mtp_engine, tmp_path):
+def test_doctor_canary_and_bench_reach_an_installed_instance_by_name(mtp_engine, tmp_path, cli_run):
     """The session's engine installed as instance ``tiny`` on its own (random, non-default) port:
     each command, given only the name, talks to it with the instance's profile and key."""
     units.install(
         get("cpu-tiny-mtp"), "tiny", root=tmp_path, options=units.Options(port=mtp_engine.port)
     )
     where = ["tiny", "--root", str(tmp_path)]
-    runner = CliRunner()
-    res = runner.invoke(cli, ["instance", "doctor", *where, "--json"], env={"VLLM_API_KEY": None})
+    res = cli_run(["instance", "doctor", *where, "--json"], env={"VLLM_API_KEY": None}, code=None)
     checks = {c["name"]: c for c in json.loads(res.output)["checks"]}
     assert checks["engine.reachable"]["evidence"]["url"] == mtp_engine.url, res.output
     assert checks["vllm.version"]["status"] == "ok"
@@ -99,16 +94,15 @@ def test_doctor_canary_and_bench_reach_an_installed_instance_by_name(mtp_engine,
     assert checks["mtp.counters"]["evidence"]["state"] == "active"
 
     out = tmp_path / "rec.json"
-    res = runner.invoke(cli, ["canary", "record", *where, "--out", str(out), "--max-tokens", "8"])
-    assert res.exit_code == 0, res.output
+    res = cli_run(["canary", "record", *where, "--out", str(out), "--max-tokens", "8"])
     rec = canary.load(out)
     assert (rec.url, rec.profile, len(rec.outputs)) == (mtp_engine.url, "cpu-tiny-mtp", 14)
 
     art = tmp_path / "bench.json"
-    bench = ["bench", *where, "--limit", "1", "--max-tokens", "8", "--runs", "1", "--warmups", "0"]
+    bench = ["bench", "run", *where, "--limit", "1", "--max-tokens", "8", "--runs", "1"]
+    bench += ["--warmups", "0"]
     # The old spelling of --out still writes the artifact, and says the new one.
-    res = runner.invoke(cli, [*bench, "--json-output", str(art)], env={"VLLM_API_KEY": None})
-    assert res.exit_code == 0, res.output
+    res = cli_run([*bench, "--json-output", str(art)], env={"VLLM_API_KEY": None})
     assert f"warning: --json-output is deprecated: write --out {art}" in res.output
     body = json.loads(art.read_text())
     assert body["endpoints"][0]["url"] == mtp_engine.url

@@ -12,14 +12,16 @@ regression; the other host's sshd gone), each rolling the canary back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
-from plugins.fleet import OFF_IMAGE, Fleet
+from plugins.fleet import OFF_IMAGE, Fleet, FleetHost
 from plugins.observability import PROMETHEUS
 from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE
 
@@ -37,6 +39,37 @@ def _on(fleet: Fleet, name: str, image: str) -> None:
     assert h.env_image() == image
     assert h.container() == image
     assert h.container("{{.State.Running}}") == "true"
+
+
+@contextlib.contextmanager
+def lost_once(
+    fleet: Fleet, when: Callable[[], bool], *hosts: FleetHost
+) -> Iterator[threading.Event]:
+    """For the block: the sshd of ``hosts`` goes away as soon as ``when()`` holds (a host gone
+    from the management network, its engine still up), and comes back after the block. The
+    event says it happened."""
+    lost = threading.Event()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if when():
+                for h in hosts:
+                    h.ssh_off()
+                lost.set()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield lost
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+        for h in hosts:
+            h.ssh_on()
+        fleet.wait_reachable()
 
 
 def test_install_twice_second_run_changes_nothing(fleet: Fleet):
@@ -93,7 +126,7 @@ def test_rollout_of_a_broken_image_stops_at_the_canary(fleet: Fleet):
     b_history = b.history()
     run = fleet.playbook("rollout", rollout_image=BROKEN_IMAGE)
     assert run.returncode != 0, run.output[-4000:]
-    assert "rollout of gemma4-vllm:0.32.0-mtp-broken stopped at fleet-a" in run.output
+    assert f"rollout of {BROKEN_IMAGE} stopped at fleet-a" in run.output
     # The canary: the appliance's own way back put it on its old image, through the gates.
     _on(fleet, "fleet-a", MTP_IMAGE)
     last = fleet.host("fleet-a").history()[-1]
@@ -195,7 +228,7 @@ def test_a_soak_regression_rolls_the_canary_back_and_stops(fleet: Fleet):
     run = fleet.playbook("rollout", rollout_image=MTP_IMAGE, rollout_min_requests=1000)
     assert run.returncode != 0, run.output[-4000:]
     assert "the soak found a regression: too little traffic" in run.output
-    assert "rollout of gemma4-vllm:0.32.0-mtp stopped at fleet-a" in run.output
+    assert f"rollout of {MTP_IMAGE} stopped at fleet-a" in run.output
     a_entries = [(e["kind"], e["outcome"], e["to_image"]) for e in fleet.host("fleet-a").history()]
     assert a_entries[-2:] == [("cutover", "ok", MTP_IMAGE), ("rollback", "ok", OFF_IMAGE)]
     _on(fleet, "fleet-a", OFF_IMAGE)
@@ -212,33 +245,14 @@ def test_a_host_lost_mid_rollout_rolls_back_every_host_moved(fleet: Fleet):
     b_started = b.container("{{.State.StartedAt}}")
     b_history = b.history()
     a_before = len(a.history())
-    lost = threading.Event()
-    done = threading.Event()
-
-    def lose_b_once_a_moves() -> None:
-        # fleet-a's env file names the new image from the cutover's first step; fleet-b's
-        # turn comes after fleet-a's gates, canary and soak.
-        while not done.is_set():
-            if a.env_image() == MTP_IMAGE:
-                b.ssh_off()
-                lost.set()
-                return
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=lose_b_once_a_moves, daemon=True)
-    watcher.start()
-    try:
+    # fleet-a's env file names the new image from the cutover's first step; fleet-b's turn
+    # comes after fleet-a's gates, canary and soak.
+    with lost_once(fleet, lambda: a.env_image() == MTP_IMAGE, b) as lost:
         run = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
-    finally:
-        done.set()
-        watcher.join(timeout=30)
-        b.ssh_on()
-        fleet.wait_reachable()
     assert lost.is_set(), run.output[-4000:]
     assert run.returncode != 0, run.output[-4000:]
-    assert "rollout of gemma4-vllm:0.32.0-mtp stopped at fleet-b: fleet-b is unreachable" in (
-        run.output
-    ), run.output[-4000:]
+    gone = f"rollout of {MTP_IMAGE} stopped at fleet-b: fleet-b is unreachable"
+    assert gone in run.output, run.output[-4000:]
     assert run.recap["fleet-b"]["rescued"] == 1, run.output[-4000:]
     # The canary had passed every gate and its soak: it went back through the rescue.
     a_entries = [(e["kind"], e["outcome"], e["to_image"]) for e in a.history()[a_before:]]
@@ -246,5 +260,53 @@ def test_a_host_lost_mid_rollout_rolls_back_every_host_moved(fleet: Fleet):
     _on(fleet, "fleet-a", OFF_IMAGE)
     # fleet-b: never reached, never moved.
     _on(fleet, "fleet-b", OFF_IMAGE)
+    assert b.container("{{.State.StartedAt}}") == b_started
+    assert b.history() == b_history
+
+
+def test_a_moved_host_unreachable_at_the_rollback_is_named_in_the_stop_line(fleet: Fleet):
+    """Review N2: fleet-a (the canary) moved and passed its soak; both hosts' sshd go away
+    while fleet-b cuts over. The rescue's rollback of fleet-a cannot reach it: without
+    ignore_unreachable that ended the play at once, with no stop line, fleet-a moved and
+    nothing saying so. Now the stop line names both hosts and what to run once they are back."""
+    a, b = fleet.host("fleet-a"), fleet.host("fleet-b")
+    b_before = len(b.history())
+    with lost_once(fleet, lambda: b.env_image() == MTP_IMAGE, a, b) as lost:
+        run = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
+    assert lost.is_set(), run.output[-4000:]
+    assert run.returncode != 0, run.output[-4000:]
+    out = " ".join(run.output.split())
+    assert "rollout of gemma4-vllm:0.32.0-mtp stopped at fleet-b" in out, out[-4000:]
+    assert "but NOT fleet-a (unreachable; once it is reachable: playbooks/rollback.yml -l " in out
+    assert "fleet-b (lost during its cutover or soak;" in out
+    # Both hosts end on the new image by themselves (fleet-b's cutover went on without its
+    # SSH session); the fleet goes back as the line says.
+    deadline = time.monotonic() + 900
+    while not b.history()[b_before:] or b.history()[-1]["outcome"] == "started":
+        assert time.monotonic() < deadline, b.history()[-1:]
+        time.sleep(1)
+    _on(fleet, "fleet-a", MTP_IMAGE)
+    _ok(fleet.playbook("rollback", rollout_batch_size=2, rollback_image=OFF_IMAGE))
+    for h in fleet.hosts:
+        _on(fleet, h.name, OFF_IMAGE)
+
+
+def test_an_install_that_changes_files_restarts_the_instance_through_the_gates(fleet: Fleet):
+    """Review N8: an install whose files changed (here fleet-a's unit, as an older release
+    wrote it) restarts the serving instance onto them through `appliance cutover` on the image
+    it runs (gated), never a bare restart; a host whose files did not change is not touched."""
+    a, b = fleet.host("fleet-a"), fleet.host("fleet-b")
+    unit = a.root / "etc/systemd/system/gemma4-vllm@.service"
+    unit.write_text(unit.read_text() + "# as an older appliance wrote it\n")
+    a_started, b_started = a.container("{{.State.StartedAt}}"), b.container("{{.State.StartedAt}}")
+    a_before, b_history = len(a.history()), b.history()
+    run = fleet.playbook("install")
+    _ok(run)
+    assert run.changed("fleet-a") > 0 and run.changed("fleet-b") == 0
+    assert "# as an older appliance wrote it" not in unit.read_text()
+    entries = [(e["kind"], e["outcome"], e["from_image"], e["to_image"]) for e in a.history()]
+    assert entries[a_before:] == [("cutover", "ok", OFF_IMAGE, OFF_IMAGE)]
+    assert a.container("{{.State.StartedAt}}") != a_started
+    _on(fleet, "fleet-a", OFF_IMAGE)
     assert b.container("{{.State.StartedAt}}") == b_started
     assert b.history() == b_history

@@ -1,5 +1,5 @@
-"""A multi-node group whose nodes run on two hosts, moved by the fleet's play (issue 24 section
-2): deploy/ansible/playbooks/multinode-cutover.yml with real ansible-core over SSH, the head of
+"""A multi-node group whose nodes run on two hosts, moved by the fleet's play:
+deploy/ansible/playbooks/multinode-cutover.yml with real ansible-core over SSH, the head of
 ``cpu-tiny-mtp-2node`` on ``fleet-a`` and its worker on ``fleet-b`` (tests/plugins/fleet_group.py).
 
 Before, nothing moved such a group: `appliance multinode cutover` on the head refused with
@@ -12,13 +12,13 @@ head untouched, and a second run once the host is back brings the group together
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
 
 import pytest
 from plugins.fleet import OFF_IMAGE
 from plugins.fleet_group import START_TIMEOUT, FleetGroup
 from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE
+from test_fleet import lost_once
 
 pytestmark = [pytest.mark.fleet, pytest.mark.systemd, pytest.mark.multinode]
 
@@ -99,27 +99,9 @@ def test_a_worker_host_lost_mid_move_stops_the_play_then_a_second_run_rejoins(
     g = fleet_group
     head_started = g.container("head", "{{.State.StartedAt}}")
     head_history = g.history("head")
-    lost = threading.Event()
-    done = threading.Event()
-
-    def lose_the_worker_host() -> None:
-        while not done.is_set():
-            if g.env_image("worker") == OFF_IMAGE:
-                g.worker.ssh_off()
-                lost.set()
-                return
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=lose_the_worker_host, daemon=True)
-    watcher.start()
-    try:
+    with lost_once(g.fleet, lambda: g.env_image("worker") == OFF_IMAGE, g.worker) as lost:
         # Without the canary's record first: the host is lost at the worker's first step.
         run = g.move(OFF_IMAGE, multinode_allow_no_mtp=True, multinode_canary=False)
-    finally:
-        done.set()
-        watcher.join(timeout=30)
-        g.worker.ssh_on()
-        g.fleet.wait_reachable()
     assert lost.is_set(), run.output[-4000:]
     assert run.returncode != 0, run.output[-4000:]
     assert "stopped: fleet-b became unreachable during its move" in run.output, run.output[-4000:]
@@ -138,3 +120,36 @@ def test_a_worker_host_lost_mid_move_stops_the_play_then_a_second_run_rejoins(
     _ok(again)
     _on(g, MTP_IMAGE)
     assert g.generates() is not None
+
+
+def test_a_head_host_lost_mid_move_leaves_every_node_as_it_is(fleet_group: FleetGroup):
+    """Review S6: fleet-a's sshd goes away once the head's env file names the new image (its
+    move under way, --no-rollback: the play's rescue is its way back). The rescue used to move
+    the worker back to the old image under the head, which finished its own move without its
+    SSH session: a split group, under a stop line saying the other nodes were left as they
+    were. Now the worker stays where it moved, the line says so, and the head's move ends by
+    itself onto it: the group whole on the new image."""
+    g = fleet_group
+    worker_before = len(g.history("worker"))
+    head_before = len(g.history("head"))
+    with lost_once(g.fleet, lambda: g.env_image("head") == OFF_IMAGE, g.head) as lost:
+        run = g.move(OFF_IMAGE, multinode_allow_no_mtp=True, multinode_canary=False)
+    assert lost.is_set(), run.output[-4000:]
+    assert run.returncode != 0, run.output[-4000:]
+    out = " ".join(run.output.split())
+    assert "stopped: fleet-a became unreachable during its move" in out, out[-4000:]
+    assert "the other nodes are left as they are" in out
+    # The worker moved once and was not moved back.
+    assert [(e["kind"], e["outcome"]) for e in g.history("worker")[worker_before:]] == [
+        ("cutover", "ok")
+    ]
+    assert g.env_image("worker") == OFF_IMAGE
+    deadline = time.monotonic() + START_TIMEOUT
+    while not g.history("head")[head_before:] or g.history("head")[-1]["outcome"] == "started":
+        assert time.monotonic() < deadline, g.history("head")[-1:]
+        time.sleep(1)
+    assert g.history("head")[-1]["outcome"] == "ok", g.history("head")[-1]
+    _on(g, OFF_IMAGE)
+    again = g.move(MTP_IMAGE)
+    _ok(again)
+    _on(g, MTP_IMAGE)

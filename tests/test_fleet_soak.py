@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from click.testing import CliRunner
 
-from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.fleet import hosts, soak
 
@@ -211,7 +209,7 @@ def test_targets_errors_name_the_host():
         hosts.targets_from_inventory(_inventory(), group="other")
 
 
-def test_targets_cli_writes_a_file_promtool_accepts(tmp_path):
+def test_targets_cli_writes_a_file_promtool_accepts(tmp_path, cli_run):
     inv = _inventory(
         **{
             "box-a": {"appliance_instance": "31b", "appliance_port": 8050},
@@ -222,8 +220,7 @@ def test_targets_cli_writes_a_file_promtool_accepts(tmp_path):
     conf = tmp_path / "prom"
     (conf / "targets").mkdir(parents=True)
     out = conf / "targets" / "engines.json"
-    r = CliRunner().invoke(cli, ["fleet", "targets", str(tmp_path / "inv.json"), "--out", str(out)])
-    assert r.exit_code == 0, r.output
+    cli_run(["fleet", "targets", str(tmp_path / "inv.json"), "--out", str(out)])
     assert [g["labels"]["host"] for g in json.loads(out.read_text())] == ["box-a", "box-b"]
     # The generated prometheus.yml's engine job reads targets/engines.json next to it.
     repo = Path(__file__).resolve().parents[1]
@@ -350,16 +347,15 @@ def test_the_monitoring_playbook_refuses_without_a_remote_write_url(tmp_path):
     assert "set monitoring_remote_write_url" in proc.stdout
 
 
-def test_scrape_config_is_an_agent_config_promtool_accepts(tmp_path):
+def test_scrape_config_is_an_agent_config_promtool_accepts(tmp_path, cli_run):
     """The host's agent: its loopback jobs (the engines' file_sd that `appliance install`
     keeps, node_exporter's state on --state-port), every series labelled host, remote_write."""
     out = tmp_path / "prometheus.yml"
     url = "http://10.0.0.5:9090/api/v1/write"
     argv = ["fleet", "scrape-config", "--host", "l4-01", "--remote-write", url,
             "--state-port", "9200", "--out", str(out)]  # fmt: skip
-    first = CliRunner().invoke(cli, argv)
-    assert (first.exit_code, first.output) == (0, f"wrote {out}\n")
-    assert CliRunner().invoke(cli, argv).output == f"unchanged {out}\n"
+    assert cli_run(argv).output == f"wrote {out}\n"
+    assert cli_run(argv).output == f"unchanged {out}\n"
     ok = subprocess.run(
         ["promtool", "check", "config", "--agent", str(out)],
         capture_output=True,
@@ -387,10 +383,10 @@ def test_scrape_config_is_an_agent_config_promtool_accepts(tmp_path):
         (["--remote-write", "http://x/api/v1/write", "--host", " "], "host label is empty"),
     ],
 )
-def test_scrape_config_refuses_what_the_agent_would_not_start_with(tmp_path, args, says):
+def test_scrape_config_refuses_what_the_agent_would_not_start_with(tmp_path, args, says, cli_run):
     out = tmp_path / "prometheus.yml"
     argv = ["fleet", "scrape-config", "--host", "l4-01", *args, "--out", str(out)]
-    r = CliRunner().invoke(cli, argv)
+    r = cli_run(argv, code=None)
     assert r.exit_code != 0
     assert says in r.output
     assert not out.exists()
@@ -403,13 +399,22 @@ def test_the_agent_unit_is_hardened(tmp_path):
 
     template = ANSIBLE_DIR / "roles/gemma4_appliance/templates/gemma4-prometheus-agent.service.j2"
     unit = tmp_path / "gemma4-prometheus-agent.service"
+    # Ansible's template module: trim_blocks on.
     unit.write_text(
-        jinja2.Template(template.read_text(), keep_trailing_newline=True).render(
+        jinja2.Template(template.read_text(), keep_trailing_newline=True, trim_blocks=True).render(
             monitoring_agent_bin="/usr/bin/prometheus",
             monitoring_agent_flag="--enable-feature=agent",
             monitoring_agent_port=9095,
+            monitoring_credentials=[{"name": "remote-write-password"}],
         )
     )
+    # The config (0600) and the credentials reach the dynamic user through LoadCredential=.
+    text = unit.read_text()
+    assert "  --config.file=%d/prometheus.yml \\\n" in text
+    assert (
+        "LoadCredential=prometheus.yml:/etc/gemma4-prometheus-agent/prometheus.yml\n"
+        "LoadCredential=remote-write-password:/etc/gemma4-prometheus-agent/remote-write-password\n"
+    ) in text
     verify = subprocess.run(
         ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, check=False
     )

@@ -17,10 +17,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import hostcheck, profiles
-from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.hostcheck import disk, nvidia, ports, system
 
@@ -118,13 +116,14 @@ def test_lower_compute_capability_and_older_driver_are_blockers(tmp_path, monkey
     assert found["nvidia.driver"].fix == "upgrade the NVIDIA driver to >= 590.1 and reboot"
 
 
-def test_cli_reads_the_fake_nvidia_smi_and_prints_one_line_per_finding(tmp_path, monkeypatch):
+def test_cli_reads_the_fake_nvidia_smi_and_prints_one_line_per_finding(
+    tmp_path, monkeypatch, cli_run
+):
     fake_nvidia_smi(tmp_path, monkeypatch, "rtx5070ti.csv")
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
-    res = CliRunner().invoke(
-        cli, ["host", "check", "--profile", "rtx5090x2-31b-fp8-mtp", "--root", str(tmp_path)]
+    res = cli_run(
+        ["host", "check", "--profile", "rtx5090x2-31b-fp8-mtp", "--root", str(tmp_path)], code=1
     )
-    assert res.exit_code == 1, res.output
     lines = res.output.splitlines()
     want = "BLOCKER gpu.count: 1 GPU(s) visible (NVIDIA GeForce RTX 5070 Ti), profile"
     assert any(line.startswith(want) for line in lines), res.output
@@ -214,59 +213,54 @@ def test_api_key_file_modes(tmp_path):
     assert system.api_key_finding(key).status == "ok"
 
 
-def test_cli_json_and_usage(tmp_path, monkeypatch):
+def test_cli_json_and_usage(tmp_path, monkeypatch, cli_run):
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
-    res = CliRunner().invoke(cli, ["host", "check", "--profile", "cpu-tiny-mtp", "--json"])
+    res = cli_run(["host", "check", "--profile", "cpu-tiny-mtp", "--json"], code=None)
     body = json.loads(res.output)
     assert res.exit_code == 1 and body["ok"] is False  # no systemd as PID 1, no Docker
     assert {f["name"] for f in body["findings"] if f["status"] == "blocker"} == {
         "systemd",
         "docker.engine",
     }
-    res = CliRunner().invoke(cli, ["host", "check"])
-    assert res.exit_code == 2
-    assert (
-        res.output
-        == "Error: say which instance or profile (appliance host check NAME, or --profile P)\n"
+    res = cli_run(["host", "check"], code=2)
+    # Nothing to suggest one from either: no nvidia-smi here (tests/test_profiles_suggest.py).
+    assert res.output == (
+        "Error: say which instance or profile: no NVIDIA GPU here to suggest a profile for "
+        "(nvidia-smi not found) (appliance host check NAME, or --profile P)\n"
     )
 
 
 # --- install refuses on a blocker --------------------------------------------------------
 
 
-def test_install_refuses_on_a_blocker_and_writes_nothing(tmp_path, monkeypatch):
+def test_install_refuses_on_a_blocker_and_writes_nothing(tmp_path, monkeypatch, cli_run):
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
     root = tmp_path / "root"
     argv = ["instance", "install", "g1", "-p", "l4x4-31b-mtp", "--root", str(root), "--host-check"]
-    res = CliRunner().invoke(cli, argv)
-    assert res.exit_code == 1
+    res = cli_run(argv, code=1)
     assert res.output.startswith(
         "Error: host not ready for profile l4x4-31b-mtp: nvidia.driver: nvidia-smi not found"
     )
     assert len(res.output.splitlines()) == 1
     assert not root.exists()
-    assert CliRunner().invoke(cli, [*argv, "--force", " "]).exit_code == 2
-    forced = CliRunner().invoke(cli, [*argv, "--force", "GPUs arrive tomorrow"])
-    assert forced.exit_code == 0, forced.output
+    cli_run([*argv, "--force", " "], code=2)
+    forced = cli_run([*argv, "--force", "GPUs arrive tomorrow"])
     assert "warning: installed despite BLOCKER nvidia.driver: " in forced.output
     assert "(--force: GPUs arrive tomorrow)" in forced.output
     assert (root / "etc/gemma4-vllm/g1.env").exists()
 
 
-def test_install_under_another_root_checks_only_when_asked(tmp_path, monkeypatch):
+def test_install_under_another_root_checks_only_when_asked(tmp_path, monkeypatch, cli_run):
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
-    res = CliRunner().invoke(
-        cli, ["instance", "install", "g2", "-p", "l4x4-31b-mtp", "--root", str(tmp_path)]
-    )
-    assert res.exit_code == 0, res.output
+    cli_run(["instance", "install", "g2", "-p", "l4x4-31b-mtp", "--root", str(tmp_path)])
     # The installed instance, as installed: its own key file is checked too.
     check = ["host", "check", "g2", "--root", str(tmp_path), "--json"]
-    body = json.loads(CliRunner().invoke(cli, check).output)
+    body = json.loads(cli_run(check, code=None).output)
     assert (body["profile"], body["instance"]) == ("l4x4-31b-mtp", "g2")
     key = next(f for f in body["findings"] if f["name"] == "api_key")
     assert key["status"] == "ok"
     (tmp_path / "etc/gemma4-vllm/g2.api-key").chmod(0o644)
-    body = json.loads(CliRunner().invoke(cli, check).output)
+    body = json.loads(cli_run(check, code=None).output)
     key = next(f for f in body["findings"] if f["name"] == "api_key")
     assert key["status"] == "blocker" and key["fix"].startswith("chmod 600 ")
 

@@ -10,10 +10,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import labels, versions
-from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.host.layout import Layout
 from appliance.images import base, inventory, lock, scheme, targets
@@ -52,6 +50,28 @@ def test_broken_image_gets_no_floating_tag():
     assert plan.tags == ("gemma4-vllm:0.32.0-mtp-broken",)
 
 
+CPU = {labels.VARIANT: "cpu"}
+
+
+def test_a_cpu_image_gets_tags_of_its_own_never_the_products():
+    """The old scheme gave a CPU image gemma4-vllm:0.32.0-mtp, :mtp and :latest, the tags of
+    the GPU hosts' image: `install` took it for an L4 profile."""
+    assert scheme.plan_tags({**MTP_LABELS, **CPU}).tags == (
+        "gemma4-vllm:0.32.0-mtp-cpu",
+        "gemma4-vllm:mtp-cpu",
+        "gemma4-vllm:latest-cpu",
+    )
+    assert scheme.plan_tags({**PRE_LABELS, **CPU}).tags == (
+        "gemma4-vllm:0.19.0-cpu",
+        "gemma4-vllm:pre-mtp-cpu",
+    )
+    broken = {**MTP_LABELS, **CPU, scheme.BROKEN: "true"}
+    assert scheme.plan_tags(broken).tags == ("gemma4-vllm:0.32.0-mtp-broken-cpu",)
+    # The CUDA image keeps the product's tags.
+    cuda = {**MTP_LABELS, labels.VARIANT: "cuda"}
+    assert scheme.plan_tags(cuda).tags == scheme.plan_tags(MTP_LABELS).tags
+
+
 def test_unlabelled_image_is_refused():
     with pytest.raises(UsageError, match="no appliance labels"):
         scheme.plan_tags({"org.opencontainers.image.version": "1"})
@@ -74,6 +94,24 @@ def test_bad_versions_are_usage_errors(bad):
 def test_bad_repositories_are_usage_errors(bad):
     with pytest.raises(UsageError):
         scheme.check_repository(bad)
+
+
+@pytest.mark.parametrize(
+    ("ref", "floats"),
+    [
+        ("gemma4-vllm:latest", True),
+        ("gemma4-vllm:mtp-cpu", True),
+        ("gemma4-vllm:pre-mtp", True),
+        ("gemma4-vllm", True),  # no tag: Docker's latest
+        ("registry.local:5000/gemma4-vllm", True),
+        ("registry.local:5000/gemma4-vllm:0.32.0-mtp", False),
+        ("gemma4-vllm:0.32.0-mtp-cpu", False),
+        ("gemma4-vllm:latest@sha256:" + "a" * 64, False),
+        ("sha256:" + "a" * 64, False),
+    ],
+)
+def test_floating_tags_are_the_ones_the_scheme_moves(ref, floats):
+    assert scheme.floating(ref) is floats
 
 
 # --- references (what pruning protects) -------------------------------------------------------
@@ -185,9 +223,8 @@ def test_unknown_target_is_a_usage_error():
         ["image", "prune", "--mode", "everything"],
     ],
 )
-def test_cli_rejects_bad_input_with_exit_2(args):
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 2, result.output
+def test_cli_rejects_bad_input_with_exit_2(args, cli_run):
+    result = cli_run(args, code=2)
     assert "Invalid value" in result.output
 
 
@@ -201,11 +238,10 @@ def test_cuda_target_needs_a_version_before_touching_docker():
         build.build(object(), "cpu-mtp", vllm_version="0.19.0")
 
 
-def test_cli_without_a_docker_engine_is_a_one_line_error(monkeypatch):
+def test_cli_without_a_docker_engine_is_a_one_line_error(monkeypatch, cli_run):
     monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
-    result = CliRunner().invoke(cli, ["image", "build", "cuda"])
+    result = cli_run(["image", "build", "cuda"], code=1)
     # Reaching Docker is the first thing; without an engine, a one-line error, exit 1.
-    assert result.exit_code == 1
     assert result.output.startswith("Error: cannot reach the Docker engine")
 
 

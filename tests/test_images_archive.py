@@ -17,17 +17,16 @@ from pathlib import Path
 
 import docker.errors
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.docker_engine import tiny_rootfs
 
-from appliance.cli import cli
 from appliance.images import archive
 
 REPO = "gemma4-archive-test"
 
 
 def _invoke(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return invoke(list(args), code=None)
 
 
 def _error_line(result) -> str:

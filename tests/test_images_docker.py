@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -18,12 +19,11 @@ from pathlib import Path
 import docker.errors
 import httpx
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.docker_engine import CACHE as DOCKER_CACHE
 from plugins.docker_engine import tiny_rootfs
 
 from appliance import devmodel, labels, profiles, specdecode
-from appliance.cli import cli
 from appliance.engine.local import free_port
 from appliance.host.layout import Layout
 from appliance.images import scheme
@@ -34,7 +34,7 @@ OCI = "org.opencontainers.image."
 
 
 def _invoke(*args: str):
-    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    result = invoke(list(args), code=None)
     return result
 
 
@@ -44,7 +44,7 @@ def _invoke(*args: str):
 def test_mtp_image_is_tagged_per_scheme_and_labelled(appliance_images, docker_engine):
     r = appliance_images["cpu-mtp"]
     tags = set(docker_engine.images.get(r.image_id).tags)
-    assert {"gemma4-vllm:0.32.0-mtp", "gemma4-vllm:mtp", "gemma4-vllm:latest"} <= tags
+    assert {"gemma4-vllm:0.32.0-mtp-cpu", "gemma4-vllm:mtp-cpu", "gemma4-vllm:latest-cpu"} <= tags
     lab = docker_engine.images.get(r.image_id).labels
     assert lab[labels.VLLM_VERSION] == "0.32.0"
     assert lab[labels.MTP] == "true"
@@ -58,8 +58,8 @@ def test_mtp_image_is_tagged_per_scheme_and_labelled(appliance_images, docker_en
 def test_pre_mtp_image_is_tagged_per_scheme_and_labelled(appliance_images, docker_engine):
     r = appliance_images["cpu-pre-mtp"]
     image = docker_engine.images.get(r.image_id)
-    assert {"gemma4-vllm:0.19.0", "gemma4-vllm:pre-mtp"} <= set(image.tags)
-    assert "gemma4-vllm:latest" not in image.tags
+    assert {"gemma4-vllm:0.19.0-cpu", "gemma4-vllm:pre-mtp-cpu"} <= set(image.tags)
+    assert "gemma4-vllm:latest-cpu" not in image.tags
     assert image.labels[labels.VLLM_VERSION] == "0.19.0"
     assert image.labels[labels.MTP] == "false"
     assert image.labels[labels.VERSION] == "0.19.0"
@@ -69,7 +69,9 @@ def test_pre_mtp_image_is_tagged_per_scheme_and_labelled(appliance_images, docke
 def test_broken_image_keeps_mtp_labels_and_no_floating_tag(appliance_images, docker_engine):
     r = appliance_images["cpu-broken"]
     image = docker_engine.images.get(r.image_id)
-    assert image.tags == ["gemma4-vllm:0.32.0-mtp-broken"]
+    assert "gemma4-vllm:0.32.0-mtp-broken-cpu" in image.tags
+    # No floating tag (a host upgraded from the old scheme may keep its old version tag).
+    assert not [t for t in image.tags if scheme.floating(t)], image.tags
     assert image.labels[labels.MTP] == "true"  # every pre-cutover check passes...
     assert image.labels[scheme.BROKEN] == "true"
     assert image.labels[labels.VERSION] == "0.32.0-mtp-broken"
@@ -146,9 +148,9 @@ def _rollback(root: Path, name: str, image: str) -> None:
 
 
 def test_list_reports_tags_labels_and_which_instance_uses_which_image(appliance_images, tmp_path):
-    _instance(tmp_path, "gpu0", "gemma4-vllm:mtp")
-    _instance(tmp_path, "gpu1", "gemma4-vllm:0.32.0-mtp")
-    _rollback(tmp_path, "gpu0", "gemma4-vllm:pre-mtp")
+    _instance(tmp_path, "gpu0", "gemma4-vllm:mtp-cpu")
+    _instance(tmp_path, "gpu1", "gemma4-vllm:0.32.0-mtp-cpu")
+    _rollback(tmp_path, "gpu0", "gemma4-vllm:pre-mtp-cpu")
     _instance(tmp_path, "ghost", "gemma4-vllm:9.9.9-mtp")
     result = _invoke("image", "list", "--root", str(tmp_path), "--json")
     assert result.exit_code == 0, result.output
@@ -157,7 +159,7 @@ def test_list_reports_tags_labels_and_which_instance_uses_which_image(appliance_
     mtp = by_id[appliance_images["cpu-mtp"].image_id]
     assert mtp["used_by"] == ["gpu0", "gpu1"]
     assert mtp["mtp"] is True and mtp["vllm_version"] == "0.32.0"
-    assert "gemma4-vllm:latest" in mtp["tags"]
+    assert "gemma4-vllm:latest-cpu" in mtp["tags"] and mtp["variant"] == "cpu"
     pre = by_id[appliance_images["cpu-pre-mtp"].image_id]
     assert pre["rollback_for"] == ["gpu0"] and pre["used_by"] == []
     assert pre["labels"][labels.MTP] == "false"
@@ -295,13 +297,14 @@ def test_protected_images_survive_every_prune(test_repo, docker_engine, applianc
     assert _exists(docker_engine, appliance_images["cpu-pre-mtp"].image_id)
 
 
-def test_rm_refuses_a_referenced_image_and_removes_a_free_one(test_repo, docker_engine, tmp_path):
+def test_rm_refuses_a_referenced_image_and_removes_a_free_one(
+    test_repo, docker_engine, tmp_path, cli_run
+):
     repo = test_repo.repo
     used = test_repo("2.0.0-mtp")
     free = test_repo("0.2.0")
     _instance(tmp_path, "a", f"{repo}:2.0.0-mtp")
-    result = CliRunner().invoke(cli, ["image", "rm", f"{repo}:2.0.0-mtp", "--root", str(tmp_path)])
-    assert result.exit_code == 2
+    result = cli_run(["image", "rm", f"{repo}:2.0.0-mtp", "--root", str(tmp_path)], code=2)
     assert "refusing to remove" in result.output and "instance a" in result.output
     assert _exists(docker_engine, used)
     result = _invoke("image", "rm", f"{repo}:0.2.0", "--root", str(tmp_path))
@@ -310,16 +313,14 @@ def test_rm_refuses_a_referenced_image_and_removes_a_free_one(test_repo, docker_
 
 
 def test_rm_and_prune_of_an_image_a_stopped_container_uses_say_so_and_remove_nothing(
-    test_repo, docker_engine, tmp_path
+    test_repo, docker_engine, tmp_path, cli_run
 ):
     repo = test_repo.repo
     used = test_repo("3.0.0")
     # Created, never started: a stopped container still holds its image.
     container = docker_engine.containers.create(used, ["/README"])
     try:
-        result = CliRunner().invoke(cli, ["image", "rm", f"{repo}:3.0.0", "--root", str(tmp_path)])
-        assert result.exit_code == 1, result.output
-        assert result.exception is None or isinstance(result.exception, SystemExit)
+        result = cli_run(["image", "rm", f"{repo}:3.0.0", "--root", str(tmp_path)], code=1)
         lines = result.output.strip().splitlines()
         assert len(lines) == 1, result.output
         assert lines[0].startswith(f"Error: cannot remove {repo}:3.0.0: the Docker engine refused")
@@ -327,8 +328,7 @@ def test_rm_and_prune_of_an_image_a_stopped_container_uses_say_so_and_remove_not
         assert "docker ps -a --filter ancestor=" in lines[0]
         assert docker_engine.images.get(f"{repo}:3.0.0").id == used
         # By id too (what `image rm` accepts): refused the same way, nothing removed.
-        result = CliRunner().invoke(cli, ["image", "rm", used, "--root", str(tmp_path)])
-        assert result.exit_code == 1, result.output
+        result = cli_run(["image", "rm", used, "--root", str(tmp_path)], code=1)
         assert "Error: cannot remove" in result.output and "Traceback" not in result.output
         # prune reports it as kept, with the engine's reason, and goes on.
         result = _invoke(
@@ -341,14 +341,15 @@ def test_rm_and_prune_of_an_image_a_stopped_container_uses_say_so_and_remove_not
         container.remove(force=True)
 
 
-def test_tag_the_engine_rejects_is_one_clear_line_and_tags_nothing(test_repo, docker_engine):
+def test_tag_the_engine_rejects_is_one_clear_line_and_tags_nothing(
+    test_repo, docker_engine, cli_run
+):
     repo = test_repo.repo
     # A valid version whose tag is longer than the engine's 128 characters: the scheme's rules
     # accept it, the engine refuses it.
     version = "0." + ".".join(["1"] * 70)
     image_id = test_repo("candidate", version, mtp=True)
-    result = CliRunner().invoke(cli, ["image", "tag", image_id, "--repository", repo])
-    assert result.exit_code == 1, result.output
+    result = cli_run(["image", "tag", image_id, "--repository", repo], code=1)
     lines = result.output.strip().splitlines()
     assert len(lines) == 1, result.output
     assert lines[0].startswith(f"Error: cannot tag {image_id[:19]} as {repo}:{version}-mtp")
@@ -357,7 +358,9 @@ def test_tag_the_engine_rejects_is_one_clear_line_and_tags_nothing(test_repo, do
     assert docker_engine.images.get(image_id).tags == [f"{repo}:candidate"]
 
 
-def test_tag_moves_latest_and_keeps_the_last_non_mtp_image_as_pre_mtp(test_repo, docker_engine):
+def test_tag_moves_latest_and_keeps_the_last_non_mtp_image_as_pre_mtp(
+    test_repo, docker_engine, cli_run
+):
     repo = test_repo.repo
     old = test_repo("latest", "0.19.0", mtp=False)
     new = test_repo("candidate", "0.32.0", mtp=True)
@@ -366,8 +369,8 @@ def test_tag_moves_latest_and_keeps_the_last_non_mtp_image_as_pre_mtp(test_repo,
     assert set(result.output.split()) >= {f"{repo}:0.32.0-mtp", f"{repo}:mtp", f"{repo}:latest"}
     assert docker_engine.images.get(f"{repo}:latest").id == new
     assert docker_engine.images.get(f"{repo}:pre-mtp").id == old
-    unlabelled = CliRunner().invoke(cli, ["image", "tag", appliance_base_ref(docker_engine)])
-    assert unlabelled.exit_code == 2 and "no appliance labels" in unlabelled.output
+    unlabelled = cli_run(["image", "tag", appliance_base_ref(docker_engine)], code=2)
+    assert "no appliance labels" in unlabelled.output
 
 
 def appliance_base_ref(client) -> str:
@@ -566,7 +569,7 @@ def test_a_new_base_forgets_superseded_ones(appliance_images, docker_engine, tmp
     assert [p.name for p in tmp_path.iterdir()] == [f"{current.split(':')[1]}.tar"]
 
 
-# --- the API key file (issue 11: secrets stay secret) ------------------------------------------
+# --- the API key file (secrets stay secret) ----------------------------------------------------
 
 # The image's vLLM replaced by a script that prints what the entry point handed it, mounted over
 # vllm_main.py: the real image and the real entry point, without an engine start.
@@ -576,26 +579,21 @@ _SHOW_KEY = "import os, sys\nprint(repr(os.environ.get('VLLM_API_KEY')), sys.arg
 @pytest.mark.parametrize(
     ("content", "via"),
     [
-        (b"k3y-Value_1.~+/=\n", "stdin"),
-        (b"k3y-Value_1\r\n", "stdin"),  # CRLF: the same key for the engine and Python's strip()
-        (b"k3y-Value_1\r\n", "file"),
-        (b"\r\n  k3y-Value_1 \t\r\n\r\n", "stdin"),
-        (b"", "stdin"),
-        (b" \r\n", "file"),
-        (b"two words\n", "stdin"),
-        (b"k$y\n", "stdin"),
-        ("k\u00e9y\n".encode(), "stdin"),
+        (b"k3y-Value_1.~+/=\n", "serve"),
+        (b"\r\n  k3y-Value_1 \t\r\n\r\n", "serve"),  # CRLF: the same key as Python's strip()
+        (b"k3y-Value_1\n", "file"),  # a mounted secret: its content, less the trailing newline
+        (b"", "stdin"),  # a key promised on stdin and none there
+        (b"\n", "file"),
     ],
 )
-def test_the_entry_point_reads_the_key_by_the_appliances_rule(
-    appliance_images, tmp_path, content, via
-):
-    """The key on stdin (what the serve program does) or in a mounted secret file: the same key
-    as appliance/apikey.py reads, or exit 78 and one line that does not show it."""
+def test_the_entry_point_takes_the_key_it_is_handed(appliance_images, tmp_path, content, via):
+    """The key the serve program hands over (its key file read by the appliance's one rule,
+    then written alone into the container's stdin), or a mounted secret file: the engine's
+    VLLM_API_KEY is that key; none where one was promised is exit 78 and one line."""
     import subprocess
 
     from appliance import apikey
-    from appliance.errors import UsageError
+    from appliance.serve.main import key_pipe
 
     image = appliance_images["cpu-mtp"]
     assert image.labels[labels.API_KEY_STDIN] == "true"
@@ -603,12 +601,13 @@ def test_the_entry_point_reads_the_key_by_the_appliances_rule(
     key_file.write_bytes(content)
     key_file.chmod(0o600)  # as `appliance install` writes it
     show.write_text(_SHOW_KEY)
-    how = (
-        ["--interactive", "--env", f"{labels.API_KEY_STDIN_ENV}=1"]
-        if via == "stdin"
-        else ["--volume", f"{key_file}:{labels.API_KEY_PATH}:ro"]
-    )
-    with key_file.open("rb") as stdin:
+    if via == "file":
+        how, stdin, want = ["--volume", f"{key_file}:{labels.API_KEY_PATH}:ro"], None, content
+    else:
+        how = ["--interactive", "--env", f"{labels.API_KEY_STDIN_ENV}=1"]
+        want = apikey.read(key_file).encode() if via == "serve" else content
+        stdin = key_pipe(want.decode())
+    try:
         proc = subprocess.run(
             ["docker", "run", "--rm", "--pull", "never", "--cap-drop", "ALL"]
             + ["--security-opt", "no-new-privileges", "--network", "none", *how]
@@ -619,22 +618,23 @@ def test_the_entry_point_reads_the_key_by_the_appliances_rule(
             timeout=120,
             check=False,
         )
+    finally:
+        if stdin is not None:
+            os.close(stdin)
     out, err = proc.stdout.decode(), proc.stderr.decode()
-    try:
-        want = apikey.parse(content.decode(), str(key_file))
-    except UsageError:
+    key = want.decode().rstrip("\n")
+    if not key:
         assert proc.returncode == 78 and out == "", (out, err)
-        assert len(err.strip().splitlines()) == 1 and "API key" in err
-        assert not (content.strip() and content.strip().decode() in err)
+        assert len(err.strip().splitlines()) == 1 and "API key" in err and "empty" in err
         return
     assert proc.returncode == 0, err
-    assert out.strip() == f"{want!r} ['serve', '/models/target', '--port', '1']"
+    assert out.strip() == f"{key!r} ['serve', '/models/target', '--port', '1']"
 
 
 def test_without_a_key_file_the_entry_point_leaves_the_environment_alone(
     appliance_images, tmp_path
 ):
-    """An older serve script passes --env VLLM_API_KEY: the new image still serves it."""
+    """A VLLM_API_KEY given to the container (`docker run --env`, compose) is left as it is."""
     import subprocess
 
     show = tmp_path / "show.py"

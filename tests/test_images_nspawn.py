@@ -52,14 +52,14 @@ def test_unit_in_nspawn_runs_the_env_files_image_on_the_host_engine(
     m = nspawn_machine
     mtp, other = appliance_images["cpu-mtp"].image_id, appliance_images["cpu-broken"].image_id
     m.write("/etc/systemd/system/harness@.service", UNIT)
-    m.write("/etc/gemma4-vllm/h1.env", "VLLM_IMAGE=gemma4-vllm:mtp\n")
+    m.write("/etc/gemma4-vllm/h1.env", "VLLM_IMAGE=gemma4-vllm:mtp-cpu\n")
     m.daemon_reload()
     m.systemctl("start", "harness@h1.service")
     try:
         m.wait_active("harness@h1.service")
         assert _running_image(docker_engine, "harness-h1") == mtp
         # Another image: the broken one serves nothing, but it sleeps as well as any.
-        m.write("/etc/gemma4-vllm/h1.env", "VLLM_IMAGE=gemma4-vllm:0.32.0-mtp-broken\n")
+        m.write("/etc/gemma4-vllm/h1.env", "VLLM_IMAGE=gemma4-vllm:0.32.0-mtp-broken-cpu\n")
         m.systemctl("restart", "harness@h1.service")
         m.wait_active("harness@h1.service")
         assert _running_image(docker_engine, "harness-h1") == other

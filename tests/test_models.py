@@ -15,15 +15,17 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 import huggingface_hub
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.hub import (
     DRAFTER_REPO,
     HUB_CLIENT_VERSION,
@@ -32,9 +34,9 @@ from plugins.hub import (
     HubFile,
     HubRepo,
 )
+from test_cutover_lock import _squatter
 
 from appliance import profiles, units
-from appliance.cli import cli
 from appliance.doctor.host import models_check
 from appliance.host import envfile
 from appliance.host.layout import Layout
@@ -85,7 +87,7 @@ def _args(profile_file: Path, cache_dir: Path) -> list[str]:
 
 
 def _run(args: list[str], env: dict[str, str] | None = None):
-    return CliRunner().invoke(cli, ["models", *args], env=env, catch_exceptions=False)
+    return invoke(["models", *args], env=env, code=None)
 
 
 def _pull_cmd(profile_file, cache_dir, token_file) -> list[str]:
@@ -484,7 +486,7 @@ def test_manifest_paths_cannot_escape_the_cache(pulled, profile_file, tmp_path):
     assert laid == ["hub", f"hub/{cache.LOCK_NAME}"]
 
 
-# --- weights you can trust (issue 25 §4; security review N3, N10) ---------------------------
+# --- weights you can trust (security review N3, N10) ----------------------------------------
 
 
 def _flip_last_byte(path: Path) -> None:
@@ -719,3 +721,30 @@ def test_doctor_checks_the_instance_models_quick_with_the_fix(pulled, profile_fi
     assert f"target {TARGET_REPO}: file {SHARD} missing" in check.summary
     assert f"fix: appliance models pull h --root {root}" in check.summary
     assert check.evidence["full_check"] == "appliance models verify h"
+
+
+def test_another_user_cannot_hold_the_cache_lock_and_block_every_pull(tmp_path):
+    """Review S5: the cache lock was 0644, so any local user could hold `flock -s` on it and
+    refuse every `models pull` and `import` (the repair path of a corrupt blob). A real other
+    user (nobody) tries; a lock file an older appliance made 0644 is tightened too."""
+    base = Path(tempfile.mkdtemp(prefix="appliance-cache-"))  # other users may enter it
+    try:
+        base.chmod(0o755)
+        hub = base / "hub"
+        hub.mkdir(mode=0o755)
+        (hub / cache.LOCK_NAME).write_text("")
+        (hub / cache.LOCK_NAME).chmod(0o644)  # as an older appliance left it
+        with cache.locked(hub):
+            pass
+        nobody = ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups"]
+        proc, said = _squatter(hub / cache.LOCK_NAME, *nobody)
+        try:
+            with cache.locked(hub):  # not refused as "another ... pull or import is writing"
+                pass
+            assert said == "refused"
+        finally:
+            proc.kill()
+            proc.wait()
+        assert stat.S_IMODE((hub / cache.LOCK_NAME).stat().st_mode) == 0o600
+    finally:
+        shutil.rmtree(base)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from click.testing import CliRunner
 from plugins.hub import DRAFTER_REPO, HUB_TOKEN, TARGET_REPO
 from test_models import PROFILE_TOML, _args
 
 from appliance import profiles
-from appliance.cli import cli
 from appliance.engine import local
 
 pytestmark = pytest.mark.engine
@@ -22,13 +20,12 @@ pytestmark = pytest.mark.engine
 
 # Its own engine only: the machines stream runs it (tests/conftest.py), early.
 @pytest.mark.own_engines
-def test_imported_cache_serves_target_and_mtp_drafter_offline(tmp_path, local_hub):
+def test_imported_cache_serves_target_and_mtp_drafter_offline(tmp_path, local_hub, cli_run):
     token_file = tmp_path / "hf-token"
     token_file.write_text(HUB_TOKEN)
     token_file.chmod(0o600)
     profile_file = tmp_path / "tiny-hub-mtp.toml"
     profile_file.write_text(PROFILE_TOML)
-    runner = CliRunner()
     source, fresh, copy = tmp_path / "source", tmp_path / "fresh", tmp_path / "copy.tar"
     env = {"HF_ENDPOINT": local_hub.url}
     for args in (
@@ -37,8 +34,7 @@ def test_imported_cache_serves_target_and_mtp_drafter_offline(tmp_path, local_hu
         ["import", *_args(profile_file, fresh), "--from", str(copy)],
         ["verify", *_args(profile_file, fresh)],
     ):
-        result = runner.invoke(cli, ["models", *args], env=env, catch_exceptions=False)
-        assert result.exit_code == 0, result.output
+        cli_run(["models", *args], env=env)
     n_requests = len(local_hub.log)
 
     prof = profiles.load_file(profile_file)

@@ -1,4 +1,4 @@
-"""Multi-node profiles, their validation and the head/worker units (issue 15 part 2), fast.
+"""Multi-node profiles, their validation and the head/worker units, fast.
 
 The real pair under systemd is tests/test_multinode_systemd.py."""
 
@@ -40,7 +40,26 @@ def with_mn(name: str, **kw) -> profiles.Profile:
 
 @pytest.mark.parametrize("name", MULTINODE)
 def test_shipped_multinode_profiles_are_valid(name):
-    assert pv.check(profiles.get(name)) == []
+    found = pv.check(profiles.get(name))
+    assert pv.errors(found) == []
+    # The one warning a GPU MTP profile has on every vLLM: a batching defect closed upstream
+    # with no known release (appliance/profiles/defects.toml kv-auto-mtp-batching).
+    assert {f.code for f in found} <= {"kv-auto-mtp-batching"}
+
+
+def test_the_two_host_gpu_profile_has_the_shape_its_cpu_pair_starts_in():
+    # The multi-node tier starts cpu-tiny-mtp-2node for real (tests/test_multinode_systemd.py);
+    # it stands for the GPU groups because the shape is theirs: tensor parallel across the
+    # nodes (one rank per device), no pipeline parallelism, Gemma 4 MTP.
+    def shape(prof):
+        per_node = 1 if prof.hardware.device == "cpu" else prof.hardware.gpus
+        across = prof.tensor_parallel_size == prof.multinode.nodes * per_node
+        return (across, prof.pipeline_parallel_size, prof.mtp)
+
+    cpu = profiles.get("cpu-tiny-mtp-2node")
+    assert shape(cpu) == (True, 1, True)
+    for name in ("l4x4x2-31b-mtp", "spark2-31b-nvfp4-mtp"):
+        assert shape(profiles.get(name)) == shape(cpu), name
 
 
 def test_single_node_profiles_have_no_multinode_and_their_args_are_unchanged():
@@ -52,11 +71,16 @@ def test_single_node_profiles_have_no_multinode_and_their_args_are_unchanged():
 def test_tp_times_pp_must_equal_the_devices_across_nodes():
     spark = profiles.get("spark2-31b-nvfp4-mtp")  # 2 nodes x 1 GPU, TP 2
     assert "multinode-parallel" in codes(dataclasses.replace(spark, tensor_parallel_size=1))
-    l4 = profiles.get("l4x4x2-31b-mtp")  # 2 nodes x 4 GPUs, TP 4 x PP 2
-    assert "--pipeline-parallel-size" in l4.serve_args()
-    bad = dataclasses.replace(l4, pipeline_parallel_size=1)
+    l4 = profiles.get("l4x4x2-31b-mtp")  # 2 nodes x 4 GPUs, TP 8
+    assert "--pipeline-parallel-size" not in l4.serve_args()
+    bad = dataclasses.replace(l4, tensor_parallel_size=4)
     (finding,) = [f for f in pv.check(bad) if f.code == "multinode-parallel"]
     assert "4 x 1 = 4" in finding.message and "2 nodes x 4 GPU(s) = 8" in finding.message
+    # TP 4 x PP 2 fills the 8 GPUs, so it is no parallelism error; with MTP it is the defect.
+    pp = dataclasses.replace(l4, tensor_parallel_size=4, pipeline_parallel_size=2)
+    assert "--pipeline-parallel-size" in pp.serve_args()
+    assert codes(pp) == {"mtp-pipeline-parallel"}
+    assert codes(dataclasses.replace(pp, speculative=None)) == set()
     cpu = profiles.get("cpu-tiny-mtp-2node")
     assert "multinode-parallel" in codes(dataclasses.replace(cpu, tensor_parallel_size=4))
     # A single-host CPU profile with TP 2 is still refused (the old rule, unchanged).
@@ -103,7 +127,7 @@ def test_multinode_table_rejects_unknown_fields():
 # --- the units --------------------------------------------------------------------------------
 
 
-def _install(root: Path, name: str, node: multinode.Node, **kw) -> None:
+def _install(root: Path, name: str, node: Node, **kw) -> None:
     opts = units.Options(image="gemma4-vllm:0.32.0-mtp", **kw)
     if profiles.get(name).uses_devmodel:
         opts = dataclasses.replace(opts, model_dir="/srv/tiny")
@@ -260,7 +284,7 @@ def _non_loopback_address() -> str:
 
 
 def test_the_heads_key_goes_to_loopback_only(tmp_path):
-    """Issue 24 section 4 (N11): a head bound to another address would get its API key in clear
+    """A head bound to another address would get its API key in clear
     HTTP; like the instance unit, whose probe reaches only loopback, the serve program refuses
     (exit 78, one line, no request) instead of sending it."""
     _install(tmp_path, "cpu-tiny-mtp-2node", Node(roles=("head",)))
@@ -292,20 +316,16 @@ def test_the_heads_key_goes_to_loopback_only(tmp_path):
         server.shutdown()
 
 
-def test_cli_install_is_idempotent_and_names_the_first_unit(tmp_path):
-    from click.testing import CliRunner
-
-    from appliance.cli import cli
+def test_cli_install_is_idempotent_and_names_the_first_unit(tmp_path, cli_run):
 
     base = ["instance", "install", "grp", "-p", "spark2-31b-nvfp4-mtp", "--root", str(tmp_path)]
     argv = [*base, "--role", "worker", "--rank", "1", "--image", "gemma4-vllm:0.32.0-mtp"]
-    first = CliRunner().invoke(cli, argv)
-    assert first.exit_code == 0, first.output
+    first = cli_run(argv)
     assert "systemctl enable --now gemma4-vllm-worker@grp.service" in first.output
     assert Layout(tmp_path).node_args_file("grp", "worker").exists()
     assert not Layout(tmp_path).node_args_file("grp", "head").exists()
-    again = CliRunner().invoke(cli, argv)
-    assert again.exit_code == 0 and "next:" not in again.output
+    again = cli_run(argv)
+    assert "next:" not in again.output
     assert not any(line.startswith("wrote") for line in again.output.splitlines())
-    bad = CliRunner().invoke(cli, [*base, "--role", "worker", "--rank", "5"])
-    assert bad.exit_code == 2 and "rank 5" in bad.output
+    bad = cli_run([*base, "--role", "worker", "--rank", "5"], code=2)
+    assert "rank 5" in bad.output

@@ -23,9 +23,6 @@ pytestmark = pytest.mark.docker
 
 GROUP = "grp"
 PROFILE = "cpu-tiny-mtp-2node"
-# Every systemctl call fails at once: the restart is the first gate to fail, so a cutover goes
-# straight to its way back (which fails the same way) without a systemd on this host.
-NO_SYSTEMD = Systemd(("false",))
 
 
 class _Images:
@@ -57,7 +54,9 @@ def _install(root: Path, image: str) -> Path:
     return Layout(root).env_file(GROUP)
 
 
-def test_the_env_files_are_read_under_the_lock(tmp_path, cutover_docker, preflight_images):
+def test_the_env_files_are_read_under_the_lock(
+    tmp_path, cutover_docker, preflight_images, restart_refused
+):
     """An install that finishes under the group's lock while a cutover waits for it changed the
     env file; the cutover's way back writes back THAT file, not the
     bytes it read before the lock."""
@@ -71,9 +70,11 @@ def test_the_env_files_are_read_under_the_lock(tmp_path, cutover_docker, preflig
         write_atomic(env_path, changed)
         concurrent.close()
 
+    # The restart is the first gate to fail (the tree's systemd refuses it), so the cutover goes
+    # straight to its way back, which fails the same way.
     ctx = Context(
         layout=layout,
-        systemd=NO_SYSTEMD,
+        systemd=Systemd((restart_refused["APPLIANCE_SYSTEMD_PREFIX"],)),
         docker_client=_ConcurrentAtFirstLookup(cutover_docker, finish_the_install),
     )
     with pytest.raises(RollbackFailed, match="failed gate 'restart'"):

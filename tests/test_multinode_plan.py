@@ -1,4 +1,4 @@
-"""The fleet's move of a group across hosts, without hosts (issue 24 section 2): each host's
+"""The fleet's move of a group across hosts, without hosts: each host's
 preflight as `appliance multinode cutover GROUP IMAGE --check` prints it, and the play's
 decisions (deploy/ansible/roles/gemma4_appliance/filter_plugins/multinode.py) on those answers.
 The play itself, over SSH on two real hosts: tests/test_fleet_multinode.py."""
@@ -11,10 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import multinode, units
-from appliance.cli import cli
 from appliance.cutover.group import host_node
 from appliance.host.layout import Layout, Node
 
@@ -163,14 +161,14 @@ def _install(root: Path, node: Node) -> None:
     multinode.install(PROFILE, GROUP, node, root=root, options=opts)
 
 
-def test_a_head_whose_worker_runs_elsewhere_moves_only_without_its_own_way_back(tmp_path):
+def test_a_head_whose_worker_runs_elsewhere_moves_only_without_its_own_way_back(tmp_path, cli_run):
     """The head moves as one step of the fleet's play (--no-rollback); alone it says why not
     and names the play."""
     _install(tmp_path, Node(("head",)))
     env = Layout(tmp_path).env_file(GROUP)
     before = env.read_bytes()
     argv = ["cutover", GROUP, "gemma4-vllm:0.32.0-mtp", "--root", str(tmp_path)]
-    result = CliRunner().invoke(cli, argv)
+    result = cli_run(argv, code=None)
     assert result.exit_code != 0
     line = result.output.strip()
     assert "the worker(s) of rank 1 run on other hosts" in line and "\n" not in line, line
@@ -179,11 +177,10 @@ def test_a_head_whose_worker_runs_elsewhere_moves_only_without_its_own_way_back(
     assert not (tmp_path / "var").exists(), "nothing written: not even the lock"
 
 
-def test_a_name_this_host_does_not_run_is_told_so(tmp_path):
+def test_a_name_this_host_does_not_run_is_told_so(tmp_path, cli_run):
     _install(tmp_path, Node(("head",)))
     argv = ["rollback", "other", "--root", str(tmp_path)]
-    result = CliRunner().invoke(cli, argv)
-    assert result.exit_code == 2
+    result = cli_run(argv, code=2)
     assert "no instance other" in result.output
 
 
@@ -194,10 +191,13 @@ def test_a_worker_hosts_node_is_read_from_its_args_file(tmp_path):
 
 
 @pytest.mark.docker
-def test_each_hosts_check_is_what_the_play_plans_with(tmp_path, preflight_images, monkeypatch):
+def test_each_hosts_check_is_what_the_play_plans_with(
+    tmp_path, preflight_images, monkeypatch, cli_run
+):
     """`--check` on a head host and on a worker host (two roots, the real Docker engine): JSON
     lines that the play's plan takes as they are; nothing is written on either host."""
     monkeypatch.setenv("APPLIANCE_SYSTEMD_PREFIX", "true")  # no systemd here: no unit loaded
+    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")  # the trees' Docker
     old, new = preflight_images["pre-mtp"], preflight_images["mtp"]
     checks = {}
     for host, node in (("a", Node(("head",))), ("b", Node(("worker",), 1))):
@@ -206,8 +206,7 @@ def test_each_hosts_check_is_what_the_play_plans_with(tmp_path, preflight_images
         multinode.install(PROFILE, GROUP, node, root=root, options=opts)
         listing = sorted(p for p in root.rglob("*"))
         argv = ["cutover", GROUP, new, "--check", "--root", str(root)]
-        result = CliRunner().invoke(cli, argv)
-        assert result.exit_code == 0, result.output + result.stderr
+        result = cli_run(argv)
         checks[host] = json.loads(result.stdout)
         assert sorted(p for p in root.rglob("*")) == listing
     assert checks["a"]["remote_ranks"] == [1] and checks["b"]["ranks"] == [1]

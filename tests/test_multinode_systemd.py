@@ -1,4 +1,4 @@
-"""A multi-node group for real (issue 15 part 2): head + worker units under real systemd in
+"""A multi-node group for real: head + worker units under real systemd in
 nspawn, each running the CPU image through the serve script, vLLM's own multi-node with
 tensor parallelism 2 across the two "nodes" (tests/plugins/multinode.py).
 
@@ -6,25 +6,35 @@ The order of the tests matters only for time: one group, moved by every test."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
+import time
 
+import httpx
 import pytest
-from click.testing import CliRunner
-from plugins.multinode import GROUP, MTP_IMAGE
+from plugins.multinode import (
+    GROUP,
+    MTP_IMAGE,
+    PROFILE,
+    START_TIMEOUT,
+    VLLM_CACHE,
+    remove_group,
+)
 from plugins.systemd_instance import APPLIANCE, REPO
 
 import docker
-from appliance import state_metrics
-from appliance.cli import cli
+from appliance import devmodel, multinode, profiles, state_metrics, units
 from appliance.cutover import history
+from appliance.engine.local import free_port
 from appliance.host import envfile
-from appliance.host.layout import Layout
-from appliance.host.names import node_container
+from appliance.host.layout import Layout, Node
+from appliance.host.names import node_container, node_unit
 
 pytestmark = [pytest.mark.systemd, pytest.mark.multinode]
 
@@ -61,19 +71,21 @@ def test_the_worker_starts_first_and_the_head_serves_with_mtp(multinode_group):
     _serves_with_mtp(g)
 
 
-def test_status_and_the_state_metrics_read_the_groups_real_units(multinode_group, monkeypatch):
-    """Issue 24 (N6): `appliance status GROUP --write-metrics` reads the head and worker units,
+def test_status_and_the_state_metrics_read_the_groups_real_units(
+    multinode_group, monkeypatch, cli_run
+):
+    """`appliance status GROUP --write-metrics` reads the head and worker units,
     not gemma4-vllm@GROUP (no such unit: it read `inactive`), so the state textfile carries the
     head's real state and Gemma4InstanceFailed can fire for a failed head."""
     g = multinode_group
-    monkeypatch.setenv("APPLIANCE_SYSTEMD_PREFIX", shlex.join(g.machine.enter_argv()))
+    for key, value in g.machine.tree_env().items():
+        monkeypatch.setenv(key, value)
     argv = ["status", GROUP, "--json", "--write-metrics", "--root", str(g.machine.root)]
-    result = CliRunner().invoke(cli, argv)
-    assert result.exit_code == 0, result.output
+    result = cli_run(argv)
     text = Layout(g.machine.root).metrics_textfile().read_text()
     state = rf'{state_metrics.UNIT_STATE}{{instance="{GROUP}",result="[a-z-]*",state="(\w+)"}} 1\.0'
     assert re.findall(state, text) == ["active"], text
-    [st] = json.loads(result.output.splitlines()[-1])["instances"]
+    [st] = json.loads(result.stdout)["instances"]
     assert st["units"] == {g.head: "active", g.worker: "active"}
     assert st["running_id"] == g.container_image_id("head")
 
@@ -85,7 +97,7 @@ def test_a_hangup_during_the_gates_rolls_every_node_back(multinode_group):
     m = g.machine
     env_path = Layout(m.root).env_file(GROUP)
     before, old_id = env_path.read_bytes(), g.container_image_id("head")
-    env = dict(os.environ, APPLIANCE_SYSTEMD_PREFIX=shlex.join(m.enter_argv()))
+    env = dict(os.environ, **m.tree_env())
     # The canary is the cutover test's (below); here it would only delay the restart.
     argv = [APPLIANCE, "cutover", GROUP, g.derived_image, "--no-canary"]
     argv += ["--root", str(m.root)]
@@ -124,7 +136,7 @@ def test_cutover_moves_both_nodes_and_a_killed_rollback_is_recovered(multinode_g
     m = g.machine
     ctx = g.context()
     old_id = g.container_image_id("head")
-    env_vars = dict(os.environ, APPLIANCE_SYSTEMD_PREFIX=shlex.join(m.enter_argv()))
+    env_vars = dict(os.environ, **m.tree_env())
     run = {"env": env_vars, "cwd": REPO, "capture_output": True, "text": True}
     cut = [APPLIANCE, "cutover", GROUP, g.derived_image, "--timeout", "900"]
     moved = subprocess.run([*cut, "--root", str(m.root)], check=False, **run)
@@ -199,13 +211,93 @@ def test_a_dead_worker_takes_the_head_down_and_both_come_back_in_order(multinode
     _serves_with_mtp(g)
 
 
+def _files_of(m, group: str) -> list:
+    """What `multinode install` laid for ``group`` alone (not the shared unit templates)."""
+    etc = m.root / "etc/gemma4-vllm"
+    units_dir = m.root / "etc/systemd/system"
+    return [*etc.glob(f"{group}.*"), *etc.glob(f"{group}-*"), *units_dir.glob(f"*@{group}.*")]
+
+
+def test_a_worker_waits_out_its_heads_outage_and_the_group_comes_back_unaided(multinode_group):
+    """Review N6: a worker started while its head's host is down. Its engine waited for the
+    rendezvous, exited at torch's timeout and was restarted until the start limit left it
+    `failed`: the group then needed `reset-failed` once the head was back. Now the serve
+    program waits for the rendezvous first (one start, no container yet).
+
+    A second group on this machine, its worker installed alone (the head's host, down, is
+    nowhere), with the rendezvous timeout at 90 s instead of 30 min so that the old behaviour
+    shows within minutes (the head waits as long for the worker to join: a worker's container
+    takes tens of seconds to start here); the head comes back by being installed and started
+    here."""
+    g = multinode_group
+    m = g.machine
+    group = "n6"
+    worker, head = node_unit(group, "worker"), node_unit(group, "head")
+    prof = profiles.get(PROFILE)
+    prof = dataclasses.replace(
+        prof,
+        extra_args=(*prof.extra_args, "--distributed-timeout-seconds", "90"),
+        multinode=dataclasses.replace(prof.multinode, master_port=free_port()),
+    )
+    port = free_port()
+    opts = units.Options(
+        image=MTP_IMAGE,
+        port=port,
+        model_dir=str(devmodel.cached("copy").root),
+        vllm_cache_dir=str(VLLM_CACHE),
+    )
+
+    def lay(roles) -> None:
+        multinode.install(prof, group, Node(roles=roles, rank=1), root=m.root, options=opts)
+        for role in roles:  # no key files on 127.0.0.1, as the fixture's group (see there)
+            Layout(m.root).node_api_key_file(group, role).unlink(missing_ok=True)
+        m.daemon_reload()
+
+    m.systemctl("stop", g.worker)  # and the head (PartOf=): room for the second pair
+    try:
+        lay(("worker",))
+        m.systemctl("start", worker)
+        deadline = time.monotonic() + START_TIMEOUT
+        while "waiting for the head's rendezvous" not in m.journal(worker, 200):
+            state = (m.is_active(worker), g.show(worker, "Result"), g.show(worker, "NRestarts"))
+            assert state[0] != "failed", (state, m.journal(worker, 60))
+            assert time.monotonic() < deadline, (state, m.journal(worker, 60))
+            time.sleep(1)
+        assert m.is_active(worker) == "active" and g.show(worker, "NRestarts") == "0"
+        # The head's host is back.
+        lay(("head", "worker"))
+        started = m.systemctl("start", head, check=False, timeout=START_TIMEOUT)  # generates
+        assert started.returncode == 0, m.journal(head, 80) + m.journal(worker, 40)
+        assert m.is_active(worker) == "active" and g.show(worker, "NRestarts") == "0"
+        resp = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "gemma4-tiny", "prompt": "back", "max_tokens": 4, "temperature": 0},
+            timeout=120,
+        )
+        assert resp.status_code == 200, resp.text
+    finally:
+        m.systemctl("stop", worker, check=False, timeout=180)
+        m.systemctl("reset-failed", worker, head, check=False)
+        for path in _files_of(m, group):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        m.daemon_reload()
+        remove_group(group)
+        # The fixture's group: its head may have exited 1 when it was stopped (it is `failed`).
+        m.systemctl("reset-failed", g.head, g.worker, check=False)
+        m.systemctl("start", g.head, timeout=START_TIMEOUT)
+    _serves_with_mtp(g)
+
+
 def test_uninstall_purge_of_the_group_leaves_the_machine_as_found(multinode_group):
     """`appliance uninstall GROUP --purge`, the instance's command: the group's units stopped
     and disabled, its containers gone, and the machine's /etc, /usr/local and /var/lib as they
     were before its install (the bare host's comparison). Last: the group is gone after it."""
     g = multinode_group
     m = g.machine
-    env = dict(os.environ, APPLIANCE_SYSTEMD_PREFIX=shlex.join(m.enter_argv()))
+    env = dict(os.environ, **m.tree_env())
     argv = [APPLIANCE, "uninstall", GROUP, "--purge", "--root", str(m.root)]
     gone = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, check=False)
     assert gone.returncode == 0, gone.stdout + gone.stderr

@@ -1,5 +1,5 @@
 """The head and worker units of a multi-node group share the instance unit's hardening block,
-timings and start-limit arithmetic (issue 24 section 1, review N6), checked on the rendered files
+timings and start-limit arithmetic (review N6), checked on the rendered files
 with the real ``systemd-analyze``. That they serve, cut over and roll back under these settings
 is tests/test_multinode_systemd.py."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from appliance import multinode, profiles, units
 from appliance.host.layout import Layout, Node
 from appliance.host.names import ROLES, node_unit
+from appliance.serve import argsfile, health
 from appliance.units import timing
 
 CPU_PAIR = "cpu-tiny-mtp-2node"
@@ -99,3 +102,41 @@ def test_a_slowly_failing_node_trips_the_start_limit(tmp_path, template):
         t.start_limit_burst, t.start_limit_interval_s, t.start_timeout_s, t.restart_sec
     )  # fmt: skip
     assert int(s["TimeoutStopSec"][0]) == t.stop_timeout_s
+
+
+def test_a_worker_may_reach_its_heads_rendezvous_and_waits_for_it(tmp_path):
+    """Review N6 (the real systemd run: tests/test_multinode_systemd.py): the worker's serve
+    program waits for the head's rendezvous before its container starts, so a head whose host
+    is down costs the worker no start. The unit reaches only loopback but through this drop-in;
+    systemd reads it (verify) and the real listener below ends the wait."""
+    prof = profiles.get("spark2-31b-nvfp4-mtp")
+    root = _root(tmp_path, prof.name)
+    dropin = Layout(root).rendezvous_dropin("grp")
+    assert _settings(dropin.read_text())["IPAddressAllow"] == [prof.multinode.master_addr]
+    worker = argsfile.read(Layout(root).node_args_file("grp", "worker"))
+    head = argsfile.read(Layout(root).node_args_file("grp", "head"))
+    assert worker.rendezvous() == (prof.multinode.master_addr, prof.multinode.master_port)
+    assert head.rendezvous() is None
+    verify = subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", node_unit("grp", "worker")],
+        check=False, capture_output=True, text=True,
+    )  # fmt: skip
+    assert "40-rendezvous.conf" not in verify.stdout + verify.stderr, verify.stderr
+
+    notes: list[str] = []
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    heard = threading.Event()
+
+    def note(line: str) -> None:
+        notes.append(line)
+        listener.listen()  # the head comes back once the worker said it waits
+        heard.set()
+
+    try:
+        health.wait_listening("127.0.0.1", port, note)
+    finally:
+        listener.close()
+    assert heard.is_set()
+    assert notes[0].startswith(f"waiting for the head's rendezvous at 127.0.0.1:{port} (")

@@ -106,7 +106,7 @@ def test_required_panels_exist():
         "Draft acceptance by engine",
         "Output tokens per second by running image",
         "Draft acceptance by running image",
-        # Per-call extremes per role (issue 13).
+        # Per-call extremes per role.
         "Calls at the acceptance extremes by role",
     ):
         assert needed in titles
@@ -181,7 +181,7 @@ def test_promtool_check_config_and_rules():
     assert len(rule_files) == 2
     res = _promtool("check", "rules", *rule_files)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 20 rules found" in res.stdout and "SUCCESS: 8 rules found" in res.stdout
+    assert "SUCCESS: 20 rules found" in res.stdout and "SUCCESS: 11 rules found" in res.stdout
 
 
 def test_promtool_unit_tests_pass():
@@ -214,25 +214,50 @@ def test_promtool_unit_tests_cover_every_rule_and_alert_with_idle_and_reset():
     assert "Counter reset" in text
 
 
-def test_promtool_unit_tests_catch_a_changed_threshold(tmp_path):
-    # The alert tests bite: rules generated with another floor make them fail.
+def _bitten(tmp_path: Path, test_file: str, **changed: object) -> str:
+    """promtool's run of ``test_file`` on alerts generated with ``changed`` thresholds: it must
+    fail (the tests bite); its output."""
     root = _copy_generated(tmp_path)
     (root / "prometheus/rules/gemma4-mtp-alerts.yml").write_text(
-        rules.render(rules.alert_groups(rules.Thresholds(acceptance_min=0.1)))
+        rules.render(rules.alert_groups(rules.Thresholds(**changed)))
     )
-    res = _promtool("test", "rules", "alerts.test.yml", cwd=root / "prometheus/tests")
-    assert res.returncode == 1
-    assert "Gemma4MTPAcceptanceLow" in res.stdout + res.stderr
+    res = _promtool("test", "rules", test_file, cwd=root / "prometheus/tests")
+    assert res.returncode == 1, res.stdout + res.stderr
+    return res.stdout + res.stderr
+
+
+def test_promtool_unit_tests_catch_a_changed_threshold(tmp_path):
+    # The alert tests bite: rules generated with another floor make them fail.
+    assert "Gemma4MTPAcceptanceLow" in _bitten(tmp_path, "alerts.test.yml", acceptance_min=0.1)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"state_stale_s": 600.0},  # not yet firing at 25m
+        {"state_stale_s": 120.0},  # firing already at 19m
+    ],
+)
+def test_promtool_state_alert_tests_catch_a_changed_threshold(tmp_path, changed):
+    assert "Gemma4StateMetricsStale" in _bitten(tmp_path, "alerts.test.yml", **changed)
 
 
 def test_promtool_extremes_tests_catch_a_changed_share_limit(tmp_path):
-    root = _copy_generated(tmp_path)
-    (root / "prometheus/rules/gemma4-mtp-alerts.yml").write_text(
-        rules.render(rules.alert_groups(rules.Thresholds(near_one_share_max=0.2)))
-    )
-    res = _promtool("test", "rules", "extremes.test.yml", cwd=root / "prometheus/tests")
-    assert res.returncode == 1  # the healthy role (a quarter near 1) now fires
-    assert "Gemma4MTPRepetitionSuspects" in res.stdout + res.stderr
+    # The healthy role (a quarter near 1) now fires.
+    out = _bitten(tmp_path, "extremes.test.yml", near_one_share_max=0.2)
+    assert "Gemma4MTPRepetitionSuspects" in out
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"rejected_share_max": 0.15},  # e1's sustained tenth of the traffic no longer fires
+        {"rejected_share_max": 0.01},  # e3's steady 2% fires too
+        {"rejected_for": "3m"},  # e1 fires by 12m, before its 15m
+    ],
+)
+def test_promtool_rejection_tests_catch_a_changed_threshold(tmp_path, changed):
+    assert "Gemma4RequestsRejected" in _bitten(tmp_path, "alerts.test.yml", **changed)
 
 
 @pytest.mark.parametrize(
@@ -244,13 +269,7 @@ def test_promtool_extremes_tests_catch_a_changed_share_limit(tmp_path):
     ],
 )
 def test_promtool_baseline_tests_catch_a_changed_threshold(tmp_path, changed, at):
-    root = _copy_generated(tmp_path)
-    (root / "prometheus/rules/gemma4-mtp-alerts.yml").write_text(
-        rules.render(rules.alert_groups(rules.Thresholds(**changed)))
-    )
-    res = _promtool("test", "rules", "baseline.test.yml", cwd=root / "prometheus/tests")
-    assert res.returncode == 1
-    out = res.stdout + res.stderr
+    out = _bitten(tmp_path, "baseline.test.yml", **changed)
     assert "Gemma4AcceptanceBelowBaseline" in out and at in out
 
 

@@ -1,16 +1,15 @@
 """The MTP probe: against the real CPU engines, a dead port and a broken page; and the check of
-issue 10: doctor, the cutover gate and bench give the same verdict and figures on one engine."""
+doctor, the cutover gate and bench give the same verdict and figures on one engine."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 from plugins.http_servers import Route
 
 from appliance import probe
-from appliance.cli import cli
 from appliance.cutover import gates
 from appliance.engine.local import free_port
 from appliance.errors import EngineError
@@ -120,10 +119,10 @@ def test_absent_without_speculative_decoding(baseline_engine):
 
 
 def _doctor_evidence(url: str) -> dict:
-    res = CliRunner().invoke(
-        cli,
+    res = invoke(
         ["instance", "doctor", "--json", "--url", url, "--profile", "cpu-tiny-mtp"],
         env={"VLLM_API_KEY": None},
+        code=None,
     )
     body = json.loads(res.output)
     return next(c for c in body["checks"] if c["name"] == "mtp.counters")["evidence"]
@@ -131,10 +130,10 @@ def _doctor_evidence(url: str) -> dict:
 
 def _bench_evidence(url: str, tmp_path) -> dict:
     out = tmp_path / "bench.json"
-    res = CliRunner().invoke(
-        cli,
+    res = invoke(
         [
             "bench",
+            "run",
             "--url",
             url,
             "--prompts",
@@ -152,14 +151,13 @@ def _bench_evidence(url: str, tmp_path) -> dict:
         ],
         env={"VLLM_API_KEY": None},
     )
-    assert res.exit_code == 0, res.output
     assert "MTP probe: MTP active: drafts" in res.output
     return json.loads(out.read_text())["endpoints"][0]["mtp"]
 
 
 @pytest.mark.engine
 def test_doctor_gate_and_bench_agree_on_one_engine(mtp_counters_engine, tmp_path):
-    """Issue 10's check: one engine, three callers, one verdict, the same figures.
+    """One engine, three callers, one verdict, the same figures.
 
     The engine sends no per-request block, so every figure comes from the counter delta under the
     one attribution rule (nothing else runs: source ``counters``). The probe's generation is

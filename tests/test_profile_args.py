@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -53,6 +54,34 @@ def test_cpu_mtp_profile_fills_in_the_tiny_model_and_asks_for_per_request_metric
     assert "--speculative-config" not in profiles.get("cpu-tiny").serve_args(devmodel="/m")
 
 
+def test_the_queue_bound_comes_from_the_sequences_unless_stated():
+    prof = profiles.get("l4x4-31b-mtp")
+    # No max_num_seqs: vLLM picks one by the device it finds, so no bound is derived.
+    assert prof.max_num_seqs is None and prof.queue_bound is None and prof.queue_args() == []
+    seqs = dataclasses.replace(prof, max_num_seqs=48)
+    assert seqs.queue_bound == profiles.QUEUE_PER_SEQUENCE * 48 == 96
+    assert seqs.queue_args() == ["--max-num-queued-reqs", "96"]
+    stated = dataclasses.replace(seqs, max_num_queued_reqs=200)
+    assert stated.queue_args() == ["--max-num-queued-reqs", "200"]
+    # Apart from the serve arguments, as the MTP flags: an older vLLM refuses the flag.
+    assert "--max-num-queued-reqs" not in stated.serve_args()
+
+
+def test_profiles_show_prints_the_bound_with_the_command(cli_run):
+    res = cli_run(["profiles", "show", "rtx5090x2-31b-fp8-mtp", "--json"])
+    assert json.loads(res.stdout)["argv"][-2:] == ["--max-num-queued-reqs", "2"]
+
+
+def test_a_queue_bound_below_one_is_refused_naming_the_field():
+    with pytest.raises(UsageError) as err:
+        profiles.from_dict(
+            {"name": "x", "description": "d", "model": "m", "served_model_name": "s"}
+            | {"max_num_queued_reqs": 0},
+            "x.toml",
+        )
+    assert str(err.value).startswith("x.toml: max_num_queued_reqs = 0: ")
+
+
 def test_cpu_profile_without_model_dir_is_a_usage_error():
     with pytest.raises(UsageError, match="tiny dev model"):
         profiles.get("cpu-tiny-mtp").serve_args()
@@ -75,7 +104,7 @@ def test_every_shipped_profile_file_loads():
         assert prof.serve_args(devmodel="/m")[0]
 
 
-# --- the engine container's privileges and media fetching (issue 11, least privilege) ---------
+# --- the engine container's privileges and media fetching (least privilege) -------------------
 
 
 def _container_args(name: str) -> tuple[list[str], list[str]]:

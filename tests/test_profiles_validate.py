@@ -6,10 +6,9 @@ import dataclasses
 import shlex
 
 import pytest
-from click.testing import CliRunner
+from plugins.cli import invoke
 
 from appliance import labels, profiles
-from appliance.cli import cli
 from appliance.profiles import Hardware, Speculative
 from appliance.profiles import validate as pv
 
@@ -117,10 +116,11 @@ def test_mtp_on_a_vllm_older_than_0_21_is_an_error():
     f = codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.19.0")["mtp-old-vllm"]
     assert f.level == "error"
     # 0.21 serves MTP: only warnings, on what it costs (no per-request figures) and on the
-    # block-table defect under concurrent load (fixed by 0.32; tests/test_defects.py).
+    # defects under concurrent load (tests/test_defects.py).
     assert set(codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.21.0")) == {
         "per-request-metrics",
         "mtp-block-table-concurrency",
+        "kv-auto-mtp-batching",
     }
     # The baseline profile is what a pre-MTP (0.19) image serves: fine.
     assert codes(profiles.get("l4x4-31b"), vllm_version="0.19.0") == {}
@@ -183,7 +183,8 @@ def test_a_non_loopback_bind_is_a_warning():
 def test_require_valid_raises_naming_the_fix():
     with pytest.raises(pv.ProfileError) as err:
         pv.require_valid(variant("l4x4-31b-mtp", kv_cache_dtype="fp8", tensor_parallel_size=3))
-    assert "l4x4-31b-mtp" in str(err.value) and "and 1 more" in str(err.value)
+    # FP8 KV on SM 8.9, 3 not dividing the 4 GPUs, nor the 31B's 32 heads.
+    assert "l4x4-31b-mtp" in str(err.value) and "and 2 more" in str(err.value)
     assert err.value.exit_code == 2
 
 
@@ -196,13 +197,18 @@ def test_a_malformed_version_is_a_usage_error():
 
 
 def run(*args):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return invoke(list(args), code=None)
 
 
 def test_cli_validate_all_shipped_profiles_passes():
     result = run("profiles", "validate")
     assert result.exit_code == 0, result.output
-    assert all(f"{n}: ok" in result.output for n in SHIPPED)
+    # Each is "ok", or a GPU MTP profile's one warning of every vLLM version: the batching
+    # defect closed upstream with no known release (defects.toml kv-auto-mtp-batching).
+    for name in SHIPPED:
+        assert f"{name}: ok" in result.output or f"{name}: 1 warning(s)" in result.output, name
+    warned = [ln for ln in result.output.splitlines() if ln.startswith("  warning:")]
+    assert all("[kv-auto-mtp-batching]" in ln for ln in warned), result.output
 
 
 def test_cli_validate_exits_1_on_an_error_for_a_version():

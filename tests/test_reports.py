@@ -24,11 +24,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from click.testing import CliRunner
 
 from appliance import demo as demo_lib
 from appliance import reports
-from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.reports.figures import resolve
 
@@ -289,14 +287,13 @@ def test_unknown_artifact_kind_is_a_usage_error():
         reports.render_bench({"kind": "other"})
 
 
-def test_report_path_in_a_missing_directory_fails_before_the_bench_runs(tmp_path):
+def test_report_path_in_a_missing_directory_fails_before_the_bench_runs(tmp_path, cli_run):
     # Bad input costs nothing: no server is contacted (the URLs lead nowhere) and nothing written.
     target = tmp_path / "file-not-dir"
     target.write_text("x")
-    res = CliRunner().invoke(
-        cli, ["bench", "--url", "http://127.0.0.1:9", "--report", str(target / "r.html")]
+    res = cli_run(
+        ["bench", "run", "--url", "http://127.0.0.1:9", "--report", str(target / "r.html")], code=2
     )
-    assert res.exit_code == 2, res.output
     assert "--report" in res.output and not (target / "r.html").exists()
 
 
@@ -385,10 +382,11 @@ def bench_artifact(kind: str, variant: str = "") -> dict:
 def demo_record(engine: bool = True) -> dict:
     """A demo record (``DemoReport.to_dict()``): one call with figures, one without."""
     from appliance import demo, specdecode
+    from appliance.agent import Figures
 
     calls = [
-        demo.DemoCall(1, False, 48, None, 16, 32, 24, 0.75, 2.5, "request"),
-        demo.DemoCall(2, True, 32, 20, None, None, None, None, None, "unknown"),
+        demo.DemoCall(1, False, 48, None, Figures("request", "ok", False, 16, 32, 24, 0.75, 2.5)),
+        demo.DemoCall(2, True, 32, 20, Figures("unknown", "missing")),
     ]
     delta = specdecode.Delta("ok", 16, 32, 24) if engine else None
     return demo.DemoReport("http://127.0.0.1:9/?a=1&b=2", HOSTILE, calls, delta).to_dict()
@@ -440,7 +438,8 @@ def test_the_demo_page_prints_its_record_and_nothing_else(engine):
     parsed = assert_page_matches_record(page, record)
     assert _listed_charts(page) == parsed.charts == ["call-acceptance", "call-tokens-per-step"]
     paths = {p for p, _, _ in parsed.values}
-    assert {"calls.0.acceptance", "calls.1.acceptance", "totals.draft_tokens"} <= paths
+    assert {"calls.0.figures.acceptance", "calls.1.figures.acceptance"} <= paths
+    assert "totals.draft_tokens" in paths
     assert ("engine_counters_delta.draft_tokens" in paths) == engine
 
 
@@ -466,14 +465,14 @@ def test_names_from_the_record_are_text_on_the_page_never_markup():
 
 
 @pytest.fixture(scope="module")
-def paired_run(mtp_engine, baseline_engine, tmp_path_factory) -> tuple[dict, str, Path]:
+def paired_run(mtp_engine, baseline_engine, tmp_path_factory, cli_run) -> tuple[dict, str, Path]:
     """One small paired bench through the CLI, with both the JSON artifact and the report."""
     d = tmp_path_factory.mktemp("paired")
     art, page = d / "paired.json", d / "paired.html"
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         [
             "bench",
+            "compare",
             "--mtp-url",
             mtp_engine.url,
             "--baseline-url",
@@ -490,10 +489,10 @@ def paired_run(mtp_engine, baseline_engine, tmp_path_factory) -> tuple[dict, str
             str(art),
             "--report",
             str(page),
-        ],
-        catch_exceptions=False,
+            "--json",
+        ]
     )
-    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == json.loads(art.read_text())  # one object: the artifact
     return json.loads(art.read_text()), page.read_text(), page
 
 
@@ -529,19 +528,21 @@ def test_paired_report_matches_the_artifact_and_renders(paired_run, browser):
 @pytest.mark.engine
 @pytest.mark.bench
 @pytest.mark.own_engines
-def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(browser, tmp_path):
-    """`bench --sweep-k 1,3 --drafter partial` starts its own engine per k (two real engines);
+def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(
+    browser, tmp_path, cli_run
+):
+    """`bench sweep --k 1,3 --drafter partial` starts its own engine per k (two real engines);
     the recommended k is the one with the lowest printed TPOT, the report shows the same record,
     and the tokens per step predicted for k' = 1 from the k=3 run alone are within 5% of the
     ones measured at k=1 (counts, not timings: the predicted TPOT is printed). A k=2 engine, once
     swept here too, cost a third engine start for a second such point; the arithmetic at every
     k' is property-tested in tests/test_specdecode.py."""
     art, page = tmp_path / "sweep.json", tmp_path / "sweep.html"
-    res = CliRunner().invoke(
-        cli,
+    res = cli_run(
         [
             "bench",
-            "--sweep-k",
+            "sweep",
+            "--k",
             "1,3",
             "--drafter",
             "partial",
@@ -555,10 +556,8 @@ def test_sweep_recommends_the_k_its_printed_figures_back_and_its_report_renders(
             str(art),
             "--report",
             str(page),
-        ],
-        catch_exceptions=False,
+        ]
     )
-    assert res.exit_code == 0, res.output
     print(res.output)
     rows = re.findall(
         r"^\| (\d+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \| [\d.]+ \| (.+) \|$",
@@ -618,6 +617,7 @@ def test_demo_report_from_the_same_record_as_demo_json(mtp_engine, browser, tmp_
     parsed = assert_page_matches_record(page.read_text(), record)
     paths = {p for p, _, _ in parsed.values}
     for i in range(3):
-        assert f"calls.{i}.acceptance" in paths and f"calls.{i}.tokens_per_step" in paths
+        assert f"calls.{i}.figures.acceptance" in paths
+        assert f"calls.{i}.figures.tokens_per_step" in paths
     assert set(parsed.charts) == {"call-acceptance", "call-tokens-per-step"}
     assert_renders(browser, page, set(parsed.charts))

@@ -1,4 +1,4 @@
-"""Secrets stay secret, and the engine container runs with least privilege (issue 11).
+"""Secrets stay secret, and the engine container runs with least privilege.
 
 Under real systemd (the shared nspawn instance, tests/plugins/systemd_instance.py) serving the
 real CPU image: the instance's key file is mounted read-only into the container, whose entry

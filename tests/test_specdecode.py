@@ -253,3 +253,71 @@ def test_step_cost_and_predicted_tpot():
         (0.040 / 3 / 2, 0.050 / 3 / 3, 0.005)
     )
     assert sd.step_cost((2, 0.01, 2.0), (2, 0.02, 2.0)) is None
+
+
+# --- a k schedule read back from the counters ---------------------------------------------------
+
+SCHEDULED = Path(__file__).parent / "data" / "metrics-vllm-0.32-mtp-schedule.txt"
+
+
+@st.composite
+def scheduled_level(draw):
+    """k, a level's concurrency c, the schedule's k per batch size 1..c, and the level's steps:
+    the batch size of each (filling and draining in any order), at least one step at c."""
+    k = draw(st.integers(1, 4))
+    c = draw(st.integers(1, 8))
+    per_batch = (None, *(draw(st.integers(0, k)) for _ in range(c)))
+    steps = draw(st.lists(st.integers(1, c), max_size=12)) + [c] * draw(st.integers(1, 12))
+    return k, c, per_batch, steps
+
+
+def _drafted(steps: list[int], tokens_at) -> sd.Delta:
+    """The counters' movement over ``steps`` when each of a step's b requests drafts
+    ``tokens_at(b)`` tokens (vLLM counts no draft for a step that drafts nothing)."""
+    drafts = sum(b for b in steps if tokens_at(b) > 0)
+    return sd.Delta("ok", drafts, sum(b * tokens_at(b) for b in steps), 0, ())
+
+
+@given(scheduled_level())
+def test_a_drafter_that_follows_the_schedule_is_never_called_ignoring_it(level):
+    k, c, per_batch, steps = level
+    k_at, most = per_batch[c], max(per_batch[1:])
+    check = sd.check_schedule(_drafted(steps, lambda b: per_batch[b]), c, k, k_at, most)
+    want = "unchanged" if k_at == k else "unmeasured" if k_at == 0 else "follows"
+    assert check.verdict == want
+
+
+@given(scheduled_level())
+def test_a_drafter_that_drafts_k_at_every_batch_size_is_called_out_where_it_should_not(level):
+    k, c, per_batch, steps = level
+    k_at, most = per_batch[c], max(per_batch[1:])
+    check = sd.check_schedule(_drafted(steps, lambda b: k), c, k, k_at, most)
+    if most < k or 0 < k_at < k:
+        assert check.verdict == "ignored"
+        assert "DOES NOT FOLLOW" in check.summary() and "#57053" in check.summary()
+    else:  # the schedule keeps k at c, or drafts nothing there: the counters cannot tell
+        assert check.verdict == ("unchanged" if k_at == k else "unmeasured")
+    assert check.drafted_per_step == k
+
+
+def test_real_captures_of_one_request_alone_with_and_without_the_schedule():
+    # k=2, schedule [[1, 1, 1], [2, 2, 2]]: alone (batch size 1) the drafter drafts one token.
+    moved = sd.counters_delta(sd.Counters(), sd.parse(SCHEDULED.read_text()).total())
+    assert sd.drafted_per_step(moved) == 1.0
+    check = sd.check_schedule(moved, 1, k=2, k_at=1, k_most=1)
+    assert check.verdict == "follows"
+    assert check.summary() == (
+        "concurrency 1: the schedule says k=1 (k=2 unscheduled): drafted 1.00 tokens per step, "
+        "fewer as scheduled"
+    )
+    # The same engine without a schedule drafts k=2 every step: what a drafter that ignores the
+    # schedule shows (vLLM #57053).
+    plain = sd.counters_delta(sd.Counters(), sd.parse(CAPTURE.read_text()).total())
+    check = sd.check_schedule(plain, 1, k=2, k_at=1, k_most=1)
+    assert (check.verdict, check.drafted_per_step) == ("ignored", 2.0)
+    assert check.summary() == (
+        "concurrency 1: the schedule says k=1: DOES NOT FOLLOW: drafted 2.00 tokens per step, "
+        "more than the 1 the schedule allows at any batch size up to here (vLLM #57053)"
+    )
+    assert sd.check_schedule(plain, 1, k=2, k_at=2, k_most=2).verdict == "unchanged"
+    assert sd.check_schedule(sd.Delta("absent"), 1, 2, 1, 1).verdict == "unmeasured"

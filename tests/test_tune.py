@@ -1,4 +1,4 @@
-"""``appliance tune`` without an engine: the k per level from the predictions of
+"""``appliance bench tune`` without an engine: the k per level from the predictions of
 appliance/specdecode.py, the schedule's ranges, and the profile copy it writes.
 
 The engine test (tests/test_bench_engine.py) runs tune against the session engines and hands
@@ -12,12 +12,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from appliance import profiles, specdecode
 from appliance.bench import tune
 from appliance.bench.concurrency import LevelResult
-from appliance.cli import cli
 from appliance.errors import UsageError
 from appliance.profiles import validate
 
@@ -46,7 +44,7 @@ def test_the_captured_counters_predict_every_k_and_the_cheap_draft_wins():
 
 
 def test_a_decaying_drafter_under_load_gets_a_smaller_k():
-    # Per position 0.8 / 0.5 / 0.3 at k=3 (issue 27's partial drafter): 1.8, 2.3, 2.6 tok/step.
+    # Per position 0.8 / 0.5 / 0.3 at k=3 (the partial drafter): 1.8, 2.3, 2.6 tok/step.
     lengths = specdecode.predicted_lengths((0.8, 0.5, 0.3))
     assert lengths == pytest.approx((1.8, 2.3, 2.6))
     # Alone: a step costs 10 ms + 1 ms per draft; at k=3, 13 ms / 2.6 = 5 ms a token.
@@ -91,7 +89,7 @@ def test_the_copy_keeps_the_profiles_text_and_reads_back_as_the_tuned_profile(tm
     assert tuned.speculative.num_speculative_tokens_per_batch_size == ((1, 4, 2), (5, 8, 1))
     # Every comment of the original is still there, in order.
     assert [ln for ln in source.splitlines() if ln.startswith("#")] == [
-        ln for ln in text.splitlines() if ln.startswith("#") and "appliance tune" not in ln
+        ln for ln in text.splitlines() if ln.startswith("#") and "appliance bench tune" not in ln
     ]
     # Tuning the copy's copy replaces the schedule rather than adding a second one.
     again = dataclasses.replace(
@@ -127,17 +125,57 @@ def test_tune_measures_a_fixed_k_of_an_mtp_profile_only():
         tune.check_profile(tuned)
 
 
-def test_cli_refuses_before_touching_a_server(tmp_path):
-    runner = CliRunner()
-    res = runner.invoke(cli, ["tune", "--url", "http://127.0.0.1:9", "--profile", "cpu-tiny-mtp"])
-    assert res.exit_code == 2 and "--baseline-url" in res.output
-    args = ["tune", "--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:9"]
-    res = runner.invoke(cli, [*args, "--profile", "cpu-tiny"])
-    assert res.exit_code == 2 and "Error: profile cpu-tiny has no MTP to tune" in res.output
-    res = runner.invoke(cli, [*args, "--profile", "cpu-tiny-mtp", "--concurrency", "0"])
-    assert res.exit_code == 2 and "--concurrency" in res.output
+def test_cli_refuses_before_touching_a_server(tmp_path, cli_run):
+    res = cli_run(
+        ["bench", "tune", "--url", "http://127.0.0.1:9", "--profile", "cpu-tiny-mtp"], code=2
+    )
+    assert "--baseline-url" in res.output
+    args = ["bench", "tune", "--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:9"]
+    res = cli_run([*args, "--profile", "cpu-tiny"], code=2)
+    assert "Error: profile cpu-tiny has no MTP to tune" in res.output
+    res = cli_run([*args, "--profile", "cpu-tiny-mtp", "--concurrency", "0"], code=2)
+    assert "--concurrency" in res.output
     # A profile file is a --profile too (endpoint.resolve reads it).
     path = tmp_path / "mine.toml"
     path.write_text(profiles.shipped_text("cpu-tiny").replace('"cpu-tiny"', '"mine"', 1))
-    res = runner.invoke(cli, [*args, "--profile", str(path)])
-    assert res.exit_code == 2 and "profile mine has no MTP to tune" in res.output
+    res = cli_run([*args, "--profile", str(path)], code=2)
+    assert "profile mine has no MTP to tune" in res.output
+
+
+def test_the_old_spelling_still_runs_and_names_the_new_form(cli_run):
+    args = ["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:9"]
+    res = cli_run(["tune", *args, "--profile", "cpu-tiny"], code=2)
+    assert res.stderr.splitlines() == [
+        "warning: `appliance tune` is now `appliance bench tune`",
+        "Error: profile cpu-tiny has no MTP to tune",
+    ]
+
+
+def test_verify_reads_each_level_against_the_schedule():
+    tuned = result(profiles.get("cpu-tiny-mtp"), [(1, 1), (4, 2)]).tuned()
+    assert tuned.speculative.num_speculative_tokens_per_batch_size == ((1, 2, 1), (3, 4, 2))
+    # The capture's engine drafted k=2 at every step (it had no schedule): alone, where this
+    # schedule says k=1, that is a drafter ignoring it; at 4 requests the schedule keeps k=2.
+    alone, four = tune.verify(tuned, [captured_level(1), captured_level(4)])
+    assert (alone.verdict, alone.k_at, alone.k_most) == ("ignored", 1, 1)
+    assert (four.verdict, four.k_at, four.k_most) == ("unchanged", 2, 2)
+    with pytest.raises(UsageError, match="has no num_speculative_tokens_per_batch_size"):
+        tune.verify(profiles.get("cpu-tiny-mtp"), [captured_level(1)])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "k", "want"),
+    [
+        (((1, 4, 2), (5, 64, 1)), 2, {1: 2, 4: 2, 5: 1, 64: 1, 100: 1}),
+        (((1, 2, 3), (9, 16, 1)), 3, {2: 3, 3: 3, 8: 3, 9: 1}),  # a gap carries the k before it
+        (((5, 64, 1), (1, 4, 4)), 2, {1: 2, 5: 1}),  # unsorted; k above the profile's is capped
+    ],
+)
+def test_the_k_at_each_batch_size_is_vllms_lookup(schedule, k, want):
+    assert {b: tune.k_at(schedule, k, b) for b in want} == want
+
+
+def test_cli_verify_refuses_a_profile_without_a_schedule_before_touching_a_server(cli_run):
+    args = ["bench", "tune", "--url", "http://127.0.0.1:9", "--profile", "cpu-tiny-mtp"]
+    res = cli_run([*args, "--verify"], code=2)
+    assert "Error: profile cpu-tiny-mtp has no num_speculative_tokens_per_batch_size" in res.output

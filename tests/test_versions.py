@@ -36,6 +36,7 @@ def test_mtp_starts_at_the_one_threshold(n, suffix):
     assert versions.has_per_request_metrics(text) == (
         not versions.older(text, labels.PER_REQUEST_METRICS_MIN_VLLM)
     )
+    assert versions.has_queue_bound(text) == (not versions.older(text, labels.QUEUE_BOUND_MIN_VLLM))
 
 
 @pytest.mark.parametrize(
@@ -53,6 +54,8 @@ def test_mtp_starts_at_the_one_threshold(n, suffix):
 def test_the_shipped_versions(version, mtp, per_request):
     assert versions.has_mtp(version) is mtp
     assert versions.has_per_request_metrics(version) is per_request
+    # --max-num-queued-reqs came with 0.29 (vLLM PR #49445): in the 0.32 images, not 0.21's.
+    assert versions.has_queue_bound(version) is per_request
 
 
 @pytest.mark.parametrize("text", ["", "v", "0.32.x", "latest"])

@@ -1,4 +1,4 @@
-"""Every shipped profile's `vllm serve` arguments, read by vLLM itself (issue 26 §4).
+"""Every shipped profile's `vllm serve` arguments, read by vLLM itself.
 
 No GPU profile's command line had ever been read by vLLM: a misspelt flag or a wrong
 speculative-config key would first fail on a GPU host at start. Here the arguments the
@@ -22,9 +22,10 @@ import pytest
 from hypothesis import strategies as st
 
 from appliance import labels, profiles
+from appliance.bench import tune
 from appliance.multinode import node_args
 from appliance.profiles import validate
-from appliance.serve.container import speculative_args
+from appliance.serve.container import queue_args, speculative_args
 from appliance.units import engine_args
 
 SHIPPED = sorted(profiles.all_profiles())
@@ -85,14 +86,20 @@ def vllm_serve() -> VllmServe:
 
 
 def _argvs(profile: profiles.Profile) -> dict[str, list[str]]:
-    """The engine's argv per node role, as the serve program runs it on an MTP image."""
+    """The engine's argv per node role, as the serve program runs it on an MTP image of the
+    vLLM here (0.32: the queue bound's flag too)."""
     address = ["--host", profile.host, "--port", str(profile.port)]
     if profile.multinode is None:
         runs = {"single": engine_args.serve_args(profile, [])}
     else:
         runs = {role: node_args(profile, role, 1, "g") for role in ("head", "worker")}
     return {
-        role: [*args.serve, *address, *speculative_args(args, MTP_IMAGE_LABELS)[0]]
+        role: [
+            *args.serve,
+            *address,
+            *speculative_args(args, MTP_IMAGE_LABELS)[0],
+            *queue_args(args, MTP_IMAGE_LABELS)[0],
+        ]
         for role, args in runs.items()
     }
 
@@ -109,6 +116,8 @@ def test_vllm_reads_every_shipped_profiles_arguments(vllm_serve, name):
         assert ea.pipeline_parallel_size == profile.pipeline_parallel_size
         assert ea.max_model_len == profile.max_model_len
         assert ea.max_num_seqs == profile.max_num_seqs
+        # vLLM's admission bound (vllm/config/scheduler.py max_num_queued_reqs, PR #49445).
+        assert ea.max_num_queued_reqs == profile.queue_bound
         assert ea.quantization == profile.quantization
         assert ea.kv_cache_dtype == (profile.kv_cache_dtype or "auto")
         assert ea.enforce_eager == profile.enforce_eager
@@ -184,6 +193,27 @@ def _appliance_refuses(schedule) -> bool:
 @hypothesis.given(st.one_of(st.lists(_ENTRIES, min_size=1, max_size=4), _SHAPES))
 def test_the_schedule_is_refused_exactly_where_vllms_scheduler_refuses_it(vllm_serve, schedule):
     assert _appliance_refuses(schedule) == _vllm_refuses(schedule), schedule
+
+
+@st.composite
+def _valid_schedules(draw):
+    """Ranges from batch size 1, with gaps and a tail past 64 or short of it, in any order."""
+    starts = [1, *sorted(draw(st.lists(st.integers(2, 70), max_size=3, unique=True)))]
+    ends = [*(s - 1 for s in starts[1:]), 80]
+    entries = [(s, draw(st.integers(s, e)), draw(st.integers(0, 5))) for s, e in zip(starts, ends)]
+    return draw(st.permutations(entries))
+
+
+@hypothesis.settings(max_examples=200)
+@hypothesis.given(_valid_schedules(), st.integers(1, 4))
+def test_tunes_k_per_batch_size_is_the_lookup_vllms_scheduler_builds(vllm_serve, schedule, k):
+    """``appliance tune --verify`` reads each level against the k vLLM's scheduler drafts there
+    (vllm/v1/core/sched/scheduler.py: ``dynamic_sd_lookup[batch size]`` every step)."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    assert not _appliance_refuses(schedule)
+    lookup = build_dynamic_sd_schedule_lookup([list(e) for e in schedule], 64, k)
+    assert [tune.k_at(tuple(schedule), k, b) for b in range(1, 65)] == lookup[1:]
 
 
 @pytest.mark.parametrize(

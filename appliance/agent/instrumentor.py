@@ -28,9 +28,10 @@ from opentelemetry.instrumentation.utils import unwrap
 
 from ..vllm_client import normalise_base_url
 from . import metrics
-from .calls import MESSAGES, RESPONSES, Settings
+from .calls import Settings
 from .config import AgentConfig
 from .patch import UPSTREAM_OPENAI, acall, beneath_upstream, call, inside, stream_manager
+from .responses import MESSAGES, RESPONSES
 from .tracing import setup_tracing
 from .worker import register_exit_flush
 

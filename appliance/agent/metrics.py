@@ -71,7 +71,8 @@ def build(registry: CollectorRegistry | None = None) -> AgentMetrics:
         ),
         calls=Counter(
             "gemma4_agent_calls",
-            "Calls through the agent",
+            "Calls through the agent (outcome: ok, error, or rejected: the engine's 503 at its "
+            "queue bound)",
             (*rm, "source", "outcome"),
             registry=reg,
         ),

@@ -15,7 +15,8 @@ import openai
 import wrapt
 from opentelemetry import trace
 
-from .calls import MESSAGES, Call, Settings
+from .calls import Call, Settings
+from .responses import MESSAGES
 from .streams import AsyncStream, SyncStream
 from .worker import WORKER
 

@@ -47,6 +47,12 @@ class Figures:
     def exact(self) -> bool:
         return self.source in ("request", "counters")
 
+    @property
+    def counts(self) -> specdecode.Delta:
+        """The counts behind the figures, to add calls up with :func:`specdecode.summed`."""
+        status = "absent" if self.drafts is None else "ok"
+        return specdecode.Delta(status, self.drafts, self.draft_tokens, self.accepted)
+
     @classmethod
     def from_delta(cls, d: specdecode.Delta, source: str, shared: bool = False) -> Figures:
         return cls(

@@ -35,6 +35,11 @@ GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
 SERVER_ADDRESS = "server.address"
 SERVER_PORT = "server.port"
 ERROR_TYPE = "error.type"
+HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
+
+# What vLLM answers a request it turns away at its queue bound (vllm/exceptions.py
+# QueueOverflowError, MaxQueuedTokensError: --max-num-queued-reqs/-tokens, since vLLM 0.29).
+REJECTED_STATUS = 503
 
 # No well-known provider value covers vLLM; the conventions allow a custom one.
 PROVIDER = "vllm"
@@ -42,7 +47,7 @@ ROLE = "appliance.agent.role"
 
 MTP = "gen_ai.vllm.mtp."
 MTP_DRAFTS = MTP + "drafts"
-MTP_DRAFT_TOKENS = MTP + "draft_tokens"  # vLLM's num_draft_tokens (was "drafted")
+MTP_DRAFT_TOKENS = MTP + "draft_tokens"  # vLLM's num_draft_tokens
 MTP_ACCEPTED = MTP + "accepted"
 MTP_ACCEPTANCE = MTP + "acceptance"
 MTP_TOKENS_PER_STEP = MTP + "tokens_per_step"
@@ -117,12 +122,39 @@ def figures_attributes(fig) -> dict[str, Any]:
     return attrs
 
 
+def http_status(exc: BaseException | None) -> int | None:
+    """The HTTP status an SDK's error carries, else None: ``status_code`` of the OpenAI and
+    Anthropic SDKs' APIStatusError, or the ``code`` of the error event a stream ended with (the
+    SDK's bare APIError; vLLM turns a streamed request away that way, vllm#58192)."""
+    code = getattr(exc, "status_code", None)
+    if code is None:
+        body = getattr(exc, "body", None)
+        code = body.get("code") if isinstance(body, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def rejected(exc: BaseException | None) -> bool:
+    """Whether the call was turned away by the engine's queue bound (HTTP 503)."""
+    return http_status(exc) == REJECTED_STATUS
+
+
 def set_error(span: Span, exc: BaseException, capture_content: bool = False) -> None:
     """Mark the span failed with the exception's type; its text only when content is captured.
 
     vLLM's 400 bodies can echo the request's input, so with capture off no exception text is
-    recorded at all.
+    recorded at all. An HTTP error also records its status; a call the engine turned away
+    (503) has ``error.type`` "503", as OpenTelemetry's HTTP conventions name a status error:
+    the SDK's class for it (OpenAI's InternalServerError) would read as a server fault.
     """
-    name = type(exc).__qualname__
-    span.set_status(Status(StatusCode.ERROR, str(exc)[:200] if capture_content else name))
+    status = http_status(exc)
+    name = str(status) if status == REJECTED_STATUS else type(exc).__qualname__
+    if status is not None:
+        span.set_attribute(HTTP_RESPONSE_STATUS_CODE, status)
+    if capture_content:
+        description = str(exc)[:200]
+    elif status == REJECTED_STATUS:
+        description = "rejected: the engine's queue is full (HTTP 503)"
+    else:
+        description = name
+    span.set_status(Status(StatusCode.ERROR, description))
     span.set_attribute(ERROR_TYPE, name)

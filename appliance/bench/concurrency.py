@@ -8,7 +8,9 @@ time, vLLM's benchmark duration: first request queued to last one done), TTFT, T
 (median and p99, :mod:`.stream`'s definitions), and the engine's acceptance, tokens per step and
 per-position acceptance over that level's requests: the responses' per-request blocks when the
 server sends them (exact under load), else the /metrics delta over the level (exact for the
-level while nothing else uses the server).
+level while nothing else uses the server). A request the engine turns away (503: its queue
+bound, gotchas/queue-bound.md) counts as rejected, with the seconds it took to be told; every
+figure above is over the requests that were answered.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from .. import specdecode
+from ..errors import OverloadedError
 from ..vllm_client import VLLMClient, bearer, generate_streamed
 from . import stats
 from .prompts import Prompt
@@ -47,12 +50,14 @@ def _summary(values: list[float]) -> dict | None:
 
 @dataclass
 class LevelResult:
-    """One concurrency level: its requests, wall time and the counters' movement over it."""
+    """One concurrency level: its answered requests, wall time, the counters' movement over it
+    and the seconds each rejected request took to be turned away (503)."""
 
     concurrency: int
     records: list[RunRecord]
     wall_s: float
     counters: specdecode.Delta
+    rejected_s: list[float] = field(default_factory=list)
 
     def spec(self) -> tuple[specdecode.Delta | None, str]:
         """The level's speculative figures and their source (``request`` or ``counters``)."""
@@ -89,6 +94,8 @@ class LevelResult:
         return {
             "concurrency": self.concurrency,
             "requests": len(rs),
+            "rejected": len(self.rejected_s),
+            "time_to_rejection_s": _summary(self.rejected_s),
             "output_tokens": tokens,
             "prompt_tokens": None
             if any(r.prompt_tokens is None for r in rs)
@@ -159,21 +166,30 @@ async def _level(
         base_url=ep.url, headers=bearer(ep.api_key), timeout=timeout, limits=limits
     )
 
-    async def send(prompt: Prompt, max_tokens: int) -> StreamResult:
+    async def send(prompt: Prompt, max_tokens: int) -> StreamResult | OverloadedError:
         async with slots:
-            gen = await generate_streamed(
-                http,
-                ep.model,
-                prompt.messages,
-                max_tokens,
-                temperature=config.temperature,
-                seed=config.seed,
-                timeout=timeout,
-            )
+            try:
+                gen = await generate_streamed(
+                    http,
+                    ep.model,
+                    prompt.messages,
+                    max_tokens,
+                    temperature=config.temperature,
+                    seed=config.seed,
+                    timeout=timeout,
+                )
+            except OverloadedError as exc:  # turned away: counted, not a failed run
+                return exc
         return StreamResult.from_generation(gen)
 
-    async def measure(index: int, pset: str, prompt: Prompt, max_tokens: int) -> RunRecord:
+    async def measure(
+        index: int, pset: str, prompt: Prompt, max_tokens: int
+    ) -> RunRecord | OverloadedError:
         res = await send(prompt, max_tokens)
+        if isinstance(res, OverloadedError):
+            if progress:
+                progress(1)
+            return res
         d = res.request_spec
         source = "request" if d is not None else ("shared" if ep.speculative else "absent")
         if progress:
@@ -189,10 +205,12 @@ async def _level(
             before = observer.snapshot()  # nothing in flight: blocking the loop costs nothing
             start = time.perf_counter()
             jobs = [measure(i, *item) for i, item in enumerate(_work(config, requests), 1)]
-            records = list(await asyncio.gather(*jobs))
+            done = list(await asyncio.gather(*jobs))
             wall = time.perf_counter() - start
             after = observer.snapshot()
-    return LevelResult(concurrency, records, wall, specdecode.delta(before, after))
+    records = [r for r in done if isinstance(r, RunRecord)]
+    rejected = [r.seconds for r in done if isinstance(r, OverloadedError)]
+    return LevelResult(concurrency, records, wall, specdecode.delta(before, after), rejected)
 
 
 def run_concurrency(

@@ -226,19 +226,22 @@ def _concurrency_table(res: ConcurrencyResult) -> list[str]:
     lines = [
         f"### {ep.label}: {ep.url} ({ep.model}, vLLM {ep.vllm_version})",
         "",
-        "Per level: ms as median / p99; out tok/s = usage tokens over the level's wall time.",
+        (
+            "Per level: ms as median / p99; out tok/s = usage tokens over the level's wall "
+            "time; rejected = requests the engine turned away (503, its queue bound)."
+        ),
         "",
         (
-            "| concurrency | requests | out tokens | out tok/s | TTFT ms | TPOT ms | ITL ms "
-            "| tok/step | acceptance | per position | source |"
+            "| concurrency | requests | rejected | out tokens | out tok/s | TTFT ms | TPOT ms "
+            "| ITL ms | tok/step | acceptance | per position | source |"
         ),
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for lv in res.levels:
         d = lv.to_dict()
         pos = " / ".join(f"{p:.2f}" for p in d["per_position"] or []) or "-"
         lines.append(
-            f"| {d['concurrency']} | {d['requests']} | {d['output_tokens']} "
+            f"| {d['concurrency']} | {d['requests']} | {d['rejected']} | {d['output_tokens']} "
             f"| {_f(d['output_throughput_tps'], '.1f')} | {_med_p99(d['ttft_s'])} "
             f"| {_med_p99(d['tpot_s'])} | {_med_p99(d['itl_s'])} | {_f(d['tokens_per_step'])} "
             f"| {_f(d['acceptance'])} | {pos} | {d['spec_source']} |"

@@ -112,7 +112,7 @@ class SweepResult:
 
 def parse_ks(text: str) -> list[int]:
     """``"1,2,3,4"`` -> ``[1, 2, 3, 4]``; each k between 1 and 16, no repeats."""
-    return parse_distinct_ints(text, "--sweep-k", "1,2,3,4", 16)
+    return parse_distinct_ints(text, "--k", "1,2,3,4", 16)
 
 
 def with_k(profile: Profile, k: int) -> Profile:

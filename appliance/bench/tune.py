@@ -1,4 +1,4 @@
-"""``appliance tune``: the k for each batch size from one run, written as vLLM's k schedule.
+"""``appliance bench tune``: the k for each batch size from one run, written as vLLM's k schedule.
 
 A running vLLM cannot change ``num_speculative_tokens``, so a sweep over k costs a model load per
 k (471 s for 31B NVFP4 in a seed). vLLM's dynamic speculative decoding takes a schedule instead,
@@ -204,6 +204,46 @@ def run(
     return TuneResult(profile, choices, mtp_levels, base_levels, time.monotonic() - start)
 
 
+# --- reading a schedule back from the engine ---------------------------------------------------
+
+
+def k_at(schedule: tuple[tuple[int, ...], ...], k: int, batch_size: int) -> int:
+    """The k vLLM's scheduler drafts at ``batch_size`` under ``schedule`` (a valid one): the
+    range's k, carried forward through gaps and past the last range, capped at ``k``
+    (``build_dynamic_sd_schedule_lookup`` in vllm/v1/spec_decode/dynamic/utils.py)."""
+    chosen = None
+    for start, _end, entry_k in sorted(schedule, key=lambda e: e[0]):
+        if start > batch_size:
+            break
+        chosen = entry_k
+    if chosen is None:
+        raise UsageError(f"the schedule {[list(e) for e in schedule]} does not start at 1")
+    return min(k, chosen)
+
+
+def verify(profile: Profile, levels: list[LevelResult]) -> list[specdecode.ScheduleCheck]:
+    """Each level of a bench of the endpoint serving ``profile`` (its schedule) against what the
+    schedule says there: does the drafter draft fewer tokens per step where it should?"""
+    spec = profile.speculative
+    if spec is None or not spec.num_speculative_tokens_per_batch_size:
+        raise UsageError(
+            f"profile {profile.name} has no {SCHEDULE_KEY} to verify",
+            fix="give the tuned profile the endpoint serves (appliance tune --write)",
+        )
+    schedule, k = spec.num_speculative_tokens_per_batch_size, spec.num_speculative_tokens
+    out = []
+    for lv in levels:
+        n = lv.concurrency
+        figures, _source = lv.spec()
+        most = max(k_at(schedule, k, b) for b in range(1, n + 1))
+        out.append(
+            specdecode.check_schedule(
+                figures or specdecode.Delta("absent"), n, k, k_at(schedule, k, n), most
+            )
+        )
+    return out
+
+
 # --- writing the profile copy -----------------------------------------------------------------
 
 _HEADER = re.compile(r"^\s*\[speculative\]\s*(#.*)?$", re.MULTILINE)
@@ -225,7 +265,7 @@ def with_schedule_text(source: str, tuned: Profile) -> str:
     ranges = tuned.speculative.num_speculative_tokens_per_batch_size
     entries = ", ".join(f"[{', '.join(map(str, e))}]" for e in ranges)
     line = (
-        "# Written by `appliance tune`: [first batch size, last, k] ranges (vLLM's dynamic "
+        "# Written by `appliance bench tune`: [first batch size, last, k] ranges (vLLM's dynamic "
         f"speculative decoding).\n{SCHEDULE_KEY} = [{entries}]\n"
     )
     text = source[:body_start] + line + body + source[body_end:]

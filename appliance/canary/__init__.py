@@ -7,7 +7,8 @@ keeps every answer with its token ids, and later compares a second run against i
 
 One job per module: ``checks`` (exact / regex / JSON-shape checks), ``cases`` (the shipped set
 and an operator's JSONL), ``record`` (run a set through ``VLLMClient.generate`` with token
-ids, save and load records), ``compare`` (pass rate and token parity under a policy), ``policy`` (a
+ids, one at a time and, optionally, all at once; save and load records), ``compare`` (pass rate
+and token parity under a policy, answers under batching against answers alone), ``policy`` (a
 profile's ``[canary]`` table), ``gate`` (before/after for the cutover), ``baseline`` (an
 instance's last passing record that drafted, for a cutover from an image without MTP).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from .baseline import Baseline
 from .cases import CanarySet, Case
-from .compare import Comparison, Policy, compare
+from .compare import Batched, Comparison, Policy, batched, compare
 from .gate import CanaryFailed, Result, after, before, judge, recorded
 from .policy import Plan, plan
 from .record import DEFAULT_WITHIN_S as DEFAULT_TIMEOUT
@@ -25,6 +26,7 @@ from .record import Record, Settings, load, run, save
 __all__ = [
     "DEFAULT_TIMEOUT",
     "Baseline",
+    "Batched",
     "CanaryFailed",
     "CanarySet",
     "Case",
@@ -35,6 +37,7 @@ __all__ = [
     "Result",
     "Settings",
     "after",
+    "batched",
     "before",
     "compare",
     "judge",

@@ -13,6 +13,11 @@
   ``policy.max_acceptance_drop`` fails whatever the versions; a rise is a note. Records without
   figures (no MTP on a side, or written before the figures) compare on answers only, and the
   summary says so.
+- Under batching (the after-record's batched pass, when it ran one): each answer with every case
+  in flight against the same engine's answer alone (:func:`batched`). Fewer identical than
+  ``policy.min_parity`` fails (one engine, one version); an answer that follows another case's
+  answer alone further than its own fails always: answers mixed across the sequences of a batch
+  (vLLM #46088, ``--kv-cache-dtype auto`` with MTP).
 """
 
 from __future__ import annotations
@@ -55,6 +60,102 @@ class Policy:
         return cls(table.min_parity, table.max_pass_rate_drop, table.max_acceptance_drop)
 
 
+MIXING = "vLLM #46088: --kv-cache-dtype auto with MTP"
+
+
+@dataclass(frozen=True)
+class Batched:
+    """A record's batched pass against its answers alone: how many are identical, which
+    differ, and which answered like another case (``(case, the case it answered like)``)."""
+
+    outputs: int
+    identical: int
+    differing: tuple[str, ...]
+    crossed: tuple[tuple[str, str], ...]
+    min_parity: float
+    by_text: bool = False
+
+    @property
+    def parity(self) -> float:
+        return self.identical / self.outputs
+
+    def failures(self) -> list[str]:
+        out = [
+            f"under batching {case} answered like {other} ({MIXING}: answers mixed across "
+            "the sequences of a batch)"
+            for case, other in self.crossed
+        ]
+        if self.parity < self.min_parity:
+            out.append(
+                f"under batching {self.identical}/{self.outputs} answers equal the same engine's "
+                f"answers alone ({self.parity:.0%}, min {self.min_parity:.0%}): "
+                f"{', '.join(self.differing)} differ"
+            )
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures()
+
+    def summary(self) -> str:
+        """One line: the verdict on the batched pass."""
+        unit = "by text" if self.by_text else "token-identical"
+        head = "batched answers pass" if self.ok else "batched answers FAIL"
+        line = f"{head}: {self.identical}/{self.outputs} {unit} to the answers alone"
+        return f"{line}: {'; '.join(self.failures())}" if not self.ok else line
+
+    def figures(self) -> dict:
+        return {
+            "outputs": self.outputs,
+            "identical": self.identical,
+            "parity": round(self.parity, 4),
+            "by_text": self.by_text,
+            "differing": list(self.differing),
+            "crossed": [list(c) for c in self.crossed],
+            "ok": self.ok,
+        }
+
+
+def _shared(a: Output, b: Output) -> int:
+    """How far ``a`` and ``b`` agree from the start: tokens (characters without ids)."""
+    x, y = (a.token_ids, b.token_ids) if a.token_ids and b.token_ids else (a.text, b.text)
+    n = 0
+    for p, q in zip(x, y, strict=False):
+        if p != q:
+            break
+        n += 1
+    return n
+
+
+def batched(record: Record, min_parity: float = 1.0) -> Batched | None:
+    """``record``'s batched pass judged against its answers alone; None when it ran none."""
+    if not record.batched:
+        return None
+    alone = {o.id: o for o in record.outputs}
+    differing, crossed = [], []
+    for b in record.batched:
+        own = alone[b.id]
+        if _identical(own, b):
+            continue
+        differing.append(b.id)
+        # Another case's answer alone that this one follows from its start, for half of it at
+        # least and further than its own: a shared first word is no mix-up.
+        mine, length = _shared(b, own), len(b.token_ids or b.text)
+        others = [(_shared(b, o), o.id) for o in alone.values() if not _identical(o, own)]
+        best = max(others, default=(0, ""))
+        if best[0] > mine and 2 * best[0] >= length:
+            crossed.append((b.id, best[1]))
+    by_text = any(o.token_ids is None for o in (*record.outputs, *record.batched))
+    return Batched(
+        len(record.batched),
+        len(record.batched) - len(differing),
+        tuple(differing),
+        tuple(crossed),
+        min_parity,
+        by_text,
+    )
+
+
 @dataclass(frozen=True)
 class Comparison:
     """The canary's judgement of ``after`` against ``before``."""
@@ -76,6 +177,7 @@ class Comparison:
     failures: tuple[str, ...] = ()
     warnings: tuple[str, ...] = field(default=())
     acceptance: acceptance.Change | None = None  # None: not compared (a side has no figures)
+    batched: Batched | None = None  # None: the after-record ran no batched pass
 
     @property
     def ok(self) -> bool:
@@ -114,6 +216,9 @@ class Comparison:
             if self.acceptance is not None
             else "acceptance not compared (a record has no speculative-decoding figures)"
         )
+        if self.batched is not None:
+            b = self.batched
+            parts.append(f"under batching {b.identical}/{b.outputs} as alone")
         reasons = (*self.failures, *self.warnings)
         tail = f": {'; '.join(reasons)}" if reasons else ""
         return f"{head}{tail} [{', '.join(parts)}]"
@@ -137,6 +242,7 @@ class Comparison:
             "max_pass_rate_drop": self.policy.max_pass_rate_drop,
             "max_acceptance_drop": self.policy.max_acceptance_drop,
             "acceptance": None if self.acceptance is None else self.acceptance.figures(),
+            "batched": None if self.batched is None else self.batched.figures(),
             "seconds_before": self.seconds_before,
             "seconds_after": self.seconds_after,
             "differing": list(self.differing),
@@ -213,6 +319,9 @@ def compare(before: Record, after: Record, policy: Policy = Policy()) -> Compari
         dropped = acc.failures(acceptance.Tolerance(policy.max_acceptance_drop))
         same = " (the same answers, decoded with fewer accepted drafts)" if not differing else ""
         failures += [f"{line}{same}" for line in dropped]
+    under_batching = batched(after, policy.min_parity)
+    if under_batching is not None:
+        failures += under_batching.failures()
     if before.settings != after.settings:
         warnings.append(f"settings differ ({_settings(before)} vs {_settings(after)})")
     if before.set_digest != after.set_digest:
@@ -238,6 +347,7 @@ def compare(before: Record, after: Record, policy: Policy = Policy()) -> Compari
         failures=tuple(failures),
         warnings=tuple(warnings),
         acceptance=acc,
+        batched=under_batching,
     )
 
 

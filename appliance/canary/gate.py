@@ -97,6 +97,8 @@ def _record(
         image=image,
         profile=plan.profile,
         within=within,
+        batched=plan.batched,
+        at_once=plan.at_once,
     )
     if save_to is not None:
         records.save(rec, save_to)

@@ -29,6 +29,8 @@ class Plan:
     cases: CanarySet | None  # None when the canary is off: its files are not even read
     settings: Settings
     policy: Policy
+    batched: bool = False  # also the batched pass (vLLM #46088 shows only under batching)
+    at_once: int | None = None  # the most the engine batches (the profile's max_num_seqs)
 
 
 def plan(
@@ -62,4 +64,6 @@ def plan(
         cases=cases,
         settings=settings,
         policy=policy,
+        batched=c.batched,
+        at_once=profile.max_num_seqs,
     )

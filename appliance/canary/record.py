@@ -4,11 +4,16 @@ A record keeps, per case, the answer's text, its output token ids, ``usage.compl
 whether its check passed, and the seconds it took; and, for the whole run, the engine's vLLM
 version (``/version``), the image (when the caller knows it), the settings and the time taken.
 Cases run one at a time (concurrency 1): batching changes numerics on a GPU, and the canary
-compares like with like.
+compares like with like. With ``batched``, the set then runs a second time with every case sent
+at once, so the engine decodes them in one batch (``Record.batched``): a defect that mixes
+answers across the sequences of a batch (vLLM #46088, ``--kv-cache-dtype auto`` with MTP) shows
+only there, and :func:`appliance.canary.compare.batched` judges those answers against the same
+engine's answers alone.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 from collections.abc import Callable
@@ -16,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import records, specdecode
-from ..errors import EngineError, UsageError
+from ..errors import EngineError, OverloadedError, UsageError
 from ..fsutil import write_atomic
-from ..vllm_client import VLLMClient
-from .cases import CanarySet
+from ..vllm_client import Generation, VLLMClient
+from .cases import CanarySet, Case
 
 FORMAT = "appliance-canary-record/1"
 DEFAULT_MAX_TOKENS = 64
@@ -27,6 +32,9 @@ DEFAULT_SEED = 0
 # The whole set, one prompt at a time: a 31B model answers the 14 shipped prompts in about a
 # minute; five is a hung engine, not a slow one.
 DEFAULT_WITHIN_S = 300.0
+# A case of the batched pass turned away at the engine's queue bound (other traffic) is sent
+# again after this, within the canary's bound.
+RETRY_AFTER_S = 0.5
 
 Progress = Callable[[str], None]
 
@@ -118,6 +126,8 @@ class Record:
     outputs: tuple[Output, ...]
     image: str | None = None
     profile: str | None = None
+    # The batched pass: every case again, sent at once (empty: not run; older records).
+    batched: tuple[Output, ...] = ()
     format: str = field(default=FORMAT)
 
     @property
@@ -172,9 +182,13 @@ def run(
     profile: str | None = None,
     progress: Progress | None = None,
     within: float = DEFAULT_WITHIN_S,
+    batched: bool = False,
+    at_once: int | None = None,
 ) -> Record:
-    """Run every case of ``cset`` against ``url`` greedily and return the record; an
-    EngineError when the whole set takes longer than ``within`` seconds."""
+    """Run every case of ``cset`` against ``url`` greedily and return the record; with
+    ``batched``, then every case again at once (at most ``at_once`` in flight: the profile's
+    ``max_num_seqs``, the most the engine batches). An EngineError when the whole takes longer
+    than ``within`` seconds."""
     deadline = time.monotonic() + within
     with VLLMClient(url, api_key=api_key) as c:
         version = c.version()
@@ -194,42 +208,26 @@ def run(
                 raise _too_slow(within, len(outputs), len(cset.cases))
             counters = None if per_request else _counters(client)
             try:
-                ans = client.generate(
-                    model,
-                    list(case.messages),
-                    settings.max_tokens,
-                    temperature=0.0,
-                    seed=settings.seed,
-                    token_ids=True,
-                    timeout=left,
-                )
+                ans = _ask(client, model, case, settings, left)
             except EngineError:
                 if time.monotonic() >= deadline:  # the request ran into the bound
                     raise _too_slow(within, len(outputs), len(cset.cases)) from None
                 raise
-            passed = case.check.passes(ans.text) if case.check is not None else None
             spec = SpecFigures.of(ans.spec, "request")
             per_request = per_request or spec is not None
             if spec is None and counters is not None and (now := _counters(client)) is not None:
                 spec = SpecFigures.of(specdecode.delta(counters, now), "counters")
-            outputs.append(
-                Output(
-                    id=case.id,
-                    kind=case.kind,
-                    text=ans.text,
-                    token_ids=ans.token_ids,
-                    completion_tokens=ans.completion_tokens,
-                    finish_reason=ans.finish_reason,
-                    seconds=ans.seconds,
-                    passed=passed,
-                    spec=spec,
-                )
-            )
+            outputs.append(_output(case, ans, spec))
             if progress:
-                mark = {True: "pass", False: "fail", None: "-"}[passed]
+                mark = {True: "pass", False: "fail", None: "-"}[outputs[-1].passed]
                 progress(
                     f"  {case.id}: {ans.completion_tokens} tokens, {ans.seconds:.2f} s, {mark}"
                 )
+    together: tuple[Output, ...] = ()
+    if batched:
+        if progress:
+            progress(f"  all {len(cset.cases)} prompts at once (the batched pass)")
+        together = _together(cset, url, model, api_key, settings, deadline, within, at_once)
     return Record(
         url=client.base_url,
         model=model,
@@ -242,6 +240,74 @@ def run(
         outputs=tuple(outputs),
         image=image,
         profile=profile,
+        batched=together,
+    )
+
+
+def _together(
+    cset: CanarySet,
+    url: str,
+    model: str,
+    api_key: str | None,
+    settings: Settings,
+    deadline: float,
+    within: float,
+    at_once: int | None,
+) -> tuple[Output, ...]:
+    """Every case sent at once (``at_once`` at most in flight), answered in one batch."""
+    cases = cset.cases
+    workers = max(1, min(len(cases), at_once or len(cases)))
+
+    def ask(case):
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineError(
+                    f"the canary's batched pass did not finish within {within:.0f} s",
+                    fix="raise --canary-timeout, or find out why the engine answers so slowly",
+                )
+            try:
+                return _ask(client, model, case, settings, left)
+            except OverloadedError:
+                time.sleep(min(RETRY_AFTER_S, max(0.0, deadline - time.monotonic())))
+
+    with (
+        VLLMClient(url, api_key=api_key, timeout=within) as client,
+        concurrent.futures.ThreadPoolExecutor(workers) as pool,
+    ):
+        answers = list(pool.map(ask, cases))
+    # Only the response's own figures: the counters hold the whole batch's drafts.
+    return tuple(
+        _output(case, ans, SpecFigures.of(ans.spec, "request"))
+        for case, ans in zip(cases, answers, strict=True)
+    )
+
+
+def _ask(client: VLLMClient, model: str, case: Case, settings: Settings, left: float) -> Generation:
+    """One case's greedy answer, with its token ids, within ``left`` seconds."""
+    return client.generate(
+        model,
+        list(case.messages),
+        settings.max_tokens,
+        temperature=0.0,
+        seed=settings.seed,
+        token_ids=True,
+        timeout=left,
+    )
+
+
+def _output(case: Case, ans: Generation, spec: SpecFigures | None) -> Output:
+    """A case's answer as the record keeps it, its check judged."""
+    return Output(
+        id=case.id,
+        kind=case.kind,
+        text=ans.text,
+        token_ids=ans.token_ids,
+        completion_tokens=ans.completion_tokens,
+        finish_reason=ans.finish_reason,
+        seconds=ans.seconds,
+        passed=case.check.passes(ans.text) if case.check is not None else None,
+        spec=spec,
     )
 
 

@@ -1,7 +1,9 @@
 """The ``appliance`` command. Commands parse options and call library functions; nothing else.
 
 User-facing errors are :class:`appliance.errors.ApplianceError`; they print as one line and exit
-with the error's code. Anything else is a bug and keeps its traceback.
+with the error's code. An OSError (a path that cannot be written, a full disk, a folder where a
+file goes) is the host's answer, not a bug: one line naming the path, exit 1. Anything else is a
+bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ COMMANDS = {
     "profiles": ("profiles", "profiles"),
     "rollback": ("cutover", "rollback"),
     "status": ("cutover", "status"),
-    "tune": ("tune", "tune"),
 }
 # The old spellings, hidden, for one release (cli/aliases.py): each says its new form on stderr.
 # The README's demo command, `appliance demo`, stays as written, without a warning.
@@ -49,6 +50,7 @@ MOVED = {
     "install": ("units", "install", "instance install"),
     "local": ("local", "local", "dev local"),
     "render": ("units", "render", "instance render"),
+    "tune": ("tune", "tune", "bench tune"),
     "uninstall": ("units", "uninstall", "instance uninstall"),
 }
 
@@ -83,9 +85,23 @@ class ApplianceGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            # Ctrl-C is 130 (128 + SIGINT), as in the shell: not 1, which says refused or failed.
+            click.echo("Error: interrupted", err=True)
+            sys.exit(130)
         except ApplianceError as exc:
             click.echo(f"Error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except OSError as exc:
+            click.echo(f"Error: {os_error_line(exc)}", err=True)
+            sys.exit(1)
+
+
+def os_error_line(exc: OSError) -> str:
+    """``PATH: reason`` (``PATH -> OTHER: reason`` for a rename or link)."""
+    reason = exc.strerror or str(exc)
+    paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
+    return f"{' -> '.join(paths)}: {reason}" if paths else reason
 
 
 @click.group(cls=ApplianceGroup, context_settings=CONTEXT)

@@ -1,9 +1,9 @@
-"""``appliance bench``: TTFT, TPOT, ITL and MTP figures; paired MTP vs baseline; k sweep."""
+"""``appliance bench run|compare|sweep|load|tune``: TTFT, TPOT, ITL and MTP figures of one
+endpoint, MTP against its baseline, several k, one endpoint under load, and k per batch size."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import functools
 
 import click
 
@@ -14,7 +14,242 @@ from ..devmodel import DRAFTER_KINDS
 from ..endpoint import Endpoint
 from ..errors import ApplianceError, UsageError
 from ..profiles import get
-from .options import endpoint_options, progress_bar, prompt_options
+from .options import OutputPath, endpoint_options, progress_bar, prompt_options
+from .output import echo_json
+from .tune import tune
+
+TABLE = """\b
+Figures (vLLM's definitions; see gotchas/benchmarking-mtp.md):
+  tok/step       1 + accepted / drafts: tokens one engine step yields (bonus included)
+  per position   accepted at draft position i / drafts (prefix acceptance: falls with i)
+  predicted      tok/step at every k' <= k from one run at k: 1 + the first k' positions
+  TTFT           send -> first streamed chunk carrying a choice
+  TPOT           (E2EL - TTFT) / (usage tokens - 1), E2EL: send -> last such chunk
+  ITL            gap between chunks: one engine step (1 + accepted tokens) under MTP"""
+CPU_NOTE = """On the CPU engine these say the arithmetic is right, not how a GPU scales:
+a CPU step costs about k times a token, a GPU step is nearly free up to its compute bound."""
+
+
+def figures(*rows: str) -> str:
+    """The help's table of the figures bench prints (``rows``: a command's own, added)."""
+    return "\n".join([TABLE, *rows, CPU_NOTE])
+
+
+# The old single command's modes, by the option that chose each (the first found wins), and
+# how the old spelling reads now: `appliance bench OPTIONS` runs `appliance bench SUB OPTIONS`.
+OLD_MODES = (
+    ("--sweep-k", "sweep", "bench --sweep-k K,K", "bench sweep --k K,K"),
+    ("--mtp-url", "compare", "bench --mtp-url URL", "bench compare --mtp-url URL"),
+    ("--baseline-url", "compare", "bench --baseline-url URL", "bench compare --baseline-url URL"),
+    ("--concurrency", "load", "bench NAME --concurrency N", "bench load NAME --concurrency N"),
+)
+
+
+def current_form(args: list[str]) -> tuple[str, list[str], str, str]:
+    """The subcommand an old ``appliance bench ARGS`` line means, its arguments as that
+    subcommand spells them, and the old and new forms for the warning."""
+    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
+    for option, sub, old, new in OLD_MODES:
+        if option in given:
+            if sub == "sweep":  # --sweep-k became sweep's --k
+                args = [
+                    ("--k" + a[len(option) :]) if a.split("=")[0] == option else a for a in args
+                ]
+            return sub, args, old, new
+    return "run", args, "bench NAME", "bench run NAME"
+
+
+class BenchGroup(click.Group):
+    """``bench``'s subcommands, and the old single command for one release: a line that names
+    no subcommand (``appliance bench --url X ...``) runs the one its options chose, after one
+    warning line on stderr naming the new form."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        # The old options reach resolve_command unparsed, for the subcommand to parse.
+        kwargs.setdefault("context_settings", {})["ignore_unknown_options"] = True
+        super().__init__(*args, **kwargs)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        if not args or args[0] in self.commands:
+            return super().resolve_command(ctx, args)
+        sub, args, old, new = current_form(args)
+        if not ctx.resilient_parsing:
+            click.echo(f"warning: `appliance {old}` is now `appliance {new}`", err=True)
+        return sub, self.commands[sub], args
+
+
+@click.group(cls=BenchGroup)
+def bench() -> None:
+    """Measure an engine: one endpoint, MTP against its baseline, several k, under load; tune k.
+
+    \b
+    Examples:
+      appliance bench run 31b --runs 5
+      appliance bench compare --mtp-url http://127.0.0.1:8001 --baseline-url http://127.0.0.1:8002
+      appliance bench sweep --k 1,2,3,4 --limit 1 --max-tokens 64
+      appliance bench load 31b --concurrency 1,4,16 --requests 64
+      appliance bench tune 31b --baseline-url http://127.0.0.1:8002 --write 31b-tuned.toml
+    """
+
+
+def bench_options(*, report_page: bool = True):
+    """What every bench subcommand sends and writes: the prompts, --max-tokens, --runs,
+    --warmups, --temperature, --seed, --json, --out (and, where drawn, --report). The command
+    receives them as one ``settings`` dict."""
+
+    def decorate(f):
+        options = [
+            prompt_options,
+            click.option(
+                "--max-tokens",
+                multiple=True,
+                type=int,
+                default=(64, 256),
+                show_default=True,
+                help="Output lengths (repeatable).",
+            ),
+            click.option("--runs", type=int, default=3, show_default=True),
+            click.option("--warmups", type=int, default=1, show_default=True),
+            click.option("--temperature", type=float, default=0.0, show_default=True),
+            click.option("--seed", type=int, default=None),
+            click.option(
+                "--json", "as_json", is_flag=True, help="Print the JSON record instead of Markdown."
+            ),
+            click.option(
+                "--out",
+                type=OutputPath(),
+                default=None,
+                metavar="FILE",
+                help="Write the JSON artifact here (only when the bench succeeds).",
+            ),
+            click.option("--json-output", "old_out", type=OutputPath(), hidden=True),
+        ]
+        if report_page:
+            options.append(
+                click.option(
+                    "--report",
+                    "report_html",
+                    type=OutputPath(),
+                    default=None,
+                    help="Write a self-contained HTML report (charts inline) of the same record.",
+                )
+            )
+        names = ("sets", "prompt_file", "limit", "max_tokens", "runs", "warmups", "temperature")
+        names += ("seed", "as_json", "out", "old_out", "report_html")
+
+        @functools.wraps(f)
+        def wrapper(**kwargs):
+            settings = {n: kwargs.pop(n, None) for n in names}
+            return f(settings=_checked(settings), **kwargs)
+
+        for option in reversed(options):
+            wrapper = option(wrapper)
+        return wrapper
+
+    return decorate
+
+
+def _checked(s: dict) -> dict:
+    """The settings with the config built: every input validated before a server is touched
+    (bad input costs nothing and writes nothing; OutputPath checked the outputs already)."""
+    if s["old_out"] is not None:
+        click.echo(f"warning: --json-output is deprecated: write --out {s['old_out']}", err=True)
+        s["out"] = s["out"] or s["old_out"]
+    sets = [x.strip() for x in s["sets"].split(",") if x.strip()]
+    s["config"] = runner.BenchConfig(
+        tuple(prompts.resolve(sets, tuple(s["prompt_file"]), s["limit"])),
+        tuple(s["max_tokens"]),
+        s["runs"],
+        s["warmups"],
+        s["temperature"],
+        s["seed"],
+    )
+    return s
+
+
+def _finish(kind: str, settings: dict, env: dict, result) -> None:
+    """The artifact (--out), the page (--report) and stdout (JSON or Markdown) of one result."""
+    body = report.artifact(kind, settings["config"], env, result)
+    if settings["out"]:
+        report.write_artifact(settings["out"], body)
+    if settings["report_html"]:  # rendered from the artifact's record: one source for both
+        reports.write(settings["report_html"], reports.render_bench(body))
+    if settings["as_json"]:
+        echo_json(body)
+    else:
+        click.echo(report.markdown(kind, result))
+
+
+def _named(endpoint: Endpoint, command: str) -> dict:
+    """The environment of a bench of NAME or --url (the instance's image labels recorded)."""
+    if not endpoint.url:
+        raise UsageError(f"bench {command} measures one engine: give NAME or --url")
+    labels = (
+        instance_facts.read(endpoint.instance, endpoint.root).image_labels
+        if endpoint.instance
+        else None
+    )
+    return report.environment(endpoint.profile, labels)
+
+
+@bench.command("run", epilog=figures())
+@endpoint_options(
+    profile_help="Profile recorded in the artifact [default: the instance's].", default_url=None
+)
+@bench_options()
+def bench_run(endpoint: Endpoint, settings: dict) -> None:
+    """Measure one endpoint, a request at a time; Markdown on stdout.
+
+    NAME: an installed instance, benched on its own URL with its key, its profile and its image's
+    labels recorded.
+
+    \b
+    Examples:
+      appliance bench run 31b --runs 5
+      appliance bench run --url http://127.0.0.1:8050 --runs 5 --out bench.json
+    """
+    env = _named(endpoint, "run")
+    config = settings["config"]
+    ep = runner.open_endpoint(endpoint.url, "endpoint", endpoint.secret)
+    with progress_bar(config.measured_requests + config.warmups, "bench") as tick:
+        result = runner.run_endpoint(ep, config, tick)
+    _finish("single", settings, env, result)
+
+
+@bench.command("compare", epilog=figures())
+@click.option("--mtp-url", required=True, help="The MTP endpoint ...")
+@click.option("--baseline-url", required=True, help="... and the same model without MTP.")
+@click.option(
+    "--max-acceptance-drop",
+    type=float,
+    default=None,
+    help="When the baseline drafts too: the largest median drop in acceptance (default: the "
+    "profile's [canary] figure, else 0.1); beyond it the bench exits 1.",
+)
+@endpoint_options(profile_help="Profile recorded in the artifact.", named=False)
+@bench_options()
+def bench_compare(
+    mtp_url: str, baseline_url: str, max_acceptance_drop, endpoint: Endpoint, settings: dict
+) -> None:
+    """MTP against its baseline, request by request: speedup with its 95% CI, output parity.
+
+    \b
+    Examples:
+      appliance bench compare --mtp-url http://127.0.0.1:8001 \\
+          --baseline-url http://127.0.0.1:8002 --report bench.html
+    """
+    profile = endpoint.profile
+    if max_acceptance_drop is None:
+        max_acceptance_drop = profile.canary.max_acceptance_drop if profile else 0.1
+    tolerance = acceptance.Tolerance(max_acceptance_drop)
+    config = settings["config"]
+    mtp = runner.open_endpoint(mtp_url, "mtp", endpoint.secret)
+    base = runner.open_endpoint(baseline_url, "baseline", endpoint.secret)
+    with progress_bar(2 * (config.measured_requests + config.warmups), "paired") as tick:
+        result = runner.run_paired(mtp, base, config, tick, tolerance)
+    _finish("paired", settings, report.environment(profile), result)
+    if failed := result.acceptance_failures():
+        raise ApplianceError(f"the MTP side drafts worse than the baseline: {'; '.join(failed)}")
 
 
 def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
@@ -27,42 +262,13 @@ def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
     return out
 
 
-@click.command()
-@endpoint_options(
-    profile_help="Profile recorded in the artifact; the sweep's profile (default cpu-tiny-mtp).",
-    default_url=None,
-)
-@click.option("--mtp-url", default=None, help="Paired: the MTP endpoint ...")
-@click.option("--baseline-url", default=None, help="... and the same model without MTP.")
+@bench.command("sweep", epilog=figures())
 @click.option(
-    "--sweep-k",
-    default=None,
-    help="k sweep, e.g. 1,2,3,4 (local CPU engine, or --k-url per k on a GPU host).",
+    "--k", "ks", required=True, metavar="K,K,...", help="The k values, e.g. 1,2,3,4 (1..16)."
 )
 @click.option(
-    "--max-acceptance-drop",
-    type=float,
-    default=None,
-    help="Paired, when the baseline drafts too: the largest median drop in acceptance "
-    "(default: the profile's [canary] figure, else 0.1); beyond it the bench exits 1.",
+    "--k-url", multiple=True, help="K=URL: an already running server for that k (a GPU host)."
 )
-@click.option(
-    "--concurrency",
-    default=None,
-    metavar="N,N,...",
-    help="Bench NAME/--url under load: per level N (e.g. 1,4,16) keep N requests in flight "
-    "(paced like vllm bench serve --max-concurrency N); per level output tok/s, TTFT/TPOT/ITL "
-    "median and p99, acceptance, tok/step, per position.",
-)
-@click.option(
-    "--requests",
-    type=int,
-    default=None,
-    help="Measured requests per concurrency level (default: 4 per slot, at least every prompt "
-    "once); each level starts with N warm-up requests.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the JSON record instead of Markdown.")
-@click.option("--k-url", multiple=True, help="K=URL: an already running server for that k.")
 @click.option(
     "--drafter",
     type=click.Choice(DRAFTER_KINDS),
@@ -70,167 +276,88 @@ def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
     show_default=True,
     help="Tiny drafter for the local k sweep.",
 )
-@prompt_options
-@click.option(
-    "--max-tokens",
-    multiple=True,
-    type=int,
-    default=(64, 256),
-    show_default=True,
-    help="Output lengths (repeatable).",
+@endpoint_options(
+    profile_help="The profile to sweep (default cpu-tiny-mtp), recorded in the artifact.",
+    named=False,
 )
-@click.option("--runs", type=int, default=3, show_default=True)
-@click.option("--warmups", type=int, default=1, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--seed", type=int, default=None)
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path),
-    default=None,
-    metavar="FILE",
-    help="Write the JSON artifact here (only when the bench succeeds).",
-)
-@click.option("--json-output", "old_out", type=click.Path(path_type=Path), hidden=True)
-@click.option(
-    "--report",
-    "report_html",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Write a self-contained HTML report (charts inline) of the same record.",
-)
-def bench(
-    endpoint: Endpoint,
-    mtp_url,
-    baseline_url,
-    max_acceptance_drop,
-    sweep_k,
-    concurrency,
-    requests,
-    as_json,
-    k_url,
-    drafter,
-    sets,
-    prompt_file,
-    limit,
-    max_tokens,
-    runs,
-    warmups,
-    temperature,
-    seed,
-    out,
-    old_out,
-    report_html,
-) -> None:
-    """Measure an endpoint, MTP against its baseline, or several k; Markdown on stdout.
+@bench_options()
+def bench_sweep(ks: str, k_url, drafter: str, endpoint: Endpoint, settings: dict) -> None:
+    """The same bench at several k, and the k with the lowest median TPOT.
 
-    NAME: an installed instance, benched on its own URL with its key, its profile and its image's
-    labels recorded.
+    Without --k-url it starts the local CPU engine once per k; on a GPU host start one server per
+    k and give each with --k-url.
 
     \b
     Examples:
-      appliance bench 31b --runs 5
-      appliance bench --url http://127.0.0.1:8050 --runs 5
-      appliance bench --mtp-url http://127.0.0.1:8001 --baseline-url http://127.0.0.1:8002
-      appliance bench --sweep-k 1,2,3,4 --limit 1 --max-tokens 64
-      appliance bench --url http://127.0.0.1:8050 --concurrency 1,4,16 --requests 64
+      appliance bench sweep --k 1,2,3,4 --limit 1 --max-tokens 64
+      appliance bench sweep --k 1,2 --k-url 1=http://127.0.0.1:8001 --k-url 2=http://127.0.0.1:8002
+    """
+    values = sweep.parse_ks(ks)
+    urls = _k_urls(k_url)
+    if urls and sorted(urls) != sorted(values):
+        raise UsageError("--k-url must name exactly the k values of --k")
+    config = settings["config"]
+    profile = endpoint.profile
+    with progress_bar((config.measured_requests + config.warmups) * len(values), "sweep") as tick:
+        if urls:
+            result = sweep.sweep_urls(urls, config, tick, api_key=endpoint.secret)
+        else:
+            prof = profile or get("cpu-tiny-mtp")
+            result = sweep.sweep_local(
+                prof,
+                values,
+                config,
+                drafter=drafter,
+                progress=tick,
+                on_start=lambda k: click.echo(f"\nstarting {prof.name} with k={k}", err=True),
+            )
+    _finish("sweep", settings, report.environment(profile), result)
+
+
+@bench.command(
+    "load",
+    epilog=figures(
+        "  out tok/s      usage tokens of the level over its duration (first request queued ->",
+        "                 last done, as vllm bench serve times it)",
+    ),
+)
+@endpoint_options(
+    profile_help="Profile recorded in the artifact [default: the instance's].", default_url=None
+)
+@click.option(
+    "--concurrency",
+    required=True,
+    metavar="N,N,...",
+    help="Per level N (e.g. 1,4,16) keep N requests in flight (paced like vllm bench serve "
+    "--max-concurrency N).",
+)
+@click.option(
+    "--requests",
+    type=int,
+    default=None,
+    help="Measured requests per level (default: 4 per slot, at least every prompt once); each "
+    "level starts with N warm-up requests.",
+)
+@bench_options(report_page=False)
+def bench_load(endpoint: Endpoint, concurrency: str, requests, settings: dict) -> None:
+    """One endpoint under load: per level output tok/s, TTFT/TPOT/ITL median and p99,
+    acceptance, tok/step, per position.
 
     \b
-    Figures (vLLM's definitions; see gotchas/benchmarking-mtp.md):
-      tok/step       1 + accepted / drafts: tokens one engine step yields (bonus included)
-      per position   accepted at draft position i / drafts (prefix acceptance: falls with i)
-      predicted      tok/step at every k' <= k from one run at k: 1 + the first k' positions
-      TTFT           send -> first streamed chunk carrying a choice
-      TPOT           (E2EL - TTFT) / (usage tokens - 1), E2EL: send -> last such chunk
-      ITL            gap between chunks: one engine step (1 + accepted tokens) under MTP
-      out tok/s      under --concurrency: usage tokens of the level over its duration (first
-                     request queued -> last done, as vllm bench serve times it)
-    On the CPU engine these say the arithmetic is right, not how a GPU scales: a CPU step costs
-    about k times a token, a GPU step is nearly free up to its compute bound.
+    Examples:
+      appliance bench load 31b --concurrency 1,4,16 --requests 64
+      appliance bench load --url http://127.0.0.1:8050 --concurrency 1,8 --json
     """
-    if old_out is not None:
-        click.echo(f"warning: --json-output is deprecated: write --out {old_out}", err=True)
-        out = out or old_out
-    url, instance = endpoint.url, endpoint.instance
-    modes = [bool(url), bool(mtp_url or baseline_url), bool(sweep_k)]
-    if sum(modes) != 1:
-        raise UsageError(
-            "give exactly one of NAME (or --url), --mtp-url with --baseline-url, --sweep-k"
-        )
-    if bool(mtp_url) != bool(baseline_url):
-        raise UsageError("paired bench needs both --mtp-url and --baseline-url")
-    # Validate every input before touching a server: bad input costs nothing and writes nothing.
-    sets_list = [s.strip() for s in sets.split(",") if s.strip()]
-    config = runner.BenchConfig(
-        tuple(prompts.resolve(sets_list, tuple(prompt_file), limit)),
-        tuple(max_tokens),
-        runs,
-        warmups,
-        temperature,
-        seed,
-    )
-    profile = endpoint.profile
-    if max_acceptance_drop is None:
-        max_acceptance_drop = profile.canary.max_acceptance_drop if profile else 0.1
-    tolerance = acceptance.Tolerance(max_acceptance_drop)
-    if report_html:
-        reports.check_target(report_html)
-    levels = concurrency_lib.parse_levels(concurrency) if concurrency else None
-    if levels and not url:
-        raise UsageError("--concurrency benches one endpoint: give NAME or --url")
-    if levels and report_html:
-        raise UsageError("--report does not draw --concurrency yet: use --out or --json")
+    levels = concurrency_lib.parse_levels(concurrency)
     if requests is not None and requests < 1:
         raise UsageError("--requests must be at least 1")
-    # One key for every endpoint given by URL (the local sweep's engines have none).
-    secret = endpoint.secret
-    labels = instance_facts.read(instance, endpoint.root).image_labels if instance else None
-    env = report.environment(profile, labels)
+    env = _named(endpoint, "load")
+    config = settings["config"]
+    ep = runner.open_endpoint(endpoint.url, "endpoint", endpoint.secret)
+    total = sum(requests or max(4 * n, config.measured_requests) for n in levels)
+    with progress_bar(total, "concurrency") as tick:
+        result = concurrency_lib.run_concurrency(ep, config, levels, requests, tick)
+    _finish("concurrency", settings, env, result)
 
-    if sweep_k:
-        ks = sweep.parse_ks(sweep_k)
-        urls = _k_urls(k_url)
-        if urls and sorted(urls) != sorted(ks):
-            raise UsageError("--k-url must name exactly the k values of --sweep-k")
-        per_k = config.measured_requests + config.warmups
-        with progress_bar(per_k * len(ks), "sweep") as tick:
-            if urls:
-                result = sweep.sweep_urls(urls, config, tick, api_key=secret)
-            else:
-                prof = profile or get("cpu-tiny-mtp")
-                result = sweep.sweep_local(
-                    prof,
-                    ks,
-                    config,
-                    drafter=drafter,
-                    progress=tick,
-                    on_start=lambda k: click.echo(f"\nstarting {prof.name} with k={k}", err=True),
-                )
-        kind = "sweep"
-    elif url and levels:
-        ep = runner.open_endpoint(url, "endpoint", secret)
-        count = requests or 0
-        total = sum(count or max(4 * n, config.measured_requests) for n in levels)
-        with progress_bar(total, "concurrency") as tick:
-            result = concurrency_lib.run_concurrency(ep, config, levels, requests, tick)
-        kind = "concurrency"
-    elif url:
-        ep = runner.open_endpoint(url, "endpoint", secret)
-        with progress_bar(config.measured_requests + config.warmups, "bench") as tick:
-            result = runner.run_endpoint(ep, config, tick)
-        kind = "single"
-    else:
-        mtp = runner.open_endpoint(mtp_url, "mtp", secret)
-        base = runner.open_endpoint(baseline_url, "baseline", secret)
-        with progress_bar(2 * (config.measured_requests + config.warmups), "paired") as tick:
-            result = runner.run_paired(mtp, base, config, tick, tolerance)
-        kind = "paired"
-    if out:
-        report.write_artifact(out, report.artifact(kind, config, env, result))
-    if report_html:  # rendered from the artifact's record: one source for the page and the JSON
-        reports.write(report_html, reports.render_bench(report.artifact(kind, config, env, result)))
-    if as_json:
-        click.echo(json.dumps(report.artifact(kind, config, env, result), indent=2, sort_keys=True))
-    else:
-        click.echo(report.markdown(kind, result))
-    if kind == "paired" and (failed := result.acceptance_failures()):
-        raise ApplianceError(f"the MTP side drafts worse than the baseline: {'; '.join(failed)}")
+
+bench.add_command(tune)

@@ -7,7 +7,6 @@ edit): record before, change, record after, compare. The same library code as th
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -19,8 +18,9 @@ from ..canary import record as records
 from ..endpoint import Endpoint
 from ..host import envfile
 from ..host.layout import Layout
-from ..profiles import get
-from .options import endpoint_options
+from ..profiles import lookup
+from .options import OutputPath, endpoint_options
+from .output import echo_json
 
 
 @click.group()
@@ -42,7 +42,7 @@ def _instance_image(instance: str | None, root: Path) -> str | None:
 )
 @click.option(
     "--out",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     required=True,
     help="Write the record (JSON) here, atomically.",
 )
@@ -61,6 +61,13 @@ def _instance_image(instance: str | None, root: Path) -> str | None:
     default=None,
     help="Image reference to record (default: the instance's VLLM_IMAGE).",
 )
+@click.option(
+    "--batched",
+    is_flag=True,
+    help="Then run every case at once and judge those answers against the ones alone (exit 1 "
+    "when they differ): answers mixed across a batch (vLLM #46088) show only there "
+    "[default: the profile's [canary] batched].",
+)
 def canary_record(
     endpoint: Endpoint,
     out: Path,
@@ -70,6 +77,7 @@ def canary_record(
     max_tokens: int | None,
     seed: int | None,
     image: str | None,
+    batched: bool,
 ) -> None:
     """Run the canary set greedily against one endpoint and save the answers with token ids.
 
@@ -81,6 +89,10 @@ def canary_record(
       systemctl restart gemma4-vllm@31b
       appliance canary record 31b --out after.json
       appliance canary compare before.json after.json --profile l4x4-31b-mtp
+
+    \b
+    Answers under batching against the same engine's answers alone (vLLM #46088):
+      appliance canary record 31b --out batched.json --batched
     """
     # Every input is validated before a request is sent or a file written.
     url, instance, root = endpoint.url, endpoint.instance, endpoint.root
@@ -95,8 +107,11 @@ def canary_record(
         )
         cset, settings = plan.cases, plan.settings
         model = model or profile.served_model_name
+        batched = batched or plan.batched
+        at_once, policy = plan.at_once, plan.policy
     else:
         cset, settings = canary_cases.resolve(canary_file, replace=replace_set), lib.Settings()
+        at_once, policy = None, lib.Policy()
     settings = lib.Settings(
         max_tokens=settings.max_tokens if max_tokens is None else max_tokens,
         seed=settings.seed if seed is None else seed,
@@ -118,10 +133,17 @@ def canary_record(
         image=image,
         profile=profile.name if profile else None,
         progress=lambda m: click.echo(m, err=True),
+        batched=batched,
+        at_once=at_once,
     )
     lib.save(rec, out)
     rate = f", tasks {rec.passed}/{rec.tasks} passed" if rec.tasks else ""
     click.echo(f"{rec.cost()}{rate}; wrote {out}")
+    check = lib.batched(rec, policy.min_parity)
+    if check is not None:
+        click.echo(check.summary())
+        if not check.ok:
+            sys.exit(1)
 
 
 @canary.command("compare")
@@ -131,8 +153,8 @@ def canary_record(
     "--profile",
     "profile_name",
     default=None,
-    help="Judge by this profile's [canary] thresholds (default: 100% parity, no task drop, "
-    "acceptance down by at most 0.1).",
+    help="Judge by this profile's [canary] thresholds, a shipped name or a TOML file of yours "
+    "(default: 100% parity, no task drop, acceptance down by at most 0.1).",
 )
 @click.option("--min-parity", type=float, default=None, help="Least share of identical outputs.")
 @click.option(
@@ -160,7 +182,7 @@ def canary_compare(
     Example:
       appliance canary compare before.json after.json --profile l4x4-31b-mtp
     """
-    base = lib.Policy.of(get(profile_name).canary) if profile_name else lib.Policy()
+    base = lib.Policy.of(lookup(profile_name).canary) if profile_name else lib.Policy()
     given = {
         "min_parity": min_parity,
         "max_pass_rate_drop": max_pass_rate_drop,
@@ -170,7 +192,7 @@ def canary_compare(
     b, a = lib.load(before), lib.load(after)
     result = lib.compare(b, a, policy)
     if as_json:
-        click.echo(json.dumps(result.figures(), indent=2))
+        echo_json(result.figures())
     else:
         click.echo(result.summary())
         for cid in result.differing:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from .. import state_metrics
 from ..cutover import flow, history, recovery, report
 from ..cutover import metrics as cutover_metrics
 from ..cutover.context import Context
@@ -21,7 +22,9 @@ from ..cutover.status import status as get_status
 from ..errors import UsageError
 from ..host import lock as locks
 from ..host.layout import Layout
+from ..host.systemd import Systemd
 from .options import gate_options, root_option
+from .output import echo_json
 
 
 def echo_progress(msg: str) -> None:
@@ -31,7 +34,12 @@ def echo_progress(msg: str) -> None:
 
 
 def _context(root: Path, progress: bool = True) -> Context:
-    return Context(layout=Layout(root), progress=echo_progress if progress else (lambda _m: None))
+    # The tree's own systemd and Docker only: never the host's for a tree (host/reach.py).
+    return Context(
+        layout=Layout(root),
+        systemd=Systemd.of_tree(root),
+        progress=echo_progress if progress else (lambda _m: None),
+    )
 
 
 @click.command(name="cutover")
@@ -62,6 +70,12 @@ def _context(root: Path, progress: bool = True) -> Context:
     help="Judge IMAGE against these answers of the old image (`appliance canary record NAME "
     "--out FILE`) instead of recording them now: a group's head whose workers moved first.",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Cut over to a floating tag (latest, mtp, pre-mtp, their -cpu forms) all the same: "
+    "the next `appliance image build` moves it, and the next restart runs what it names then.",
+)
 @gate_options
 @root_option
 def cutover(
@@ -76,6 +90,7 @@ def cutover(
     canary_file: tuple[Path, ...],
     canary_timeout: float,
     allow_unit_overrides: bool,
+    force: bool,
     root: Path,
 ) -> None:
     """Move NAME to IMAGE: restart, gate, and roll back automatically on failure.
@@ -84,7 +99,9 @@ def cutover(
     (the worker first, gates on the head). Ctrl-C, SIGTERM or a hang-up during the gates rolls
     back too. The way back is not interrupted by further signals and takes at most --timeout
     seconds more. If the cutover is killed outright, `appliance status NAME` prints the
-    recovery command.
+    recovery command. IMAGE is a version tag (or an image ID): a floating tag (latest, mtp,
+    pre-mtp, their -cpu forms) is refused without --force, since the next `appliance image
+    build` moves it.
 
     \b
     Example:
@@ -98,6 +115,7 @@ def cutover(
             image,
             allow_no_mtp=allow_no_mtp,
             allow_unit_overrides=allow_unit_overrides,
+            force=force,
         )
         click.echo(json.dumps(found, sort_keys=True))
         return
@@ -113,6 +131,7 @@ def cutover(
         canary_timeout=canary_timeout,
         canary_before=canary_before,
         allow_unit_overrides=allow_unit_overrides,
+        force=force,
     )
     click.echo(f"{name}: now on {entry.to_image} (was {entry.from_image}); gates passed")
     if entry.canary:
@@ -187,14 +206,22 @@ def status(name: str | None, write_metrics: bool, quiet: bool, json_: bool, root
     ctx = _context(root, progress=False)
     if write_metrics:
         # Cutovers write it too; between them only this refresh shows a unit that gave up.
-        written = cutover_metrics.write(layout, cutover_metrics.local_docker(), ctx.systemd)
-        click.echo(f"wrote {written}")
+        found = cutover_metrics.states(layout, cutover_metrics.local_docker(root), ctx.systemd)
+        written = cutover_metrics.write_states(layout, found)
+        click.echo(f"wrote {written}", err=json_)  # with --json, stdout is the one object
+        for st in found:
+            if st.env_error:
+                click.echo(
+                    f"warning: {st.instance}: marked {state_metrics.ENV_FILE_READABLE} 0: "
+                    f"{st.env_error}",
+                    err=True,
+                )
         if quiet:
             return
     found = [get_status(ctx, n) for n in names]
     if json_:
         instances = [dataclasses.asdict(st) for st in found]
-        click.echo(json.dumps({"instances": instances}, sort_keys=True, default=str))
+        echo_json({"instances": instances})
     else:
         for st in found:
             click.echo("\n".join(report.status_lines(st)))
@@ -215,7 +242,7 @@ def history_(name: str, json_: bool, root: Path) -> None:
     entries = history.entries(layout.history_file(name), live_ids=live)
     if json_:
         found = [dataclasses.asdict(e) for e in entries]
-        click.echo(json.dumps({"entries": found}, sort_keys=True))
+        echo_json({"entries": found})
         return
     if not entries:
         click.echo(f"{name}: no cutover or rollback yet")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -11,6 +10,8 @@ from .. import demo as demo_lib
 from .. import reports
 from ..engine import local as engine
 from .local import progress_printer
+from .options import OutputPath
+from .output import echo_json
 
 
 @click.command()
@@ -21,7 +22,7 @@ from .local import progress_printer
 @click.option(
     "--report",
     "report_html",
-    type=click.Path(path_type=Path),
+    type=OutputPath(),
     default=None,
     help="Also write a self-contained HTML page of the calls (charts inline).",
 )
@@ -30,13 +31,11 @@ def demo(calls: int, max_tokens: int, role: str, json_: bool, report_html: Path 
     through the telemetry agent, print per-call MTP figures, stop the engine.
 
     Spans go over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set."""
-    if report_html:
-        reports.check_target(report_html)
     with engine.serve("cpu-tiny-mtp", progress=progress_printer("cpu-tiny-mtp")) as eng:
         report = demo_lib.run(eng.url, calls=calls, max_tokens=max_tokens, role=role)
     if report_html:  # the same record --json prints
         reports.write(report_html, reports.render_demo(report.to_dict()))
     if json_:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        echo_json(report.to_dict())
     else:
         click.echo(demo_lib.format_table(report))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import click
@@ -10,6 +9,7 @@ import click
 from .. import doctor as lib
 from ..endpoint import Endpoint
 from .options import endpoint_options
+from .output import echo_json
 
 
 @click.command()
@@ -39,5 +39,8 @@ def doctor(endpoint: Endpoint, no_generate: bool, as_json: bool) -> None:
         generate=not no_generate,
         api_key=endpoint.api_key,
     )
-    click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.text())
+    if as_json:
+        echo_json(report.to_dict())
+    else:
+        click.echo(report.text())
     sys.exit(0 if report.ok else 1)

@@ -14,7 +14,8 @@ from ..fleet import hosts, soak
 from ..fsutil import write_atomic
 from ..observability import scrape
 from ..units.instance import read as read_instance
-from .options import root_option
+from .options import OutputPath, root_option
+from .output import echo_json
 
 
 @click.group(name="fleet")
@@ -31,7 +32,7 @@ def _instance(root: Path, name: str):
 @click.argument("instance")
 @click.option(
     "--out",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     required=True,
     help="Where to write the reading (JSON): the soak's pre-cutover figures.",
 )
@@ -96,7 +97,7 @@ def soak_(
     run.thresholds = thresholds
     verdict = soak.run(run, before, progress=lambda m: click.echo(m, err=True))
     if json_:
-        click.echo(json.dumps(verdict.to_dict(), indent=2))
+        echo_json(verdict.to_dict())
     else:
         b, s = verdict.before, verdict.soak
         for label, w in (("before", b), ("soak", s)):
@@ -123,7 +124,7 @@ def status(instance: str, json_: bool, root: Path) -> None:
     """INSTANCE on this host: env file's image, running container's image, MTP, acceptance."""
     st = hosts.host_status(instance, root)
     if json_:
-        click.echo(json.dumps(st.to_dict()))
+        echo_json(st.to_dict())
         return
     for key, value in st.to_dict().items():
         click.echo(f"{key:>16}: {'-' if value is None else value}")
@@ -134,13 +135,13 @@ def status(instance: str, json_: bool, root: Path) -> None:
 @click.option("--group", default=hosts.DEFAULT_GROUP, show_default=True)
 @click.option(
     "--out",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     default=None,
     help="The file_sd JSON to write (default: stdout).",
 )
 @click.option(
     "--state-out",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     default=None,
     help="Also write each host's appliance-state target (labelled host) to this file_sd JSON.",
 )
@@ -182,17 +183,47 @@ _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")  # Prometheus' duration s
     help="node_exporter's port on 127.0.0.1 (the appliance state's textfile collector).",
 )
 @click.option("--scrape-interval", default="15s", show_default=True)
+@click.option("--remote-write-user", "username", help="Basic auth: the user name.")
+@click.option(
+    "--remote-write-password-file",
+    "password_file",
+    metavar="FILE",
+    help="Basic auth: the file holding the password (never the password itself).",
+)
+@click.option(
+    "--remote-write-bearer-token-file",
+    "bearer_token_file",
+    metavar="FILE",
+    help="The file holding a bearer token (Authorization: Bearer).",
+)
+@click.option("--remote-write-ca-file", "ca_file", metavar="FILE", help="TLS: the CA to trust.")
+@click.option(
+    "--remote-write-cert-file", "cert_file", metavar="FILE", help="TLS: a client certificate."
+)
+@click.option("--remote-write-key-file", "key_file", metavar="FILE", help="TLS: its key.")
+@click.option(
+    "--remote-write-server-name", "server_name", help="TLS: the name the server's certificate has."
+)
 @click.option(
     "--out",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     default=None,
-    help="The config to write (default: stdout); says `wrote` or `unchanged`.",
+    help="The config to write (default: stdout), 0600; says `wrote` or `unchanged`.",
 )
 def scrape_config(
-    host: str, remote_write: str, state_port: int, scrape_interval: str, out: Path | None
+    host: str,
+    remote_write: str,
+    state_port: int,
+    scrape_interval: str,
+    out: Path | None,
+    **auth: str | None,
 ) -> None:
     """This host's Prometheus agent config: its loopback engines and state, labelled --host,
-    written to the central server (engines never listen beyond loopback)."""
+    written to the central server (engines never listen beyond loopback).
+
+    Credentials come from files only, never from the URL or the command line. A relative FILE
+    is the agent's: Prometheus resolves it against the config's folder (--out's), where it
+    must be; the Ansible role lays them there (0600) and hands them to the agent's unit."""
     if not _DURATION.match(scrape_interval):
         raise UsageError(f"--scrape-interval {scrape_interval!r} is not a Prometheus duration")
     targets = scrape.ScrapeTargets(
@@ -200,7 +231,15 @@ def scrape_config(
         state=(f"127.0.0.1:{state_port}",),
         scrape_interval=scrape_interval,
     )
-    text = scrape.render_agent(scrape.AgentConfig(host, remote_write, targets))
+    creds = scrape.RemoteWriteAuth(**auth)
+    folder = out.parent if out is not None else Path.cwd()
+    for option, name in creds.files().items():
+        if not (folder / name).is_file():
+            raise UsageError(
+                f"--remote-write-{option.replace('_', '-')} {name}: no such file in {folder}",
+                fix="a relative FILE is read from the config's folder (--out's)",
+            )
+    text = scrape.render_agent(scrape.AgentConfig(host, remote_write, targets, creds))
     if out is None:
         click.echo(text, nl=False)
         return
@@ -208,6 +247,9 @@ def scrape_config(
         same = out.read_text() == text
     except FileNotFoundError:
         same = False
+    same = same and (out.stat().st_mode & 0o777) == 0o600
     if not same:
-        write_atomic(out, text, mode=0o644)  # no secret in it; the agent's own user reads it
+        # Root's alone: it names the credential files; the agent's unit gets it through
+        # LoadCredential= (deploy/ansible's gemma4-prometheus-agent.service).
+        write_atomic(out, text, mode=0o600)
     click.echo(f"{'unchanged' if same else 'wrote'} {out}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import click
 from .. import hostcheck
 from . import CONTEXT
 from .options import root_option
+from .output import echo_json
 from .units import _options, instance_options
 
 
@@ -25,16 +25,26 @@ def host() -> None:
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 def host_check(name: str | None, profile: str | None, root: Path, as_json: bool, **kw) -> None:
-    """Check this host for instance NAME as `appliance instance install` would install it
-    (installed or not), or for --profile P alone: NVIDIA driver and GPUs, Docker and its GPU
-    access, disk for the weights, the port, systemd, the user, the API key file. Read-only; one
-    line per finding with its fix; exit 1 on any blocker.
+    """Check this host for instance NAME as `appliance instance install` would install it (installed or
+    not), or for --profile P alone, or with neither for the profile `appliance profiles
+    suggest` puts first for this host's GPUs: NVIDIA driver and GPUs, Docker and its GPU access,
+    disk for the weights, the port, systemd, the user, the API key file. Read-only; one line per
+    finding with its fix; exit 1 on any blocker.
 
     \b
     Examples:
       appliance host check 31b --profile l4x4-31b-mtp
       appliance host check --profile cpu-tiny-mtp --json
+      appliance host check
     """
+    if name is None and profile is None:
+        profile, said = hostcheck.suggested(
+            "say which instance or profile", "appliance host check NAME, or --profile P"
+        )
+        click.echo(said, err=True)
     report = hostcheck.check(profile, name, root=root, options=_options(kw))
-    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.text())
+    if as_json:
+        echo_json(report.to_dict())
+    else:
+        click.echo(report.text())
     sys.exit(0 if report.ok else 1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import click
@@ -12,7 +11,8 @@ from .. import images
 from ..images import archive, inventory, lock, prune, scheme, targets
 from ..images import build as image_build
 from ..tables import table
-from .options import root_option
+from .options import OutputPath, root_option
+from .output import echo_json
 
 REPO_OPTION = click.option(
     "--repository", default=scheme.REPOSITORY, show_default=True, help="Image repository."
@@ -53,7 +53,7 @@ def image_build_cmd(
         progress=progress,
     )
     if json_:
-        click.echo(json.dumps(r.__dict__, indent=2, sort_keys=True))
+        echo_json(dict(r.__dict__))
         return
     state = "cached" if r.cached else f"built in {r.seconds:.0f}s"
     click.echo(f"{r.target}: {r.image_id[7:19]} {_gb(r.size_bytes)} {state}")
@@ -76,7 +76,7 @@ def image_tag(source: str, repository: str) -> None:
 @click.option("json_", "--json", is_flag=True, help="Print JSON.")
 def image_list(root: Path, repository: str, json_: bool) -> None:
     """Appliance images: tags, labels, and which instance uses which image."""
-    found, missing = inventory.list_images(images.client(), root, repository)
+    found, missing = inventory.list_images(images.client(root=root), root, repository)
     if json_:
         rows = [
             {
@@ -87,6 +87,7 @@ def image_list(root: Path, repository: str, json_: bool) -> None:
                 "created": i.created,
                 "vllm_version": i.vllm_version,
                 "mtp": i.mtp,
+                "variant": i.variant,
                 "used_by": i.used_by,
                 "rollback_for": i.rollback_for,
                 "protected": prune.protection(i, repository),
@@ -94,7 +95,7 @@ def image_list(root: Path, repository: str, json_: bool) -> None:
             for i in found
         ]
         miss = [{"instance": r.instance, "source": r.source, "ref": r.ref} for r in missing]
-        click.echo(json.dumps({"images": rows, "missing": miss}, indent=2, sort_keys=True))
+        echo_json({"images": rows, "missing": miss})
         return
     rows = []
     for i in found:
@@ -103,9 +104,10 @@ def image_list(root: Path, repository: str, json_: bool) -> None:
             used += f" (rollback: {','.join(i.rollback_for)})"
         mtp = "yes" if i.mtp else "no"
         tags = " ".join(i.tags) or "<none>"
-        rows.append((i.short_id, i.vllm_version or "?", mtp, _gb(i.size_bytes), used, tags))
-    headers = ("IMAGE ID", "VLLM", "MTP", "SIZE", "USED BY", "TAGS")
-    click.echo(table(headers, rows, "<<<><<"))
+        build = i.variant or "?"
+        rows.append((i.short_id, i.vllm_version or "?", mtp, build, _gb(i.size_bytes), used, tags))
+    headers = ("IMAGE ID", "VLLM", "MTP", "BUILD", "SIZE", "USED BY", "TAGS")
+    click.echo(table(headers, rows, "<<<<><<"))
     for r in missing:
         click.echo(
             f"missing: instance {r.instance} ({r.source}) refers to {r.ref}, not in the engine"
@@ -125,7 +127,7 @@ def image_list(root: Path, repository: str, json_: bool) -> None:
 @REPO_OPTION
 def image_prune(mode: str, dry_run: bool, root: Path, repository: str) -> None:
     """Remove appliance images; never one an instance or a rollback slot refers to."""
-    r = prune.prune(images.client(), root, mode, repository, dry_run)
+    r = prune.prune(images.client(root=root), root, mode, repository, dry_run)
     verb = "would remove" if dry_run else "removed"
     for i in r.removed:
         click.echo(f"{verb} {i.short_id} {' '.join(i.tags) or '<none>'}")
@@ -139,7 +141,7 @@ def image_prune(mode: str, dry_run: bool, root: Path, repository: str) -> None:
 @REPO_OPTION
 def image_rm(ref: str, root: Path, repository: str) -> None:
     """Remove image REF unless an instance or a rollback slot refers to it."""
-    image_id = prune.remove(images.client(), ref, root, repository)
+    image_id = prune.remove(images.client(root=root), ref, root, repository)
     click.echo(f"removed {ref} ({image_id[7:19]})")
 
 
@@ -148,7 +150,7 @@ def image_rm(ref: str, root: Path, repository: str) -> None:
 @click.option(
     "--out",
     required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputPath(),
     help="The archive to write (its directory must exist).",
 )
 @click.option("json_", "--json", is_flag=True, help="Print the record as JSON.")
@@ -179,7 +181,7 @@ def image_load(file: Path, expect_id: str | None, json_: bool) -> None:
 
 def _print_archive(r: archive.LoadResult, done: str, json_: bool) -> None:
     if json_:
-        click.echo(json.dumps(dataclasses.asdict(r), indent=2, sort_keys=True))
+        echo_json(dataclasses.asdict(r))
         return
     click.echo(f"{done} ({_gb(r.size_bytes)}, {r.seconds:.0f}s)")
     click.echo(f"  image id:       {r.image_id}")

@@ -43,7 +43,13 @@ def local() -> None:
 
 
 @local.command(name="serve")
-@click.option("--profile", "profile_name", default="cpu-tiny-mtp", show_default=True)
+@click.option(
+    "--profile",
+    "profile_name",
+    default="cpu-tiny-mtp",
+    show_default=True,
+    help="A CPU profile: a shipped name or a TOML file of yours.",
+)
 @click.option("--port", type=int, default=None, help="Default: a free port on 127.0.0.1.")
 @click.option("--drafter", type=click.Choice(DRAFTER_KINDS), default="copy", show_default=True)
 @click.option(

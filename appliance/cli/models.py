@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import click
@@ -12,16 +11,17 @@ from .. import endpoint
 from ..models import EX_CONFIG, ModelsNotReady, importer, pull, token, verify, where
 from ..models import export as export_mod
 from .options import root_option
+from .output import echo_json
 
 
 def _where(fn):
     """The options that say which models and which cache (shared by every subcommand)."""
 
-    @click.option("--profile", help="A shipped profile name.")
+    @click.option("--profile", help="A shipped profile name, or a TOML file of yours.")
     @click.option(
         "--profile-file",
         type=click.Path(dir_okay=False, path_type=Path),
-        help="A profile TOML file of your own.",
+        help="A profile TOML file of your own (the same as --profile FILE).",
     )
     @click.argument("name", required=False, metavar="[NAME]")
     @click.option(
@@ -149,7 +149,7 @@ def models_verify(loc: where.Location, quick: bool, json_: bool) -> None:
     with one line per problem, each naming the model and the command that fixes it."""
     if json_:
         report = verify.verify(loc, quick=quick)
-        click.echo(json.dumps(report.to_dict(loc.fix()), sort_keys=True))
+        echo_json(report.to_dict(loc.fix()))
         if not report.ok:
             raise SystemExit(EX_CONFIG)
         return

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ..observability import plane
+from .options import OutputPath
 
 
 @click.group(name="observability")
@@ -18,16 +19,35 @@ def observability() -> None:
 @click.option(
     "--out",
     required=True,
-    type=click.Path(path_type=Path),
-    help="A new or empty folder (or one this wrote before, which is replaced).",
+    type=OutputPath(directory=True),
+    help="A new or empty folder, or one this wrote before (updated: your changes are kept).",
 )
-def write(out: Path) -> None:
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace the files you changed too (yours are kept beside them as NAME.old).",
+)
+def write(out: Path, force: bool) -> None:
     """Write the plane's compose file with its Prometheus and Grafana configs into --out.
+
+    Over a plane written before, a file you changed (an Alertmanager receiver) is kept: the new
+    one goes beside it as NAME.new, with the diff shown. Files you added are never touched.
 
     \b
     Example:
       appliance observability write --out /opt/gemma4-observability
       docker compose -f /opt/gemma4-observability/deploy/observability/compose.yaml up -d
     """
-    compose = plane.write(out)
-    click.echo(f"wrote the plane: docker compose -f {compose} up -d")
+    written = plane.write(out, force=force)
+    for kept in written.kept:
+        click.echo(kept.diff, nl=False)
+        click.echo(
+            f"kept {kept.path} as you changed it; the new one is {kept.new.name} beside it "
+            "(diff above): merge it, or write again with --force",
+            err=True,
+        )
+    for old in written.saved:
+        click.echo(
+            f"replaced {old.with_suffix('')}, which you changed; yours is {old.name}", err=True
+        )
+    click.echo(f"wrote the plane: docker compose -f {written.compose} up -d")

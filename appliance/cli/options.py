@@ -12,6 +12,7 @@ import click
 from .. import endpoint
 from ..bench import prompts
 from ..errors import UsageError
+from ..fsutil import check_target
 
 # One meaning everywhere: where the host's /etc and /var/lib are (an image being built, a test
 # tree, or an nspawn machine's root seen from the host).
@@ -23,6 +24,21 @@ root_option = click.option(
     envvar="APPLIANCE_ROOT",
     help="Prefix of the host's /etc and /var/lib (an image being built, a test tree).",
 )
+
+
+class OutputPath(click.Path):
+    """A path the command writes (a file, or a folder with ``directory``), checked as the
+    command line is parsed: a place nothing can be written is one ``Error:`` line before any
+    work (a bench's whole measurement), never a traceback after it."""
+
+    def __init__(self, *, directory: bool = False) -> None:
+        super().__init__(path_type=Path)
+        self.directory = directory
+
+    def convert(self, value, param, ctx) -> Path:
+        path = super().convert(value, param, ctx)
+        label = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
+        return check_target(path, label, directory=self.directory)
 
 
 def api_key_options(f):
@@ -66,14 +82,26 @@ def prompt_options(f):
     )(f)
 
 
-def endpoint_options(*, profile_help: str, default_url: str | None = endpoint.DEFAULT_URL):
+def endpoint_options(
+    *, profile_help: str, default_url: str | None = endpoint.DEFAULT_URL, named: bool = True
+):
     """The one way to name an engine (doctor, bench, canary record): ``[NAME]``, ``--instance``,
     ``--url``, ``--profile``, ``--root`` and the API key options, handed to the command as one
-    ``endpoint`` (:func:`appliance.endpoint.resolve`)."""
+    ``endpoint`` (:func:`appliance.endpoint.resolve`). ``named=False``: only ``--profile`` and
+    the key, for commands that take their URLs in options of their own (bench compare, sweep)."""
 
     def decorate(f):
         @functools.wraps(f)
-        def wrapper(name, instance, url, profile_name, root, api_key, api_key_file, **kwargs):
+        def wrapper(
+            profile_name,
+            api_key,
+            api_key_file,
+            name=None,
+            instance=None,
+            url=None,
+            root=Path("/"),
+            **kwargs,
+        ):
             ctx = click.get_current_context()
             source = click.core.ParameterSource
             if (
@@ -95,28 +123,26 @@ def endpoint_options(*, profile_help: str, default_url: str | None = endpoint.DE
             )
             return f(endpoint=ep, **kwargs)
 
-        for option in reversed(
-            [
-                click.argument("name", required=False, metavar="[NAME]"),
-                click.option(
-                    "--instance",
-                    default=None,
-                    metavar="NAME",
-                    help="The installed instance (the same as NAME): its URL, profile and key.",
-                ),
-                click.option(
-                    "--url",
-                    default=None,
-                    envvar="APPLIANCE_URL",
-                    show_envvar=True,
-                    help="An engine's base URL; wins over the instance's "
-                    f"[default: the instance's, else {default_url or 'none'}].",
-                ),
-                click.option("--profile", "profile_name", default=None, help=profile_help),
-                root_option,
-                api_key_options,
-            ]
-        ):
+        naming = [
+            click.argument("name", required=False, metavar="[NAME]"),
+            click.option(
+                "--instance",
+                default=None,
+                metavar="NAME",
+                help="The installed instance (the same as NAME): its URL, profile and key.",
+            ),
+            click.option(
+                "--url",
+                default=None,
+                envvar="APPLIANCE_URL",
+                show_envvar=True,
+                help="An engine's base URL; wins over the instance's "
+                f"[default: the instance's, else {default_url or 'none'}].",
+            ),
+        ]
+        profile = click.option("--profile", "profile_name", default=None, help=profile_help)
+        options = [*naming, profile, root_option] if named else [profile]
+        for option in reversed([*options, api_key_options]):
             wrapper = option(wrapper)
         return wrapper
 

@@ -1,9 +1,9 @@
-"""``appliance profiles``: the shipped serving profiles and their validation."""
+"""``appliance profiles``: the shipped serving profiles, their validation, and the ones that fit
+this host."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 
 import click
@@ -11,6 +11,7 @@ import click
 from .. import profiles as prof
 from ..profiles import validate as pv
 from ..tables import table
+from .output import echo_json
 
 
 @click.group()
@@ -26,23 +27,28 @@ def _status(findings: list[pv.Finding]) -> str:
 
 
 @profiles.command(name="list")
-@click.option("--json", "json_", is_flag=True, help="One JSON object per profile and line.")
+@click.option("--json", "json_", is_flag=True, help='One JSON object: {"profiles": [...]}.')
 def profiles_list(json_: bool) -> None:
     """List the shipped profiles with their validation status."""
     shipped = sorted(prof.all_profiles().items())
     if json_:
+        rows = []
         for name, p in shipped:
             findings = pv.check(p)
             errors = len(pv.errors(findings))
-            row = {
-                "name": name,
-                "mtp": p.mtp,
-                "num_speculative_tokens": p.speculative.num_speculative_tokens if p.mtp else None,
-                "errors": errors,
-                "warnings": len(findings) - errors,
-                "description": p.description,
-            }
-            click.echo(json.dumps(row, sort_keys=True))
+            rows.append(
+                {
+                    "name": name,
+                    "mtp": p.mtp,
+                    "num_speculative_tokens": (
+                        p.speculative.num_speculative_tokens if p.mtp else None
+                    ),
+                    "errors": errors,
+                    "warnings": len(findings) - errors,
+                    "description": p.description,
+                }
+            )
+        echo_json({"profiles": rows})
         return
     rows = [
         (
@@ -64,10 +70,10 @@ def profiles_show(name: str, json_: bool) -> None:
     yours (a path: ./mine.toml), findings on stderr."""
     p = prof.lookup(name)
     model_dir = "$DEVMODEL" if p.uses_devmodel else None
-    argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir)]
+    argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir), *p.queue_args()]
     if json_:
         findings = [dataclasses.asdict(f) for f in pv.check(p)]
-        click.echo(json.dumps({"name": p.name, "argv": argv, "findings": findings}))
+        echo_json({"name": p.name, "argv": argv, "findings": findings})
         return
     click.echo(shlex.join(argv))
     for finding in pv.check(p):
@@ -100,4 +106,26 @@ def profiles_validate(
         for finding in findings:
             click.echo(f"  {finding}")
     if failed:
+        raise click.exceptions.Exit(1)
+
+
+@profiles.command(name="suggest")
+@click.option("--json", "json_", is_flag=True, help="The GPUs, the best and every profile's why.")
+def profiles_suggest(json_: bool) -> None:
+    """The shipped profiles that fit this host's GPUs (nvidia-smi), best first, one line of
+    why each; then why the others do not. Exit 1 when none fits.
+
+    \b
+    Example:
+      appliance profiles suggest
+      appliance install 31b --profile "$(appliance profiles suggest --json | jq -r .best)"
+    """
+    from ..hostcheck import suggest
+
+    found = suggest.suggest()
+    if json_:
+        echo_json(found.to_dict())
+    else:
+        click.echo(found.text())
+    if found.best is None:
         raise click.exceptions.Exit(1)

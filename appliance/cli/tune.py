@@ -1,8 +1,7 @@
-"""``appliance tune``: k per batch size from one concurrency run, as vLLM's k schedule."""
+"""``appliance bench tune``: k per batch size from one concurrency run, as vLLM's k schedule."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -11,10 +10,11 @@ from .. import profiles
 from ..bench import concurrency, prompts, runner
 from ..bench import tune as tune_lib
 from ..endpoint import Endpoint
-from ..errors import UsageError
+from ..errors import ApplianceError, UsageError
 from ..host.layout import Layout
 from ..tables import table
-from .options import endpoint_options, progress_bar, prompt_options
+from .options import OutputPath, endpoint_options, progress_bar, prompt_options
+from .output import echo_json
 
 
 def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles.Profile) -> str:
@@ -35,7 +35,16 @@ def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles
     "instance's].",
     default_url=None,
 )
-@click.option("--baseline-url", required=True, help="The same model served without MTP.")
+@click.option(
+    "--baseline-url", default=None, help="The same model served without MTP (not with --verify)."
+)
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Read the profile's schedule back instead: bench the endpoint serving it at each level "
+    "and check from the draft counters that it drafts fewer tokens per step where the schedule "
+    "says so (exit 1 where it does not).",
+)
 @click.option(
     "--concurrency",
     "levels",
@@ -54,7 +63,7 @@ def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles
 @click.option(
     "--write",
     "dest",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=OutputPath(),
     default=None,
     metavar="FILE",
     help="Write the profile with the schedule here (validated; atomic: a failure keeps the "
@@ -73,6 +82,7 @@ def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles
 def tune(
     endpoint: Endpoint,
     baseline_url,
+    verify,
     levels,
     requests,
     dest,
@@ -93,17 +103,19 @@ def tune(
 
     \b
     Examples:
-      appliance tune 31b --baseline-url http://127.0.0.1:8002 --write 31b-tuned.toml
-      appliance install 31b --profile 31b-tuned.toml    # then restart to apply
-      appliance tune --url http://127.0.0.1:8001 --profile l4x4-31b-mtp \\
+      appliance bench tune 31b --baseline-url http://127.0.0.1:8002 --write 31b-tuned.toml
+      appliance instance install 31b --profile 31b-tuned.toml    # then restart to apply
+      appliance bench tune --url http://127.0.0.1:8001 --profile l4x4-31b-mtp \\
           --baseline-url http://127.0.0.1:8002 --concurrency 1,8,32 --json
+      appliance tune 31b --verify --concurrency 1,8,32   # after the restart
 
-    A prediction, not a measurement of the schedule: bench the tuned profile to confirm. On
+    A prediction, not a measurement of the schedule: once the tuned profile serves, --verify
+    reads each level's drafts back from the engine's counters and says plainly whether the
+    drafter drafts fewer tokens per step where the schedule says so. On
     the CPU engine a step costs about k times a token; on a GPU the prediction is what counts.
     """
     ctx = click.get_current_context()
     profile_name = ctx.params.get("profile_name") or None
-    profile = tune_lib.check_profile(endpoint.profile)
     sets_list = [s.strip() for s in sets.split(",") if s.strip()]
     config = runner.BenchConfig(
         tuple(prompts.resolve(sets_list, prompt_file, limit)),
@@ -114,6 +126,12 @@ def tune(
     level_list = concurrency.parse_levels(levels)
     if requests is not None and requests < 1:
         raise UsageError("--requests must be at least 1")
+    if verify:
+        _verify(endpoint, config, level_list, requests, as_json)
+        return
+    if baseline_url is None:
+        raise UsageError("--baseline-url is required", fix="or read a schedule back: --verify")
+    profile = tune_lib.check_profile(endpoint.profile)
     source = _source_text(endpoint, profile_name, profile) if dest else None
     name = new_name or (
         f"{profile.name}-tuned" if profile.name in profiles.all_profiles() else profile.name
@@ -127,7 +145,7 @@ def tune(
     warnings = tune_lib.write(dest, source, result.tuned(name)) if dest and source else []
     if as_json:
         out = result.to_dict() | {"written": str(dest) if dest else None, "name": name}
-        click.echo(json.dumps(out, indent=2, sort_keys=True))
+        echo_json(out)
     else:
         rows = [
             [
@@ -158,3 +176,39 @@ def tune(
             click.echo(f"wrote profile {name} to {dest}")
     for w in warnings:
         click.echo(f"  {w}", err=True)
+
+
+def _verify(
+    endpoint: Endpoint,
+    config: runner.BenchConfig,
+    levels: list[int],
+    requests: int | None,
+    as_json: bool,
+) -> None:
+    """``tune --verify``: the endpoint's drafts per level against its profile's schedule."""
+    if endpoint.profile is None:
+        raise UsageError(
+            "--verify needs the profile the endpoint serves",
+            fix="give NAME (an installed instance) or --profile NAME|FILE",
+        )
+    profile = endpoint.profile
+    tune_lib.verify(profile, [])  # a profile without a schedule: refused before any request
+    ep = runner.open_endpoint(endpoint.url, "endpoint", endpoint.secret)
+    total = sum(requests or max(4 * n, config.measured_requests) for n in levels)
+    with progress_bar(total, "verify") as tick:
+        result = concurrency.run_concurrency(ep, config, levels, requests, tick)
+    checks = tune_lib.verify(profile, result.levels)
+    if as_json:
+        out = {"profile": profile.name, "levels": [c.to_dict() for c in checks]}
+        echo_json(out)
+    else:
+        for c in checks:
+            click.echo(c.summary())
+    ignored = [c.concurrency for c in checks if c.verdict == "ignored"]
+    if ignored:
+        raise ApplianceError(
+            f"the drafter does not follow profile {profile.name}'s schedule at concurrency "
+            f"{', '.join(map(str, ignored))}",
+            fix="serve it where vLLM applies the per-batch-size k to the drafter (vLLM #57053: "
+            "not the V2 model runner), or drop the schedule",
+        )

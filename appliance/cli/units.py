@@ -12,7 +12,7 @@ from ..cutover import metrics as cutover_metrics
 from ..errors import UsageError
 from ..host.layout import Layout, Node
 from ..host.systemd import Systemd
-from .options import root_option
+from .options import OutputPath, root_option
 
 
 def instance_options(profile_required: bool):
@@ -30,7 +30,9 @@ def instance_options(profile_required: bool):
                     "--profile", "-p", "profile", required=profile_required, help=profile_help
                 ),
                 click.option(
-                    "--image", help="VLLM_IMAGE (default: kept, else gemma4-vllm:latest)."
+                    "--image",
+                    help="VLLM_IMAGE (default: kept, else the version tag of the newest image "
+                    "of the profile's build here, else gemma4-vllm:latest or :latest-cpu).",
                 ),
                 click.option("--gpus", help="docker --gpus value (MIG profiles: device=GPU:MIG)."),
                 click.option(
@@ -99,12 +101,12 @@ def node_options(f):
 @click.argument("name", metavar="NAME")
 @instance_options(profile_required=True)
 @node_options
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Output dir.")
-def render(profile: str, name: str, out: str, **kw) -> None:
+@click.option("--out", "-o", required=True, type=OutputPath(directory=True), help="Output dir.")
+def render(profile: str, name: str, out: Path, **kw) -> None:
     """Render NAME's units, env and args files and the serve program into --out, as install
     would lay them out under --root."""
     node = _node(kw)
-    _report(installer.render_to(profile, name, Path(out), _options(kw), node=node))
+    _report(installer.render_to(profile, name, out, _options(kw), node=node))
 
 
 @click.command()
@@ -129,7 +131,8 @@ def install(
     """Install NAME: the shared unit and serve program, its env file (values kept), args file
     and API key (0600). A multi-node profile installs this host's node(s) of the group NAME
     (--role, --rank). Refuses, writing nothing, when `appliance host check` finds a blocker
-    (unless --force).
+    (unless --force). Without --profile: the one the instance's env file names, or for a new
+    instance on a GPU host the one `appliance profiles suggest` puts first (said on stderr).
 
     \b
     Example:
@@ -138,6 +141,14 @@ def install(
     """
     node = _node(kw)
     checked: list[hostcheck.Report] = []
+    check = host_check or root == Path("/")
+    if profile is None and node is None and check and units.named_profile(root, name) is None:
+        # This host's GPUs choose (under another --root only with --host-check: its GPUs are
+        # this host's then too).
+        profile, said = hostcheck.suggested(
+            f"instance {name} names no profile", "say which: --profile NAME"
+        )
+        click.echo(said, err=True)
 
     def preflight(plan: units.Planned) -> None:
         command = f"appliance host check {name} --profile {plan.profile.name}"
@@ -145,7 +156,6 @@ def install(
             command += f" --root {root}"
         checked.append(hostcheck.gate(plan, force=force, command=command))
 
-    check = host_check or root == Path("/")
     done = installer.install(
         profile,
         name,

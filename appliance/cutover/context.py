@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import ApplianceError
+from ..host import reach
 from ..host.layout import Layout
 from ..host.systemd import Systemd
 
@@ -29,6 +30,9 @@ class Context:
     def docker(self):
         if self.docker_client is None:
             import docker
+
+            if not reach.docker(self.layout.root):
+                raise reach.refusal(self.layout.root, "Docker")
 
             try:
                 self.docker_client = docker.from_env()

@@ -2,12 +2,14 @@
 
 cutover(instance, image):
   preflight (nothing touched yet): reference valid, the output canary's set valid (when on),
-  image present locally (never pulled), labels compatible with the instance's profile, the
+  image present locally (never pulled), labels compatible with the instance's profile (its
+  build, CPU or CUDA, among them), not a floating tag (``latest``: unless forced), the
   current image present too (it is the way back), nothing else sets VLLM_IMAGE for the unit
   (a second EnvironmentFile, a drop-in)
   -> lock the instance -> canary "before" on the old image (an engine error refuses the
-  cutover, still untouched) -> history "started" -> save the env file's bytes and the rollback
-  slot's, record the current image as the rollback target -> write VLLM_IMAGE atomically
+  cutover, still untouched) -> history "started" (both images' IDs too) -> save the env file's
+  bytes and the rollback slot's, record the current image (and its ID) as the rollback target
+  -> write VLLM_IMAGE atomically
   -> restart -> gates (the running container's image ID among them)
   -> canary "after" on the new image, compared with "before" (the last gate); when the old image
      drafted nothing (no MTP), its acceptance is judged against the instance's acceptance
@@ -43,7 +45,7 @@ from ..host import lock as locks
 from . import gates, history, metrics, slot
 from .context import Context, PreflightError
 from .history import Entry, Gate
-from .preflight import check_compatible, way_back
+from .preflight import check_compatible, check_pinned, way_back
 from .signals import Interrupted, guard
 from .target import Target
 from .targets import target
@@ -86,6 +88,7 @@ def cutover(
     allow_unit_overrides: bool = False,
     canary_timeout: float = canaries.DEFAULT_TIMEOUT,
     canary_before: Path | None = None,
+    force: bool = False,
 ) -> Entry:
     """Move ``instance`` (a name of either shape, or a :class:`Target`) to ``image`` through the
     gates; on failure, back to where it was.
@@ -99,23 +102,30 @@ def cutover(
     goes ahead instead: a missing or broken current image is what it is there for).
     ``allow_unit_overrides``: warn instead of refusing when a drop-in or another env file may
     set the image (:func:`unit_overrides`).
+    ``force``: a cutover to a floating tag (``latest``, ``mtp``...: :func:`check_pinned`) goes
+    ahead instead of being refused.
     """
     tgt = target(ctx, instance) if isinstance(instance, str) else instance
     name = tgt.name
     imageref.validate(image)
-    tgt.check_way_back(rollback)
     layout = ctx.layout
+    locks.refuse_if_busy(layout.lock_file(name), name)
+    tgt.check_way_back(rollback)
     api_key = tgt.api_key()
     # The canary asks the API: a host that runs only a group's worker has none.
     enabled = canary if tgt.answers else False
     # The canary's set is read and checked here: a malformed line refuses the cutover untouched.
     plan = canaries.plan(tgt.profile, root=layout.root, enabled=enabled, files=canary_files)
     new = tgt.inspect(ctx, image)
-    check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
-    tgt.check_overrides(ctx, allow=allow_unit_overrides)
-    # Refused here, nothing is written, not even the lock.
+    for warning in check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp):
+        ctx.progress(f"warning: {warning}")
+    if kind == "cutover" and not force:
+        check_pinned(ctx, new, tgt.inspect)
     first_ref = tgt.read().image
     old, unusable = way_back(ctx, first_ref, image, rollback, way_back_required, tgt.inspect)
+    # Systemd last: the refusals above need only the files and Docker.
+    tgt.check_overrides(ctx, allow=allow_unit_overrides)
+    # Refused up to here, nothing is written, not even the lock.
 
     lock = locks.hold(layout.lock_file(name), name, f"{kind} to {image}")
     with lock as held, guard(ctx.progress) as sig:
@@ -144,7 +154,8 @@ def cutover(
             ) from None
         # The history line, the saved files and the slot go together: a signal waits for them.
         sig.defer()
-        entry = Entry.begin(name, kind, current_ref, image)
+        was = old.id if old is not None else _image_id(ctx, tgt, current_ref)
+        entry = Entry.begin(name, kind, current_ref, image, was, new.id)
         held.note(entry.id)
         hist = layout.history_file(name)
         history.append(hist, entry)
@@ -156,7 +167,7 @@ def cutover(
         # Kept until the cutover ends, for `appliance rollback` after a kill (recover()).
         write_atomic(layout.saved_slot(name), slot_before or b"", mode=0o644)
         if current_ref and current_ref != image:
-            slot.write(layout, name, current_ref, entry.id)
+            slot.write(layout, name, current_ref, entry.id, was)
 
         touched = False
         canary_result = None
@@ -242,15 +253,19 @@ def check(
     *,
     allow_no_mtp: bool = False,
     allow_unit_overrides: bool = False,
+    force: bool = False,
 ) -> dict[str, object]:
     """The cutover's preflight of ``name`` to ``image``, touching nothing: the reference valid,
-    the image here, compatible with the profile, no unit override, the env file readable.
+    the image here, compatible with the profile, not a floating tag (unless ``force``), no unit
+    override, the env file readable.
     Returns what the fleet's play compares across a group's hosts (the image IDs, the image the
     env file names now and its ID: the way back) and whether ``name`` already runs ``image``."""
     tgt = target(ctx, name)
     imageref.validate(image)
     new = tgt.inspect(ctx, image)
-    check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
+    warnings = check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
+    if not force:
+        check_pinned(ctx, new, tgt.inspect)
     tgt.check_overrides(ctx, allow=allow_unit_overrides)
     current = tgt.read().image
     node = tgt.node
@@ -268,7 +283,19 @@ def check(
         # The output canary (the profile's [canary]) where the API answers: the group's play
         # records the head's answers before any worker moves.
         "canary": tgt.answers and tgt.profile.canary.enabled,
+        "warnings": warnings,
     }
+
+
+def _image_id(ctx: Context, tgt: Target, ref: str | None) -> str | None:
+    """The ID ``ref`` names now (None when there is no ref, or it cannot be inspected: the
+    history and the slot then keep the reference alone, as before IDs were kept)."""
+    if not ref:
+        return None
+    try:
+        return tgt.inspect(ctx, ref).id
+    except ApplianceError:
+        return None
 
 
 def interrupted_gates(stop: Interrupted, so_far: list[Gate]) -> list[Gate]:

@@ -8,6 +8,8 @@ with ``O_APPEND`` and fsynced; a line cut short by a crash is skipped on reading
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import time
@@ -18,7 +20,7 @@ from typing import Literal
 
 from .. import records
 from ..errors import UsageError
-from ..fsutil import private_dir
+from ..fsutil import fsync_dir, private_dir
 
 Kind = Literal["cutover", "rollback"]
 # ok: the new image passed the gates. rolled_back: it failed them and the previous image is
@@ -59,9 +61,21 @@ class Entry:
     # What interrupted it: a signal's name (SIGINT, SIGTERM, SIGHUP), or "killed" when a later
     # `appliance rollback` finished an entry whose process died without an end line.
     interrupted: str | None = None
+    # The image IDs the references named at the start: tags move (`appliance image build`), an
+    # ID does not. None in a line written by an older appliance, or when it could not be seen.
+    from_image_id: str | None = None
+    to_image_id: str | None = None
 
     @classmethod
-    def begin(cls, instance: str, kind: Kind, from_image: str | None, to_image: str) -> Entry:
+    def begin(
+        cls,
+        instance: str,
+        kind: Kind,
+        from_image: str | None,
+        to_image: str,
+        from_image_id: str | None = None,
+        to_image_id: str | None = None,
+    ) -> Entry:
         return cls(
             id=uuid.uuid4().hex[:12],
             instance=instance,
@@ -71,6 +85,8 @@ class Entry:
             outcome="started",
             started=time.time(),
             pid=os.getpid(),
+            from_image_id=from_image_id,
+            to_image_id=to_image_id,
         )
 
     def to_json(self) -> str:
@@ -84,18 +100,37 @@ class Entry:
 
 
 def append(path: Path, entry: Entry) -> None:
-    """Append ``entry`` as one line, durably."""
+    """Append ``entry`` as one line, durably: the whole line or, on a write the disk refuses
+    (full, a size limit), an OSError with the file as it was; then the file and its folder are
+    synced (a new history file is only there after a power cut once its folder entry is)."""
     private_dir(path.parent)
     line = (entry.to_json() + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        size = os.fstat(fd).st_size
         # A line cut short by a crash has no newline; start ours on a fresh line.
-        if os.fstat(fd).st_size and _last_byte(path) != b"\n":
+        if size and _last_byte(path) != b"\n":
             line = b"\n" + line
-        os.write(fd, line)
-        os.fsync(fd)
+        try:
+            _write_all(fd, line)
+            os.fsync(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)  # no half line left for the next append to follow
+            raise
     finally:
         os.close(fd)
+    fsync_dir(path.parent)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written: a write may take only part of it."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written == 0:
+            raise OSError(errno.EIO, "the history file took no more bytes")
+        view = view[written:]
 
 
 def _last_byte(path: Path) -> bytes:

@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import labels, state_metrics
 from ..canary import baseline as baselines
 from ..errors import ApplianceError
-from ..host import envfile
+from ..host import envfile, reach
 from ..host.layout import Layout
 from . import history
 
@@ -27,7 +27,11 @@ def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metri
 
     out = []
     for instance in layout.installed():
-        image = envfile.read(layout.env_file(instance)).get(envfile.IMAGE_KEY) or ""
+        try:
+            env = envfile.read(layout.env_file(instance))
+            image, env_error = env.get(envfile.IMAGE_KEY) or "", None
+        except ApplianceError as exc:  # marked in its own series; the others are written
+            image, env_error = "", str(exc)
         found: dict[str, str] = {}
         if docker_client is not None and image:
             import docker
@@ -60,6 +64,7 @@ def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metri
                 canary=last_canary,
                 unit=_unit(layout, instance, systemd) if systemd is not None else None,
                 baseline=_baseline(layout, instance),
+                env_error=env_error,
             )
         )
     return out
@@ -86,9 +91,12 @@ def _baseline(layout: Layout, instance: str) -> state_metrics.BaselineState | No
 
 def write(layout: Layout, docker_client=None, systemd=None) -> Path:
     """Write the state textfile for every instance under ``layout`` (see :func:`states`)."""
-    return state_metrics.write_textfile(
-        layout.metrics_textfile(), states(layout, docker_client, systemd)
-    )
+    return write_states(layout, states(layout, docker_client, systemd))
+
+
+def write_states(layout: Layout, found: list[state_metrics.InstanceState]) -> Path:
+    """Write ``found`` (from :func:`states`) as ``layout``'s state textfile."""
+    return state_metrics.write_textfile(layout.metrics_textfile(), found, top=layout.state_dir)
 
 
 def refresh(layout: Layout, systemd=None) -> Path | None:
@@ -96,13 +104,16 @@ def refresh(layout: Layout, systemd=None) -> Path | None:
     instance's series go (Prometheus would show it serving on). None when there is none."""
     if not layout.metrics_textfile().exists():
         return None
-    return write(layout, local_docker(), systemd)
+    return write(layout, local_docker(layout.root), systemd)
 
 
-def local_docker():
-    """A Docker client, or None when the engine cannot be reached (labels then read unknown)."""
+def local_docker(root: Path = Path("/")):
+    """The Docker client of the tree under ``root``, or None when it has none a command may ask
+    (host/reach.py) or the engine cannot be reached (labels then read unknown)."""
     import docker
 
+    if not reach.docker(root):
+        return None
     try:
         return docker.from_env()
     except docker.errors.DockerException:

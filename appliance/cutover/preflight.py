@@ -13,6 +13,7 @@ from ..errors import ApplianceError, EngineError, UsageError
 from ..host import envfile
 from ..host.layout import ENV_DIR
 from ..host.systemd import Systemd, SystemdError
+from ..images import scheme, variant
 from ..profiles import Profile
 from ..units.instance import Instance
 from ..units.instance import read as read_instance
@@ -54,8 +55,13 @@ def inspect_image(ctx: Context, ref: str) -> ImageInfo:
     )
 
 
-def check_compatible(image: ImageInfo, profile: Profile, *, allow_no_mtp: bool) -> None:
-    """Refuse an image whose labels cannot serve ``profile`` (clear error naming both)."""
+def check_compatible(image: ImageInfo, profile: Profile, *, allow_no_mtp: bool) -> list[str]:
+    """Refuse an image whose labels cannot serve ``profile`` (clear error naming both): the
+    other build (CPU for a GPU profile, or the reverse), no appliance labels, MTP it lacks.
+    Returns the warnings (an image that does not say which build it is)."""
+    built = variant.fit(image.ref, image.labels, profile.hardware.device, profile.name)
+    if built.refusal is not None:
+        raise PreflightError(built.refusal, fix=built.fix)
     if image.vllm_version is None:
         raise PreflightError(
             f"image {image.ref} has no {labels.VLLM_VERSION} label, so it is not an appliance "
@@ -75,6 +81,30 @@ def check_compatible(image: ImageInfo, profile: Profile, *, allow_no_mtp: bool) 
             fix="choose an MTP image, or return to a pre-MTP image on purpose with "
             "`appliance rollback` or `--allow-no-mtp`",
         )
+    return [built.warning] if built.warning else []
+
+
+def check_pinned(
+    ctx: Context,
+    image: ImageInfo,
+    inspect: Callable[[Context, str], ImageInfo] = inspect_image,
+) -> None:
+    """Refuse a floating tag (``mtp``, ``latest``, ``pre-mtp``, their ``-cpu`` forms: the next
+    ``appliance image build`` moves them, and the unit's next plain restart would run whatever
+    the tag names then, ungated), naming the version tag of the image it names now (its ID
+    when that tag is not here)."""
+    if not scheme.floating(image.ref):
+        return
+    instead = scheme.version_ref(image.labels, image.ref)
+    try:
+        same = instead is not None and inspect(ctx, instead).id == image.id
+    except (PreflightError, UsageError):
+        same = False
+    raise PreflightError(
+        f"{image.ref} is a floating tag: `appliance image build` moves it, and the next restart "
+        "would run whatever it names then, without the gates",
+        fix=f"cut over to {instead if same else image.id} (what it names now), or pass --force",
+    )
 
 
 def target(ctx: Context, name: str) -> Instance:
@@ -146,13 +176,19 @@ def check_overrides(
     ctx: Context, checks: dict[str, Callable[[], list[str]]], env_name: str, allow: bool
 ) -> None:
     """Run each unit's override check (``{unit: check}``); refuse, or with ``allow`` warn, on
-    any finding. A unit systemd cannot be asked about is a warning."""
+    any finding. A unit systemd cannot be asked about is refused (it could not be restarted)."""
     problems = []
     for unit, check in checks.items():
         try:
             problems += check()
         except SystemdError as exc:
-            ctx.progress(f"warning: cannot check {unit} for overrides ({exc})")
+            # A systemd that cannot be asked cannot restart the unit either: refused here,
+            # before the env file is written, not after a restart and a way back that fail.
+            raise PreflightError(
+                f"cannot ask systemd about {unit}: {exc}",
+                fix="run it where the unit's systemd answers (APPLIANCE_SYSTEMD_PREFIX names "
+                "another one)",
+            ) from exc
     if not problems:
         return
     what = "; ".join(problems)

@@ -24,14 +24,16 @@ def rollback(
     to: str | None = None,
 ) -> Entry:
     """Return ``instance`` (a name of either shape, or a :class:`Target`) to ``to`` (default:
-    the image in its rollback slot), through the same gates; after a killed cutover,
+    the image in its rollback slot, by the ID it kept when its tag has moved since), through
+    the same gates; after a killed cutover,
     :func:`recover` it instead. A target without a way back of its own (a group's head whose
     workers run elsewhere: the fleet's play moves them) stays where a failed rollback left it."""
     tgt = target(ctx, instance) if isinstance(instance, str) else instance
     name = tgt.name
     if interrupted_entry(ctx.layout, name) is not None:
         return recover(ctx, tgt, timeout=timeout)
-    image = to or slot.rollback_image(ctx.layout, name)
+    way_back = slot.read(ctx.layout, name)
+    image = to or (pinned(ctx, tgt, way_back.image, way_back.image_id) if way_back else None)
     if not image:
         raise UsageError(
             f"{tgt.noun} {name} has no rollback target",
@@ -52,6 +54,23 @@ def rollback(
     )
 
 
+def pinned(ctx: Context, tgt: Target, ref: str, image_id: str | None) -> str:
+    """Where a way back recorded as ``ref`` naming ``image_id`` goes: ``ref`` while it still
+    names that image (or no ID was recorded), else the ID itself (a tag that moved, e.g.
+    ``latest`` after an ``appliance image build``, must not take the way back elsewhere)."""
+    if image_id is None or ref == image_id:
+        return ref
+    try:
+        now = tgt.inspect(ctx, ref).id
+    except ApplianceError:
+        now = None
+    if now == image_id:
+        return ref
+    names = f"names another image ({now})" if now else "names no image here"
+    ctx.progress(f"{ref} {names} now: returning to the image it named, {image_id}")
+    return image_id
+
+
 def interrupted_entry(layout: Layout, instance: str, *, locked: bool = False) -> Entry | None:
     """The last history entry when its process died without writing an end (SIGKILL, power
     loss), else None. ``locked``: the caller holds the instance's lock (no live holder)."""
@@ -68,6 +87,11 @@ def recovery_image(entry: Entry) -> str | None:
     """Where recovering ``entry`` goes: a killed cutover back to the image it left, a killed
     rollback on to the image it was returning to."""
     return entry.from_image if entry.kind == "cutover" else entry.to_image
+
+
+def recovery_image_id(entry: Entry) -> str | None:
+    """The ID :func:`recovery_image` named when ``entry`` began (None in an older line)."""
+    return entry.from_image_id if entry.kind == "cutover" else entry.to_image_id
 
 
 def recover(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_TIMEOUT) -> Entry:
@@ -91,6 +115,8 @@ def recover(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_TI
                 fix=f"`appliance status {name}` shows its state",
             )
         image = recovery_image(entry)
+        if image:
+            image = pinned(ctx, tgt, image, recovery_image_id(entry))
         if not image:
             raise UsageError(
                 f"the interrupted {entry.kind} of {name} started from no "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+from .. import labels
 from . import history
 from .status import Status, describe_running
 
@@ -91,7 +92,15 @@ def status_lines(st: Status) -> list[str]:
         out.append("  running:    - (no container)")
     if st.image_info:
         i = st.image_info
-        out.append(f"  labels:     vLLM {i.vllm_version or '?'}, mtp={'yes' if i.mtp else 'no'}")
+        build = labels.variant(i.labels) or "?"
+        out.append(
+            f"  labels:     vLLM {i.vllm_version or '?'}, mtp={'yes' if i.mtp else 'no'}, "
+            f"build={build}"
+        )
+        if st.wrong_build:
+            out.append(f"  WRONG BUILD: {st.wrong_build}")
+        elif st.build_warning:
+            out.append(f"  build:      {st.build_warning}")
     elif st.image_error:
         out.append(f"  labels:     {st.image_error}")
     if st.instance_error:

@@ -21,6 +21,7 @@ from ..errors import ApplianceError, EngineError
 from ..host import envfile
 from ..host import lock as locks
 from ..host.names import check_instance, container_name, node_container
+from ..images import variant
 from ..vllm_client import VLLMClient
 from . import history
 from .context import Context
@@ -63,6 +64,10 @@ class Status:
     mismatch: bool | None = None
     # Why the instance's URL or key could not be read (e.g. installed by an older appliance).
     instance_error: str | None = None
+    # The env file's image is the other build than the profile's (a CPU image for a GPU
+    # profile: images/variant.py), with the fix; or it does not say which build it is.
+    wrong_build: str | None = None
+    build_warning: str | None = None
     entries: list[Entry] = field(default_factory=list)
     # The acceptance baseline's figures (Baseline.to_dict), None when there is none; why its
     # file cannot be read, when it cannot.
@@ -129,6 +134,12 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     except ApplianceError as exc:
         st.instance_error = str(exc)
         return st
+    if st.image_info is not None:
+        built = variant.fit(
+            st.image_info.ref, st.image_info.labels, tgt.profile.hardware.device, tgt.profile.name
+        )
+        st.wrong_build = f"{built.refusal} ({built.fix})" if built.refusal else None
+        st.build_warning = built.warning
     if not tgt.answers:
         return st  # a group's worker host: the API is the head's, on another host
     st.url = tgt.base_url

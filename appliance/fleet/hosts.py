@@ -63,8 +63,10 @@ def running_image(instance: str) -> str | None:
 
 
 def host_status(instance: str, root: Path = Path("/")) -> HostStatus:
-    """Gather :class:`HostStatus` for ``instance`` (read only)."""
+    """Gather :class:`HostStatus` for ``instance`` (read only); a name this host has never
+    seen is a UsageError, as for ``appliance status``."""
     ctx = Context(layout=Layout(root))
+    ctx.layout.require_known(instance)
     st = status(ctx, instance, last=1)
     last = None
     if st.entries:

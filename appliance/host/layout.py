@@ -33,6 +33,10 @@ TIMERS_WANTS_DIR = UNIT_DIR / "timers.target.wants"
 # Drop-ins binding a group's head and worker where both run on one host.
 LOCAL_WORKER_DROPIN = "50-local-worker.conf"
 LOCAL_HEAD_DROPIN = "50-local-head.conf"
+# The worker's wait for its head's rendezvous (the head's address let through the hardening).
+RENDEZVOUS_DROPIN = "40-rendezvous.conf"
+# An instance's own drop-in: RequiresMountsFor= the folders its env file names.
+MOUNTS_DROPIN = "mounts.conf"
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,14 @@ class Layout:
         dropin = LOCAL_WORKER_DROPIN if role == "head" else LOCAL_HEAD_DROPIN
         return self.unit_dir / f"{names.node_unit(group, role)}.d" / dropin
 
+    def mounts_dropin(self, instance: str) -> Path:
+        """The instance's drop-in waiting for the mounts of its model and cache folders."""
+        return self.unit_dir / f"{names.unit_name(instance)}.d" / MOUNTS_DROPIN
+
+    def rendezvous_dropin(self, group: str) -> Path:
+        """The drop-in letting a group's worker reach its head's rendezvous."""
+        return self.unit_dir / f"{names.node_unit(group, 'worker')}.d" / RENDEZVOUS_DROPIN
+
     @property
     def serve_program(self) -> Path:
         """The one serve program every unit runs."""
@@ -176,7 +188,8 @@ class Layout:
         if not (self.env_file(name).exists() or self.history_file(name).exists()):
             raise UsageError(
                 f"no instance {name}: no {self.env_file(name)} and no history",
-                fix="`appliance status` lists the installed instances",
+                fix=f"`appliance status` lists the installed instances; "
+                f"`appliance instance install {name} --profile PROFILE` installs it",
             )
 
     # ---- the appliance's state, per instance ----------------------------------------------------

@@ -2,8 +2,13 @@
 
 The kernel drops the lock when its holder dies, however it dies, so a killed cutover never
 leaves a stale lock behind. The holder writes its PID and what it is doing into the file, so a
-second cutover's error can say who holds it. The file is never unlinked: removing a lock file
-while another process waits on it would let two holders in.
+second cutover's error can say who holds it.
+
+The file is unlinked only by its holder, as the last thing before it lets go
+(:meth:`InstanceLock.remove`: the last instance's purge): a lock file removed earlier would let a
+second process lock a new file while the first still works. A process that opened the old file
+meanwhile gets its lock only once the holder is done; :func:`hold` then sees that the path no
+longer names the file it locked, and starts over on the path.
 """
 
 from __future__ import annotations
@@ -50,11 +55,17 @@ class Holder:
 class InstanceLock:
     """The held lock; :meth:`note` records what the holder is doing (e.g. the history id)."""
 
-    def __init__(self, fd: int, instance: str, action: str) -> None:
+    def __init__(self, fd: int, instance: str, action: str, path: Path) -> None:
         self._fd = fd
+        self.path = path
         self.holder = Holder(os.getpid(), action, time.time())
         self.instance = instance
         self._write()
+
+    def remove(self) -> None:
+        """Unlink the lock file while still holding it: the holder's very last step."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
     def note(self, entry_id: str) -> None:
         self.holder.entry_id = entry_id
@@ -70,6 +81,48 @@ class InstanceLock:
 def hold(path: Path, instance: str, action: str) -> Iterator[InstanceLock]:
     """Hold the instance's lock for the block, or raise :class:`LockBusy` (within
     :data:`BUSY_RETRY_S`) when another cutover or rollback holds it."""
+    while True:
+        fd = _open(path)
+        try:
+            if not _acquire(fd):
+                raise _busy(instance, read_holder(path)) from None
+            if _still_named(fd, path):
+                yield InstanceLock(fd, instance, action, path)
+                return
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock
+
+
+def refuse_if_busy(path: Path, instance: str) -> None:
+    """Raise :class:`LockBusy` now when another cutover or rollback holds the lock: checked
+    first, before any preflight, so the operator hears about the move in progress (and
+    nothing else is asked of Docker or systemd meanwhile). Creates nothing."""
+    holder = current_holder(path)
+    if holder is not None:
+        raise _busy(instance, holder)
+
+
+def _busy(instance: str, h: Holder) -> LockBusy:
+    alive = h.pid and pid_alive(h.pid)
+    who = f"pid {h.pid}, {h.action}" if alive else "an unknown process"
+    return LockBusy(
+        f"instance {instance} is busy: a cutover or rollback is in progress ({who})",
+        fix="wait for it to finish, then check `appliance status`",
+    )
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file ``fd`` locked (its holder may have removed it)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _open(path: Path) -> int:
+    """The lock file's descriptor (created 0600 in a 0700 folder); LockUnavailable if not."""
     try:
         # Owner only: any user who can open the file can hold a shared flock on it, and every
         # cutover and rollback of the instance is then busy for as long as that user likes.
@@ -82,17 +135,7 @@ def hold(path: Path, instance: str, action: str) -> Iterator[InstanceLock]:
             f"cannot open the cutover lock {path}: {exc.strerror or exc}{where}",
             fix=f"cutover and rollback need root, or write access to {path.parent}",
         ) from exc
-    try:
-        if not _acquire(fd):
-            h = read_holder(path)
-            who = f"pid {h.pid}, {h.action}" if h.pid and pid_alive(h.pid) else "an unknown process"
-            raise LockBusy(
-                f"instance {instance} is busy: a cutover or rollback is in progress ({who})",
-                fix="wait for it to finish, then check `appliance status`",
-            ) from None
-        yield InstanceLock(fd, instance, action)
-    finally:
-        os.close(fd)  # closing the descriptor releases the flock
+    return fd
 
 
 def pid_alive(pid: int) -> bool:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ApplianceError
+from . import reach
 
-PREFIX_ENV = "APPLIANCE_SYSTEMD_PREFIX"
+PREFIX_ENV = reach.SYSTEMD_ENV
 
 
 class SystemdError(ApplianceError):
@@ -39,6 +40,7 @@ class Systemd:
 
     prefix: tuple[str, ...] = ()
     timeout: float = 120.0
+    refusal: str = ""  # set: every call raises SystemdError with it (a tree with no systemd)
 
     @classmethod
     def from_env(cls) -> Systemd:
@@ -50,12 +52,18 @@ class Systemd:
         """The systemd that runs the units of the tree under ``root``: the host's for ``/``,
         the one ``APPLIANCE_SYSTEMD_PREFIX`` enters for another root (a machine's, seen from
         the host); None for a tree with none named (a test tree, an image being built), where
-        a command touches nothing outside the tree."""
-        if Path(root) == Path("/") or os.environ.get(PREFIX_ENV, "").strip():
-            return cls.from_env()
-        return None
+        a command touches nothing outside the tree (:mod:`.reach`)."""
+        return cls.from_env() if reach.systemd(root) else None
+
+    @classmethod
+    def of_tree(cls, root: Path) -> Systemd:
+        """:meth:`for_root`, or one that refuses every call in one line naming what to set."""
+        found = cls.for_root(root)
+        return found if found is not None else cls(refusal=str(reach.refusal(root, "systemd")))
 
     def _run(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+        if self.refusal:
+            raise SystemdError(self.refusal)
         cmd = [*self.prefix, *args]
         try:
             return subprocess.run(
@@ -100,12 +108,17 @@ class Systemd:
         know, or one not failed, is left as it is)."""
         self._run("systemctl", "reset-failed", unit)
 
-    def stop_and_disable(self, unit: str) -> None:
-        """Stop ``unit`` (waiting for its ExecStop) and disable it; a unit systemd does not know
-        is left alone."""
-        if self.show(unit, "LoadState").get("LoadState") == "not-found":
+    def stop_and_disable(self, *units: str) -> None:
+        """Stop ``units`` together (one job transaction, waiting for their ExecStop) and disable
+        them, and clear a failed state they end in (a group's head may exit non-zero as its
+        worker goes: the unit being removed must not linger as `failed`); units systemd does not
+        know are left alone."""
+        known = [u for u in units if self.show(u, "LoadState").get("LoadState") != "not-found"]
+        if not known:
             return
-        self._check("systemctl", "disable", "--now", unit)
+        self._check("systemctl", "disable", "--now", *known)
+        for unit in known:
+            self.reset_failed(unit)
 
     def daemon_reload(self) -> None:
         """Make systemd read the unit files again (after installing or removing one)."""
@@ -119,8 +132,12 @@ class Systemd:
             return ""
 
     def active_state(self, unit: str) -> str:
-        """``active``, ``activating``, ``failed``, ``inactive``, ... (never raises on a state)."""
-        return self._run("systemctl", "is-active", unit).stdout.strip() or "unknown"
+        """``active``, ``activating``, ``failed``, ``inactive``, ...; ``unknown`` when systemd
+        cannot be asked (never raises)."""
+        try:
+            return self._run("systemctl", "is-active", unit).stdout.strip() or "unknown"
+        except SystemdError:
+            return "unknown"
 
     def show(self, unit: str, *props: str) -> dict[str, str]:
         """Unit properties (``systemctl show -p``) as strings."""

@@ -14,8 +14,10 @@ import re
 from ..errors import UsageError
 from .envfile import GPUS_KEY, HF_CACHE_KEY, MODEL_DIR_KEY, VLLM_CACHE_KEY
 
-# An IPv4/IPv6 address or a host name; never starts with "-" (it would read as a flag).
-_HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9.:-]{0,252}")
+# An IPv4/IPv6 address or a host name; never starts with "-" (it would read as a flag). A
+# profile's host field has the same rule (appliance.profiles).
+HOST_PATTERN = r"[A-Za-z0-9:][A-Za-z0-9.:-]{0,252}"
+_HOST = re.compile(HOST_PATTERN)
 _GPUS = re.compile(r"all|[0-9]+|device=[A-Za-z0-9:,/_-]+")
 _PATH = re.compile(r"/[A-Za-z0-9._/@+-]*")
 ANY_ADDRESS = frozenset({"0.0.0.0", "::"})

@@ -14,16 +14,18 @@ install checks before it writes anything.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .. import images
 from ..errors import ApplianceError, UsageError
 from ..host import envfile
 from ..host.layout import Layout
 from ..host.names import DATA_DIR
+from ..images import choice
 from ..models.where import under_root
 from ..profiles import Profile, lookup
-from ..units import DEFAULT_IMAGE, Options, Planned, planned
+from ..units import Options, Planned, planned
 from .disk import weights_finding
 from .docker import docker_findings
 from .findings import Finding, Report, Status
@@ -41,6 +43,7 @@ __all__ = [
     "for_profile",
     "gate",
     "run",
+    "suggested",
     "target",
 ]
 
@@ -76,14 +79,15 @@ class Target:
     own_port: bool = False
 
 
-def for_profile(profile: Profile, root: Path = Path("/")) -> Target:
-    """A profile with install's defaults: its host and port, the default cache and image."""
+def for_profile(profile: Profile, root: Path = Path("/"), image: str | None = None) -> Target:
+    """A profile with install's defaults: its host and port, the default cache, and ``image``
+    (default: the build's ``latest``, what install falls back to)."""
     return Target(
         profile=profile,
         host=profile.host,
         port=profile.port,
         hf_home=under_root(root, f"{DATA_DIR}/huggingface"),
-        image=DEFAULT_IMAGE,
+        image=image or choice.fallback(profile.hardware.device),
         root=root,
     )
 
@@ -154,24 +158,46 @@ def check(
     it (installed or not; ``profile`` None: the one its env file names), or without an
     instance the profile ``profile`` (a shipped name or the operator's file) with install's
     defaults and ``options``."""
+    o = options or Options()
+    client = docker_client or images.reachable(root)
     if instance is not None:
         plan = planned(profile, instance, root=root, options=options)
-        return run(for_install(plan), docker_client=docker_client)
+        if o.image is None and not plan.existing.get(envfile.IMAGE_KEY):
+            chosen = _default(client, plan.profile)
+            plan = replace(plan, options=replace(plan.options, image=chosen))
+        return run(for_install(plan), docker_client=client)
     if profile is None:
         raise UsageError(
             "say which instance or profile", fix="appliance host check NAME, or --profile P"
         )
-    t = for_profile(lookup(profile), root)
-    o = options or Options()
+    prof = lookup(profile)
+    t = for_profile(prof, root, o.image or _default(client, prof))
     t = Target(
         profile=t.profile,
         host=o.host or t.host,
         port=o.port or t.port,
         hf_home=under_root(root, o.hf_cache_dir) if o.hf_cache_dir else t.hf_home,
-        image=o.image or t.image,
+        image=t.image,
         root=root,
     )
-    return run(t, docker_client=docker_client)
+    return run(t, docker_client=client)
+
+
+def _default(client, profile: Profile) -> str:
+    """The image install would give a new instance of ``profile`` (appliance/images/choice.py)."""
+    return choice.default_image(client, profile.hardware.device, profile.mtp, profile.name).ref
+
+
+def suggested(need: str, fix: str) -> tuple[str, str]:
+    """The profile ``appliance profiles suggest`` puts first for this host's GPUs, and the line
+    that says it was taken; without a GPU or a fitting profile a UsageError: ``need`` (what the
+    command lacks), why none was suggested, and ``fix``."""
+    from . import suggest
+
+    try:
+        return suggest.best()
+    except UsageError as exc:
+        raise UsageError(f"{need}: {exc.message}", fix=fix) from None
 
 
 def gate(plan: Planned, *, force: str | None, command: str) -> Report:

@@ -1,11 +1,12 @@
-"""Docker: the engine answers and is recent enough, its containers can reach the GPUs, and its
-data root has room for the image."""
+"""Docker: the engine answers and is recent enough, its containers can reach the GPUs, its data
+root has room for the image, and the image (when here) is the build the profile runs on."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+from ..images import variant
 from ..profiles import Profile
 from .findings import Finding
 
@@ -19,7 +20,8 @@ CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 
 
 def docker_findings(profile: Profile, image: str, client=None) -> list[Finding]:
-    """``docker.engine``, then (GPU profiles) ``docker.gpus`` and ``docker.data_root``.
+    """``docker.engine``, then (GPU profiles) ``docker.gpus``, ``docker.data_root`` and (when
+    the image is here) ``docker.image``.
     ``client``: a Docker SDK client (default: from the environment, ``DOCKER_HOST`` included)."""
     import docker.errors
 
@@ -58,7 +60,28 @@ def docker_findings(profile: Profile, image: str, client=None) -> list[Finding]:
     if cuda:
         out.append(_gpu_access(info))
     out.append(_data_root(info, image, client, profile.hardware.device))
+    built = _image_build(client, image, profile)
+    if built is not None:
+        out.append(built)
     return out
+
+
+def _image_build(client, image: str, profile: Profile) -> Finding | None:
+    """``docker.image``: a CPU image for a GPU profile (or the reverse) is a blocker; None when
+    the image is not here (``docker.data_root`` says so)."""
+    import docker.errors
+
+    try:
+        found = client.images.get(image)
+    except (docker.errors.DockerException, OSError):
+        return None
+    device = profile.hardware.device
+    fit = variant.fit(image, found.labels, device, profile.name)
+    if fit.refusal is not None:
+        return Finding("docker.image", "blocker", fit.refusal, fit.fix or "")
+    if fit.warning is not None:
+        return Finding("docker.image", "warn", fit.warning, "build it with `appliance image build`")
+    return Finding("docker.image", "ok", f"image {image} is a {device} build")
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -112,7 +112,7 @@ def build(
     buildargs = {
         "VLLM_VERSION": version,
         "GEMMA4_MTP": labels.TRUE if mtp else labels.FALSE,
-        "IMAGE_VERSION": scheme.version_tag(version, mtp, broken=target.broken),
+        "IMAGE_VERSION": scheme.image_version(version, mtp, broken=target.broken),
     }
     files = {
         "Dockerfile": (docker_dir / target.dockerfile).read_bytes(),
@@ -169,6 +169,8 @@ def build(
         image_id = existing.id
         cached = True
         say(f"{target.name}: identical image {image_id[7:19]} already built")
+    image = client.images.get(image_id)
+    _check_variant(target, image.labels)
     tags = scheme.apply_tags(client, image_id, repository) if tag else []
     image = client.images.get(image_id)
     return BuildResult(
@@ -181,6 +183,19 @@ def build(
         cached=cached,
         steps=steps,
     )
+
+
+def _check_variant(target: targets.Target, image_labels: dict | None) -> None:
+    """Refuse to tag an image whose Dockerfile labelled it another build than its target's: its
+    tags (``-cpu`` or not) and every check of an image against a profile go by that label."""
+    found = labels.variant(image_labels)
+    if found != target.variant:
+        raise ApplianceError(
+            f"target {target.name} built an image labelled {labels.VARIANT}={found or '(none)'}, "
+            f"not {target.variant}",
+            fix=f"its Dockerfile (docker/{target.dockerfile}) must write "
+            f'LABEL {labels.VARIANT}="{target.variant}"',
+        )
 
 
 def _docker_build(client, files, buildargs, build_digest, wheel_dir, say) -> str:

@@ -59,6 +59,11 @@ class ImageInfo:
         return labels.supports_mtp(self.labels)
 
     @property
+    def variant(self) -> str | None:
+        """``cpu`` or ``cuda`` (the ``io.gemma4-appliance.variant`` label), None when unlabelled."""
+        return labels.variant(self.labels)
+
+    @property
     def used_by(self) -> list[str]:
         """Instances whose env file runs this image."""
         return sorted({r.instance for r in self.references if r.source == "env"})

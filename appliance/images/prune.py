@@ -2,14 +2,15 @@
 
 Protected, in every mode: an image that an instance's env file, a rollback slot or a cutover's
 saved env file refers to (resolved to an image id at prune time, so a tag that moved does not
-fool it), and the image tagged ``pre-mtp`` (the last known-good image without MTP). Nothing is
-forced: an image a container still uses makes the engine refuse, and that is reported as kept.
+fool it), and the image tagged ``pre-mtp`` or ``pre-mtp-cpu`` (the last known-good image
+without MTP). Nothing is forced: an image a container still uses makes the engine refuse, and
+that is reported as kept.
 
 Modes, each a superset of the one before:
 
 - ``dangling``: appliance images with no tag left (a rebuild moved the tags away);
 - ``superseded``: also images of the repository whose only tags there are version tags (no
-  ``mtp``/``latest``/``pre-mtp``);
+  ``mtp``/``latest``/``pre-mtp``, nor their ``-cpu`` forms);
 - ``all``: every image of the repository (only its tags in that repository are removed).
 """
 
@@ -40,8 +41,9 @@ def protection(image: ImageInfo, repository: str) -> str | None:
         r = image.references[0]
         more = f" (+{len(image.references) - 1} more)" if len(image.references) > 1 else ""
         return f"referenced by {r.source} of instance {r.instance}: {r.ref}{more}"
-    if f"{repository}:{scheme.PRE_MTP_TAG}" in image.tags:
-        return f"tagged {repository}:{scheme.PRE_MTP_TAG} (last known-good non-MTP image)"
+    for tag in (scheme.PRE_MTP_TAG, scheme.PRE_MTP_TAG + scheme.CPU_SUFFIX):
+        if f"{repository}:{tag}" in image.tags:
+            return f"tagged {repository}:{tag} (last known-good non-MTP image)"
     return None
 
 
@@ -60,7 +62,7 @@ def _selected(image: ImageInfo, mode: str, repository: str) -> bool:
     if mode == "all":
         return True
     if mode == "superseded":
-        floating = {f"{repository}:{t}" for t in scheme.FLOATING_TAGS}
+        floating = {f"{repository}:{t}" for t in scheme.ALL_FLOATING_TAGS}
         return not floating.intersection(own)
     return False
 

@@ -1,10 +1,28 @@
 """The tag scheme of appliance images.
 
+The CUDA image (``docker/Dockerfile``) is the product; a CPU image (``docker/cpu``, the real engine
+the tests and the demo run) gets the same tags with ``-cpu`` appended, so no tag ever names both
+builds and an operator's ``gemma4-vllm:latest`` is never a CPU engine on a GPU host:
+
 - An image whose vLLM serves Gemma 4 MTP gets ``REPO:<vllm>-mtp``, ``REPO:mtp`` and
-  ``REPO:latest``. If ``REPO:latest`` was a non-MTP image, that image keeps (gets) ``REPO:pre-mtp``
-  first: the last known-good non-MTP image stays addressable for a rollback.
-- An image without MTP gets ``REPO:<vllm>`` and ``REPO:pre-mtp``.
-- A deliberately broken test image gets only ``REPO:<vllm>-mtp-broken``: never a floating tag.
+  ``REPO:latest`` (CPU: ``REPO:<vllm>-mtp-cpu``, ``REPO:mtp-cpu``, ``REPO:latest-cpu``). If
+  ``latest`` (``latest-cpu``) was a non-MTP image, that image keeps (gets) ``pre-mtp``
+  (``pre-mtp-cpu``) first: the last known-good non-MTP image stays addressable for a rollback.
+- An image without MTP gets ``REPO:<vllm>`` and ``REPO:pre-mtp`` (CPU: ``REPO:<vllm>-cpu``,
+  ``REPO:pre-mtp-cpu``).
+- A deliberately broken test image gets only ``REPO:<vllm>-mtp-broken`` (CPU:
+  ``REPO:<vllm>-mtp-broken-cpu``): never a floating tag.
+
+Which build an image is, is its ``io.gemma4-appliance.variant`` label (:data:`labels.VARIANT`),
+not its tag; an image without that label (made by hand) is tagged as the product's, as before
+the variants had tags of their own. The image's own version (``org.opencontainers.image.version``)
+is the engine's, the same for both builds (``0.32.0-mtp``).
+
+``mtp``, ``latest`` and ``pre-mtp`` (and their ``-cpu`` forms) are *floating*: the next
+``appliance image build`` moves them. A cutover to one is refused without ``--force``
+(:func:`floating`), since the next plain restart would run whatever the tag points at then,
+ungated; the version tag names the image instead (it moves only when the same version is rebuilt
+from changed inputs, and the rollback slot keeps the image ID: ``appliance/cutover/slot.py``).
 
 ``REPO`` is ``gemma4-vllm`` unless told otherwise. Tags are applied from the image's labels (see
 :mod:`appliance.labels`), never from what the operator believes is inside.
@@ -23,7 +41,11 @@ REPOSITORY = "gemma4-vllm"
 MTP_TAG = "mtp"
 LATEST_TAG = "latest"
 PRE_MTP_TAG = "pre-mtp"
+# Appended to every tag of a CPU image.
+CPU_SUFFIX = "-cpu"
 FLOATING_TAGS = (MTP_TAG, LATEST_TAG, PRE_MTP_TAG)
+# Every tag the scheme moves, in both builds' spellings.
+ALL_FLOATING_TAGS = (*FLOATING_TAGS, *(t + CPU_SUFFIX for t in FLOATING_TAGS))
 # Set by the builder: which recipe made the image, and the digest of everything that went in.
 BROKEN = "io.gemma4-appliance.broken"
 BUILD_DIGEST = "io.gemma4-appliance.build-digest"
@@ -57,10 +79,58 @@ def check_version(version: str) -> str:
     return version
 
 
-def version_tag(version: str, mtp: bool, broken: bool = False) -> str:
-    """The image's own version (``org.opencontainers.image.version`` and its version tag)."""
+def image_version(version: str, mtp: bool, broken: bool = False) -> str:
+    """The image's own version (``org.opencontainers.image.version``): the engine's, the same
+    for both builds."""
     tag = f"{check_version(version)}-mtp" if mtp else check_version(version)
     return f"{tag}-broken" if broken else tag
+
+
+def suffix(variant: str | None) -> str:
+    """What the scheme appends to each tag of an image of ``variant`` (``-cpu`` or nothing)."""
+    return CPU_SUFFIX if variant == "cpu" else ""
+
+
+def version_tag(version: str, mtp: bool, broken: bool = False, variant: str | None = None) -> str:
+    """The image's version tag: its own version, with ``-cpu`` for a CPU build."""
+    return image_version(version, mtp, broken) + suffix(variant)
+
+
+def floating(ref: str) -> bool:
+    """True when ``ref`` names an image by a tag the scheme moves (``mtp``, ``latest``,
+    ``pre-mtp``, their ``-cpu`` forms, in any repository), or by no tag at all (Docker reads
+    that as ``latest``). A digest or an image ID is never floating."""
+    if "@" in ref or ref.startswith("sha256:"):
+        return False
+    last = ref.rsplit("/", 1)[-1]
+    tag = last.rsplit(":", 1)[1] if ":" in last else LATEST_TAG
+    return tag in ALL_FLOATING_TAGS
+
+
+def version_ref(image_labels: Mapping[str, str] | None, ref: str) -> str | None:
+    """The version tag, in ``ref``'s repository, of the image with ``image_labels`` (None when
+    the image is not labelled as an appliance image)."""
+    version = labels.vllm_version(image_labels)
+    if version is None:
+        return None
+    try:
+        tag = version_tag(
+            version,
+            labels.supports_mtp(image_labels),
+            (image_labels or {}).get(BROKEN) == labels.TRUE,
+            labels.variant(image_labels),
+        )
+    except UsageError:
+        return None
+    return f"{repository_of(ref)}:{tag}"
+
+
+def repository_of(ref: str) -> str:
+    """``ref`` without its tag or digest."""
+    name = ref.split("@", 1)[0]
+    head, _, last = name.rpartition("/")
+    last = last.split(":", 1)[0]
+    return f"{head}/{last}" if head else last
 
 
 @dataclass(frozen=True)
@@ -77,7 +147,8 @@ def plan_tags(
     current_latest: Mapping[str, str] | None = None,
     current_latest_id: str | None = None,
 ) -> TagPlan:
-    """The scheme's tags for an image with ``image_labels`` (see the module docstring)."""
+    """The scheme's tags for an image with ``image_labels`` (see the module docstring);
+    ``current_latest``: the labels of the image its variant's ``latest`` names now."""
     repo = check_repository(repository)
     version = labels.vllm_version(image_labels)
     if version is None:
@@ -86,17 +157,35 @@ def plan_tags(
             fix=f"build it with `appliance image build` (it needs {labels.VLLM_VERSION})",
         )
     mtp = labels.supports_mtp(image_labels)
+    variant = labels.variant(image_labels)
+    end = suffix(variant)
     if (image_labels or {}).get(BROKEN) == labels.TRUE:
-        return TagPlan((f"{repo}:{version_tag(version, mtp, broken=True)}",))
+        return TagPlan((f"{repo}:{version_tag(version, mtp, True, variant)}",))
     if not mtp:
-        return TagPlan((f"{repo}:{version_tag(version, False)}", f"{repo}:{PRE_MTP_TAG}"))
+        return TagPlan(
+            (f"{repo}:{version_tag(version, False, False, variant)}", f"{repo}:{PRE_MTP_TAG}{end}")
+        )
     keep = None
     if current_latest_id is not None and not labels.supports_mtp(current_latest):
         keep = current_latest_id
     return TagPlan(
-        (f"{repo}:{version_tag(version, True)}", f"{repo}:{MTP_TAG}", f"{repo}:{LATEST_TAG}"),
+        (
+            f"{repo}:{version_tag(version, True, False, variant)}",
+            f"{repo}:{MTP_TAG}{end}",
+            f"{repo}:{LATEST_TAG}{end}",
+        ),
         keep_pre_mtp=keep,
     )
+
+
+def latest_tag(variant: str | None) -> str:
+    """The ``latest`` tag of ``variant``'s images (``latest`` or ``latest-cpu``)."""
+    return LATEST_TAG + suffix(variant)
+
+
+def pre_mtp_tag(variant: str | None) -> str:
+    """The ``pre-mtp`` tag of ``variant``'s images (``pre-mtp`` or ``pre-mtp-cpu``)."""
+    return PRE_MTP_TAG + suffix(variant)
 
 
 def apply_tags(client, image_ref: str, repository: str = REPOSITORY) -> list[str]:
@@ -111,7 +200,8 @@ def apply_tags(client, image_ref: str, repository: str = REPOSITORY) -> list[str
         raise UsageError(f"no image {image_ref!r} in the local engine") from exc
     except docker.errors.APIError as exc:
         raise refused(f"look up image {image_ref!r}", exc) from exc
-    latest_ref = f"{check_repository(repository)}:{LATEST_TAG}"
+    variant = labels.variant(image.labels)
+    latest_ref = f"{check_repository(repository)}:{latest_tag(variant)}"
     try:
         latest = client.images.get(latest_ref)
     except docker.errors.ImageNotFound:
@@ -125,7 +215,7 @@ def apply_tags(client, image_ref: str, repository: str = REPOSITORY) -> list[str
         latest.id if latest is not None and latest.id != image.id else None,
     )
     if plan.keep_pre_mtp is not None:
-        _tag(client.images.get(plan.keep_pre_mtp), f"{repository}:{PRE_MTP_TAG}")
+        _tag(client.images.get(plan.keep_pre_mtp), f"{repository}:{pre_mtp_tag(variant)}")
     for ref in plan.tags:
         _tag(image, ref)
     return sorted(client.images.get(image.id).tags)

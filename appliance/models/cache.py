@@ -142,12 +142,16 @@ LOCK_NAME = ".appliance-models.lock"
 
 @contextlib.contextmanager
 def locked(hub: Path) -> Iterator[None]:
-    """Hold the cache's exclusive lock: one pull or import at a time writes into it."""
+    """Hold the cache's exclusive lock: one pull or import at a time writes into it.
+
+    Owner only (0600, like the cutover lock): any user who can open the file can hold a shared
+    flock on it, and every pull and import is then refused for as long as that user likes."""
     from ..errors import ApplianceError
 
     try:
         hub.mkdir(parents=True, exist_ok=True)
-        fd = os.open(hub / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(hub / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)  # a lock file made by an older appliance was 0644
     except OSError as exc:
         raise ApplianceError(
             f"cannot write to the model cache {hub}: {exc.strerror}",

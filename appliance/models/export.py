@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
+from ..fsutil import check_target
 from . import ModelsNotReady, cache
 from . import manifest as mf
 from .verify import verify
@@ -72,6 +73,7 @@ def export(loc: Location, dest: Path) -> Exported:
             raise UsageError(f"{dest} already exists", fix="give a new file name")
     elif dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UsageError(f"{dest} is not empty", fix="give a new or empty directory")
+    check_target(dest, "--to", directory=not is_tarball(dest))  # before hashing every file
     manifest = build_manifest(loc)
     if is_tarball(dest):
         digest = _write_tar(loc, manifest, dest)

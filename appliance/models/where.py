@@ -78,13 +78,15 @@ def locate(
     if isinstance(profile, Profile):
         prof = profile  # the instance's own: --instance names it in a fix command
     elif profile:
-        prof = profiles.get(profile)
+        prof = profiles.lookup(profile)  # a shipped name or the operator's file
         selector += ["--profile", profile]
     elif profile_file:
         prof = profiles.load_file(profile_file)
         selector += ["--profile-file", str(profile_file)]
     cache: Path | None = hf_cache_dir
     if instance is not None:
+        if env is None:
+            Layout(Path(root)).require_known(instance)  # an unknown name is bad input (exit 2)
         env = env or envfile.read(Layout(Path(root)).env_file(instance))
         if prof is None:
             name = env.get(envfile.PROFILE_KEY)

@@ -163,6 +163,8 @@ def render(
         "probe_interval_s": PROBE_INTERVAL_S,
         "dropin": LOCAL_WORKER_DROPIN,
         "group": group,
+        "master_addr": prof.multinode.master_addr,
+        "master_port": prof.multinode.master_port,
     }
     env = _jinja()
     files: dict[str, ut.RenderedFile] = {
@@ -189,6 +191,9 @@ def render(
             for role, template in (("head", "local-worker"), ("worker", "local-head")):
                 text = env.get_template(f"{template}.conf.j2").render(context)
                 files[rel(REL.node_dropin(group, role))] = ut.RenderedFile(text, ut.MODE_UNIT)
+    if "worker" in node.roles:
+        text = env.get_template("rendezvous.conf.j2").render(context)
+        files[rel(REL.rendezvous_dropin(group))] = ut.RenderedFile(text, ut.MODE_UNIT)
     for role, name in (("worker", WORKER_TEMPLATE), ("head", HEAD_TEMPLATE)):
         if role in node.roles:
             text = env.get_template(name + ".j2").render(context)

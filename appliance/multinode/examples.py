@@ -5,7 +5,7 @@ are the same for every group."""
 
 from __future__ import annotations
 
-from ..profiles import all_profiles
+from ..profiles import examples
 from ..units.examples import example_path
 from ..units.template import RenderedFile
 from . import Node, render
@@ -14,7 +14,7 @@ from . import Node, render
 def example_files() -> dict[str, RenderedFile]:
     """Every group example, keyed by its path in the repository."""
     out: dict[str, RenderedFile] = {}
-    for name, profile in sorted(all_profiles().items()):
+    for name, profile in sorted(examples().items()):
         if profile.multinode is None:
             continue
         for node in (Node(roles=("head",)), Node(roles=("worker",))):

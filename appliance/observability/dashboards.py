@@ -220,6 +220,39 @@ def before_after() -> tuple[Panel, ...]:
     )
 
 
+def overload() -> tuple[Panel, ...]:
+    """The queue and what the engine turns away at its bound (gotchas/queue-bound.md)."""
+    return (
+        Panel(
+            "timeseries",
+            "Queue depth",
+            "Requests waiting for a place in the running batch. The engine's queue bound "
+            "(--max-num-queued-reqs, from the profile) counts these and the running ones; past "
+            "it a request is turned away with 503 at once instead of waiting.",
+            (
+                Target(
+                    agg("sum", BY_ENGINE, n.WAITING.where(**ENGINE).expr),
+                    "waiting {{instance}} {{model_name}}",
+                ),
+            ),
+        ),
+        Panel(
+            "timeseries",
+            "Requests turned away per second",
+            "Requests the engine answered 503 at its queue bound, by the bound that turned them "
+            "away (max_num_queued_reqs or max_num_queued_tokens; vLLM >= 0.29). The "
+            "Gemma4RequestsRejected alert fires when it lasts.",
+            (
+                Target(
+                    sum_rate(n.ADMISSION_REJECTIONS.where(**ENGINE), (*BY_ENGINE, "reason"), RATE),
+                    "{{reason}} {{instance}} {{model_name}}",
+                ),
+            ),
+            unit="reqps",
+        ),
+    )
+
+
 def overview() -> Dashboard:
     """Engine-side MTP, throughput, latency, load and the running image."""
     lay = Layout()
@@ -352,6 +385,8 @@ def overview() -> Dashboard:
             width=8,
         ),
     )
+    lay.row("Overload")
+    lay.add(*overload())
     lay.row("Capacity")
     lay.add(
         Panel(

@@ -22,6 +22,9 @@ E2E = Selector("vllm:e2e_request_latency_seconds")
 RUNNING = Selector("vllm:num_requests_running")
 WAITING = Selector("vllm:num_requests_waiting")
 KV_CACHE = Selector("vllm:kv_cache_usage_perc")  # a fraction 0..1 despite the name
+REQUEST_SUCCESS = Selector("vllm:request_success_total")  # label finished_reason
+# Requests turned away with 503 at the queue bound (vLLM >= 0.29; labels model_name, reason).
+ADMISSION_REJECTIONS = Selector("vllm:admission_rejections_total")
 
 # The MTP telemetry agent (labels: role, model; calls also source, outcome; errors kind).
 AGENT_ACCEPTANCE = Selector("gemma4_agent_call_acceptance")
@@ -39,6 +42,12 @@ LAST_CUTOVER = Selector("gemma4_appliance_last_cutover_timestamp_seconds")
 LAST_CANARY = Selector("gemma4_appliance_last_canary_timestamp_seconds")
 UNIT_STATE = Selector("gemma4_appliance_unit_state")
 ACCEPTANCE_BASELINE = Selector("gemma4_appliance_acceptance_baseline")
+ENV_FILE_READABLE = Selector("gemma4_appliance_env_file_readable")
+
+# node_exporter's textfile collector (collector/textfile.go): the mtime of each *.prom file it
+# read, labelled `file` (the file's path; its base name in releases before 1.5).
+TEXTFILE_MTIME = Selector("node_textfile_mtime_seconds")
+NODE_EXPORTER = frozenset({TEXTFILE_MTIME.metric})
 
 # Series Prometheus makes itself for every target.
 UP = Selector("up")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.utils import floatToGoString
 
+from ..host.layout import Layout
 from . import names as n
 from .promql import Expr, Selector, agg, histogram_quantile, rate, ratio, recorded, sum_rate
 
@@ -69,6 +70,16 @@ class Thresholds:
     # workload alone moves it by a few points; a regression like vLLM PR 49262 moves it by 20-40.
     baseline_margin: float = 0.15
     baseline_for: str = "30m"
+    # Requests turned away at the queue bound (503), as a share of those that arrived (turned
+    # away + finished) over 5m: a burst's few are the bound doing its job; a twentieth of the
+    # traffic for a quarter of an hour is a host short of capacity (gotchas/queue-bound.md).
+    rejected_share_max: float = 0.05
+    rejected_for: str = "15m"
+    # The state timer rewrites the textfile every minute (ADR 0016): five missed runs is a
+    # writer that stopped (a refused file, a hung Docker or D-Bus, a disabled timer), not a
+    # slow one (a run may take its 50 s TimeoutStartSec, then the scrape interval).
+    state_stale_s: float = 300.0
+    state_stale_for: str = "5m"
 
 
 @dataclass(frozen=True)
@@ -251,12 +262,14 @@ def recording_groups() -> tuple[Group, ...]:
 
 
 def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
-    """Drafter drift, acceptance below the baseline, MTP counters flat, engine down, KV cache
-    near full."""
+    """Drafter drift, acceptance below the baseline, MTP counters flat, engine down, requests
+    turned away at the queue bound, KV cache near full."""
     busy = (sum_rate(n.DRAFT_TOKENS, ENGINE_BY, LONG) > t.min_draft_tokens_per_s).paren()
     busy_long = (sum_rate(n.DRAFT_TOKENS, ENGINE_BY, BASELINE) > t.min_draft_tokens_per_s).paren()
     generating = (sum_rate(n.GENERATION_TOKENS, ENGINE_BY, LONG) > 0).paren()
     flat = agg("sum", ENGINE_BY, rate(n.DRAFTS, LONG)).eq(0).paren()
+    rejected = sum_rate(n.ADMISSION_REJECTIONS, ENGINE_BY, LONG)
+    arrived = (rejected + sum_rate(n.REQUEST_SUCCESS, ENGINE_BY, LONG)).paren()
     alerts = (
         Rule(
             "Gemma4MTPAcceptanceLow",
@@ -336,6 +349,54 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
             },
         ),
         Rule(
+            "Gemma4RequestsRejected",
+            ratio(rejected, arrived) > t.rejected_share_max,
+            "The engine keeps turning requests away at its queue bound (503).",
+            alert=True,
+            for_=t.rejected_for,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": f"Requests turned away at the queue bound on {ON_INSTANCE}",
+                "description": "{{ $labels.model_name }} answers 503 to "
+                "{{ $value | humanizePercentage }} of its requests (limit "
+                f"{t.rejected_share_max:.0%}) for {t.rejected_for}: more traffic than the "
+                "engine holds. Add capacity or send less; raise the profile's queue bound only "
+                "if callers can wait longer. See gotchas/queue-bound.md.",
+            },
+        ),
+        Rule(
+            "Gemma4StateMetricsStale",
+            Expr("time()") - _state_textfile() > t.state_stale_s,
+            "The state textfile is not rewritten any more: every state series (a failed unit "
+            "included) shows the past.",
+            alert=True,
+            for_=t.state_stale_for,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": "The appliance's state metrics are stale{{ with $labels.host }} on "
+                "host {{ . }}{{ end }}",
+                "description": "{{ $labels.file }} was last written {{ $value | "
+                "humanizeDuration }} ago (the state timer writes it every minute): "
+                "`systemctl status gemma4-appliance-state.service` and `appliance status "
+                "--write-metrics` say why. Until then a unit that fails raises no "
+                "Gemma4InstanceFailed.",
+            },
+        ),
+        Rule(
+            "Gemma4EnvFileRefused",
+            n.ENV_FILE_READABLE.where(job=n.JOB_STATE).expr.eq(0),
+            "The appliance refuses the instance's env file: no cutover, rollback or status.",
+            alert=True,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": f"The env file of {ON_INSTANCE} is refused",
+                "description": "/etc/gemma4-vllm/{{ $labels.instance }}.env has a line systemd "
+                "and the appliance could read differently: the unit runs on, but cutover, "
+                "rollback and status refuse the instance. `appliance status "
+                "{{ $labels.instance }}` names the line. See gotchas/alert-thresholds.md.",
+            },
+        ),
+        Rule(
             "Gemma4KVCacheNearFull",
             agg("max", ENGINE_BY, n.KV_CACHE.expr) > t.kv_cache_max,
             "KV cache nearly full: requests will queue or be preempted.",
@@ -351,6 +412,14 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
         ),
     )
     return (Group("gemma4_mtp.alerts", alerts), Group("gemma4_mtp_extremes.alerts", _extremes(t)))
+
+
+def _state_textfile() -> Expr:
+    """The state textfile's mtime as node_exporter reports it (``file`` is its path, or its
+    base name before node_exporter 1.5)."""
+    name = Layout().metrics_textfile().name.replace(".", "[.]")
+    matchers = (("job", "=", n.JOB_STATE), ("file", "=~", f"(.*/)?{name}"))
+    return Selector(n.TEXTFILE_MTIME.metric, matchers).expr
 
 
 def _extremes(t: Thresholds) -> tuple[Rule, ...]:

@@ -7,6 +7,7 @@ reviewer can diff two hosts' profiles field by field.
 
 from __future__ import annotations
 
+import functools
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import pydantic
 from .. import records
 from ..errors import UsageError
 from ..host.layout import Layout
+from ..host.values import HOST_PATTERN
 
 # Placeholder for the tiny dev model directory in CPU profiles; filled in at serve time.
 DEVMODEL = "{devmodel}"
@@ -27,6 +29,35 @@ DEVMODEL = "{devmodel}"
 DriverVersion = Annotated[str, pydantic.StringConstraints(pattern=r"^(\d+(\.\d+)*)?$")]
 Gib = Annotated[float, pydantic.Field(ge=0)]
 
+# The engine's queue bound (vLLM's --max-num-queued-reqs, in vLLM since 0.29, PR #49445) counts
+# requests in flight, running and waiting (vllm/config/scheduler.py, max_num_queued_reqs). Twice
+# max_num_seqs: a full batch running and one more waiting, so a request that is let in waits at
+# most about one request's time; past it vLLM answers 503 at once (gotchas/queue-bound.md).
+QUEUE_PER_SEQUENCE = 2
+
+# The range of every bounded field: a value outside it is one line naming the field and the
+# range (records.Rule). `profiles validate`, `install` and every other reader build profiles
+# through this record, so they refuse the same values with the same words.
+PROFILE_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"  # safe in a path, a unit and a shell word
+Name = records.ranged(
+    str,
+    "letters, digits and '._-' (at most 64), starting with a letter or digit",
+    pattern=f"^{PROFILE_NAME}$",
+)
+AtLeast1 = records.ranged(int, "at least 1", ge=1)
+AtLeast0 = records.ranged(int, "at least 0", ge=0)
+Port = records.ranged(int, "within 1..65535", ge=1, le=65535)
+Share = records.ranged(float, "within 0..1", ge=0, le=1)  # the canary's thresholds' range
+Utilisation = records.ranged(float, "above 0 and at most 1", gt=0, le=1)
+Host = records.ranged(str, "an IP address or host name", pattern=f"^(?:{HOST_PATTERN})$")
+Version = records.ranged(str, "a version such as 0.32.0", pattern=r"^\d+(\.\d+){1,3}$")
+Capability = records.ranged(
+    str, "a compute capability such as 8.9, or empty", pattern=r"^(\d+\.\d+)?$"
+)
+# vLLM's ModelDType (vllm/config/model.py) and --per-request-spec-decode-metrics choices.
+Dtype = records.one_of("auto", "half", "float16", "bfloat16", "float", "float32")
+PerRequestMetrics = records.one_of("none", "summary", "detailed")
+
 
 @dataclass(frozen=True)
 class Speculative:
@@ -34,7 +65,7 @@ class Speculative:
 
     method: str = "mtp"
     model: str = ""
-    num_speculative_tokens: int = 2
+    num_speculative_tokens: AtLeast1 = 2
     revision: str | None = None  # the drafter's pinned hub revision (a commit), when pinned
     # vLLM's dynamic speculative decoding: ``(first batch size, last batch size, k)`` ranges,
     # k capped at num_speculative_tokens (``appliance tune`` writes it; the validator checks it
@@ -58,11 +89,11 @@ class Speculative:
 class Hardware:
     """What the host must have for this profile."""
 
-    device: str = "cuda"  # "cuda" or "cpu"
-    gpus: int = 0
+    device: records.one_of("cuda", "cpu") = "cuda"
+    gpus: AtLeast0 = 0
     gpu_name: str = ""
-    gpu_memory_gib: float = 0.0
-    compute_capability: str = ""  # e.g. "8.9" for the L4
+    gpu_memory_gib: Gib = 0.0
+    compute_capability: Capability = ""  # e.g. "8.9" for the L4
     mig: bool = False  # one unit instance per MIG slice, each given its own device
     mig_profile: str = ""  # e.g. "1g.24gb"
     # The oldest NVIDIA driver the profile's image runs on ("575.51.03"; empty: not stated).
@@ -73,17 +104,19 @@ class Hardware:
 @dataclass(frozen=True)
 class Canary:
     """The optional ``[canary]`` table: whether a cutover runs the output canary, its thresholds
-    and run settings, and an operator's JSONL (``prompts``; a relative path is under
-    ``/etc/gemma4-vllm``) that extends the shipped set, or replaces it (``replace``)."""
+    and run settings, an operator's JSONL (``prompts``; a relative path is under
+    ``/etc/gemma4-vllm``) that extends the shipped set, or replaces it (``replace``), and whether
+    it also runs the set batched (every case at once, judged against the answers alone)."""
 
     enabled: bool = False
-    min_parity: float = 1.0
-    max_pass_rate_drop: float = 0.0
-    max_acceptance_drop: float = 0.1
-    max_tokens: int = 64
-    seed: int = 0
+    min_parity: Share = 1.0
+    max_pass_rate_drop: Share = 0.0
+    max_acceptance_drop: Share = 0.1
+    max_tokens: AtLeast1 = 64
+    seed: AtLeast0 = 0
     prompts: str = ""
     replace: bool = False
+    batched: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,9 +128,9 @@ class Multinode:
     interface, exported on every node (``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``). Every
     node runs the group's one ``VLLM_IMAGE`` (appliance/multinode)."""
 
-    nodes: int = 2
+    nodes: records.ranged(int, "at least 2 (drop [multinode] for one host)", ge=2) = 2
     master_addr: str = ""
-    master_port: int = 29500
+    master_port: Port = 29500
     nccl_socket_ifname: str = ""
     gloo_socket_ifname: str = ""
 
@@ -106,7 +139,7 @@ class Multinode:
 class Profile:
     """One serving configuration of Gemma 4 on vLLM."""
 
-    name: str
+    name: Name
     description: str
     model: str
     served_model_name: str
@@ -115,22 +148,24 @@ class Profile:
     # Disk the target and drafter take in the Hugging Face cache, in GiB (0: not stated); the
     # host check compares it with the free space there.
     weights_gib: Gib = 0.0
-    dtype: str = "auto"
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    gpu_memory_utilization: float | None = None
+    dtype: Dtype = "auto"
+    tensor_parallel_size: AtLeast1 = 1
+    pipeline_parallel_size: AtLeast1 = 1
+    max_model_len: AtLeast1 | None = None
+    max_num_batched_tokens: AtLeast1 | None = None
+    max_num_seqs: AtLeast1 | None = None
+    # The queue bound, when not QUEUE_PER_SEQUENCE x max_num_seqs (see :attr:`queue_bound`).
+    max_num_queued_reqs: AtLeast1 | None = None
+    gpu_memory_utilization: Utilisation | None = None
     kv_cache_dtype: str | None = None
     quantization: str | None = None
     enforce_eager: bool = False
     language_model_only: bool = False
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: Host = "127.0.0.1"
+    port: Port = 8000
     speculative: Speculative | None = None
-    per_request_spec_decode_metrics: str | None = None  # none|summary|detailed (vLLM >= 0.32)
-    min_vllm: str = "0.19.0"
+    per_request_spec_decode_metrics: PerRequestMetrics | None = None  # vLLM >= 0.32
+    min_vllm: Version = "0.19.0"
     hardware: Hardware = field(default_factory=Hardware)
     canary: Canary = field(default_factory=Canary)
     multinode: Multinode | None = None  # one model across several hosts (appliance/multinode)
@@ -145,6 +180,18 @@ class Profile:
     @property
     def uses_devmodel(self) -> bool:
         return DEVMODEL in self.model
+
+    @property
+    def queue_bound(self) -> int | None:
+        """Requests the engine holds at most, running and waiting, before it answers 503: the
+        explicit ``max_num_queued_reqs``, else ``QUEUE_PER_SEQUENCE`` x ``max_num_seqs``; None
+        (vLLM's unbounded queue) when the profile states neither, since vLLM's own
+        ``max_num_seqs`` then depends on the device it finds."""
+        if self.max_num_queued_reqs is not None:
+            return self.max_num_queued_reqs
+        if self.max_num_seqs is not None:
+            return QUEUE_PER_SEQUENCE * self.max_num_seqs
+        return None
 
     def serve_args(
         self,
@@ -195,6 +242,14 @@ class Profile:
             return []
         dm = str(devmodel) if devmodel is not None else None
         return ["--speculative-config", self.speculative.to_json(dm)]
+
+    def queue_args(self) -> list[str]:
+        """``--max-num-queued-reqs`` (vLLM >= 0.29) when the profile has a :attr:`queue_bound`.
+
+        Apart from :meth:`serve_args`, like the MTP flags: an older vLLM refuses the flag, so the
+        serve program passes it only to an image whose labelled vLLM has it."""
+        bound = self.queue_bound
+        return [] if bound is None else ["--max-num-queued-reqs", str(bound)]
 
     def per_request_metrics_args(self) -> list[str]:
         """``--per-request-spec-decode-metrics`` (vLLM >= 0.32), only with speculative decoding."""
@@ -247,20 +302,50 @@ def load_file(path: Path | str) -> Profile:
     return from_dict(data, where=str(path.name))
 
 
-def _shipped() -> dict[str, tuple[Profile, str]]:
-    """Every shipped profile and its TOML text, by name."""
-    out: dict[str, tuple[Profile, str]] = {}
-    for entry in sorted(resources.files(__package__).joinpath("data").iterdir(), key=str):
-        if entry.name.endswith(".toml"):
+# Hand-made profiles (the CPU ones, MIG, multi-node) and the ones `appliance generate` writes
+# from the table (appliance/profiles/catalog.py): both ship, a name in one folder only.
+FOLDERS = ("data", "generated")
+
+
+@functools.cache
+def _shipped() -> dict[str, tuple[Profile, str, str]]:
+    """Every shipped profile, its TOML text and its folder, by name."""
+    out: dict[str, tuple[Profile, str, str]] = {}
+    for folder in FOLDERS:
+        entries = resources.files(__package__).joinpath(folder)
+        for entry in sorted(entries.iterdir(), key=str):
+            if not entry.name.endswith(".toml"):
+                continue
             text = entry.read_text()
-            prof = from_dict(tomllib.loads(text), where=entry.name)
-            out[prof.name] = (prof, text)
+            prof = from_dict(tomllib.loads(text), where=f"{folder}/{entry.name}")
+            if prof.name in out:
+                raise UsageError(f"profile {prof.name} ships twice ({out[prof.name][2]}, {folder})")
+            out[prof.name] = (prof, text, folder)
     return out
+
+
+def reload() -> None:
+    """Read the shipped profiles again (after ``appliance generate`` rewrote some)."""
+    _shipped.cache_clear()
 
 
 def all_profiles() -> dict[str, Profile]:
     """Every shipped profile, by name."""
-    return {name: prof for name, (prof, _) in _shipped().items()}
+    return {name: prof for name, (prof, _, _) in _shipped().items()}
+
+
+def examples() -> dict[str, Profile]:
+    """The shipped profiles whose units are committed as reviewed examples (systemd/): the
+    hand-made ones and the seed hosts' generated ones (the other generated profiles differ
+    from those in figures only)."""
+    from .generated import reference_names
+
+    keep = reference_names()
+    return {
+        name: prof
+        for name, (prof, _, folder) in _shipped().items()
+        if folder == "data" or name in keep
+    }
 
 
 def shipped_text(name: str) -> str:

@@ -36,8 +36,11 @@ class Needs:
     device: str = ""  # "cuda" or "cpu"
     compute_capability: tuple[str, ...] = ()  # any of these
     kv_cache_fp8: bool = False
+    kv_cache_auto: bool = False  # the KV cache in the model's dtype (no FP8 kv_cache_dtype)
     concurrent: bool = False  # more than one sequence at a time
     k_schedule: bool = False  # a num_speculative_tokens_per_batch_size schedule
+    pipeline_parallel: bool = False  # pipeline_parallel_size > 1
+    default_attention_backend: bool = False  # vLLM picks the backend (no --attention-backend)
 
     def met_by(self, c: Conditions) -> bool:
         """True when ``c`` has everything this asks for."""
@@ -46,8 +49,11 @@ class Needs:
             and (not self.device or c.device == self.device)
             and (not self.compute_capability or c.compute_capability in self.compute_capability)
             and (not self.kv_cache_fp8 or c.kv_cache_fp8)
+            and (not self.kv_cache_auto or not c.kv_cache_fp8)
             and (not self.concurrent or c.concurrent)
             and (not self.k_schedule or c.k_schedule)
+            and (not self.pipeline_parallel or c.pipeline_parallel)
+            and (not self.default_attention_backend or not c.attention_backend)
         )
 
 
@@ -61,6 +67,8 @@ class Conditions:
     kv_cache_fp8: bool = False
     concurrent: bool = True
     k_schedule: bool = False
+    pipeline_parallel: bool = False
+    attention_backend: bool = False  # the profile chooses vLLM's attention backend itself
 
     @classmethod
     def of(cls, profile: Profile) -> Conditions:
@@ -74,6 +82,10 @@ class Conditions:
             concurrent=profile.max_num_seqs is None or profile.max_num_seqs > 1,
             k_schedule=profile.speculative is not None
             and profile.speculative.num_speculative_tokens_per_batch_size is not None,
+            pipeline_parallel=profile.pipeline_parallel_size > 1,
+            attention_backend=any(
+                a.split("=", 1)[0] == "--attention-backend" for a in profile.extra_args
+            ),
         )
 
 

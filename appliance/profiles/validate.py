@@ -17,7 +17,8 @@ from typing import Literal
 
 from .. import labels, versions
 from ..errors import UsageError
-from . import DEVMODEL, Profile, defects
+from . import DEVMODEL, Profile, catalog, defects
+from . import fit as memory
 
 # Gemma 4's largest multimodal item, in tokens (vLLM's max_tokens_per_mm_item for Gemma 4).
 GEMMA4_MM_ITEM_TOKENS = 2496
@@ -171,7 +172,7 @@ def _k_schedule(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
             f"[speculative] num_speculative_tokens_per_batch_size: {problem}: vLLM's scheduler "
             "refuses it at engine start",
             "give non-overlapping [first, last, k] ranges starting at batch size 1 "
-            "(appliance tune writes one)",
+            "(appliance bench tune writes one)",
         )
         return
     if not schedule:
@@ -235,7 +236,65 @@ def _parallelism(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
         )
 
 
-_SIZE = re.compile(r"gemma-4-(e2b|e4b|26b-a4b|31b)", re.IGNORECASE)
+def _heads(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    """vLLM refuses a tensor-parallel size that does not divide the model's attention heads
+    (vllm/config/model.py verify_with_parallel_config): said before a 471 s load, not after."""
+    known = catalog.of_profile(p.model, p.drafter_matches, p.quantization)
+    if known is None or p.tensor_parallel_size < 1:
+        return
+    problem = memory.tp_problem(known[0], p.tensor_parallel_size)
+    if problem is not None:
+        yield Finding(
+            "error",
+            "tensor-parallel-heads",
+            f"{problem}: vLLM refuses it at start",
+            f"use a tensor_parallel_size that divides {known[0].heads}",
+        )
+
+
+def estimated_fit(p: Profile, gpu_gib: float | None = None) -> memory.Fit | None:
+    """The per-GPU memory estimate of ``p`` (appliance/profiles/fit.py) on its GPUs, or on GPUs
+    of ``gpu_gib``; None when the table does not know its model or the GPU's memory, or the
+    profile leaves max_model_len to vLLM."""
+    known = catalog.of_profile(p.model, p.drafter_matches, p.quantization)
+    hw = p.hardware
+    if known is None or hw.device != "cuda" or p.max_model_len is None:
+        return None
+    gpu = None if hw.mig else catalog.gpu_of(hw.gpu_name, hw.gpu_memory_gib)
+    if gpu_gib is not None:
+        gib = gpu_gib
+    elif gpu is not None:
+        gib = gpu.memory_gib
+    elif hw.gpu_memory_gib:
+        gib = hw.gpu_memory_gib * 1e9 / catalog.GIB  # a vendor's GB, as decimal: the lesser
+    else:
+        return None
+    m, c = known
+    return memory.fit(
+        m,
+        c,
+        gpu_gib=gib,
+        utilization=p.gpu_memory_utilization or memory.DEFAULT_UTILIZATION,
+        tp=max(p.tensor_parallel_size, 1),
+        pp=max(p.pipeline_parallel_size, 1),
+        max_model_len=p.max_model_len,
+        max_num_seqs=p.max_num_seqs or 1,
+        batched=p.max_num_batched_tokens or memory.auto_batched_tokens(gib),
+        mtp=p.mtp,
+        kv_bytes=1 if (p.kv_cache_dtype or "").startswith("fp8") else 2,
+    )
+
+
+def _fits(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    f = estimated_fit(p)
+    if f is not None and not f.fits:
+        yield Finding(
+            "warning",
+            "memory-fit",
+            f"estimated per GPU: {f.line()} (appliance/profiles/fit.py; vLLM refuses to start "
+            "when one max_model_len request does not fit)",
+            "lower max_model_len, max_num_batched_tokens or max_num_seqs, or use more GPUs",
+        )
 
 
 def _basename(model: str) -> str:
@@ -277,7 +336,7 @@ def _drafter(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
             f"use the target's assistant ({expected}), or set drafter_matches to the model "
             "the drafter was trained for",
         )
-    sizes = {m.group(1).lower() for name in (p.model, target) if (m := _SIZE.search(name))}
+    sizes = {m.group(1).lower() for name in (p.model, target) if (m := catalog.SIZE.search(name))}
     if len(sizes) > 1:
         yield Finding(
             "error",
@@ -447,6 +506,20 @@ def _interfaces(p: Profile) -> Iterable[Finding]:
         )
 
 
+def _queue(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    # vLLM counts running and waiting requests against the bound (vllm/v1/engine/async_llm.py,
+    # check_admission): one below max_num_seqs turns callers away while the batch has room.
+    bound, seqs = p.queue_bound, p.max_num_seqs
+    if bound is not None and seqs is not None and bound < seqs:
+        yield Finding(
+            "warning",
+            "queue-bound",
+            f"max_num_queued_reqs = {bound} is below max_num_seqs = {seqs}: vLLM answers 503 "
+            "while the batch still has room (the bound counts running requests too)",
+            "remove max_num_queued_reqs (2 x max_num_seqs), or raise it (gotchas/queue-bound.md)",
+        )
+
+
 RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
     _batched_tokens,
     _known_defects,
@@ -454,9 +527,12 @@ RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
     _k,
     _k_schedule,
     _parallelism,
+    _heads,
+    _fits,
     _drafter,
     _exposure,
     _multinode,
+    _queue,
 )
 
 

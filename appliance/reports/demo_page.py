@@ -12,13 +12,14 @@ def render_demo(record: dict) -> str:
     record = as_json(record)
     r = Reader(record)
     calls = record["calls"]
+    figures = [c["figures"] for c in calls]  # the agent's, as its call record holds them
     cats = [f"call {c['call']}" for c in calls]
     acceptance = r.chart(
         "call-acceptance",
         charts.bars(
             "Per-call draft acceptance",
             cats,
-            {"acceptance": [number(get(c, "acceptance")) for c in calls]},
+            {"acceptance": [number(get(f, "acceptance")) for f in figures]},
             "accepted / draft tokens",
             ylim=(0, 1.05),
         ),
@@ -28,24 +29,24 @@ def render_demo(record: dict) -> str:
         charts.bars(
             "Per-call tokens per step",
             cats,
-            {"tokens per step": [number(get(c, "tokens_per_step")) for c in calls]},
+            {"tokens per step": [number(get(f, "tokens_per_step")) for f in figures]},
             "1 + accepted / drafts",
         ),
     )
     rows: list[list[Cell]] = []
-    for i, c in enumerate(calls):
-        b = ("calls", i)
+    for i, (c, f) in enumerate(zip(calls, figures, strict=True)):
+        b, fb = ("calls", i), ("calls", i, "figures")
         rows.append(
             [
                 r.v((*b, "call"), "d"),
                 "stream" if c["stream"] else "plain",
                 r.v((*b, "output_tokens"), "d"),
-                r.v((*b, key(c, "drafts")), "d"),
-                r.v((*b, key(c, "draft_tokens")), "d"),
-                r.v((*b, key(c, "accepted")), "d"),
-                r.v((*b, key(c, "acceptance"))),
-                r.v((*b, key(c, "tokens_per_step"))),
-                r.v((*b, "source")),
+                r.v((*fb, key(f, "drafts")), "d"),
+                r.v((*fb, key(f, "draft_tokens")), "d"),
+                r.v((*fb, key(f, "accepted")), "d"),
+                r.v((*fb, key(f, "acceptance"))),
+                r.v((*fb, key(f, "tokens_per_step"))),
+                r.v((*fb, "source")),
             ]
         )
     t = record["totals"]

@@ -11,9 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 # figure -> record keys holding it, in order of preference.
-KEYS: dict[str, tuple[str, ...]] = {
-    "draft_tokens": ("draft_tokens", "drafted"),  # "drafted": the demo's records before the rename
-}
+KEYS: dict[str, tuple[str, ...]] = {}
 
 Path = tuple[str | int, ...]
 

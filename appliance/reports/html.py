@@ -1,33 +1,12 @@
-"""The report file: refuse an unwritable path before any work, write the page atomically, and
-load a bench artifact back to render it again (the pages: :mod:`.bench_page`, :mod:`.demo_page`).
-"""
+"""The report file: write the page atomically, and load a bench artifact back to render it again
+(the pages: :mod:`.bench_page`, :mod:`.demo_page`)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ..bench import report as bench_report
-from ..errors import UsageError
 from ..fsutil import write_atomic
-
-
-def check_target(path: Path | str, option: str = "--report") -> Path:
-    """Refuse, before any work, a report path that cannot be written (a file in the way)."""
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(
-            f"{option} {path} is a directory", fix="give a file name, e.g. report.html"
-        )
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UsageError(
-            f"{option} {path}: {parent} is not a writable directory",
-            fix="choose a path in a writable directory",
-        )
-    return path
 
 
 def write(path: Path | str, page: str) -> Path:

@@ -23,7 +23,7 @@ LAYOUTS = ("hub", "dir")  # the Hugging Face cache in HF_CACHE_DIR, or a directo
 # letter or digit (no "..", no leading "-"), so a name can never leave its directory.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # no line breaks, no terminal escapes
-_LISTS = ("serve", "mtp", "per_request", "docker", "require")
+_LISTS = ("serve", "mtp", "per_request", "queue", "docker", "require")
 # Format 1's record kinds, by the field each fills.
 _V1_KINDS = {"serve": "serve", "mtp": "mtp", "per-request": "per_request", "docker": "docker"}
 
@@ -62,13 +62,15 @@ class ModelRecord:
 class ServeArgs:
     """What one instance serves, from its profile: ``serve`` after ``vllm serve`` (the serve
     program adds ``--host``/``--port``), ``mtp`` only for an image labelled MTP, ``per_request``
-    too when its vLLM has per-request metrics, ``docker`` options, the env keys the instance
-    must set (``require``) and its ``models``."""
+    too when its vLLM has per-request metrics, ``queue`` (the queue bound) when its vLLM has the
+    flag, ``docker`` options, the env keys the instance must set (``require``) and its
+    ``models``."""
 
     profile: str
     serve: tuple[str, ...]
     mtp: tuple[str, ...] = ()
     per_request: tuple[str, ...] = ()
+    queue: tuple[str, ...] = ()
     docker: tuple[str, ...] = ()
     require: tuple[str, ...] = ()
     models: tuple[ModelRecord, ...] = ()
@@ -77,8 +79,22 @@ class ServeArgs:
     def to_json(self, about: str) -> str:
         """The file's text; ``about`` says what it is to a reader (JSON has no comments)."""
         fields = {k: v for k, v in asdict(self).items() if k != "format"}
+        if not self.queue:
+            # Left out when empty: a serve program older than the queue bound reads the file.
+            del fields["queue"]
         body = {"format": FORMAT, "about": about, **fields}
         return json.dumps(body, indent=2) + "\n"
+
+    def rendezvous(self) -> tuple[str, int] | None:
+        """A headless worker's head: ``--master-addr`` and ``--master-port``; None for any other
+        node or instance."""
+        if "--headless" not in self.serve:
+            return None
+        flags = dict(zip(self.serve, self.serve[1:]))
+        try:
+            return flags["--master-addr"], int(flags["--master-port"])
+        except (KeyError, ValueError):
+            return None
 
     def served_model_name(self) -> str | None:
         """The ``--served-model-name`` the engine answers to, if the arguments set one."""

@@ -1,10 +1,10 @@
 """The engine's ``docker run`` command: the args file's arguments, the instance's settings, and
-the image's labels deciding the Gemma 4 MTP flags and how the API key travels.
+the image's labels deciding the Gemma 4 MTP flags, the queue bound and how the API key travels.
 
 An image not labelled MTP is served without the speculative config, so pointing ``VLLM_IMAGE``
 at a pre-MTP image is a safe rollback. The key never enters an argument or the container's
-config: an image whose entry point reads it from stdin gets the key file as the stdin of
-``docker run -i``; an older image (the rollback target after an upgrade) gets it by name,
+config: an image whose entry point reads it from stdin gets the checked key alone as the stdin
+of ``docker run -i``; an older image (the rollback target after an upgrade) gets it by name,
 ``--env VLLM_API_KEY``, and a journal line says ``docker inspect`` shows it.
 """
 
@@ -27,9 +27,10 @@ class Command:
     """The docker command to exec, what reaches its stdin and environment, and what to log."""
 
     argv: list[str]
-    stdin: Path | None = None  # the API key file, for an image that reads it there
+    stdin: Path | None = None  # the API key file, for an image that takes the key on stdin
     env: dict[str, str] = field(default_factory=dict, repr=False)  # the old key path only
     notes: list[str] = field(default_factory=list)
+    key: str | None = field(default=None, repr=False)  # that file's key, checked: stdin's bytes
 
 
 def speculative_args(args: ServeArgs, image_labels: Mapping[str, str]) -> tuple[list[str], str]:
@@ -44,6 +45,20 @@ def speculative_args(args: ServeArgs, image_labels: Mapping[str, str]) -> tuple[
     if version and versions.has_per_request_metrics(version):
         out += args.per_request
     return out, f"serving with Gemma 4 MTP speculative decoding ({' '.join(args.mtp)})"
+
+
+def queue_args(args: ServeArgs, image_labels: Mapping[str, str]) -> tuple[list[str], str | None]:
+    """The queue bound's flag this image gets, and the journal line saying why (None: the
+    profile has no bound)."""
+    if not args.queue:
+        return [], None
+    version = labels.vllm_version(image_labels)
+    if version and versions.has_queue_bound(version):
+        return list(args.queue), f"queue bound {' '.join(args.queue)}: 503 past it"
+    return [], (
+        f"image's vLLM {version or 'unlabelled'} has no --max-num-queued-reqs (needs >= "
+        f"{labels.QUEUE_BOUND_MIN_VLLM}): serving with vLLM's unbounded queue"
+    )
 
 
 def command(
@@ -61,11 +76,14 @@ def command(
     notes = [f"image {settings.image}: version {image_version}, vLLM {vllm}, Gemma 4 MTP {mtp}"]
     spec, why = speculative_args(args, image_labels)
     notes.append(why)
+    queue, why = queue_args(args, image_labels)
+    if why:
+        notes.append(why)
     key_args: list[str] = []
-    stdin, env = None, {}
+    stdin, stdin_key, env = None, None, {}
     if key is not None and labels.reads_api_key_stdin(image_labels):
         key_args = ["--interactive", "--env", f"{labels.API_KEY_STDIN_ENV}=1"]
-        stdin = key_file
+        stdin, stdin_key = key_file, key
     elif key is not None:
         notes.append(
             f"image {settings.image} is not labelled {labels.API_KEY_STDIN}={labels.TRUE} (built "
@@ -111,5 +129,6 @@ def command(
         "--port",
         str(settings.port),
         *spec,
+        *queue,
     ]
-    return Command(argv, stdin, env, notes)
+    return Command(argv, stdin, env, notes, stdin_key)

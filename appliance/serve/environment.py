@@ -11,9 +11,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .. import imageref
-from ..errors import UsageError
+from ..errors import ApplianceError, UsageError
 from ..host import values
 from .argsfile import ServeArgs
+
+EX_TEMPFAIL = 75  # sysexits' EX_TEMPFAIL: the unit restarts on it (only 78 is final)
+
+
+class FolderNotThere(ApplianceError):
+    """A model folder the env file names is not there yet: most likely a file system mounted
+    late (a network share, a `nofail` disk); systemd restarts the unit, which tries again."""
+
+    exit_code = EX_TEMPFAIL
 
 
 @dataclass(frozen=True)
@@ -67,13 +76,21 @@ def settings(env: Mapping[str, str], args: ServeArgs, instance: str, env_file: s
         if env.get(key):
             values.check_path(key, env[key], f"{key}={env[key]} in {env_file}")
     model_dir = env.get("MODEL_DIR") or None
-    if model_dir is not None and not os.path.isdir(model_dir):
-        private = (model_dir + "/").startswith(("/tmp/", "/var/tmp/"))
-        raise UsageError(
-            f"MODEL_DIR={model_dir} in {env_file} is not a directory"
-            + (" (the unit has a private /tmp and /var/tmp)" if private else ""),
-            fix="keep models elsewhere, e.g. /var/lib/gemma4-vllm/models" if private else None,
-        )
+    for key in ("MODEL_DIR", "HF_CACHE_DIR"):
+        folder = env.get(key) or None
+        if folder is not None and not os.path.isdir(folder):
+            if (folder + "/").startswith(("/tmp/", "/var/tmp/")):
+                raise UsageError(
+                    f"{key}={folder} in {env_file} is not a directory (the unit has a private "
+                    "/tmp and /var/tmp)",
+                    fix="keep models elsewhere, e.g. /var/lib/gemma4-vllm/models",
+                )
+            raise FolderNotThere(
+                f"{key}={folder} in {env_file} is not a directory (yet?): exit "
+                f"{EX_TEMPFAIL}, systemd starts the instance again",
+                fix="if it is on a file system mounted later, the unit waits for it "
+                "(RequiresMountsFor=); else create it or correct the env file",
+            )
     gpus = env.get("VLLM_GPUS") or None
     if gpus is not None:
         values.check_gpus(gpus, f"VLLM_GPUS={gpus} in {env_file}")

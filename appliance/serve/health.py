@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -47,6 +48,29 @@ def generate(host: str, port: int, model: str, key: str | None) -> int | None:
     body = {"model": model, "prompt": "ok", "max_tokens": 2, "temperature": 0}
     return status(host, port, "POST", "/v1/completions", body=body, key=key,
                   timeout=GENERATE_TIMEOUT_S)  # fmt: skip
+
+
+def wait_listening(host: str, port: int, note: Callable[[str], None]) -> float:
+    """Wait, without end, until something accepts a TCP connection on ``host``:``port``; the
+    seconds it took. A worker waits so for its head's rendezvous: started while the head's host
+    is down, its engine would wait out torch's timeout, exit, and after three starts the unit
+    would stay `failed` (its start limit) when the head came back; waiting here, it is started
+    once, and joins when the head is back."""
+    start = time.monotonic()
+    noted = None
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=REQUEST_TIMEOUT_S):
+                return time.monotonic() - start
+        except OSError as exc:
+            now = time.monotonic()
+            if noted is None or now - noted >= NOTE_EVERY_S:
+                note(
+                    f"waiting for the head's rendezvous at {host}:{port} ({exc.strerror or exc}):"
+                    " its host is down or its unit not started; the worker joins when it is back"
+                )
+                noted = now
+        time.sleep(POLL_S)
 
 
 def main_pid_alive() -> bool:

@@ -1,8 +1,9 @@
 """``serve INSTANCE COMMAND``: the unit's commands (see :mod:`appliance.serve`).
 
 Every line goes to stderr, prefixed ``gemma4-vllm@INSTANCE:``, which the journal keeps. Exit 78
-(EX_CONFIG, which the unit never restarts) for a configuration problem, 1 for a failure a
-restart may fix, 2 for a wrong command line.
+(EX_CONFIG, which the unit never restarts) for a configuration problem, 75 (EX_TEMPFAIL) for a
+model folder not there yet (a late mount), 1 for another failure a restart may fix, 2 for a wrong
+command line.
 """
 
 from __future__ import annotations
@@ -125,15 +126,34 @@ class Unit:
 
 
 def run(unit: Unit) -> None:
-    """Exec the engine's container: from here on the docker client is the unit's main process."""
+    """Exec the engine's container: from here on the docker client is the unit's main process.
+    A multi-node worker first waits for its head's rendezvous (:func:`health.wait_listening`)."""
     cmd = unit.command(check_models=True)
+    if (head := unit.args().rendezvous()) is not None:
+        took = health.wait_listening(*head, unit.log)
+        if took >= health.POLL_S:
+            unit.log(f"the head's rendezvous at {head[0]}:{head[1]} answers after {took:.0f} s")
     os.environ.update(cmd.env)
-    if cmd.stdin is not None:
-        fd = os.open(cmd.stdin, os.O_RDONLY)
+    if cmd.key is not None:
+        fd = key_pipe(cmd.key)
         os.dup2(fd, 0)
         os.close(fd)
     sys.stdout.flush()
     os.execvp("docker", ["docker", *cmd.argv])
+
+
+def key_pipe(key: str) -> int:
+    """A pipe's read end holding ``key`` alone, then its end: the container's stdin. The key was
+    checked here (:mod:`appliance.apikey`), so the image's entry point takes it as it comes."""
+    read, write = os.pipe()
+    try:
+        data = key.encode()
+        # At most apikey.MAX_KEY_BYTES, within a pipe's buffer: written whole before the exec.
+        if os.write(write, data) != len(data):
+            raise OSError("the API key did not fit in the pipe to the container's stdin")
+    finally:
+        os.close(write)
+    return read
 
 
 def print_command(unit: Unit) -> None:

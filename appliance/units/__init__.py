@@ -25,7 +25,16 @@ from ..host.names import (
     unit_name,
 )
 from .template import DEFAULT_IMAGE, SERVE_SCRIPT, Options, RenderedFile, render
-from .writer import Planned, WriteResult, install, planned, render_to, uninstall, write_tree
+from .writer import (
+    Planned,
+    WriteResult,
+    install,
+    named_profile,
+    planned,
+    render_to,
+    uninstall,
+    write_tree,
+)
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -40,6 +49,7 @@ __all__ = [
     "check_instance",
     "container_name",
     "install",
+    "named_profile",
     "planned",
     "render",
     "render_to",

@@ -2,8 +2,8 @@
 
 The container policy (no capability, no new privileges, an init, a pids limit, shared memory,
 no media fetching, offline) and the exact ``vllm serve`` arguments of the profile, less the
-address (the env file's), with the MTP flags apart: the serve program passes those only to an
-image labelled MTP (:mod:`appliance.serve.container`).
+address (the env file's), with the MTP flags and the queue bound apart: the serve program passes
+those only to an image whose labels say it has them (:mod:`appliance.serve.container`).
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def serve_args(profile: Profile, env_keys: list[str]) -> ServeArgs:
         serve=tuple(serve),
         mtp=tuple(profile.speculative_args(devmodel=devmodel)),
         per_request=tuple(profile.per_request_metrics_args()),
+        queue=tuple(profile.queue_args()),
         docker=tuple(docker),
         require=tuple(k for k in env_keys if k in REQUIRABLE_KEYS),
         models=model_records(profile),
@@ -89,7 +90,7 @@ def serve_args(profile: Profile, env_keys: list[str]) -> ServeArgs:
 
 def check_arguments(args: ServeArgs, profile: Profile) -> None:
     """Refuse an argument that could not be passed as one (a UsageError naming it)."""
-    for kind in ("serve", "mtp", "per_request", "docker"):
+    for kind in ("serve", "mtp", "per_request", "queue", "docker"):
         for value in getattr(args, kind):
             check_argument(value, f"profile {profile.name}: {kind} argument")
 

@@ -10,7 +10,10 @@ the root they are installed under, so ``appliance render --out DIR`` and ``appli
 - ``etc/gemma4-vllm/<instance>.env``: the operator's values (image, profile, host, port, GPUs,
   paths), read by systemd and by :mod:`appliance.units.instance`;
 - ``etc/gemma4-vllm/<instance>.args``: the profile's engine and docker arguments (JSON,
-  :mod:`appliance.serve.argsfile`), read by the serve program as data.
+  :mod:`appliance.serve.argsfile`), read by the serve program as data;
+- ``etc/systemd/system/gemma4-vllm@<instance>.service.d/mounts.conf``: ``RequiresMountsFor=``
+  the instance's model and cache folders (a late mount is waited for, not taken for a missing
+  model).
 
 Profile strings are data, never code: every value that reaches a file is validated first
 (names, host, paths, GPU selection, image) or is an argument the serve program passes to docker
@@ -33,8 +36,9 @@ from ..errors import UsageError
 from ..host import envfile
 from ..host.layout import STATE_DIR, Layout
 from ..host.names import DATA_DIR, ENV_DIR, STATE_UNIT, UNIT_TEMPLATE, check_instance
-from ..host.values import check_gpus, check_host, check_path, check_port
-from ..profiles import Profile, get
+from ..host.values import PATH_KEYS, check_gpus, check_host, check_path, check_port
+from ..images.choice import fallback
+from ..profiles import PROFILE_NAME, Profile, get
 from ..profiles import validate as pv
 from ..serve import bundle
 from ..serve.argsfile import CONTROL, check_argument
@@ -46,10 +50,12 @@ REL = Layout(Path())
 SERVE_SCRIPT = str(Layout().serve_program)
 # Where `pip install` as root and the Ansible role (appliance_bin) put the appliance's command.
 APPLIANCE_BIN = "/usr/local/bin/appliance"
-DEFAULT_IMAGE = "gemma4-vllm:latest"
+# When no image is named and install found none on the host (appliance/images/choice.py): the
+# build's latest, gemma4-vllm:latest for a GPU profile, gemma4-vllm:latest-cpu for a CPU one.
+DEFAULT_IMAGE = fallback("cuda")
 
 # Docker container names and systemd instance names both; no dots first, no slashes.
-_PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_PROFILE_NAME = re.compile(PROFILE_NAME)  # the record's own rule; also for a replaced record
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 MODE_UNIT = 0o644
@@ -139,7 +145,7 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
     """The env file's assignments, in order, from the options (defaults where unset)."""
     port = opts.port if opts.port is not None else profile.port
     values = {
-        envfile.IMAGE_KEY: imageref.validate(opts.image or DEFAULT_IMAGE),
+        envfile.IMAGE_KEY: imageref.validate(opts.image or fallback(profile.hardware.device)),
         envfile.PROFILE_KEY: profile.name,
         envfile.HOST_KEY: check_host(opts.host if opts.host is not None else profile.host),
         envfile.PORT_KEY: str(check_port(port, f"port {port}")),
@@ -206,6 +212,8 @@ def render(
         "gpus_hint": "one MIG slice per instance" if prof.hardware.mig else "default all",
         "timing": unit_timing(),
         "stop_grace_s": STOP_GRACE_S,
+        "mounts_dropin": Layout().mounts_dropin(instance),
+        "mounts": [values[k] for k in PATH_KEYS if k in values],
     }
     env = jinja_env()
     unit = env.get_template(UNIT_TEMPLATE + ".j2").render(context)
@@ -217,6 +225,9 @@ def render(
             env.get_template("instance.env.j2").render(context), MODE_ENV
         ),
         rel(REL.unit_template): RenderedFile(unit, MODE_UNIT),
+        rel(REL.mounts_dropin(instance)): RenderedFile(
+            env.get_template("mounts.conf.j2").render(context), MODE_UNIT
+        ),
         **state_units(),
     }
 

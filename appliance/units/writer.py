@@ -79,6 +79,11 @@ def write_tree(root: Path, files: dict[str, RenderedFile]) -> WriteResult:
     return result
 
 
+def named_profile(root: Path | str, instance: str) -> str | None:
+    """The profile an installed instance's env file names (None: not installed, or none)."""
+    return _existing_env(Path(root), instance).get(PROFILE_KEY) or None
+
+
 def _existing_env(root: Path, instance: str) -> dict[str, str]:
     path = Layout(root).env_file(instance)
     if not path.exists():
@@ -319,24 +324,25 @@ def uninstall(
     if not any(os.path.lexists(f) for f in mine) and not (purge and any(f.exists() for f in state)):
         raise UsageError(f"{shape.noun} {name} is not installed under {root}")
     result = WriteResult()
-    # A cutover in progress holds the lock file; with none, no cutover ever ran here. The lock
-    # file itself is never unlinked while held: a rollback started meanwhile would lock a new
-    # inode and run beside the purge (host/lock.py).
+    # A cutover in progress holds the lock file; with none, no cutover ever ran here.
     lock_path = layout.lock_file(name)
     held = locks.hold(lock_path, name, "uninstall") if lock_path.exists() else None
-    with held or contextlib.nullcontext():
+    # The lock file goes last, by its holder (InstanceLock.remove): unlinked any earlier, a
+    # rollback started meanwhile would lock a new file and run beside the purge.
+    state.remove(lock_path)
+    with held or contextlib.nullcontext() as holding:
         if systemd is not None:
-            for unit in _enabled_units(shape):
-                systemd.stop_and_disable(unit)
-        for path in mine + ([p for p in state if p != lock_path] if purge else []):
+            systemd.stop_and_disable(*_enabled_units(shape))
+        for path in mine + (state if purge else []):
             _remove(path, result)
         for dropin in {p.parent for p in mine if p.parent.name.endswith(".service.d")}:
             with contextlib.suppress(OSError):
                 dropin.rmdir()  # only when empty: an operator's own drop-in keeps it
         _remove_shared(layout, systemd, result)
         write_scrape_targets(root, result)
-    if purge and lock_path.exists():
-        _remove(lock_path, result)  # released: nothing can be waiting on this inode any more
+        if purge and holding is not None:
+            holding.remove()
+            result.removed.append(lock_path)
     if purge and not layout.installed():
         _leave_as_found(layout, name, result)
     if systemd is not None:
@@ -349,11 +355,13 @@ def _own_files(layout: Layout, shape: Shape, root: Path) -> list[Path]:
     name = shape.name
     if not shape.group:
         own = [layout.args_file(name), layout.api_key_file(name), layout.profile_copy(name)]
-        return [*own, old_serve_script(root, name)]
+        return [*own, layout.mounts_dropin(name), old_serve_script(root, name)]
     files = []
     for role in shape.roles:
         files += [layout.node_args_file(name, role), layout.node_api_key_file(name, role)]
         files.append(layout.node_dropin(name, role))
+    if "worker" in shape.roles:
+        files.append(layout.rendezvous_dropin(name))
     return files
 
 

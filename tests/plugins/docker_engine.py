@@ -71,7 +71,12 @@ def _answers(timeout: float = 2.0) -> bool:
 
 
 def ensure_dockerd(timeout: float = 60.0) -> subprocess.Popen | None:
-    """Start dockerd unless one answers; return the process this call started, else None."""
+    """Start dockerd unless one answers; return the process this call started, else None.
+
+    It is also named the Docker of the trees the tests give ``--root`` (``DOCKER_HOST``): a
+    command on a tree asks no Docker unless one is named (appliance/host/reach.py), and the
+    tests' trees run their containers on this engine."""
+    os.environ.setdefault("DOCKER_HOST", f"unix://{SOCKET}")
     if _answers():
         return None
     with machine_lock("dockerd"):
@@ -134,9 +139,10 @@ if pytest is not None:
     def appliance_images(docker_engine) -> Images:
         """The CPU images, each built (or found already built) through
         ``appliance.images.build`` when a test first asks for it: ``images["cpu-mtp"]`` is a
-        BuildResult, tagged per the scheme (``gemma4-vllm:0.32.0-mtp``/``mtp``/``latest``;
-        ``cpu-pre-mtp``: ``gemma4-vllm:0.19.0``/``pre-mtp``; ``cpu-broken``:
-        ``gemma4-vllm:0.32.0-mtp-broken``). Cold: a few minutes each; warm: a label lookup."""
+        BuildResult, tagged per the scheme (``gemma4-vllm:0.32.0-mtp-cpu``/``mtp-cpu``/
+        ``latest-cpu``; ``cpu-pre-mtp``: ``gemma4-vllm:0.19.0-cpu``/``pre-mtp-cpu``;
+        ``cpu-broken``: ``gemma4-vllm:0.32.0-mtp-broken-cpu``). Cold: a few minutes each; warm:
+        a label lookup and the tags (a machine with the old scheme's tags gets the new ones)."""
         return Images(docker_engine)
 
 
@@ -192,7 +198,7 @@ def tiny_rootfs(note: str) -> bytes:
     return buf.getvalue()
 
 
-# ---- small images derived from the real MTP image (the cutover's output canary, issue 14) ----
+# ---- small images derived from the real MTP image (the cutover's output canary) ----------
 
 CANARY_TEST_REPO = "gemma4-canary-test"
 CANARY_DIGEST_LABEL = "io.gemma4-appliance.test-digest"
@@ -255,7 +261,7 @@ def _context_tar(files: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-# ---- an image that crashes right after becoming healthy (the unit's start limit, issue 11) ----
+# ---- an image that crashes right after becoming healthy (the unit's start limit) ----------
 
 CRASH_TAG = "0.32.0-mtp-crash-after-health"
 CRASH_EXIT = 3
@@ -299,7 +305,7 @@ def crash_recipe(parent_id: str) -> dict[str, dict[str, bytes]]:
     }
 
 
-# ---- an image that drafts worse and answers the same (issue 26's acceptance gate) -------------
+# ---- an image that drafts worse and answers the same (the acceptance gate) --------------------
 
 DEGRADED_TAG = "0.32.0-mtp-degraded-drafter"
 DEGRADED_DRAFTER = "/opt/gemma4-appliance/degraded-drafter"

@@ -91,7 +91,7 @@ class FleetHost:
                 f"{self.name}: `appliance history {self.instance} --json` exited "
                 f"{proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
             )
-        return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+        return json.loads(proc.stdout)["entries"]
 
     def ssh_off(self) -> None:
         """Make the host unreachable for real: its sshd stops listening, and every session it

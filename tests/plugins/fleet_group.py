@@ -66,7 +66,7 @@ class FleetGroup:
             str(VENV_BIN / "appliance"), "history", GROUP, "--json", check=False
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+        return json.loads(proc.stdout)["entries"]
 
     def move(self, image: str, **extra: object):
         """Run the group's play to ``image``."""

@@ -3,7 +3,7 @@
 Both nodes run on one machine, as the rendered units would on a host that runs the head and a
 worker: ``gemma4-vllm-head@mn2test`` and ``gemma4-vllm-worker@mn2test`` started by systemd 252
 in the booted machine ``gemma4-multinode``, each running the appliance's serve script, which runs
-the CPU image (``gemma4-vllm:0.32.0-mtp``) as a container on the host's dockerd (containers
+the CPU image (``gemma4-vllm:0.32.0-mtp-cpu``) as a container on the host's dockerd (containers
 ``gemma4-vllm-mn2test-head``/``-worker``; host networking, the host's IPC and one shared /tmp,
 so they meet as two processes of one host do: gotchas/multinode-start-order-and-worker-death.md).
 Why the image and not the host's .venv vLLM:
@@ -12,7 +12,7 @@ Python. The names collide with no other test (not ``systest``/``gemma4-systest``
 
 The pair costs two engines (~2 GB each, ~1-2 min to start on 2 cores): ONE group per session,
 every test moves it. The second image of the cutover is derived from the MTP image (same
-engine and labels, its own image ID, built in seconds): vLLM 0.19 (``gemma4-vllm:pre-mtp``) has
+engine and labels, its own image ID, built in seconds): vLLM 0.19 (``gemma4-vllm:0.19.0-cpu``) has
 ``--nnodes`` too, but no Gemma 4 MTP and ~9 GB.
 """
 
@@ -44,7 +44,7 @@ from .docker_engine import machine_lock
 GROUP = "mn2test"
 MACHINE = "gemma4-multinode"
 PROFILE = "cpu-tiny-mtp-2node"
-MTP_IMAGE = "gemma4-vllm:0.32.0-mtp"
+MTP_IMAGE = "gemma4-vllm:0.32.0-mtp-cpu"
 DERIVED_REPO = "gemma4-multinode-test"
 DERIVED_TAG = "0.32.0-mtp-b"
 DERIVED_IMAGE = f"{DERIVED_REPO}:{DERIVED_TAG}"

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -255,6 +256,15 @@ class Machine:
                 break
             time.sleep(0.5)
         raise NspawnError(f"{unit} is {state!r}:\n{self.journal(unit)}")
+
+    def tree_env(self) -> dict[str, str]:
+        """What names the machine's own systemd and Docker to a command run from the host with
+        ``--root`` at the machine's root (appliance/host/reach.py): its systemd, entered, and
+        the Docker bound into it (the host's engine)."""
+        return {
+            "APPLIANCE_SYSTEMD_PREFIX": shlex.join(self.enter_argv()),
+            "DOCKER_HOST": f"unix://{DOCKER_SOCKET}",
+        }
 
     def files(self) -> set[str]:
         """Every path under the machine's /etc, /usr/local and /var/lib (type-tagged, so a file

@@ -1,6 +1,6 @@
 """One CPU instance of ``gemma4-vllm@.service`` installed and running under real systemd.
 
-Shared by the units' systemd test (issue 4) and the cutover's (issue 5): a container engine
+Shared by the units' systemd test and the cutover's: a container engine
 start costs about a minute on a 2-core machine, so the session boots ONE systemd-nspawn machine
 (tests/plugins/nspawn.py: real systemd 252, the host's Docker engine bound in) and serves ONE
 instance of ``cpu-tiny-mtp``, and every test moves that one instance between images. Tests that
@@ -44,9 +44,9 @@ from .units import OLD_LAYOUT_INSTANCE, install_old_layout
 
 INSTANCE = OLD_LAYOUT_INSTANCE  # "systest"
 PROFILE = "cpu-tiny-mtp"
-MTP_IMAGE = "gemma4-vllm:0.32.0-mtp"
-PRE_MTP_IMAGE = "gemma4-vllm:pre-mtp"
-BROKEN_IMAGE = "gemma4-vllm:0.32.0-mtp-broken"
+MTP_IMAGE = "gemma4-vllm:0.32.0-mtp-cpu"
+PRE_MTP_IMAGE = "gemma4-vllm:0.19.0-cpu"
+BROKEN_IMAGE = "gemma4-vllm:0.32.0-mtp-broken-cpu"
 START_TIMEOUT = 600.0
 REPO = Path(__file__).resolve().parents[2]
 VLLM_CACHE = nspawn.vllm_cache_dir("systest")
@@ -175,11 +175,7 @@ class SystemdInstance:
 
     def appliance_argv(self, *args: str) -> tuple[list[str], dict[str, str]]:
         """The real CLI's argv and environment: systemd inside the machine, files under its root."""
-        env = dict(
-            os.environ,
-            APPLIANCE_SYSTEMD_PREFIX=self.systemd_prefix(),
-            APPLIANCE_ROOT=str(self.root),
-        )
+        env = dict(os.environ, **self.machine.tree_env(), APPLIANCE_ROOT=str(self.root))
         return [APPLIANCE, *args], env
 
     def appliance(self, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
@@ -252,7 +248,8 @@ def systemd_instance(appliance_images) -> Iterator[SystemdInstance]:
 
 @pytest.fixture(scope="session")
 def pre_mtp_image(appliance_images) -> str:
-    """``gemma4-vllm:pre-mtp`` (vLLM 0.19, no MTP: the seed's rollback image), built on first use.
+    """``gemma4-vllm:0.19.0-cpu`` (vLLM 0.19, no MTP: the seed's rollback image), built on first
+    use.
     The machines stream runs the modules that need it last (tests/conftest.py), so the 9 GB
     build goes on while the others run."""
     assert PRE_MTP_IMAGE in appliance_images["cpu-pre-mtp"].tags

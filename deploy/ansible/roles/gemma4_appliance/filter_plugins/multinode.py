@@ -97,7 +97,7 @@ def _flag(value: bool | str) -> bool:
     raise _Refused(f"multinode_canary={value!r}: say true or false (or leave it unset)")
 
 
-_ERROR = re.compile(r"^Error: .*$", re.M)
+_ERROR = re.compile(r"^Error: .*$", re.MULTILINE)
 
 
 def multinode_why(result: dict | None) -> str:

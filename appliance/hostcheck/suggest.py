@@ -1,0 +1,172 @@
+"""``appliance profiles suggest``: the shipped profiles that fit this host's GPUs, best first.
+
+nvidia-smi says what the host has (:mod:`.nvidia`); each GPU profile is asked what ``host
+check`` asks of the GPUs (:func:`.nvidia.gpu_findings`: count, memory, compute capability,
+driver), and then whether its weights, drafter and KV cache fit the memory nvidia-smi reports
+(:func:`appliance.profiles.validate.estimated_fit`; the GB10 reports none: the table's figure).
+Where nvidia-smi does not say the compute capability, the table's figure for the GPU it names
+stands in. Best first: the profiles made for this GPU, then the larger Gemma 4 size, a seed
+host's measured profile, the precision nearer the trained weights, the longer context, the more
+sequences. ``host check`` without a profile and ``install`` of a new instance without one take
+the first and say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+from ..profiles import Profile, all_profiles, catalog
+from ..profiles import validate as pv
+from ..profiles.generated import reference_names
+from .nvidia import Gpu, Query, gpu_findings, query
+
+HOW = "appliance profiles suggest"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One shipped GPU profile on this host: whether it fits, and why in one line."""
+
+    name: str
+    fits: bool
+    why: str
+    rank: tuple = ()
+
+    def line(self) -> str:
+        return f"{self.name}: {self.why}"
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """What nvidia-smi found, the profiles that fit (best first) and the others with why."""
+
+    gpus: tuple[Gpu, ...]
+    gpu: catalog.Gpu | None  # the table's GPU nvidia-smi names (None: not in the table)
+    fitting: tuple[Candidate, ...] = ()
+    others: tuple[Candidate, ...] = field(default=())
+
+    @property
+    def best(self) -> str | None:
+        return self.fitting[0].name if self.fitting else None
+
+    def host(self) -> str:
+        names = ", ".join(sorted({g.name for g in self.gpus}))
+        return f"{len(self.gpus)}x {names}"
+
+    def text(self) -> str:
+        lines = [f"GPUs: {self.host()}"]
+        if self.fitting:
+            lines.append(f"fit, best first ({len(self.fitting)}):")
+            lines += [f"  {c.line()}" for c in self.fitting]
+        else:
+            lines.append("no shipped profile fits these GPUs")
+        lines.append(f"do not fit ({len(self.others)}):")
+        lines += [f"  {c.line()}" for c in self.others]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "gpus": [dataclasses.asdict(g) for g in self.gpus],
+            "gpu": self.gpu.key if self.gpu else None,
+            "best": self.best,
+            "fitting": [{"name": c.name, "why": c.why} for c in self.fitting],
+            "others": [{"name": c.name, "why": c.why} for c in self.others],
+        }
+
+
+def _host_gpus(q: Query) -> tuple[Gpu, ...]:
+    if q.missing or q.error is not None or not q.gpus:
+        raise UsageError(
+            f"no NVIDIA GPU here to suggest a profile for ({q.error or 'nvidia-smi lists none'})",
+            fix="give the profile: --profile NAME (appliance profiles list)",
+        )
+    return q.gpus
+
+
+def _memory_gib(gpus: tuple[Gpu, ...], host: catalog.Gpu | None) -> float | None:
+    """The smallest GPU's memory as nvidia-smi reports it; the table's figure for a GPU whose
+    memory it does not report (the GB10's unified memory)."""
+    sizes = [g.memory_mib for g in gpus]
+    if None not in sizes:
+        return min(sizes) / 1024
+    return host.memory_gib if host is not None else None
+
+
+def _capability(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".") if p.isdigit())
+
+
+def candidate(prof: Profile, q: Query, host: catalog.Gpu | None) -> Candidate:
+    """Whether shipped profile ``prof`` fits the GPUs of ``q``, and why, in one line."""
+    hw = prof.hardware
+    if prof.multinode is not None:
+        return Candidate(prof.name, False, f"spans {prof.multinode.nodes} hosts (a group)")
+    if hw.mig:
+        return Candidate(prof.name, False, f"runs on a MIG slice ({hw.mig_profile})")
+    blockers = [f for f in gpu_findings(prof, q) if f.status == "blocker"]
+    if blockers:
+        return Candidate(prof.name, False, f"{blockers[0].name}: {blockers[0].message}")
+    told = [g.compute_cap for g in q.gpus[: hw.gpus]]
+    # Where nvidia-smi did not say (an older driver's columns): the table's figure for the GPU.
+    if (
+        hw.compute_capability
+        and None in told
+        and host is not None
+        and _capability(host.capability) < _capability(hw.compute_capability)
+    ):
+        return Candidate(
+            prof.name,
+            False,
+            f"needs compute capability {hw.compute_capability}, the {host.name} has "
+            f"{host.capability}",
+        )
+    estimate = pv.estimated_fit(prof, _memory_gib(q.gpus, host))
+    if estimate is not None and not estimate.fits:
+        return Candidate(prof.name, False, f"does not fit this memory: {estimate.line()}")
+    made = catalog.gpu_of(hw.gpu_name, hw.gpu_memory_gib)
+    mine = host is not None and made is not None and made.key == host.key
+    known = catalog.of_profile(prof.model, prof.drafter_matches, prof.quantization)
+    size = known[0].size_rank if known else 0
+    precision = known[1].precision_rank if known else 0
+    rank = (
+        mine,
+        size,
+        prof.name in reference_names(),
+        precision,
+        prof.max_model_len or 0,
+        prof.max_num_seqs or 1,
+        prof.mtp,
+    )
+    uses = f"{hw.gpus} of {len(q.gpus)} GPU(s)"
+    made_for = "" if mine else f", made for {hw.gpu_name or 'any GPU'}"
+    fit = f"; {estimate.line()}" if estimate is not None else ""
+    return Candidate(prof.name, True, f"{prof.description} ({uses}{made_for}){fit}", rank)
+
+
+def suggest(q: Query | None = None, shipped: dict[str, Profile] | None = None) -> Suggestion:
+    """The shipped GPU profiles that fit this host (nvidia-smi, or ``q``), best first."""
+    q = q if q is not None else query()
+    gpus = _host_gpus(q)
+    host = catalog.identify(gpus[0].name)
+    found = [
+        candidate(p, q, host)
+        for p in (shipped or all_profiles()).values()
+        if p.hardware.device == "cuda"
+    ]
+    fitting = sorted((c for c in found if c.fits), key=lambda c: c.rank, reverse=True)
+    others = sorted((c for c in found if not c.fits), key=lambda c: c.name)
+    return Suggestion(gpus, host, tuple(fitting), tuple(others))
+
+
+def best(q: Query | None = None) -> tuple[str, str]:
+    """The best profile for this host and the line that says it was chosen; a UsageError when
+    there is no GPU or nothing fits."""
+    s = suggest(q)
+    if s.best is None:
+        raise UsageError(
+            f"no shipped profile fits {s.host()}",
+            fix=f"`{HOW}` says why for each; give --profile with a profile of yours",
+        )
+    return s.best, f"no --profile: the suggested profile for {s.host()} is {s.best} ({HOW})"

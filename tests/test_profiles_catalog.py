@@ -1,0 +1,151 @@
+"""The GPU profiles generated from one table (appliance/profiles/catalog.py): the Gemma 4 family
+on the GPUs people own, each profile fitting its GPUs (appliance/profiles/fit.py), the seed hosts
+under their names, every figure with its source. vLLM's parser reads every generated profile in
+tests/test_vllm_parses_profiles.py, and the validator in tests/test_profiles_validate.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from appliance import profiles
+from appliance.profiles import catalog, generated
+from appliance.profiles import fit as memory
+from appliance.profiles import validate as pv
+
+SHAPES, OMITTED = generated.plan()
+GENERATED = {s.name: s for s in SHAPES}
+KIB, GIB = 1024, 2**30
+
+
+def test_every_gpu_size_and_precision_has_a_profile_or_a_reason():
+    seen = {(s.gpu.key, s.model.key, s.checkpoint.precision) for s in SHAPES}
+    seen |= {(o.gpu.key, o.model.key, o.checkpoint.precision) for o in OMITTED}
+    every = {(g.key, c.model, c.precision) for g in catalog.GPUS for c in catalog.CHECKPOINTS}
+    assert seen == every
+    assert all(o.why for o in OMITTED)
+    # Each GPU of the table serves the small sizes, and a 31B in some precision on some count
+    # except the 24 GB consumer card, which fits no 31B at a 4K context.
+    for g in catalog.GPUS:
+        sizes = {s.model.key for s in SHAPES if s.gpu.key == g.key}
+        assert {"e2b", "e4b"} <= sizes, g.key
+        assert "31b" in sizes or g.key == "rtx4090", g.key
+    # The issue's host: no profile was made for an H200.
+    assert {"h200-31b-mtp", "h200-31b-fp8-mtp", "h200-26b-a4b-mtp"} <= set(GENERATED)
+
+
+def test_the_generated_profiles_are_shipped_and_the_seed_hosts_keep_their_names():
+    shipped = profiles.all_profiles()
+    assert set(GENERATED) <= set(shipped)
+    for name in ("l4x4-31b-mtp", "h100-31b-mtp", "rtx5090x2-31b-fp8-mtp", "spark-31b-nvfp4-mtp"):
+        assert GENERATED[name].reference is not None, name
+    assert generated.reference_names() <= set(profiles.examples())
+    # Hand-made shapes stay hand-made: CPU, MIG, multi-node, the no-MTP baseline.
+    for name in ("cpu-tiny-mtp", "mig24-e4b-mtp", "l4x4x2-31b-mtp", "l4x4-31b"):
+        assert name in profiles.examples() and name not in GENERATED
+
+
+@pytest.mark.parametrize("name", sorted(GENERATED))
+def test_each_generated_profile_fits_its_gpus_by_the_validators_own_estimate(name):
+    prof = profiles.get(name)
+    f = pv.estimated_fit(prof)
+    assert f is not None and f.fits, f.line() if f else name
+    assert f == GENERATED[name].fit  # the validator and the generator do the same arithmetic
+    assert prof.tensor_parallel_size == prof.hardware.gpus
+    assert memory.tp_problem(GENERATED[name].model, prof.tensor_parallel_size) is None
+
+
+def test_the_kv_cache_is_sized_as_vllm_sizes_it_at_start():
+    # 31B, one GPU, 32K context, 4096-token batches: a sliding layer (16 KV heads of 256, both
+    # keys and values in bf16) holds window - 1 + 2 batches in flight + its blocks; a global
+    # layer (4 KV heads of 512) holds every token.
+    m = catalog.model("31b")
+    sliding = 50 * (2 * 16 * 256 * 2) * (1023 + 2 * 4096 + 32)
+    global_ = 10 * (2 * 4 * 512 * 2) * 32768
+    first = memory.kv_first_gib(m, tp=1, pp=1, max_model_len=32768, batched=4096)
+    assert first == pytest.approx((sliding + global_) / GIB)
+    # At decode a further sequence holds its window only on the sliding layers.
+    more = memory.kv_more_gib(m, tp=1, pp=1, max_model_len=32768)
+    assert more == pytest.approx((50 * 16 * KIB * (1024 + 32) + global_) / GIB)
+    # Tensor parallel splits the heads; the 4 global KV heads are replicated at TP 8.
+    tp8 = memory.kv_first_gib(m, tp=8, pp=1, max_model_len=32768, batched=4096)
+    assert tp8 == pytest.approx(
+        (50 * (2 * 2 * 256 * 2) * (1023 + 8192 + 32) + 10 * (2 * 1 * 512 * 2) * 32768) / GIB
+    )
+
+
+def test_the_h100_shape_shipped_before_does_not_fit_and_is_warned_of():
+    # h100-31b-mtp shipped with max_num_batched_tokens 8192: with MTP's two batches in flight
+    # one 32K request needs ~15.8 GiB of KV on its sliding layers and global ones, where the
+    # 80 GB GPU has ~9.6 GiB left after the weights. The generated one runs 4096.
+    prof = profiles.get("h100-31b-mtp")
+    assert prof.max_num_batched_tokens == 4096 and pv.estimated_fit(prof).fits
+    old = dataclasses.replace(prof, max_num_batched_tokens=8192)
+    (finding,) = [f for f in pv.check(old) if f.code == "memory-fit"]
+    assert finding.level == "warning" and "15.8 for one full request" in finding.message
+
+
+def test_a_reference_that_does_not_fit_is_a_table_error(monkeypatch):
+    h100 = next(r for r in catalog.REFERENCES if r.gpu == "h100")
+    wide = dataclasses.replace(h100, values={**h100.values, "max_num_batched_tokens": 8192})
+    monkeypatch.setattr(catalog, "REFERENCES", (wide,))
+    with pytest.raises(generated.TableError, match=r"reference h100x1 31b: .* > 71\.7 GiB"):
+        generated.plan()
+
+
+def test_tensor_parallel_must_divide_the_heads_as_vllm_requires():
+    m31, m26 = catalog.model("31b"), catalog.model("26b-a4b")
+    assert memory.tp_problem(m31, 8) is None  # 32 heads; 4 global KV heads replicated
+    assert "does not divide Gemma 4 31B-it's 32 heads" in memory.tp_problem(m31, 3)
+    assert memory.tp_problem(m26, 32) is not None  # 16 heads
+    # The validator says it before the engine does.
+    bad = dataclasses.replace(profiles.get("l4x4x2-31b-mtp"), tensor_parallel_size=6)
+    assert "tensor-parallel-heads" in {f.code for f in pv.errors(pv.check(bad))}
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("NVIDIA L4", "l4"),
+        ("NVIDIA L40S", "l40s"),  # an L40S is not an L4
+        ("NVIDIA A10G", "a10g"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40g"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80g"),
+        ("NVIDIA A100 80GB PCIe", "a100-80g"),
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA GeForce RTX 4090", "rtx4090"),
+        ("NVIDIA GeForce RTX 5090", "rtx5090"),
+        ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "rtxpro6000"),
+        ("NVIDIA GB10", "spark"),
+        ("NVIDIA GeForce RTX 5070 Ti", None),
+    ],
+)
+def test_nvidia_smi_names_identify_the_tables_gpus(name, key):
+    found = catalog.identify(name)
+    assert (found.key if found else None) == key
+
+
+def test_every_figure_names_its_source():
+    for m in catalog.MODELS:
+        assert m.sources and all(s.startswith("https://") for s in m.sources), m.key
+    for g in catalog.GPUS:
+        assert any(s.startswith("https://") for s in g.sources), g.key
+        assert catalog.CUDA_GPUS in g.sources, g.key  # the compute capability
+    for c in catalog.CHECKPOINTS:
+        assert c.how, (c.model, c.precision)
+
+
+def test_generated_files_say_their_fit_and_that_they_are_generated():
+    text = profiles.shipped_text("h200-31b-mtp")
+    assert text.startswith("# Generated by `appliance generate` from appliance/profiles/catalog")
+    assert "# Fit per GPU (140.4 GiB usable of 141 GB, at 0.90;" in text
+    index = generated.outputs()[f"{generated.FOLDER}/INDEX.md"]
+    assert f"{len(SHAPES)} profiles; {len(OMITTED)} combinations left out" in index
+    assert "| NVIDIA H200 (141 GB) | 31B-it | bf16 | `h200-31b-mtp` | 1 |" in index
+
+
+def test_profiles_list_shows_the_generated_profiles(cli_run):
+    res = cli_run(["profiles", "list"])
+    assert "h200-31b-mtp" in res.output and "spark-e4b-mtp" in res.output
