@@ -140,3 +140,22 @@ def test_a_worker_may_reach_its_heads_rendezvous_and_waits_for_it(tmp_path):
         listener.close()
     assert heard.is_set()
     assert notes[0].startswith(f"waiting for the head's rendezvous at 127.0.0.1:{port} (")
+
+
+def test_a_waiting_worker_says_so_on_its_unit_status_line(tmp_path, monkeypatch):
+    """What the cutover's worker gate reads back (``StatusText``): the serve program's
+    ``STATUS=`` datagram, sent to the socket systemd names in ``NOTIFY_SOCKET``; here a real
+    datagram socket stands in for systemd's (the unit itself runs under real systemd in the
+    fleet's group tests)."""
+    path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+        health.notify_status(health.waiting_for_head("gemma4-vllm:0.32.0-mtp", "10.0.0.1", 29500))
+        sock.settimeout(5)
+        said = sock.recv(4096).decode()
+    assert said == (
+        "STATUS=gemma4-vllm:0.32.0-mtp checked; waiting for the head's rendezvous at 10.0.0.1:29500"
+    )
+    monkeypatch.delenv("NOTIFY_SOCKET")
+    health.notify_status("nothing listens")  # outside a unit: nothing sent, nothing raised

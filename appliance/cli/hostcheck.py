@@ -25,11 +25,11 @@ def host() -> None:
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 def host_check(name: str | None, profile: str | None, root: Path, as_json: bool, **kw) -> None:
-    """Check this host for instance NAME as `appliance instance install` would install it (installed or
-    not), or for --profile P alone, or with neither for the profile `appliance profiles
-    suggest` puts first for this host's GPUs: NVIDIA driver and GPUs, Docker and its GPU access,
-    disk for the weights, the port, systemd, the user, the API key file. Read-only; one line per
-    finding with its fix; exit 1 on any blocker.
+    """Check this host for instance NAME as `appliance instance install` would install it
+    (installed or not), or for --profile P alone, or with neither for the profile `appliance
+    profiles suggest` puts first for this host's GPUs: NVIDIA driver and GPUs, Docker and its
+    GPU access, disk for the weights, the port, systemd, the user, the API key file. Read-only;
+    one line per finding with its fix; exit 1 on any blocker.
 
     \b
     Examples:

@@ -36,6 +36,7 @@ from ..host.names import node_container, node_unit
 from ..host.systemd import SystemdError
 from ..host.values import base_url
 from ..serve.argsfile import read as read_args
+from ..serve.health import WAITING_FOR_HEAD
 from . import gates
 from .context import Context
 from .history import Gate
@@ -230,7 +231,8 @@ def _head_gates(
 def _worker_gate(
     ctx: Context, tgt: GroupTarget, image: ImageInfo, previous: str, t0: float, timeout: float
 ) -> Gate:
-    """The worker unit active on a new start, its container running ``image``; waited for
+    """The worker unit active on a new start, its container running ``image`` (or, its head
+    down, its serve program waiting for the head with ``image`` checked); waited for
     until ``timeout`` (a worker host's own target checks right after the restart, when its
     container may not run yet), failed at once by a unit that failed."""
     unit = node_unit(tgt.name, "worker")
@@ -242,6 +244,12 @@ def _worker_gate(
         secs = round(time.monotonic() - t0, 2)
         if st.active != "active" or not st.invocation or st.invocation == previous:
             why = f"{unit} is {st.active} ({st.sub}), not a new start"
+        elif not got and st.status.startswith(f"{image.ref} checked; {WAITING_FOR_HEAD}"):
+            # Its head is down (a way back moves the workers first): the worker checked the
+            # image and waits to join; the head's gates, a generation, judge the group.
+            detail = f"{unit} active on a new start, {st.status}"
+            ctx.progress(f"{name}: ok ({detail})")
+            return Gate(name, True, secs, detail)
         elif got != image.id:
             why = f"its container runs {got or 'nothing'}, not {image.ref}"
         else:

@@ -32,6 +32,7 @@ class UnitState:
     job: str  # the pending job's id, empty when none
     restarts: int  # NRestarts: automatic restarts after a failure
     invocation: str  # InvocationID: new for every start
+    status: str = ""  # StatusText: what the main process said last (sd_notify STATUS=)
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,9 @@ class Systemd:
     def state(self, unit: str) -> UnitState:
         """Active state, pending job, restart count and invocation of ``unit``, in one call."""
         try:
-            p = self.show(unit, "ActiveState", "SubState", "Job", "NRestarts", "InvocationID")
+            p = self.show(
+                unit, "ActiveState", "SubState", "Job", "NRestarts", "InvocationID", "StatusText"
+            )
         except SystemdError:
             return UnitState("unknown", "", "", 0, "")
         try:
@@ -167,6 +170,7 @@ class Systemd:
             p.get("Job", ""),
             restarts,
             p.get("InvocationID", ""),
+            p.get("StatusText", ""),
         )
 
     def restarts(self, unit: str) -> int:

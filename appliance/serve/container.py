@@ -31,6 +31,7 @@ class Command:
     env: dict[str, str] = field(default_factory=dict, repr=False)  # the old key path only
     notes: list[str] = field(default_factory=list)
     key: str | None = field(default=None, repr=False)  # that file's key, checked: stdin's bytes
+    image: str = ""  # VLLM_IMAGE, as the env file names it
 
 
 def speculative_args(args: ServeArgs, image_labels: Mapping[str, str]) -> tuple[list[str], str]:
@@ -131,4 +132,4 @@ def command(
         *spec,
         *queue,
     ]
-    return Command(argv, stdin, env, notes, stdin_key)
+    return Command(argv, stdin, env, notes, stdin_key, settings.image)

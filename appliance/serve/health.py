@@ -50,6 +50,31 @@ def generate(host: str, port: int, model: str, key: str | None) -> int | None:
                   timeout=GENERATE_TIMEOUT_S)  # fmt: skip
 
 
+def waiting_for_head(image: str, host: str, port: int) -> str:
+    """The worker unit's status line while it waits for its head, ``image`` checked: read back
+    by the cutover's worker gate (appliance/cutover/group.py)."""
+    return f"{image} checked; {WAITING_FOR_HEAD} at {host}:{port}"
+
+
+WAITING_FOR_HEAD = "waiting for the head's rendezvous"
+
+
+def notify_status(text: str) -> None:
+    """Say ``text`` on the unit's status line (sd_notify ``STATUS=``); nothing outside a unit
+    that listens (no ``NOTIFY_SOCKET``). Best effort: the status line informs, it never stops
+    a start."""
+    path = os.environ.get("NOTIFY_SOCKET", "")
+    if not path:
+        return
+    if path.startswith("@"):  # an abstract socket
+        path = "\0" + path[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(f"STATUS={text}".encode(), path)
+    except OSError:
+        pass
+
+
 def wait_listening(host: str, port: int, note: Callable[[str], None]) -> float:
     """Wait, without end, until something accepts a TCP connection on ``host``:``port``; the
     seconds it took. A worker waits so for its head's rendezvous: started while the head's host
@@ -66,7 +91,7 @@ def wait_listening(host: str, port: int, note: Callable[[str], None]) -> float:
             now = time.monotonic()
             if noted is None or now - noted >= NOTE_EVERY_S:
                 note(
-                    f"waiting for the head's rendezvous at {host}:{port} ({exc.strerror or exc}):"
+                    f"{WAITING_FOR_HEAD} at {host}:{port} ({exc.strerror or exc}):"
                     " its host is down or its unit not started; the worker joins when it is back"
                 )
                 noted = now

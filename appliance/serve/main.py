@@ -130,7 +130,9 @@ def run(unit: Unit) -> None:
     A multi-node worker first waits for its head's rendezvous (:func:`health.wait_listening`)."""
     cmd = unit.command(check_models=True)
     if (head := unit.args().rendezvous()) is not None:
+        health.notify_status(health.waiting_for_head(cmd.image, *head))
         took = health.wait_listening(*head, unit.log)
+        health.notify_status(f"{cmd.image}: joined the head's rendezvous")
         if took >= health.POLL_S:
             unit.log(f"the head's rendezvous at {head[0]}:{head[1]} answers after {took:.0f} s")
     os.environ.update(cmd.env)
