@@ -54,12 +54,14 @@ def multinode_plan(
         )
     _one_image(checks, "image_id", image)
     old = checks[head]["env_image"]
+    # Hosts a stopped move left on another image (run again to make the group whole): their
+    # env file names no way back; the group's is the head's.
+    split = {h: c["env_image"] for h, c in checks.items() if c["env_image"] != old}
     if old:  # the way back: every node back on one engine, or the head's gates wait in vain
-        _one_image(checks, "env_image_id", old)
+        _one_image({h: c for h, c in checks.items() if h not in split}, "env_image_id", old)
     move_workers = [h for h in workers if not checks[h]["runs_image"]]
     move_head = bool(move_workers) or not checks[head]["runs_image"]
     wanted = checks[head].get("canary", False) if canary in (None, "") else _flag(canary)
-    split = {h: c["env_image"] for h, c in checks.items() if c["env_image"] != old}
     return {
         "head": head,
         "workers": workers,
