@@ -276,7 +276,7 @@ def test_a_moved_host_unreachable_at_the_rollback_is_named_in_the_stop_line(flee
     assert lost.is_set(), run.output[-4000:]
     assert run.returncode != 0, run.output[-4000:]
     out = " ".join(run.output.split())
-    assert "rollout of gemma4-vllm:0.32.0-mtp stopped at fleet-b" in out, out[-4000:]
+    assert f"rollout of {MTP_IMAGE} stopped at fleet-b" in out, out[-4000:]
     assert "but NOT fleet-a (unreachable; once it is reachable: playbooks/rollback.yml -l " in out
     assert "fleet-b (lost during its cutover or soak;" in out
     # Both hosts end on the new image by themselves (fleet-b's cutover went on without its

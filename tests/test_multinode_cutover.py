@@ -4,7 +4,6 @@ tests/test_multinode_systemd.py."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -57,18 +56,16 @@ def _install(root: Path, image: str) -> Path:
 def test_the_env_files_are_read_under_the_lock(
     tmp_path, cutover_docker, preflight_images, restart_refused
 ):
-    """An install that finishes under the group's lock while a cutover waits for it changed the
-    env file; the cutover's way back writes back THAT file, not the
-    bytes it read before the lock."""
+    """An install that runs under the group's lock during the cutover's preflight (after it
+    found the group not busy) changed the env file; the cutover's way back writes back THAT
+    file, not the bytes it read before the lock."""
     env_path = _install(tmp_path, preflight_images["pre-mtp"])
     layout = Layout(tmp_path)
-    concurrent = contextlib.ExitStack()
-    concurrent.enter_context(locks.hold(layout.lock_file(GROUP), GROUP, "install"))
     changed = envfile.read(env_path).with_value("VLLM_PORT", "8123")
 
     def finish_the_install() -> None:
-        write_atomic(env_path, changed)
-        concurrent.close()
+        with locks.hold(layout.lock_file(GROUP), GROUP, "install"):
+            write_atomic(env_path, changed)
 
     # The restart is the first gate to fail (the tree's systemd refuses it), so the cutover goes
     # straight to its way back, which fails the same way.

@@ -1,5 +1,5 @@
 """The unit, the one serve program, and each instance's env and args files: rendered, written,
-upgraded from the old layout, uninstalled, and verified by the tools that consume them.
+upgraded in place, uninstalled, and verified by the tools that consume them.
 
 systemd-analyze verify and shellcheck are the real tools (a test fails on ANY output: both only
 warn for some defects); the installed serve program itself runs (the host's /usr/bin/python3,
@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 from plugins.cli import invoke
-from plugins.units import install_old_layout
 
 from appliance import devmodel, generate, labels, profiles, units
 from appliance.errors import UsageError
@@ -543,23 +542,6 @@ def test_a_missing_or_foreign_args_file_is_a_configuration_error(tmp_path, no_do
     assert proc.returncode == 78 and "cannot read" in proc.stderr
 
 
-def test_an_args_file_of_format_1_is_still_read(tmp_path, no_docker_path):
-    """An instance not yet re-installed after an upgrade replaced the shared serve program."""
-    units.install("cpu-tiny", "e", root=tmp_path, options=units.Options(model_dir=str(tmp_path)))
-    args = Layout(tmp_path).args_file("e")
-    new = argsfile.parse(args.read_text(), "args")
-    lines = ["# written by an older appliance", "format  1", "profile cpu-tiny"]
-    lines += [f"serve   {a}" for a in new.serve] + [f"docker  {a}" for a in new.docker]
-    lines += [f"require {k}" for k in new.require] + ["model   target dir target"]
-    args.write_text("\n".join(lines) + "\n")
-    assert argsfile.read(args) == new
-    proc = serve(tmp_path, "e", "print", no_docker_path)
-    assert "is format 1 (an older appliance): re-run `appliance install e`" in proc.stderr
-    assert "no docker client" in proc.stderr  # it got as far as docker
-    args.write_text(args.read_text() + "exec rm -rf /\n")
-    assert "unknown record 'exec'" in serve(tmp_path, "e", "print", no_docker_path).stderr
-
-
 def test_the_script_refuses_a_bad_instance_name_or_command(tmp_path):
     units.install("cpu-tiny", "e", root=tmp_path)
     script = str(Layout(tmp_path).serve_program)
@@ -807,46 +789,6 @@ def test_the_instance_record_names_what_is_wrong(tmp_path, edit, error):
         instance.read(tmp_path, "r")
 
 
-# --- the old layout: upgraded in place ----------------------------------------------------------
-
-
-def test_install_upgrades_an_instance_of_the_old_layout_in_place(tmp_path):
-    root = verify_root(tmp_path)
-    old = install_old_layout(
-        root,
-        port=18555,
-        image="gemma4-vllm:0.32.0-mtp",
-        model_dir="/srv/tiny",
-        vllm_cache_dir="/srv/cache",
-    )
-    key = old["api_key"].read_bytes()
-    assert "serve-%i.sh" in old["unit"].read_text()  # really the old layout
-    with pytest.raises(UsageError, match="APPLIANCE_PROFILE is not set"):
-        instance.read(root, "systest")
-
-    result = run("instance", "install", "-p", "cpu-tiny-mtp", "systest", "--root", str(root))
-    assert result.exit_code == 0, result.output
-    assert f"removed   {old['script']}" in result.output
-    assert not old["script"].exists()
-    assert [p.name for p in old["script"].parent.iterdir()] == ["serve"]
-    inst = instance.read(root, "systest")
-    assert (inst.profile.name, inst.port, inst.image) == (
-        "cpu-tiny-mtp",
-        18555,
-        "gemma4-vllm:0.32.0-mtp",
-    )
-    env = envfile.read(old["env"])
-    assert (env.get("MODEL_DIR"), env.get("VLLM_CACHE_DIR")) == ("/srv/tiny", "/srv/cache")
-    assert old["api_key"].read_bytes() == key
-    assert "serve %i run" in old["unit"].read_text()
-    proc = verify(root, "systest")
-    assert (proc.returncode, proc.stdout + proc.stderr) == (0, "")
-    # Upgraded once: the next install changes nothing and reads no old script.
-    before = snapshot(root)
-    assert not units.install(None, "systest", root=root).changed
-    assert snapshot(root) == before
-
-
 # --- uninstall ----------------------------------------------------------------------------------
 
 
@@ -934,14 +876,6 @@ def test_uninstall_drops_the_instance_from_the_state_metrics_and_purge_leaves_th
     assert f"removed   {layout.state_dir}" in result.output
     assert snapshot(tmp_path) == before
     assert sorted(p for p in tmp_path.rglob("*") if p.is_dir()) == folders
-
-
-def test_uninstall_removes_an_old_layout_instance_too(tmp_path):
-    old = install_old_layout(
-        tmp_path, port=18555, image="gemma4-vllm:mtp", model_dir="/m", vllm_cache_dir="/c"
-    )
-    assert run("instance", "uninstall", "systest", "--root", str(tmp_path)).exit_code == 0
-    assert not any(path.exists() for path in old.values())
 
 
 # --- bad inputs: a clear one-line error, exit 2, and the tree unchanged --------------------------
@@ -1129,19 +1063,19 @@ def test_print_shows_the_command_without_the_models(tiny_instance, no_docker_pat
     assert "models" not in proc.stderr and "no docker client" in proc.stderr
 
 
-def test_an_args_file_of_an_older_install_is_served_without_the_check(
+def test_an_args_file_that_names_no_models_is_served_without_the_check(
     tiny_instance, no_docker_path
 ):
-    # Re-installing one instance rewrites the shared program; the others' args files stay as
-    # they were until their own re-install (format 1, perhaps without models), and still start.
+    # An args file that names no models (made by hand): served, with one line saying the
+    # models are not checked.
     root, model_dir = tiny_instance
     args = Layout(root).args_file("m")
-    new = argsfile.read(args)
-    lines = ["format 1", f"profile {new.profile}", *(f"serve {a}" for a in new.serve)]
-    args.write_text("\n".join(lines) + "\n")
+    data = json.loads(args.read_text())
+    del data["models"]
+    args.write_text(json.dumps(data))
     shutil.rmtree(model_dir / "target")
     proc = serve(root, "m", "run", no_docker_path)
-    assert "names no models (written by an older appliance): not checked at start" in proc.stderr
+    assert "names no models: not checked at start" in proc.stderr
     assert "no docker client" in proc.stderr
 
 

@@ -1,7 +1,7 @@
 """The installed unit under real systemd (nspawn) with the host's Docker and the real CPU images.
 
-One instance (tests/plugins/systemd_instance.py) serves throughout, installed by the old layout
-and upgraded in place before the first test (the first test checks that upgrade); the tests run
+One instance (tests/plugins/systemd_instance.py) serves throughout, installed the operator's way
+before the first test (the first test checks that install); the tests run
 in file order: the pre-MTP image (vLLM 0.19) first, where tests/test_cutover_systemd.py left the
 unit by editing the env file and restarting (the rollback path the image labels make safe), then
 the same unit on the MTP image. Why the labels matter (the pre-MTP image given the MTP flag does
@@ -19,6 +19,7 @@ from plugins.systemd_instance import MTP_IMAGE, PRE_MTP_IMAGE, SystemdInstance
 
 from appliance import profiles, specdecode, units
 from appliance.engine.local import free_port
+from appliance.host import envfile
 from appliance.host.layout import Layout
 from appliance.host.systemd import Systemd
 from appliance.units import instance
@@ -39,27 +40,22 @@ def _invocation_journal(inst: SystemdInstance) -> str:
 SERVE = "/usr/local/libexec/gemma4-vllm/serve"
 
 
-def test_an_instance_of_the_old_layout_is_upgraded_in_place_and_keeps_serving(systemd_instance):
+def test_an_installed_instance_serves_from_the_one_serve_program(systemd_instance):
     inst = systemd_instance
-    up = inst.upgrade
-    # Before: the old layout served, from its own script.
-    assert "serve-systest.sh run" in up.exec_start_before and up.served_before == 200
-    # The upgrade: the per-instance script removed, the image, key and port kept.
-    assert f"removed   {up.old_script}" in up.install.stdout
-    assert not up.old_script.exists()
-    assert [p.name for p in up.old_script.parent.iterdir()] == ["serve"]
-    assert up.env_after["VLLM_IMAGE"] == MTP_IMAGE
-    assert (up.env_after["APPLIANCE_PROFILE"], up.env_after["VLLM_PORT"]) == (
-        "cpu-tiny-mtp",
-        str(inst.port),
-    )
-    assert inst.api_key == up.api_key_before
-    # After: systemd runs the one serve script for this instance, and it serves with that key.
+    # The install says what it wrote and the one next step; it starts nothing itself.
+    out = inst.install.stdout
+    assert f"wrote     {Layout(inst.root).env_file(inst.instance)}" in out, out
+    assert f"systemctl daemon-reload && systemctl enable --now {inst.unit}" in out, out
+    env = envfile.read(inst.env_path).values
+    assert env["VLLM_IMAGE"] == MTP_IMAGE
+    assert (env["APPLIANCE_PROFILE"], env["VLLM_PORT"]) == ("cpu-tiny-mtp", str(inst.port))
+    # systemd runs the one serve program for this instance, and it serves with the key.
     assert f"argv[]={SERVE} systest run" in inst.show("ExecStart")
     rec = instance.read(inst.root, inst.instance)
     assert (rec.port, rec.base_url) == (inst.port, inst.url)
     assert inst.machine.is_active(inst.unit) == "active"
-    assert inst.chat("after the upgrade", max_tokens=4).status_code == 200
+    assert inst.chat("after the install", max_tokens=4).status_code == 200
+    assert inst.chat("without the key", max_tokens=4, key=None).status_code == 401
 
 
 # pre_mtp_image: built on first use. The machines stream runs the tests that need it after the

@@ -1,16 +1,15 @@
 """The args file: the engine and container arguments ``appliance install`` derives from the
 profile, read by the serve program at every start (``/etc/gemma4-vllm/<instance>.args``, JSON).
 
-It holds arguments only, never code: each string is one argument as is. Format 1 (``KIND VALUE``
-lines, written by an older appliance) is still read, so an instance not yet re-installed after
-an upgrade of the shared serve program keeps starting.
+It holds arguments only, never code: each string is one argument as is. A file of another
+format is refused with the install command that rewrites it.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import UsageError
@@ -24,8 +23,6 @@ LAYOUTS = ("hub", "dir")  # the Hugging Face cache in HF_CACHE_DIR, or a directo
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # no line breaks, no terminal escapes
 _LISTS = ("serve", "mtp", "per_request", "queue", "docker", "require")
-# Format 1's record kinds, by the field each fills.
-_V1_KINDS = {"serve": "serve", "mtp": "mtp", "per-request": "per_request", "docker": "docker"}
 
 
 class ArgsFileError(UsageError):
@@ -54,7 +51,7 @@ class ModelRecord:
             raise UsageError(f"bad model record {self.text()!r}")
 
     def text(self) -> str:
-        """The record as format 1 wrote it (``ROLE LAYOUT NAME [REVISION]``), for messages."""
+        """The record in one line (``ROLE LAYOUT NAME [REVISION]``), for messages."""
         return " ".join(str(v) for v in (self.role, self.layout, self.name, self.revision) if v)
 
 
@@ -74,7 +71,6 @@ class ServeArgs:
     docker: tuple[str, ...] = ()
     require: tuple[str, ...] = ()
     models: tuple[ModelRecord, ...] = ()
-    format: int = field(default=FORMAT, compare=False)
 
     def to_json(self, about: str) -> str:
         """The file's text; ``about`` says what it is to a reader (JSON has no comments)."""
@@ -118,8 +114,6 @@ def check_argument(value: object, where: str) -> str:
 
 def parse(text: str, where: str) -> ServeArgs:
     """The record in ``text`` (the content of ``where``); an ArgsFileError naming the field."""
-    if not text.lstrip().startswith("{"):
-        return _parse_v1(text, where)
     try:
         data = json.loads(text)
     except ValueError as exc:
@@ -144,7 +138,7 @@ def parse(text: str, where: str) -> ServeArgs:
     if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
         raise ArgsFileError(f"{where}: models = {models!r}: expected a list of objects")
     records = tuple(_model(where, **m) for m in models)
-    return _checked(data.get("profile"), lists, records, where, FORMAT)
+    return _checked(data.get("profile"), lists, records, where)
 
 
 def _argument(value: object, where: str) -> str:
@@ -163,45 +157,14 @@ def _model(where: str, *args: object, **kwargs: object) -> ModelRecord:
         raise ArgsFileError(f"{where}: {exc.message}") from None
 
 
-def _parse_v1(text: str, where: str) -> ServeArgs:
-    """Format 1: ``KIND VALUE`` a line (``format 1`` first), as an older appliance wrote it."""
-    lists: dict[str, list[str]] = {key: [] for key in _LISTS}
-    profile, version, models = None, None, []
-    for line in text.splitlines():
-        kind, _, value = line.strip().partition(" ")
-        value = value.strip()
-        if not kind or kind.startswith("#"):
-            continue
-        if kind == "format":
-            version = value
-        elif kind == "profile":
-            profile = value
-        elif kind in _V1_KINDS:
-            lists[_V1_KINDS[kind]].append(value)
-        elif kind == "require":
-            lists["require"].append(value)
-        elif kind == "model":
-            parts = value.split()
-            if len(parts) not in (3, 4):
-                raise ArgsFileError(f"{where}: bad model record {value!r}")
-            models.append(_model(where, *parts))
-        elif kind != "drafter-type":  # the check's own list is the serve program's now
-            raise ArgsFileError(f"{where}: unknown record {kind!r}")
-    if version != "1":
-        raise ArgsFileError(f"{where} has format {version!r}, this serve program reads {FORMAT}")
-    return _checked(
-        profile, {k: tuple(v) for k, v in lists.items()}, tuple(models), where, version=1
-    )
-
-
-def _checked(profile, lists, models, where: str, version: int) -> ServeArgs:
+def _checked(profile, lists, models, where: str) -> ServeArgs:
     if not isinstance(profile, str) or not profile or not lists["serve"]:
         raise ArgsFileError(f"{where} names no profile or no arguments")
     for key in lists["require"]:
         # The name is looked up in the environment: a file may only name one of these.
         if key not in REQUIRABLE_KEYS:
             raise ArgsFileError(f"{where} requires {key!r}, which the serve program does not know")
-    return ServeArgs(profile=profile, models=models, format=version, **lists)
+    return ServeArgs(profile=profile, models=models, **lists)
 
 
 def read(path: Path) -> ServeArgs:

@@ -45,15 +45,9 @@ class Unit:
 
     def args(self) -> ServeArgs:
         try:
-            args = argsfile.read(self.args_file)
+            return argsfile.read(self.args_file)
         except UsageError as exc:  # the file, not the operator's input: install rewrites it
             raise UsageError(exc.message, fix=f"appliance install {self.instance}") from None
-        if args.format != argsfile.FORMAT:
-            self.log(
-                f"{self.args_file} is format {args.format} (an older appliance): "
-                f"re-run `appliance install {self.instance}` to update it"
-            )
-        return args
 
     def key(self, settings: Settings) -> str | None:
         """The instance's API key by :mod:`appliance.apikey`'s rule; None when it has no key
@@ -77,8 +71,8 @@ class Unit:
         --quick``), else a ModelsNotReady naming each problem and the command that fixes it."""
         if not args.models:
             self.log(
-                f"{self.args_file} names no models (written by an older appliance): not checked "
-                f"at start; re-run `appliance install {self.instance}` to check them"
+                f"{self.args_file} names no models: not checked at start; re-run "
+                f"`appliance install {self.instance}` to check them"
             )
             return
         layouts = {m.layout for m in args.models}

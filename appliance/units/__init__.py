@@ -5,7 +5,7 @@
   profile's engine arguments, data the serve program reads).
 - :func:`install` ``(profile, instance, root=Path("/"), options=...)`` writes them under
   ``root`` atomically with their modes, keeps what the env file already says (``VLLM_IMAGE``
-  above all), creates the API key file (0600), and upgrades an instance of the old layout.
+  above all) and creates the API key file (0600).
 - :func:`uninstall` removes what install wrote for an instance of either shape (the shared
   files with the last).
 - :mod:`.instance`: :func:`instance.read` ``(root, name) -> Instance``, an installed instance's

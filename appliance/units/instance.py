@@ -79,8 +79,8 @@ def read(root: Path | str, name: str) -> Instance:
     """The facts of instance ``name`` installed under ``root`` (``/`` on a host).
 
     Errors, each naming the file: no env file (install first); a line systemd could read
-    differently; no ``APPLIANCE_PROFILE``, ``VLLM_HOST`` or ``VLLM_PORT`` (an instance installed
-    by an older appliance: re-run install, which upgrades it); an unknown profile; a host or
+    differently; no ``APPLIANCE_PROFILE``, ``VLLM_HOST`` or ``VLLM_PORT`` (re-run install,
+    which writes them); an unknown profile; a host or
     port that is not one.
     """
     return from_env(root, name, envfile.read(Layout(Path(root)).env_file(name)))

@@ -3,8 +3,7 @@
 :func:`write_tree` is the one writer (``render --out`` uses it too): every file is replaced by
 :func:`appliance.fsutil.write_atomic`, so a reader (systemd, a cutover) sees the old file or the
 new one. Everything is rendered and validated before the first write: a bad input leaves the
-tree untouched. :func:`install` keeps what the operator set (image, host, port, GPUs, paths)
-and upgrades an instance installed by the old layout (a rendered script per instance) in place;
+tree untouched. :func:`install` keeps what the operator set (image, host, port, GPUs, paths);
 :func:`uninstall` is its pair.
 """
 
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -91,27 +89,6 @@ def _existing_env(root: Path, instance: str) -> dict[str, str]:
     return envfile.read(path).values
 
 
-# ---- the old layout (a rendered serve script per instance) ------------------------------------
-
-_OLD_PORT_LINE = re.compile(r"^readonly PORT=(\d+)$", re.MULTILINE)
-
-
-def old_serve_script(root: Path, instance: str) -> Path:
-    """Where the old layout kept ``instance``'s own rendered serve script."""
-    return Layout(Path(root)).serve_program.with_name(f"serve-{instance}.sh")
-
-
-def migrate_port_from_old_serve_script(root: Path, instance: str) -> int | None:
-    """The port an instance of the old layout serves on, read one last time from its rendered
-    script (that layout kept it nowhere else). The only read of generated shell left, for the
-    upgrade only; None when there is no such script or it names no port."""
-    try:
-        m = _OLD_PORT_LINE.search(old_serve_script(root, instance).read_text())
-    except (OSError, UnicodeDecodeError):
-        return None
-    return int(m.group(1)) if m else None
-
-
 # ---- install and uninstall -----------------------------------------------------------------
 
 
@@ -146,9 +123,6 @@ def planned(
     layout = Layout(root)
     existing = _existing_env(root, instance)
     explicit = options or Options()
-    if explicit.port is None and PORT_KEY not in existing:
-        port = migrate_port_from_old_serve_script(root, instance)
-        explicit = replace(explicit, port=port)
     opts = options_from_env(existing, explicit)
     if profile is None:
         if not existing.get(PROFILE_KEY):
@@ -217,10 +191,6 @@ def install(
         result.written.append(key)
     else:
         result.unchanged.append(key)
-    old = old_serve_script(root, instance)
-    if old.exists():
-        old.unlink()
-        result.removed.append(old)
     write_scrape_targets(root, result)
     return result
 
@@ -355,7 +325,7 @@ def _own_files(layout: Layout, shape: Shape, root: Path) -> list[Path]:
     name = shape.name
     if not shape.group:
         own = [layout.args_file(name), layout.api_key_file(name), layout.profile_copy(name)]
-        return [*own, layout.mounts_dropin(name), old_serve_script(root, name)]
+        return [*own, layout.mounts_dropin(name)]
     files = []
     for role in shape.roles:
         files += [layout.node_args_file(name, role), layout.node_api_key_file(name, role)]

@@ -7,11 +7,9 @@ instance of ``cpu-tiny-mtp``, and every test moves that one instance between ima
 need a given image call :meth:`SystemdInstance.ensure`, which restarts only when the instance is
 not already serving that image.
 
-The instance starts life in the OLD layout (a rendered serve script per instance,
-tests/data/units-old-layout) and serves; the fixture then upgrades it the operator's way
-(``appliance install``, ``daemon-reload``, restart) and keeps what it saw in
-:attr:`SystemdInstance.upgrade`: every test after that runs on the new layout (one serve script,
-env and args files), and the upgrade test checks the evidence.
+The fixture installs it the operator's way (``appliance instance install``, ``daemon-reload``,
+a start) and keeps what the install printed in :attr:`SystemdInstance.install`, which the first
+test of tests/test_units_systemd.py checks.
 
 Paths the host's Docker engine resolves are host paths: the tiny model pair is bound into the
 machine at the SAME path (the serve script checks ``MODEL_DIR`` inside the machine, dockerd
@@ -40,9 +38,8 @@ from appliance.host.layout import Layout
 
 from . import nspawn
 from .docker_engine import machine_lock
-from .units import OLD_LAYOUT_INSTANCE, install_old_layout
 
-INSTANCE = OLD_LAYOUT_INSTANCE  # "systest"
+INSTANCE = "systest"
 PROFILE = "cpu-tiny-mtp"
 MTP_IMAGE = "gemma4-vllm:0.32.0-mtp-cpu"
 PRE_MTP_IMAGE = "gemma4-vllm:0.19.0-cpu"
@@ -54,18 +51,6 @@ APPLIANCE = str(Path(sys.executable).parent / "appliance")
 
 
 @dataclass
-class Upgrade:
-    """What the fixture saw while upgrading the instance from the old layout."""
-
-    exec_start_before: str  # the unit's ExecStart= as systemd ran it in the old layout
-    served_before: int  # the status of a chat completion on the old layout
-    api_key_before: str
-    old_script: Path
-    install: subprocess.CompletedProcess  # `appliance install` over the old layout
-    env_after: dict[str, str]  # the env file right after the install
-
-
-@dataclass
 class SystemdInstance:
     """The installed instance: its machine, names, port and API key, and a few actions."""
 
@@ -73,7 +58,7 @@ class SystemdInstance:
     instance: str
     port: int
     model_dir: Path
-    upgrade: Upgrade | None = None
+    install: subprocess.CompletedProcess | None = None  # `appliance instance install`'s run
 
     @property
     def root(self) -> Path:
@@ -186,44 +171,35 @@ class SystemdInstance:
         )
 
 
-def _upgrade_from_the_old_layout(inst: SystemdInstance) -> Upgrade:
-    """Serve from the old layout, then upgrade the operator's way and serve again."""
-    old = install_old_layout(
-        inst.root,
-        port=inst.port,
-        image=MTP_IMAGE,
-        model_dir=str(inst.model_dir),
-        vllm_cache_dir=str(VLLM_CACHE),
-    )
-    inst.machine.daemon_reload()
-    inst.restart()
-    exec_start = inst.show("ExecStart")
-    served = inst.chat("before the upgrade", max_tokens=4).status_code
-    key = inst.api_key
-    install = inst.appliance("instance", "install", inst.instance, "--profile", PROFILE)
+def _install(inst: SystemdInstance) -> subprocess.CompletedProcess:
+    """Install the instance the operator's way and start it on the MTP image."""
+    install = inst.appliance(
+        "instance", "install", inst.instance, "--profile", PROFILE, "--image", MTP_IMAGE,
+        "--port", str(inst.port), "--model-dir", str(inst.model_dir),
+        "--vllm-cache-dir", str(VLLM_CACHE),
+    )  # fmt: skip
     if install.returncode != 0:
-        raise nspawn.NspawnError(f"appliance install failed:\n{install.stderr}")
-    env_after = envfile.read(inst.env_path).values
+        raise nspawn.NspawnError(f"appliance instance install failed:\n{install.stderr}")
     key_path = Layout(inst.root).api_key_file(inst.instance)
     key_path.write_bytes(key_path.read_bytes().strip() + b"\r\n")
     inst.machine.daemon_reload()
     inst.restart()
-    return Upgrade(exec_start, served, key, old["script"], install, env_after)
+    return install
 
 
 @pytest.fixture(scope="session")
 def systemd_instance(appliance_images) -> Iterator[SystemdInstance]:
-    """Instance ``systest`` of cpu-tiny-mtp in a booted nspawn machine, upgraded from the old
-    layout and serving the MTP image. Tests move it between images; the machine and the
-    container go at session end.
+    """Instance ``systest`` of cpu-tiny-mtp in a booted nspawn machine, installed by
+    ``appliance instance install`` and serving the MTP image. Tests move it between images; the
+    machine and the container go at session end.
 
     The images come from ``appliance_images`` (tests/plugins/docker_engine.py): built through
     ``appliance image build`` when missing, a label lookup when present. The pre-MTP image is
     not waited for here: tests that use it ask for ``pre_mtp_image``.
 
-    The key file is written with CRLF line endings before the engine first starts on the new
-    layout (the same key): the engine and every Python client must read the same key from it,
-    and every test of the session shows they do (tests/test_secrets_systemd.py checks it)."""
+    The key file is rewritten with CRLF line endings before the engine first starts: the engine
+    and every Python client must read the same key from it, and every test of the session shows
+    they do (tests/test_secrets_systemd.py checks it)."""
     for target, ref in (("cpu-mtp", MTP_IMAGE), ("cpu-broken", BROKEN_IMAGE)):
         assert ref in appliance_images[target].tags, (target, appliance_images[target].tags)
     model_dir = devmodel.cached("copy").root
@@ -235,7 +211,7 @@ def systemd_instance(appliance_images) -> Iterator[SystemdInstance]:
     ):
         inst = SystemdInstance(m, INSTANCE, free_port(), model_dir)
         try:
-            inst.upgrade = _upgrade_from_the_old_layout(inst)
+            inst.install = _install(inst)
             yield inst
         finally:
             m.systemctl("stop", inst.unit, check=False, timeout=180)

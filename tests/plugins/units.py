@@ -1,5 +1,4 @@
-"""Fixtures for the units tests: small labelled images in the real Docker engine, and an
-instance laid out by the old layout (a rendered serve script per instance) to upgrade.
+"""Fixtures for the units tests: small labelled images in the real Docker engine.
 
 The images are a few bytes imported with ``docker import`` and the appliance's labels: enough for
 the serve script's label reading (``docker image inspect``) and its ``print``/``remove`` paths;
@@ -9,7 +8,6 @@ no engine runs from them. Their own repository name keeps other tests' images un
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -72,53 +70,3 @@ def serve_images() -> dict[str, str]:
                 capture_output=True,
             )
     return refs
-
-
-OLD_LAYOUT = Path(__file__).resolve().parents[1] / "data" / "units-old-layout"
-OLD_LAYOUT_INSTANCE = "systest"
-OLD_LAYOUT_PORT = "18123"  # the port the old files were rendered with
-
-
-def install_old_layout(
-    root: Path,
-    *,
-    port: int,
-    image: str,
-    model_dir: str,
-    vllm_cache_dir: str,
-    api_key: str = "old-layout-key-0123456789abcdefghijklmnop",
-) -> dict[str, Path]:
-    """Lay out instance ``systest`` of cpu-tiny-mtp under ``root`` exactly as the first layout
-    installed it (tests/data/units-old-layout: its own rendered serve script, the port baked in
-    there, an env file naming no profile, host or port), with the given port, image and paths.
-    Returns the files by role."""
-    from appliance.host import envfile
-
-    out = {}
-    for src in sorted(OLD_LAYOUT.rglob("*")):
-        if not src.is_file() or src.name == "README.md":
-            continue
-        rel = src.relative_to(OLD_LAYOUT)
-        dst = root / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        data = src.read_bytes()
-        if dst.suffix == ".sh":
-            data = data.replace(OLD_LAYOUT_PORT.encode(), str(port).encode())
-            out["script"] = dst
-        elif dst.suffix == ".env":
-            for key, value in (
-                ("VLLM_IMAGE", image),
-                ("MODEL_DIR", model_dir),
-                ("VLLM_CACHE_DIR", vllm_cache_dir),
-            ):
-                data = envfile.set_value(data, key, value)
-            out["env"] = dst
-        else:
-            out["unit"] = dst
-        dst.write_bytes(data)
-        dst.chmod(src.stat().st_mode & 0o777)
-    key = root / "etc/gemma4-vllm" / f"{OLD_LAYOUT_INSTANCE}.api-key"
-    key.write_text(api_key + "\n")
-    key.chmod(0o600)
-    out["api_key"] = key
-    return out
