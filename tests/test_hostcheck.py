@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import shutil
 import socket
 import subprocess
@@ -31,7 +32,7 @@ def fake_nvidia_smi(tmp_path: Path, monkeypatch, capture: str) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     tool = bin_dir / "nvidia-smi"
-    tool.write_text(f"#!/bin/sh\ncat {CAPTURES / capture}\n")
+    tool.write_text(f"#!/bin/sh\ncat {shlex.quote(str(CAPTURES / capture))}\n")
     tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{shutil.os.environ['PATH']}")
 
