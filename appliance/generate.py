@@ -3,8 +3,8 @@
 Each :class:`Source` produces its files as ``{repository path: GeneratedFile}`` and names the
 folders it owns. :func:`generate` writes what is stale or missing; :func:`check` writes nothing
 and lists every problem: a file that is stale, missing, has the wrong executable bit, or sits in
-an owned folder without being produced (a hand-made or renamed file). ``appliance generate``
-runs the first and fails on any problem left; ``appliance generate --check`` runs the second
+an owned folder without being produced (a hand-made or renamed file). ``appliance dev generate``
+runs the first and fails on any problem left; ``appliance dev generate --check`` runs the second
 (the test suite calls it), so a committed file and its generator never disagree.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 from .errors import ApplianceError, UsageError
 from .fsutil import write_atomic
 
-COMMAND = "appliance generate"
+COMMAND = "appliance dev generate"
 FIX = f"run: {COMMAND}"
 PROJECT = 'name = "gemma4-appliance"'  # the line of pyproject.toml that marks a checkout
 # Written by hand beside generated files, in any owned folder.

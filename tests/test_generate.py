@@ -60,7 +60,7 @@ def test_a_hand_edit_of_any_generated_file_fails_check_with_the_fix(
     path.write_text(path.read_text() + "# hand edit\n")
     result = cli_run(["dev", "generate", "--check", "--repo", str(repo_copy)], code=1)
     assert f"{rel}: out of date" in result.output
-    assert "(run: appliance generate)" in result.output
+    assert "(run: appliance dev generate)" in result.output
     assert result.output.count("\n") == 1  # one line, no traceback
     # The fix named works: generate rewrites it, and the check passes again.
     assert run("dev", "generate", "--repo", str(repo_copy)).output.startswith(f"wrote {rel}")
@@ -79,7 +79,7 @@ def test_missing_and_stray_files_fail_check(repo_copy: Path, cli_run) -> None:
     # generate restores what is missing, but a stray file is the operator's to remove: it fails.
     result = cli_run(["dev", "generate", "--repo", str(repo_copy)], code=1)
     assert f"wrote {produced[0]}" in result.output
-    assert "hand-made.json: not produced by appliance generate (remove it" in result.output
+    assert "hand-made.json: not produced by appliance dev generate (remove it" in result.output
     stray.unlink()
     assert gen.check(repo_copy) == []
 

@@ -1,4 +1,4 @@
-"""``appliance generate``: every committed generated file, written or checked in one shape."""
+"""``appliance dev generate``: every committed generated file, written or checked in one shape."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The appliance's Grafana dashboards, defined with the typed builders.
 
-Edit the panels here and run ``appliance generate``; the committed JSON in
+Edit the panels here and run ``appliance dev generate``; the committed JSON in
 ``grafana/dashboards/`` is its output and a test fails when they drift apart.
 """
 

@@ -302,7 +302,7 @@ def load_file(path: Path | str) -> Profile:
     return from_dict(data, where=str(path.name))
 
 
-# Hand-made profiles (the CPU ones, MIG, multi-node) and the ones `appliance generate` writes
+# Hand-made profiles (the CPU ones, MIG, multi-node) and the ones `appliance dev generate` writes
 # from the table (appliance/profiles/catalog.py): both ship, a name in one folder only.
 FOLDERS = ("data", "generated")
 
@@ -325,7 +325,7 @@ def _shipped() -> dict[str, tuple[Profile, str, str]]:
 
 
 def reload() -> None:
-    """Read the shipped profiles again (after ``appliance generate`` rewrote some)."""
+    """Read the shipped profiles again (after ``appliance dev generate`` rewrote some)."""
     _shipped.cache_clear()
 
 

@@ -4,8 +4,8 @@ the GPUs people run them on, and the seed hosts' hand-tuned values.
 Every figure says where it comes from (a URL or vLLM's own source); where no source was found
 the figure is an assumption, said so, and chosen to over-count memory, never to under-count it.
 :mod:`.fit` turns the table into memory arithmetic, :mod:`.generated` into the profile files
-``appliance generate`` writes to ``appliance/profiles/generated`` (``--check`` keeps them in
-step). Change a figure here, then run ``appliance generate``.
+``appliance dev generate`` writes to ``appliance/profiles/generated`` (``--check`` keeps them in
+step). Change a figure here, then run ``appliance dev generate``.
 """
 
 from __future__ import annotations
