@@ -157,5 +157,10 @@ def test_a_waiting_worker_says_so_on_its_unit_status_line(tmp_path, monkeypatch)
     assert said == (
         "STATUS=gemma4-vllm:0.32.0-mtp checked; waiting for the head's rendezvous at 10.0.0.1:29500"
     )
+    assert health.image_waiting_for_head(said.removeprefix("STATUS=")) == "gemma4-vllm:0.32.0-mtp"
+    assert (
+        health.image_waiting_for_head("gemma4-vllm:0.32.0-mtp: joined the head's rendezvous")
+        is None
+    )
     monkeypatch.delenv("NOTIFY_SOCKET")
     health.notify_status("nothing listens")  # outside a unit: nothing sent, nothing raised

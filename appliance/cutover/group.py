@@ -36,7 +36,7 @@ from ..host.names import node_container, node_unit
 from ..host.systemd import SystemdError
 from ..host.values import base_url
 from ..serve.argsfile import read as read_args
-from ..serve.health import WAITING_FOR_HEAD
+from ..serve.health import image_waiting_for_head
 from . import gates
 from .context import Context
 from .history import Gate
@@ -244,7 +244,7 @@ def _worker_gate(
         secs = round(time.monotonic() - t0, 2)
         if st.active != "active" or not st.invocation or st.invocation == previous:
             why = f"{unit} is {st.active} ({st.sub}), not a new start"
-        elif not got and st.status.startswith(f"{image.ref} checked; {WAITING_FOR_HEAD}"):
+        elif not got and image_waiting_for_head(st.status) == image.ref:
             # Its head is down (a way back moves the workers first): the worker checked the
             # image and waits to join; the head's gates, a generation, judge the group.
             detail = f"{unit} active on a new start, {st.status}"

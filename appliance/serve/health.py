@@ -50,13 +50,21 @@ def generate(host: str, port: int, model: str, key: str | None) -> int | None:
                   timeout=GENERATE_TIMEOUT_S)  # fmt: skip
 
 
+WAITING_FOR_HEAD = "waiting for the head's rendezvous"
+_CHECKED = " checked; "
+
+
 def waiting_for_head(image: str, host: str, port: int) -> str:
     """The worker unit's status line while it waits for its head, ``image`` checked: read back
-    by the cutover's worker gate (appliance/cutover/group.py)."""
-    return f"{image} checked; {WAITING_FOR_HEAD} at {host}:{port}"
+    by the cutover's worker gate (:func:`image_waiting_for_head`)."""
+    return f"{image}{_CHECKED}{WAITING_FOR_HEAD} at {host}:{port}"
 
 
-WAITING_FOR_HEAD = "waiting for the head's rendezvous"
+def image_waiting_for_head(status: str) -> str | None:
+    """The image a worker's status line (:func:`waiting_for_head`) says it checked while it
+    waits for its head; None for any other status."""
+    image, sep, rest = status.partition(_CHECKED)
+    return image if sep and rest.startswith(WAITING_FOR_HEAD) else None
 
 
 def notify_status(text: str) -> None:

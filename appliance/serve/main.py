@@ -94,10 +94,10 @@ class Unit:
             raise ModelsNotReady(line)
         self.log(f"{line} (quick check; `appliance models verify {self.instance}` hashes them)")
 
-    def command(self, *, check_models: bool) -> container.Command:
+    def command(self, *, check_models: bool, args: ServeArgs | None = None) -> container.Command:
         """The checked docker command (``run`` checks the models; ``print`` shows the command
-        whether or not the models are there yet)."""
-        args = self.args()
+        whether or not the models are there yet), from ``args`` when read already."""
+        args = args or self.args()
         settings = environment.settings(self.env, args, self.instance, self.env_file)
         if check_models:
             self.check_models(args, settings)
@@ -122,8 +122,9 @@ class Unit:
 def run(unit: Unit) -> None:
     """Exec the engine's container: from here on the docker client is the unit's main process.
     A multi-node worker first waits for its head's rendezvous (:func:`health.wait_listening`)."""
-    cmd = unit.command(check_models=True)
-    if (head := unit.args().rendezvous()) is not None:
+    args = unit.args()  # read once per start
+    cmd = unit.command(check_models=True, args=args)
+    if (head := args.rendezvous()) is not None:
         health.notify_status(health.waiting_for_head(cmd.image, *head))
         took = health.wait_listening(*head, unit.log)
         health.notify_status(f"{cmd.image}: joined the head's rendezvous")
