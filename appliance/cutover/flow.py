@@ -45,7 +45,7 @@ from ..host import lock as locks
 from . import gates, history, metrics, slot
 from .context import Context, PreflightError
 from .history import Entry, Gate
-from .preflight import check_compatible, check_pinned, way_back
+from .preflight import ImageInfo, check_compatible, check_pinned, way_back
 from .signals import Interrupted, guard
 from .target import Target
 from .targets import target
@@ -116,11 +116,9 @@ def cutover(
     enabled = canary if tgt.answers else False
     # The canary's set is read and checked here: a malformed line refuses the cutover untouched.
     plan = canaries.plan(tgt.profile, root=layout.root, enabled=enabled, files=canary_files)
-    new = tgt.inspect(ctx, image)
-    for warning in check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp):
+    new, warnings = _judged(ctx, tgt, image, allow_no_mtp, pinned=kind == "cutover" and not force)
+    for warning in warnings:
         ctx.progress(f"warning: {warning}")
-    if kind == "cutover" and not force:
-        check_pinned(ctx, new, tgt.inspect)
     first_ref = tgt.read().image
     old, unusable = way_back(ctx, first_ref, image, rollback, way_back_required, tgt.inspect)
     # Systemd last: the refusals above need only the files and Docker.
@@ -262,10 +260,7 @@ def check(
     env file names now and its ID: the way back) and whether ``name`` already runs ``image``."""
     tgt = target(ctx, name)
     imageref.validate(image)
-    new = tgt.inspect(ctx, image)
-    warnings = check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
-    if not force:
-        check_pinned(ctx, new, tgt.inspect)
+    new, warnings = _judged(ctx, tgt, image, allow_no_mtp, pinned=not force)
     tgt.check_overrides(ctx, allow=allow_unit_overrides)
     current = tgt.read().image
     node = tgt.node
@@ -285,6 +280,18 @@ def check(
         "canary": tgt.answers and tgt.profile.canary.enabled,
         "warnings": warnings,
     }
+
+
+def _judged(
+    ctx: Context, tgt: Target, image: str, allow_no_mtp: bool, *, pinned: bool
+) -> tuple[ImageInfo, list[str]]:
+    """``image`` as the host has it, refused when it cannot serve ``tgt``'s profile or, with
+    ``pinned``, when it is a floating tag; and the warnings about it."""
+    new = tgt.inspect(ctx, image)
+    warnings = check_compatible(new, tgt.profile, allow_no_mtp=allow_no_mtp)
+    if pinned:
+        check_pinned(ctx, new, tgt.inspect)
+    return new, warnings
 
 
 def _image_id(ctx: Context, tgt: Target, ref: str | None) -> str | None:
