@@ -59,22 +59,19 @@ def docker_findings(profile: Profile, image: str, client=None) -> list[Finding]:
         )
     if cuda:
         out.append(_gpu_access(info))
-    out.append(_data_root(info, image, client, profile.hardware.device))
-    built = _image_build(client, image, profile)
-    if built is not None:
-        out.append(built)
+    try:
+        found = client.images.get(image)  # looked up once, for the two findings below
+    except (docker.errors.DockerException, OSError):
+        found = None
+    out.append(_data_root(info, image, found is not None, profile.hardware.device))
+    if found is not None:
+        out.append(_image_build(found, image, profile))
     return out
 
 
-def _image_build(client, image: str, profile: Profile) -> Finding | None:
-    """``docker.image``: a CPU image for a GPU profile (or the reverse) is a blocker; None when
-    the image is not here (``docker.data_root`` says so)."""
-    import docker.errors
-
-    try:
-        found = client.images.get(image)
-    except (docker.errors.DockerException, OSError):
-        return None
+def _image_build(found, image: str, profile: Profile) -> Finding:
+    """``docker.image`` for the image ``found`` here: a CPU image for a GPU profile (or the
+    reverse) is a blocker."""
     device = profile.hardware.device
     fit = variant.fit(image, found.labels, device, profile.name)
     if fit.refusal is not None:
@@ -117,22 +114,17 @@ def _gpu_access(info: dict) -> Finding:
     )
 
 
-def _data_root(info: dict, image: str, client, device: str) -> Finding:
+def _data_root(info: dict, image: str, present: bool, device: str) -> Finding:
     root = info.get("DockerRootDir") or "/var/lib/docker"
     try:
         free = shutil.disk_usage(root).free
     except OSError as exc:
         return Finding("docker.data_root", "warn", f"cannot measure {root}: {exc}")
     gib = free / 2**30
-    import docker.errors
-
-    try:
-        client.images.get(image)
+    if present:
         return Finding(
             "docker.data_root", "ok", f"image {image} present; {gib:.1f} GiB free at {root}"
         )
-    except (docker.errors.DockerException, OSError):
-        pass
     want = IMAGE_ROOM_GIB.get(device, 0)
     if gib < want:
         return Finding(
