@@ -112,6 +112,15 @@ def test_the_interconnect_interfaces_must_be_named():
     assert "multinode-interface" in codes(with_mn("cpu-tiny-mtp-2node", gloo_socket_ifname=""))
 
 
+def test_a_one_host_cpu_group_left_to_bind_threads_by_local_rank_is_warned():
+    prof = profiles.get("cpu-tiny-mtp-2node")
+    env = {k: v for k, v in prof.env.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    for unbound in (env, {**env, "VLLM_CPU_OMP_THREADS_BIND": "auto"}):
+        found = pv.check(dataclasses.replace(prof, env=unbound))
+        [f] = [f for f in found if f.code == "multinode-cpu-threads"]
+        assert f.level == "warning" and "same core" in f.message
+
+
 def test_multinode_table_rejects_unknown_fields():
     data = {
         "name": "x",

@@ -411,6 +411,24 @@ def _multinode(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
         )
     yield from _master(p)
     yield from _interfaces(p)
+    if hw.device == "cpu":
+        yield from _cpu_threads(p)
+
+
+def _cpu_threads(p: Profile) -> Iterable[Finding]:
+    """A CPU group's nodes share one host (its rendezvous is on loopback), and vLLM binds each
+    node's OpenMP threads by its LOCAL rank, 0 on every node: "auto" (vLLM's default) pins every
+    node to the same core."""
+    bind = p.env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind == "auto":
+        yield Finding(
+            "warning",
+            "multinode-cpu-threads",
+            f"VLLM_CPU_OMP_THREADS_BIND = {bind!r}: every node of this one-host group is local "
+            "rank 0, so all are bound to the same core",
+            'set env VLLM_CPU_OMP_THREADS_BIND = "nobind" (or one core list per node) and '
+            "OMP_NUM_THREADS to the cores each node should use",
+        )
 
 
 def _master(p: Profile) -> Iterable[Finding]:
