@@ -111,7 +111,13 @@ def atomic_writer(path: Path | str, *, mode: int | None = None) -> Iterator[Bina
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)
-            if st is not None and os.geteuid() == 0:
+            # Only when it differs: a chown to oneself changes nothing, and the units' seccomp
+            # filter (~@privileged) refuses every chown, so the state timer's second run failed.
+            if (
+                st is not None
+                and os.geteuid() == 0
+                and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid())
+            ):
                 os.fchown(f.fileno(), st.st_uid, st.st_gid)
             yield f
             f.flush()

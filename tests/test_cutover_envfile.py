@@ -79,6 +79,21 @@ def test_an_edit_written_atomically_keeps_the_mode_and_reads_back(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["i.env"]  # no temp file left
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root gives a file to another owner")
+def test_root_keeps_another_owners_file_theirs_and_its_own_without_a_chown(tmp_path):
+    """The chown is made only when the owner differs: a unit's seccomp filter refuses every
+    chown (tests/test_bare_host_systemd.py runs the state timer's second tick under it)."""
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text("{}")
+    os.chown(theirs, 472, 0)
+    write_atomic(theirs, "[]")
+    assert (theirs.stat().st_uid, theirs.stat().st_gid, theirs.read_text()) == (472, 0, "[]")
+    ours = tmp_path / "ours.json"
+    ours.write_text("{}")
+    write_atomic(ours, "[]")
+    assert (ours.stat().st_uid, ours.stat().st_gid) == (os.geteuid(), os.getegid())
+
+
 # --- the one rule ---------------------------------------------------------------------------
 
 
