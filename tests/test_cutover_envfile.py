@@ -80,8 +80,8 @@ def test_an_edit_written_atomically_keeps_the_mode_and_reads_back(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root gives a file to another owner")
-def test_root_keeps_another_owners_file_theirs_and_its_own_without_a_chown(tmp_path):
-    """The chown is made only when the owner differs: a unit's seccomp filter refuses every
+def test_root_keeps_the_owner_of_another_users_file(tmp_path):
+    """The writer chowns only a file another user owns: a unit's seccomp filter refuses every
     chown (tests/test_bare_host_systemd.py runs the state timer's second tick under it)."""
     theirs = tmp_path / "theirs.json"
     theirs.write_text("{}")
