@@ -93,7 +93,7 @@ def serve(root: Path, name: str, command: str, path: str, **env: str):
 
 def test_committed_examples_match_what_the_profiles_render():
     units_source = [src for src in generate.sources() if src.name == "units"]
-    assert generate.check(REPO, only=units_source) == [], "run: appliance dev generate"
+    assert generate.check(REPO, only=units_source) == [], generate.FIX
 
 
 def test_every_shipped_profile_has_committed_env_and_args_and_one_script_serves_all():

@@ -94,10 +94,9 @@ class Unit:
             raise ModelsNotReady(line)
         self.log(f"{line} (quick check; `appliance models verify {self.instance}` hashes them)")
 
-    def command(self, *, check_models: bool, args: ServeArgs | None = None) -> container.Command:
-        """The checked docker command (``run`` checks the models; ``print`` shows the command
-        whether or not the models are there yet), from ``args`` when read already."""
-        args = args or self.args()
+    def command(self, args: ServeArgs, *, check_models: bool) -> container.Command:
+        """The checked docker command for ``args`` (``run`` checks the models; ``print`` shows
+        the command whether or not the models are there yet)."""
         settings = environment.settings(self.env, args, self.instance, self.env_file)
         if check_models:
             self.check_models(args, settings)
@@ -123,7 +122,7 @@ def run(unit: Unit) -> None:
     """Exec the engine's container: from here on the docker client is the unit's main process.
     A multi-node worker first waits for its head's rendezvous (:func:`health.wait_listening`)."""
     args = unit.args()  # read once per start
-    cmd = unit.command(check_models=True, args=args)
+    cmd = unit.command(args, check_models=True)
     if (head := args.rendezvous()) is not None:
         health.notify_status(health.waiting_for_head(cmd.image, *head))
         took = health.wait_listening(*head, unit.log)
@@ -154,7 +153,7 @@ def key_pipe(key: str) -> int:
 
 
 def print_command(unit: Unit) -> None:
-    cmd = unit.command(check_models=False)
+    cmd = unit.command(unit.args(), check_models=False)
     line = shlex.join(["docker", *cmd.argv])
     print(f"{line} < {shlex.quote(str(cmd.stdin))}" if cmd.stdin else line)
 
