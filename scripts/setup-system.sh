@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# System packages the full test suite uses: Docker engine, systemd-nspawn + debootstrap,
+# System packages the full test suite uses: Docker engine, systemd-nspawn + mmdebstrap,
 # Prometheus/promtool, Alertmanager/amtool, shellcheck, Chromium (the HTML reports' browser test), the distribution's
 # venv module (scripts/setup.sh), strace (the history's fsync test), Node.js (when absent). Needs
 # root (apt). Idempotent.
 # Usage: scripts/setup-system.sh [first|rest]  (default: both)
 #   first: what scripts/setup.sh and the suite's first background work need (the venv module,
-#          debootstrap, systemd-nspawn); rest: the others, which scripts/test.sh installs
+#          mmdebstrap, systemd-nspawn); rest: the others, which scripts/test.sh installs
 #          beside the venv's install.
 set -euo pipefail
-first=(python3-venv debootstrap systemd-container strace)
+first=(python3-venv mmdebstrap systemd-container strace)
 rest=(docker.io prometheus prometheus-alertmanager shellcheck chromium)
 # Node.js + npm check the dashboards against Grafana's published schema types (tsc).
 command -v npm >/dev/null 2>&1 || rest+=(nodejs npm)

@@ -27,7 +27,7 @@ if [ "$#" -gt 0 ] || [ "${APPLIANCE_TEST_STREAMS:-2}" = 1 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 
-# The cold work starts first, in the background (tests/prefetch.py): the debootstraps and wheel
+# The cold work starts first, in the background (tests/prefetch.py): the two rootfs and wheel
 # downloads beside the venv's install, then the images, tiny models and npm schema beside the
 # lint and the first tests. The fixtures that need a piece wait for it.
 run_dir="$(mktemp -d)"
@@ -45,7 +45,7 @@ stop() {
   return 0
 }
 trap stop EXIT
-# System packages in two halves: what the venv and the debootstraps need first, then the rest
+# System packages in two halves: what the venv and the rootfs bootstraps need first, then the rest
 # (Docker, Chromium, Prometheus: most of apt's time on a new machine) beside the venv's install.
 if [ "$root" = 1 ]; then
   scripts/setup-system.sh first

@@ -1,11 +1,12 @@
 """The suite's cold work, started by scripts/test.sh in the background before pytest.
 
 On a brand-new machine the first tests of each stream would otherwise wait, one after the other,
-for the CPU images (debootstrap, a 5 GB wheel download, the builds), the nspawn rootfs (another
-debootstrap), the tiny model pairs and the npm schema. Here they run side by side, in two stages:
+for the CPU images (a rootfs bootstrap, a 4 GB wheel download, the builds), the nspawn rootfs
+(another bootstrap), the tiny model pairs and the npm schema. Here they run side by side, in two
+stages:
 
 - ``system``: what needs only the standard library, started before the project's venv exists
-  (the two debootstraps and the wheelhouses download while scripts/setup.sh installs);
+  (the two rootfs bootstraps and the wheelhouses download while scripts/setup.sh installs);
 - ``venv``: what needs the venv, started right after it (dockerd, the image builds, the tiny
   models, the npm schema), while the lint and the first tests run.
 

@@ -1,8 +1,9 @@
-"""The CPU images' base image: a Debian bookworm rootfs made with debootstrap, then imported.
+"""The CPU images' base image: a Debian bookworm rootfs made with mmdebstrap, then imported.
 
 No container registry is reachable from the machines this runs on, so ``FROM debian`` cannot
-work. ``ensure_base()`` runs ``debootstrap --variant=minbase`` with the packages listed in
-``docker/cpu/rootfs.txt``, strips apt's caches, and ``docker import``s the tree as
+work. ``ensure_base()`` makes a minbase tree with the packages listed in
+``docker/cpu/rootfs.txt`` (``bootstrap()``, which the suite's systemd machines use too), strips
+apt's caches, and ``docker import``s the tree as
 ``gemma4-appliance-base:bookworm-<digest>``. The digest covers the package list and the suite,
 so the image and the cached tarball (under the machine's cache directory) are reused until the
 list changes.
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from .files import digest, held
 BASE_REPOSITORY = "gemma4-appliance-base"
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
+# Merged /usr as on a debootstrap'd bookworm (usr-is-merged, not usrmerge and its perl).
+MERGED_USR_HOOK = "/usr/share/mmdebstrap/hooks/merged-usr"
 
 
 @dataclass(frozen=True)
@@ -48,37 +52,47 @@ def base_ref(docker_dir: Path) -> str:
 
 
 def make_rootfs_tar(docker_dir: Path, cache_dir: Path) -> Path:
-    """The rootfs tarball for the current package list, made with debootstrap unless cached."""
+    """The rootfs tarball for the current package list, bootstrapped unless cached."""
     ref = base_ref(docker_dir)
     tarball = cache_dir / "rootfs" / f"{ref.split(':', 1)[1]}.tar"
     if tarball.exists():
         return tarball
     with held(tarball.with_suffix(".lock")):
         if not tarball.exists():  # made by the build we waited for
-            _debootstrap(docker_dir, tarball)
+            _make_tar(docker_dir, tarball)
     return tarball
 
 
-def _debootstrap(docker_dir: Path, tarball: Path) -> None:
-    if shutil.which("debootstrap") is None:
+def bootstrap(root: Path, include: Sequence[str]) -> None:
+    """Make a minimal Debian ``SUITE`` tree at ``root`` (absent or empty) with ``include``.
+
+    mmdebstrap, not debootstrap (ADR 0018): one apt run instead of unpacking every essential
+    package twice; the same packages in 22 s and 24 CPU-seconds instead of 57 and 57."""
+    if shutil.which("mmdebstrap") is None:
         raise ApplianceError(
-            "debootstrap is not installed", fix="run scripts/setup-system.sh (apt debootstrap)"
+            "mmdebstrap is not installed", fix="run scripts/setup-system.sh (apt mmdebstrap)"
         )
+    cmd = [
+        "mmdebstrap",
+        "--mode=root",
+        "--variant=minbase",
+        f"--hook-dir={MERGED_USR_HOOK}",
+        f"--include={','.join(include)}",
+        SUITE,
+        str(root),
+        MIRROR,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-10:])
+        raise ApplianceError(f"mmdebstrap failed:\n{tail}")
+
+
+def _make_tar(docker_dir: Path, tarball: Path) -> None:
     tarball.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rootfs-", dir=tarball.parent) as tmp:
         root = Path(tmp) / "root"
-        cmd = [
-            "debootstrap",
-            "--variant=minbase",
-            f"--include={','.join(packages(docker_dir))}",
-            SUITE,
-            str(root),
-            MIRROR,
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-10:])
-            raise ApplianceError(f"debootstrap failed:\n{tail}")
+        bootstrap(root, packages(docker_dir))
         # Caches and lists are dead weight in an image that never runs apt.
         for sub in ("var/cache/apt/archives", "var/lib/apt/lists", "var/log"):
             for child in (root / sub).glob("*"):

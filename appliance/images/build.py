@@ -1,6 +1,6 @@
 """Build an appliance image with the Docker SDK, then tag it per the scheme.
 
-``build(client, "cpu-mtp")`` makes (or reuses) the debootstrap base, downloads (or reuses) the
+``build(client, "cpu-mtp")`` makes (or reuses) the bootstrapped base, downloads (or reuses) the
 lock's wheelhouse, assembles a small build context (the Dockerfile, the entry point, vLLM's CLI
 wrapper, the lock), and builds with the engine's classic builder. Every input is hashed into the
 ``io.gemma4-appliance.build-digest`` label: when an image with the same digest is already in the

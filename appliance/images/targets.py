@@ -17,7 +17,7 @@ class Target:
     description: str
     # The vLLM version; None means the operator chooses (``--vllm-version``).
     vllm_version: str | None = None
-    # Built from the CPU base (debootstrap) and a wheel lock (docker/cpu/vllm-<v>.lock).
+    # Built from the CPU base (mmdebstrap) and a wheel lock (docker/cpu/vllm-<v>.lock).
     uses_lock: bool = False
     # Built on top of another target's image.
     parent: str | None = None

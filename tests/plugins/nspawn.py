@@ -9,9 +9,10 @@ dockerd, next to the images the docker tier built.
 
 API (for tests):
 
-- ``ensure_rootfs(packages=()) -> Path``: the pristine rootfs (``debootstrap --variant=minbase
-  --include=systemd,systemd-sysv,dbus,openssh-server,python3,...[,packages]``), cached per machine
-  under ``/var/cache/gemma4-appliance/nspawn/`` (first time 40-120 s, ~300 MB; one builder at a
+- ``ensure_rootfs(packages=()) -> Path``: the pristine rootfs (a minbase bookworm with
+  systemd, systemd-sysv, dbus, openssh-server, python3, ...[, packages], made by
+  ``appliance.images.base.bootstrap``), cached per machine
+  under ``/var/cache/gemma4-appliance/nspawn/`` (first time 20-60 s, ~230 MB; one builder at a
   time, the others wait and reuse it). D-Bus, logind, sshd, node_exporter and the console getty
   are masked (see ``MASKED_UNITS``): boot to "running" then takes ~14 s with the copy, poweroff
   ~6 s.
@@ -45,13 +46,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.errors import ApplianceError
+from appliance.images import base
 from appliance.images.files import held
 
-SUITE = "bookworm"
-MIRROR = "http://deb.debian.org/debian"
 # One rootfs for every machine: the fleet's hosts need sshd and a Python for Ansible, the bare
 # host (tests/test_bare_host_systemd.py) Debian's venv and node_exporter; the others boot the
-# same tree with those services masked (one debootstrap per machine, not one per variant).
+# same tree with those services masked (one bootstrap per machine, not one per variant).
 BASE_PACKAGES = (
     "systemd",
     "systemd-sysv",
@@ -111,41 +112,28 @@ def ensure_rootfs(packages: Sequence[str] = ()) -> Path:
     """The pristine systemd rootfs with ``packages`` added, made once per machine."""
     include = sorted({*BASE_PACKAGES, *packages})
     extra = [p for p in include if p not in BASE_PACKAGES]
-    # v4: python3-venv and node_exporter (masked) too; bump it when the rootfs recipe changes.
-    root = CACHE / "-".join([SUITE, *extra, "systemd-v4"])
+    # v5: made by mmdebstrap; bump it when the rootfs recipe changes.
+    root = CACHE / "-".join([base.SUITE, *extra, "systemd-v5"])
     if (root / ".complete").exists():
         return root
-    if shutil.which("debootstrap") is None or shutil.which("systemd-nspawn") is None:
-        raise NspawnError("needs debootstrap and systemd-container: run scripts/setup-system.sh")
+    if shutil.which("systemd-nspawn") is None:
+        raise NspawnError("needs systemd-container: run scripts/setup-system.sh")
     CACHE.mkdir(parents=True, exist_ok=True)
     # Two pytest processes and the prefetch (tests/prefetch.py) may all want it at once.
     with held(CACHE / "rootfs.lock"):
         if not (root / ".complete").exists():
-            _debootstrap(root, include)
+            _bootstrap(root, include)
     return root
 
 
-def _debootstrap(root: Path, include: list[str]) -> None:
+def _bootstrap(root: Path, include: list[str]) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=CACHE))
     staging.chmod(0o755)  # the machines' "/" (mkdtemp makes it 0700)
     try:
-        proc = subprocess.run(
-            [
-                "debootstrap",
-                "--variant=minbase",
-                f"--include={','.join(include)}",
-                SUITE,
-                str(staging),
-                MIRROR,
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise NspawnError("debootstrap failed:\n" + (proc.stdout + proc.stderr)[-2000:])
-        for child in (staging / "var/cache/apt/archives").glob("*.deb"):
-            child.unlink()
+        try:
+            base.bootstrap(staging, include)  # the CPU images' base is made the same way
+        except ApplianceError as exc:
+            raise NspawnError(str(exc)) from None
         # Masked: a login prompt on a console nobody reads; and D-Bus, which cannot set up
         # inotify or its fd limit in this sandbox and then holds boot ~90 s waiting for systemd
         # (logind needs it). Nothing the tests use needs the bus: systemctl as root talks to
