@@ -180,6 +180,19 @@ def test_a_non_loopback_bind_is_a_warning():
     assert codes(variant("l4x4-31b-mtp", host="0.0.0.0"))["bind"].level == "warning"
 
 
+def test_a_cpu_profile_that_leaves_openmp_one_thread_per_core_is_warned():
+    cpu = [n for n in SHIPPED if profiles.get(n).hardware.device == "cpu"]
+    assert cpu == ["cpu-tiny", "cpu-tiny-mtp", "cpu-tiny-mtp-2node"]
+    for name in cpu:
+        prof = profiles.get(name)
+        assert "cpu-omp-threads" not in codes(prof), name
+        unset = {k: v for k, v in prof.env.items() if k != "OMP_NUM_THREADS"}
+        found = codes(dataclasses.replace(prof, env=unset))["cpu-omp-threads"]
+        assert found.level == "warning" and "OMP_NUM_THREADS" in found.fix, name
+    # A GPU profile's OpenMP is not the engine's compute: no warning.
+    assert "cpu-omp-threads" not in codes(profiles.get("l4x4-31b-mtp"))
+
+
 def test_require_valid_raises_naming_the_fix():
     with pytest.raises(pv.ProfileError) as err:
         pv.require_valid(variant("l4x4-31b-mtp", kv_cache_dtype="fp8", tensor_parallel_size=3))

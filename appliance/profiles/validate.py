@@ -431,6 +431,22 @@ def _cpu_threads(p: Profile) -> Iterable[Finding]:
         )
 
 
+def _cpu_omp(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    """torch starts its OpenMP team at import, one thread per core of the host, before vLLM's
+    CPU worker binds its cores (vLLM PR 22773, closed unmerged): unless OMP_NUM_THREADS says
+    otherwise, the extra threads spin between operations, and every token costs that many
+    cores (measured: twice the CPU on 2 cores, no faster; gotchas/cpu-omp-threads.md)."""
+    if p.hardware.device == "cpu" and "OMP_NUM_THREADS" not in p.env:
+        yield Finding(
+            "warning",
+            "cpu-omp-threads",
+            "OMP_NUM_THREADS is not set: torch's OpenMP team takes one thread per core of the "
+            "host, and the threads vLLM does not bind spin while the engine generates",
+            "set env OMP_NUM_THREADS to the cores the engine should compute on (1 for a tiny "
+            "model)",
+        )
+
+
 def _master(p: Profile) -> Iterable[Finding]:
     mn = p.multinode
     assert mn is not None
@@ -550,6 +566,7 @@ RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
     _drafter,
     _exposure,
     _multinode,
+    _cpu_omp,
     _queue,
 )
 
