@@ -27,7 +27,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -299,14 +298,15 @@ def fleet(fleet_hosts: Fleet) -> Iterator[Fleet]:
 
 # Session scope: the fleet's tier and the cross-host group's share the two hosts.
 @pytest.fixture(scope="session")
-def fleet_hosts(appliance_images, canary_images) -> Iterator[Fleet]:
-    """Two booted hosts reachable by Ansible."""
+def fleet_hosts(appliance_images, canary_images, tmp_path_factory) -> Iterator[Fleet]:
+    """Two booted hosts reachable by Ansible. Their key, inventory and playbook logs live in
+    pytest's temporary directory, which keeps the last few runs' and no more."""
     assert canary_images["label-off"] == OFF_IMAGE
     assert MTP_IMAGE in appliance_images["cpu-mtp"].tags
     nspawn.ensure_rootfs()  # once, before the parallel boots
     model_dir = devmodel.cached("copy").root
     VLLM_CACHE.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="appliance-fleet-"))
+    workdir = tmp_path_factory.mktemp("fleet")
     key = workdir / "id_ed25519"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     specs = []
