@@ -140,7 +140,9 @@ def test_stop_is_not_restarted_and_logs_the_drain(systemd_instance):
     drained = rf"container {inst.container} stopped after \d+ s"
     killed = rf"vLLM did not drain within \d+ s: docker killed container {inst.container}"
     lines = re.findall(f"{drained}|{killed}", journal)
-    print(f"\nstop: {result}; {lines}")
+    # The whole tail, not the assertion's repr (cut short in a run's report): an intermittent
+    # exit 1 after a 1 s drain was seen once in a full run (issue 43's note, 2026-12-05).
+    print(f"\nstop: {result}; {lines}\n{journal[-6000:]}")
     assert stopped.returncode == 0, (stopped.stderr, result, journal[-3000:])
     assert len(lines) == 1, (result, journal[-3000:])
     # No restart scheduled (one to come would show as SubState auto-restart), and not failed.
