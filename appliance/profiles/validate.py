@@ -426,8 +426,8 @@ def _cpu_threads(p: Profile) -> Iterable[Finding]:
             "multinode-cpu-threads",
             f"VLLM_CPU_OMP_THREADS_BIND = {bind!r}: every node of this one-host group is local "
             "rank 0, so all are bound to the same core",
-            'set env VLLM_CPU_OMP_THREADS_BIND = "nobind" (or one core list per node) and '
-            "OMP_NUM_THREADS to the cores each node should use",
+            # The thread count is the cpu-omp-threads rule's, for every CPU profile.
+            'set env VLLM_CPU_OMP_THREADS_BIND = "nobind" (or one core list per node)',
         )
 
 
