@@ -46,6 +46,9 @@ MTP_MIN_VLLM = "0.21.0"
 PER_REQUEST_METRICS_MIN_VLLM = "0.32.0"
 # The first vLLM release with ``--max-num-queued-reqs`` (PR #49445; the v0.29.0 release notes).
 QUEUE_BOUND_MIN_VLLM = "0.29.0"
+# The first vLLM release with ``--shutdown-timeout`` (PR #36666): SIGTERM lets in-flight requests
+# finish for that long. Its default, 0, aborts them; before it, SIGTERM ended vLLM at once.
+DRAIN_MIN_VLLM = "0.18.0"
 
 
 def supports_mtp(labels: Mapping[str, str] | None) -> bool:

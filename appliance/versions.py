@@ -56,6 +56,11 @@ def has_queue_bound(version: str) -> bool:
     return _at_least(version, labels.QUEUE_BOUND_MIN_VLLM)
 
 
+def has_drain(version: str) -> bool:
+    """True when vLLM ``version`` has ``--shutdown-timeout`` (unreadable: no)."""
+    return _at_least(version, labels.DRAIN_MIN_VLLM)
+
+
 def _at_least(version: str, minimum: str) -> bool:
     try:
         return not older(version, minimum)

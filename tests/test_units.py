@@ -29,7 +29,7 @@ from appliance.host.layout import Layout
 from appliance.models import verify as model_verify
 from appliance.models import where
 from appliance.profiles.validate import ProfileError
-from appliance.serve import argsfile, container, environment
+from appliance.serve import argsfile, container, docker, environment
 from appliance.units import engine_args, instance, template, timing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -391,7 +391,7 @@ def test_the_queue_bound_reaches_only_an_image_whose_vllm_has_the_flag(tmp_path)
         return container.command("i", args, settings, image, None, tmp_path / "k")
 
     new = run("0.32.0")
-    assert new.argv[-2:] == ["--max-num-queued-reqs", "2"]
+    assert new.argv[-4:-2] == ["--max-num-queued-reqs", "2"]
     assert "queue bound --max-num-queued-reqs 2: 503 past it" in new.notes
     for old, shown in (("0.21.0", "0.21.0"), (None, "unlabelled")):
         cmd = run(old)
@@ -403,6 +403,33 @@ def test_the_queue_bound_reaches_only_an_image_whose_vllm_has_the_flag(tmp_path)
     plain = engine_args.serve_args(profiles.get("l4x4-31b-mtp"), [])
     cmd = container.command("i", plain, settings, {labels.VLLM_VERSION: "0.32.0"}, None, tmp_path)
     assert "--max-num-queued-reqs" not in cmd.argv and "queue" not in " ".join(cmd.notes)
+
+
+def test_a_stop_lets_in_flight_requests_finish_on_an_image_whose_vllm_can(tmp_path):
+    """vLLM's SIGTERM aborts in-flight requests unless --shutdown-timeout says how long they may
+    finish (0.18 and later); the unit's stop grace leaves vLLM its teardown after that."""
+    args = engine_args.serve_args(profiles.get("l4x4-31b-mtp"), [])
+    settings = environment.Settings("img:1", "127.0.0.1", 8000, "all", None, "/hf", None)
+
+    def run(vllm: str | None):
+        image = {labels.MTP: "true"} | ({labels.VLLM_VERSION: vllm} if vllm else {})
+        return container.command("i", args, settings, image, None, tmp_path / "k")
+
+    assert 0 < docker.DRAIN_S < docker.STOP_GRACE_S
+    for version in ("0.19.0", "0.32.0+cpu"):
+        cmd = run(version)
+        assert cmd.argv[-2:] == ["--shutdown-timeout", str(docker.DRAIN_S)], version
+        assert (
+            f"a stop lets in-flight requests finish for up to {docker.DRAIN_S} s "
+            f"(--shutdown-timeout {docker.DRAIN_S})"
+        ) in cmd.notes
+    for old, shown in (("0.17.1", "0.17.1"), (None, "unlabelled")):
+        cmd = run(old)
+        assert "--shutdown-timeout" not in cmd.argv
+        assert (
+            f"image's vLLM {shown} has no --shutdown-timeout (needs >= 0.18.0): a stop ends "
+            "in-flight requests at once"
+        ) in cmd.notes
 
 
 # --- profile strings are data, never code -------------------------------------------------------
@@ -428,6 +455,7 @@ def hostile(**changes) -> profiles.Profile:
         ({"extra_args": (" --lead-space",)}, "cannot be passed as one argument"),
         ({"port": 0}, "is not a TCP port"),
         ({"extra_args": ("--port=9",)}, "extra_args sets --port"),
+        ({"extra_args": ("--shutdown-timeout", "5")}, "extra_args sets --shutdown-timeout"),
     ],
     ids=lambda v: repr(v)[:40] if isinstance(v, dict) else None,
 )

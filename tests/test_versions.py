@@ -37,6 +37,7 @@ def test_mtp_starts_at_the_one_threshold(n, suffix):
         not versions.older(text, labels.PER_REQUEST_METRICS_MIN_VLLM)
     )
     assert versions.has_queue_bound(text) == (not versions.older(text, labels.QUEUE_BOUND_MIN_VLLM))
+    assert versions.has_drain(text) == (not versions.older(text, labels.DRAIN_MIN_VLLM))
 
 
 @pytest.mark.parametrize(
@@ -56,6 +57,8 @@ def test_the_shipped_versions(version, mtp, per_request):
     assert versions.has_per_request_metrics(version) is per_request
     # --max-num-queued-reqs came with 0.29 (vLLM PR #49445): in the 0.32 images, not 0.21's.
     assert versions.has_queue_bound(version) is per_request
+    # --shutdown-timeout came with 0.18 (vLLM PR #36666): both CPU images (0.19, 0.32) have it.
+    assert versions.has_drain(version) is (version != "nonsense")
 
 
 @pytest.mark.parametrize("text", ["", "v", "0.32.x", "latest"])

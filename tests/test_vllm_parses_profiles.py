@@ -25,7 +25,8 @@ from appliance import labels, profiles
 from appliance.bench import tune
 from appliance.multinode import node_args
 from appliance.profiles import validate
-from appliance.serve.container import queue_args, speculative_args
+from appliance.serve.container import drain_args, queue_args, speculative_args
+from appliance.serve.docker import DRAIN_S
 from appliance.units import engine_args
 
 SHIPPED = sorted(profiles.all_profiles())
@@ -99,6 +100,7 @@ def _argvs(profile: profiles.Profile) -> dict[str, list[str]]:
             *address,
             *speculative_args(args, MTP_IMAGE_LABELS)[0],
             *queue_args(args, MTP_IMAGE_LABELS)[0],
+            *drain_args(MTP_IMAGE_LABELS)[0],
         ]
         for role, args in runs.items()
     }
@@ -118,6 +120,8 @@ def test_vllm_reads_every_shipped_profiles_arguments(vllm_serve, name):
         assert ea.max_num_seqs == profile.max_num_seqs
         # vLLM's admission bound (vllm/config/scheduler.py max_num_queued_reqs, PR #49445).
         assert ea.max_num_queued_reqs == profile.queue_bound
+        # How long in-flight requests finish after the stop's SIGTERM (PR #36666).
+        assert ea.shutdown_timeout == DRAIN_S
         assert ea.quantization == profile.quantization
         assert ea.kv_cache_dtype == (profile.kv_cache_dtype or "auto")
         assert ea.enforce_eager == profile.enforce_eager

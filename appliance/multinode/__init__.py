@@ -40,7 +40,7 @@ from ..serve.argsfile import ServeArgs
 from ..units import engine_args
 from ..units import template as ut
 from ..units.template import REL, rel
-from ..units.timing import STOP_GRACE_S, unit_timing
+from ..units.timing import DRAIN_S, STOP_GRACE_S, unit_timing
 from ..units.writer import WriteResult, write_scrape_targets, write_tree
 
 __all__ = ["Node", "install", "node_args", "render", "require_multinode"]
@@ -160,6 +160,7 @@ def render(
         # The instance unit's timings and start-limit arithmetic, one source (units.timing).
         "timing": unit_timing(),
         "stop_grace_s": STOP_GRACE_S,
+        "drain_s": DRAIN_S,
         "probe_interval_s": PROBE_INTERVAL_S,
         "dropin": LOCAL_WORKER_DROPIN,
         "group": group,

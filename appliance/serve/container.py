@@ -1,5 +1,6 @@
 """The engine's ``docker run`` command: the args file's arguments, the instance's settings, and
-the image's labels deciding the Gemma 4 MTP flags, the queue bound and how the API key travels.
+the image's labels deciding the Gemma 4 MTP flags, the queue bound, the drain on stop and how
+the API key travels.
 
 An image not labelled MTP is served without the speculative config, so pointing ``VLLM_IMAGE``
 at a pre-MTP image is a safe rollback. The key never enters an argument or the container's
@@ -17,6 +18,7 @@ from pathlib import Path
 from .. import labels, versions
 from ..host.names import container_name
 from .argsfile import ServeArgs
+from .docker import DRAIN_S
 from .environment import Settings
 
 CONTAINER_MODEL_DIR = "/models"  # where a CPU profile's tiny model pair is mounted
@@ -62,6 +64,22 @@ def queue_args(args: ServeArgs, image_labels: Mapping[str, str]) -> tuple[list[s
     )
 
 
+def drain_args(image_labels: Mapping[str, str]) -> tuple[list[str], str]:
+    """The flag that lets in-flight requests finish when the unit stops, and the journal line
+    saying what a stop does to them on this image."""
+    version = labels.vllm_version(image_labels)
+    if version and versions.has_drain(version):
+        flag = ["--shutdown-timeout", str(DRAIN_S)]
+        return (
+            flag,
+            f"a stop lets in-flight requests finish for up to {DRAIN_S} s ({' '.join(flag)})",
+        )
+    return [], (
+        f"image's vLLM {version or 'unlabelled'} has no --shutdown-timeout (needs >= "
+        f"{labels.DRAIN_MIN_VLLM}): a stop ends in-flight requests at once"
+    )
+
+
 def command(
     instance: str,
     args: ServeArgs,
@@ -80,6 +98,8 @@ def command(
     queue, why = queue_args(args, image_labels)
     if why:
         notes.append(why)
+    drain, why = drain_args(image_labels)
+    notes.append(why)
     key_args: list[str] = []
     stdin, stdin_key, env = None, None, {}
     if key is not None and labels.reads_api_key_stdin(image_labels):
@@ -131,5 +151,6 @@ def command(
         str(settings.port),
         *spec,
         *queue,
+        *drain,
     ]
     return Command(argv, stdin, env, notes, stdin_key, settings.image)

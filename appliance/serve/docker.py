@@ -13,7 +13,10 @@ import time
 
 from ..errors import ApplianceError, UsageError
 
-STOP_GRACE_S = 60  # vLLM drains in-flight requests on SIGTERM (the unit allows 90 s)
+STOP_GRACE_S = 60  # docker stop's SIGTERM-to-SIGKILL grace (the unit allows 90 s)
+# vLLM's --shutdown-timeout: how long in-flight requests may finish after the SIGTERM. The rest
+# of the grace is for vLLM's own teardown (its engine processes) before docker's SIGKILL.
+DRAIN_S = STOP_GRACE_S - 10
 REMOVE_WAIT_S = 30  # how long `remove` waits for Docker to finish an auto-removal
 
 

@@ -43,7 +43,7 @@ from ..profiles import validate as pv
 from ..serve import bundle
 from ..serve.argsfile import CONTROL, check_argument
 from .engine_args import args_text, serve_args
-from .timing import STOP_GRACE_S, unit_timing
+from .timing import DRAIN_S, STOP_GRACE_S, unit_timing
 
 # Paths relative to the root, the keys of a rendered tree; and as the units name them.
 REL = Layout(Path())
@@ -106,10 +106,17 @@ def check_profile(prof: Profile) -> None:
     check_host(prof.host, f"profile {prof.name}: host {prof.host!r}")
     check_port(prof.port, f"profile {prof.name}: port {prof.port!r}")
     for arg in prof.extra_args:
-        if arg.split("=", 1)[0] in ("--host", "--port"):
+        flag = arg.split("=", 1)[0]
+        if flag in ("--host", "--port"):
             raise UsageError(
-                f"profile {prof.name}: extra_args sets {arg.split('=', 1)[0]}",
+                f"profile {prof.name}: extra_args sets {flag}",
                 fix="the address is the instance's: install --host/--port (VLLM_HOST/VLLM_PORT)",
+            )
+        if flag == "--shutdown-timeout":
+            raise UsageError(
+                f"profile {prof.name}: extra_args sets {flag}",
+                fix=f"the unit sets it: in-flight requests get {DRAIN_S} s of its "
+                f"{STOP_GRACE_S} s stop grace",
             )
     for key, value in prof.env.items():
         if not _ENV_KEY.fullmatch(key):
@@ -212,6 +219,7 @@ def render(
         "gpus_hint": "one MIG slice per instance" if prof.hardware.mig else "default all",
         "timing": unit_timing(),
         "stop_grace_s": STOP_GRACE_S,
+        "drain_s": DRAIN_S,
         "mounts_dropin": Layout().mounts_dropin(instance),
         "mounts": [values[k] for k in PATH_KEYS if k in values],
     }

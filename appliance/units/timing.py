@@ -12,7 +12,8 @@ from ..serve import docker as serve_docker
 
 START_TIMEOUT_S = 1800
 RESTART_SEC = 15
-STOP_GRACE_S = serve_docker.STOP_GRACE_S  # vLLM drains in-flight requests on SIGTERM
+STOP_GRACE_S = serve_docker.STOP_GRACE_S  # docker stop's grace; vLLM drains within it
+DRAIN_S = serve_docker.DRAIN_S  # vLLM's --shutdown-timeout
 STOP_TIMEOUT_S = STOP_GRACE_S + 30
 START_LIMIT_BURST = 3
 # systemd counts starts in a fixed window and refuses the one after the burst: the window must
