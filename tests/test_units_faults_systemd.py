@@ -161,13 +161,15 @@ def stream_once(inst: SystemdInstance, max_tokens: int, first: threading.Event) 
     return out
 
 
-def keep_streaming(inst: SystemdInstance, max_tokens: int, first: threading.Event) -> list[dict]:
-    """Streamed requests one after another until one is turned away (the server is stopping):
-    a client that always has a request in flight. Every outcome, in order."""
+def keep_streaming(
+    inst: SystemdInstance, max_tokens: int, first: threading.Event, until: threading.Event
+) -> list[dict]:
+    """Streamed requests one after another until one is turned away (the server is stopping)
+    or ``until`` is set: a client that always has a request in flight. Every outcome, in
+    order."""
     outcomes: list[dict] = []
-    deadline = time.monotonic() + 300
     try:
-        while time.monotonic() < deadline:
+        while not until.is_set():
             outcomes.append(stream_once(inst, max_tokens, first))
             if outcomes[-1]["chunks"] == 0:
                 break
@@ -178,8 +180,8 @@ def keep_streaming(inst: SystemdInstance, max_tokens: int, first: threading.Even
 
 def test_stop_is_not_restarted_and_logs_the_drain(systemd_instance):
     """An operator's `systemctl stop` (and so every restart, cutover and roll) lets the requests
-    in flight finish: with vLLM's default the SIGTERM aborts them, and vLLM 0.32 then hangs on
-    their open streams until docker kills it. Restart=always restarts any exit, but never a
+    in flight finish: with vLLM's default the SIGTERM aborts them, and the 0.32 CPU engine then
+    hangs on their open streams until docker kills it. Restart=always restarts any exit, but never a
     stop, and a stop ends `inactive` (not `failed`, which fires Gemma4InstanceFailed) whether
     vLLM drained within its grace or docker killed it after (the serve program's stop line says
     which). The unit is left stopped: the crash loop below starts it on its own image (an engine
@@ -190,15 +192,18 @@ def test_stop_is_not_restarted_and_logs_the_drain(systemd_instance):
     # Clients that always have a request in flight, so the stop's SIGTERM lands on running
     # requests whenever it comes; each request is most of the tiny model's context (512).
     clients, max_tokens = 4, 400
-    firsts = [threading.Event() for _ in range(clients)]
+    firsts, until = [threading.Event() for _ in range(clients)], threading.Event()
     with ThreadPoolExecutor(clients) as pool:
-        calls = [pool.submit(keep_streaming, inst, max_tokens, f) for f in firsts]
-        for f in firsts:
-            assert f.wait(120), "a client got no token in 120 s"
-        # The unit's own worst case: ExecStop, the SIGTERM to what is left and ExecStopPost each
-        # get TimeoutStopSec; the blocking stop returns once systemd has ended its stop job.
-        bound = 3 * timing.STOP_TIMEOUT_S + 60
-        stopped = inst.machine.systemctl("stop", inst.unit, check=False, timeout=bound)
+        calls = [pool.submit(keep_streaming, inst, max_tokens, f, until) for f in firsts]
+        try:
+            for f in firsts:
+                assert f.wait(120), "a client got no token in 120 s"
+            # The unit's own worst case: ExecStop, the SIGTERM to what is left and ExecStopPost
+            # each get TimeoutStopSec; the blocking stop returns once systemd ended its stop job.
+            bound = 3 * timing.STOP_TIMEOUT_S + 60
+            stopped = inst.machine.systemctl("stop", inst.unit, check=False, timeout=bound)
+        finally:
+            until.set()  # a client still sending after the stop (or a failure here) ends now
         outcomes = [o for c in calls for o in c.result()]
     journal = unit_journal(inst, since)
     result = {p: inst.show(p) for p in ("ActiveState", "SubState", "Result")}
