@@ -91,6 +91,11 @@ class LocalEngine:
 # soak opens thousands) in the minute before vLLM binds it. Random, so that two processes picking
 # at once rarely meet; never the same twice in one process.
 PORT_RANGE = (20000, 32768)
+# /health is asked every HEALTH_POLL_S (a refused loopback connect until vLLM listens, so a start
+# is seen within a quarter second); the engine's processes are read from /proc, a scan of every
+# process on the host, at most every PIDS_EVERY_S.
+HEALTH_POLL_S = 0.25
+PIDS_EVERY_S = 1.0
 _handed_out: set[int] = set()
 
 
@@ -216,6 +221,7 @@ def _start(
 def wait_healthy(engine: LocalEngine, *, timeout: float, progress: Progress | None) -> None:
     """Poll ``/health`` until 200; fail fast with the log tail if the engine exits."""
     start = time.monotonic()
+    pids_read = start - PIDS_EVERY_S
     with httpx.Client(timeout=2.0) as client:
         while True:
             elapsed = time.monotonic() - start
@@ -236,8 +242,10 @@ def wait_healthy(engine: LocalEngine, *, timeout: float, progress: Progress | No
                 )
             if progress:
                 progress(elapsed, "starting")
-            engine.pids()
-            time.sleep(1.0)
+            if time.monotonic() - pids_read >= PIDS_EVERY_S:
+                pids_read = time.monotonic()
+                engine.pids()  # the processes vLLM forked so far: stop() signals them all
+            time.sleep(HEALTH_POLL_S)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
