@@ -80,11 +80,15 @@ def test_cutover_to_a_broken_image_rolls_back_and_the_env_file_is_byte_identical
     inst = systemd_instance
     inst.ensure(MTP_IMAGE)
     before = inst.env_path.read_bytes()
+    slot = Layout(inst.root).rollback_slot(inst.instance)
+    slot_before = slot.read_bytes() if slot.exists() else None
     r = inst.appliance("cutover", inst.instance, BROKEN_IMAGE, "--timeout", TIMEOUT)
     assert r.returncode == 1, r.stderr
     assert f"{BROKEN_IMAGE} failed gate" in r.stderr
     assert f"rolled back to {MTP_IMAGE}, which passed the gates and is serving" in r.stderr
     assert inst.env_path.read_bytes() == before
+    # The rollback target is the one from before (the cutover had pointed it at MTP_IMAGE).
+    assert (slot.read_bytes() if slot.exists() else None) == slot_before
     assert inst.machine.is_active(inst.unit) == "active"
     # The unit noticed at once that the engine died (not after TimeoutStartSec).
     assert "before vLLM /health answered" in inst.machine.journal(inst.unit, 400)
