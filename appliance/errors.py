@@ -38,15 +38,19 @@ class NotVLLMError(EngineError):
 class OverloadedError(EngineError):
     """The engine turned the request away with 503: its queue bound is reached (vLLM's
     ``--max-num-queued-reqs``/``--max-num-queued-tokens``); a later try, or another instance,
-    may be let in. ``seconds``: how long the answer took."""
+    may be let in. ``seconds``: how long the answer took; ``retry_after``: the seconds the
+    server's ``Retry-After`` asked for (None when it sent none)."""
 
-    def __init__(self, url: str, detail: str, seconds: float = 0.0) -> None:
+    def __init__(
+        self, url: str, detail: str, seconds: float = 0.0, retry_after: float | None = None
+    ) -> None:
         super().__init__(
             f"{url} answered 503: {detail}",
             fix="retry later or on another instance; if it lasts, add capacity or raise the "
             "profile's queue bound (gotchas/queue-bound.md)",
         )
         self.seconds = seconds
+        self.retry_after = retry_after
 
 
 class AuthError(EngineError):

@@ -17,7 +17,7 @@ from typing import Self
 
 import httpx
 
-from . import metrics_reader, specdecode
+from . import metrics_reader, shed, specdecode
 from .errors import AuthError, EngineError, NotVLLMError, OverloadedError
 
 
@@ -293,7 +293,12 @@ def _check_generation(
         raise AuthError(f"{base}{resp.request.url.path}")
     if resp.status_code == 503:
         seconds = 0.0 if start is None else time.perf_counter() - start
-        raise OverloadedError(f"{base}{CHAT_PATH}", _error_message(body()), seconds)
+        raise OverloadedError(
+            f"{base}{CHAT_PATH}",
+            _error_message(body()),
+            seconds,
+            shed.retry_after(resp.headers.get("Retry-After")),
+        )
     if resp.status_code != 200:
         text = body().decode(errors="replace")[:300]
         raise EngineError(f"{base}{CHAT_PATH} answered {resp.status_code}: {text}")
