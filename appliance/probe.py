@@ -9,7 +9,8 @@ sends one real generation (with the API key), reads the counters again, and judg
 - ``absent``: the server has no speculative decoding (no counters at all, not "zero");
 - ``reset``: the counters went backwards or the server was replaced between the reads;
 - ``unreadable`` / ``unparsable``: ``/metrics`` could not be read / is not vLLM's;
-- ``failed``: the generation itself failed;
+- ``failed``: the generation itself failed (a generation turned away at the engine's queue
+  bound is sent again until the probe's ``within`` passes: :mod:`appliance.shed`);
 - ``present``: counters exist, but no generation was sent (``generate=False``).
 
 The figures are :func:`specdecode.attribute`'s: the response's per-request block when the
@@ -19,12 +20,13 @@ the cutover gates and bench all judge through here, so they agree on the same en
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from . import specdecode
-from .errors import EngineError, NotVLLMError
+from . import shed, specdecode
+from .errors import EngineError, NotVLLMError, OverloadedError
 from .vllm_client import Generation, VLLMClient
 
 State = Literal[
@@ -36,6 +38,8 @@ Stage = Literal["before", "generation", "after"]
 FIGURES = tuple(k for k in specdecode.Delta("absent").to_dict() if k != "status")
 PROMPT = "The appliance checks that speculative decoding works. Say hello."
 MAX_TOKENS = 16
+# How long a probe sends its generation again while the engine turns it away at its bound.
+WITHIN_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Probe:
     stage: Stage | None = None  # where a failure happened
     error: str | None = None
     exc: EngineError | None = field(default=None, repr=False, compare=False)
+    shed: int = 0  # generations the engine turned away at its queue bound before this one
 
     def raise_for_failure(self) -> Probe:
         """Raise the failure's EngineError (for callers that stop on one); else ``self``."""
@@ -98,6 +103,7 @@ class Probe:
             "completion_tokens": self.completion_tokens,
             "per_request": self.per_request,
             "other_requests_running": self.running or 0,
+            "shed": self.shed,
         }
         if self.error:
             ev |= {"stage": self.stage, "error": self.error}
@@ -137,13 +143,21 @@ def _failure(
     exc: EngineError,
     gen: Generation | None = None,
     running: float | None = None,
+    shed: int = 0,
 ) -> Probe:
     if stage == "generation":
         state: State = "failed"
     else:  # a page that answers but is not vLLM's is another fault than no page at all
         state = "unparsable" if isinstance(exc, NotVLLMError) else "unreadable"
     return Probe(
-        state, model, generation=gen, running=running, stage=stage, error=str(exc), exc=exc
+        state,
+        model,
+        generation=gen,
+        running=running,
+        stage=stage,
+        error=str(exc),
+        exc=exc,
+        shed=shed,
     )
 
 
@@ -155,24 +169,38 @@ def run(
     prompt: str = PROMPT,
     max_tokens: int = MAX_TOKENS,
     timeout: float | None = None,
+    within: float = WITHIN_S,
+    tally: shed.Tally | None = None,
 ) -> Probe:
     """Probe the server behind ``client`` with one greedy generation of ``model``.
 
-    Never raises for what the server does: a failure is a verdict (``unreadable``,
-    ``unparsable``, ``failed``) with the stage and the error.
+    A generation turned away at the queue bound is sent again (the counters read again before
+    it) until ``within`` seconds have passed, counted in ``tally`` (give one to hear its notes)
+    and in :attr:`Probe.shed`. Never raises for what the server does: a failure is a verdict
+    (``unreadable``, ``unparsable``, ``failed``) with the stage and the error.
     """
-    try:
-        before = client.snapshot()
-    except EngineError as exc:
-        return _failure(model, "before", exc)
-    if not generate:
-        return Probe("present" if before.speculative else "absent", model, running=before.running)
-    try:
-        gen = client.generate(model, prompt, max_tokens, timeout=timeout)
-    except EngineError as exc:
-        return _failure(model, "generation", exc, running=before.running)
+    deadline = time.monotonic() + within
+    tally = shed.Tally() if tally is None else tally
+    while True:
+        try:
+            before = client.snapshot()
+        except EngineError as exc:
+            return _failure(model, "before", exc, shed=tally.shed)
+        if not generate:
+            state: State = "present" if before.speculative else "absent"
+            return Probe(state, model, running=before.running)
+        try:
+            gen = client.generate(model, prompt, max_tokens, timeout=timeout)
+            break
+        except OverloadedError as exc:
+            try:
+                tally.again(exc, deadline)
+            except shed.TurnedAway as out:
+                return _failure(model, "generation", out, running=before.running, shed=tally.shed)
+        except EngineError as exc:
+            return _failure(model, "generation", exc, running=before.running, shed=tally.shed)
     try:
         after = client.snapshot()
     except EngineError as exc:
-        return _failure(model, "after", exc, gen, before.running)
-    return judge(model, before, gen, after)
+        return _failure(model, "after", exc, gen, before.running, tally.shed)
+    return replace(judge(model, before, gen, after), shed=tally.shed)

@@ -1,4 +1,5 @@
-"""The unit gate's reading of systemd's states between a restart's jobs (fast tier).
+"""The unit gate's reading of systemd's states between a restart's jobs, the gates' default
+deadline and their progress lines (fast tier).
 
 A FAKE systemd: the state sequence is the one a multi-node head showed once under load (the
 head's engine exited non-zero when its worker went away, before the restart job queued for it
@@ -6,10 +7,20 @@ through PartOf= ran), a race that cannot be made to happen on demand under real 
 
 from __future__ import annotations
 
-import pytest
+import re
+from pathlib import Path
 
-from appliance.cutover import gates
+import pytest
+import yaml
+
+from appliance.cutover import flow, gates, recovery
 from appliance.host.systemd import UnitState
+from appliance.units import timing
+
+ROLE_DEFAULTS = (
+    Path(__file__).resolve().parent.parent
+    / "deploy/ansible/roles/gemma4_appliance/defaults/main.yml"
+)
 
 
 class ScriptedSystemd:
@@ -76,3 +87,35 @@ def test_a_restart_merged_into_a_running_start_is_not_taken_for_a_crash():
         gates.wait(systemd, EXPECT, timeout=60)
     assert [(g.name, g.ok) for g in failed.value.gates] == [("unit", True), ("health", False)]
     assert "is failed (failed)" in failed.value.detail
+
+
+def test_the_default_deadline_covers_the_restart_the_unit_allows(cli_run):
+    """A healthy slow start (a new vLLM version's cold compile cache) must not be rolled back:
+    the default covers the old engine's stop and the new one's whole start budget, and the
+    fleet role's default is the same."""
+    assert gates.DEFAULT_TIMEOUT >= timing.STOP_TIMEOUT_S + timing.START_TIMEOUT_S
+    assert flow.DEFAULT_TIMEOUT == recovery.rollback.__kwdefaults__["timeout"]
+    assert flow.DEFAULT_TIMEOUT == gates.DEFAULT_TIMEOUT
+    for command in ("cutover", "rollback"):
+        shown = " ".join(cli_run([command, "--help"]).output.split())
+        assert f"[default: {gates.DEFAULT_TIMEOUT:.0f}]" in shown
+    role = ROLE_DEFAULTS.read_text()
+    assert yaml.safe_load(role)["rollout_timeout"] == gates.DEFAULT_TIMEOUT
+
+
+def test_a_waiting_gate_says_how_far_it_is_into_the_deadline():
+    systemd = ScriptedSystemd(
+        UnitState("activating", "start", "4711", 0, "new"),  # the start job still runs
+        UnitState("activating", "start", "4711", 0, "new"),
+        UnitState("failed", "failed", "", 0, "new"),
+    )
+    lines: list[str] = []
+    with pytest.raises(gates.GateFailed):
+        gates.wait(systemd, EXPECT, timeout=1234, progress=lines.append)
+    waiting = [ln for ln in lines if "waiting for" in ln]
+    assert len(waiting) == 1  # at once, then not again within NOTE_EVERY_S
+    assert re.fullmatch(
+        r"\[ *\d+\.\ds\] waiting for gemma4-vllm-head@g\.service to be active \.\.\. "
+        r"\d+ s of 1234 s",
+        waiting[0],
+    ), waiting

@@ -8,20 +8,23 @@ compares like with like. With ``batched``, the set then runs a second time with 
 at once, so the engine decodes them in one batch (``Record.batched``): a defect that mixes
 answers across the sequences of a batch (vLLM #46088, ``--kv-cache-dtype auto`` with MTP) shows
 only there, and :func:`appliance.canary.compare.batched` judges those answers against the same
-engine's answers alone.
+engine's answers alone. A prompt the engine turns away at its queue bound (503: it is serving
+other clients) is sent again within the canary's bound (:mod:`appliance.shed`), and the record
+says how many were (``Record.shed``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import records, specdecode
-from ..errors import EngineError, OverloadedError, UsageError
+from .. import records, shed, specdecode
+from ..errors import EngineError, UsageError
 from ..fsutil import write_atomic
 from ..vllm_client import Generation, VLLMClient
 from .cases import CanarySet, Case
@@ -32,10 +35,6 @@ DEFAULT_SEED = 0
 # The whole set, one prompt at a time: a 31B model answers the 14 shipped prompts in about a
 # minute; five is a hung engine, not a slow one.
 DEFAULT_WITHIN_S = 300.0
-# A case of the batched pass turned away at the engine's queue bound (other traffic) is sent
-# again after this, within the canary's bound.
-RETRY_AFTER_S = 0.5
-
 Progress = Callable[[str], None]
 
 
@@ -128,6 +127,8 @@ class Record:
     profile: str | None = None
     # The batched pass: every case again, sent at once (empty: not run; older records).
     batched: tuple[Output, ...] = ()
+    # Prompts the engine turned away at its queue bound and the canary sent again.
+    shed: int = 0
     format: str = field(default=FORMAT)
 
     @property
@@ -153,6 +154,7 @@ class Record:
             f"canary: {len(self.outputs)} prompts in {self.seconds:.1f} s "
             f"({self.seconds_per_prompt:.2f} s per prompt, max_tokens {self.settings.max_tokens}) "
             f"on vLLM {self.vllm_version}"
+            + (f"; {shed.said(self.shed, 'prompt')} and sent again" if self.shed else "")
         )
 
     def to_dict(self) -> dict:
@@ -187,8 +189,8 @@ def run(
 ) -> Record:
     """Run every case of ``cset`` against ``url`` greedily and return the record; with
     ``batched``, then every case again at once (at most ``at_once`` in flight: the profile's
-    ``max_num_seqs``, the most the engine batches). An EngineError when the whole takes longer
-    than ``within`` seconds."""
+    ``max_num_seqs``, the most the engine batches). A prompt turned away at the queue bound is
+    sent again; an EngineError when the whole takes longer than ``within`` seconds."""
     deadline = time.monotonic() + within
     with VLLMClient(url, api_key=api_key) as c:
         version = c.version()
@@ -201,17 +203,20 @@ def run(
     t0 = time.perf_counter()
     outputs = []
     per_request = False  # once the engine sends its own figures, no counters are read
+    tally = shed.Tally("prompt", note=(lambda m: progress(f"  {m}")) if progress else None)
     with VLLMClient(url, api_key=api_key, timeout=within) as client:
         for case in cset.cases:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _too_slow(within, len(outputs), len(cset.cases))
-            counters = None if per_request else _counters(client)
+            if deadline <= time.monotonic():
+                raise _too_slow(within, len(outputs), len(cset.cases), tally)
             try:
-                ans = _ask(client, model, case, settings, left)
+                ans, counters = _answer(
+                    client, model, case, settings, deadline, tally, counted=not per_request
+                )
+            except shed.TurnedAway as out:
+                raise _too_slow(within, len(outputs), len(cset.cases), tally, out) from None
             except EngineError:
                 if time.monotonic() >= deadline:  # the request ran into the bound
-                    raise _too_slow(within, len(outputs), len(cset.cases)) from None
+                    raise _too_slow(within, len(outputs), len(cset.cases), tally) from None
                 raise
             spec = SpecFigures.of(ans.spec, "request")
             per_request = per_request or spec is not None
@@ -227,7 +232,7 @@ def run(
     if batched:
         if progress:
             progress(f"  all {len(cset.cases)} prompts at once (the batched pass)")
-        together = _together(cset, url, model, api_key, settings, deadline, within, at_once)
+        together = _together(cset, url, model, api_key, settings, deadline, within, at_once, tally)
     return Record(
         url=client.base_url,
         model=model,
@@ -241,6 +246,7 @@ def run(
         image=image,
         profile=profile,
         batched=together,
+        shed=tally.shed,
     )
 
 
@@ -253,23 +259,37 @@ def _together(
     deadline: float,
     within: float,
     at_once: int | None,
+    tally: shed.Tally,
 ) -> tuple[Output, ...]:
-    """Every case sent at once (``at_once`` at most in flight), answered in one batch."""
+    """Every case sent at once (``at_once`` at most in flight), answered in one batch; one
+    turned away at the queue bound (the batch's own excess, or other traffic) is sent again,
+    counted in ``tally``."""
     cases = cset.cases
     workers = max(1, min(len(cases), at_once or len(cases)))
 
     def ask(case):
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise EngineError(
-                    f"the canary's batched pass did not finish within {within:.0f} s",
-                    fix="raise --canary-timeout, or find out why the engine answers so slowly",
-                )
-            try:
-                return _ask(client, model, case, settings, left)
-            except OverloadedError:
-                time.sleep(min(RETRY_AFTER_S, max(0.0, deadline - time.monotonic())))
+        own = shed.Tally("prompt")  # each thread its own backoff; the counts add up below
+        try:
+            if deadline <= time.monotonic():
+                raise too_slow()
+            return shed.retry(
+                lambda: _ask(client, model, case, settings, deadline - time.monotonic()),
+                deadline,
+                own,
+            )
+        except shed.TurnedAway as out:
+            raise too_slow(f": {out.message}") from None
+        finally:
+            with lock:
+                tally.shed += own.shed
+
+    def too_slow(why: str = "") -> EngineError:
+        return EngineError(
+            f"the canary's batched pass did not finish within {within:.0f} s{why}",
+            fix="raise --canary-timeout, or find out why the engine answers so slowly",
+        )
+
+    lock = threading.Lock()
 
     with (
         VLLMClient(url, api_key=api_key, timeout=within) as client,
@@ -281,6 +301,27 @@ def _together(
         _output(case, ans, SpecFigures.of(ans.spec, "request"))
         for case, ans in zip(cases, answers, strict=True)
     )
+
+
+def _answer(
+    client: VLLMClient,
+    model: str,
+    case: Case,
+    settings: Settings,
+    deadline: float,
+    tally: shed.Tally,
+    *,
+    counted: bool,
+) -> tuple[Generation, specdecode.Snapshot | None]:
+    """One case's answer, asked again while the engine turns it away at its queue bound, and
+    (``counted``) the counters read just before the try it answered: around the answer, not
+    around the waits."""
+
+    def attempt():
+        counters = _counters(client) if counted else None
+        return _ask(client, model, case, settings, deadline - time.monotonic()), counters
+
+    return shed.retry(attempt, deadline, tally)
 
 
 def _ask(client: VLLMClient, model: str, case: Case, settings: Settings, left: float) -> Generation:
@@ -320,10 +361,22 @@ def _counters(client: VLLMClient) -> specdecode.Snapshot | None:
         return None
 
 
-def _too_slow(within: float, answered: int, cases: int) -> EngineError:
+def _too_slow(
+    within: float,
+    answered: int,
+    cases: int,
+    tally: shed.Tally,
+    turned: shed.TurnedAway | None = None,
+) -> EngineError:
+    what = (
+        f"the canary did not finish within {within:.0f} s ({answered} of {cases} prompts answered)"
+    )
+    if turned is not None:
+        what += f": {turned.message}"
+    elif tally.shed:
+        what += f"; {tally.summary()}"
     return EngineError(
-        f"the canary did not finish within {within:.0f} s ({answered} of {cases} prompts answered)",
-        fix="raise --canary-timeout, or find out why the engine answers so slowly",
+        what, fix="raise --canary-timeout, or find out why the engine answers so slowly"
     )
 
 

@@ -50,7 +50,7 @@ from .signals import Interrupted, guard
 from .target import Target
 from .targets import target
 
-DEFAULT_TIMEOUT = 600.0
+DEFAULT_TIMEOUT = gates.DEFAULT_TIMEOUT  # the unit's stop and start budgets, and the gates
 
 JOURNAL_LINES = 20
 

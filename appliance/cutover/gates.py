@@ -7,7 +7,10 @@ is served (and, when the image's labels name a vLLM version, ``/version`` says t
 an old engine still answering cannot pass for the new one); one real generation returns tokens;
 and for an image that runs Gemma 4 MTP, the speculative-decoding counters moved on that
 generation. While waiting, a unit that fails or restarts (the engine exited) fails the gates at
-once instead of at the deadline.
+once instead of at the deadline, and a progress line says what is awaited against the deadline
+(``waiting for .../health ... 130 s of 2010 s``). A generation the engine turns away at its
+queue bound (503: it is serving other clients) is sent again until the deadline
+(:mod:`appliance.shed`): an instance at its bound passes, and the gate says how many were shed.
 """
 
 from __future__ import annotations
@@ -16,15 +19,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import probe
+from .. import probe, shed
 from ..errors import ApplianceError, EngineError
 from ..host.systemd import Systemd
+from ..units import timing
 from ..vllm_client import VLLMClient
 from .history import Gate
 from .signals import Interrupted
 
 Progress = Callable[[str], None]
 POLL = 0.5
+# A waiting gate says so at once, then every NOTE_EVERY_S.
+NOTE_EVERY_S = 15.0
+# The gates' default deadline covers the restart the unit allows: the old engine's stop, the new
+# one's start to TimeoutStartSec (a new vLLM version starts with a cold compile cache: vLLM puts
+# its version into the cache key, vllm/config/vllm.py), and the gates after it.
+AFTER_START_S = 120
+DEFAULT_TIMEOUT = float(timing.STOP_TIMEOUT_S + timing.START_TIMEOUT_S + AFTER_START_S)
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,7 @@ class _Run:
     systemd: Systemd
     deadline: float
     progress: Progress
+    timeout: float
     t0: float = field(default_factory=time.monotonic)
     gates: list[Gate] = field(default_factory=list)
     restarts0: int = 0
@@ -101,9 +113,16 @@ class _Run:
         if st.restarts > self.restarts0 or moved:
             raise self.fail(name, f"the engine exited and systemd restarted the unit ({st.sub})")
 
+    def note(self, what: str) -> None:
+        """A progress line: what is awaited, and how far into the deadline."""
+        self.progress(
+            f"[{self.elapsed():6.1f}s] waiting for {what} ... "
+            f"{self.elapsed():.0f} s of {self.timeout:.0f} s"
+        )
+
     def wait(self, name: str, probe: Callable[[], str | None], what: str) -> str:
         """Poll ``probe`` (a detail when passed, None to keep waiting) until the deadline."""
-        last_note = self.t0
+        last_note = None
         last_err = ""
         while True:
             try:
@@ -117,9 +136,9 @@ class _Run:
                 raise self.fail(
                     name, f"timed out waiting for {what}" + (f": {last_err}" if last_err else "")
                 )
-            if time.monotonic() - last_note >= 10:
+            if last_note is None or time.monotonic() - last_note >= NOTE_EVERY_S:
                 last_note = time.monotonic()
-                self.progress(f"[{self.elapsed():6.1f}s] waiting for {what} ...")
+                self.note(what)
             time.sleep(POLL)
 
 
@@ -134,7 +153,7 @@ def wait(
     """Wait for every gate; returns them, or raises :class:`GateFailed` at the first failure.
 
     An :class:`~appliance.cutover.signals.Interrupted` on the way carries the gates so far."""
-    run = _Run(expect, systemd, time.monotonic() + timeout, progress)
+    run = _Run(expect, systemd, time.monotonic() + timeout, progress, timeout)
     try:
         return _wait(run, running_image)
     except Interrupted as exc:
@@ -223,7 +242,7 @@ def judge(expect: Expect, p: probe.Probe) -> list[tuple[str, bool, str]]:
         return [("generation", False, what)]
     if not p.completion_tokens:
         return [("generation", False, "returned no tokens")]
-    out = [("generation", True, f"{p.completion_tokens} tokens")]
+    out = [("generation", True, f"{p.completion_tokens} tokens{shed.noted(p.shed)}")]
     if p.stage == "after":
         return [*out, ("mtp", False, f"cannot read /metrics: {p.error}")]
     if not expect.mtp:
@@ -249,14 +268,19 @@ def judge(expect: Expect, p: probe.Probe) -> list[tuple[str, bool, str]]:
     ]
 
 
-def probe_gates(client: VLLMClient, expect: Expect, timeout: float) -> tuple[probe.Probe, list]:
-    """Probe the engine once (one real generation of the served model) and judge the gates."""
-    p = probe.run(client, expect.served_model, timeout=max(5.0, timeout))
+def probe_gates(
+    client: VLLMClient, expect: Expect, timeout: float, tally: shed.Tally | None = None
+) -> tuple[probe.Probe, list]:
+    """Probe the engine (one real generation of the served model, sent again while the engine
+    sheds it at its queue bound, within ``timeout``) and judge the gates."""
+    within = max(5.0, timeout)
+    p = probe.run(client, expect.served_model, timeout=within, within=within, tally=tally)
     return p, judge(expect, p)
 
 
 def _generation_and_mtp(run: _Run, client: VLLMClient) -> None:
-    _, outcomes = probe_gates(client, run.expect, run.deadline - time.monotonic())
+    tally = shed.Tally(note=lambda msg: run.note(f"a generation ({msg})"))
+    _, outcomes = probe_gates(client, run.expect, run.deadline - time.monotonic(), tally)
     for name, passed, detail in outcomes:
         if not passed:
             raise run.fail(name, detail)

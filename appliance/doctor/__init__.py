@@ -3,7 +3,8 @@
 Every check is a :class:`Check` record (``ok`` / ``warn`` / ``fail``, a one-line summary and the
 evidence it was based on). Doctor never changes anything: it reads ``/health``, ``/version``,
 ``/v1/models``, and runs the MTP probe (:mod:`appliance.probe`: counters, one short generation
-unless ``generate=False``, counters again); with an instance it reads the instance's files
+unless ``generate=False``, sent again while the engine turns it away at its queue bound,
+counters again); with an instance it reads the instance's files
 (:mod:`appliance.instance_facts`), checks its models as the serve program does before every start
 (:func:`appliance.models.verify.verify` quick) and asks Docker. The published vLLM defects that
 apply to the profile on the server's version are one warning each (``vllm.defect.ID``). ``/v1``
@@ -116,7 +117,10 @@ def _engine_checks(
     model = (
         profile.served_model_name if profile and profile.served_model_name in served else served[0]
     )
-    checks += mtp_checks(probe.run(client, model, generate=generate, timeout=timeout), profile)
+    # An engine at its queue bound turns the test generation away (503): it is serving, so the
+    # probe asks again within ``timeout`` (appliance.shed), and the check says how often.
+    p = probe.run(client, model, generate=generate, timeout=timeout, within=timeout)
+    checks += mtp_checks(p, profile)
     if (
         facts
         and facts.image_labels

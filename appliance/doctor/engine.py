@@ -7,7 +7,7 @@ give; doctor only maps it to ok / warn / fail against what the profile expects.
 from __future__ import annotations
 
 from .. import labels as image_labels
-from .. import versions
+from .. import shed, versions
 from ..errors import UsageError
 from ..probe import Probe
 from ..profiles import Profile, defects
@@ -147,6 +147,7 @@ def mtp_checks(p: Probe, profile: Profile | None) -> list[Check]:
     if k is not None and positions and len(positions) != k:
         status = "warn" if status == "ok" else status
         summary += f"; {len(positions)} draft positions, profile k={k}"
+    summary += shed.noted(p.shed)  # serving at its bound: not a fault, but worth knowing
     return [Check("mtp.counters", status, summary, ev), _per_request_check(p, profile)]
 
 

@@ -2,6 +2,8 @@
 
 Why a generation for a multi-node head: after a worker's death vLLM's head keeps answering
 ``/health`` 200 until a request fails (500, EngineDeadError); only then does its engine exit.
+A generation turned away at the head's queue bound (503: it is serving its clients) says
+nothing of the workers: it is sent again (:mod:`appliance.shed`) until :data:`SHED_WITHIN_S`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import socket
 import time
 from collections.abc import Callable
 
+from .. import shed
+from ..errors import OverloadedError
 from ..host.lock import pid_alive
 
 # Each poll is one loopback connect (refused until vLLM listens): half a second makes a start
@@ -21,6 +25,9 @@ POLL_S = 0.5
 NOTE_EVERY_S = 60
 REQUEST_TIMEOUT_S = 10
 GENERATE_TIMEOUT_S = 120
+# How long a generation turned away at the queue bound is sent again: each request that ends
+# frees a place, so a head at its bound lets one in within seconds; minutes of 503s is no start.
+SHED_WITHIN_S = 300
 
 
 class EngineExited(Exception):
@@ -32,24 +39,48 @@ def status(
     body: dict | None = None, key: str | None = None, timeout: float = REQUEST_TIMEOUT_S,
 ) -> int | None:  # fmt: skip
     """The HTTP status of one request, None when nothing answers."""
+    got = _request(host, port, method, path, body, key, timeout)
+    return got[0] if got else None
+
+
+def _request(
+    host: str, port: int, method: str, path: str, body: dict | None, key: str | None,
+    timeout: float,
+) -> tuple[int, http.client.HTTPMessage, bytes] | None:  # fmt: skip
+    """One request's status, headers and the start of its body; None when nothing answers."""
     headers = {"Content-Type": "application/json"} if body is not None else {}
     if key and path.startswith("/v1/"):
         headers["Authorization"] = f"Bearer {key}"
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request(method, path, json.dumps(body) if body is not None else None, headers)
-        return conn.getresponse().status
+        resp = conn.getresponse()
+        return resp.status, resp.headers, resp.read(4096)
     except (OSError, http.client.HTTPException):
         return None
     finally:
         conn.close()
 
 
-def generate(host: str, port: int, model: str, key: str | None) -> int | None:
-    """The status of one two-token completion."""
+def generate(
+    host: str, port: int, model: str, key: str | None, *,
+    within: float = SHED_WITHIN_S, tally: shed.Tally | None = None,
+) -> int | None:  # fmt: skip
+    """The status of one two-token completion (None when nothing answers). One the engine turns
+    away at its queue bound (503) is sent again until ``within`` seconds have passed, counted in
+    ``tally``; then :class:`appliance.shed.TurnedAway`."""
     body = {"model": model, "prompt": "ok", "max_tokens": 2, "temperature": 0}
-    return status(host, port, "POST", "/v1/completions", body=body, key=key,
-                  timeout=GENERATE_TIMEOUT_S)  # fmt: skip
+    path = "/v1/completions"
+
+    def once() -> int | None:
+        got = _request(host, port, "POST", path, body, key, GENERATE_TIMEOUT_S)
+        if got is not None and got[0] == 503:
+            detail = got[2].decode(errors="replace").strip()[:300] or "503"
+            after = shed.retry_after(got[1].get("Retry-After"))
+            raise OverloadedError(f"http://{host}:{port}{path}", detail, retry_after=after)
+        return got[0] if got else None
+
+    return shed.retry(once, time.monotonic() + within, tally)
 
 
 WAITING_FOR_HEAD = "waiting for the head's rendezvous"

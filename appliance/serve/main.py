@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .. import apikey
+from .. import apikey, shed
 from ..errors import ApplianceError, UsageError
 from ..host.layout import Layout
 from ..host.names import check_instance, container_name
@@ -192,18 +192,23 @@ def _generation_target(unit: Unit) -> tuple[str, int, str, str | None]:
 def wait_generates(unit: Unit) -> None:
     host, port, model, key = _generation_target(unit)
     took = health.wait_healthy(host, port, unit.log, ": are the workers up?")
-    code = health.generate(host, port, model, key)
+    # Turned away at the queue bound (clients already at it): sent again, said, never a worker.
+    tally = shed.Tally(note=unit.log)
+    code = health.generate(host, port, model, key, tally=tally)
     if code != 200:
         raise ApplianceError(
             f"the head answers /health, but a generation got {code or 'no answer'}: a worker "
             "is gone (the head's engine exits now)"
         )
-    unit.log(f"the head generates on {host}:{port} after {took:.0f} s")
+    unit.log(f"the head generates on {host}:{port} after {took:.0f} s{shed.noted(tally.shed)}")
 
 
 def probe(unit: Unit) -> None:
     host, port, model, key = _generation_target(unit)
-    code = health.generate(host, port, model, key)
+    tally = shed.Tally(note=unit.log)
+    code = health.generate(host, port, model, key, tally=tally)
+    if tally.shed:
+        unit.log(f"a generation through the head got {code}; {tally.summary()}")
     if code != 200:
         raise ApplianceError(
             f"a generation through the head got {code or 'no answer'}: a node is gone; the "
