@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from .. import state_metrics
-from ..cutover import flow, history, recovery, report
+from ..cutover import flow, gates, history, recovery, report
 from ..cutover import metrics as cutover_metrics
 from ..cutover.context import Context
 from ..cutover.status import status as get_status
@@ -23,7 +23,8 @@ from ..errors import UsageError
 from ..host import lock as locks
 from ..host.layout import Layout
 from ..host.systemd import Systemd
-from .options import gate_options, root_option
+from ..units import timing
+from .options import SECONDS, gate_options, root_option
 from .output import echo_json
 
 
@@ -42,16 +43,23 @@ def _context(root: Path, progress: bool = True) -> Context:
     )
 
 
+def timeout_option(which: str):
+    """``--timeout``: the gates' deadline, by default as long as the unit lets a restart take."""
+    return click.option(
+        "--timeout",
+        type=SECONDS,
+        default=round(flow.DEFAULT_TIMEOUT),  # shown as 2010, not 2010.0
+        show_default=True,
+        help=f"Seconds for {which} to pass every gate, from the restart. The default covers "
+        f"the unit's stop ({timing.STOP_TIMEOUT_S} s) and start ({timing.START_TIMEOUT_S} s) "
+        f"budgets, and {gates.AFTER_START_S} s for the gates after them.",
+    )
+
+
 @click.command(name="cutover")
 @click.argument("name", metavar="NAME")
 @click.argument("image")
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=1),
-    default=flow.DEFAULT_TIMEOUT,
-    show_default=True,
-    help="Seconds for the new image to pass every gate.",
-)
+@timeout_option("the new image")
 @click.option("--no-rollback", is_flag=True, help="On failure, leave the new image in place.")
 @click.option(
     "--allow-no-mtp",
@@ -140,13 +148,7 @@ def cutover(
 
 @click.command(name="rollback")
 @click.argument("name", metavar="NAME")
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=1),
-    default=flow.DEFAULT_TIMEOUT,
-    show_default=True,
-    help="Seconds for the previous image to pass every gate.",
-)
+@timeout_option("the previous image")
 @click.option(
     "--to",
     "to",

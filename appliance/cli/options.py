@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -39,6 +40,36 @@ class OutputPath(click.Path):
         path = super().convert(value, param, ctx)
         label = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
         return check_target(path, label, directory=self.directory)
+
+
+class Seconds(click.ParamType):
+    """A time limit in seconds (``--timeout``, ``--canary-timeout``): a finite number from
+    ``least`` to ``most``. click's FloatRange lets ``nan``, ``inf`` and ``1e400`` through, and a
+    deadline of NaN or infinity never comes (a gate that never passes waits forever)."""
+
+    name = "seconds"
+
+    def __init__(self, least: float = 1.0, most: float = 86400.0) -> None:
+        self.least, self.most = least, most
+
+    def convert(self, value, param, ctx) -> float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            seconds = float(value)  # a default, or a caller's number
+        else:
+            try:
+                seconds = float(str(value).strip())
+            except ValueError:
+                seconds = math.nan
+        if not (math.isfinite(seconds) and self.least <= seconds <= self.most):
+            label = param.opts[0] if isinstance(param, click.Option) else "seconds"
+            raise UsageError(
+                f"{label} {value!r}: not a number of seconds from {self.least:g} to {self.most:g}"
+            )
+        return seconds
+
+
+# Every time limit a command takes: one day at most, so a mistyped exponent is refused too.
+SECONDS = Seconds()
 
 
 def api_key_options(f):
@@ -176,7 +207,7 @@ def gate_options(f):
             ),
             click.option(
                 "--canary-timeout",
-                type=click.FloatRange(min=1),
+                type=SECONDS,
                 default=canaries.DEFAULT_TIMEOUT,
                 show_default=True,
                 help="Seconds the canary may take on each side (the old image's answers before "
