@@ -9,16 +9,19 @@ the message.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Self
+from urllib.parse import urlsplit
 
 import httpx
 
 from . import metrics_reader, shed, specdecode
-from .errors import AuthError, EngineError, NotVLLMError, OverloadedError
+from .errors import AuthError, EngineError, NotVLLMError, OverloadedError, UsageError
 
 
 def bearer(api_key: str | None) -> dict[str, str]:
@@ -71,9 +74,15 @@ class VLLMClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.base_url = normalise_base_url(base_url)
-        self._http = httpx.Client(
-            base_url=self.base_url, timeout=timeout, headers=bearer(api_key), transport=transport
-        )
+        try:
+            self._http = httpx.Client(
+                base_url=self.base_url,
+                timeout=timeout,
+                headers=bearer(api_key),
+                transport=transport,
+            )
+        except httpx.InvalidURL as exc:  # a URL that came past engine_url (a library caller's)
+            raise UsageError(f"{self.base_url!r} is not a URL: {exc}") from None
 
     def close(self) -> None:
         self._http.close()
@@ -200,6 +209,53 @@ def normalise_base_url(url: str) -> str:
     url = url.removesuffix("/v1")
     if not url.startswith(("http://", "https://")):
         url = "http://" + url
+    return url
+
+
+# A host name's labels (letters, digits, '-' and '_', which Docker's container names use), never
+# starting with '-'; an IP address is checked by ipaddress instead.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*(\.[A-Za-z0-9_][A-Za-z0-9_-]*)*\.?")
+_URL_FIX = "give the engine's base URL, e.g. http://127.0.0.1:8000"
+
+
+def engine_url(text: str, where: str = "URL") -> str:
+    """``text`` as an engine's base URL (normalised as :func:`normalise_base_url` does), or a
+    UsageError naming ``where`` it came from: only http or https (``ftp://h`` is not taken for
+    a host called ``ftp``), a host name or IP address, a port within 1..65535, no user or
+    password (the key goes in a header: --api-key-file)."""
+    scheme, sep, rest = text.strip().partition("://")
+    if sep and scheme.lower() not in ("http", "https"):
+        raise UsageError(f"{where} {text!r}: scheme {scheme!r} is not http or https", fix=_URL_FIX)
+    url = normalise_base_url(f"{scheme.lower()}://{rest}" if sep else scheme)
+
+    def refuse(why: str) -> UsageError:
+        return UsageError(f"{where} {url!r}: {why}", fix=_URL_FIX)
+
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL"
+        raise refuse(str(exc)) from None
+    if "@" in parts.netloc:  # not echoed back: the part before "@" may be a password
+        raise UsageError(
+            f"{where}: a user or password in the URL is not sent",
+            fix="give the API key with --api-key-file; vLLM reads it from a Bearer header",
+        )
+    try:
+        port = parts.port
+    except ValueError:  # out of 0..65535, or not a number
+        port = 0
+    if port == 0:
+        raise refuse("the port is not a number within 1..65535")
+    host = parts.hostname or ""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if "[" in parts.netloc or len(host) > 253 or not _HOST_NAME.fullmatch(host):
+            raise refuse(f"{host!r} is not a host name or IP address") from None
+    try:
+        httpx.URL(url)  # what the client will make of it
+    except httpx.InvalidURL as exc:
+        raise refuse(str(exc)) from None
     return url
 
 

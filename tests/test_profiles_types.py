@@ -132,7 +132,7 @@ def _profile_file(tmp_path: Path, table: str = "", **top: str) -> Path:
             "",
             ": gpu_memory_utilization = 1.7: must be above 0 and at most 1",
         ),
-        ({"max_model_len": "0"}, "", ": max_model_len = 0: must be at least 1"),
+        ({"max_model_len": "0"}, "", ": max_model_len = 0: must be within 1..1048576"),
         ({"port": "70000"}, "", ": port = 70000: must be within 1..65535"),
         (
             {"name": '"my profile!"'},
@@ -165,14 +165,14 @@ def test_a_value_outside_its_range_is_refused_by_validate_and_install_alike(
 @pytest.mark.parametrize(
     ("top", "table", "line"),
     [
-        ({"tensor_parallel_size": "0"}, "", "tensor_parallel_size = 0: must be at least 1"),
-        ({"max_num_seqs": "-4"}, "", "max_num_seqs = -4: must be at least 1"),
+        ({"tensor_parallel_size": "0"}, "", "tensor_parallel_size = 0: must be within 1..64"),
+        ({"max_num_seqs": "-4"}, "", "max_num_seqs = -4: must be within 1..4096"),
         ({"gpu_memory_utilization": "0.0"}, "", "must be above 0 and at most 1"),
         ({"dtype": '"bf16"'}, "", "dtype = 'bf16': must be one of auto, half, float16, "),
         ({}, '[hardware]\ncompute_capability = "9"\n', "compute_capability = '9': must be"),
         ({}, '[hardware]\ndevice = "gpu"\n', "[hardware]: device = 'gpu': must be one of"),
-        ({}, "[speculative]\nnum_speculative_tokens = 0\n", "must be at least 1"),
-        ({}, "[canary]\nmax_tokens = 0\n", "[canary]: max_tokens = 0: must be at least 1"),
+        ({}, "[speculative]\nnum_speculative_tokens = 0\n", "must be within 1..64"),
+        ({}, "[canary]\nmax_tokens = 0\n", "[canary]: max_tokens = 0: must be within 1..1048576"),
         ({}, "[canary]\nmax_pass_rate_drop = 1.5\n", "must be within 0..1"),
         ({}, "[multinode]\nmaster_port = 0\n", "master_port = 0: must be within 1..65535"),
         ({"host": '"-h"'}, "", "host = '-h': must be an IP address or host name"),

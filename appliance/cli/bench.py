@@ -14,6 +14,8 @@ from ..devmodel import DRAFTER_KINDS
 from ..endpoint import Endpoint
 from ..errors import ApplianceError, UsageError
 from ..profiles import get
+from ..vllm_client import engine_url
+from .addresses import ENGINE_URL
 from .options import OutputPath, endpoint_options, progress_bar, prompt_options
 from .output import echo_json
 from .tune import tune
@@ -217,8 +219,13 @@ def bench_run(endpoint: Endpoint, settings: dict) -> None:
 
 
 @bench.command("compare", epilog=figures())
-@click.option("--mtp-url", required=True, help="The MTP endpoint ...")
-@click.option("--baseline-url", required=True, help="... and the same model without MTP.")
+@click.option("--mtp-url", type=ENGINE_URL, required=True, help="The MTP endpoint ...")
+@click.option(
+    "--baseline-url",
+    type=ENGINE_URL,
+    required=True,
+    help="... and the same model without MTP.",
+)
 @click.option(
     "--max-acceptance-drop",
     type=float,
@@ -258,7 +265,7 @@ def _k_urls(values: tuple[str, ...]) -> dict[int, str]:
         k, sep, url = v.partition("=")
         if not sep or not k.strip().isdigit() or not url:
             raise UsageError(f"--k-url wants K=URL, not {v!r}")
-        out[int(k)] = url
+        out[int(k)] = engine_url(url, f"--k-url (k={k.strip()})")
     return out
 
 

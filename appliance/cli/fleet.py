@@ -147,9 +147,9 @@ def status(instance: str, json_: bool, root: Path) -> None:
 )
 def targets(inventory: Path, group: str, out: Path | None, state_out: Path | None) -> None:
     """Prometheus file_sd targets for INVENTORY (`ansible-inventory --list` JSON; - = stdin)."""
-    text = sys.stdin.read() if str(inventory) == "-" else inventory.read_text()
+    raw = sys.stdin.buffer.read() if str(inventory) == "-" else inventory.read_bytes()
     try:
-        data = json.loads(text)
+        data = json.loads(raw.decode())  # UnicodeDecodeError is a ValueError
     except ValueError as exc:
         raise UsageError(f"{inventory}: not JSON: {exc}") from None
     rendered = hosts.render_targets(hosts.targets_from_inventory(data, group))

@@ -10,6 +10,7 @@ import click
 
 from ..devmodel import DRAFTER_KINDS
 from ..engine import local as engine
+from .addresses import PORT
 
 
 class _Stop(Exception):
@@ -50,7 +51,7 @@ def local() -> None:
     show_default=True,
     help="A CPU profile: a shipped name or a TOML file of yours.",
 )
-@click.option("--port", type=int, default=None, help="Default: a free port on 127.0.0.1.")
+@click.option("--port", type=PORT, default=None, help="Default: a free port on 127.0.0.1.")
 @click.option("--drafter", type=click.Choice(DRAFTER_KINDS), default="copy", show_default=True)
 @click.option(
     "--model-dir",

@@ -14,6 +14,7 @@ from .. import endpoint
 from ..bench import prompts
 from ..errors import UsageError
 from ..fsutil import check_target
+from .addresses import ENGINE_URL
 
 # One meaning everywhere: where the host's /etc and /var/lib are (an image being built, a test
 # tree, or an nspawn machine's root seen from the host).
@@ -164,6 +165,7 @@ def endpoint_options(
             ),
             click.option(
                 "--url",
+                type=ENGINE_URL,
                 default=None,
                 envvar="APPLIANCE_URL",
                 show_envvar=True,

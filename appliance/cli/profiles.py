@@ -19,11 +19,21 @@ def profiles() -> None:
     """Serving profiles per host."""
 
 
-def _status(findings: list[pv.Finding]) -> str:
-    n_err, n_warn = len(pv.errors(findings)), len(findings) - len(pv.errors(findings))
+def _status(findings: list[pv.Finding], shared: list[pv.Finding] = ()) -> str:
+    """``ok``, ``N error(s)`` or ``N warning(s)``, counting the warnings not in ``shared`` (said
+    once for the run); a ``*`` when the profile has one of those."""
+    n_err, n_warn = len(pv.errors(findings)), len(set(pv.warnings(findings)) - set(shared))
+    mark = "*" if set(findings) & set(shared) else ""
     if n_err:
-        return f"{n_err} error(s)"
-    return f"{n_warn} warning(s)" if n_warn else "ok"
+        return f"{n_err} error(s){mark}"
+    return f"{n_warn} warning(s){mark}" if n_warn else f"ok{mark}"
+
+
+def _shared_lines(shared: list[pv.Finding], checked: list[list[pv.Finding]]) -> list[str]:
+    """One line per warning several profiles share, with how many."""
+    return [
+        f"* {sum(f in found for found in checked)} of {len(checked)} profiles: {f}" for f in shared
+    ]
 
 
 @profiles.command(name="list")
@@ -50,16 +60,20 @@ def profiles_list(json_: bool) -> None:
             )
         echo_json({"profiles": rows})
         return
+    checked = [pv.check(p) for _, p in shipped]
+    shared = pv.shared(checked)
     rows = [
         (
             name,
             f"mtp k={p.speculative.num_speculative_tokens}" if p.mtp else "no-spec",
-            _status(pv.check(p)),
+            _status(found, shared),
             p.description,
         )
-        for name, p in shipped
+        for (name, p), found in zip(shipped, checked, strict=True)
     ]
     click.echo(table(("PROFILE", "SPEC", "STATUS", "DESCRIPTION"), rows))
+    for line in _shared_lines(shared, checked):
+        click.echo(line)
 
 
 @profiles.command(name="show")
@@ -98,13 +112,17 @@ def profiles_validate(
     selected = [prof.lookup(n) for n in names] + [prof.load_file(f) for f in files]
     if not selected:
         selected = list(prof.all_profiles().values())
+    checked = [pv.check(p, vllm_version=vllm_version) for p in selected]
+    shared = pv.shared(checked)
     failed = 0
-    for p in selected:
-        findings = pv.check(p, vllm_version=vllm_version)
+    for p, findings in zip(selected, checked, strict=True):
         failed += bool(pv.errors(findings))
-        click.echo(f"{p.name}: {_status(findings)}")
+        click.echo(f"{p.name}: {_status(findings, shared)}")
         for finding in findings:
-            click.echo(f"  {finding}")
+            if finding not in shared:
+                click.echo(f"  {finding}")
+    for line in _shared_lines(shared, checked):
+        click.echo(line)
     if failed:
         raise click.exceptions.Exit(1)
 

@@ -13,6 +13,7 @@ from ..endpoint import Endpoint
 from ..errors import ApplianceError, UsageError
 from ..host.layout import Layout
 from ..tables import table
+from .addresses import ENGINE_URL
 from .options import OutputPath, endpoint_options, progress_bar, prompt_options
 from .output import echo_json
 
@@ -36,7 +37,10 @@ def _source_text(endpoint: Endpoint, profile_name: str | None, profile: profiles
     default_url=None,
 )
 @click.option(
-    "--baseline-url", default=None, help="The same model served without MTP (not with --verify)."
+    "--baseline-url",
+    type=ENGINE_URL,
+    default=None,
+    help="The same model served without MTP (not with --verify).",
 )
 @click.option(
     "--verify",

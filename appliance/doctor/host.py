@@ -8,6 +8,7 @@ from pathlib import Path
 from .. import labels as image_labels
 from ..errors import ApplianceError
 from ..host.layout import ENV_DIR
+from ..host.values import LOOPBACK
 from ..hostcheck import nvidia as hostcheck_nvidia
 from ..instance_facts import UNIT_DIRS, InstanceFacts
 from ..models import verify, where
@@ -81,6 +82,7 @@ def instance_checks(instance: str, facts: InstanceFacts, root: Path = Path("/"))
         )
     if facts.record is not None:
         checks.append(models_check(facts.record, root))
+        checks.append(api_key_check(facts.record))
     checks.append(_container_check(instance, facts))
     return checks
 
@@ -109,9 +111,26 @@ def models_check(inst: Instance, root: Path = Path("/")) -> Check:
     ev["full_check"] = f"appliance models verify {inst.name}"
     if report.ok:
         return Check("instance.models", "ok", report.summary(), ev)
-    ev["problems"] = [p.line() for p in report.problems]
-    ev["fix"] = fix
-    return Check("instance.models", "fail", report.one_line(fix), ev)
+    summary = report.one_line(fix)  # the problems (the first three) and the fix, once
+    if any(p.line() not in summary for p in report.problems):
+        ev["problems"] = [p.line() for p in report.problems]
+    return Check("instance.models", "fail", summary, ev)
+
+
+def api_key_check(inst: Instance) -> Check:
+    """``instance.api_key``: the key file the serve program hands vLLM is there. Without it the
+    serve program refuses to start on an address beyond loopback, and on loopback vLLM takes
+    any caller on this host (appliance/serve/main.py, ``key``)."""
+    path = inst.api_key_path
+    ev = {"path": str(path)}
+    if path.exists():
+        return Check("instance.api_key", "ok", f"{path} is there", ev)
+    fix = f"appliance instance install {inst.name} writes one"
+    if inst.host in LOOPBACK:
+        why = f"vLLM on {inst.host} accepts any caller on this host ({fix})"
+        return Check("instance.api_key", "warn", f"no API key file {path}: {why}", ev)
+    why = f"the serve program refuses to start on {inst.host} without one ({fix})"
+    return Check("instance.api_key", "fail", f"no API key file {path}: {why}", ev)
 
 
 def _container_check(instance: str, facts: InstanceFacts) -> Check:

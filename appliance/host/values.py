@@ -20,6 +20,8 @@ HOST_PATTERN = r"[A-Za-z0-9:][A-Za-z0-9.:-]{0,252}"
 _HOST = re.compile(HOST_PATTERN)
 _GPUS = re.compile(r"all|[0-9]+|device=[A-Za-z0-9:,/_-]+")
 _PATH = re.compile(r"/[A-Za-z0-9._/@+-]*")
+# The kernel's own trees: a mount of one as a model or cache folder is never meant.
+KERNEL_TREES = frozenset({"/proc", "/sys", "/dev"})
 ANY_ADDRESS = frozenset({"0.0.0.0", "::"})
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 # The env file's host paths: each becomes a mount of the engine's container.
@@ -57,6 +59,13 @@ def check_path(key: str, value: str, where: str | None = None) -> str:
         raise UsageError(
             f"{where or f'{key} {value!r}'} is not a plain absolute path",
             fix="use an absolute path of letters, digits and ._/@+-",
+        )
+    top = "/" + value.strip("/").split("/", 1)[0]
+    if top in KERNEL_TREES:
+        raise UsageError(
+            f"{where or f'{key} {value!r}'} is under {top}, the kernel's: not a folder for "
+            "models or caches",
+            fix="use a folder on a disk, e.g. under /var/lib or /srv",
         )
     return value
 

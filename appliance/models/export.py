@@ -87,7 +87,8 @@ def build_manifest(loc: Location) -> mf.Manifest:
     """Hash every file of the profile's models, checking each against what the cache states."""
     report = verify(loc, quick=True)
     if not report.ok:
-        raise ModelsNotReady(report.one_line(f"fix the source first: {loc.fix()}"))
+        fix = loc.fix().removeprefix("fix: ")  # one "fix:" in the line, not "fix: fix:"
+        raise ModelsNotReady(report.one_line(f"fix the source first: {fix}"))
     models = []
     for state in report.models:
         repo = cache.repo_dir(loc.hub, state.spec.repo_id)

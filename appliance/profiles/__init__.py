@@ -27,7 +27,6 @@ DEVMODEL = "{devmodel}"
 
 # A driver version as nvidia-smi prints it ("575.51.03"), or empty (not stated).
 DriverVersion = Annotated[str, pydantic.StringConstraints(pattern=r"^(\d+(\.\d+)*)?$")]
-Gib = Annotated[float, pydantic.Field(ge=0)]
 
 # The engine's queue bound (vLLM's --max-num-queued-reqs, in vLLM since 0.29, PR #49445) counts
 # requests in flight, running and waiting (vllm/config/scheduler.py, max_num_queued_reqs). Twice
@@ -44,8 +43,17 @@ Name = records.ranged(
     "letters, digits and '._-' (at most 64), starting with a letter or digit",
     pattern=f"^{PROFILE_NAME}$",
 )
-AtLeast1 = records.ranged(int, "at least 1", ge=1)
-AtLeast0 = records.ranged(int, "at least 0", ge=0)
+# Upper bounds far beyond any host, so a typo (an extra digit, 1e26) is refused when the file is
+# read, naming the field, not when vLLM allocates for it after the model load.
+Sequences = records.ranged(int, "within 1..4096", ge=1, le=4096)
+Tokens = records.ranged(int, "within 1..1048576", ge=1, le=1 << 20)
+Queued = records.ranged(int, "within 1..65536", ge=1, le=65536)
+Parallel = records.ranged(int, "within 1..64", ge=1, le=64)
+Gpus = records.ranged(int, "within 0..64", ge=0, le=64)
+Gib = records.ranged(float, "within 0..16384", ge=0, le=16384)
+SpecTokens = records.ranged(int, "within 1..64", ge=1, le=64)
+# vLLM's request seed is an int64 (vllm/entrypoints/openai/chat_completion/protocol.py: seed).
+Seed = records.ranged(int, "within 0..2**63-1", ge=0, le=2**63 - 1)
 Port = records.ranged(int, "within 1..65535", ge=1, le=65535)
 Share = records.ranged(float, "within 0..1", ge=0, le=1)  # the canary's thresholds' range
 Utilisation = records.ranged(float, "above 0 and at most 1", gt=0, le=1)
@@ -65,7 +73,7 @@ class Speculative:
 
     method: str = "mtp"
     model: str = ""
-    num_speculative_tokens: AtLeast1 = 2
+    num_speculative_tokens: SpecTokens = 2
     revision: str | None = None  # the drafter's pinned hub revision (a commit), when pinned
     # vLLM's dynamic speculative decoding: ``(first batch size, last batch size, k)`` ranges,
     # k capped at num_speculative_tokens (``appliance tune`` writes it; the validator checks it
@@ -90,7 +98,7 @@ class Hardware:
     """What the host must have for this profile."""
 
     device: records.one_of("cuda", "cpu") = "cuda"
-    gpus: AtLeast0 = 0
+    gpus: Gpus = 0
     gpu_name: str = ""
     gpu_memory_gib: Gib = 0.0
     compute_capability: Capability = ""  # e.g. "8.9" for the L4
@@ -112,8 +120,8 @@ class Canary:
     min_parity: Share = 1.0
     max_pass_rate_drop: Share = 0.0
     max_acceptance_drop: Share = 0.1
-    max_tokens: AtLeast1 = 64
-    seed: AtLeast0 = 0
+    max_tokens: Tokens = 64
+    seed: Seed = 0
     prompts: str = ""
     replace: bool = False
     batched: bool = False
@@ -128,7 +136,7 @@ class Multinode:
     interface, exported on every node (``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``). Every
     node runs the group's one ``VLLM_IMAGE`` (appliance/multinode)."""
 
-    nodes: records.ranged(int, "at least 2 (drop [multinode] for one host)", ge=2) = 2
+    nodes: records.ranged(int, "within 2..64 (drop [multinode] for one host)", ge=2, le=64) = 2
     master_addr: str = ""
     master_port: Port = 29500
     nccl_socket_ifname: str = ""
@@ -149,13 +157,13 @@ class Profile:
     # host check compares it with the free space there.
     weights_gib: Gib = 0.0
     dtype: Dtype = "auto"
-    tensor_parallel_size: AtLeast1 = 1
-    pipeline_parallel_size: AtLeast1 = 1
-    max_model_len: AtLeast1 | None = None
-    max_num_batched_tokens: AtLeast1 | None = None
-    max_num_seqs: AtLeast1 | None = None
+    tensor_parallel_size: Parallel = 1
+    pipeline_parallel_size: Parallel = 1
+    max_model_len: Tokens | None = None
+    max_num_batched_tokens: Tokens | None = None
+    max_num_seqs: Sequences | None = None
     # The queue bound, when not QUEUE_PER_SEQUENCE x max_num_seqs (see :attr:`queue_bound`).
-    max_num_queued_reqs: AtLeast1 | None = None
+    max_num_queued_reqs: Queued | None = None
     gpu_memory_utilization: Utilisation | None = None
     kv_cache_dtype: str | None = None
     quantization: str | None = None
@@ -297,7 +305,7 @@ def load_file(path: Path | str) -> Profile:
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise UsageError(f"cannot read profile {path}: {exc}") from exc
     return from_dict(data, where=str(path.name))
 

@@ -103,6 +103,9 @@ class Defect:
     fix: str
     note: str = ""
     checked_by: str = ""
+    # The output canary's batched pass (answers under concurrency against answers alone) is
+    # the check this defect's fix asks for: a profile that runs it is told at info level.
+    canary_checks: bool = False
     needs: Needs = field(default_factory=Needs)
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -28,7 +29,8 @@ SMALL_GPU_GIB = 70
 MIN_K, MAX_K = 1, 8
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
-Level = Literal["error", "warning"]
+# "info": worth knowing, not a risk left open (a defect the profile's own canary checks for).
+Level = Literal["error", "warning", "info"]
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,12 @@ def _batched_tokens(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
 
 
 def _known_defects(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
-    # The published vLLM defects (defects.toml), one finding each, at the table's level.
+    # The published vLLM defects (defects.toml), one finding each, at the table's level; info
+    # where the profile's canary runs the batched pass that checks for the defect.
+    checked = p.canary.enabled and p.canary.batched
     for d in defects.applicable(vllm_version, defects.Conditions.of(p)):
-        yield Finding(d.level, d.id, d.summary(), d.fix)
+        level: Level = "info" if d.canary_checks and checked else d.level
+        yield Finding(level, d.id, d.summary(), d.fix)
 
 
 def _mtp_version(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
@@ -576,11 +581,23 @@ def check(profile: Profile, *, vllm_version: str | None = None) -> list[Finding]
     if vllm_version is not None:
         versions.parse(vllm_version)  # a malformed version is a usage error, not a finding
     found = [f for rule in RULES for f in rule(profile, vllm_version)]
-    return sorted(found, key=lambda f: f.level != "error")
+    return sorted(found, key=lambda f: ("error", "warning", "info").index(f.level))
 
 
 def errors(findings: Iterable[Finding]) -> list[Finding]:
     return [f for f in findings if f.level == "error"]
+
+
+def warnings(findings: Iterable[Finding]) -> list[Finding]:
+    return [f for f in findings if f.level == "warning"]
+
+
+def shared(checked: Iterable[Iterable[Finding]]) -> list[Finding]:
+    """The warnings that more than one of the ``checked`` profiles' findings hold, word for
+    word, in the order first met: a run over many profiles says each of them once (one
+    published defect applies to most of the catalog and would drown any other warning)."""
+    count = Counter(f for found in checked for f in set(warnings(found)))
+    return [f for f, n in count.items() if n > 1]
 
 
 def require_valid(profile: Profile, *, vllm_version: str | None = None) -> list[Finding]:
