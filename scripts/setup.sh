@@ -23,7 +23,7 @@ fi
 quiet() { grep -v -e '^WARNING: Location' -e '^$' || true; }
 
 # constraints.txt pins every package to the version the suite last passed with (scripts/lock.sh).
-extras='.[cpu,dev,fleet]'
+extras='.[cpu,dev,fleet,otlp-grpc]'
 
 # uv installs the same lock in parallel: 74 s against pip's 190 s for a fresh venv on this kind of
 # machine, no caches. It reads no pip.conf, so pip's own sources (its config files and PIP_*

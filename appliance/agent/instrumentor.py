@@ -32,7 +32,7 @@ from .calls import Settings
 from .config import AgentConfig
 from .patch import UPSTREAM_OPENAI, acall, beneath_upstream, call, inside, stream_manager
 from .responses import MESSAGES, RESPONSES
-from .tracing import setup_tracing
+from .tracing import own_provider
 from .worker import register_exit_flush
 
 # (module, class, operation, async): the SDK resources whose ``create`` is traced.
@@ -291,7 +291,7 @@ def _global_provider() -> trace.TracerProvider:
     """The global provider; one from the ``OTEL_*`` variables when nothing set one.
 
     ``opentelemetry-instrument`` without a distro configures no SDK: the agent then builds its
-    own provider (:func:`.tracing.setup_tracing`) and makes it global, so the spans go somewhere.
+    own provider (:func:`.tracing.own_provider`) and makes it global, so the spans go somewhere.
     """
     global _own_provider
     provider = trace.get_tracer_provider()
@@ -299,7 +299,7 @@ def _global_provider() -> trace.TracerProvider:
         return provider
     with _own_lock:
         if _own_provider is None:
-            _own_provider = setup_tracing()
+            _own_provider = own_provider()
             trace.set_tracer_provider(_own_provider)
             register_exit_flush()  # the figures still pending at exit go before its shutdown
         return trace.get_tracer_provider()

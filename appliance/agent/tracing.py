@@ -3,20 +3,22 @@
 Read by the SDK itself: ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES`` (the resource),
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``..._HEADERS``,
 ``..._TIMEOUT`` (the exporter). Read here: ``OTEL_EXPORTER_OTLP_PROTOCOL`` /
-``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (``http/protobuf`` default, or ``grpc``) and
-``OTEL_TRACES_EXPORTER`` (``otlp`` default, ``console`` or ``none``).
+``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (``http/protobuf`` default, to a collector's port 4318, or
+``grpc``, its port 4317, with the ``otlp-grpc`` extra) and ``OTEL_TRACES_EXPORTER`` (``otlp``
+default, ``console`` or ``none``).
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import os
 import threading
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
 from ..errors import UsageError
 
@@ -44,33 +46,80 @@ def setup_tracing(env: dict[str, str] | None = None) -> TracerProvider:
         env["OTEL_SERVICE_NAME"] = DEFAULT_SERVICE
     # Resource.create() reads only os.environ; merge what ``env`` says over its defaults.
     resource = Resource.create().merge(_resource_from(env))
+    exporter = _exporter(env)  # first: a setting it refuses leaves no provider behind
     provider = TracerProvider(resource=resource, shutdown_on_exit=False)
     atexit.register(_bounded_shutdown, provider)
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def _exporter(env: dict[str, str]) -> SpanExporter | None:
     kind = env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
     if kind == "none":
-        return provider
+        return None
     if kind == "console":
-        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-        return provider
+        return ConsoleSpanExporter()
     if kind != "otlp":
         raise UsageError(
             f"OTEL_TRACES_EXPORTER={kind!r} is not supported", fix="otlp, console or none"
         )
-    protocol = (
-        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "http/protobuf"
-    ).strip()
-    if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    elif protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    else:
+    protocol = _protocol(env)
+    return _exporter_class(protocol)(**_endpoint(env, protocol))
+
+
+def own_provider() -> TracerProvider:
+    """:func:`setup_tracing` for a program that did not ask for it (the zero-code launcher):
+    never raises, as a telemetry setting must not stop the application. A setting it cannot
+    follow is logged as one line, and the spans are then dropped."""
+    try:
+        return setup_tracing()
+    except UsageError as exc:
+        _log.warning("spans are not exported: %s", exc)
+        return TracerProvider(shutdown_on_exit=False)
+
+
+# protocol -> (the exporter's module, what installs it). The gRPC exporter brings grpcio (18 MB
+# installed), so it is an extra; the HTTP one is a dependency of the appliance.
+EXPORTERS = {
+    "http/protobuf": (
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+        "pip install opentelemetry-exporter-otlp-proto-http",
+    ),
+    "grpc": (
+        "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+        "pip install 'gemma4-appliance[otlp-grpc]'",
+    ),
+}
+
+
+def _protocol(env: dict[str, str]) -> str:
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = env.get(var, "").strip().lower()
+        if not value:
+            continue
+        if value == "http/json":  # a spec value, which no Python exporter implements
+            raise UsageError(
+                f"{var}=http/json is not supported: Python's OTLP exporters send protobuf only",
+                fix="use http/protobuf (the default, a collector's port 4318) or grpc (its 4317)",
+            )
+        if value not in EXPORTERS:
+            raise UsageError(f"{var}={value!r} is not supported", fix="http/protobuf or grpc")
+        return value
+    return "http/protobuf"
+
+
+def _exporter_class(protocol: str) -> type:
+    """The protocol's ``OTLPSpanExporter``; one line naming what to install when it is not."""
+    module, install = EXPORTERS[protocol]
+    try:
+        return importlib.import_module(module).OTLPSpanExporter
+    except ModuleNotFoundError as exc:
         raise UsageError(
-            f"OTLP protocol {protocol!r} is not supported", fix="http/protobuf or grpc"
-        )
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(**_endpoint(env, protocol))))
-    return provider
+            f"OTLP over {protocol} needs an exporter that is not installed: no module named "
+            f"{exc.name!r}",
+            fix=install,
+        ) from None
 
 
 def _bounded_shutdown(provider: TracerProvider, bound: float = EXIT_EXPORT_S) -> None:

@@ -1,6 +1,8 @@
-"""Fixtures of the telemetry agent's tests: a real OTLP/HTTP receiver and misbehaving /metrics.
+"""Fixtures of the telemetry agent's tests: real OTLP/HTTP and OTLP/gRPC receivers and misbehaving
+/metrics.
 
-The receiver decodes what the real OTLP/HTTP exporter sends with ``opentelemetry-proto``. The
+The receivers decode what the real OTLP exporters send with ``opentelemetry-proto`` (the gRPC one
+is a real ``grpc`` server implementing its ``TraceService``). The
 misbehaving servers exist because a real vLLM cannot be made to answer /metrics with a 500,
 garbage or a hang: the agent's metrics URL points at them while the chat call goes to the real
 engine.
@@ -13,6 +15,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -59,6 +62,27 @@ class OTLPReceiver:
             time.sleep(0.05)
         return list(self.spans)
 
+    def record(self, req: ExportTraceServiceRequest) -> None:
+        """Keep the spans of one export request."""
+        self.requests += 1
+        for rs in req.resource_spans:
+            resource = _attrs(rs.resource.attributes)
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    self.spans.append(
+                        ReceivedSpan(
+                            name=s.name,
+                            kind=s.kind,
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_span_id=s.parent_span_id.hex(),
+                            status_code=s.status.code,
+                            attributes=_attrs(s.attributes),
+                            resource=resource,
+                            ended=s.end_time_unix_nano > 0,
+                        )
+                    )
+
 
 def _serve(handler_cls) -> tuple[ThreadingHTTPServer, str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler_cls)
@@ -79,24 +103,7 @@ def otlp_receiver() -> Iterator[OTLPReceiver]:
                 body = gzip.decompress(body)
             req = ExportTraceServiceRequest()
             req.ParseFromString(body)
-            state.requests += 1
-            for rs in req.resource_spans:
-                resource = _attrs(rs.resource.attributes)
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        state.spans.append(
-                            ReceivedSpan(
-                                name=s.name,
-                                kind=s.kind,
-                                trace_id=s.trace_id.hex(),
-                                span_id=s.span_id.hex(),
-                                parent_span_id=s.parent_span_id.hex(),
-                                status_code=s.status.code,
-                                attributes=_attrs(s.attributes),
-                                resource=resource,
-                                ended=s.end_time_unix_nano > 0,
-                            )
-                        )
+            state.record(req)
             out = ExportTraceServiceResponse().SerializeToString()
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")
@@ -112,6 +119,29 @@ def otlp_receiver() -> Iterator[OTLPReceiver]:
     yield state
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture
+def otlp_grpc_receiver() -> Iterator[OTLPReceiver]:
+    """An OTLP/gRPC traces receiver on 127.0.0.1: a real ``grpc`` server with opentelemetry-proto's
+    ``TraceService`` (``url`` is the endpoint, ``http://`` for a plaintext channel)."""
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    state = OTLPReceiver(url="")
+
+    class Service(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # the service's method name
+            state.record(request)
+            return ExportTraceServiceResponse()
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    state.url = f"http://127.0.0.1:{port}"
+    yield state
+    server.stop(grace=None)
 
 
 @dataclass
