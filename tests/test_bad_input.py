@@ -13,6 +13,7 @@ import pytest
 from appliance import doctor, profiles
 from appliance.engine.local import free_port
 from appliance.errors import UsageError
+from appliance.host import envfile
 from appliance.host.layout import Layout
 from appliance.profiles import validate as pv
 from appliance.vllm_client import engine_url
@@ -292,3 +293,33 @@ def test_the_canary_batched_pass_makes_the_defect_an_info(tmp_path, cli_run):
     res = cli_run(["profiles", "validate", "-f", str(path)])
     assert res.output.splitlines()[0] == "b: ok"
     assert f"  info: {KV_AUTO}" in res.output
+
+
+# --- the env file's own words (newcomer M4) ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [("a1", []), ("g1", ["--profile", "cpu-tiny-mtp-2node", "--role", "both"])],
+)
+def test_the_env_files_comment_says_the_parsers_rule(tmp_path, name, extra, cli_run):
+    # It said "no quotes" while the one parser takes a value in one pair of them.
+    root = tmp_path / "root"
+    profile = [] if extra else ["--profile", "cpu-tiny-mtp"]
+    cli_run(
+        ["instance", "install", name, *profile, *extra, "--model-dir", "/srv/m"]
+        + [
+            "--root",
+            str(root),
+        ]
+    )
+    text = Layout(root).env_file(name).read_text()
+    comment = " ".join(
+        line.removeprefix("#").strip() for line in text.splitlines() if line.startswith("#")
+    )
+    rule = envfile.FIX.removeprefix("write ")  # "one KEY=value a line, the value bare or ..."
+    assert rule.lower() in comment.lower(), comment
+    assert "no quotes" not in comment
+    assert envfile.parse(b"VLLM_IMAGE='gemma4-vllm:0.32.0-mtp-cpu'\n") == {
+        "VLLM_IMAGE": "gemma4-vllm:0.32.0-mtp-cpu"
+    }
