@@ -181,7 +181,7 @@ def test_promtool_check_config_and_rules():
     assert len(rule_files) == 2
     res = _promtool("check", "rules", *rule_files)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 20 rules found" in res.stdout and "SUCCESS: 11 rules found" in res.stdout
+    assert "SUCCESS: 20 rules found" in res.stdout and "SUCCESS: 14 rules found" in res.stdout
 
 
 def test_promtool_unit_tests_pass():
@@ -232,14 +232,17 @@ def test_promtool_unit_tests_catch_a_changed_threshold(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "changed",
+    ("changed", "alert"),
     [
-        {"state_stale_s": 600.0},  # not yet firing at 25m
-        {"state_stale_s": 120.0},  # firing already at 19m
+        ({"state_stale_s": 600.0}, "Gemma4StateMetricsStale"),  # not yet firing at 25m
+        ({"state_stale_s": 120.0}, "Gemma4StateMetricsStale"),  # firing already at 19m
+        # The collector's own alerts (issue 55 §4): h1 down, h3 without the textfile.
+        ({"state_collector_for": "10m"}, "Gemma4StateCollectorDown"),  # not yet at 11m
+        ({"state_collector_for": "2m"}, "Gemma4StateTextfileMissing"),  # already at 4m
     ],
 )
-def test_promtool_state_alert_tests_catch_a_changed_threshold(tmp_path, changed):
-    assert "Gemma4StateMetricsStale" in _bitten(tmp_path, "alerts.test.yml", **changed)
+def test_promtool_state_alert_tests_catch_a_changed_threshold(tmp_path, changed, alert):
+    assert alert in _bitten(tmp_path, "alerts.test.yml", **changed)
 
 
 def test_promtool_extremes_tests_catch_a_changed_share_limit(tmp_path):

@@ -58,6 +58,12 @@ class Expr:
             f"{self.text} and on ({', '.join(on)}) {other.text}", self.metrics | other.metrics
         )
 
+    def unless_on(self, other: Expr, on: tuple[str, ...]) -> Expr:
+        """``self unless on(...) other``: keep ``self`` where ``other`` has no series."""
+        return Expr(
+            f"{self.text} unless on ({', '.join(on)}) {other.text}", self.metrics | other.metrics
+        )
+
     def sub_on(self, other: Expr, on: tuple[str, ...]) -> Expr:
         """``self - on(...) group_right () other``: one ``self`` series per ``on`` labels, taken
         from each of ``other``'s; the result keeps ``other``'s labels."""
@@ -113,6 +119,12 @@ def rate(sel: Selector, window: str) -> Expr:
 def increase(sel: Selector, window: str) -> Expr:
     e = sel.expr
     return Expr(f"increase({e.text}[{window}])", e.metrics)
+
+
+def absent(sel: Selector) -> Expr:
+    """``absent(sel)``: one series (the selector's equality labels) while nothing matches."""
+    e = sel.expr
+    return Expr(f"absent({e.text})", e.metrics)
 
 
 def agg(op: str, by: tuple[str, ...], inner: Expr) -> Expr:

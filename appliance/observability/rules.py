@@ -15,7 +15,17 @@ from prometheus_client.utils import floatToGoString
 
 from ..host.layout import Layout
 from . import names as n
-from .promql import Expr, Selector, agg, histogram_quantile, rate, ratio, recorded, sum_rate
+from .promql import (
+    Expr,
+    Selector,
+    absent,
+    agg,
+    histogram_quantile,
+    rate,
+    ratio,
+    recorded,
+    sum_rate,
+)
 
 # `host` is carried where the scrape has it (a fleet's file_sd, appliance.observability.file_sd):
 # two hosts serving instances of one name stay two series. The recorded names keep their
@@ -80,6 +90,10 @@ class Thresholds:
     # slow one (a run may take its 50 s TimeoutStartSec, then the scrape interval).
     state_stale_s: float = 300.0
     state_stale_for: str = "5m"
+    # The collector itself (node_exporter's scrape, its textfile): a restart (a package upgrade)
+    # misses a scrape or two; five minutes without it is a collector that stopped, and the
+    # staleness alert above cannot say so (no mtime series, nothing to compare).
+    state_collector_for: str = "5m"
 
 
 @dataclass(frozen=True)
@@ -382,6 +396,7 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
                 "Gemma4InstanceFailed.",
             },
         ),
+        *_state_collector(t),
         Rule(
             "Gemma4EnvFileRefused",
             n.ENV_FILE_READABLE.where(job=n.JOB_STATE).expr.eq(0),
@@ -412,6 +427,64 @@ def alert_groups(t: Thresholds = Thresholds()) -> tuple[Group, ...]:
         ),
     )
     return (Group("gemma4_mtp.alerts", alerts), Group("gemma4_mtp_extremes.alerts", _extremes(t)))
+
+
+def _state_collector(t: Thresholds) -> tuple[Rule, ...]:
+    """The state collector down, serving no state textfile, or not scraped at all: the cases
+    where Gemma4StateMetricsStale has no series to judge and so never fires."""
+    up = n.UP.where(job=n.JOB_STATE)
+    textfile = Layout().metrics_textfile()
+    on_host = "{{ with $labels.host }} on host {{ . }}{{ end }}"
+    blind = "Until then a unit that fails raises no Gemma4InstanceFailed."
+    return (
+        Rule(
+            "Gemma4StateCollectorDown",
+            up.expr.eq(0),
+            "node_exporter, which serves the state textfile, does not answer its scrape.",
+            alert=True,
+            for_=t.state_collector_for,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": f"The appliance's state collector is down{on_host}",
+                "description": "node_exporter at {{ $labels.instance }} has not answered the "
+                f"{n.JOB_STATE} scrape for {t.state_collector_for}: no state series is read. "
+                "`systemctl status prometheus-node-exporter` (or your node_exporter's unit) "
+                f"says why. {blind}",
+            },
+        ),
+        Rule(
+            "Gemma4StateTextfileMissing",
+            up.expr.eq(1).unless_on(_state_textfile(), ("host", "instance", "job")),
+            "node_exporter answers but serves no state textfile (its textfile collector reads "
+            "another folder, or the state timer never wrote the file).",
+            alert=True,
+            for_=t.state_collector_for,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": f"The appliance's state textfile is not served{on_host}",
+                "description": "node_exporter at {{ $labels.instance }} answers but has served "
+                f"no {textfile.name} for {t.state_collector_for}: start it with "
+                f"--collector.textfile.directory={textfile.parent}, and see that "
+                "gemma4-appliance-state.timer runs (`appliance status --write-metrics` writes "
+                f"the file once). {blind}",
+            },
+        ),
+        Rule(
+            "Gemma4StateCollectorAbsent",
+            absent(up),
+            "No state collector is scraped at all: no job, or no host's agent writes one.",
+            alert=True,
+            for_=t.state_collector_for,
+            labels={"severity": "warning"},
+            annotations={
+                "summary": f"No {n.JOB_STATE} target is scraped",
+                "description": f"Prometheus has had no {n.JOB_STATE} target for "
+                f"{t.state_collector_for}: its scrape config lacks the job (`appliance "
+                "observability write`, or `appliance fleet scrape-config` on each host), or no "
+                f"host's Prometheus agent writes to this server. {blind}",
+            },
+        ),
+    )
 
 
 def _state_textfile() -> Expr:
