@@ -218,7 +218,10 @@ def test_doctor_warns_once_per_defect_of_the_servers_version():
     }
     assert all(c.status == "warn" and "fix: " in c.summary for c in checks)
     assert checks[0].evidence["server"] == "0.25.1"
-    assert [c.name for c in defect_checks("0.32.0", profiles.get("l4x4-31b-mtp"))] == [
+    # The reference runs one sequence (its fit): with more, batching's defect applies.
+    assert defect_checks("0.32.0", profiles.get("l4x4-31b-mtp")) == []
+    batched = dataclasses.replace(profiles.get("l4x4-31b-mtp"), max_num_seqs=8)
+    assert [c.name for c in defect_checks("0.32.0", batched)] == [
         "vllm.defect.kv-auto-mtp-batching"
     ]
     assert defect_checks("0.32.0", profiles.get("rtx5090x2-31b-fp8-mtp")) == []

@@ -37,6 +37,15 @@ def fake_nvidia_smi(tmp_path: Path, monkeypatch, capture: str) -> None:
     monkeypatch.setenv("PATH", f"{bin_dir}:{shutil.os.environ['PATH']}")
 
 
+@pytest.fixture
+def no_nvidia_smi(monkeypatch):
+    """PATH without any nvidia-smi: a host without the NVIDIA driver, also on a GPU host (the
+    tests review's T11: these tests went red on the reference host)."""
+    dirs = shutil.os.environ["PATH"].split(":")
+    monkeypatch.setenv("PATH", ":".join(d for d in dirs if not (Path(d) / "nvidia-smi").exists()))
+    assert shutil.which("nvidia-smi") is None
+
+
 def by_name(findings) -> dict:
     return {f.name: f for f in findings}
 
@@ -108,8 +117,9 @@ def test_lower_compute_capability_and_older_driver_are_blockers(tmp_path, monkey
     spark = profiles.get("spark-31b-nvfp4-mtp")  # GB10: 12.1
     found = by_name(nvidia.gpu_findings(spark))
     assert found["gpu.compute_capability"].status == "blocker"
+    # The profile states its precision's floor: NVFP4 kernels need 10.0 (Blackwell).
     assert found["gpu.compute_capability"].message.startswith(
-        "compute capability 9.0 is below 12.1"
+        "compute capability 9.0 is below 10.0"
     )
     newer = dataclasses.replace(spark.hardware, min_driver="590.1")
     found = by_name(nvidia.gpu_findings(dataclasses.replace(spark, hardware=newer)))
@@ -134,8 +144,7 @@ def test_cli_reads_the_fake_nvidia_smi_and_prints_one_line_per_finding(
 # --- this machine, for real ----------------------------------------------------------------
 
 
-def test_no_gpu_here_is_a_blocker_for_a_gpu_profile_and_nothing_for_a_cpu_one():
-    assert shutil.which("nvidia-smi") is None, "this test describes a machine without a GPU"
+def test_no_gpu_here_is_a_blocker_for_a_gpu_profile_and_nothing_for_a_cpu_one(no_nvidia_smi):
     (f,) = nvidia.gpu_findings(profiles.get("l4x4-31b-mtp"))
     assert (f.name, f.status) == ("nvidia.driver", "blocker")
     assert f.fix == "install the NVIDIA driver >= 575.51.03 and reboot"
@@ -143,11 +152,36 @@ def test_no_gpu_here_is_a_blocker_for_a_gpu_profile_and_nothing_for_a_cpu_one():
     assert cpu.status == "ok"
 
 
-def test_docker_that_does_not_answer_is_a_blocker(monkeypatch):
+def test_docker_that_does_not_answer_is_a_blocker_in_one_plain_line(monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
     (f,) = hostcheck.docker.docker_findings(profiles.get("cpu-tiny-mtp"), "gemma4-vllm:latest")
     assert (f.name, f.status) == ("docker.engine", "blocker")
+    # Not the SDK's nested exception tuple (the H200 capture's host check printed one).
+    assert f.message == "no Docker socket at /nonexistent/docker.sock: is docker running?"
     assert "systemctl enable --now docker" in f.fix
+    assert hostcheck.docker.engine_finding() == f
+    # Without DOCKER_HOST the SDK's default socket is the one named.
+    monkeypatch.delenv("DOCKER_HOST")
+    assert hostcheck.docker.DEFAULT_SOCKET == "unix:///var/run/docker.sock"
+
+
+def test_python_with_venv_and_node_exporter_are_checked_as_the_readme_says(tmp_path):
+    f = system.python_finding()  # this machine's python3: 3.11 with ensurepip
+    assert f.status == "ok" and f.message.startswith("python3 3.1") and "with venv" in f.message
+    missing = system.python_finding(str(tmp_path / "python3"))
+    assert missing.status == "warn" and "python3-venv" in missing.fix
+    # No node_exporter on this machine: the state metrics would not be served.
+    assert shutil.which("node_exporter") is None
+    f = system.node_exporter_finding()
+    assert f.status == "warn" and "prometheus-node-exporter" in f.fix
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    assert "`venv` (Debian: `apt install python3-venv`); node_exporter" in readme
+
+
+def test_the_readmes_disk_figure_is_what_the_check_asks():
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    gib = profiles.get("l4x4-31b-mtp").weights_gib
+    assert f"({gib:g} GiB, {gib * 2**30 / 1e9:.1f} GB, for 31B bf16 plus" in readme
 
 
 @pytest.mark.docker
@@ -214,7 +248,7 @@ def test_api_key_file_modes(tmp_path):
     assert system.api_key_finding(key).status == "ok"
 
 
-def test_cli_json_and_usage(tmp_path, monkeypatch, cli_run):
+def test_cli_json_and_usage(tmp_path, monkeypatch, cli_run, no_nvidia_smi):
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
     res = cli_run(["host", "check", "--profile", "cpu-tiny-mtp", "--json"], code=None)
     body = json.loads(res.output)
@@ -223,12 +257,45 @@ def test_cli_json_and_usage(tmp_path, monkeypatch, cli_run):
         "systemd",
         "docker.engine",
     }
-    res = cli_run(["host", "check"], code=2)
-    # Nothing to suggest one from either: no nvidia-smi here (tests/test_profiles_suggest.py).
-    assert res.output == (
-        "Error: say which instance or profile: no NVIDIA GPU here to suggest a profile for "
-        "(nvidia-smi not found) (appliance host check NAME, or --profile P)\n"
+    # Nothing to suggest one from: the host alone, the driver's absence a blocker (exit 1).
+    res = cli_run(["host", "check", "--json"], code=1)
+    body = json.loads(res.output)
+    assert (body["profile"], body["ok"]) == (None, False)
+    found = {f["name"]: f for f in body["findings"]}
+    assert found["nvidia.driver"]["status"] == "blocker"
+    assert found["nvidia.driver"]["message"] == "nvidia-smi not found: no NVIDIA driver"
+    assert found["profile"]["message"] == (
+        "no NVIDIA GPU here to suggest a profile for (nvidia-smi not found)"
     )
+    assert {"user", "systemd", "python", "node_exporter", "docker.engine"} <= set(found)
+
+
+def test_host_check_without_a_profile_reports_the_driver_and_gpus(tmp_path, monkeypatch, cli_run):
+    # A GPU no shipped profile fits: the driver and GPUs are still reported.
+    fake_nvidia_smi(tmp_path, monkeypatch, "rtx5070ti.csv")
+    monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
+    res = cli_run(["host", "check", "--root", str(tmp_path / "r")], code=1)
+    docker = "no Docker socket at /nonexistent/docker.sock: is docker running?"
+    assert res.output.splitlines() == [
+        "OK      nvidia.driver: driver 580.95.05 (>= 575.51.03)",
+        "OK      gpu.count: 1 GPU(s): NVIDIA GeForce RTX 5070 Ti (16303 MiB, compute capability "
+        + "12.0)",
+        f"BLOCKER docker.engine: {docker} (fix: {hostcheck.docker.INSTALL})",
+        "WARN    profile: no shipped profile fits 1x NVIDIA GeForce RTX 5070 Ti (fix: give one: "
+        + "--profile NAME (appliance profiles list))",
+        "host check: 1 blocker(s), 1 warning(s)",
+    ]
+    # nvidia-smi failing (its own first line), and a driver older than the images' floor.
+    q = nvidia.Query(
+        error="NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."
+    )
+    (f,) = nvidia.host_findings(q, "575.51.03")
+    assert (f.name, f.status) == (
+        "nvidia.driver",
+        "blocker",
+    ) and "couldn't communicate" in f.message
+    old = nvidia.Query(gpus=(nvidia.Gpu("NVIDIA L4", "470.82.01", 23034),))
+    assert nvidia.host_findings(old, "575.51.03")[0].status == "blocker"
 
 
 # --- install refuses on a blocker --------------------------------------------------------
@@ -270,7 +337,7 @@ def test_profile_fields_refuse_wrong_values_in_one_line():
     base = {"name": "x", "description": "x", "model": "m", "served_model_name": "m"}
     with pytest.raises(UsageError, match=r"^x.toml \[hardware\]: min_driver = 'new': String"):
         profiles.from_dict({**base, "hardware": {"min_driver": "new"}}, "x.toml")
-    with pytest.raises(UsageError, match=r"^x.toml: weights_gib = -1: Input should be greater"):
+    with pytest.raises(UsageError, match=r"^x.toml: weights_gib = -1: must be within 0..16384"):
         profiles.from_dict({**base, "weights_gib": -1}, "x.toml")
     with pytest.raises(UsageError, match=r"^x.toml: weights_gib = '60': Input should be a valid"):
         profiles.from_dict({**base, "weights_gib": "60"}, "x.toml")

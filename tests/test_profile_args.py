@@ -29,6 +29,8 @@ def test_reference_profile_gives_the_exact_argument_list():
         "32768",
         "--max-num-batched-tokens",
         "4096",
+        "--max-num-seqs",
+        "1",
         "--gpu-memory-utilization",
         "0.92",
         "--speculative-config",
@@ -55,7 +57,7 @@ def test_cpu_mtp_profile_fills_in_the_tiny_model_and_asks_for_per_request_metric
 
 
 def test_the_queue_bound_comes_from_the_sequences_unless_stated():
-    prof = profiles.get("l4x4-31b-mtp")
+    prof = dataclasses.replace(profiles.get("l4x4-31b-mtp"), max_num_seqs=None)
     # No max_num_seqs: vLLM picks one by the device it finds, so no bound is derived.
     assert prof.max_num_seqs is None and prof.queue_bound is None and prof.queue_args() == []
     seqs = dataclasses.replace(prof, max_num_seqs=48)

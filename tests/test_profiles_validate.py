@@ -9,7 +9,7 @@ import pytest
 from plugins.cli import invoke
 
 from appliance import labels, profiles
-from appliance.profiles import Hardware, Speculative
+from appliance.profiles import Hardware, Speculative, fit
 from appliance.profiles import validate as pv
 
 SHIPPED = sorted(profiles.all_profiles())
@@ -58,7 +58,8 @@ def test_serve_args_of_the_reference_profile():
     assert cmd == (
         "google/gemma-4-31B-it --served-model-name gemma-4-31b-it --host 127.0.0.1 --port 8050 "
         "--dtype bfloat16 --tensor-parallel-size 4 --max-model-len 32768 "
-        "--max-num-batched-tokens 4096 --gpu-memory-utilization 0.92 --speculative-config "
+        "--max-num-batched-tokens 4096 --max-num-seqs 1 --gpu-memory-utilization 0.92 "
+        "--speculative-config "
         '\'{"method":"mtp","model":"google/gemma-4-31B-it-assistant",'
         '"num_speculative_tokens":2}\' --per-request-spec-decode-metrics detailed'
     )
@@ -82,6 +83,28 @@ def test_batched_tokens_below_the_multimodal_item_is_an_error():
     )
     assert "max-num-batched-tokens" not in codes(
         variant("h100-31b-mtp", max_num_batched_tokens=None)
+    )
+    # An A100 80 GB is 2048 whatever its memory (vllm/engine/arg_utils.py get_batch_defaults):
+    # the review's copy of a100-80g-31b-mtp without the setting validated clean and failed.
+    f = codes(variant("a100-80g-31b-mtp", max_num_batched_tokens=None))["max-num-batched-tokens"]
+    assert f.level == "error" and "automatic max_num_batched_tokens on NVIDIA A100" in f.message
+    assert "(2048)" in f.message
+
+
+@pytest.mark.parametrize(
+    ("gib", "name", "batched", "seqs"),
+    [
+        (22.5, "NVIDIA L4", 2048, 256),
+        (79.6, "NVIDIA A100-SXM4-80GB", 2048, 256),  # "a100" in the name: the small values
+        (79.6, "NVIDIA H100 80GB HBM3", 8192, 1024),
+        (140.4, "NVIDIA H200", 8192, 1024),
+        (178.4, "NVIDIA B200", 16384, 1024),  # 160 GiB and more, an A100 or not
+    ],
+)
+def test_vllms_automatic_batch_sizes_are_mirrored_by_gpu_name_and_memory(gib, name, batched, seqs):
+    assert (fit.auto_batched_tokens(gib, name), fit.auto_max_num_seqs(gib, name)) == (
+        batched,
+        seqs,
     )
 
 
@@ -115,9 +138,14 @@ def test_mtp_on_a_vllm_older_than_0_21_is_an_error():
     assert f.level == "error" and "0.21.0" in f.fix
     f = codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.19.0")["mtp-old-vllm"]
     assert f.level == "error"
-    # 0.21 serves MTP: only warnings, on what it costs (no per-request figures) and on the
-    # defects under concurrent load (tests/test_defects.py).
+    # 0.21 serves MTP: only warnings, on what it costs (no per-request figures) and, with more
+    # than the reference's one sequence, on the defects under concurrent load
+    # (tests/test_defects.py).
     assert set(codes(profiles.get("l4x4-31b-mtp"), vllm_version="0.21.0")) == {
+        "per-request-metrics"
+    }
+    four = variant("l4x4-31b-mtp", max_num_seqs=4, max_model_len=8192)  # 4 x 8K fit
+    assert set(codes(four, vllm_version="0.21.0")) == {
         "per-request-metrics",
         "mtp-block-table-concurrency",
         "kv-auto-mtp-batching",

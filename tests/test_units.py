@@ -400,7 +400,8 @@ def test_the_queue_bound_reaches_only_an_image_whose_vllm_has_the_flag(tmp_path)
             " ".join(cmd.notes)
         )
     # A profile without a bound says nothing about it.
-    plain = engine_args.serve_args(profiles.get("l4x4-31b-mtp"), [])
+    unbounded = dataclasses.replace(profiles.get("l4x4-31b-mtp"), max_num_seqs=None)
+    plain = engine_args.serve_args(unbounded, [])
     cmd = container.command("i", plain, settings, {labels.VLLM_VERSION: "0.32.0"}, None, tmp_path)
     assert "--max-num-queued-reqs" not in cmd.argv and "queue" not in " ".join(cmd.notes)
 
@@ -430,6 +431,37 @@ def test_a_stop_lets_in_flight_requests_finish_on_an_image_whose_vllm_can(tmp_pa
             f"image's vLLM {shown} has no --shutdown-timeout (needs >= 0.18.0): a stop ends "
             "in-flight requests at once"
         ) in cmd.notes
+
+
+def test_a_stop_turns_arrivals_away_with_503_only_on_an_image_with_the_stop_gate(tmp_path):
+    """The stop gate is a module inside the image: passed to an image labelled as carrying it,
+    never to an older one (vLLM would fail its start on the import), nor to a headless worker."""
+    settings = environment.Settings("img:1", "127.0.0.1", 8000, "all", None, "/hf", None)
+    gate = ["--middleware", "stop_gate.StopGate"]
+    assert labels.STOP_GATE_MIDDLEWARE == "stop_gate.StopGate"  # the file the Dockerfiles copy
+    head = engine_args.serve_args(profiles.get("l4x4-31b-mtp"), [])
+    image = {labels.MTP: "true", labels.VLLM_VERSION: "0.32.0"}
+
+    labelled = image | {labels.STOP_GATE: "true"}
+    new = container.command("i", head, settings, labelled, None, tmp_path)
+    assert new.argv[-2:] == gate and new.argv.count("--middleware") == 1
+    assert new.argv[-4:-2] == ["--shutdown-timeout", str(docker.DRAIN_S)]
+    assert (
+        "from a stop's SIGTERM on, new requests and /health get 503 with Retry-After "
+        "(--middleware stop_gate.StopGate)"
+    ) in new.notes
+    for old in (image, image | {labels.STOP_GATE: "false"}):
+        cmd = container.command("i", head, settings, old, None, tmp_path)
+        assert "--middleware" not in cmd.argv
+        assert (
+            f"image img:1 is not labelled {labels.STOP_GATE}=true (built by an older appliance):"
+            " during a stop, new requests get vLLM's HTTP 500 and /health answers 200; rebuild "
+            "the image with `appliance image build`"
+        ) in cmd.notes
+    worker = argsfile.ServeArgs(profile="p", serve=("/models/t", "--headless"))
+    cmd = container.command("i", worker, settings, labelled, None, tmp_path)
+    assert "--middleware" not in cmd.argv
+    assert not [n for n in cmd.notes if "/health" in n]
 
 
 # --- profile strings are data, never code -------------------------------------------------------

@@ -27,9 +27,10 @@ def host() -> None:
 def host_check(name: str | None, profile: str | None, root: Path, as_json: bool, **kw) -> None:
     """Check this host for instance NAME as `appliance instance install` would install it
     (installed or not), or for --profile P alone, or with neither for the profile `appliance
-    profiles suggest` puts first for this host's GPUs: NVIDIA driver and GPUs, Docker and its
-    GPU access, disk for the weights, the port, systemd, the user, the API key file. Read-only;
-    one line per finding with its fix; exit 1 on any blocker.
+    profiles suggest` puts first for this host's GPUs (where none can be, the host alone: its
+    driver, GPUs and Docker): NVIDIA driver and GPUs, Docker and its GPU access, disk for the
+    weights, the port, systemd, the user, Python with venv, node_exporter, the API key file.
+    Read-only; one line per finding with its fix; exit 1 on any blocker.
 
     \b
     Examples:
@@ -38,11 +39,11 @@ def host_check(name: str | None, profile: str | None, root: Path, as_json: bool,
       appliance host check
     """
     if name is None and profile is None:
-        profile, said = hostcheck.suggested(
-            "say which instance or profile", "appliance host check NAME, or --profile P"
-        )
-        click.echo(said, err=True)
-    report = hostcheck.check(profile, name, root=root, options=_options(kw))
+        report, said = hostcheck.check_suggested(root=root, options=_options(kw))
+        if said:
+            click.echo(said, err=True)
+    else:
+        report = hostcheck.check(profile, name, root=root, options=_options(kw))
     if as_json:
         echo_json(report.to_dict())
     else:

@@ -81,15 +81,23 @@ def profiles_list(json_: bool) -> None:
 @click.option("--json", "json_", is_flag=True, help="The command's argv and the findings as JSON.")
 def profiles_show(name: str, json_: bool) -> None:
     """Print the exact `vllm serve` command of profile NAME, a shipped one or a TOML file of
-    yours (a path: ./mine.toml), findings on stderr."""
+    yours (a path: ./mine.toml); its memory fit per GPU, where its values come from (measured,
+    or a seed's unverified shape) and the findings on stderr."""
     p = prof.lookup(name)
     model_dir = "$DEVMODEL" if p.uses_devmodel else None
     argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir), *p.queue_args()]
+    fit = pv.estimated_fit(p)
     if json_:
         findings = [dataclasses.asdict(f) for f in pv.check(p)]
-        echo_json({"name": p.name, "argv": argv, "findings": findings})
+        shown = {"fit": fit.line() if fit else None, "provenance": p.provenance or "computed"}
+        echo_json({"name": p.name, "argv": argv, **shown, "findings": findings})
         return
     click.echo(shlex.join(argv))
+    # Beside the command, not in it: stdout stays the one line a script runs.
+    if fit is not None:
+        click.echo(f"fit per GPU (appliance/profiles/fit.py): {fit.line()}", err=True)
+    if p.provenance:
+        click.echo(f"values {p.provenance}", err=True)
     for finding in pv.check(p):
         click.echo(str(finding), err=True)
 

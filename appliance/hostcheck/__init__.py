@@ -25,13 +25,20 @@ from ..host.names import DATA_DIR
 from ..images import choice
 from ..models.where import under_root
 from ..profiles import Profile, lookup
+from ..profiles.catalog import MIN_DRIVER
 from ..units import Options, Planned, planned
 from .disk import weights_finding
-from .docker import docker_findings
+from .docker import docker_findings, engine_finding
 from .findings import Finding, Report, Status
-from .nvidia import gpu_findings
+from .nvidia import gpu_findings, host_findings
 from .ports import port_finding
-from .system import api_key_finding, systemd_finding, user_finding
+from .system import (
+    api_key_finding,
+    node_exporter_finding,
+    python_finding,
+    systemd_finding,
+    user_finding,
+)
 
 __all__ = [
     "Finding",
@@ -40,8 +47,10 @@ __all__ = [
     "Status",
     "Target",
     "check",
+    "check_suggested",
     "for_profile",
     "gate",
+    "host_only",
     "run",
     "suggested",
     "target",
@@ -119,10 +128,7 @@ def target(
 def run(t: Target, *, docker_client=None, gpu_query=None) -> Report:
     """Every check that applies to ``t`` (never raises for a failed one). The user and systemd
     are this host's only when ``t.root`` is ``/`` (another root is a tree being built)."""
-    findings: list[Finding] = []
-    if t.root == Path("/"):
-        findings.append(user_finding())
-        findings.append(systemd_finding())
+    findings = _this_host(t.root)
     findings += gpu_findings(t.profile, gpu_query)
     findings += docker_findings(t.profile, t.image, docker_client)
     findings.append(weights_finding(t.profile, t.hf_home))
@@ -130,6 +136,25 @@ def run(t: Target, *, docker_client=None, gpu_query=None) -> Report:
     if t.api_key is not None:
         findings.append(api_key_finding(t.api_key))
     return Report(t.profile.name, t.instance, tuple(findings))
+
+
+def _this_host(root: Path) -> list[Finding]:
+    # What the README asks of the host itself; another root is a tree being built.
+    if root != Path("/"):
+        return []
+    return [user_finding(), systemd_finding(), python_finding(), node_exporter_finding()]
+
+
+def host_only(why: str, root: Path = Path("/"), *, docker_client=None, gpu_query=None) -> Report:
+    """``appliance host check`` with no profile to judge (``why``: none was given and none
+    suggested): the host itself, the driver and GPUs, Docker. Exit 1 on a blocker as ever."""
+    findings = _this_host(root)
+    findings += host_findings(gpu_query, MIN_DRIVER)
+    findings.append(engine_finding(docker_client))
+    findings.append(
+        Finding("profile", "warn", why, "give one: --profile NAME (appliance profiles list)")
+    )
+    return Report(None, None, tuple(findings))
 
 
 def for_install(plan: Planned) -> Target:
@@ -181,6 +206,21 @@ def check(
         root=root,
     )
     return run(t, docker_client=client)
+
+
+def check_suggested(
+    root: Path = Path("/"), options: Options | None = None, *, docker_client=None
+) -> tuple[Report, str | None]:
+    """``appliance host check`` with neither instance nor profile: the check of the profile
+    ``appliance profiles suggest`` puts first, and the line saying it was taken; where none can
+    be suggested (no driver, no GPU, nothing fits) the host alone (:func:`host_only`), None."""
+    from . import suggest
+
+    try:
+        name, said = suggest.best()
+    except UsageError as exc:
+        return host_only(exc.message, root, docker_client=docker_client), None
+    return check(name, None, root=root, options=options, docker_client=docker_client), said
 
 
 def _default(client, profile: Profile) -> str:

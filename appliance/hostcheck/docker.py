@@ -3,6 +3,7 @@ root has room for the image, and the image (when here) is the build the profile 
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,8 @@ MIN_DOCKER_GPUS = (19, 3)
 IMAGE_ROOM_GIB = {"cuda": 30, "cpu": 8}
 HOOK = "nvidia-container-runtime-hook"
 CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+DEFAULT_SOCKET = "unix:///var/run/docker.sock"  # the SDK's default without DOCKER_HOST
+INSTALL = "install Docker (apt-get install docker.io) and start it: systemctl enable --now docker"
 
 
 def docker_findings(profile: Profile, image: str, client=None) -> list[Finding]:
@@ -32,15 +35,7 @@ def docker_findings(profile: Profile, image: str, client=None) -> list[Finding]:
         version = client.version()
         info = client.info()
     except (docker.errors.DockerException, OSError) as exc:
-        return [
-            Finding(
-                "docker.engine",
-                "blocker",
-                f"the Docker engine does not answer ({str(exc).splitlines()[0][:120]})",
-                "install Docker (apt-get install docker.io) and start it: "
-                "systemctl enable --now docker",
-            )
-        ]
+        return [absent(exc)]
     cuda = profile.hardware.device == "cuda"
     text = version.get("Version", "?")
     out = []
@@ -67,6 +62,42 @@ def docker_findings(profile: Profile, image: str, client=None) -> list[Finding]:
     if found is not None:
         out.append(_image_build(found, image, profile))
     return out
+
+
+def absent(exc: Exception, host: str | None = None) -> Finding:
+    """``docker.engine`` when the engine does not answer: one plain line, the socket named where
+    there is none (the SDK's own text is a nested exception tuple)."""
+    host = host if host is not None else os.environ.get("DOCKER_HOST", DEFAULT_SOCKET)
+    fix = INSTALL
+    path = host.removeprefix("unix://")
+    if host.startswith(("unix://", "/")) and not Path(path).exists():
+        return Finding(
+            "docker.engine", "blocker", f"no Docker socket at {path}: is docker running?", fix
+        )
+    return Finding(
+        "docker.engine",
+        "blocker",
+        f"the Docker engine at {host} does not answer ({type(exc).__name__})",
+        fix,
+    )
+
+
+def engine_finding(client=None) -> Finding:
+    """``docker.engine`` alone (host check without a profile)."""
+    import docker.errors
+
+    import docker
+
+    try:
+        client = client or docker.DockerClient.from_env(timeout=10)
+        version = client.version()
+    except (docker.errors.DockerException, OSError) as exc:
+        return absent(exc)
+    return Finding(
+        "docker.engine",
+        "ok",
+        f"Docker {version.get('Version', '?')} (API {version.get('ApiVersion')})",
+    )
 
 
 def _image_build(found, image: str, profile: Profile) -> Finding:

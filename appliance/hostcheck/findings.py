@@ -27,7 +27,7 @@ class Finding:
 class Report:
     """Every finding for one host and profile (and instance, when named)."""
 
-    profile: str
+    profile: str | None  # None: no profile to judge (the host alone)
     instance: str | None
     findings: tuple[Finding, ...]
 

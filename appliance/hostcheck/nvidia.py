@@ -170,6 +170,45 @@ def gpu_findings(profile: Profile, q: Query | None = None) -> list[Finding]:
     return out
 
 
+def host_findings(q: Query | None = None, min_driver: str = "") -> list[Finding]:
+    """The driver and the GPUs without a profile (``host check`` with none to judge): a
+    blocker where nvidia-smi is missing, fails or lists no GPU; the driver against
+    ``min_driver`` (the images' floor) and one line listing the GPUs otherwise."""
+    q = q if q is not None else query()
+    install = f"install the NVIDIA driver{f' >= {min_driver}' if min_driver else ''}"
+    if q.missing:
+        return [
+            Finding(
+                "nvidia.driver",
+                "blocker",
+                "nvidia-smi not found: no NVIDIA driver",
+                f"{install} and reboot",
+            )
+        ]
+    if q.error is not None or not q.gpus:
+        why = q.error or "no GPU listed"
+        return [
+            Finding(
+                "nvidia.driver",
+                "blocker",
+                f"nvidia-smi failed: {why}",
+                f"{install}; check `nvidia-smi` answers",
+            )
+        ]
+    listed = "; ".join(_gpu_line(g) for g in q.gpus)
+    return [
+        _driver(q.gpus[0].driver, min_driver),
+        Finding("gpu.count", "ok", f"{len(q.gpus)} GPU(s): {listed}"),
+    ]
+
+
+def _gpu_line(g: Gpu) -> str:
+    memory = f"{g.memory_mib} MiB" if g.memory_mib is not None else "unified memory"
+    cap = f", compute capability {g.compute_cap}" if g.compute_cap else ""
+    where = f"{g.index} " if g.index is not None else ""
+    return f"{where}{g.name} ({memory}{cap})"
+
+
 def _driver(found: str | None, wanted: str) -> Finding:
     if found is None:
         return Finding("nvidia.driver", "warn", "nvidia-smi reports no driver version")

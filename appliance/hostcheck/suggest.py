@@ -6,9 +6,10 @@ driver), and then whether its weights, drafter and KV cache fit the memory nvidi
 (:func:`appliance.profiles.validate.estimated_fit`; the GB10 reports none: the table's figure).
 Where nvidia-smi does not say the compute capability, the table's figure for the GPU it names
 stands in. Best first: the profiles made for this GPU, then the larger Gemma 4 size, a seed
-host's measured profile, the precision nearer the trained weights, the longer context, the more
-sequences. ``host check`` without a profile and ``install`` of a new instance without one take
-the first and say so.
+host's measured profile, MTP, the precision nearer the trained weights, the longer context, the
+more sequences; each fitting one's line ends with its memory fit and what it leaves to spare.
+``host check`` without a profile and ``install`` of a new instance without one take the first
+and say so.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 from ..errors import UsageError
 from ..profiles import Profile, all_profiles, catalog
 from ..profiles import validate as pv
-from ..profiles.generated import reference_names
 from .nvidia import Gpu, Query, gpu_findings, query
 
 HOW = "appliance profiles suggest"
@@ -133,11 +133,11 @@ def candidate(prof: Profile, q: Query, host: catalog.Gpu | None) -> Candidate:
     rank = (
         mine,
         size,
-        prof.name in reference_names(),
+        prof.provenance.startswith("measured"),  # a seed host's, measured there
+        prof.mtp,  # the appliance's reason to be, before the precision (a baseline is last)
         precision,
         prof.max_model_len or 0,
         prof.max_num_seqs or 1,
-        prof.mtp,
     )
     uses = f"{hw.gpus} of {len(q.gpus)} GPU(s)"
     made_for = "" if mine else f", made for {hw.gpu_name or 'any GPU'}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -80,3 +81,50 @@ def api_key_finding(path: Path) -> Finding:
             f"chmod 600 {path}",
         )
     return Finding("api_key", "ok", f"{path} is 600")
+
+
+# The README's install line makes the appliance's own venv (`python3 -m venv`).
+MIN_PYTHON = (3, 11)
+# Debian splits ensurepip, which `python3 -m venv` needs, into python3-venv.
+_PYTHON_PROBE = "import sys, ensurepip, venv; print('%d.%d' % sys.version_info[:2])"
+# Debian's package names it prometheus-node-exporter; upstream's binary is node_exporter.
+NODE_EXPORTERS = ("prometheus-node-exporter", "node_exporter")
+
+
+def python_finding(python: str = "python3") -> Finding:
+    """``python``: Python 3.11 or newer that can make a venv (what the install line runs)."""
+    fix = "apt install python3 python3-venv (Python >= 3.11)"
+    try:
+        done = subprocess.run(
+            [python, "-c", _PYTHON_PROBE], check=False, capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return Finding("python", "warn", f"{python} not found: the install makes a venv", fix)
+    if done.returncode != 0:
+        return Finding(
+            "python",
+            "warn",
+            f"{python} cannot make a venv (no ensurepip: Debian's python3-venv is missing)",
+            fix,
+        )
+    found = tuple(int(p) for p in done.stdout.strip().split("."))
+    wanted = ".".join(map(str, MIN_PYTHON))
+    if found < MIN_PYTHON:
+        return Finding(
+            "python", "warn", f"{python} is {done.stdout.strip()}, older than {wanted}", fix
+        )
+    return Finding("python", "ok", f"{python} {done.stdout.strip()} with venv (>= {wanted})")
+
+
+def node_exporter_finding() -> Finding:
+    """node_exporter, which serves the state metrics' textfile (README, ADR 0016)."""
+    for name in NODE_EXPORTERS:
+        path = shutil.which(name)
+        if path is not None:
+            return Finding("node_exporter", "ok", f"{path}")
+    return Finding(
+        "node_exporter",
+        "warn",
+        "node_exporter not found: the state metrics the timer writes are not served",
+        "apt install prometheus-node-exporter, with --collector.textfile.directory (README)",
+    )

@@ -153,6 +153,9 @@ class Profile:
     served_model_name: str
     drafter_matches: str = ""  # target the drafter was trained for, when not ``model``
     revision: str | None = None  # the target's pinned hub revision (a commit), when pinned
+    # Where the values come from: "measured: HOST" or "unverified: WHY" (a seed's shape that its
+    # source never ran); empty: computed (appliance/profiles/fit.py). `profiles show` prints it.
+    provenance: str = ""
     # Disk the target and drafter take in the Hugging Face cache, in GiB (0: not stated); the
     # host check compares it with the free space there.
     weights_gib: Gib = 0.0

@@ -61,7 +61,9 @@ MODELS: tuple[Model, ...] = (
         # 35 layers, every 5th global (head 512), window 512, 1 KV head; layers 15-34 reuse the
         # KV of layers 13/14, so 15 layers keep a cache: 12 sliding, 3 global.
         attention=(Attention(12, 1, 256, 512), Attention(3, 1, 512)),
-        drafter_gib=0.5,  # assumed: 4 layers of width 256, no size found; rounded up
+        # 78M parameters, 158 MB of safetensors (the Olares post of 2026-05-07, a seed): 0.5
+        # over-counts it threefold, kept as E4B's assumed figure.
+        drafter_gib=0.5,
         k=2,
         size_rank=1,
         sources=(GEMMA_DOCS, GEMMA_CPP),
@@ -109,8 +111,10 @@ MODELS: tuple[Model, ...] = (
         drafter="google/gemma-4-31B-it-assistant",
         served_model_name="gemma-4-31b-it",
         heads=32,
-        # 60 layers, 5 sliding (window 1024, 16 KV heads of 256) to 1 global (4 KV heads of 512,
-        # keys and values unified: counted as both here, over-counting).
+        # 60 layers, 5 sliding (window 1024, 16 KV heads of 256) to 1 global (4 KV heads of 512).
+        # The global layers' keys and values are one projection (attention_k_eq_v), yet vLLM
+        # 0.32 loads k_proj into both slots and caches both (model_executor/models/gemma4.py,
+        # the k_eq_v shards): counted as both, exactly.
         attention=(Attention(50, 16, 256, 1024), Attention(10, 4, 512)),
         # 470M parameters (the QAT copy's card) in bf16; rounded up.
         drafter_gib=0.9,
@@ -381,7 +385,10 @@ GPUS: tuple[Gpu, ...] = (
 class Reference:
     """A generated profile the seed hosts measured or tuned by hand: its name (referenced by
     tests, docs and deploy/) and the values that differ from the computed ones. The generator
-    still checks that it fits."""
+    still checks that it fits, and computes what the seed does not state (``max_num_seqs``: every
+    shipped profile has a queue bound). ``measured``: where its values were measured;
+    ``unverified``: the seed's word that they never were (``profiles show`` and INDEX.md say
+    it)."""
 
     gpu: str
     count: int
@@ -389,6 +396,15 @@ class Reference:
     precision: str
     values: dict = field(default_factory=dict)  # Profile fields (and "k") over the computed ones
     notes: tuple[str, ...] = ()  # comment lines at the top of its file
+    measured: str = ""
+    unverified: str = ""
+
+    @property
+    def provenance(self) -> str:
+        """The profile's ``provenance`` line."""
+        if self.unverified:
+            return f"unverified: {self.unverified}"
+        return f"measured: {self.measured}"
 
 
 DRIVER_FLOOR = (
@@ -410,7 +426,6 @@ REFERENCES: tuple[Reference, ...] = (
         {
             "k": 2,
             "max_model_len": 32768,
-            "max_num_seqs": None,
             "max_num_batched_tokens": 4096,
             "port": 8050,
             "description": "Gemma 4 31B-it bf16, TP=4 on 4x L4, Gemma 4 MTP k=2",
@@ -418,8 +433,10 @@ REFERENCES: tuple[Reference, ...] = (
         (
             "Reference host: Gemma 4 31B-it, bf16, tensor-parallel over 4x NVIDIA L4 (PCIe, no",
             "NVLink), with Google's assistant drafter. k=2 measured 2.46 tokens/step on this host",
-            "(the seed ADR, a production MTP cutover: its Run 7).",
+            "(the seed ADR, a production MTP cutover: its Run 7). The ADR states no max_num_seqs:",
+            "this one is the fit's (each sequence counted at the full context): a queue bound.",
         ),
+        measured="4x L4, the seed ADR's production host (k=2, 4096 batched tokens, 32K; vLLM 0.21)",
     ),
     Reference(
         "h100",
@@ -428,20 +445,18 @@ REFERENCES: tuple[Reference, ...] = (
         "bf16",
         {
             "k": 4,
-            "max_model_len": 32768,
-            "max_num_seqs": None,
-            "max_num_batched_tokens": 4096,
             "description": "Gemma 4 31B-it bf16 on one 80 GB GPU (H100), Gemma 4 MTP k=4",
         },
         (
             "One 80 GB-class GPU (H100 80 GB) serving Gemma 4 31B-it bf16 whole, no tensor",
-            "parallelism: the peer project's `safe80` shape (32K context). vLLM's recipes suggest",
-            "k=4 for 31B on A100/H100; k=8 hit device-side asserts after hours on H200",
-            "(vllm#42261). max_num_batched_tokens 4096, not 8192: with MTP vLLM 0.32 schedules",
-            "asynchronously and sizes a sliding-window layer's KV for window + 2 x that per",
-            "request at start; at 8192 one 32K request needs ~15.8 GiB of KV, more than the",
-            "~9.6 GiB left after the weights (the fit below).",
+            "parallelism: the peer project's `safe80` shape, which it marks unverified (no",
+            "hardware evidence). vLLM's recipes suggest k=4 for 31B on A100/H100; k=8 hit",
+            "device-side asserts after hours on H200 (vllm#42261). The context, batch and",
+            "sequences are the generator's, with its margin: `safe80`'s 32K at 4096 batched",
+            "tokens left 0.07 GiB, and with MTP vLLM 0.32 sizes a sliding-window layer's KV for",
+            "window + 2 batches per request at start. Two H100s serve 32K: h100x2-31b-mtp.",
         ),
+        unverified="the peer project's `safe80` (1x 80 GB, 32K), marked unverified by its source",
     ),
     Reference(
         "rtx5090",
@@ -465,6 +480,7 @@ REFERENCES: tuple[Reference, ...] = (
             "published benchmark: 13.8 -> 48-55 tok/s with MTP k=4 on vLLM 0.21.0. Short context",
             "and one sequence as published. Eager: CUDA graphs are an unvalidated candidate there.",
         ),
+        measured="2x RTX 5090, the peer project's `tp2_2x32_fp8_gpuonly` benchmark (vLLM 0.21.0)",
     ),
     Reference(
         "spark",
@@ -474,7 +490,6 @@ REFERENCES: tuple[Reference, ...] = (
         {
             "k": 3,
             "max_model_len": 65536,
-            "max_num_seqs": None,
             "max_num_batched_tokens": None,
             "description": (
                 "Gemma 4 31B-it NVFP4 on one DGX Spark (GB10), text-only, Gemma 4 MTP k=3"
@@ -484,8 +499,9 @@ REFERENCES: tuple[Reference, ...] = (
             "NVIDIA's NVFP4 checkpoint of Gemma 4 31B-it with Google's bf16 assistant drafter, on",
             "one DGX Spark (GB10, 128 GB unified memory). Seed: ready after 471 s with a warm",
             "compile cache, decode 18.3 tok/s single stream, mean acceptance length ~3.06 at k=3.",
-            "Served text-only.",
+            "Served text-only. The seed states no max_num_seqs: this one is the fit's.",
         ),
+        measured="one DGX Spark, the seed's NVFP4 + MTP run (65536 context, 0.85, k=3)",
     ),
 )
 

@@ -76,7 +76,7 @@ class Conditions:
         return cls(
             mtp=profile.mtp,
             device=profile.hardware.device,
-            compute_capability=profile.hardware.compute_capability,
+            compute_capability=_capability(profile),
             kv_cache_fp8=(profile.kv_cache_dtype or "").startswith("fp8"),
             # vLLM's default max_num_seqs runs many sequences at once.
             concurrent=profile.max_num_seqs is None or profile.max_num_seqs > 1,
@@ -87,6 +87,16 @@ class Conditions:
                 a.split("=", 1)[0] == "--attention-backend" for a in profile.extra_args
             ),
         )
+
+
+def _capability(profile: Profile) -> str:
+    # A defect is the GPU's (SM 10.0, SM 8.9): the table's GPU the profile names, where it knows
+    # one; else the profile's compute_capability, which is its precision's floor.
+    from . import catalog
+
+    hw = profile.hardware
+    gpu = catalog.gpu_of(hw.gpu_name, hw.gpu_memory_gib)
+    return gpu.capability if gpu is not None else hw.compute_capability
 
 
 @dataclass(frozen=True)

@@ -25,14 +25,31 @@ DEFAULT_UTILIZATION = 0.90  # vLLM's gpu_memory_utilization when a profile leave
 OVERHEAD_GIB = 3.0  # per GPU: activations, CUDA graphs, CUDA context (an allowance)
 BLOCK = 16  # vLLM's KV block: a request's blocks round up, plus one for a window's start
 IN_FLIGHT_BATCHES = 2  # asynchronous scheduling with MTP: two batches in flight
-# vLLM's automatic max_num_batched_tokens when a profile leaves it unset: 2048 under ~70 GB
-# (appliance/profiles/validate.py), 8192 above (the OpenAI server's default).
+# What a generated profile keeps free per GPU beyond the overhead allowance: the allowance is an
+# estimate, so a fit that only just holds is a start that may not (the generator refuses it).
+MIN_SPARE_GIB = 0.5
+# vLLM's automatic max_num_batched_tokens and max_num_seqs when a profile leaves them unset, for
+# the OpenAI server (``EngineArgs.get_batch_defaults`` in vllm/engine/arg_utils.py, 0.32): by the
+# device's total memory, and an A100 kept at the small values whatever its memory (vllm PR 17885).
+LARGE_GPU_GIB = 160
 SMALL_GPU_GIB = 70
 
 
-def auto_batched_tokens(gpu_gib: float) -> int:
-    """vLLM's automatic ``max_num_batched_tokens`` for a GPU of ``gpu_gib``."""
-    return 2048 if gpu_gib < SMALL_GPU_GIB else 8192
+def _big(gpu_gib: float, gpu_name: str) -> bool:
+    return gpu_gib >= SMALL_GPU_GIB and "a100" not in gpu_name.lower()
+
+
+def auto_batched_tokens(gpu_gib: float, gpu_name: str = "") -> int:
+    """vLLM's automatic ``max_num_batched_tokens`` on a GPU of ``gpu_gib`` named ``gpu_name``:
+    16384 at 160 GiB and more, 8192 at 70 GiB and more unless it is an A100, else 2048."""
+    if gpu_gib >= LARGE_GPU_GIB:
+        return 16384
+    return 8192 if _big(gpu_gib, gpu_name) else 2048
+
+
+def auto_max_num_seqs(gpu_gib: float, gpu_name: str = "") -> int:
+    """vLLM's automatic ``max_num_seqs`` there: 1024 where the batch is large, else 256."""
+    return 1024 if gpu_gib >= LARGE_GPU_GIB or _big(gpu_gib, gpu_name) else 256
 
 
 def _kv_per_token(a: Attention, tp: int, kv_bytes: int) -> int:
@@ -92,15 +109,26 @@ class Fit:
     def fits(self) -> bool:
         return self.used_gib <= self.budget_gib
 
+    @property
+    def spare_gib(self) -> float:
+        """What is left of the budget (negative: what is missing)."""
+        return self.budget_gib - self.used_gib
+
+    @property
+    def roomy(self) -> bool:
+        """Fits with :data:`MIN_SPARE_GIB` to spare: what a generated profile needs."""
+        return self.spare_gib >= MIN_SPARE_GIB
+
     def line(self) -> str:
         """The arithmetic in one line."""
         kv = f"KV {self.kv_gib:.1f} ({self.first_gib:.1f} for one full request"
         kv += f" + {self.seqs - 1} x {self.more_gib:.2f})" if self.seqs > 1 else ")"
         verb = "<=" if self.fits else ">"
+        margin = "spare" if self.fits else "short"
         return (
             f"weights {self.weights_gib:.1f} + drafter {self.drafter_gib:.1f} + overhead "
             f"{self.overhead_gib:.1f} + {kv} = {self.used_gib:.1f} GiB {verb} "
-            f"{self.budget_gib:.1f} GiB"
+            f"{self.budget_gib:.1f} GiB ({abs(self.spare_gib):.2f} {margin})"
         )
 
 

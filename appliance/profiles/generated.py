@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 from . import catalog
 from .catalog import Checkpoint, Gpu, Model, Reference
-from .fit import DEFAULT_UTILIZATION, SMALL_GPU_GIB, Fit, auto_batched_tokens, fit, tp_problem
+from .fit import (
+    DEFAULT_UTILIZATION,
+    MIN_SPARE_GIB,
+    SMALL_GPU_GIB,
+    Fit,
+    auto_batched_tokens,
+    fit,
+    tp_problem,
+)
 
 FOLDER = "appliance/profiles/generated"
 CONTEXTS = (32768, 16384, 8192, 4096)
@@ -103,7 +111,7 @@ class Omitted:
 
 def _fit(shape_args: dict, gpu: Gpu, m: Model, c: Checkpoint, tp: int) -> Fit:
     util = shape_args["utilization"] or DEFAULT_UTILIZATION
-    batched = shape_args["batched"] or auto_batched_tokens(gpu.memory_gib)
+    batched = shape_args["batched"] or auto_batched_tokens(gpu.memory_gib, gpu.name)
     return fit(
         m,
         c,
@@ -116,25 +124,37 @@ def _fit(shape_args: dict, gpu: Gpu, m: Model, c: Checkpoint, tp: int) -> Fit:
     )
 
 
+def _batches(gpu: Gpu) -> tuple[int, ...]:
+    # Above Gemma 4's 2496-token multimodal item (validate.py). The sliding-window layers' KV
+    # grows with the batch (fit.py): a small GPU keeps 4096; a large one tries 8192 first, and
+    # 4096 before it gives up context.
+    return (4096,) if gpu.memory_gib < SMALL_GPU_GIB else (8192, 4096)
+
+
 def _choose(gpu: Gpu, m: Model, c: Checkpoint, tp: int) -> tuple[dict, Fit] | None:
-    """The longest context (then the most sequences) that fits ``tp`` GPUs, or None."""
-    base = {
-        "utilization": gpu.utilization,
-        # Above Gemma 4's 2496-token multimodal item (validate.py); a small GPU keeps the
-        # smaller batch: the sliding-window layers' KV grows with it (fit.py).
-        "batched": 4096 if gpu.memory_gib < SMALL_GPU_GIB else 8192,
-    }
+    """The longest context (then the larger batch, then the most sequences) that fits ``tp``
+    GPUs with the margin (:attr:`.fit.Fit.roomy`), or None."""
     best: tuple[dict, Fit] | None = None
     for context in CONTEXTS:
-        for seqs in SEQS:
-            args = {**base, "max_model_len": context, "max_num_seqs": seqs}
-            f = _fit(args, gpu, m, c, tp)
-            if f.fits:
-                if seqs >= MIN_SEQS:
-                    return args, f
-                best = best or (args, f)
-                break
+        for batched in _batches(gpu):
+            args = {"utilization": gpu.utilization, "batched": batched, "max_model_len": context}
+            chosen = _most_seqs(args, gpu, m, c, tp)
+            if chosen is None:
+                continue
+            if chosen[0]["max_num_seqs"] >= MIN_SEQS:
+                return chosen
+            best = best or chosen
     return best
+
+
+def _most_seqs(args: dict, gpu: Gpu, m: Model, c: Checkpoint, tp: int):
+    """``args`` with the most sequences of :data:`SEQS` that fit with the margin, and the fit;
+    None when not even one does."""
+    for seqs in SEQS:
+        f = _fit({**args, "max_num_seqs": seqs}, gpu, m, c, tp)
+        if f.roomy:
+            return {**args, "max_num_seqs": seqs}, f
+    return None
 
 
 def _reference(gpu: Gpu, m: Model, c: Checkpoint) -> Reference | None:
@@ -214,7 +234,8 @@ def _shape(gpu: Gpu, m: Model, c: Checkpoint) -> tuple[Shape | None, str]:
                 c,
                 count,
             )
-            reasons.append(f"{count} GPU(s): {smallest.line()}")
+            under = f", under the {MIN_SPARE_GIB} GiB margin" if smallest.fits else ""
+            reasons.append(f"{count} GPU(s): {smallest.line()}{under}")
             continue
         args, f = chosen
         if ref is not None:
@@ -227,11 +248,20 @@ def _shape(gpu: Gpu, m: Model, c: Checkpoint) -> tuple[Shape | None, str]:
                 "utilization": ref.values.get("gpu_memory_utilization", args["utilization"]),
                 "batched": ref.values.get("max_num_batched_tokens", args["batched"]),
                 "max_model_len": ref.values.get("max_model_len", args["max_model_len"]),
-                "max_num_seqs": ref.values.get("max_num_seqs", args["max_num_seqs"]),
             }
-            f = _fit(args, gpu, m, c, count)
-            if not f.fits:
-                raise TableError(f"reference {gpu.key}x{count} {m.key}: {f.line()}")
+            if "max_num_seqs" in ref.values:
+                args["max_num_seqs"] = ref.values["max_num_seqs"]
+                f = _fit(args, gpu, m, c, count)
+            else:
+                # The seed states none: the most its shape fits, so it has a queue bound.
+                most = _most_seqs(args, gpu, m, c, count)
+                args, f = most if most is not None else ({**args, "max_num_seqs": 1}, None)
+                f = f or _fit(args, gpu, m, c, count)
+            if not f.roomy:
+                raise TableError(
+                    f"reference {gpu.key}x{count} {m.key}: {f.line()}, under the "
+                    f"{MIN_SPARE_GIB} GiB margin"
+                )
         return Shape.of(gpu, count, m, c, args, f, ref), ""
     return None, "does not fit: " + "; ".join(reasons)
 
@@ -275,11 +305,7 @@ def toml_text(s: Shape) -> str:
         "#",
         f"# Fit per GPU ({g.memory_gib:.1f} GiB usable of {g.nominal_gb:g} GB, at "
         f"{s.utilization or DEFAULT_UTILIZATION:.2f}; {s.max_model_len} tokens x "
-        + (
-            f"{s.max_num_seqs} sequences):"
-            if s.max_num_seqs
-            else "1 sequence, what vLLM checks at start; max_num_seqs is vLLM's):"
-        ),
+        + f"{s.max_num_seqs} sequence(s)):",
         *_comment(_wrap(s.fit.line())),
         f"# Checkpoint: {c.how}.",
     ]
@@ -292,6 +318,8 @@ def toml_text(s: Shape) -> str:
     }
     if c.repo:
         top["drafter_matches"] = m.repo  # the drafter was trained against the bf16 target
+    if s.reference is not None:
+        top["provenance"] = s.reference.provenance
     top["weights_gib"] = disk
     if c.precision != "nvfp4":
         top["dtype"] = "bfloat16"
@@ -328,7 +356,8 @@ def toml_text(s: Shape) -> str:
         f"gpus = {s.count}",
         f"gpu_name = {_q(g.name)}",
         f"gpu_memory_gib = {_q(g.nominal_gb)}",
-        f"compute_capability = {_q(g.capability)}",
+        "# The precision's floor, not this GPU's own: an older GPU that runs it may (suggest).",
+        f"compute_capability = {_q(c.min_capability)}",
         "",
         "# Output canary during a cutover (gotchas/canary-across-vllm-versions.md): MTP verifies",
         "# k+1 tokens at once, other kernel shapes, so a greedy answer may fork late in fp",
@@ -353,10 +382,17 @@ def _wrap(text: str, width: int = 96) -> list[str]:
     return [*out, line] if line else out
 
 
+def _listed(s: Shape) -> str:
+    """The profile's name in INDEX.md, with a seed host's word on its values."""
+    if s.reference is None:
+        return f"`{s.name}`"
+    return f"`{s.name}` ({s.reference.provenance})"
+
+
 def index_text(shapes: list[Shape], omitted: list[Omitted]) -> str:
     """``INDEX.md``: every (GPU, model, precision), its profile or why there is none."""
     rows = [
-        (s.gpu, s.model, s.checkpoint, f"`{s.name}`", f"{s.count}", s.fit.line()) for s in shapes
+        (s.gpu, s.model, s.checkpoint, _listed(s), f"{s.count}", s.fit.line()) for s in shapes
     ] + [(o.gpu, o.model, o.checkpoint, "-", "-", o.why) for o in omitted]
     gpu_order = {g.key: i for i, g in enumerate(catalog.GPUS)}
     rows.sort(key=lambda r: (gpu_order[r[0].key], r[1].size_rank, -r[2].precision_rank))
@@ -369,7 +405,9 @@ def index_text(shapes: list[Shape], omitted: list[Omitted]) -> str:
             f"{len(shapes)} profiles; {len(omitted)} combinations left out. The fit is per GPU: "
             "weights + drafter + an overhead allowance + the KV cache (one full-length request "
             "as vLLM sizes it at start, and each further sequence at decode) against the GPU's "
-            "memory at its utilisation (appliance/profiles/fit.py)."
+            "memory at its utilisation (appliance/profiles/fit.py), with at least "
+            f"{MIN_SPARE_GIB} GiB to spare. A seed host's profile says whether its values were "
+            "measured there or its source marks them unverified."
         ),
         "",
         "| GPU | model | precision | profile | GPUs | fit per GPU, or why none |",

@@ -23,9 +23,6 @@ from . import fit as memory
 
 # Gemma 4's largest multimodal item, in tokens (vLLM's max_tokens_per_mm_item for Gemma 4).
 GEMMA4_MM_ITEM_TOKENS = 2496
-# vLLM picks max_num_batched_tokens automatically from GPU memory; under ~70 GB it is 2048.
-AUTO_BATCHED_TOKENS_SMALL_GPU = 2048
-SMALL_GPU_GIB = 70
 MIN_K, MAX_K = 1, 8
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
@@ -55,10 +52,16 @@ def _batched_tokens(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
     if p.language_model_only or p.uses_devmodel:
         return
     value, origin = p.max_num_batched_tokens, "max_num_batched_tokens"
-    if value is None and p.hardware.device == "cuda" and p.hardware.gpu_memory_gib < SMALL_GPU_GIB:
-        value = AUTO_BATCHED_TOKENS_SMALL_GPU
+    if value is None and p.hardware.device == "cuda":
+        # vLLM's own pick by the GPU's name and memory (fit.auto_batched_tokens mirrors
+        # arg_utils.py): 2048 on any A100 and under 70 GiB. vLLM 0.32 raises an unset value to
+        # the item itself (_set_default_max_num_seqs_and_batched_tokens_args), the 0.21 the
+        # profiles allow did not: the seed's first launch failed so.
+        gib, name = _gpu(p)
+        value = memory.auto_batched_tokens(gib, name)
         origin = (
-            f"vLLM's automatic max_num_batched_tokens on a {p.hardware.gpu_memory_gib:g} GB GPU"
+            f"vLLM's automatic max_num_batched_tokens on {name or 'a GPU'} of "
+            f"{p.hardware.gpu_memory_gib:g} GB"
         )
     if value is not None and value < GEMMA4_MM_ITEM_TOKENS:
         yield Finding(
@@ -257,22 +260,31 @@ def _heads(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
         )
 
 
-def estimated_fit(p: Profile, gpu_gib: float | None = None) -> memory.Fit | None:
+def _gpu(p: Profile) -> tuple[float, str]:
+    """The memory (GiB, as nvidia-smi reports it) and name of the GPU (or MIG slice) ``p``
+    states: the table's figure for a GPU it knows, else the stated GB as decimal (the lesser);
+    0 when it states none."""
+    hw = p.hardware
+    gpu = None if hw.mig else catalog.gpu_of(hw.gpu_name, hw.gpu_memory_gib)
+    if gpu is not None:
+        return gpu.memory_gib, gpu.name
+    return hw.gpu_memory_gib * 1e9 / catalog.GIB, hw.gpu_name
+
+
+def estimated_fit(
+    p: Profile, gpu_gib: float | None = None, gpu_name: str | None = None
+) -> memory.Fit | None:
     """The per-GPU memory estimate of ``p`` (appliance/profiles/fit.py) on its GPUs, or on GPUs
-    of ``gpu_gib``; None when the table does not know its model or the GPU's memory, or the
-    profile leaves max_model_len to vLLM."""
+    of ``gpu_gib`` named ``gpu_name`` (a host's); None when the table does not know its model
+    or the GPU's memory, or the profile leaves max_model_len to vLLM."""
     known = catalog.of_profile(p.model, p.drafter_matches, p.quantization)
     hw = p.hardware
     if known is None or hw.device != "cuda" or p.max_model_len is None:
         return None
-    gpu = None if hw.mig else catalog.gpu_of(hw.gpu_name, hw.gpu_memory_gib)
+    gib, name = _gpu(p)
     if gpu_gib is not None:
-        gib = gpu_gib
-    elif gpu is not None:
-        gib = gpu.memory_gib
-    elif hw.gpu_memory_gib:
-        gib = hw.gpu_memory_gib * 1e9 / catalog.GIB  # a vendor's GB, as decimal: the lesser
-    else:
+        gib, name = gpu_gib, gpu_name if gpu_name is not None else name
+    elif not gib:
         return None
     m, c = known
     return memory.fit(
@@ -284,7 +296,7 @@ def estimated_fit(p: Profile, gpu_gib: float | None = None) -> memory.Fit | None
         pp=max(p.pipeline_parallel_size, 1),
         max_model_len=p.max_model_len,
         max_num_seqs=p.max_num_seqs or 1,
-        batched=p.max_num_batched_tokens or memory.auto_batched_tokens(gib),
+        batched=p.max_num_batched_tokens or memory.auto_batched_tokens(gib, name),
         mtp=p.mtp,
         kv_bytes=1 if (p.kv_cache_dtype or "").startswith("fp8") else 2,
     )
