@@ -75,6 +75,55 @@ def test_the_kv_cache_is_sized_as_vllm_sizes_it_at_start():
     )
 
 
+# One fit per shape family, by hand from the published configs (not from the catalog): per
+# token, a layer's KV is 2 (K and V) x KV heads on this GPU x head size x 2 bytes; at start a
+# sliding layer holds window - 1 + 2 batches + 2 blocks of 16 tokens, a global one the context;
+# each further sequence holds window + 2 blocks on a sliding layer. Bytes, then GiB.
+HAND = {
+    # E2B: 12 sliding layers (1 KV head of 256, window 512), 3 global (1 of 512); 5.55B bf16.
+    # sliding 12 x 1024 x (511 + 8192 + 32) + global 3 x 2048 x 32768.
+    "e2b": ("l4", "bf16", 1, 32768, 4096, 0.92, 308_662_272, 208_011_264, 5.55e9 * 2),
+    # E4B on a 24 GB slice (mig24-e4b-mtp): 20 sliding (2 KV heads of 256, window 512), 4
+    # global (2 of 512), 16K context; 8.45B bf16.
+    "e4b": (None, "bf16", 1, 16384, 4096, 0.90, 626_221_056, 290_717_696, 8.45e9 * 2),
+    # 26B-A4B on one H100: 25 sliding (8 KV heads of 256, window 1024), 5 global (2 of 512).
+    "26b-a4b": ("h100", "bf16", 1, 32768, 8192, 0.90, 4_242_595_840, 887_357_440, 25.75e9 * 2),
+    # 31B over 4 L4s: 50 sliding (16 KV heads of 256, 4 a GPU), 10 global (4 of 512, 1 a GPU).
+    "31b": ("l4", "bf16", 4, 32768, 4096, 0.92, 2_564_874_240, 887_357_440, 31.25e9 * 2),
+}
+
+
+@pytest.mark.parametrize("key", sorted(HAND))
+def test_one_fit_per_model_by_hand(key):
+    gpu, precision, tp, context, batched, util, first, more, weights = HAND[key]
+    m = catalog.model(key)
+    (c,) = [c for c in catalog.checkpoints(key) if c.precision == precision]
+    gib = catalog.gpu(gpu).memory_gib if gpu else 24e9 / GIB  # a 24 GB slice, decimal
+    f = memory.fit(
+        m,
+        c,
+        gpu_gib=gib,
+        utilization=util,
+        tp=tp,
+        max_model_len=context,
+        max_num_seqs=2,
+        batched=batched,
+    )
+    assert (f.first_gib * GIB, f.more_gib * GIB) == (pytest.approx(first), pytest.approx(more))
+    assert f.weights_gib == pytest.approx(weights / tp / GIB)
+    used = weights / tp / GIB + m.drafter_gib / tp + 3.0 + (first + more) / GIB
+    assert f.spare_gib == pytest.approx(gib * util - used)
+
+
+def test_fp8_and_nvfp4_weights_by_hand():
+    # FP8 on load: the Linear layers at 1 byte, the embeddings (262144 x 5376 = 1.41B) and the
+    # vision tower (0.55B) at 2. NVFP4: NVIDIA's checkpoint as published, 32.7 GB.
+    by = {c.precision: c for c in catalog.checkpoints("31b")}
+    assert by["fp8"].gpu_gib * GIB == pytest.approx(30.7e9 - 1.41e9 + (1.41e9 + 0.55e9) * 2)
+    assert by["nvfp4"].gpu_gib * GIB == pytest.approx(32.7e9)
+    assert 262144 * 5376 == pytest.approx(1.41e9, rel=0.001)
+
+
 def test_the_seeds_unverified_h100_shape_is_under_the_margin_and_said_to_be_unverified():
     # The seed's `safe80` (32K, 4096 batched tokens, one sequence) fits one H100 with 0.02 GiB to
     # spare by the estimate (the review's hand figure, with the drafter at 0.86 GiB rather than
