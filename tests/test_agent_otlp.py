@@ -170,8 +170,8 @@ def test_http_json_is_refused_in_one_line():
         )
     assert str(refused.value) == (
         "OTEL_EXPORTER_OTLP_PROTOCOL=http/json is not supported: Python's OTLP exporters send "
-        "protobuf only (use http/protobuf (the default, a collector's port 4318) or grpc (its "
-        "4317))"
+        "protobuf only (use http/protobuf, the default, to a collector's port 4318, or grpc to "
+        "4317)"
     )
 
 

@@ -101,7 +101,7 @@ def _protocol(env: dict[str, str]) -> str:
         if value == "http/json":  # a spec value, which no Python exporter implements
             raise UsageError(
                 f"{var}=http/json is not supported: Python's OTLP exporters send protobuf only",
-                fix="use http/protobuf (the default, a collector's port 4318) or grpc (its 4317)",
+                fix="use http/protobuf, the default, to a collector's port 4318, or grpc to 4317",
             )
         if value not in EXPORTERS:
             raise UsageError(f"{var}={value!r} is not supported", fix="http/protobuf or grpc")
