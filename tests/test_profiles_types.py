@@ -177,6 +177,13 @@ def test_a_value_outside_its_range_is_refused_by_validate_and_install_alike(
         ({}, "[multinode]\nmaster_port = 0\n", "master_port = 0: must be within 1..65535"),
         ({"host": '"-h"'}, "", "host = '-h': must be an IP address or host name"),
         ({"min_vllm": '"new"'}, "", "min_vllm = 'new': must be a version"),
+        # Upper bounds too (issue 55 §3; the top-level ones: tests/test_bad_input.py).
+        ({}, "[hardware]\ngpus = 65\n", "[hardware]: gpus = 65: must be within 0..64"),
+        ({}, "[hardware]\ngpu_memory_gib = 1e26\n", "gpu_memory_gib = 1e+26: must be within"),
+        ({}, "[canary]\nmax_tokens = 1048577\n", "max_tokens = 1048577: must be within 1.."),
+        ({}, "[canary]\nseed = 9223372036854775808\n", "[canary]: seed = 9223372036854775808"),
+        ({}, "[speculative]\nnum_speculative_tokens = 65\n", "must be within 1..64"),
+        ({}, "[multinode]\nnodes = 65\n", "[multinode]: nodes = 65: must be within 2..64"),
     ],
 )
 def test_every_bounded_field_names_its_range(tmp_path, top, table, line):
