@@ -250,7 +250,13 @@ def test_wheelhouse_is_served_on_loopback_at_a_stable_port(tmp_path):
 
     from appliance.images import wheelhouse
 
-    house = tmp_path / "0123abcd"
+    # A name whose preferred port is free now: another run on this machine (or an ephemeral
+    # client port) may hold any one fixed name's port, and then the second branch is taken.
+    house = next(
+        tmp_path / name
+        for name in (f"{i:08x}" for i in range(0x0123ABCD, 0x0123ABCD + 64))
+        if _port_free(wheelhouse.preferred_port(Path(name)))
+    )
     house.mkdir()
     (house / "a-1.0-py3-none-any.whl").write_bytes(b"wheel")
     with wheelhouse.serve(house) as url:
@@ -262,5 +268,16 @@ def test_wheelhouse_is_served_on_loopback_at_a_stable_port(tmp_path):
             assert second.startswith("http://127.0.0.1:") and second != url
     # The port follows the wheelhouse's name (its digest), wherever the folder lies.
     port = wheelhouse.preferred_port(house)
-    assert port == wheelhouse.preferred_port(Path("/elsewhere/cache/0123abcd"))
+    assert port == wheelhouse.preferred_port(Path("/elsewhere/cache") / house.name)
     assert port != wheelhouse.preferred_port(tmp_path / "fedcba98")
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
