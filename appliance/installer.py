@@ -22,6 +22,7 @@ from .errors import UsageError
 from .host import envfile
 from .host.layout import Layout, Node
 from .host.names import STATE_UNIT, node_unit, unit_name
+from .hostcheck import placement
 from .images import choice, variant
 from .units.writer import WriteResult, write_tree
 
@@ -32,6 +33,7 @@ class Installed:
 
     result: WriteResult
     next_step: str | None
+    devices: str | None = None  # which GPUs a new GPU instance was given, in one line
 
 
 def group_profile(
@@ -68,17 +70,21 @@ def install(
     options: units.Options | None = None,
     node: Node | None = None,
     preflight: Callable[[units.Planned], None] | None = None,
+    share_gpus: str | None = None,
 ) -> Installed:
     """Install ``name`` under ``root`` (an instance, or this host's ``node`` of group ``name``:
     the head by default); idempotent, values already in the env file kept. ``preflight`` sees
     a single-node install before anything is written (``appliance install``'s host check).
-    The image is judged against the host's Docker where ``root`` may reach one."""
+    The image is judged against the host's Docker where ``root`` may reach one. A GPU
+    instance gets its own device set (:mod:`appliance.hostcheck.placement`; ``share_gpus``:
+    the reason an explicit --gpus may overlap another instance's)."""
     root = Path(root)
     first = not Layout(root).env_file(name).exists()
     group = group_profile(profile, name, root, node)
     options, notes = _image(
         images.reachable(root), group or profile, name, root, options or units.Options()
     )
+    placed = None
     if group is not None:
         node = node or Node()
         result = multinode.install(group, name, node, root=root, options=options)
@@ -86,6 +92,12 @@ def install(
         # here, the worker with it: BindsTo=).
         unit = node_unit(name, "head" if "head" in node.roles else "worker")
     else:
+        if preflight is not None or root == Path("/"):
+            # This host's GPUs, as for the host check: under another root only when asked.
+            plan = units.planned(profile, name, root=root, options=options)
+            kept = plan.existing.get(envfile.GPUS_KEY)
+            placed = placement.place(plan.profile, name, root, options, kept, share=share_gpus)
+            options = placed.options
         result = units.install(profile, name, root=root, options=options, preflight=preflight)
         unit = unit_name(name)
     result.warnings[:0] = notes
@@ -97,7 +109,7 @@ def install(
         step = f"systemctl daemon-reload && systemctl restart {unit}"
     else:
         step = None
-    return Installed(result, step)
+    return Installed(result, step, placed.said if placed else None)
 
 
 def _image(

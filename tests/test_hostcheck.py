@@ -28,11 +28,18 @@ NO_DOCKER = "unix:///nonexistent/docker.sock"
 
 
 def fake_nvidia_smi(tmp_path: Path, monkeypatch, capture: str) -> None:
-    """A ``nvidia-smi`` on PATH that prints ``capture`` whatever it is asked."""
+    """A ``nvidia-smi`` on PATH that prints ``capture`` for ``--query-gpu`` and, for ``-L``,
+    the listing beside it (``NAME.L.txt``; a capture without one answers -L with exit 6)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     tool = bin_dir / "nvidia-smi"
-    tool.write_text(f"#!/bin/sh\ncat {shlex.quote(str(CAPTURES / capture))}\n")
+    listing = CAPTURES / capture.replace(".csv", ".L.txt")
+    tool.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = -L ]; then [ -f {shlex.quote(str(listing))} ] || exit 6; '
+        f"exec cat {shlex.quote(str(listing))}; fi\n"
+        f"cat {shlex.quote(str(CAPTURES / capture))}\n"
+    )
     tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{shutil.os.environ['PATH']}")
 
@@ -73,9 +80,12 @@ def test_h100_capture_fits_the_h100_profile(tmp_path, monkeypatch):
     assert {n: f.status for n, f in found.items()} == {
         "nvidia.driver": "ok",
         "gpu.count": "ok",
+        "gpu.devices": "ok",
         "gpu.memory": "ok",
         "gpu.compute_capability": "ok",
     }
+    # This capture has no uuid column and no -L listing: the GPU goes by its index.
+    assert found["gpu.devices"].message == "0 (NVIDIA H100 80GB HBM3): docker --gpus device=0"
     assert found["nvidia.driver"].message == "driver 580.82.07 (>= 575.51.03)"
     assert found["gpu.memory"].message == "81559 MiB per GPU (profile: 80 GB per GPU)"
 
@@ -278,7 +288,7 @@ def test_host_check_without_a_profile_reports_the_driver_and_gpus(tmp_path, monk
     docker = "no Docker socket at /nonexistent/docker.sock: is docker running?"
     assert res.output.splitlines() == [
         "OK      nvidia.driver: driver 580.95.05 (>= 575.51.03)",
-        "OK      gpu.count: 1 GPU(s): NVIDIA GeForce RTX 5070 Ti (16303 MiB, compute capability "
+        "OK      gpu.count: 1 GPU(s): 0 NVIDIA GeForce RTX 5070 Ti (16303 MiB, compute capability "
         + "12.0)",
         f"BLOCKER docker.engine: {docker} (fix: {hostcheck.docker.INSTALL})",
         "WARN    profile: no shipped profile fits 1x NVIDIA GeForce RTX 5070 Ti (fix: give one: "

@@ -127,8 +127,12 @@ def test_install_without_a_profile_takes_the_suggestion_and_an_explicit_one_wins
     # Installed once, the env file names it: a re-install keeps it, no suggestion again.
     res = run("install", "big", *args)
     assert res.exit_code == 0 and "suggested" not in res.stderr
-    # An explicit --profile always wins.
+    # An explicit --profile always wins; the one GPU is big's (tests/test_gpu_placement.py),
+    # so the other shares it, saying why.
     res = run("install", "other", "--profile", "h100-31b-mtp", *args)
+    assert res.exit_code == 2 and "no free 1 of NVIDIA H200 for profile h100-31b-mtp" in res.output
+    share = ("--gpus", "device=0", "--share-gpus", "compared with big, one at a time")
+    res = run("install", "other", "--profile", "h100-31b-mtp", *share, *args)
     assert res.exit_code == 0 and "suggested" not in res.stderr
     assert "APPLIANCE_PROFILE=h100-31b-mtp" in (root / "etc/gemma4-vllm/other.env").read_text()
 

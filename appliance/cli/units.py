@@ -34,7 +34,10 @@ def instance_options(profile_required: bool):
                     help="VLLM_IMAGE (default: kept, else the version tag of the newest image "
                     "of the profile's build here, else gemma4-vllm:latest or :latest-cpu).",
                 ),
-                click.option("--gpus", help="docker --gpus value (MIG profiles: device=GPU:MIG)."),
+                click.option(
+                    "--gpus",
+                    help="docker --gpus value (default: the next free of the profile's kind).",
+                ),
                 click.option(
                     "--host",
                     help="VLLM_HOST: the address vLLM binds (default: kept, else the profile's).",
@@ -125,14 +128,29 @@ def render(profile: str, name: str, out: Path, **kw) -> None:
     metavar="REASON",
     help="Install despite the host check's blockers; REASON is printed with each of them.",
 )
+@click.option(
+    "--share-gpus",
+    "share_gpus",
+    metavar="REASON",
+    help="Let --gpus overlap another instance's GPUs; REASON is printed.",
+)
 def install(
-    profile: str | None, name: str, root: Path, host_check: bool, force: str | None, **kw
+    profile: str | None,
+    name: str,
+    root: Path,
+    host_check: bool,
+    force: str | None,
+    share_gpus: str | None,
+    **kw,
 ) -> None:
     """Install NAME: the shared unit and serve program, its env file (values kept), args file
     and API key (0600). A multi-node profile installs this host's node(s) of the group NAME
     (--role, --rank). Refuses, writing nothing, when `appliance host check` finds a blocker
     (unless --force). Without --profile: the one the instance's env file names, or for a new
-    instance on a GPU host the one `appliance profiles suggest` puts first (said on stderr).
+    instance on a GPU host the one `appliance profiles suggest` puts first (said on stderr). A
+    new GPU instance gets the next free GPUs (or MIG slice) of its profile's kind, by UUID in
+    its env file (said on stderr); a --gpus that overlaps another instance's is refused unless
+    --share-gpus REASON.
 
     \b
     Example:
@@ -163,7 +181,10 @@ def install(
         options=_options(kw),
         node=node,
         preflight=preflight if check else None,
+        share_gpus=share_gpus,
     )
+    if done.devices:
+        click.echo(done.devices, err=True)
     for blocker in checked[0].blockers if checked else ():
         click.echo(f"warning: installed despite {blocker.line()} (--force: {force})", err=True)
     _report(done.result)

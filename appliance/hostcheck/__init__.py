@@ -27,10 +27,11 @@ from ..models.where import under_root
 from ..profiles import Profile, lookup
 from ..profiles.catalog import MIN_DRIVER
 from ..units import Options, Planned, planned
+from . import placement
 from .disk import weights_finding
 from .docker import docker_findings, engine_finding
 from .findings import Finding, Report, Status
-from .nvidia import gpu_findings, host_findings
+from .nvidia import Query, given, gpu_findings, host_findings, query
 from .ports import port_finding
 from .system import (
     api_key_finding,
@@ -86,6 +87,7 @@ class Target:
     instance: str | None = None
     api_key: Path | None = None
     own_port: bool = False
+    gpus: str | None = None  # the env file's VLLM_GPUS: the devices it is given
 
 
 def for_profile(profile: Profile, root: Path = Path("/"), image: str | None = None) -> Target:
@@ -122,6 +124,7 @@ def target(
         instance=instance,
         api_key=api_key,
         own_port=kept_port == values[envfile.PORT_KEY],
+        gpus=values.get(envfile.GPUS_KEY),
     )
 
 
@@ -129,13 +132,30 @@ def run(t: Target, *, docker_client=None, gpu_query=None) -> Report:
     """Every check that applies to ``t`` (never raises for a failed one). The user and systemd
     are this host's only when ``t.root`` is ``/`` (another root is a tree being built)."""
     findings = _this_host(t.root)
-    findings += gpu_findings(t.profile, gpu_query)
+    findings += _gpus(t, gpu_query)
     findings += docker_findings(t.profile, t.image, docker_client)
     findings.append(weights_finding(t.profile, t.hf_home))
     findings.append(port_finding(t.host, t.port, own=t.own_port))
     if t.api_key is not None:
         findings.append(api_key_finding(t.api_key))
     return Report(t.profile.name, t.instance, tuple(findings))
+
+
+def _gpus(t: Target, q: Query | None) -> list[Finding]:
+    # The devices the instance is given (its env file's device set), else those it would get:
+    # the next free of its kind past the other instances' (appliance/hostcheck/placement.py).
+    if t.profile.hardware.device != "cuda":
+        return gpu_findings(t.profile, q)
+    q = q if q is not None else query()
+    if q.error is not None:
+        return gpu_findings(t.profile, q)
+    devices = given(q, t.gpus) if t.gpus else None
+    if devices is not None:
+        return gpu_findings(t.profile, q, devices=devices)
+    held = set(placement.claimed(t.root, t.instance, q))
+    if placement.EVERY in held:  # another instance is given all of them
+        held = {a for d in q.devices for a in d.aliases}
+    return gpu_findings(t.profile, q, taken=frozenset(held))
 
 
 def _this_host(root: Path) -> list[Finding]:

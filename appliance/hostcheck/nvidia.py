@@ -8,7 +8,9 @@ None, never a guess. Doctor's GPU check is :func:`gpu_findings` too.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -17,9 +19,29 @@ from dataclasses import dataclass
 from ..profiles import Profile
 from .findings import Finding
 
-FIELDS = ("index", "name", "driver_version", "memory.total", "compute_cap")
-# compute_cap is unknown to drivers before about R510: asked again without it.
-FALLBACK = ("index", "name", "driver_version", "memory.total")
+# nvidia-smi's documented --query-gpu fields (`nvidia-smi --help-query-gpu`): the GPU's index,
+# UUID (what docker's --gpus device= takes), name, driver, memory, compute capability (asked of
+# drivers since about R510) and MIG mode ("Enabled", "Disabled", [N/A] where a GPU has none).
+FIELDS = (
+    "index",
+    "uuid",
+    "name",
+    "driver_version",
+    "memory.total",
+    "compute_cap",
+    "mig.mode.current",
+)
+# `nvidia-smi -L` (--list-gpus) lists each GPU and, under a GPU in MIG mode, each MIG device
+# with its profile and UUID, as the MIG user guide shows it
+# (https://docs.nvidia.com/datacenter/tesla/mig-user-guide/, "CUDA Device Enumeration"):
+#   GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-5d3f...)
+#     MIG 1g.10gb     Device  0: (UUID: MIG-c738...)
+LIST = ["nvidia-smi", "-L"]
+OPTIONAL = ("uuid", "compute_cap", "mig.mode.current")  # dropped for a driver that refuses one
+_GPU_LINE = re.compile(r"^GPU (\d+): (.+?) \(UUID: (\S+?)\)\s*$")
+_MIG_LINE = re.compile(r"^\s+MIG (\S+)\s+Device\s+(\d+): \(UUID: (\S+?)\)\s*$")
+# A MIG profile names its memory in GB ("1g.24gb": the MIG user guide's device names).
+_MIG_MEMORY = re.compile(r"\.(\d+)gb$")
 # Drivers reserve part of the memory: an L4 (24 GB) reports 23034 MiB, an H100 80GB 81559 MiB.
 # A GPU reporting at least this share of the profile's nominal size is the size it names.
 MEMORY_SHARE = 0.9
@@ -36,15 +58,102 @@ class Gpu:
     memory_mib: int | None = None
     compute_cap: str | None = None
     index: int | None = None
+    uuid: str | None = None
+    mig: bool | None = None  # MIG mode on (None: the GPU has none, or the driver did not say)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One MIG device of `nvidia-smi -L`: its GPU's index, its own index there, profile, UUID."""
+
+    gpu: int
+    index: int
+    profile: str
+    uuid: str
+
+
+@dataclass(frozen=True)
+class Device:
+    """What an instance is given: a whole GPU, or one MIG slice of a GPU in MIG mode."""
+
+    gpu: Gpu
+    slice: Slice | None = None
+
+    @property
+    def ref(self) -> str:
+        """What docker's ``--gpus device=`` takes: the UUID, else the index (``0``, ``0:1``)."""
+        if self.slice is not None:
+            return self.slice.uuid
+        return self.gpu.uuid or str(self.gpu.index if self.gpu.index is not None else 0)
+
+    @property
+    def aliases(self) -> set[str]:
+        """Every way an env file may name it (UUID, index, GPU:MIG index)."""
+        if self.slice is not None:
+            return {self.slice.uuid, f"{self.slice.gpu}:{self.slice.index}"}
+        return {a for a in (self.gpu.uuid, str(self.gpu.index)) if a and a != "None"}
+
+    @property
+    def kind(self) -> str:
+        """Devices of one kind are alike: the GPU's name, and the MIG profile of a slice."""
+        return self.gpu.name + (f" MIG {self.slice.profile}" if self.slice else "")
+
+    @property
+    def name(self) -> str:
+        return self.gpu.name
+
+    @property
+    def memory_mib(self) -> int | None:
+        if self.slice is None:
+            return self.gpu.memory_mib
+        found = _MIG_MEMORY.search(self.slice.profile)
+        # The profile's GB, as decimal: the lesser reading.
+        return int(found.group(1)) * 10**9 // 2**20 if found else None
+
+    @property
+    def compute_cap(self) -> str | None:
+        return self.gpu.compute_cap
+
+    def label(self) -> str:
+        if self.slice is not None:
+            return f"{self.slice.gpu}:{self.slice.index} ({self.slice.profile} of {self.name})"
+        return f"{self.gpu.index} ({self.name})"
 
 
 @dataclass(frozen=True)
 class Query:
-    """What nvidia-smi said: the GPUs, or why there are none (``error``: one line)."""
+    """What nvidia-smi said: the GPUs and MIG slices, or why there are none (``error``)."""
 
     gpus: tuple[Gpu, ...] = ()
     error: str | None = None
     missing: bool = False  # no nvidia-smi at all: no NVIDIA driver installed
+    slices: tuple[Slice, ...] = ()
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        """Every device an instance may be given: each GPU not in MIG mode, and each MIG
+        slice of one that is (a GPU in MIG mode is not usable whole)."""
+        out: list[Device] = []
+        for g in self.gpus:
+            if g.mig:
+                out += [Device(g, s) for s in self.slices if s.gpu == g.index]
+            else:
+                out.append(Device(g))
+        return tuple(out)
+
+    def kinds(self) -> dict[str, tuple[Device, ...]]:
+        """The devices by kind, in nvidia-smi's order."""
+        out: dict[str, list[Device]] = {}
+        for d in self.devices:
+            out.setdefault(d.kind, []).append(d)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def host(self) -> str:
+        """``8x NVIDIA H100 80GB HBM3``, ``1x NVIDIA H100 ..., 1x NVIDIA L4``."""
+        counts: dict[str, int] = {}
+        for d in self.devices or tuple(Device(g) for g in self.gpus):
+            counts[d.kind] = counts.get(d.kind, 0) + 1
+        return ", ".join(f"{n}x {kind}" for kind, n in counts.items())
 
 
 def command(fields: tuple[str, ...] = FIELDS) -> list[str]:
@@ -59,21 +168,40 @@ def parse_csv(text: str) -> list[Gpu]:
         raise ValueError(f"not nvidia-smi CSV with a header: {text.strip()[:80]!r}")
     header = [h.split(" [")[0].strip() for h in rows[0]]
     gpus = []
-    for row in rows[1:]:
+    for position, row in enumerate(rows[1:]):
         cell = dict(zip(header, (v.strip() for v in row), strict=False))
 
         mem = _value(cell, "memory.total")
         idx = _value(cell, "index")
+        mig = _value(cell, "mig.mode.current")
         gpus.append(
             Gpu(
                 name=cell.get("name", ""),
                 driver=_value(cell, "driver_version"),
                 memory_mib=int(mem.split()[0]) if mem else None,
                 compute_cap=_value(cell, "compute_cap"),
-                index=int(idx) if idx is not None else None,
+                # nvidia-smi lists the GPUs in index order: a query without the column
+                # (an older capture) still numbers them.
+                index=int(idx) if idx is not None else position,
+                uuid=_value(cell, "uuid"),
+                mig=None if mig is None else mig == "Enabled",
             )
         )
     return gpus
+
+
+def parse_list(text: str) -> tuple[dict[int, str], list[Slice]]:
+    """`nvidia-smi -L`: each GPU's UUID by index, and the MIG slices."""
+    uuids: dict[int, str] = {}
+    slices: list[Slice] = []
+    gpu = None
+    for line in text.splitlines():
+        if m := _GPU_LINE.match(line):
+            gpu = int(m.group(1))
+            uuids[gpu] = m.group(3)
+        elif (m := _MIG_LINE.match(line)) and gpu is not None:
+            slices.append(Slice(gpu, int(m.group(2)), m.group(1), m.group(3)))
+    return uuids, slices
 
 
 def _value(cell: dict[str, str], key: str) -> str | None:
@@ -92,31 +220,98 @@ def _run(cmd: list[str]) -> str:
 
 
 def query(runner: Runner | None = None) -> Query:
-    """Ask nvidia-smi (on PATH) for the GPUs."""
+    """Ask nvidia-smi (on PATH) once for the GPUs (``--query-gpu``) and the MIG slices
+    (``-L``): every reader of the host's devices (host check, suggest, install) asks here."""
     if runner is None:
         if shutil.which("nvidia-smi") is None:
             return Query(missing=True, error="nvidia-smi not found")
         runner = _run
-    for fields in (FIELDS, FALLBACK):
+    fields = list(FIELDS)
+    while True:
         try:
-            return Query(gpus=tuple(parse_csv(runner(command(fields)))))
+            gpus = parse_csv(runner(command(tuple(fields))))
+            break
         except subprocess.CalledProcessError as exc:
             error = str(exc.output or exc)
-            if "compute_cap" not in error:
-                break
+            # An older driver refuses a field it does not know ('Field "compute_cap" is not a
+            # valid field to query.'): asked again without it.
+            unknown = [f for f in OPTIONAL if f in fields and f in error]
+            if not unknown:
+                return Query(error=error)
+            fields = [f for f in fields if f not in unknown]
         except (OSError, subprocess.SubprocessError, ValueError) as exc:
-            error = str(exc)
-            break
-    return Query(error=error)
+            return Query(error=str(exc))
+    try:
+        uuids, slices = parse_list(runner(LIST))
+    except (OSError, subprocess.SubprocessError):
+        uuids, slices = {}, []  # no listing: whole GPUs by index, no MIG slices known
+    gpus = [
+        dataclasses.replace(g, uuid=g.uuid or uuids.get(g.index)) if g.index is not None else g
+        for g in gpus
+    ]
+    return Query(gpus=tuple(gpus), slices=tuple(slices))
 
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(".") if part.isdigit())
 
 
-def gpu_findings(profile: Profile, q: Query | None = None) -> list[Finding]:
-    """The driver and its version against ``[hardware] min_driver``; the GPUs' count, model,
-    memory and compute capability against the profile. A CPU profile needs none of it."""
+def choose(
+    profile: Profile, q: Query, taken: frozenset[str] = frozenset()
+) -> tuple[tuple[Device, ...], tuple[Device, ...]]:
+    """The devices of the kind ``profile`` runs on here, and of those the ones it would get:
+    the first ``[hardware] gpus`` not ``taken`` (by another instance, any alias). Whole GPUs
+    for a profile of whole GPUs, slices of its MIG profile for a MIG one; of several kinds (a
+    mixed host) the one it passes on (count, memory, compute capability), then the one it was
+    made for, then the largest. `host check --profile`, `profiles suggest` and `install` all
+    choose here, so they judge the same devices."""
+    hw = profile.hardware
+    need = max(hw.gpus, 1)
+
+    def suits(kind: tuple[Device, ...]) -> bool:
+        d = kind[0]
+        if hw.mig:
+            return d.slice is not None and (not hw.mig_profile or d.slice.profile == hw.mig_profile)
+        return d.slice is None
+
+    def order(kind: tuple[Device, ...]):
+        free = tuple(d for d in kind if not (d.aliases & taken))[:need]
+        ok = len(free) == need and not any(f.status == "blocker" for f in _judged(profile, free))
+        return (ok, bool(hw.gpu_name) and hw.gpu_name in kind[0].name, kind[0].memory_mib or 0)
+
+    kinds = sorted((k for k in q.kinds().values() if suits(k)), key=order, reverse=True)
+    if not kinds:
+        return (), ()
+    kind = kinds[0]
+    return kind, tuple(d for d in kind if not (d.aliases & taken))[:need]
+
+
+def given(q: Query, gpus: str) -> tuple[Device, ...] | None:
+    """The devices an env file's ``VLLM_GPUS=device=...`` names (None: ``all`` or a count)."""
+    if not gpus.startswith("device="):
+        return None
+    refs = gpus.removeprefix("device=").split(",")
+    return tuple(d for r in refs for d in q.devices if r in d.aliases)
+
+
+def _judged(profile: Profile, devices: tuple[Device, ...]) -> list[Finding]:
+    hw = profile.hardware
+    out = [_memory(devices, hw.gpu_memory_gib, profile.name, hw.mig)]
+    if hw.compute_capability:
+        out.append(_capability(devices, hw.compute_capability, profile.name))
+    return out
+
+
+def gpu_findings(
+    profile: Profile,
+    q: Query | None = None,
+    *,
+    devices: tuple[Device, ...] | None = None,
+    taken: frozenset[str] = frozenset(),
+) -> list[Finding]:
+    """The driver and its version against ``[hardware] min_driver``; the devices the profile
+    gets (``devices``: an installed instance's; else :func:`choose`, past ``taken``) against
+    its count, model, memory and compute capability. A CPU profile needs none of it."""
     hw = profile.hardware
     if hw.device != "cuda":
         return [Finding("gpu", "ok", f"profile {profile.name} runs on {hw.device}: no GPU needed")]
@@ -142,20 +337,47 @@ def gpu_findings(profile: Profile, q: Query | None = None) -> list[Finding]:
             )
         ]
     out = [_driver(q.gpus[0].driver, hw.min_driver)]
-    used = q.gpus[: max(hw.gpus, 1)]
-    names = ", ".join(sorted({g.name for g in q.gpus}))
-    if len(q.gpus) < hw.gpus:
+    if devices is not None:
+        kind, used = devices, devices
+    else:
+        kind, used = choose(profile, q, taken)
+    unit = f"MIG {hw.mig_profile or ''} slice(s)".replace("  ", " ") if hw.mig else "GPU(s)"
+    need = max(hw.gpus, 1)
+    if not kind:
+        fix = (
+            "enable MIG mode and make the slices (nvidia-smi mig -cgi ... -C), or a profile "
+            "for whole GPUs"
+            if hw.mig
+            else "a GPU in MIG mode is not given whole: disable MIG mode, or a MIG profile"
+        )
         out.append(
             Finding(
                 "gpu.count",
                 "blocker",
-                f"{len(q.gpus)} GPU(s) visible ({names}), profile {profile.name} needs {hw.gpus}",
+                f"no {unit} here ({q.host()}), profile {profile.name} needs {need}",
+                fix,
+            )
+        )
+        return out
+    seen = f"{len(kind)} {unit} visible ({kind[0].kind.split(' MIG ')[0]})"
+    busy = len(kind) - len([d for d in kind if not (d.aliases & taken)])
+    if len(used) < need:
+        out.append(
+            Finding(
+                "gpu.count",
+                "blocker",
+                f"{seen}{f', {busy} taken by other instances' if busy else ''}, profile "
+                f"{profile.name} needs {need}",
                 "use a host with enough GPUs, or a profile for this one (appliance profiles list)",
             )
         )
     else:
-        out.append(Finding("gpu.count", "ok", f"{len(q.gpus)} GPU(s) visible ({names})"))
-    if hw.gpu_name and not all(hw.gpu_name in g.name for g in used):
+        out.append(Finding("gpu.count", "ok", seen))
+        refs = ",".join(d.ref for d in used)
+        where = ", ".join(d.label() for d in used)
+        out.append(Finding("gpu.devices", "ok", f"{where}: docker --gpus device={refs}"))
+    if hw.gpu_name and not all(hw.gpu_name in d.name for d in used or kind):
+        names = ", ".join(sorted({d.name for d in used or kind}))
         out.append(
             Finding(
                 "gpu.model",
@@ -164,9 +386,7 @@ def gpu_findings(profile: Profile, q: Query | None = None) -> list[Finding]:
                 "check the profile's memory and parallelism fit these GPUs",
             )
         )
-    out.append(_memory(used, hw.gpu_memory_gib, profile.name, hw.mig))
-    if hw.compute_capability:
-        out.append(_capability(used, hw.compute_capability, profile.name))
+    out += _judged(profile, used or kind[:need])
     return out
 
 
@@ -195,18 +415,21 @@ def host_findings(q: Query | None = None, min_driver: str = "") -> list[Finding]
                 f"{install}; check `nvidia-smi` answers",
             )
         ]
-    listed = "; ".join(_gpu_line(g) for g in q.gpus)
+    listed = "; ".join(_gpu_line(g, q) for g in q.gpus)
     return [
         _driver(q.gpus[0].driver, min_driver),
         Finding("gpu.count", "ok", f"{len(q.gpus)} GPU(s): {listed}"),
     ]
 
 
-def _gpu_line(g: Gpu) -> str:
+def _gpu_line(g: Gpu, q: Query) -> str:
     memory = f"{g.memory_mib} MiB" if g.memory_mib is not None else "unified memory"
     cap = f", compute capability {g.compute_cap}" if g.compute_cap else ""
-    where = f"{g.index} " if g.index is not None else ""
-    return f"{where}{g.name} ({memory}{cap})"
+    mig = ""
+    if g.mig:
+        mine = [s.profile for s in q.slices if s.gpu == g.index]
+        mig = f", MIG mode: {len(mine)} slice(s) {' '.join(sorted(set(mine)))}".rstrip()
+    return f"{g.index} {g.name} ({memory}{cap}{mig})"
 
 
 def _driver(found: str | None, wanted: str) -> Finding:
@@ -223,7 +446,7 @@ def _driver(found: str | None, wanted: str) -> Finding:
     return Finding("nvidia.driver", "ok", f"driver {found}{floor}")
 
 
-def _memory(gpus: tuple[Gpu, ...], gib: float, profile: str, mig: bool) -> Finding:
+def _memory(gpus: tuple[Device, ...], gib: float, profile: str, mig: bool) -> Finding:
     if not gib:
         return Finding("gpu.memory", "ok", f"profile {profile} states no GPU memory")
     sizes = [g.memory_mib for g in gpus]
@@ -246,7 +469,7 @@ def _memory(gpus: tuple[Gpu, ...], gib: float, profile: str, mig: bool) -> Findi
     return Finding("gpu.memory", "ok", f"{small} MiB per GPU (profile: {what})")
 
 
-def _capability(gpus: tuple[Gpu, ...], wanted: str, profile: str) -> Finding:
+def _capability(gpus: tuple[Device, ...], wanted: str, profile: str) -> Finding:
     caps = [g.compute_cap for g in gpus]
     if any(c is None for c in caps):
         return Finding("gpu.compute_capability", "warn", "nvidia-smi reports no compute capability")

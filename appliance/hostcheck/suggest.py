@@ -20,19 +20,22 @@ from dataclasses import dataclass, field
 from ..errors import UsageError
 from ..profiles import Profile, all_profiles, catalog
 from ..profiles import validate as pv
-from .nvidia import Gpu, Query, gpu_findings, query
+from .nvidia import Device, Gpu, Query, choose, gpu_findings, query
 
 HOW = "appliance profiles suggest"
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One shipped GPU profile on this host: whether it fits, and why in one line."""
+    """One shipped GPU profile on this host: whether it fits, and why in one line; where it
+    fits, how many instances of it the host's devices of its kind hold (its packing)."""
 
     name: str
     fits: bool
     why: str
     rank: tuple = ()
+    instances: int = 0
+    devices: tuple[str, ...] = ()  # the first instance's device set (docker --gpus device=)
 
     def line(self) -> str:
         return f"{self.name}: {self.why}"
@@ -42,18 +45,21 @@ class Candidate:
 class Suggestion:
     """What nvidia-smi found, the profiles that fit (best first) and the others with why."""
 
-    gpus: tuple[Gpu, ...]
-    gpu: catalog.Gpu | None  # the table's GPU nvidia-smi names (None: not in the table)
+    query: Query
+    gpu: catalog.Gpu | None  # the table's GPU of the best's kind (None: not in the table)
     fitting: tuple[Candidate, ...] = ()
     others: tuple[Candidate, ...] = field(default=())
+
+    @property
+    def gpus(self) -> tuple[Gpu, ...]:
+        return self.query.gpus
 
     @property
     def best(self) -> str | None:
         return self.fitting[0].name if self.fitting else None
 
     def host(self) -> str:
-        names = ", ".join(sorted({g.name for g in self.gpus}))
-        return f"{len(self.gpus)}x {names}"
+        return self.query.host()
 
     def text(self) -> str:
         lines = [f"GPUs: {self.host()}"]
@@ -69,9 +75,18 @@ class Suggestion:
     def to_dict(self) -> dict:
         return {
             "gpus": [dataclasses.asdict(g) for g in self.gpus],
+            "slices": [dataclasses.asdict(s) for s in self.query.slices],
             "gpu": self.gpu.key if self.gpu else None,
             "best": self.best,
-            "fitting": [{"name": c.name, "why": c.why} for c in self.fitting],
+            "fitting": [
+                {
+                    "name": c.name,
+                    "why": c.why,
+                    "instances": c.instances,
+                    "devices": list(c.devices),
+                }
+                for c in self.fitting
+            ],
             "others": [{"name": c.name, "why": c.why} for c in self.others],
         }
 
@@ -85,11 +100,11 @@ def _host_gpus(q: Query) -> tuple[Gpu, ...]:
     return q.gpus
 
 
-def _memory_gib(gpus: tuple[Gpu, ...], host: catalog.Gpu | None) -> float | None:
-    """The smallest GPU's memory as nvidia-smi reports it; the table's figure for a GPU whose
-    memory it does not report (the GB10's unified memory)."""
-    sizes = [g.memory_mib for g in gpus]
-    if None not in sizes:
+def _memory_gib(devices: tuple[Device, ...], host: catalog.Gpu | None) -> float | None:
+    """The smallest device's memory as nvidia-smi reports it (a slice: its profile's); the
+    table's figure for a GPU whose memory it does not report (the GB10's unified memory)."""
+    sizes = [d.memory_mib for d in devices]
+    if sizes and None not in sizes:
         return min(sizes) / 1024
     return host.memory_gib if host is not None else None
 
@@ -98,17 +113,18 @@ def _capability(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(".") if p.isdigit())
 
 
-def candidate(prof: Profile, q: Query, host: catalog.Gpu | None) -> Candidate:
-    """Whether shipped profile ``prof`` fits the GPUs of ``q``, and why, in one line."""
+def candidate(prof: Profile, q: Query) -> Candidate:
+    """Whether shipped profile ``prof`` fits the devices of ``q`` it would get (of its kind:
+    :func:`.nvidia.choose`, what ``host check --profile`` judges), and why, in one line."""
     hw = prof.hardware
     if prof.multinode is not None:
         return Candidate(prof.name, False, f"spans {prof.multinode.nodes} hosts (a group)")
-    if hw.mig:
-        return Candidate(prof.name, False, f"runs on a MIG slice ({hw.mig_profile})")
     blockers = [f for f in gpu_findings(prof, q) if f.status == "blocker"]
     if blockers:
         return Candidate(prof.name, False, f"{blockers[0].name}: {blockers[0].message}")
-    told = [g.compute_cap for g in q.gpus[: hw.gpus]]
+    kind, used = choose(prof, q)
+    host = catalog.identify(kind[0].name)
+    told = [d.compute_cap for d in used]
     # Where nvidia-smi did not say (an older driver's columns): the table's figure for the GPU.
     if (
         hw.compute_capability
@@ -122,7 +138,7 @@ def candidate(prof: Profile, q: Query, host: catalog.Gpu | None) -> Candidate:
             f"needs compute capability {hw.compute_capability}, the {host.name} has "
             f"{host.capability}",
         )
-    estimate = pv.estimated_fit(prof, _memory_gib(q.gpus, host))
+    estimate = pv.estimated_fit(prof, _memory_gib(used, host), kind[0].name)
     if estimate is not None and not estimate.fits:
         return Candidate(prof.name, False, f"does not fit this memory: {estimate.line()}")
     made = catalog.gpu_of(hw.gpu_name, hw.gpu_memory_gib)
@@ -139,25 +155,34 @@ def candidate(prof: Profile, q: Query, host: catalog.Gpu | None) -> Candidate:
         prof.max_model_len or 0,
         prof.max_num_seqs or 1,
     )
-    uses = f"{hw.gpus} of {len(q.gpus)} GPU(s)"
+    need = max(hw.gpus, 1)
+    instances = len(kind) // need
+    each = f"{need} MIG {hw.mig_profile} slice" if hw.mig else f"{need} GPU(s)"
+    uses = f"{instances} instance(s) of {each} on {len(kind)} {kind[0].kind}"
     made_for = "" if mine else f", made for {hw.gpu_name or 'any GPU'}"
     fit = f"; {estimate.line()}" if estimate is not None else ""
-    return Candidate(prof.name, True, f"{prof.description} ({uses}{made_for}){fit}", rank)
+    refs = tuple(d.ref for d in used)
+    why = f"{prof.description} ({uses}{made_for}){fit}"
+    return Candidate(prof.name, True, why, rank, instances, refs)
 
 
 def suggest(q: Query | None = None, shipped: dict[str, Profile] | None = None) -> Suggestion:
-    """The shipped GPU profiles that fit this host (nvidia-smi, or ``q``), best first."""
+    """The shipped GPU profiles that fit this host (nvidia-smi, or ``q``), best first: each
+    judged on the devices of its kind (a mixed host per kind, MIG slices as slices)."""
     q = q if q is not None else query()
-    gpus = _host_gpus(q)
-    host = catalog.identify(gpus[0].name)
+    _host_gpus(q)
     found = [
-        candidate(p, q, host)
-        for p in (shipped or all_profiles()).values()
-        if p.hardware.device == "cuda"
+        candidate(p, q) for p in (shipped or all_profiles()).values() if p.hardware.device == "cuda"
     ]
     fitting = sorted((c for c in found if c.fits), key=lambda c: c.rank, reverse=True)
     others = sorted((c for c in found if not c.fits), key=lambda c: c.name)
-    return Suggestion(gpus, host, tuple(fitting), tuple(others))
+    host = None
+    if fitting:
+        kind, _ = choose((shipped or all_profiles())[fitting[0].name], q)
+        host = catalog.identify(kind[0].name)
+    elif q.devices:
+        host = catalog.identify(q.devices[0].name)
+    return Suggestion(q, host, tuple(fitting), tuple(others))
 
 
 def best(q: Query | None = None) -> tuple[str, str]:

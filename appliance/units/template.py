@@ -161,7 +161,8 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
         if opts.gpus is None and profile.hardware.mig:
             raise UsageError(
                 f"profile {profile.name} runs one instance per MIG slice: say which slice",
-                fix="pass --gpus device=GPU:MIG (e.g. device=0:1) or device=MIG-<uuid>",
+                fix="install on the host (it takes the next free slice nvidia-smi lists), or "
+                "pass --gpus device=MIG-<uuid> (or device=GPU:MIG, e.g. device=0:1)",
             )
         values[envfile.GPUS_KEY] = check_gpus(opts.gpus or "all")
     elif opts.gpus is not None:
@@ -216,7 +217,9 @@ def render(
         "env_dir": ENV_DIR,
         "serve_script": SERVE_SCRIPT,
         "values": values,
-        "gpus_hint": "one MIG slice per instance" if prof.hardware.mig else "default all",
+        # install gives a new instance the next free device set of its kind, by UUID
+        # (appliance/hostcheck/placement.py); all where it could not ask nvidia-smi.
+        "gpus_hint": "one MIG slice per instance" if prof.hardware.mig else "install's own set",
         "timing": unit_timing(),
         "stop_grace_s": STOP_GRACE_S,
         "drain_s": DRAIN_S,
