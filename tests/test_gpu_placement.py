@@ -132,6 +132,9 @@ def test_three_instances_on_8x_h100_get_three_disjoint_device_sets(tmp_path, mon
     assert sets[0].isdisjoint(sets[1]) and sets[1].isdisjoint(sets[2])
     assert sets[0].isdisjoint(sets[2])
     assert sets[0] == {uuids[0], uuids[1]} and sets[2] == {uuids[4], uuids[5]}
+    # status shows each instance's devices.
+    res = run("status", "b", "--root", str(root))
+    assert f"\n  gpus:       {gpus_of(root, 'b')}\n" in res.output
     # A re-install keeps the instance's set; host check judges it and names it.
     assert install(root, "a", "--profile", "h100x2-31b-mtp").exit_code == 0
     assert set(gpus_of(root, "a").removeprefix("device=").split(",")) == sets[0]

@@ -78,6 +78,8 @@ def status_lines(st: Status) -> list[str]:
     the canary, the acceptance baseline and the recent history."""
     units = ", ".join(f"{u}: {state}" for u, state in st.units.items())
     out = [f"{st.instance}  ({units})", f"  image:      {st.image or '-'}"]
+    if st.gpus:
+        out.append(f"  gpus:       {st.gpus}")
     if st.running_id is not None:
         flag = ""
         if st.mismatch:

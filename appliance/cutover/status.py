@@ -40,6 +40,7 @@ class Status:
     instance: str
     unit: str  # the first of ``units``: a group's head where this host runs it
     image: str | None
+    gpus: str | None = None  # the env file's VLLM_GPUS: the devices it is given
     # Every unit that serves the instance here and its ActiveState: one for an instance, a
     # group's head and/or worker units (a group has no gemma4-vllm@GROUP).
     units: dict[str, str] = field(default_factory=dict)
@@ -87,7 +88,7 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     layout = ctx.layout
     env = envfile.read(layout.env_file(instance))  # a clear error when not installed
     shape = layout.shape(instance)
-    st = Status(instance, shape.units[0], env.get(envfile.IMAGE_KEY))
+    st = Status(instance, shape.units[0], env.get(envfile.IMAGE_KEY), env.get(envfile.GPUS_KEY))
     st.units = {u: ctx.systemd.active_state(u) for u in shape.units}
     st.unit_state = st.units[shape.units[0]]
     # The container of the head where it runs here (it serves the API), else the worker's.
