@@ -30,6 +30,7 @@ MODULES = (
     "apikey.py",
     "imageref.py",
     "fsutil.py",
+    "shed.py",
     "host/__init__.py",
     "host/envfile.py",
     "host/names.py",
