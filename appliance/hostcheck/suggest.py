@@ -10,6 +10,14 @@ host's measured profile, MTP, the precision nearer the trained weights, the long
 more sequences; each fitting one's line ends with its memory fit and what it leaves to spare.
 ``host check`` without a profile and ``install`` of a new instance without one take the first
 and say so.
+
+Each fitting profile is judged on the devices of its kind (:func:`.nvidia.choose`, a mixed host
+per kind, MIG slices as slices) and says how many instances of it those hold: the packing (on
+8x H100, four of ``h100x2-31b-mtp`` or eight of ``h100-31b-mtp``). One data-parallel instance
+(``--data-parallel-size``, one endpoint) is not offered: vLLM 0.32 does not refuse it with MTP
+(the draft proposer syncs its batches across the ranks, ``coordinate_batch_across_dp`` in
+vllm/v1/spec_decode/llm_base_proposer.py, which Gemma 4's proposer inherits), but no profile
+states it and no host here has measured it.
 """
 
 from __future__ import annotations
