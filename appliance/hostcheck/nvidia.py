@@ -316,26 +316,8 @@ def gpu_findings(
     if hw.device != "cuda":
         return [Finding("gpu", "ok", f"profile {profile.name} runs on {hw.device}: no GPU needed")]
     q = q if q is not None else query()
-    install = f"install the NVIDIA driver{f' >= {hw.min_driver}' if hw.min_driver else ''}"
-    if q.missing:
-        return [
-            Finding(
-                "nvidia.driver",
-                "blocker",
-                f"nvidia-smi not found: no NVIDIA driver (profile {profile.name} needs "
-                f"{hw.gpus} GPU(s))",
-                f"{install} and reboot",
-            )
-        ]
-    if q.error is not None or not q.gpus:
-        return [
-            Finding(
-                "nvidia.driver",
-                "blocker",
-                f"nvidia-smi failed: {q.error or 'no GPU listed'}",
-                f"{install}; check `nvidia-smi` answers",
-            )
-        ]
+    if none := _no_driver(q, hw.min_driver, f" (profile {profile.name} needs {hw.gpus} GPU(s))"):
+        return none
     out = [_driver(q.gpus[0].driver, hw.min_driver)]
     if devices is not None:
         kind, used = devices, devices
@@ -395,31 +377,26 @@ def host_findings(q: Query | None = None, min_driver: str = "") -> list[Finding]
     blocker where nvidia-smi is missing, fails or lists no GPU; the driver against
     ``min_driver`` (the images' floor) and one line listing the GPUs otherwise."""
     q = q if q is not None else query()
-    install = f"install the NVIDIA driver{f' >= {min_driver}' if min_driver else ''}"
-    if q.missing:
-        return [
-            Finding(
-                "nvidia.driver",
-                "blocker",
-                "nvidia-smi not found: no NVIDIA driver",
-                f"{install} and reboot",
-            )
-        ]
-    if q.error is not None or not q.gpus:
-        why = q.error or "no GPU listed"
-        return [
-            Finding(
-                "nvidia.driver",
-                "blocker",
-                f"nvidia-smi failed: {why}",
-                f"{install}; check `nvidia-smi` answers",
-            )
-        ]
+    if none := _no_driver(q, min_driver):
+        return none
     listed = "; ".join(_gpu_line(g, q) for g in q.gpus)
     return [
         _driver(q.gpus[0].driver, min_driver),
         Finding("gpu.count", "ok", f"{len(q.gpus)} GPU(s): {listed}"),
     ]
+
+
+def _no_driver(q: Query, min_driver: str, needs: str = "") -> list[Finding]:
+    """The driver's blocker where nvidia-smi is missing, fails or lists no GPU; else none."""
+    install = f"install the NVIDIA driver{f' >= {min_driver}' if min_driver else ''}"
+    if q.missing:
+        why, fix = f"nvidia-smi not found: no NVIDIA driver{needs}", f"{install} and reboot"
+    elif q.error is not None or not q.gpus:
+        why = f"nvidia-smi failed: {q.error or 'no GPU listed'}"
+        fix = f"{install}; check `nvidia-smi` answers"
+    else:
+        return []
+    return [Finding("nvidia.driver", "blocker", why, fix)]
 
 
 def _gpu_line(g: Gpu, q: Query) -> str:
