@@ -72,6 +72,10 @@ def test_captures_parse_by_header():
     assert (h100.memory_mib, h100.compute_cap) == (81559, "9.0")
     with pytest.raises(ValueError, match="not nvidia-smi CSV"):
         nvidia.parse_csv("NVIDIA L4, 580.95.05, 23034 MiB\n")  # noheader: columns unknown
+    # A memory no GPU has is not believed (security review T9: -5 MiB and 10^20 MiB were).
+    for odd in ("-5 MiB", "0 MiB", "99999999999999999999 MiB"):
+        with pytest.raises(ValueError, match="not a GPU's memory.total"):
+            nvidia.parse_csv(f"name, memory.total [MiB]\nNVIDIA L4, {odd}\n")
 
 
 def test_h100_capture_fits_the_h100_profile(tmp_path, monkeypatch):

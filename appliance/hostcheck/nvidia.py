@@ -45,6 +45,7 @@ _MIG_MEMORY = re.compile(r"\.(\d+)gb$")
 # Drivers reserve part of the memory: an L4 (24 GB) reports 23034 MiB, an H100 80GB 81559 MiB.
 # A GPU reporting at least this share of the profile's nominal size is the size it names.
 MEMORY_SHARE = 0.9
+MAX_MIB = 1 << 24  # 16 TiB: more than any GPU has; a larger memory.total is not believed
 
 Runner = Callable[[list[str]], str]
 
@@ -172,6 +173,8 @@ def parse_csv(text: str) -> list[Gpu]:
         cell = dict(zip(header, (v.strip() for v in row), strict=False))
 
         mem = _value(cell, "memory.total")
+        if mem is not None and not 0 < int(mem.split()[0]) <= MAX_MIB:
+            raise ValueError(f"not a GPU's memory.total: {mem!r}")
         idx = _value(cell, "index")
         mig = _value(cell, "mig.mode.current")
         gpus.append(
