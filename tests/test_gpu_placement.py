@@ -214,3 +214,21 @@ def test_whole_gpu_profiles_are_not_given_a_gpu_in_mig_mode(tmp_path, monkeypatc
         "1 GPU(s): 0 NVIDIA RTX PRO 6000 Blackwell Server Edition (97887 MiB, compute capability "
         "12.0, MIG mode: 4 slice(s) 1g.24gb)"
     )
+
+
+def test_an_instance_given_all_keeps_it_is_told_and_holds_every_gpu(tmp_path, monkeypatch):
+    # An instance installed before instances had their own GPUs: VLLM_GPUS=all.
+    fake_nvidia_smi(tmp_path, monkeypatch, "h100x8.csv")
+    monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
+    root = tmp_path / "root"
+    assert install(root, "old", "--profile", "h100-31b-mtp", "--gpus", "all").exit_code == 0
+    res = install(root, "old", "--profile", "h100-31b-mtp")
+    assert res.exit_code == 0 and gpus_of(root, "old") == "all"
+    assert "VLLM_GPUS=all kept: the profile needs 1 of the 8 devices here" in res.stderr
+    res = install(root, "new", "--profile", "h100-31b-mtp")
+    assert res.exit_code == 2 and "8 of 8 held by old" in res.output
+    # Given its own, the others are free again.
+    assert install(root, "old", "--profile", "h100-31b-mtp", "--gpus", "device=7").exit_code == 0
+    assert install(root, "new", "--profile", "h100-31b-mtp").exit_code == 0
+    uuids, _ = nvidia.parse_list((CAPTURES / "h100x8.L.txt").read_text())
+    assert gpus_of(root, "new") == f"device={uuids[0]}"

@@ -78,10 +78,22 @@ def place(
     if share is not None and not share.strip():
         raise UsageError("--share-gpus needs a reason", fix='--share-gpus "why they may share"')
     asked = options.gpus
-    if asked is None and kept is not None:
+    if asked is None and kept is not None and kept.startswith("device="):
         return Placed(options)
     q = q if q is not None else query()
     known = q.devices if q.error is None else ()
+    need = max(prof.hardware.gpus, 1)
+    if asked is None and kept is not None:
+        # Installed before instances had their own (all, or a count): kept, and said where the
+        # host has more than the profile needs; the operator moves it, not a re-install.
+        if len(known) > need:
+            return Placed(
+                options,
+                f"VLLM_GPUS={kept} kept: the profile needs {need} of the {len(known)} devices "
+                "here; give the instance its own with --gpus device=... "
+                f"(appliance host check {instance} names them)",
+            )
+        return Placed(options)
     others = claimed(root, instance, q if known else None)
     if asked is not None:
         overlap = _overlap(_aliases(asked, q if known else None), others)
@@ -100,7 +112,6 @@ def place(
         frozenset(others) if EVERY not in others else frozenset(a for d in known for a in d.aliases)
     )
     kind, free = choose(prof, q, taken)
-    need = max(prof.hardware.gpus, 1)
     if len(kind) < need:
         return Placed(options)  # too few of its kind at all: the host check says so
     if len(free) < need:
