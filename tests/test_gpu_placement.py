@@ -232,3 +232,22 @@ def test_an_instance_given_all_keeps_it_is_told_and_holds_every_gpu(tmp_path, mo
     assert install(root, "new", "--profile", "h100-31b-mtp").exit_code == 0
     uuids, _ = nvidia.parse_list((CAPTURES / "h100x8.L.txt").read_text())
     assert gpus_of(root, "new") == f"device={uuids[0]}"
+
+
+def test_a_tensor_parallel_set_stays_on_one_numa_node(tmp_path, monkeypatch):
+    # h100x8.topo.txt: GPUs 0-3 on NUMA node 0, 4-7 on node 1 (`nvidia-smi topo -m`).
+    assert nvidia.parse_topo((CAPTURES / "h100x8.topo.txt").read_text()) == {
+        i: "0" if i < 4 else "1" for i in range(8)
+    }
+    fake_nvidia_smi(tmp_path, monkeypatch, "h100x8.csv")
+    monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
+    root = tmp_path / "root"
+    uuids, _ = nvidia.parse_list((CAPTURES / "h100x8.L.txt").read_text())
+    for name in ("a", "b", "c"):  # GPUs 0, 1, 2
+        assert install(root, name, "--profile", "h100-31b-mtp").exit_code == 0
+    # By index order the next pair would be 3 and 4, across the nodes: 4 and 5 instead.
+    assert install(root, "tp", "--profile", "h100x2-31b-mtp").exit_code == 0
+    assert gpus_of(root, "tp") == f"device={uuids[4]},{uuids[5]}"
+    # A one-GPU instance still takes the next free by index.
+    assert install(root, "d", "--profile", "h100-31b-mtp").exit_code == 0
+    assert gpus_of(root, "d") == f"device={uuids[3]}"

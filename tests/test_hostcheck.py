@@ -28,16 +28,18 @@ NO_DOCKER = "unix:///nonexistent/docker.sock"
 
 
 def fake_nvidia_smi(tmp_path: Path, monkeypatch, capture: str) -> None:
-    """A ``nvidia-smi`` on PATH that prints ``capture`` for ``--query-gpu`` and, for ``-L``,
-    the listing beside it (``NAME.L.txt``; a capture without one answers -L with exit 6)."""
+    """A ``nvidia-smi`` on PATH that prints ``capture`` for ``--query-gpu`` and, for ``-L`` and
+    ``topo -m``, the files beside it (``NAME.L.txt``, ``NAME.topo.txt``; where a capture has
+    none, it answers with exit 6)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     tool = bin_dir / "nvidia-smi"
-    listing = CAPTURES / capture.replace(".csv", ".L.txt")
+    listing = shlex.quote(str(CAPTURES / capture.replace(".csv", ".L.txt")))
+    topo = shlex.quote(str(CAPTURES / capture.replace(".csv", ".topo.txt")))
     tool.write_text(
         "#!/bin/sh\n"
-        f'if [ "$1" = -L ]; then [ -f {shlex.quote(str(listing))} ] || exit 6; '
-        f"exec cat {shlex.quote(str(listing))}; fi\n"
+        f'if [ "$1" = -L ]; then [ -f {listing} ] || exit 6; exec cat {listing}; fi\n'
+        f'if [ "$1" = topo ]; then [ -f {topo} ] || exit 6; exec cat {topo}; fi\n'
         f"cat {shlex.quote(str(CAPTURES / capture))}\n"
     )
     tool.chmod(0o755)

@@ -38,6 +38,9 @@ FIELDS = (
 #     MIG 1g.10gb     Device  0: (UUID: MIG-c738...)
 LIST = ["nvidia-smi", "-L"]
 OPTIONAL = ("uuid", "compute_cap", "mig.mode.current")  # dropped for a driver that refuses one
+# `nvidia-smi topo -m`: the GPUs' matrix, one tab-separated row a GPU, with its "NUMA Affinity"
+# column (`nvidia-smi topo -h`); a tensor-parallel set is taken from one NUMA node where it says.
+TOPO = ["nvidia-smi", "topo", "-m"]
 _GPU_LINE = re.compile(r"^GPU (\d+): (.+?) \(UUID: (\S+?)\)\s*$")
 _MIG_LINE = re.compile(r"^\s+MIG (\S+)\s+Device\s+(\d+): \(UUID: (\S+?)\)\s*$")
 # A MIG profile names its memory in GB ("1g.24gb": the MIG user guide's device names).
@@ -129,6 +132,11 @@ class Query:
     error: str | None = None
     missing: bool = False  # no nvidia-smi at all: no NVIDIA driver installed
     slices: tuple[Slice, ...] = ()
+    numa: tuple[tuple[int, str], ...] = ()  # (GPU index, its NUMA node) where topo says
+
+    def node(self, d: Device) -> str | None:
+        """The NUMA node of ``d``'s GPU, where ``nvidia-smi topo -m`` said it."""
+        return dict(self.numa).get(d.slice.gpu if d.slice else d.gpu.index)
 
     @property
     def devices(self) -> tuple[Device, ...]:
@@ -207,6 +215,25 @@ def parse_list(text: str) -> tuple[dict[int, str], list[Slice]]:
     return uuids, slices
 
 
+def parse_topo(text: str) -> dict[int, str]:
+    """`nvidia-smi topo -m`: each GPU's NUMA node, by its index (none where not said)."""
+    rows = [line.split("\t") for line in text.splitlines() if "\t" in line]
+    if not rows:
+        return {}
+    header = [h.strip() for h in rows[0]]
+    if "NUMA Affinity" not in header:
+        return {}
+    at = header.index("NUMA Affinity")
+    out = {}
+    for row in rows[1:]:
+        name = row[0].strip()
+        if name.startswith("GPU") and name[3:].isdigit() and len(row) > at:
+            node = row[at].strip()
+            if node and node != "N/A":
+                out[int(name[3:])] = node
+    return out
+
+
 def _value(cell: dict[str, str], key: str) -> str | None:
     v = cell.get(key)
     return None if v is None or v.strip("[]") in ("N/A", "Not Supported", "") else v
@@ -248,11 +275,15 @@ def query(runner: Runner | None = None) -> Query:
         uuids, slices = parse_list(runner(LIST))
     except (OSError, subprocess.SubprocessError):
         uuids, slices = {}, []  # no listing: whole GPUs by index, no MIG slices known
+    try:
+        numa = parse_topo(runner(TOPO))
+    except (OSError, subprocess.SubprocessError):
+        numa = {}  # no topology: sets by index order
     gpus = [
         dataclasses.replace(g, uuid=g.uuid or uuids.get(g.index)) if g.index is not None else g
         for g in gpus
     ]
-    return Query(gpus=tuple(gpus), slices=tuple(slices))
+    return Query(gpus=tuple(gpus), slices=tuple(slices), numa=tuple(sorted(numa.items())))
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -266,8 +297,9 @@ def choose(
     the first ``[hardware] gpus`` not ``taken`` (by another instance, any alias). Whole GPUs
     for a profile of whole GPUs, slices of its MIG profile for a MIG one; of several kinds (a
     mixed host) the one it passes on (count, memory, compute capability), then the one it was
-    made for, then the largest. `host check --profile`, `profiles suggest` and `install` all
-    choose here, so they judge the same devices."""
+    made for, then the largest; a tensor-parallel set from one NUMA node where `nvidia-smi
+    topo -m` says and one has enough. `host check --profile`, `profiles suggest` and `install`
+    all choose here, so they judge the same devices."""
     hw = profile.hardware
     need = max(hw.gpus, 1)
 
@@ -286,7 +318,14 @@ def choose(
     if not kinds:
         return (), ()
     kind = kinds[0]
-    return kind, tuple(d for d in kind if not (d.aliases & taken))[:need]
+    free = [d for d in kind if not (d.aliases & taken)]
+    if need > 1:
+        # Tensor parallel: a set within one NUMA node where one has enough free.
+        for node in dict.fromkeys(q.node(d) for d in free):
+            same = [d for d in free if q.node(d) == node]
+            if node is not None and len(same) >= need:
+                return kind, tuple(same[:need])
+    return kind, tuple(free[:need])
 
 
 def given(q: Query, gpus: str) -> tuple[Device, ...] | None:
