@@ -113,6 +113,8 @@ def test_each_way_a_request_ends_has_its_class(scripted, mode, stream_cls, plain
     assert {cls for stream, cls in by_kind if stream} == {stream_cls}, report.summary()
     assert {cls for stream, cls in by_kind if not stream} == {plain_cls}, report.summary()
     assert min(Counter(o.stream for o in report.outcomes).values()) >= 2
+    if mode == "503":  # answered: shed, not down
+        assert report.shed() == len(report.outcomes) and report.down_seconds == 0
     if mode == "whole":
         assert report.promise() is None
     elif CUT in (stream_cls, plain_cls) or ERROR in (stream_cls, plain_cls):
@@ -123,6 +125,7 @@ def test_nothing_listening_is_refused_and_never_whole():
     report = _run(f"http://127.0.0.1:{free_port()}")
     assert report.counts() == {WHOLE: 0, REFUSED: len(report.outcomes), CUT: 0, ERROR: 0}
     assert {o.detail for o in report.outcomes} == {"connection refused"}
+    assert report.shed() == 0 and report.down_seconds == report.refused_seconds > 0
     # Refused traffic alone keeps no promise: nothing was served.
     assert "the traffic promise broke" in report.promise()
 
@@ -153,5 +156,18 @@ def test_refusals_make_stretches_and_whole_requests_through_them_count_as_draine
     assert report.refused_seconds == pytest.approx(1.7)
     assert [o.start for o in report.drained()] == [0.0]
     assert [o.start for o in report.whole_after_refusals()] == [11.0]
-    assert report.promise() is None
+    assert report.promise(down=True, back=True) is None
     assert "refused traffic for 1.7 s (+2.0..3.2 s, +10.0..10.5 s)" in report.summary()
+
+
+def test_a_stop_that_drained_nothing_or_never_came_back_breaks_the_promise():
+    whole_only = Report([_o(WHOLE, 0.0, 1.0)], started=0.0, stopped=1.0)
+    assert whole_only.promise() is None
+    assert "never refused" in whole_only.promise(down=True)
+    # Refused, but nothing was running while it refused; nothing served after.
+    nothing_drained = Report([_o(WHOLE, 0.0, 1.0), _o(REFUSED, 2.0, 2.1)], started=0.0, stopped=3.0)
+    broke = nothing_drained.promise(down=True, back=True)
+    assert "no request running while traffic was refused finished whole" in broke
+    assert "nothing served whole after the last refusal" in broke
+    cut = Report([_o(WHOLE, 0.0, 1.0), _o(CUT, 0.5, 2.0)], started=0.0, stopped=2.0)
+    assert "cut and error must be 0" in cut.promise()

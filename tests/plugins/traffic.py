@@ -79,11 +79,13 @@ class Report:
         c = Counter(o.cls for o in self.outcomes)
         return {cls: c[cls] for cls in CLASSES}
 
-    def refused_windows(self) -> list[tuple[float, float]]:
+    def refused_windows(self, down: bool = False) -> list[tuple[float, float]]:
         """Stretches (start, end; seconds since the harness started) in which the instance
-        turned requests away: refusals closer than ``REFUSAL_GAP_S`` make one stretch, which
-        runs from the first refused request's start to the last one's answer."""
-        spans = sorted((o.start, o.end) for o in self.of(REFUSED))
+        turned requests away (``down``: refused their connections, nothing listening):
+        refusals closer than ``REFUSAL_GAP_S`` make one stretch, which runs from the first
+        refused request's start to the last one's answer."""
+        refused = [o for o in self.of(REFUSED) if o.status is None or not down]
+        spans = sorted((o.start, o.end) for o in refused)
         windows: list[list[float]] = []
         for start, end in spans:
             if windows and start - windows[-1][1] <= REFUSAL_GAP_S:
@@ -94,8 +96,17 @@ class Report:
 
     @property
     def refused_seconds(self) -> float:
-        """How long, in all, the instance turned traffic away."""
+        """How long, in all, the instance turned traffic away (503s and refused connections)."""
         return sum(b - a for a, b in self.refused_windows())
+
+    @property
+    def down_seconds(self) -> float:
+        """How long, in all, nothing listened (connections refused)."""
+        return sum(b - a for a, b in self.refused_windows(down=True))
+
+    def shed(self) -> int:
+        """Refused requests that got an answer (503), not a refused connection."""
+        return sum(o.status is not None for o in self.of(REFUSED))
 
     def drained(self) -> list[Outcome]:
         """Whole requests that were running while the instance turned others away (a stop's
@@ -116,7 +127,9 @@ class Report:
             f"traffic: {len(self.outcomes)} requests in {self.stopped - self.started:.1f} s: "
             + ", ".join(f"{cls} {c[cls]}" for cls in CLASSES),
             (
-                f"  refused traffic for {self.refused_seconds:.1f} s ({windows or 'never'}); "
+                f"  refused traffic for {self.refused_seconds:.1f} s ({windows or 'never'}): "
+                f"{self.shed()} answered 503, {c[REFUSED] - self.shed()} connections refused "
+                f"over {self.down_seconds:.1f} s; "
                 f"{len(self.drained())} whole while others were refused, "
                 f"{len(self.whole_after_refusals())} whole after the last refusal"
             ),
@@ -130,12 +143,26 @@ class Report:
             )
         return "\n".join(lines)
 
-    def promise(self) -> str | None:
-        """None when the promise held (nothing cut, nothing errored, and some traffic was
-        served whole), else why not, with the summary."""
+    def promise(self, *, down: bool = False, back: bool = False) -> str | None:
+        """None when the promise held, else what broke, with the summary. The promise: nothing
+        cut, nothing errored, some traffic served whole. ``down``: the operation took the
+        engine down (a stop, a restart), so traffic was turned away at some point and a
+        request running then still finished whole (the drain). ``back``: the engine served
+        again after the last refusal."""
         c = self.counts()
-        if c[CUT] or c[ERROR] or not c[WHOLE]:
-            return f"the traffic promise broke (cut and error must be 0):\n{self.summary()}"
+        broke = []
+        if c[CUT] or c[ERROR]:
+            broke.append("cut and error must be 0")
+        if not c[WHOLE]:
+            broke.append("nothing was served whole")
+        if down and not c[REFUSED]:
+            broke.append("never refused: the traffic did not span the engine's stop")
+        if down and c[REFUSED] and not self.drained():
+            broke.append("no request running while traffic was refused finished whole")
+        if back and not self.whole_after_refusals():
+            broke.append("nothing served whole after the last refusal")
+        if broke:
+            return f"the traffic promise broke ({'; '.join(broke)}):\n{self.summary()}"
         return None
 
 
@@ -167,6 +194,7 @@ class Traffic:
         max_requests: int = 20000,
         retry_s: float = 0.5,
         read_timeout: float = 300.0,
+        label: str = "traffic",
     ) -> None:
         if not url.startswith("http://127.0.0.1:"):
             raise ValueError(f"traffic goes to 127.0.0.1 only, not {url}")
@@ -183,12 +211,17 @@ class Traffic:
         self._flowing = threading.Event()
         self._threads: list[threading.Thread] = []
         self.started = 0.0
+        self.label = label
+        self.report: Report | None = None
 
     def __enter__(self) -> Self:
-        return self.start()
+        """Start, and wait until the traffic reaches the engine."""
+        return self.start().wait_flowing()
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        """Stop; the report is :attr:`report` (and printed, for the test's output)."""
+        self.report = self.stop()
+        print(f"{self.label}: {self.report.summary()}", flush=True)
 
     def start(self) -> Self:
         self.started = time.monotonic()
@@ -205,6 +238,17 @@ class Traffic:
         if not self._flowing.wait(timeout):
             raise TimeoutError(f"traffic: no call to {self.url} was let in within {timeout} s")
         return self
+
+    def wait_back(self, timeout: float = 120.0) -> bool:
+        """Wait until a request that started after the last refusal so far ended whole (the
+        engine serves again after an operation); whether one did."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            now = Report(self.so_far(), self.started, time.monotonic())
+            if now.whole_after_refusals():
+                return True
+            self._done.wait(0.2)
+        return False
 
     def so_far(self) -> list[Outcome]:
         """The requests that ended so far."""
