@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import openai
@@ -21,6 +20,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from plugins.engine_idle import idle
 from prometheus_client import CollectorRegistry
 
 from appliance import agent, specdecode
@@ -470,15 +470,6 @@ def test_anthropic_messages_stream_left_early_cancelled_or_unentered_ends_once_l
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-
-    def idle(obs: VLLMClient):
-        """The engine's snapshot once nothing runs (an aborted request takes a moment to end)."""
-        for _ in range(300):
-            snap = obs.snapshot()
-            if not snap.running:
-                return snap
-            time.sleep(0.1)
-        raise AssertionError("the engine kept a request running")
 
     try:
         with VLLMClient(mtp_engine.url) as obs:
