@@ -66,6 +66,26 @@ def test_a_failed_unit_with_no_job_fails_the_gate_at_once():
     assert failed.value.gate == "unit" and systemd.reads == 2
 
 
+def test_a_start_whose_engine_exited_fails_the_gate_before_systemd_starts_it_again():
+    """A broken image: the engine exits, systemd holds the unit in auto-restart (no job) for
+    RestartSec. The gate fails on that state, not one RestartSec and a second start later (when
+    NRestarts moves). The old engine's auto-restart before our start counts for nothing."""
+    systemd = ScriptedSystemd(
+        # Read by the gate's probe, then its liveness check, at each poll.
+        UnitState("activating", "auto-restart", "", 0, "old"),  # before our restart ran
+        UnitState("activating", "auto-restart", "", 0, "old"),
+        UnitState("activating", "start", "4711", 0, "I1"),
+        UnitState("activating", "start", "4711", 0, "I1"),
+        UnitState("activating", "auto-restart", "", 0, "I1"),
+    )
+    with pytest.raises(gates.GateFailed) as failed:
+        gates.wait(systemd, EXPECT, timeout=30)
+    assert failed.value.gate == "unit" and systemd.reads == 6
+    assert (
+        failed.value.detail == "the engine exited and systemd will restart the unit (auto-restart)"
+    )
+
+
 def test_a_restart_merged_into_a_running_start_is_not_taken_for_a_crash():
     """The race of a gated restart queued while an earlier restart job still runs: systemd
     re-runs the merged job as a restart, so the start just begun (I1) is stopped and the next one

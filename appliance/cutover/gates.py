@@ -107,6 +107,10 @@ class _Run:
         # start job ran is re-run by systemd as a restart, which stops the start just begun (a
         # new invocation that is not a crash). Crashes after that show in NRestarts.
         fresh = st.invocation and st.invocation != self.expect.previous_invocation
+        # A start of ours whose engine exited: systemd holds the unit in auto-restart for
+        # RestartSec with no job, then starts it again. It failed now, not one start later.
+        if fresh and st.sub == "auto-restart" and not st.job:
+            raise self.fail(name, f"the engine exited and systemd will restart the unit ({st.sub})")
         if fresh and not st.job and not self.invocation:
             self.invocation = st.invocation
         moved = self.invocation and st.invocation != self.invocation
