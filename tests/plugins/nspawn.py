@@ -24,8 +24,6 @@ API (for tests):
   all the container's namespaces, via nsenter: no machined needed), ``systemctl(*args)``,
   ``journal(unit, lines)``, ``wait_active(unit, timeout)``, ``daemon_reload()``, ``log_path``
   (the boot console), ``poweroff()``.
-- Fixture ``nspawn_machine`` (module scope): one booted machine with docker bound in (it uses
-  the ``docker_engine`` fixture, which starts dockerd if needed).
 
 ``docker_stub_unit`` installs ``/etc/systemd/system/docker.service``, a oneshot that stays
 "active": units may ``Requires=docker.service`` as on a real host, while the engine they talk
@@ -49,6 +47,8 @@ from pathlib import Path
 from appliance.errors import ApplianceError
 from appliance.images import base
 from appliance.images.files import held
+
+from .docker_engine import machine_lock
 
 # One rootfs for every machine: the fleet's hosts need sshd and a Python for Ansible, the bare
 # host (tests/test_bare_host_systemd.py) Debian's venv and node_exporter; the others boot the
@@ -314,7 +314,7 @@ class Machine:
 
 @contextlib.contextmanager
 def boot(
-    name: str = "appliance-test",
+    name: str,
     binds: Sequence[tuple[str, str]] = (),
     docker: bool = True,
     docker_stub_unit: bool = True,
@@ -323,7 +323,21 @@ def boot(
     unmask: Sequence[str] = (),
 ) -> Iterator[Machine]:
     """Boot a fresh copy of the cached rootfs (``unmask``: masked units this machine runs);
-    power it off and delete the copy afterwards."""
+    power it off and delete the copy afterwards. A machine's name is fixed by its test (and
+    names what runs in it): a second run on this host waits for the first to power it off."""
+    with machine_lock(f"machine-{name}"):
+        yield from _boot(name, binds, docker, docker_stub_unit, packages, boot_timeout, unmask)
+
+
+def _boot(
+    name: str,
+    binds: Sequence[tuple[str, str]],
+    docker: bool,
+    docker_stub_unit: bool,
+    packages: Sequence[str],
+    boot_timeout: float,
+    unmask: Sequence[str],
+) -> Iterator[Machine]:
     pristine = ensure_rootfs(packages)
     workdir = Path(tempfile.mkdtemp(prefix=f"nspawn-{name}-", dir=CACHE))
     root = workdir / "root"
@@ -377,17 +391,3 @@ def boot(
     finally:
         machine.poweroff()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-try:
-    import pytest
-except ImportError:  # pragma: no cover
-    pytest = None
-
-if pytest is not None:
-
-    @pytest.fixture(scope="module")
-    def nspawn_machine(docker_engine) -> Iterator[Machine]:
-        """A booted systemd container bound to the host's Docker engine (see module doc)."""
-        with boot("appliance-test") as m:
-            yield m
