@@ -7,7 +7,6 @@ no console errors, no request leaving the page, every chart drawn, a screenshot 
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import json
 import os
@@ -31,6 +30,8 @@ from appliance.errors import UsageError
 from appliance.reports.figures import resolve
 
 CHROMIUM = os.environ.get("APPLIANCE_CHROMIUM", "/usr/bin/chromium")
+# Logged by Browser.load after the screenshot: the last console message it waits for.
+MARK = "appliance-test: console read to here"
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 # Static words on the page that hold digits; every other digit must come from the record.
 STATIC_DIGITS = re.compile(r"95%|position \d+|pos \d+|k=\d+")
@@ -207,8 +208,13 @@ class Browser:
                     errors.append(f"log: {params['entry']['text']}")
                 elif method == "Page.loadEventFired":
                     loaded.append(True)
+                elif method == "Runtime.consoleAPICalled" and params["args"][:1] == [
+                    {"type": "string", "value": MARK}
+                ]:
+                    marked.append(True)
 
             loaded: list[bool] = []
+            marked: list[bool] = []
             for domain in ("Page", "Network", "Runtime", "Log"):
                 call(f"{domain}.enable")
             call("Page.navigate", url=page.resolve().as_uri())
@@ -239,10 +245,15 @@ class Browser:
                 mobile=False,
             )
             png = base64.b64decode(call("Page.captureScreenshot", format="png")["data"])
-            time.sleep(0.2)  # late console messages, if any
-            with contextlib.suppress(TimeoutError):
-                while True:
-                    _event(json.loads(ws.recv(timeout=0.3)))
+            # The page's console messages arrive in the order it made them: a marker logged
+            # from a task queued now comes after every message of the tasks before it.
+            call(
+                "Runtime.evaluate",
+                awaitPromise=True,
+                expression=f"new Promise(r => setTimeout(() => {{console.debug({MARK!r}); r()}}))",
+            )
+            while not marked:
+                _event(json.loads(ws.recv(timeout=60)))
         shot.write_bytes(png)
         return Loaded(requests, errors, charts, shot)
 
