@@ -36,6 +36,12 @@ INSTANCE = "io.gemma4-appliance.instance"
 API_KEY_STDIN = "io.gemma4-appliance.api-key-stdin"
 API_KEY_STDIN_ENV = "GEMMA4_API_KEY_STDIN"
 API_KEY_PATH = "/run/secrets/vllm-api-key"
+# "true" when the image carries the stop gate (appliance/engine/stop_gate.py) beside its entry
+# point: the serve program passes ``--middleware STOP_GATE_MIDDLEWARE``, and from the SIGTERM on
+# vLLM answers new requests and /health with 503 while the requests in flight drain. An image
+# without it (built by an older appliance) turns them away with vLLM's HTTP 500.
+STOP_GATE = "io.gemma4-appliance.stop-gate"
+STOP_GATE_MIDDLEWARE = "stop_gate.StopGate"
 
 TRUE = "true"
 FALSE = "false"
@@ -59,6 +65,11 @@ def supports_mtp(labels: Mapping[str, str] | None) -> bool:
 def reads_api_key_stdin(labels: Mapping[str, str] | None) -> bool:
     """True when the image's entry point reads the API key from its stdin (``API_KEY_STDIN``)."""
     return (labels or {}).get(API_KEY_STDIN, "").strip().lower() == TRUE
+
+
+def has_stop_gate(labels: Mapping[str, str] | None) -> bool:
+    """True when the image carries the stop gate (``STOP_GATE``)."""
+    return (labels or {}).get(STOP_GATE, "").strip().lower() == TRUE
 
 
 def variant(labels: Mapping[str, str] | None) -> str | None:

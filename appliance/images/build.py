@@ -29,6 +29,8 @@ Progress = Callable[[str], None]
 
 # The CPU engine's entry point, a module of the package (copied into the CPU images).
 VLLM_MAIN = Path(__file__).resolve().parents[1] / "engine" / "vllm_main.py"
+# The middleware that refuses arrivals once a stop begins (copied into every image beside it).
+STOP_GATE = VLLM_MAIN.with_name("stop_gate.py")
 
 
 def docker_folder() -> Path:
@@ -118,6 +120,7 @@ def build(
         "Dockerfile": (docker_dir / target.dockerfile).read_bytes(),
         "entrypoint.sh": (docker_dir / "entrypoint.sh").read_bytes(),
         "vllm_main.py": VLLM_MAIN.read_bytes(),
+        "stop_gate.py": STOP_GATE.read_bytes(),
     }
     identity: list[str] = [target.name, repr(sorted(buildargs.items()))]
     wheel_dir = None

@@ -1,6 +1,6 @@
 """The engine's ``docker run`` command: the args file's arguments, the instance's settings, and
-the image's labels deciding the Gemma 4 MTP flags, the queue bound, the drain on stop and how
-the API key travels.
+the image's labels deciding the Gemma 4 MTP flags, the queue bound, the drain on stop, the stop
+gate and how the API key travels.
 
 An image not labelled MTP is served without the speculative config, so pointing ``VLLM_IMAGE``
 at a pre-MTP image is a safe rollback. The key never enters an argument or the container's
@@ -80,6 +80,26 @@ def drain_args(image_labels: Mapping[str, str]) -> tuple[list[str], str]:
     )
 
 
+def stop_gate_args(
+    args: ServeArgs, image_labels: Mapping[str, str], image: str
+) -> tuple[list[str], str | None]:
+    """The middleware that turns arrivals away with 503 once a stop begins, and the journal line
+    saying what they get on this image (None: a headless worker, which serves no HTTP)."""
+    if "--headless" in args.serve:
+        return [], None
+    if labels.has_stop_gate(image_labels):
+        flag = ["--middleware", labels.STOP_GATE_MIDDLEWARE]
+        return flag, (
+            "from a stop's SIGTERM on, new requests and /health get 503 with Retry-After "
+            f"({' '.join(flag)})"
+        )
+    return [], (
+        f"image {image} is not labelled {labels.STOP_GATE}={labels.TRUE} (built by an older "
+        "appliance): during a stop, new requests get vLLM's HTTP 500 and /health answers 200; "
+        "rebuild the image with `appliance image build`"
+    )
+
+
 def command(
     instance: str,
     args: ServeArgs,
@@ -100,6 +120,9 @@ def command(
         notes.append(why)
     drain, why = drain_args(image_labels)
     notes.append(why)
+    gate, why = stop_gate_args(args, image_labels, settings.image)
+    if why:
+        notes.append(why)
     key_args: list[str] = []
     stdin, stdin_key, env = None, None, {}
     if key is not None and labels.reads_api_key_stdin(image_labels):
@@ -152,5 +175,6 @@ def command(
         *spec,
         *queue,
         *drain,
+        *gate,
     ]
     return Command(argv, stdin, env, notes, stdin_key, settings.image)

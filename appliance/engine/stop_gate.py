@@ -1,0 +1,228 @@
+"""``--middleware stop_gate.StopGate``: from the container's SIGTERM on, vLLM's API server turns
+every new request away so that its client retries (a refused connection, or 503 with
+``Retry-After``), while the requests already in flight drain.
+
+Why (vLLM 0.32, checked in its source):
+
+- ``serve_http``'s ``handle_shutdown`` (``vllm/entrypoints/launchers/launcher.py``) awaits
+  ``engine_client.shutdown(timeout=--shutdown-timeout)`` and only then sets
+  ``server.should_exit``: the HTTP server keeps accepting for the whole drain;
+- ``AsyncLLM.shutdown`` (``vllm/v1/engine/async_llm.py``) first shuts the renderer's thread pool
+  (``renderers/base.py`` ``BaseRenderer.shutdown``), so a request arriving during the drain fails
+  with ``RuntimeError: cannot schedule new futures after shutdown``: HTTP 500;
+- the engine core rejects a request added once its shutdown began
+  (``vllm/v1/engine/core.py`` ``_reject_add_in_shutdown``): a request that passed admission just
+  before the SIGTERM ends ``finish_reason: abort`` with no token, under HTTP 200;
+- ``/health`` (``vllm/entrypoints/serve/instrumentator/health.py``) asks only whether the engine
+  is dead: 200 for the whole drain.
+
+vLLM keeps no state a middleware could read that says a drain began (the shutdown event is local
+to ``serve_http``), so the gate watches the signal itself. At the lifespan's startup, once
+``serve_http`` has registered its SIGTERM handler (``loop.add_signal_handler``: on uvloop a
+Python-level handler, ``Loop.__sighandler``, plus the wakeup fd), it installs one that shuts the
+gate, then calls the one it replaced: vLLM's drain runs exactly as before. Shut, the gate
+
+- closes vLLM's listening sockets (``app.state.server``, the uvicorn server ``serve_http``
+  keeps there): new connections are refused at once, and no client that reconnects after a
+  refusal is left in the accept queue when vLLM's drain ends and uvicorn closes the socket (it
+  would read ``connection reset``);
+- answers a request on a connection already open with 503, ``Retry-After`` and ``Connection:
+  close``, after reading its body (closing on an unread body resets the connection);
+- holds back an answer that starts only after the SIGTERM until it shows a generated token: a
+  500, or an answer with no token (the engine core's abort above), goes out as that same 503.
+
+``/metrics`` stays open on open connections: scrapes and per-request counter reads go on while
+the requests in flight finish.
+
+``appliance image build`` copies this file into every image as ``/opt/gemma4-appliance/
+stop_gate.py``, beside the entry point's ``vllm_main.py`` (the script's folder is the API
+server's ``sys.path[0]``), and labels the image ``io.gemma4-appliance.stop-gate=true``; the serve
+program passes ``--middleware stop_gate.StopGate`` to such an image only. Standard library only:
+it runs in the image's Python, beside vLLM, not the appliance's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+
+# What a turned-away client is told to wait: a hint (behind a load balancer the retry goes to
+# another instance; a restarted one refuses connections until it listens again).
+RETRY_AFTER_S = 5
+OPEN_PATHS = frozenset({"/metrics"})
+MESSAGE = "vLLM is stopping: the requests in flight finish, new ones are refused; retry"
+# Where a token shows in vLLM's OpenAI answers: a chat delta or message, a completion's text.
+_TOKEN_FIELDS = ("content", "reasoning", "reasoning_content", "tool_calls", "text")
+
+
+def _refusal() -> tuple[dict, dict]:
+    body = json.dumps(
+        {"error": {"message": MESSAGE, "type": "ServiceUnavailable", "param": None, "code": 503}}
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", str(RETRY_AFTER_S).encode()),
+        (b"connection", b"close"),  # the client's pool reconnects, and is refused
+    ]
+    start = {"type": "http.response.start", "status": 503, "headers": headers}
+    return start, {"type": "http.response.body", "body": body, "more_body": False}
+
+
+class StopGate:
+    """A pure ASGI middleware (vLLM's ``--middleware`` adds a class with ``app.add_middleware``,
+    the outermost layer: it sees every request before vLLM's own admission and API key check)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.shut = False  # True from the SIGTERM on
+        self._watching = False
+        self._state = None  # the FastAPI app's state: vLLM's uvicorn server is its ``server``
+
+    def watch(self) -> bool:
+        """Chain a SIGTERM handler that shuts the gate before the current one runs; False (and a
+        line on stderr) when there is no handler to chain: then the gate never shuts."""
+        self._watching = True
+        previous = signal.getsignal(signal.SIGTERM)
+        if not callable(previous):
+            # SIG_DFL or SIG_IGN: the signal would not reach a drain anyway.
+            _say(f"no SIGTERM handler to follow ({previous!r}): arrivals are not refused")
+            return False
+        loop = asyncio.get_running_loop()
+
+        def on_sigterm(signum, frame) -> None:
+            self.shut = True
+            loop.call_soon_threadsafe(self.stop_listening)
+            previous(signum, frame)
+
+        try:
+            signal.signal(signal.SIGTERM, on_sigterm)
+        except ValueError:  # not the main thread: only it may set handlers
+            _say("not on the main thread: arrivals during a stop are not refused")
+            return False
+        return True
+
+    def stop_listening(self) -> None:
+        """Close the uvicorn server's listening sockets (uvicorn's own shutdown closes them
+        again, a no-op). Connections already open stay: their requests finish or get 503."""
+        server = getattr(self._state, "server", None)
+        for listener in getattr(server, "servers", None) or ():
+            listener.close()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if not self._watching:
+            # The first call is the lifespan's startup, after vLLM's handler.
+            self._state = getattr(scope.get("app"), "state", None)
+            self.watch()
+        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.shut:
+            await _read_body(receive)
+            for message in _refusal():
+                await send(message)
+            return
+        await self.app(scope, receive, _Answer(self, send).send)
+
+
+class _Answer:
+    """One admitted request's answer on its way out. Started before the gate shut, it passes as
+    it is. Started after, it is held until it shows a token (then sent whole and passed); one
+    that fails (500) or ends without a token goes out as the refusal instead."""
+
+    def __init__(self, gate: StopGate, send) -> None:
+        self.gate, self._send = gate, send
+        self.mode = "start"  # start -> pass | hold -> pass | refused
+        self.held: list[dict] = []
+
+    async def send(self, message: dict) -> None:
+        if self.mode == "pass":
+            await self._send(message)
+        elif self.mode == "start":
+            await self._start(message)
+        elif self.mode == "hold":
+            self.held.append(message)
+            ended = not message.get("more_body", False)
+            body = b"".join(m.get("body", b"") for m in self.held[1:])
+            shown = _shows_token(body, ended)
+            if shown:
+                await self._release()
+            elif ended:
+                await self._refuse()
+
+    async def _start(self, message: dict) -> None:
+        if message["type"] != "http.response.start" or not self.gate.shut:
+            self.mode = "pass"
+            await self._send(message)
+        elif message["status"] == 500:
+            await self._refuse()
+        elif message["status"] != 200:
+            self.mode = "pass"
+            await self._send(message)
+        else:
+            self.mode = "hold"
+            self.held.append(message)
+
+    async def _release(self) -> None:
+        self.mode = "pass"
+        for message in self.held:
+            await self._send(message)
+        self.held.clear()
+
+    async def _refuse(self) -> None:
+        self.mode = "refused"  # whatever the app still sends is dropped
+        self.held.clear()
+        for message in _refusal():
+            await self._send(message)
+
+
+async def _read_body(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
+def _shows_token(body: bytes, ended: bool) -> bool:
+    """Whether ``body`` (a JSON answer, or server-sent events as far as they came) carries a
+    generated token, or is not a generation's answer at all (then it is not the gate's to
+    judge). Only a whole JSON answer or a whole event counts."""
+    if body.lstrip().startswith(b"{"):
+        return ended and _has_token(body)
+    events = body.split(b"\n\n")
+    if not ended:
+        events = events[:-1]  # the last one may still be coming
+    for event in events:
+        for line in event.splitlines():
+            data = line.removeprefix(b"data:").strip()
+            if line.startswith(b"data:") and data != b"[DONE]" and _has_token(data):
+                return True
+    return False
+
+
+def _has_token(data: bytes) -> bool:
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return True  # not vLLM's JSON: not the gate's to judge
+    if not isinstance(doc, dict):
+        return True
+    if "error" in doc:
+        return False
+    if "choices" not in doc and "usage" not in doc:
+        return True  # not a generation's answer (e.g. /tokenize)
+    if ((doc.get("usage") or {}).get("completion_tokens") or 0) > 0:
+        return True
+    for choice in doc.get("choices") or ():
+        if choice.get("finish_reason") not in (None, "abort"):
+            return True
+        said = choice.get("delta") or choice.get("message") or choice
+        if any(said.get(field) for field in _TOKEN_FIELDS):
+            return True
+    return False
+
+
+def _say(line: str) -> None:
+    print(f"stop_gate: {line}", file=sys.stderr, flush=True)
