@@ -207,6 +207,8 @@ def pytest_configure(config) -> None:
     only = config.getoption("--stream")
     if only:
         local.PORT_RANGE = stream_ports(only, local.PORT_RANGE)
+        # The commands the tests start (`appliance demo`, the CLI) pick from the same half.
+        os.environ[local.PORT_RANGE_ENV] = "-".join(map(str, local.PORT_RANGE))
 
 
 def pytest_addoption(parser) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +11,25 @@ from pathlib import Path
 import pytest
 
 from appliance import demo as demo_lib
-
-pytestmark = pytest.mark.engine
+from appliance.engine import local
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 
 
+def test_a_child_picks_engine_ports_from_the_range_its_parent_hands_down():
+    """Each stream of the suite picks ports from its half of the range (tests/conftest.py) and
+    hands it to the commands it starts through the environment: `appliance demo` in the other
+    stream's half could take a port that stream holds between two starts of a unit."""
+    pick = "from appliance.engine import local; print(local.PORT_RANGE, local.free_port())"
+    env = {**os.environ, local.PORT_RANGE_ENV: "23000-24000"}
+    out = subprocess.run(
+        [sys.executable, "-c", pick], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[:2] == ["(23000,", "24000)"] and 23000 <= int(out[2]) < 24000, out
+
+
 # Its own engine only: the machines stream runs it (tests/conftest.py), early.
+@pytest.mark.engine
 @pytest.mark.own_engines
 def test_demo_json_records_add_up_to_the_engines_counter_deltas(tmp_path):
     """One embedded engine, as the README's command starts it: the JSON record on stdout, the
@@ -52,6 +65,7 @@ def test_demo_json_records_add_up_to_the_engines_counter_deltas(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["demo.html"]  # no temp file left behind
 
 
+@pytest.mark.engine
 def test_demo_table_shows_per_call_rows_and_totals(mtp_engine):
     """The table the README's command prints (without --json), on the session's engine: the
     command's own engine start is shown above."""

@@ -89,8 +89,20 @@ class LocalEngine:
 # Ports for engines come from below the kernel's ephemeral range (32768-60999 by default): the
 # kernel hands those to every client socket, and a port picked there could be taken by one (a
 # soak opens thousands) in the minute before vLLM binds it. Random, so that two processes picking
-# at once rarely meet; never the same twice in one process.
-PORT_RANGE = (20000, 32768)
+# at once rarely meet; never the same twice in one process. APPLIANCE_PORT_RANGE ("LOW-HIGH")
+# narrows it for a process and its children: the test suite gives each of its two streams a half,
+# and the commands a stream starts (`appliance demo`) pick from that half too.
+PORT_RANGE_ENV = "APPLIANCE_PORT_RANGE"
+
+
+def _port_range() -> tuple[int, int]:
+    low, _, high = os.environ.get(PORT_RANGE_ENV, "").partition("-")
+    if low.isdigit() and high.isdigit() and 1024 <= int(low) < int(high) <= 65535:
+        return int(low), int(high)
+    return 20000, 32768
+
+
+PORT_RANGE = _port_range()
 # /health is asked every HEALTH_POLL_S (a refused loopback connect until vLLM listens, so a start
 # is seen within a quarter second); the engine's processes are read from /proc, a scan of every
 # process on the host, at most every PIDS_EVERY_S.
