@@ -21,7 +21,8 @@ Each request ends in one class:
 
 The promise every operation keeps (issue 52): nothing ``cut``, nothing ``error``. The harness is
 bounded (``max_seconds``, ``max_requests``) and stops by itself; a refused client waits
-``retry_s`` before its next call, as a client backing off would. One connection per request:
+``retry_s`` before its next call, as a client backing off would, and a client of short calls
+``think_s`` after each. One connection per request:
 a pooled keep-alive connection closed by the server between two calls would read as an error
 that no client of the instance sees. Standard library and httpx only: the traffic benchmark
 (benchmarks/traffic.py) runs it too.
@@ -193,6 +194,7 @@ class Traffic:
         max_seconds: float = 1500.0,
         max_requests: int = 20000,
         retry_s: float = 0.5,
+        think_s: float = 0.2,
         read_timeout: float = 300.0,
         label: str = "traffic",
     ) -> None:
@@ -202,7 +204,7 @@ class Traffic:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self.max_seconds, self.max_requests = max_seconds, max_requests
-        self.retry_s = retry_s
+        self.retry_s, self.think_s = retry_s, think_s
         self.timeout = httpx.Timeout(read_timeout, connect=5.0)
         self.clients = [_Client(i, long=i % 2 == 0) for i in range(clients)]
         self._outcomes: list[Outcome] = []
@@ -310,6 +312,10 @@ class Traffic:
                     c.running_since = None
                 if out.cls != WHOLE:
                     self._done.wait(self.retry_s)
+                elif not c.long:
+                    # A short call's client thinks a moment: back to back, six clients' HTTP and
+                    # tokenizing alone took most of two cores and doubled a fleet roll's time.
+                    self._done.wait(self.think_s)
 
     def _call(self, http: httpx.Client, c: _Client, n: int, stream: bool, tokens: int) -> Outcome:
         body: dict = {
