@@ -135,13 +135,18 @@ class TerminalCutover:
         return rc
 
 
-def _in_the_gates(inst: SystemdInstance, cut: TerminalCutover, invocation: str) -> None:
-    """Wait until the env file was written and systemd has the restart (the unit is mid-way)."""
+def _in_the_gates(
+    inst: SystemdInstance, cut: TerminalCutover, invocation: str, passed: tuple[str, ...] = ()
+) -> None:
+    """Wait until the env file was written and systemd has the restart (the unit is mid-way),
+    then until each gate in ``passed`` printed its ``ok`` line."""
     cut.wait_for("restarting")
     deadline = time.monotonic() + 60
     while inst.show("InvocationID") == invocation and inst.show("ActiveState") == "active":
         assert time.monotonic() < deadline, "the cutover never restarted the unit"
         time.sleep(0.2)
+    for gate in passed:
+        cut.wait_for(f"] {gate}: ok (")
 
 
 @pytest.fixture
@@ -150,8 +155,23 @@ def off_image(canary_images) -> str:
     return canary_images["label-off"]
 
 
-@pytest.mark.parametrize(("how", "name"), [("ctrl-c", "SIGINT"), ("hang-up", "SIGHUP")])
-def test_a_signal_during_the_gates_rolls_back(systemd_instance, off_image, how, name):
+# The gates of the interrupted cutover, in order.
+GATES = ["unit", "image", "health", "model", "generation", "mtp"]
+
+
+# Signalled as soon as the unit leaves `active` (in the restart or the unit gate), or once the
+# unit and image gates passed: the new image's container is up and the signal lands in the HTTP
+# gates, a probe in flight (health while its engine starts, or model or generation after).
+@pytest.mark.parametrize(
+    ("how", "name", "passed"),
+    [
+        ("ctrl-c", "SIGINT", ()),
+        ("hang-up", "SIGHUP", ()),
+        ("ctrl-c", "SIGINT", ("unit", "image")),
+    ],
+    ids=["ctrl-c", "hang-up", "ctrl-c-after-unit"],
+)
+def test_a_signal_during_the_gates_rolls_back(systemd_instance, off_image, how, name, passed):
     inst = systemd_instance
     inst.ensure(MTP_IMAGE)
     layout = Layout(inst.root)
@@ -161,7 +181,7 @@ def test_a_signal_during_the_gates_rolls_back(systemd_instance, off_image, how, 
     invocation, count = inst.show("InvocationID"), len(_history(inst))
 
     cut = TerminalCutover(inst, off_image, *MOVE)
-    _in_the_gates(inst, cut, invocation)
+    _in_the_gates(inst, cut, invocation, passed)
     new_env = inst.env_path.read_bytes()
     assert f"VLLM_IMAGE={off_image}".encode() in new_env  # really mid-cutover
     if how == "ctrl-c":
@@ -178,6 +198,10 @@ def test_a_signal_during_the_gates_rolls_back(systemd_instance, off_image, how, 
     assert (e.kind, e.outcome, e.interrupted) == ("cutover", "rolled_back", name)
     assert (e.from_image, e.to_image) == (MTP_IMAGE, off_image)
     assert e.gates[-1].name == "interrupted" and not e.gates[-1].ok
+    # Before it, the gates that passed, in order: at least those seen passing before the signal.
+    recorded = [g.name for g in e.gates[:-1]]
+    assert recorded == GATES[: len(recorded)] and all(g.ok for g in e.gates[:-1]), e.gates
+    assert recorded[: len(passed)] == list(passed), e.gates
     assert e.rollback_gates and all(g.ok for g in e.rollback_gates)
     assert [g.name for g in e.rollback_gates][:2] == ["unit", "image"]
     assert f"interrupted by {name} during the gates of {off_image}" in e.error
