@@ -23,7 +23,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance import agent, demo
+from appliance import agent, demo, specdecode
 from appliance.agent.instrumentor import OpenAIInstrumentor
 from appliance.agent.server import server_for
 from appliance.agent.worker import WORKER
@@ -269,17 +269,42 @@ def _batch_delta(url, fn):
     with VLLMClient(url) as obs:
         before = obs.snapshot()
         fn()
-        from appliance import specdecode
-
         return specdecode.delta(before, obs.snapshot())
 
 
 def test_concurrent_calls_get_exact_per_request_figures_summing_to_the_batch(mtp_engine):
+    # Four at once, two of them streamed, each of its own length: every record carries the
+    # figures of its own response's block (a stream's is on its last chunk, with the usage),
+    # and together they are the engine's counter movement over the batch.
     t = Traced(mtp_engine.url)
-    d = _batch_delta(mtp_engine.url, lambda: _concurrently(lambda: _plain(t.client, 48)))
-    figs = [r.figures for r in t.records]
-    assert len(figs) == 4 and {f.source for f in figs} == {"request"}
-    assert not any(f.shared for f in figs)
+    calls = [(False, 40), (True, 44), (False, 48), (True, 52)]
+    lock = threading.Lock()
+
+    def one() -> tuple[str, specdecode.Delta | None]:
+        with lock:
+            streamed, max_tokens = calls.pop()
+        if streamed:
+            last = _stream(t.client, max_tokens)[-1]
+            return last.id, specdecode.from_response_metrics(last.model_extra)
+        resp = _plain(t.client, max_tokens)
+        return resp.id, specdecode.from_response_metrics(resp.model_extra)
+
+    got: list = []
+    d = _batch_delta(mtp_engine.url, lambda: got.extend(_concurrently(one)))
+    blocks = dict(got)
+    records = t.records
+    assert len(records) == len(blocks) == 4 and None not in blocks.values()
+    assert sorted(r.stream for r in records) == [False, False, True, True]
+    assert {r.response_id for r in records} == set(blocks)
+    for r in records:
+        block = blocks[r.response_id]
+        assert (r.figures.source, r.figures.shared) == ("request", False), r
+        assert (r.figures.drafts, r.figures.draft_tokens, r.figures.accepted) == (
+            block.drafts,
+            block.draft_tokens,
+            block.accepted,
+        ), r
+    figs = [r.figures for r in records]
     assert sum(f.drafts for f in figs) == d.drafts
     assert sum(f.draft_tokens for f in figs) == d.draft_tokens
     assert sum(f.accepted for f in figs) == d.accepted
@@ -798,8 +823,6 @@ def test_no_request_text_in_error_status_without_content_capture(mtp_engine):
 
 def _movement(url, fn):
     with VLLMClient(url) as obs:
-        from appliance import specdecode
-
         before = obs.snapshot()
         out = fn()
         assert agent.flush(30)
