@@ -160,6 +160,7 @@ class InstanceState:
     unit: UnitStatus | None = None  # the unit's state when the textfile was written
     baseline: BaselineState | None = None  # the acceptance baseline, when one is kept
     env_error: str | None = None  # why the appliance refuses its env file (image then unknown)
+    gpus: str = ""  # the env file's VLLM_GPUS: the devices it is given (empty: a CPU instance)
 
 
 def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
@@ -167,8 +168,8 @@ def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
     reg = CollectorRegistry()
     info = Gauge(
         IMAGE_INFO,
-        "The image an appliance instance runs (value 1).",
-        ["instance", "image", "vllm_version", "mtp"],
+        "The image an appliance instance runs (value 1), and the GPUs it is given.",
+        ["instance", "image", "vllm_version", "mtp", "gpus"],
         registry=reg,
     )
     events = Counter(
@@ -259,7 +260,8 @@ def build_registry(states: Iterable[InstanceState] = ()) -> CollectorRegistry:
                 )
             unit_restarts.labels(s.instance).set(u.restarts)
         if s.env_error is None:
-            info.labels(s.instance, s.image, s.vllm_version, "true" if s.mtp else "false").set(1)
+            mtp = "true" if s.mtp else "false"
+            info.labels(s.instance, s.image, s.vllm_version, mtp, s.gpus).set(1)
         for (kind, outcome), count in sorted(s.events.items()):
             if kind not in KINDS or outcome not in OUTCOMES:
                 raise UsageError(

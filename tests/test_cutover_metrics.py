@@ -39,6 +39,7 @@ def test_textfile_has_the_running_image_and_event_counts(
     info = (
         "gemma4_appliance_image_info",
         (
+            ("gpus", ""),  # a CPU instance: no device set
             ("image", preflight_images["pre-mtp"]),
             ("instance", "i1"),
             ("mtp", "false"),

@@ -17,6 +17,7 @@ from plugins.cli import invoke
 from test_hostcheck import CAPTURES, NO_DOCKER, fake_nvidia_smi
 
 from appliance import hostcheck, labels, profiles
+from appliance.cutover import metrics as cutover_metrics
 from appliance.host import envfile
 from appliance.host.layout import Layout
 from appliance.hostcheck import nvidia, suggest
@@ -132,6 +133,9 @@ def test_three_instances_on_8x_h100_get_three_disjoint_device_sets(tmp_path, mon
     assert sets[0].isdisjoint(sets[1]) and sets[1].isdisjoint(sets[2])
     assert sets[0].isdisjoint(sets[2])
     assert sets[0] == {uuids[0], uuids[1]} and sets[2] == {uuids[4], uuids[5]}
+    # The state metrics (the dashboards' "Running image per instance" table) carry each set.
+    by = {st.instance: st.gpus for st in cutover_metrics.states(Layout(root))}
+    assert by == {n: gpus_of(root, n) for n in ("a", "b", "c")}
     # status shows each instance's devices.
     res = run("status", "b", "--root", str(root))
     assert f"\n  gpus:       {gpus_of(root, 'b')}\n" in res.output

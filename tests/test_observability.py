@@ -340,6 +340,7 @@ def test_state_textfile_round_trips_and_is_written_atomically(tmp_path):
             (
                 "gemma4_appliance_image_info",
                 (
+                    ("gpus", ""),  # the instance's device set: none given in these states
                     ("image", "gemma4-vllm:0.21.0-mtp"),
                     ("instance", "31b"),
                     ("mtp", "true"),
@@ -354,6 +355,7 @@ def test_state_textfile_round_trips_and_is_written_atomically(tmp_path):
             (
                 "gemma4_appliance_image_info",
                 (
+                    ("gpus", ""),
                     ("image", "gemma4-vllm:pre-mtp"),
                     ("instance", "e4b"),
                     ("mtp", "false"),

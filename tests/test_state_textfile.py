@@ -91,6 +91,6 @@ def test_node_exporter_reads_the_textfile_whatever_the_writers_umask(host, umask
     )
     assert read.returncode == 0, read.stderr
     image = envfile.read(Layout(host).env_file("a1")).get(envfile.IMAGE_KEY)  # install's choice
-    assert f'gemma4_appliance_image_info{{image="{image}",instance="a1"' in read.stdout
+    assert f'gemma4_appliance_image_info{{gpus="",image="{image}",instance="a1"' in read.stdout
     assert stat.S_IMODE(textfile.stat().st_mode) == 0o644
     assert stat.S_IMODE(textfile.parent.stat().st_mode) == 0o755

@@ -30,8 +30,9 @@ def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metri
         try:
             env = envfile.read(layout.env_file(instance))
             image, env_error = env.get(envfile.IMAGE_KEY) or "", None
+            gpus = env.get(envfile.GPUS_KEY) or ""
         except ApplianceError as exc:  # marked in its own series; the others are written
-            image, env_error = "", str(exc)
+            image, env_error, gpus = "", str(exc), ""
         found: dict[str, str] = {}
         if docker_client is not None and image:
             import docker
@@ -65,6 +66,7 @@ def states(layout: Layout, docker_client=None, systemd=None) -> list[state_metri
                 unit=_unit(layout, instance, systemd) if systemd is not None else None,
                 baseline=_baseline(layout, instance),
                 env_error=env_error,
+                gpus=gpus,
             )
         )
     return out

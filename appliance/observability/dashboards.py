@@ -335,8 +335,9 @@ def overview() -> Dashboard:
         Panel(
             "table",
             "Running image per instance",
-            "The image each instance runs, its vLLM version and MTP flag, from the "
-            "appliance's state textfile. Cutovers and rollbacks are annotations.",
+            "The image each instance runs, its vLLM version and MTP flag, and the GPUs it is "
+            "given (gpus: its device set), from the appliance's state textfile. Cutovers and "
+            "rollbacks are annotations.",
             (Target(n.IMAGE_INFO.expr.eq(1), instant=True),),
             width=16,
         ),
