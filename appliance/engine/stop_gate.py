@@ -1,6 +1,6 @@
 """``--middleware stop_gate.StopGate``: from the container's SIGTERM on, vLLM's API server turns
-every new request away so that its client retries (a refused connection, or 503 with
-``Retry-After``), while the requests already in flight drain.
+every new request away so that its client retries (503 with ``Retry-After``, then a refused
+connection), while the requests already in flight drain.
 
 Why (vLLM 0.32, checked in its source):
 
@@ -22,17 +22,18 @@ to ``serve_http``), so the gate watches the signal itself. At the lifespan's sta
 Python-level handler, ``Loop.__sighandler``, plus the wakeup fd), it installs one that shuts the
 gate, then calls the one it replaced: vLLM's drain runs exactly as before. Shut, the gate
 
-- closes vLLM's listening sockets (``app.state.server``, the uvicorn server ``serve_http``
-  keeps there): new connections are refused at once, and no client that reconnects after a
-  refusal is left in the accept queue when vLLM's drain ends and uvicorn closes the socket (it
-  would read ``connection reset``);
-- answers a request on a connection already open with 503, ``Retry-After`` and ``Connection:
-  close``, after reading its body (closing on an unread body resets the connection);
+- answers every new request (``/health`` too) with 503, ``Retry-After`` and ``Connection:
+  close``, after reading its body (closing on an unread body resets the connection); once the
+  drain is over vLLM closes its socket and connections are refused;
 - holds back an answer that starts only after the SIGTERM until it shows a generated token: a
   500, or an answer with no token (the engine core's abort above), goes out as that same 503.
 
-``/metrics`` stays open on open connections: scrapes and per-request counter reads go on while
-the requests in flight finish.
+The listening socket stays open until vLLM closes it: closed at the SIGTERM, every connection
+still in its accept queue would be reset (a client reads ``connection reset``, not a refusal;
+seen under systemd on a busy host). ``Retry-After`` asks clients not to come back before the
+drain's end, when the same reset awaits a connection that is queued as uvicorn closes the
+socket. ``/metrics`` stays open: scrapes and per-request counter reads go on while the requests
+in flight finish.
 
 ``appliance image build`` copies this file into every image as ``/opt/gemma4-appliance/
 stop_gate.py``, beside the entry point's ``vllm_main.py`` (the script's folder is the API
@@ -43,7 +44,6 @@ it runs in the image's Python, beside vLLM, not the appliance's.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import sys
@@ -65,7 +65,7 @@ def _refusal() -> tuple[dict, dict]:
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"retry-after", str(RETRY_AFTER_S).encode()),
-        (b"connection", b"close"),  # the client's pool reconnects, and is refused
+        (b"connection", b"close"),  # a client's pool reconnects, and is refused after the drain
     ]
     start = {"type": "http.response.start", "status": 503, "headers": headers}
     return start, {"type": "http.response.body", "body": body, "more_body": False}
@@ -79,7 +79,6 @@ class StopGate:
         self.app = app
         self.shut = False  # True from the SIGTERM on
         self._watching = False
-        self._state = None  # the FastAPI app's state: vLLM's uvicorn server is its ``server``
 
     def watch(self) -> bool:
         """Chain a SIGTERM handler that shuts the gate before the current one runs; False (and a
@@ -90,11 +89,9 @@ class StopGate:
             # SIG_DFL or SIG_IGN: the signal would not reach a drain anyway.
             _say(f"no SIGTERM handler to follow ({previous!r}): arrivals are not refused")
             return False
-        loop = asyncio.get_running_loop()
 
         def on_sigterm(signum, frame) -> None:
             self.shut = True
-            loop.call_soon_threadsafe(self.stop_listening)
             previous(signum, frame)
 
         try:
@@ -104,18 +101,9 @@ class StopGate:
             return False
         return True
 
-    def stop_listening(self) -> None:
-        """Close the uvicorn server's listening sockets (uvicorn's own shutdown closes them
-        again, a no-op). Connections already open stay: their requests finish or get 503."""
-        server = getattr(self._state, "server", None)
-        for listener in getattr(server, "servers", None) or ():
-            listener.close()
-
     async def __call__(self, scope, receive, send) -> None:
         if not self._watching:
-            # The first call is the lifespan's startup, after vLLM's handler.
-            self._state = getattr(scope.get("app"), "state", None)
-            self.watch()
+            self.watch()  # the first call is the lifespan's startup, after vLLM's handler
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
