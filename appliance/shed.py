@@ -28,7 +28,7 @@ T = TypeVar("T")
 
 # The first pause after a shed try, doubled each time up to the most: a bound frees a place as
 # soon as one request in flight ends (a fraction of a second on a small model, seconds on a 31B
-# one), and a few tries a second cost the engine nothing (vLLM turns them away before any work).
+# one), and a few tries a second cost the engine little (turned away before they are scheduled).
 FIRST_BACKOFF_S = 0.25
 MAX_BACKOFF_S = 2.0
 # How often a caller's note hears that its tries are still turned away.

@@ -18,6 +18,12 @@ make the count exact, the engine's scheduler is held (vLLM's own dev-mode ``POST
 /pause?mode=keep``, which keeps the requests let in waiting and runs nothing,
 vllm/entrypoints/rl/online/api_router.py) while the burst arrives, then released. A second burst
 runs unheld, as traffic does, and prints its figures.
+
+The judges of an engine (``instance doctor``, ``canary record``, the cutover's generation and MTP
+gates, which its way back runs too) pass this good engine while it sheds load: held, with its
+bound full of clients' requests, it turns their probes away until it is released and a place
+frees; each sends its probe again (appliance/shed.py) and reports exactly as many shed as vLLM
+counted (review 2026-12-06-security-and-reliability.md T1: before, each failed on the first 503).
 """
 
 from __future__ import annotations
@@ -27,8 +33,12 @@ import contextlib
 import dataclasses
 import json
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import openai
@@ -39,8 +49,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry
 
-from appliance import agent, profiles, specdecode
+from appliance import agent, probe, profiles, specdecode
 from appliance.bench import concurrency, prompts, report, runner, tune
+from appliance.cutover import gates
 from appliance.engine import local
 from appliance.errors import OverloadedError
 from appliance.vllm_client import Generation, VLLMClient
@@ -55,6 +66,7 @@ MAX_TOKENS = 48
 DEADLINE_S = 120.0
 PROMPT = "Tell me about the sea."
 BUSY = "The engine is currently busy and cannot accept new requests."  # vllm/exceptions.py
+T = TypeVar("T")
 
 
 SCHEDULE = ((1, 1, 1), (2, SEQS, 2))
@@ -252,6 +264,88 @@ def test_bench_counts_the_requests_turned_away_per_level(bounded):
     assert d["time_to_rejection_s"]["n"] == level - BOUND
     table = report.markdown("concurrency", concurrency.ConcurrencyResult(ep, [result]))
     assert f"| {level} | {BOUND} | {level - BOUND} | {BOUND * MAX_TOKENS} |" in table
+
+
+def _while_shed(url: str, judge: Callable[[], T]) -> tuple[T, int]:
+    """``judge()``, run while the engine sheds load: its scheduler held, the bound full of
+    clients' requests (two clients more turned away), and released once vLLM has turned away
+    two of ``judge``'s probes (or ``judge`` ended). Returns what ``judge`` returned and how many
+    requests vLLM turned away from its start: every one of them ``judge``'s, as no client sends
+    again. The held clients are answered in full."""
+    with (
+        VLLMClient(url, timeout=DEADLINE_S) as client,
+        concurrent.futures.ThreadPoolExecutor(BOUND + 3) as pool,
+    ):
+        with held(url):
+            clients = {pool.submit(_ask, client) for _ in range(BOUND + 2)}
+            early = _first_done(clients, 2)
+            assert len(early) == 2, f"only {len(early)} clients turned away while held"
+            assert all(isinstance(f.result(), OverloadedError) for f in early)
+            before = _rejections(url)
+            run = pool.submit(judge)
+            deadline = time.monotonic() + DEADLINE_S
+            while _rejections(url) - before < 2 and not run.done():
+                assert time.monotonic() < deadline, "the probe never reached the engine"
+                time.sleep(0.2)
+        result = run.result(timeout=DEADLINE_S)
+        answered = [f.result(timeout=DEADLINE_S) for f in clients - early]
+    assert all(isinstance(g, Generation) and g.completion_tokens == MAX_TOKENS for g in answered)
+    return result, int(_rejections(url) - before)
+
+
+def _appliance(*argv: str) -> subprocess.CompletedProcess:
+    """The ``appliance`` command itself, as an operator runs it (a process of its own)."""
+    exe = Path(sys.executable).parent / "appliance"
+    return subprocess.run(
+        [str(exe), *argv], capture_output=True, text=True, timeout=DEADLINE_S, check=False
+    )
+
+
+def test_doctor_passes_a_good_engine_that_sheds_its_probe(bounded):
+    """Review T1: an engine at its queue bound turned doctor's test generation away (503) and
+    doctor failed 3 of 3 on a good engine. It sends the probe again and says how often."""
+    res, turned_away = _while_shed(
+        bounded.url, lambda: _appliance("instance", "doctor", "--url", bounded.url, "--json")
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    check = next(c for c in json.loads(res.stdout)["checks"] if c["name"] == "mtp.counters")
+    assert turned_away >= 2 and check["evidence"]["shed"] == turned_away
+    assert check["status"] == "ok" and check["evidence"]["state"] == "active"
+    assert check["summary"].endswith(f"; {turned_away} probes shed at the queue bound")
+    print(f"\ndoctor at the bound: {check['summary']}")
+
+
+def test_canary_record_passes_a_good_engine_that_sheds_its_prompts(bounded, tmp_path):
+    out = tmp_path / "record.json"
+    args = ("canary", "record", "--url", bounded.url, "--out", str(out), "--max-tokens", "8")
+    res, turned_away = _while_shed(bounded.url, lambda: _appliance(*args))
+    assert res.returncode == 0, res.stdout + res.stderr
+    record = json.loads(out.read_text())
+    assert turned_away >= 2 and record["shed"] == turned_away
+    assert all(o["completion_tokens"] == 8 for o in record["outputs"])
+    assert f"; {turned_away} prompts shed at the queue bound and sent again" in res.stdout
+    assert "1 prompt shed at the queue bound, trying again" in res.stderr  # said as it waits
+    print(f"\ncanary record at the bound: {res.stdout.strip()}")
+
+
+def test_the_generation_gate_passes_a_good_engine_that_sheds_its_probe(bounded):
+    """The cutover's generation and MTP gates (and its way back's: the same gates)."""
+    expect = gates.Expect(
+        unit="gemma4-vllm@bounded.service",
+        base_url=bounded.url,
+        served_model="gemma4-tiny",
+        mtp=True,
+    )
+    with VLLMClient(bounded.url, timeout=DEADLINE_S) as client:
+        (p, outcomes), turned_away = _while_shed(
+            bounded.url, lambda: gates.probe_gates(client, expect, DEADLINE_S)
+        )
+    assert turned_away >= 2 and p.shed == turned_away
+    assert [(n, ok) for n, ok, _ in outcomes] == [("generation", True), ("mtp", True)], outcomes
+    assert outcomes[0][2] == (
+        f"{probe.MAX_TOKENS} tokens; {turned_away} probes shed at the queue bound"
+    )
+    print(f"\ngates at the bound: {outcomes}")
 
 
 def test_tune_verify_reads_the_schedule_back_from_the_draft_counters(bounded, tmp_path, cli_run):
