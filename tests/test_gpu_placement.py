@@ -51,6 +51,14 @@ def docker_gpus(root: Path, name: str, tmp_path: Path) -> str:
     return cmd.argv[cmd.argv.index("--gpus") + 1]
 
 
+@pytest.fixture
+def h100x8(tmp_path, monkeypatch) -> Path:
+    """The 8x H100 host's nvidia-smi, Docker absent, and the root installs go under."""
+    fake_nvidia_smi(tmp_path, monkeypatch, "h100x8.csv")
+    monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
+    return tmp_path / "root"
+
+
 def test_the_written_captures_parse_whole_gpus_and_mig_slices():
     text = (CAPTURES / "h100x8.csv").read_text()
     uuids, _ = nvidia.parse_list((CAPTURES / "h100x8.L.txt").read_text())
@@ -115,10 +123,8 @@ def test_suggest_packs_the_host(tmp_path, monkeypatch):
     assert by["h100x2-31b-mtp"].why.endswith(" spare)")  # the margin shown
 
 
-def test_three_instances_on_8x_h100_get_three_disjoint_device_sets(tmp_path, monkeypatch):
-    fake_nvidia_smi(tmp_path, monkeypatch, "h100x8.csv")
-    monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
-    root = tmp_path / "root"
+def test_three_instances_on_8x_h100_get_three_disjoint_device_sets(tmp_path, h100x8):
+    root = h100x8
     uuids, _ = nvidia.parse_list((CAPTURES / "h100x8.L.txt").read_text())
     sets = []
     for name in ("a", "b", "c"):
@@ -155,10 +161,8 @@ def test_three_instances_on_8x_h100_get_three_disjoint_device_sets(tmp_path, mon
     )
 
 
-def test_an_overlapping_gpus_is_refused_unless_shared_with_a_reason(tmp_path, monkeypatch):
-    fake_nvidia_smi(tmp_path, monkeypatch, "h100x8.csv")
-    monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
-    root = tmp_path / "root"
+def test_an_overlapping_gpus_is_refused_unless_shared_with_a_reason(h100x8):
+    root = h100x8
     assert install(root, "a", "--profile", "h100-31b-mtp").exit_code == 0
     # By index or by UUID, the same GPU.
     for same in ("device=0", "device=0,5", "all"):
@@ -220,11 +224,9 @@ def test_whole_gpu_profiles_are_not_given_a_gpu_in_mig_mode(tmp_path, monkeypatc
     )
 
 
-def test_an_instance_given_all_keeps_it_is_told_and_holds_every_gpu(tmp_path, monkeypatch):
+def test_an_instance_given_all_keeps_it_is_told_and_holds_every_gpu(h100x8):
+    root = h100x8
     # An instance installed before instances had their own GPUs: VLLM_GPUS=all.
-    fake_nvidia_smi(tmp_path, monkeypatch, "h100x8.csv")
-    monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
-    root = tmp_path / "root"
     assert install(root, "old", "--profile", "h100-31b-mtp", "--gpus", "all").exit_code == 0
     res = install(root, "old", "--profile", "h100-31b-mtp")
     assert res.exit_code == 0 and gpus_of(root, "old") == "all"
@@ -238,14 +240,12 @@ def test_an_instance_given_all_keeps_it_is_told_and_holds_every_gpu(tmp_path, mo
     assert gpus_of(root, "new") == f"device={uuids[0]}"
 
 
-def test_a_tensor_parallel_set_stays_on_one_numa_node(tmp_path, monkeypatch):
+def test_a_tensor_parallel_set_stays_on_one_numa_node(h100x8):
+    root = h100x8
     # h100x8.topo.txt: GPUs 0-3 on NUMA node 0, 4-7 on node 1 (`nvidia-smi topo -m`).
     assert nvidia.parse_topo((CAPTURES / "h100x8.topo.txt").read_text()) == {
         i: "0" if i < 4 else "1" for i in range(8)
     }
-    fake_nvidia_smi(tmp_path, monkeypatch, "h100x8.csv")
-    monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
-    root = tmp_path / "root"
     uuids, _ = nvidia.parse_list((CAPTURES / "h100x8.L.txt").read_text())
     for name in ("a", "b", "c"):  # GPUs 0, 1, 2
         assert install(root, name, "--profile", "h100-31b-mtp").exit_code == 0
