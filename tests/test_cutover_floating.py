@@ -9,15 +9,15 @@ moved is proven under real systemd (test_cutover_systemd.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import docker.errors
 import pytest
 from plugins.cli import invoke
 from plugins.cutover import TEST_REPO
-from plugins.docker_engine import SOCKET
-
-from appliance import labels
+from plugins.docker_engine import SOCKET, machine_lock
 
 pytestmark = pytest.mark.docker
 
@@ -27,6 +27,28 @@ CPU_MTP = "gemma4-vllm:0.32.0-mtp-cpu"
 
 def _invoke(*argv: str, env: dict[str, str] = DOCKER):
     return invoke(argv, code=None, env=env)
+
+
+LATEST = ("gemma4-vllm", "latest")
+HELD = ("gemma4-vllm-test-held", "latest")  # keeps what LATEST named while a test moves LATEST
+
+
+@contextlib.contextmanager
+def _without_latest(client) -> Iterator[None]:
+    """No gemma4-vllm:latest on the host's engine inside; what it named gets it back after."""
+    try:
+        client.images.get(":".join(LATEST)).tag(*HELD)
+        client.images.remove(":".join(LATEST), noprune=True)
+    except docker.errors.ImageNotFound:
+        pass
+    try:
+        yield
+    finally:
+        with contextlib.suppress(docker.errors.ImageNotFound):
+            client.images.remove(":".join(LATEST), noprune=True)
+        with contextlib.suppress(docker.errors.ImageNotFound):
+            client.images.get(":".join(HELD)).tag(*LATEST)
+            client.images.remove(":".join(HELD), noprune=True)
 
 
 @pytest.fixture
@@ -106,22 +128,24 @@ def test_install_without_image_takes_the_version_tag_of_the_newest_image_of_its_
 
 
 def test_install_with_no_image_of_its_build_here_falls_back_to_latest_never_a_cpu_image(
-    tmp_path, docker_engine
+    tmp_path, docker_engine, appliance_images
 ):
     """No CUDA image on this CPU-only host: the GPU build's latest, with the warning that it
     floats; or, on a host upgraded from the old scheme, where gemma4-vllm:latest still names the
-    CPU image, the refusal of that CPU image. Never a CPU image in a GPU profile's env file."""
-    argv = ["instance", "install", "g", "-p", "l4x4-31b-mtp", "--root", str(tmp_path)]
-    result = _invoke(*argv)
-    try:
-        old = docker_engine.images.get("gemma4-vllm:latest").labels.get(labels.VARIANT)
-    except docker.errors.ImageNotFound:
-        old = None
-    if old == "cpu":
+    CPU image, the refusal of that CPU image. Never a CPU image in a GPU profile's env file.
+    Both hosts are made here (the tag set, then removed) under a lock on the tag, and whatever
+    gemma4-vllm:latest named before is given its tag back."""
+    argv = ["instance", "install", "g", "-p", "l4x4-31b-mtp"]
+    with machine_lock("tag-gemma4-vllm-latest"), _without_latest(docker_engine):
+        docker_engine.images.get(appliance_images["cpu-mtp"].image_id).tag(*LATEST)
+        upgraded = tmp_path / "upgraded"
+        result = _invoke(*argv, "--root", str(upgraded))
         assert result.exit_code == 2, result.output
         assert "Error: image gemma4-vllm:latest is a cpu build" in result.output
-        assert not (tmp_path / "etc").exists()
-        return
+        assert not upgraded.exists()
+
+        docker_engine.images.remove(":".join(LATEST), noprune=True)  # the CPU image, untagged
+        result = _invoke(*argv, "--root", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert "VLLM_IMAGE=gemma4-vllm:latest\n" in (tmp_path / "etc/gemma4-vllm/g.env").read_text()
     assert (
