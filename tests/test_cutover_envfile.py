@@ -97,25 +97,30 @@ def test_root_keeps_the_owner_of_another_users_file(tmp_path):
 # --- the one rule ---------------------------------------------------------------------------
 
 
+BOTH_READ = (
+    b"# a back\\slash inside a comment is harmless\n"
+    b"; also a comment\n"
+    b"\n"
+    b"  A = 1  \n"
+    b"B='two words'\n"
+    b'C="x:1"\r\n'
+    b"D=\n"
+    b"E=a # not a comment in systemd either\n"
+    b"A=last wins"
+)
+BOTH_READ_VALUES = {
+    "A": "last wins",
+    "B": "two words",
+    "C": "x:1",
+    "D": "",
+    "E": "a # not a comment in systemd either",
+}
+
+
 def test_the_values_systemd_and_the_appliance_both_read():
-    raw = (
-        b"# a back\\slash inside a comment is harmless\n"
-        b"; also a comment\n"
-        b"\n"
-        b"  A = 1  \n"
-        b"B='two words'\n"
-        b'C="x:1"\r\n'
-        b"D=\n"
-        b"E=a # not a comment in systemd either\n"
-        b"A=last wins"
-    )
-    assert envfile.parse(raw) == {
-        "A": "last wins",
-        "B": "two words",
-        "C": "x:1",
-        "D": "",
-        "E": "a # not a comment in systemd either",
-    }
+    """What systemd itself reads from the same bytes: test_systemd_reads_..._as_the_appliance_does
+    below, in the systemd tier."""
+    assert envfile.parse(BOTH_READ) == BOTH_READ_VALUES
 
 
 AMBIGUOUS = [
@@ -137,6 +142,61 @@ AMBIGUOUS = [
 def test_a_line_systemd_could_read_differently_is_refused_naming_it(raw, line, why):
     with pytest.raises(envfile.EnvFileSyntaxError, match=re.escape(f"x.env:{line}: ") + ".*" + why):
         envfile.parse(raw, "x.env")
+
+
+def _systemd_reads(machine, raw: bytes) -> dict[str, str] | None:
+    """The environment systemd gives a oneshot whose EnvironmentFile= holds ``raw``, less what
+    systemd sets itself; None when systemd refuses the file (the unit does not start)."""
+    (machine.root / "etc/envcheck.env").write_bytes(raw)
+    machine.run("rm", "-f", "/run/envcheck.out")
+    started = machine.systemctl("start", "envcheck.service", check=False)
+    if started.returncode != 0:
+        result = machine.systemctl("show", "-p", "Result", "--value", "envcheck.service")
+        assert result.stdout.strip() == "resources", (raw, result.stdout, started.stderr)
+        machine.systemctl("reset-failed", "envcheck.service")
+        return None
+    out = machine.run("cat", "/run/envcheck.out").stdout
+    own = {"PATH", "INVOCATION_ID", "SYSTEMD_EXEC_PID", "LANG", "JOURNAL_STREAM"}
+    pairs = (item.split("=", 1) for item in out.split("\0") if item)
+    return {k: v for k, v in pairs if k not in own}
+
+
+ENVCHECK_UNIT = """\
+[Service]
+Type=oneshot
+EnvironmentFile=/etc/envcheck.env
+ExecStart=/usr/bin/env -0
+StandardOutput=truncate:/run/envcheck.out
+"""
+
+
+# Refused lines that systemd 252 reads as their plain ``KEY=rest of the line``: the refusal is
+# for the other readers of the file (a shell reads ``ab``) and for other systemd releases.
+PLAIN_TO_SYSTEMD_252 = {b"VLLM_IMAGE=a'b'\n", b"VLLM_IMAGE\n"}
+
+
+@pytest.mark.systemd
+def test_systemd_reads_the_env_file_as_the_appliance_does(systemd_instance):
+    """Real systemd (252, in the session's booted machine) reads the one rule's values as the
+    appliance does; each line the appliance refuses it reads as something else than the plain
+    ``KEY=rest of the line`` (or refuses the whole file), but for PLAIN_TO_SYSTEMD_252."""
+    m = systemd_instance.machine
+    m.write("/etc/systemd/system/envcheck.service", ENVCHECK_UNIT)
+    m.daemon_reload()
+    try:
+        assert _systemd_reads(m, BOTH_READ) == BOTH_READ_VALUES
+        for raw, _line, _why in AMBIGUOUS:
+            plain = dict(
+                line.split("=", 1)
+                for line in raw.decode(errors="replace").splitlines()
+                if "=" in line and not line.startswith("#")
+            )
+            read = _systemd_reads(m, raw)
+            assert (read == plain) == (raw in PLAIN_TO_SYSTEMD_252), (raw, read, plain)
+    finally:
+        (m.root / "etc/systemd/system/envcheck.service").unlink()
+        (m.root / "etc/envcheck.env").unlink(missing_ok=True)
+        m.daemon_reload()
 
 
 def test_set_value_refuses_a_value_that_would_not_read_back():
