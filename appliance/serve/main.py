@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -235,6 +236,21 @@ ACTIONS = {
 }
 
 
+# The unit's waits for the engine (ExecStartPost). A stop while the unit is still `activating`
+# skips ExecStop: systemd sends SIGTERM to every process of the unit, the wait among them, and a
+# control process killed by a signal fails the stop (Result=signal; SuccessExitStatus covers the
+# main process only). The wait ends cleanly instead: the unit is going down anyway.
+WAITS = ("wait-healthy", "wait-generates")
+
+
+class _Stopping(BaseException):
+    """SIGTERM during a wait (a BaseException: no `except Exception` on the way swallows it)."""
+
+
+def _stopping(signum, frame) -> None:
+    raise _Stopping
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; the exit status the unit acts on."""
     argv = sys.argv[1:] if argv is None else argv
@@ -247,8 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     unit = Unit(argv[0], dict(os.environ))
+    if argv[1] in WAITS:
+        signal.signal(signal.SIGTERM, _stopping)
     try:
         ACTIONS[argv[1]](unit)
+    except _Stopping:
+        unit.log(f"{argv[1]}: the unit is stopping (SIGTERM), no longer waiting for vLLM")
+        return 0
     except health.EngineExited as exc:
         unit.log(f"the engine exited (main process {exc}) before vLLM /health answered")
         return 1
