@@ -112,7 +112,7 @@ class Judgement:
             f"({a.n_calls} calls) after"
         )
         bound = (
-            f"{r.confidence:.0%} interval of the change [{self.low:+.3f}, {self.high:+.3f}]"
+            f"{r.confidence:.0%} interval of the change [{_signed(self.low)}, {_signed(self.high)}]"
             if self.low is not None and self.high is not None
             else "no interval"
         )
@@ -148,6 +148,11 @@ class Judgement:
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.1%}"
+
+
+def _signed(v: float) -> str:
+    # Sums of equal floats differ in the last bit: a change of -1e-17 reads +0.000, not -0.000.
+    return f"{round(v, 6) + 0.0:+.3f}"
 
 
 def _round(v: float | None) -> float | None:

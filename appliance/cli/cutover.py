@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from .. import state_metrics
-from ..cutover import flow, gates, history, recovery, report
+from ..cutover import flow, gates, history, live, recovery, report
 from ..cutover import metrics as cutover_metrics
 from ..cutover.context import Context
 from ..cutover.status import status as get_status
@@ -84,6 +84,22 @@ def timeout_option(which: str):
     help="Cut over to a floating tag (latest, mtp, pre-mtp, their -cpu forms) all the same: "
     "the next `appliance image build` moves it, and the next restart runs what it names then.",
 )
+@click.option(
+    "--live-acceptance/--no-live-acceptance",
+    default=True,
+    show_default=True,
+    help="Judge the new image's draft acceptance on the traffic the instance serves against "
+    "the old image's (recorded before the move; a bootstrap non-inferiority bound, 95%). "
+    "Without traffic there is nothing to judge and the canary decides.",
+)
+@click.option(
+    "--live-acceptance-margin",
+    type=float,
+    default=None,
+    metavar="DROP",
+    help=f"The drop in mean acceptance (absolute, 0..1) the live rule tolerates "
+    f"[default: {live.DEFAULT.rule.margin}].",
+)
 @gate_options
 @root_option
 def cutover(
@@ -99,6 +115,8 @@ def cutover(
     canary_timeout: float,
     allow_unit_overrides: bool,
     force: bool,
+    live_acceptance: bool,
+    live_acceptance_margin: float | None,
     root: Path,
 ) -> None:
     """Move NAME to IMAGE: restart, gate, and roll back automatically on failure.
@@ -140,6 +158,7 @@ def cutover(
         canary_before=canary_before,
         allow_unit_overrides=allow_unit_overrides,
         force=force,
+        live_acceptance=live.settings(live_acceptance, live_acceptance_margin),
     )
     click.echo(f"{name}: now on {entry.to_image} (was {entry.from_image}); gates passed")
     if entry.canary:

@@ -42,7 +42,7 @@ from ..errors import ApplianceError, EngineError, UsageError
 from ..fsutil import private_dir, write_atomic
 from ..host import envfile
 from ..host import lock as locks
-from . import gates, history, metrics, slot
+from . import gates, history, live, metrics, slot
 from .context import Context, PreflightError
 from .history import Entry, Gate
 from .preflight import ImageInfo, check_compatible, check_pinned, way_back
@@ -89,6 +89,7 @@ def cutover(
     canary_timeout: float = canaries.DEFAULT_TIMEOUT,
     canary_before: Path | None = None,
     force: bool = False,
+    live_acceptance: live.Settings | None = live.DEFAULT,
 ) -> Entry:
     """Move ``instance`` (a name of either shape, or a :class:`Target`) to ``image`` through the
     gates; on failure, back to where it was.
@@ -104,6 +105,8 @@ def cutover(
     set the image (:func:`unit_overrides`).
     ``force``: a cutover to a floating tag (``latest``, ``mtp``...: :func:`check_pinned`) goes
     ahead instead of being refused.
+    ``live_acceptance``: judge the new image's acceptance on the live traffic against the old
+    one's (:mod:`.live`; None: off).
     """
     tgt = target(ctx, instance) if isinstance(instance, str) else instance
     name = tgt.name
@@ -146,6 +149,8 @@ def cutover(
             baseline = _canary_before(
                 ctx, plan, tgt, api_key, current_ref, canary_timeout, canary_before
             )
+            # The old image's live traffic, while it serves and nothing is touched.
+            traffic = live.before(ctx, tgt.base_url, live_acceptance if tgt.answers else None)
         except Interrupted as stop:
             raise CutoverInterrupted(
                 f"{kind} of {name} interrupted by {stop.name} before anything was touched"
@@ -178,6 +183,8 @@ def cutover(
                 canary_result = _canary_after(
                     ctx, plan, baseline, tgt, api_key, image, entry, canary_timeout, kept
                 )
+            if traffic is not None and live_acceptance is not None:
+                live.after(ctx, tgt.base_url, traffic, live_acceptance, entry.gates, timeout)
             sig.hold()  # every gate passed: a signal from here on is too late to matter
         except gates.GateFailed as failed:
             entry.gates = failed.gates
