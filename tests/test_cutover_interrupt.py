@@ -30,6 +30,7 @@ import time
 
 import pytest
 from plugins.systemd_instance import MTP_IMAGE, REPO, SystemdInstance
+from plugins.traffic import Traffic
 
 from appliance import specdecode
 from appliance.cutover import history
@@ -218,6 +219,7 @@ def test_a_signal_during_the_gates_rolls_back(systemd_instance, off_image, how, 
     assert f"interrupted by {name}" in h.stdout
 
 
+@pytest.mark.traffic
 def test_a_killed_cutover_status_names_its_state_and_the_recovery_command(
     systemd_instance, off_image
 ):
@@ -233,34 +235,39 @@ def test_a_killed_cutover_status_names_its_state_and_the_recovery_command(
     slot.unlink(missing_ok=True)
     invocation, count = inst.show("InvocationID"), len(_history(inst))
 
-    cut = TerminalCutover(inst, off_image, *MOVE)
-    _in_the_gates(inst, cut, invocation)
-    os.kill(cut.proc.pid, signal.SIGKILL)
-    assert cut.wait(timeout=30) == -signal.SIGKILL
-    new_env = env_before.replace(
-        f"VLLM_IMAGE={MTP_IMAGE}".encode(), f"VLLM_IMAGE={off_image}".encode()
-    )
-    assert inst.env_path.read_bytes() == new_env
+    # Clients call the instance from before the cutover to after the recovery: the cutover's
+    # restart, its kill and the rollback's restart keep every request whole or refused.
+    with Traffic(inst.url, inst.api_key, label="killed cutover, appliance rollback") as traffic:
+        cut = TerminalCutover(inst, off_image, *MOVE)
+        _in_the_gates(inst, cut, invocation)
+        os.kill(cut.proc.pid, signal.SIGKILL)
+        assert cut.wait(timeout=30) == -signal.SIGKILL
+        new_env = env_before.replace(
+            f"VLLM_IMAGE={MTP_IMAGE}".encode(), f"VLLM_IMAGE={off_image}".encode()
+        )
+        assert inst.env_path.read_bytes() == new_env
 
-    s = inst.appliance("status", inst.instance)
-    assert s.stderr == "", s.stderr  # exit 0 or 1: serving or not, as the kill left it
-    print(s.stdout)
-    assert (
-        f"INTERRUPTED cutover {MTP_IMAGE} -> {off_image} (pid {cut.proc.pid} was killed); "
-        f"env file is the new: the env file names {off_image} (the cutover's target, "
-        "never gated); "
-    ) in s.stdout
-    recover = next(ln for ln in s.stdout.splitlines() if ln.startswith("  recover:"))
-    command = recover.split(":", 1)[1].strip()
-    assert command == f"appliance rollback {inst.instance} --root {inst.root}"
-    assert f"returns to {MTP_IMAGE} through the gates; writes back" in s.stdout
-    assert _history(inst)[-1].outcome == "interrupted"
+        s = inst.appliance("status", inst.instance)
+        assert s.stderr == "", s.stderr  # exit 0 or 1: serving or not, as the kill left it
+        print(s.stdout)
+        assert (
+            f"INTERRUPTED cutover {MTP_IMAGE} -> {off_image} (pid {cut.proc.pid} was killed); "
+            f"env file is the new: the env file names {off_image} (the cutover's target, "
+            "never gated); "
+        ) in s.stdout
+        recover = next(ln for ln in s.stdout.splitlines() if ln.startswith("  recover:"))
+        command = recover.split(":", 1)[1].strip()
+        assert command == f"appliance rollback {inst.instance} --root {inst.root}"
+        assert f"returns to {MTP_IMAGE} through the gates; writes back" in s.stdout
+        assert _history(inst)[-1].outcome == "interrupted"
 
-    argv = shlex.split(command)
-    assert argv[0] == "appliance"
-    r = inst.appliance(*argv[1:])
+        argv = shlex.split(command)
+        assert argv[0] == "appliance"
+        r = inst.appliance(*argv[1:])
+        traffic.wait_back()
     print(r.stderr)
     assert r.returncode == 0, r.stderr
+    assert (broke := traffic.report.promise(down=True, back=True)) is None, broke
     assert f"recovered the interrupted cutover ({MTP_IMAGE} -> {off_image})" in r.stdout
     assert inst.env_path.read_bytes() == env_before
     _serves(inst, MTP_IMAGE, speculative=True)

@@ -21,6 +21,7 @@ import subprocess
 
 import pytest
 from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE, PRE_MTP_IMAGE, SystemdInstance
+from plugins.traffic import Traffic
 
 from appliance import canary, specdecode
 from appliance.cutover import history
@@ -74,18 +75,24 @@ def test_refused_before_the_service_is_touched(systemd_instance, image, code, me
     assert len(_history(inst)) == entries_before  # not even a history entry
 
 
+@pytest.mark.traffic
 def test_cutover_to_a_broken_image_rolls_back_and_the_env_file_is_byte_identical(
     systemd_instance,
 ):
+    """Under steady traffic (tests/plugins/traffic.py): it decides as on an idle engine, and
+    no request is cut or errored through the stop, the broken start and the way back."""
     inst = systemd_instance
     inst.ensure(MTP_IMAGE)
     before = inst.env_path.read_bytes()
     slot = Layout(inst.root).rollback_slot(inst.instance)
     slot_before = slot.read_bytes() if slot.exists() else None
-    r = inst.appliance("cutover", inst.instance, BROKEN_IMAGE, "--timeout", TIMEOUT)
+    with Traffic(inst.url, inst.api_key, label="cutover to a broken image") as traffic:
+        r = inst.appliance("cutover", inst.instance, BROKEN_IMAGE, "--timeout", TIMEOUT)
+        traffic.wait_back()
     assert r.returncode == 1, r.stderr
     assert f"{BROKEN_IMAGE} failed gate" in r.stderr
     assert f"rolled back to {MTP_IMAGE}, which passed the gates and is serving" in r.stderr
+    assert (broke := traffic.report.promise(down=True, back=True)) is None, broke
     assert inst.env_path.read_bytes() == before
     # The rollback target is the one from before (the cutover had pointed it at MTP_IMAGE).
     assert (slot.read_bytes() if slot.exists() else None) == slot_before
@@ -231,11 +238,13 @@ def _two_at_once(inst: SystemdInstance, *args: str) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(argv, 0, out, err)
 
 
+@pytest.mark.traffic
 def test_editing_vllm_image_and_restarting_the_unit_serves_the_new_image(systemd_instance):
     """The operator's own gesture, no appliance command: edit VLLM_IMAGE in the instance's env
     file, ``systemctl restart gemma4-vllm@NAME``, and the engine that answers is the new image's
     (its vLLM version from /version, its model from /v1/models, MTP off in /metrics). It leaves
-    the instance on the pre-MTP image, where the seed's replay below starts."""
+    the instance on the pre-MTP image, where the seed's replay below starts. The restart runs
+    under steady traffic: the old engine drains, none cut."""
     inst = systemd_instance
     inst.ensure(MTP_IMAGE)
     with VLLMClient(inst.url, api_key=inst.api_key) as engine:
@@ -244,8 +253,16 @@ def test_editing_vllm_image_and_restarting_the_unit_serves_the_new_image(systemd
     env = f"/etc/gemma4-vllm/{inst.instance}.env"
     inst.machine.run("sed", "-i", f"s|^VLLM_IMAGE=.*|VLLM_IMAGE={PRE_MTP_IMAGE}|", env)
     assert f"VLLM_IMAGE={PRE_MTP_IMAGE}\n" in (inst.root / env.lstrip("/")).read_text()
-    restarted = inst.machine.systemctl("restart", inst.unit, check=False, timeout=900)
+    with Traffic(inst.url, inst.api_key, label="systemctl restart") as traffic:
+        restarted = inst.machine.systemctl("restart", inst.unit, check=False, timeout=900)
+        traffic.wait_back()
     assert restarted.returncode == 0, inst.machine.journal(inst.unit)
+    # Nothing cut, a request running at the stop finished whole, and the new engine serves. Not
+    # yet `error == 0` (issue 52): a connection that arrives as the drain ends is still reset
+    # now and then (one of 242 requests, 2026-12-06), an `error` the promise does not allow.
+    report = traffic.report
+    assert not report.of("cut") and report.drained(), report.summary()
+    assert report.whole_after_refusals(), report.summary()
     assert inst.container_image() == PRE_MTP_IMAGE
     with VLLMClient(inst.url, api_key=inst.api_key) as engine:
         assert engine.version() == "0.19.0"
@@ -254,19 +271,28 @@ def test_editing_vllm_image_and_restarting_the_unit_serves_the_new_image(systemd
     assert inst.chat("after the edit", max_tokens=8).status_code == 200
 
 
+@pytest.mark.traffic
 def test_seed_history_replayed_pre_mtp_to_mtp_and_rollback(systemd_instance):
     """The seed's history: pre-MTP (vLLM 0.19) -> MTP, then the rollback. The cutover is started
     twice at once, as two operators (or an operator and the fleet) would: exactly one proceeds
     and writes one history entry. (Once a test of its own, which cost two more engine starts;
     that MTP on keeps every answer within one vLLM version is tests/test_canary_engine.py's
-    lossless tests, on the engine.)"""
+    lossless tests, on the engine.) The cutover runs under steady traffic: every gate and the
+    canary pass as on an idle engine, no request cut."""
     inst = systemd_instance
     inst.ensure(PRE_MTP_IMAGE)
     entries_before = len(_history(inst))
-    r = _two_at_once(inst, "cutover", inst.instance, MTP_IMAGE, "--timeout", TIMEOUT)
+    with Traffic(inst.url, inst.api_key, label="cutover to a good image") as traffic:
+        r = _two_at_once(inst, "cutover", inst.instance, MTP_IMAGE, "--timeout", TIMEOUT)
+        traffic.wait_back()
     assert len(_history(inst)) == entries_before + 1
     assert "generation: ok" in r.stderr and "mtp: ok (drafts +" in r.stderr
     assert f"now on {MTP_IMAGE} (was {PRE_MTP_IMAGE}); gates passed" in r.stdout
+    # Nothing cut, and the new engine serves. Not yet `error == 0` nor a drain seen (issue 52):
+    # the stop gate does not act on vLLM 0.19's stop (0 answered 503 in a run on 2026-12-06),
+    # and the requests that arrive during its drain are reset when it ends.
+    report = traffic.report
+    assert not report.of("cut") and report.whole_after_refusals(), report.summary()
     _serves(inst, MTP_IMAGE, speculative=True)
     e = _history(inst)[-1]
     assert (e.kind, e.outcome, e.from_image, e.to_image) == (

@@ -24,6 +24,9 @@ import pytest
 from plugins.fleet import OFF_IMAGE, Fleet, FleetHost
 from plugins.observability import PROMETHEUS
 from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE
+from plugins.traffic import Traffic
+
+from appliance.host.layout import Layout
 
 pytestmark = [pytest.mark.fleet, pytest.mark.systemd]
 
@@ -89,9 +92,27 @@ def test_install_twice_second_run_changes_nothing(fleet: Fleet):
     assert {h: second.changed(h) for h in second.recap} == {"fleet-a": 0, "fleet-b": 0}
 
 
+def _traffic(h: FleetHost) -> Traffic:
+    """Steady traffic on the host's instance, with its key (four clients: two hosts' engines
+    share this machine's cores)."""
+    key = Layout(h.root).api_key_file(h.instance).read_text().strip()
+    return Traffic(f"http://127.0.0.1:{h.vllm_port}", key, clients=4, label=h.name)
+
+
+@pytest.mark.traffic
 def test_rollout_of_the_mtp_image_canary_first(fleet: Fleet):
-    run = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
+    """The roll runs under steady traffic on both hosts: each host's cutover decides as on an
+    idle engine, and no request on either is cut or errored."""
+    if not all(Layout(h.root).env_file(h.instance).exists() for h in fleet.hosts):
+        _ok(fleet.playbook("install"))  # run alone (pytest -m traffic): the first test's install
+    with contextlib.ExitStack() as stack:
+        traffic = [stack.enter_context(_traffic(h)) for h in fleet.hosts]
+        run = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
+        for t in traffic:
+            t.wait_back()
     _ok(run)
+    for t in traffic:
+        assert (broke := t.report.promise(down=True, back=True)) is None, broke
     for h in fleet.hosts:
         _on(fleet, h.name, MTP_IMAGE)
     a, b = fleet.host("fleet-a").history(), fleet.host("fleet-b").history()

@@ -28,6 +28,7 @@ from plugins.multinode import (
     remove_group,
 )
 from plugins.systemd_instance import APPLIANCE, REPO
+from plugins.traffic import Traffic
 
 import docker
 from appliance import devmodel, multinode, profiles, state_metrics, units
@@ -128,11 +129,13 @@ def test_a_hangup_during_the_gates_rolls_every_node_back(multinode_group):
     _serves_with_mtp(g)
 
 
+@pytest.mark.traffic
 def test_cutover_moves_both_nodes_and_a_killed_rollback_is_recovered(multinode_group):
     """A group moves through the instance's own commands and state machine: `appliance cutover
     GROUP IMAGE` (the output canary gates it), then `appliance rollback GROUP` killed outright
     (SIGKILL, as a power loss would) leaves a state that `appliance status GROUP` names with its
-    one recovery command, which brings every node back and closes the killed entry."""
+    one recovery command, which brings every node back and closes the killed entry. The cutover
+    runs under steady traffic on the head: none cut or errored while both nodes move."""
     g = multinode_group
     m = g.machine
     ctx = g.context()
@@ -140,9 +143,12 @@ def test_cutover_moves_both_nodes_and_a_killed_rollback_is_recovered(multinode_g
     env_vars = dict(os.environ, **m.tree_env())
     run = {"env": env_vars, "cwd": REPO, "capture_output": True, "text": True}
     cut = [APPLIANCE, "cutover", GROUP, g.derived_image, "--timeout", "900"]
-    moved = subprocess.run([*cut, "--root", str(m.root)], check=False, **run)
+    with Traffic(g.url, g.api_key, label="group cutover") as traffic:
+        moved = subprocess.run([*cut, "--root", str(m.root)], check=False, **run)
+        traffic.wait_back()
     assert moved.returncode == 0, moved.stdout + moved.stderr
     assert f"{GROUP}: now on {g.derived_image} (was {MTP_IMAGE}); gates passed" in moved.stdout
+    assert (broke := traffic.report.promise(down=True, back=True)) is None, broke
     entry = history.entries(ctx.layout.history_file(GROUP))[-1]
     assert entry.outcome == "ok", entry
     names = [gate.name for gate in entry.gates]
