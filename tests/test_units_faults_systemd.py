@@ -222,6 +222,8 @@ def keep_streaming(
     return outcomes
 
 
+# Its own clients are the traffic (streams always in flight, every arrival's answer checked).
+@pytest.mark.traffic
 def test_stop_is_not_restarted_and_logs_the_drain(systemd_instance):
     """An operator's `systemctl stop` (and so every restart, cutover and roll) lets the requests
     in flight finish: with vLLM's default the SIGTERM aborts them, and the 0.32 CPU engine then
