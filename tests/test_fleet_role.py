@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from ansible.parsing.dataloader import DataLoader
 
 ROLE = Path(__file__).resolve().parents[1] / "deploy/ansible/roles/gemma4_appliance"
 DEFAULT_FILE = "/etc/default/prometheus"
@@ -25,7 +24,18 @@ LOOPBACK_ARG = "--web.listen-address=127.0.0.1:9090"
 
 
 def _tasks(name: str) -> list[dict]:
-    return DataLoader().load_from_file(str(ROLE / "tasks" / name))
+    # Read in a child: importing ansible patches sys.intern in this process, and every later
+    # import of torch (vLLM's) in the same pytest then fails (substitute_in_graph TypeError).
+    code = (
+        "import json, sys\n"
+        "from ansible.parsing.dataloader import DataLoader\n"
+        "print(json.dumps(DataLoader().load_from_file(sys.argv[1])))"
+    )
+    path = str(ROLE / "tasks" / name)
+    out = subprocess.run(
+        [sys.executable, "-c", code, path], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout)
 
 
 def _named(tasks: list[dict], name: str) -> dict:
