@@ -252,3 +252,42 @@ def test_with_no_handler_to_follow_the_gate_says_so_and_never_shuts(capsys):
     finally:
         signal.signal(signal.SIGTERM, before)
     assert "no SIGTERM handler to follow" in capsys.readouterr().err
+
+
+def test_a_generation_whose_200_was_not_yet_sent_when_the_gate_shut_is_refused_not_aborted():
+    """vLLM starts a stream's 200 before its first token: a request admitted an instant before
+    the SIGTERM, then aborted by the engine core with no token (``_reject_add_in_shutdown``),
+    read as a cut stream (seen in a fleet roll under traffic). The gate holds a generation's
+    answer until a token, so such a one goes out as the refusal; with the gate open the same
+    tokenless answer passes as it came."""
+    start = {"type": "http.response.start", "status": 200, "headers": []}
+    role = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
+    abort = b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]}\n\n'
+    bodies = [
+        {"type": "http.response.body", "body": role, "more_body": True},
+        {"type": "http.response.body", "body": abort, "more_body": True},
+        {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False},
+    ]
+
+    def through_the_gate(shut_after_start: bool) -> list[dict]:
+        sent: list[dict] = []
+        gate = StopGate(None)
+        gate._watching = True  # no signal handler here: the gate is shut by hand
+
+        async def app(scope, receive, send):
+            await send(start)
+            gate.shut = shut_after_start  # the SIGTERM lands after vLLM started the answer
+            for message in bodies:
+                await send(message)
+
+        async def record(message):
+            sent.append(message)
+
+        gate.app = app
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions"}
+        asyncio.run(gate(scope, None, record))
+        return sent
+
+    refused_ = through_the_gate(shut_after_start=True)
+    assert [m.get("status") for m in refused_] == [503, None], refused_
+    assert through_the_gate(shut_after_start=False) == [start, *bodies]

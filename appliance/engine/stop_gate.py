@@ -25,8 +25,11 @@ gate, then calls the one it replaced: vLLM's drain runs exactly as before. Shut,
 - answers every new request (``/health`` too) with 503, ``Retry-After`` and ``Connection:
   close``, after reading its body (closing on an unread body resets the connection); once the
   drain is over vLLM closes its socket and connections are refused;
-- holds back an answer that starts only after the SIGTERM until it shows a generated token: a
-  500, or an answer with no token (the engine core's abort above), goes out as that same 503.
+- holds back every generation's answer (``GENERATIONS``) until it shows a generated token (a
+  client waits for the first token either way), and any other answer that starts after the
+  SIGTERM likewise: one still without a token when the gate shuts, or that starts
+  after, goes out as that same 503 if it fails (500) or ends with no token (the engine core's
+  abort above: its 200 had not left yet, so the client is told to retry instead).
 
 The listening socket stays open until vLLM closes it: closed at the SIGTERM, every connection
 still in its accept queue would be reset (a client reads ``connection reset``, not a refusal;
@@ -52,6 +55,8 @@ import sys
 # another instance; a restarted one refuses connections until it listens again).
 RETRY_AFTER_S = 5
 OPEN_PATHS = frozenset({"/metrics"})
+# The answers the engine core can abort with no token after their 200 (``_reject_add_in_shutdown``).
+GENERATIONS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 MESSAGE = "vLLM is stopping: the requests in flight finish, new ones are refused; retry"
 # Where a token shows in vLLM's OpenAI answers: a chat delta or message, a completion's text.
 _TOKEN_FIELDS = ("content", "reasoning", "reasoning_content", "tool_calls", "text")
@@ -112,16 +117,18 @@ class StopGate:
             for message in _refusal():
                 await send(message)
             return
-        await self.app(scope, receive, _Answer(self, send).send)
+        generation = scope.get("method") == "POST" and scope.get("path") in GENERATIONS
+        await self.app(scope, receive, _Answer(self, send, generation).send)
 
 
 class _Answer:
-    """One admitted request's answer on its way out. Started before the gate shut, it passes as
-    it is. Started after, it is held until it shows a token (then sent whole and passed); one
-    that fails (500) or ends without a token goes out as the refusal instead."""
+    """One admitted request's answer on its way out. A generation's, or any answer starting
+    after the gate shut, is held until it shows a token (then sent whole and passed). One that
+    ends without a token passes as it is while the gate is open; once it is shut, such an
+    answer, or a 500, goes out as the refusal instead."""
 
-    def __init__(self, gate: StopGate, send) -> None:
-        self.gate, self._send = gate, send
+    def __init__(self, gate: StopGate, send, generation: bool) -> None:
+        self.gate, self._send, self.generation = gate, send, generation
         self.mode = "start"  # start -> pass | hold -> pass | refused
         self.held: list[dict] = []
 
@@ -134,17 +141,16 @@ class _Answer:
             self.held.append(message)
             ended = not message.get("more_body", False)
             body = b"".join(m.get("body", b"") for m in self.held[1:])
-            shown = _shows_token(body, ended)
-            if shown:
+            if _shows_token(body, ended) or (ended and not self.gate.shut):
                 await self._release()
             elif ended:
                 await self._refuse()
 
     async def _start(self, message: dict) -> None:
-        if message["type"] != "http.response.start" or not self.gate.shut:
+        if message["type"] != "http.response.start" or not (self.generation or self.gate.shut):
             self.mode = "pass"
             await self._send(message)
-        elif message["status"] == 500:
+        elif message["status"] == 500 and self.gate.shut:
             await self._refuse()
         elif message["status"] != 200:
             self.mode = "pass"

@@ -13,7 +13,10 @@ Each request ends in one class:
 - ``whole``: answered 200 and complete (finish reason and usage equal what was asked);
 - ``refused``: turned away so that a client can retry: 503 (vLLM's admission at the queue bound,
   a stopping server), a 503 error event before any token, or a refused connection (nothing
-  listens while the engine is down);
+  listens while the engine is down); also a connection reset before any answer within
+  ``REFUSAL_GAP_S`` of another refusal: the kernel resets the connections still queued on a
+  listening socket when vLLM closes it at the drain's end, so the request never reached the
+  server (counted apart as ``reset`` in the summary: the stop's one residual race, issue 52);
 - ``cut``: accepted (200) and then ended short: a stream without its finish or usage, a body
   cut off, an error event after tokens, a finish that is not ``length``;
 - ``error``: anything else: a 500, another status, a connection dropped with no answer, a
@@ -21,7 +24,8 @@ Each request ends in one class:
 
 The promise every operation keeps (issue 52): nothing ``cut``, nothing ``error``. The harness is
 bounded (``max_seconds``, ``max_requests``) and stops by itself; a refused client waits
-``retry_s`` before its next call, as a client backing off would, and a client of short calls
+``retry_s`` (or the 503's ``Retry-After``, as a client told so would) before its next call, and
+a client of short calls
 ``think_s`` after each. One connection per request:
 a pooled keep-alive connection closed by the server between two calls would read as an error
 that no client of the instance sees. Standard library and httpx only: the traffic benchmark
@@ -40,6 +44,8 @@ from typing import Self
 
 import httpx
 
+from appliance import shed
+
 WHOLE, REFUSED, CUT, ERROR = "whole", "refused", "cut", "error"
 CLASSES = (WHOLE, REFUSED, CUT, ERROR)
 
@@ -49,6 +55,7 @@ SHORT_TOKENS = (8, 16, 24, 32)
 # Refusals closer together than this belong to one stretch of the instance refusing traffic
 # (a refused client calls again every ``retry_s``).
 REFUSAL_GAP_S = 3.0
+RESET = "reset before any answer while the instance refused traffic"
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,8 @@ class Report:
             (
                 f"  refused traffic for {self.refused_seconds:.1f} s ({windows or 'never'}): "
                 f"{self.shed()} answered 503, {c[REFUSED] - self.shed()} connections refused "
-                f"over {self.down_seconds:.1f} s; "
+                f"over {self.down_seconds:.1f} s "
+                f"({sum(o.detail.startswith(RESET) for o in self.of(REFUSED))} reset); "
                 f"{len(self.drained())} whole while others were refused, "
                 f"{len(self.whole_after_refusals())} whole after the last refusal"
             ),
@@ -176,6 +184,7 @@ class _Client:
     running_since: float | None = None
     running_stream: bool = False
     running_tokens: int = 0
+    wait_s: float = 0.0  # the last 503's Retry-After
 
 
 class Traffic:
@@ -211,6 +220,7 @@ class Traffic:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._flowing = threading.Event()
+        self._last_refused = float("-inf")
         self._threads: list[threading.Thread] = []
         self.started = 0.0
         self.label = label
@@ -310,8 +320,11 @@ class Traffic:
                 with self._lock:
                     self._outcomes.append(out)
                     c.running_since = None
+                    if out.cls == REFUSED:
+                        self._last_refused = max(self._last_refused, out.end)
                 if out.cls != WHOLE:
-                    self._done.wait(self.retry_s)
+                    self._done.wait(max(self.retry_s, c.wait_s))
+                    c.wait_s = 0.0
                 elif not c.long:
                     # A short call's client thinks a moment: back to back, six clients' HTTP and
                     # tokenizing alone took most of two cores and doubled a fleet roll's time.
@@ -339,6 +352,7 @@ class Traffic:
                 status = resp.status_code
                 if status != 200:
                     text = resp.read().decode(errors="replace")[:300]
+                    c.wait_s = shed.retry_after(resp.headers.get("retry-after")) or 0.0
                     return done(REFUSED if status == 503 else ERROR, status, text)
                 self._flowing.set()
                 try:
@@ -351,6 +365,12 @@ class Traffic:
             if "refused" in str(exc).lower():
                 return done(REFUSED, None, "connection refused")
             return done(ERROR, None, f"ConnectError: {exc}")
+        except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
+            with self._lock:
+                refusing = time.monotonic() - self._last_refused <= REFUSAL_GAP_S
+            if refusing:
+                return done(REFUSED, None, f"{RESET}: {type(exc).__name__}: {exc}")
+            return done(ERROR, None, f"{type(exc).__name__}: {exc}")
         except httpx.HTTPError as exc:  # no answer at all: dropped, timed out
             return done(ERROR, None, f"{type(exc).__name__}: {exc}")
 
