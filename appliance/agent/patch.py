@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextvars
 import weakref
 
-import openai
 import wrapt
 from opentelemetry import trace
 
@@ -24,19 +23,24 @@ from .worker import WORKER
 class _Create(wrapt.ObjectProxy):
     """Proxy for a ``Completions`` resource whose ``create`` goes through the agent."""
 
-    def __init__(self, resource, settings: Settings, operation: str, is_async: bool) -> None:
+    def __init__(
+        self, resource, settings: Settings, operation: str, is_async: bool, stream_type: type
+    ) -> None:
         super().__init__(resource)
         self._self_settings = settings
         self._self_operation = operation
         self._self_async = is_async
+        self._self_stream_type = stream_type
 
     def create(self, *args, **kwargs):
-        if self._self_async:
-            return acall(
-                self._self_settings, self._self_operation, self.__wrapped__.create, args, kwargs
-            )
-        return call(
-            self._self_settings, self._self_operation, self.__wrapped__.create, args, kwargs
+        run = acall if self._self_async else call
+        return run(
+            self._self_settings,
+            self._self_operation,
+            self.__wrapped__.create,
+            args,
+            kwargs,
+            self._self_stream_type,
         )
 
 
@@ -79,10 +83,10 @@ def _current(traced: Call):
     )
 
 
-def call(settings: Settings, operation: str, create, args, kwargs, stream_type=openai.Stream):
+def call(settings: Settings, operation: str, create, args, kwargs, stream_type: type):
     """One sync ``create`` through the agent (shared by the proxy and the instrumentors).
 
-    ``stream_type``: the SDK's stream class (``anthropic.Stream`` for the Anthropic SDK), whose
+    ``stream_type``: the SDK's stream class (``openai.Stream``, ``anthropic.Stream``), whose
     instances are returned wrapped in :class:`.streams.SyncStream`."""
     traced = None if _inside.get() else _new_call(settings, operation, kwargs)
     if traced is None:
@@ -103,9 +107,7 @@ def call(settings: Settings, operation: str, create, args, kwargs, stream_type=o
     return _done(traced, result, stream_type, SyncStream)
 
 
-async def acall(
-    settings: Settings, operation: str, create, args, kwargs, stream_type=openai.AsyncStream
-):
+async def acall(settings: Settings, operation: str, create, args, kwargs, stream_type: type):
     """One async ``create`` through the agent (``stream_type``: the SDK's async stream class)."""
     traced = None if _inside.get() else _new_call(settings, operation, kwargs)
     if traced is None:
@@ -275,9 +277,9 @@ def _new_call(settings: Settings, operation: str, kwargs: dict) -> Call | None:
 
 
 class _Chat(wrapt.ObjectProxy):
-    def __init__(self, chat, settings: Settings, is_async: bool) -> None:
+    def __init__(self, chat, settings: Settings, is_async: bool, stream_type: type) -> None:
         super().__init__(chat)
-        self._self_completions = _Create(chat.completions, settings, "chat", is_async)
+        self._self_completions = _Create(chat.completions, settings, "chat", is_async, stream_type)
 
     @property
     def completions(self):
@@ -289,10 +291,15 @@ class InstrumentedClient(wrapt.ObjectProxy):
 
     def __init__(self, client, settings: Settings) -> None:
         super().__init__(client)
+        import openai  # the application's own: it made ``client`` with it
+
         is_async = isinstance(client, openai.AsyncOpenAI)
+        stream_type = openai.AsyncStream if is_async else openai.Stream
         self._self_settings = settings
-        self._self_chat = _Chat(client.chat, settings, is_async)
-        self._self_completions = _Create(client.completions, settings, "text_completion", is_async)
+        self._self_chat = _Chat(client.chat, settings, is_async, stream_type)
+        self._self_completions = _Create(
+            client.completions, settings, "text_completion", is_async, stream_type
+        )
 
     @property
     def chat(self):

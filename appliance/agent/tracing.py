@@ -6,6 +6,11 @@ Read by the SDK itself: ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES`` (the
 ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (``http/protobuf`` default, to a collector's port 4318, or
 ``grpc``, its port 4317, with the ``otlp-grpc`` extra) and ``OTEL_TRACES_EXPORTER`` (``otlp``
 default, ``console`` or ``none``).
+
+The OpenTelemetry SDK and the OTLP exporters are the application's choice, as in the upstream
+instrumentations: the agent itself needs only the API. They come with the ``otlp`` extra (and
+``otlp-grpc``), and are imported here only when a provider is built; without them,
+:func:`setup_tracing` raises one line naming the extra.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import importlib
 import logging
 import os
 import threading
+from typing import TYPE_CHECKING
 
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry import trace
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 _log = logging.getLogger(__name__)
 DEFAULT_SERVICE = "gemma4-agent"
@@ -39,15 +47,45 @@ def exporting(env: dict[str, str] | None = None) -> bool:
     )
 
 
+# What installs the SDK and the default (OTLP/HTTP) exporter.
+OTLP_EXTRA = "pip install 'gemma4-appliance[otlp]'"
+
+
+def sdk_installed() -> bool:
+    """Whether the OpenTelemetry SDK can be imported (without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("opentelemetry.sdk") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _sdk_trace():
+    """``opentelemetry.sdk.trace``; one line naming the extra when the SDK is not installed."""
+    try:
+        return importlib.import_module("opentelemetry.sdk.trace")
+    except ModuleNotFoundError as exc:
+        raise UsageError(
+            f"exporting spans needs the OpenTelemetry SDK, which is not installed: no module "
+            f"named {exc.name!r}",
+            fix=OTLP_EXTRA,
+        ) from None
+
+
 def setup_tracing(env: dict[str, str] | None = None) -> TracerProvider:
     """A provider configured from the environment (not made global: the caller decides)."""
+    sdk = _sdk_trace()
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
     env = dict(os.environ if env is None else env)
     if not env.get("OTEL_SERVICE_NAME"):
         env["OTEL_SERVICE_NAME"] = DEFAULT_SERVICE
     # Resource.create() reads only os.environ; merge what ``env`` says over its defaults.
     resource = Resource.create().merge(_resource_from(env))
     exporter = _exporter(env)  # first: a setting it refuses leaves no provider behind
-    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    provider = sdk.TracerProvider(resource=resource, shutdown_on_exit=False)
     atexit.register(_bounded_shutdown, provider)
     if exporter is not None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -59,6 +97,8 @@ def _exporter(env: dict[str, str]) -> SpanExporter | None:
     if kind == "none":
         return None
     if kind == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
         return ConsoleSpanExporter()
     if kind != "otlp":
         raise UsageError(
@@ -68,23 +108,28 @@ def _exporter(env: dict[str, str]) -> SpanExporter | None:
     return _exporter_class(protocol)(**_endpoint(env, protocol))
 
 
-def own_provider() -> TracerProvider:
+def own_provider() -> trace.TracerProvider:
     """:func:`setup_tracing` for a program that did not ask for it (the zero-code launcher):
     never raises, as a telemetry setting must not stop the application. A setting it cannot
-    follow is logged as one line, and the spans are then dropped."""
+    follow is logged as one line, and the spans are then dropped. Without the SDK and with no
+    endpoint named (a program that wants the metrics only), the spans are dropped silently."""
+    if not sdk_installed() and not exporting():
+        return trace.NoOpTracerProvider()
     try:
         return setup_tracing()
     except UsageError as exc:
         _log.warning("spans are not exported: %s", exc)
-        return TracerProvider(shutdown_on_exit=False)
+        if not sdk_installed():
+            return trace.NoOpTracerProvider()
+        return _sdk_trace().TracerProvider(shutdown_on_exit=False)
 
 
-# protocol -> (the exporter's module, what installs it). The gRPC exporter brings grpcio (18 MB
-# installed), so it is an extra; the HTTP one is a dependency of the appliance.
+# protocol -> (the exporter's module, what installs it). Each is an extra with the SDK: the
+# agent needs neither (the application picks them); the gRPC one brings grpcio (18 MB installed).
 EXPORTERS = {
     "http/protobuf": (
         "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-        "pip install opentelemetry-exporter-otlp-proto-http",
+        OTLP_EXTRA,
     ),
     "grpc": (
         "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
@@ -134,7 +179,9 @@ def _bounded_shutdown(provider: TracerProvider, bound: float = EXIT_EXPORT_S) ->
         )
 
 
-def _resource_from(env: dict[str, str]) -> Resource:
+def _resource_from(env: dict[str, str]):
+    from opentelemetry.sdk.resources import Resource
+
     attrs: dict[str, str] = {}
     for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
         key, sep, value = item.partition("=")

@@ -12,6 +12,8 @@ import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..errors import UsageError
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -30,8 +32,16 @@ Num = float | None
 
 @functools.cache
 def _mpl():
-    """matplotlib on the Agg backend, imported on first use (keeps the CLI's start fast)."""
-    import matplotlib
+    """matplotlib on the Agg backend, imported on first use (keeps the CLI's start fast); one
+    line naming the extra where it is not installed (the ``reports`` extra, ADR 0020)."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError as exc:
+        raise UsageError(
+            f"HTML reports draw their charts with matplotlib, which is not installed: no module "
+            f"named {exc.name!r}",
+            fix="pip install 'gemma4-appliance[reports]'",
+        ) from None
 
     matplotlib.use("Agg")
     return matplotlib
@@ -47,9 +57,10 @@ def _svg(fig: Figure) -> str:
 
 
 def _figure(width: float = 6.4, height: float = 3.2) -> Figure:
+    mpl = _mpl()  # first: the one line above where matplotlib is missing
     from matplotlib.figure import Figure
 
-    with _mpl().rc_context(RC):
+    with mpl.rc_context(RC):
         return Figure(figsize=(width, height), layout="constrained")
 
 
