@@ -6,11 +6,13 @@ lookup from whichever distribution is installed, then hands over to vLLM's own C
 ``serve`` and ``bench`` behave exactly as upstream.
 
 One more difference, for speed (ADR 0015): the CPU engine forks its engine core and workers, as
-vLLM does on GPUs, instead of spawning fresh interpreters.
+vLLM does on GPUs, instead of spawning fresh interpreters. And one for a stop on older vLLM
+releases: their SIGTERM reaches vLLM's drain, not uvicorn's exit (``_leave_signals_to_vllm``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from importlib import metadata
@@ -71,6 +73,28 @@ def _fork_engine_processes() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def _leave_signals_to_vllm() -> None:
+    """Keep uvicorn from taking SIGTERM and SIGINT away from vLLM's own drain.
+
+    vLLM's ``serve_http`` drains on SIGTERM: ``loop.add_signal_handler`` sets its shutdown event,
+    the engine client finishes the requests in flight (``--shutdown-timeout``), and only then
+    the HTTP server exits. But ``uvicorn.Server.serve`` enters ``capture_signals``, which since
+    uvicorn 0.29 installs uvicorn's own ``handle_exit`` with ``signal.signal`` over vLLM's
+    handler: the server closes its listener at the SIGTERM, vLLM's drain never starts, and the
+    connections still queued on the socket (which the forked engine core holds open) wait
+    unanswered until the engine core dies and the kernel resets them. Seen with vLLM 0.19 and
+    uvicorn 0.54 (its lock): arrivals during a stop timed out, then were reset. vLLM 0.32 serves
+    through a ``uvicorn.Server`` subclass whose ``capture_signals`` does nothing (PR #50916,
+    after #49668: "Disable uvicorn signal handlers instead of racing them"); this does the same
+    for the releases before it, and changes nothing there.
+    """
+    try:
+        import uvicorn
+    except ImportError:  # not an API server's Python (a headless worker's has it too)
+        return
+    uvicorn.Server.capture_signals = lambda self: contextlib.nullcontext()
+
+
 def main() -> None:
     if _is_cpu_build():
         # vLLM infers the CPU platform from a "+cpu" in the version of ``vllm``; once the
@@ -79,6 +103,7 @@ def main() -> None:
     _patch_version_lookup()
     if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
         _fork_engine_processes()
+    _leave_signals_to_vllm()
     from vllm.entrypoints.cli.main import main as vllm_cli
 
     sys.argv[0] = "vllm"
