@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import apikey, profiles
 from .errors import ApplianceError, UsageError
+from .host.envfile import UnknownInstance, unknown_instance
 from .profiles import Profile
 from .units import instance as instances
 
@@ -72,6 +73,10 @@ def resolve(
         return Endpoint(url or env_url or default, profile, key, None, root)
     try:
         inst = instances.read(root, instance)
+    except UnknownInstance as exc:
+        if url:  # the URL was given: the instance lends its key; doctor reports its files
+            return Endpoint(url, profile, key, instance, root)
+        raise unknown_instance(instance, exc.path, alternative="give --url") from None
     except ApplianceError as exc:
         if url:  # the URL was given: the instance lends its key; doctor reports its files
             return Endpoint(url, profile, key, instance, root)

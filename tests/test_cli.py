@@ -15,11 +15,14 @@ from pathlib import Path
 import click
 import pytest
 
-from appliance import canary, units
+from appliance import canary, images, units
 from appliance.canary import Record, Settings
 from appliance.canary.record import Output
 from appliance.cli import cli
 from appliance.engine.local import free_port
+from appliance.errors import ApplianceError
+from appliance.host import reach
+from appliance.host.systemd import Systemd, SystemdError
 from appliance.profiles import get
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,26 +88,96 @@ def test_the_readme_lists_every_exit_code_the_cli_gives_and_no_other():
     assert "Ctrl-C" in documented[130] and "unknown instance NAME" in documented[2]
 
 
-UNKNOWN_NAME = [
-    ["status", "nosuch"],
-    ["history", "nosuch"],
-    ["cutover", "nosuch", "gemma4-vllm:mtp"],
-    ["rollback", "nosuch"],
-    ["instance", "uninstall", "nosuch"],
-    ["instance", "doctor", "nosuch"],
-    ["fleet", "status", "nosuch"],
-    ["models", "verify", "nosuch"],
-    ["canary", "record", "nosuch", "--out", "r.json"],
-    ["bench", "run", "nosuch"],
-]
+# The commands whose NAME is the instance they create, not one that must exist.
+CREATE = {"instance install", "instance render"}
 
 
-@pytest.mark.parametrize("argv", UNKNOWN_NAME, ids=[" ".join(a[:2]) for a in UNKNOWN_NAME])
-def test_an_unknown_instance_name_is_bad_input_exit_2_in_one_line(tmp_path, argv, cli_run):
-    res = cli_run([*argv, "--root", str(tmp_path)], code=2)
+def _name_commands() -> dict[str, click.Command]:
+    """Every command whose first argument is NAME (an instance), found in the click tree."""
+    out = {}
+
+    def walk(cmd: click.Command, path: list[str]) -> None:
+        if isinstance(cmd, click.Group):
+            ctx = click.Context(cmd)
+            for name in cmd.list_commands(ctx):
+                walk(cmd.get_command(ctx, name), [*path, name])
+            return
+        arguments = [p for p in cmd.params if isinstance(p, click.Argument)]
+        if arguments and arguments[0].name == "name":
+            out[" ".join(path)] = cmd
+
+    walk(cli, [])
+    return out
+
+
+NAMED = _name_commands()
+
+
+def test_an_instance_is_called_name_wherever_a_command_takes_one():
+    assert {"fleet snapshot", "fleet soak", "fleet status", "bench run", "cutover"} <= set(NAMED)
+    assert CREATE <= set(NAMED)
+    for path, cmd in NAMED.items():
+        [name] = [p for p in cmd.params if p.name == "name"]
+        assert name.human_readable_name in ("NAME", "[NAME]"), path
+
+
+def _argv(path: str, cmd: click.Command, root: Path, elsewhere: Path) -> list[str]:
+    """``path nosuch`` with a stand-in for every other required argument and option: a file
+    that exists where one must, else a path outside the tree (nothing may be written there)."""
+    argv = [*path.split(), "nosuch"]
+    for p in cmd.params:
+        if not p.required or p.name == "name":
+            continue
+        if isinstance(p.type, click.Path) and p.type.exists:
+            given = elsewhere / "in.json"
+            given.write_text("{}")
+            value = str(given)
+        elif isinstance(p.type, click.Path) or "Path" in type(p.type).__name__:
+            value = str(elsewhere / "out" / p.name)
+        else:
+            value = "gemma4-vllm:0.32.0-mtp" if isinstance(p, click.Argument) else "1"
+        argv += [value] if isinstance(p, click.Argument) else [p.opts[0], value]
+    return [*argv, "--root", str(root)]
+
+
+# Worded otherwise until the install pipeline's refactor of units/writer.py lands (strict: it
+# fails the day it is fixed, and goes then).
+PENDING = {"instance uninstall": "units/writer.py says 'instance X is not installed under R'"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=PENDING[p]))
+        if p in PENDING
+        else p
+        for p in sorted(set(NAMED) - CREATE)
+    ],
+)
+def test_an_unknown_instance_name_is_bad_input_exit_2_in_the_one_line(tmp_path, path, cli_run):
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    res = cli_run(_argv(path, NAMED[path], root, elsewhere), code=2)
     [line] = res.output.splitlines()
-    assert line.startswith("Error: ") and "nosuch" in line
-    assert list(tmp_path.iterdir()) == []  # nothing written on the way to the refusal
+    env = root / "etc/gemma4-vllm/nosuch.env"
+    assert line.startswith(f"Error: no instance nosuch: no {env} (`appliance status` lists"), line
+    assert list(root.iterdir()) == []  # nothing written on the way to the refusal
+    assert not (elsewhere / "out").exists()
+
+
+def test_a_tree_whose_systemd_or_docker_is_not_named_is_refused_alike(tmp_path, monkeypatch):
+    """One code per kind of refusal: a --root tree that names neither its systemd nor its
+    Docker engine is bad input (2) for both, and still a systemd error to systemd's callers."""
+    monkeypatch.delenv(reach.SYSTEMD_ENV, raising=False)
+    monkeypatch.delenv(reach.DOCKER_ENV, raising=False)
+    with pytest.raises(ApplianceError) as by_docker:
+        images.client(root=tmp_path)
+    with pytest.raises(SystemdError) as by_systemd:
+        Systemd.of_tree(tmp_path).restart("gemma4-vllm@x.service")
+    assert by_docker.value.exit_code == by_systemd.value.exit_code == 2
+    for refused, what in ((by_docker, "Docker"), (by_systemd, "systemd")):
+        assert str(refused.value).startswith(f"--root {tmp_path} is not this host's /: its {what}")
 
 
 def test_ctrl_c_exits_130_with_one_line_and_nothing_written(tmp_path):

@@ -205,9 +205,10 @@ def test_set_value_refuses_a_value_that_would_not_read_back():
             envfile.set_value(SEED_LIKE, "VLLM_IMAGE", value)
 
 
-def test_read_missing_file_says_install_first(tmp_path):
-    with pytest.raises(envfile.EnvFileError, match="no env file .*install"):
+def test_read_missing_file_is_the_unknown_instance_refusal(tmp_path):
+    with pytest.raises(envfile.EnvFileError, match="no instance nope: no .*instance install") as e:
         envfile.read(tmp_path / "nope.env")
+    assert e.value.exit_code == 2
 
 
 # A writer that alternates two large contents through the real atomic path as fast as it can.

@@ -76,7 +76,7 @@ def test_history_and_status_of_an_unknown_instance_is_one_line_and_exit_2(tmp_pa
     for argv in (["history", "nosuch"], ["status", "nosuch"]):
         result = cli_run([*argv, "--root", str(tmp_path)], code=2)
         assert result.output == (
-            f"Error: no instance nosuch: no {tmp_path}/etc/gemma4-vllm/nosuch.env and no history"
+            f"Error: no instance nosuch: no {tmp_path}/etc/gemma4-vllm/nosuch.env"
             " (`appliance status` lists the installed instances;"
             " `appliance instance install nosuch --profile PROFILE` installs it)\n"
         )

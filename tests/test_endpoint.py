@@ -54,9 +54,9 @@ def test_an_instance_not_installed_is_one_line_and_exit_2(tmp_path, cli_run):
     ):
         res = cli_run([*argv, "--root", str(tmp_path)], code=2)
         assert res.output == (
-            "Error: cannot tell where instance nosuch serves: no env file "
-            f"{tmp_path}/etc/gemma4-vllm/nosuch.env (install the instance first: appliance "
-            "install ..., or give --url)\n"
+            f"Error: no instance nosuch: no {tmp_path}/etc/gemma4-vllm/nosuch.env (`appliance "
+            "status` lists the installed instances; `appliance instance install nosuch --profile "
+            "PROFILE` installs it; or give --url)\n"
         )
     assert not (tmp_path / "r.json").exists()
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -143,7 +142,7 @@ def cutover(
             allow_unit_overrides=allow_unit_overrides,
             force=force,
         )
-        click.echo(json.dumps(found, sort_keys=True))
+        echo_json(found)
         return
     entry = flow.cutover(
         _context(root),

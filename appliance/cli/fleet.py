@@ -29,7 +29,7 @@ def _instance(root: Path, name: str):
 
 
 @fleet.command(name="snapshot")
-@click.argument("instance")
+@click.argument("name", metavar="NAME")
 @click.option(
     "--out",
     type=OutputPath(),
@@ -37,20 +37,20 @@ def _instance(root: Path, name: str):
     help="Where to write the reading (JSON): the soak's pre-cutover figures.",
 )
 @root_option
-def snapshot(instance: str, out: Path, root: Path) -> None:
-    """Save INSTANCE's vLLM counters now (before a cutover), for `fleet soak --before`."""
-    inst, key = _instance(root, instance)
+def snapshot(name: str, out: Path, root: Path) -> None:
+    """Save NAME's vLLM counters now (before a cutover), for `fleet soak --before`."""
+    inst, key = _instance(root, name)
     reading = soak.read(inst.base_url, key)
     write_atomic(out, soak.dumps(reading))
     w = soak.window(None, reading)
     click.echo(
-        f"{instance}: {w.requests} answers, {w.spec.drafts or 0} drafts, acceptance "
+        f"{name}: {w.requests} answers, {w.spec.drafts or 0} drafts, acceptance "
         f"{soak._pct(w.spec.acceptance)} since the server started -> {out}"
     )
 
 
 @fleet.command(name="soak")
-@click.argument("instance")
+@click.argument("name", metavar="NAME")
 @click.option(
     "--before",
     "before_file",
@@ -75,7 +75,7 @@ def snapshot(instance: str, out: Path, root: Path) -> None:
 @click.option("--json", "json_", is_flag=True, help="Print the verdict as JSON.")
 @root_option
 def soak_(
-    instance: str,
+    name: str,
     before_file: Path,
     seconds: float,
     probe_requests: int,
@@ -87,12 +87,12 @@ def soak_(
     json_: bool,
     root: Path,
 ) -> None:
-    """Soak INSTANCE after its cutover; exit 1 when it regressed against --before."""
+    """Soak NAME after its cutover; exit 1 when it regressed against --before."""
     thresholds = soak.Thresholds(
         max_acceptance_drop, max_tokens_per_step_drop, max_error_rate_rise, min_drafts, min_requests
     )
+    inst, key = _instance(root, name)
     before = soak.loads(before_file.read_text(), str(before_file))
-    inst, key = _instance(root, instance)
     run = soak.Soak(inst.base_url, inst.served_model, key, seconds, probe_requests)
     run.thresholds = thresholds
     verdict = soak.run(run, before, progress=lambda m: click.echo(m, err=True))
@@ -110,19 +110,19 @@ def soak_(
             click.echo(f"  note: {note}")
     if not verdict.ok:
         raise ApplianceError(
-            f"{instance}: the soak found a regression: " + "; ".join(verdict.regressions),
+            f"{name}: the soak found a regression: " + "; ".join(verdict.regressions),
             fix="the rollout stops; the playbook rolls back every host it cut over",
         )
-    click.echo(f"{instance}: soak passed")
+    click.echo(f"{name}: soak passed")
 
 
 @fleet.command(name="status")
-@click.argument("instance")
+@click.argument("name", metavar="NAME")
 @click.option("--json", "json_", is_flag=True, help="One JSON object.")
 @root_option
-def status(instance: str, json_: bool, root: Path) -> None:
-    """INSTANCE on this host: env file's image, running container's image, MTP, acceptance."""
-    st = hosts.host_status(instance, root)
+def status(name: str, json_: bool, root: Path) -> None:
+    """NAME on this host: env file's image, running container's image, MTP, acceptance."""
+    st = hosts.host_status(name, root)
     if json_:
         echo_json(st.to_dict())
         return

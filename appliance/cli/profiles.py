@@ -77,13 +77,13 @@ def profiles_list(json_: bool) -> None:
 
 
 @profiles.command(name="show")
-@click.argument("name")
+@click.argument("profile", metavar="PROFILE")
 @click.option("--json", "json_", is_flag=True, help="The command's argv and the findings as JSON.")
-def profiles_show(name: str, json_: bool) -> None:
-    """Print the exact `vllm serve` command of profile NAME, a shipped one or a TOML file of
+def profiles_show(profile: str, json_: bool) -> None:
+    """Print the exact `vllm serve` command of PROFILE, a shipped one or a TOML file of
     yours (a path: ./mine.toml); its memory fit per GPU, where its values come from (measured,
     or a seed's unverified shape) and the findings on stderr."""
-    p = prof.lookup(name)
+    p = prof.lookup(profile)
     model_dir = "$DEVMODEL" if p.uses_devmodel else None
     argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir), *p.queue_args()]
     fit = pv.estimated_fit(p)
@@ -103,7 +103,7 @@ def profiles_show(name: str, json_: bool) -> None:
 
 
 @profiles.command(name="validate")
-@click.argument("names", nargs=-1)
+@click.argument("names", nargs=-1, metavar="[PROFILE]...")
 @click.option(
     "files",
     "--file",
@@ -116,7 +116,7 @@ def profiles_show(name: str, json_: bool) -> None:
 def profiles_validate(
     names: tuple[str, ...], files: tuple[str, ...], vllm_version: str | None
 ) -> None:
-    """Validate profiles NAMES and --file TOMLs (default: every shipped one); exit 1 on errors."""
+    """Validate each PROFILE and --file TOMLs (default: every shipped one); exit 1 on errors."""
     selected = [prof.lookup(n) for n in names] + [prof.load_file(f) for f in files]
     if not selected:
         selected = list(prof.all_profiles().values())

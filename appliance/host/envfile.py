@@ -46,6 +46,28 @@ class EnvFileError(ApplianceError):
     """The env file is missing or unreadable."""
 
 
+class UnknownInstance(EnvFileError, UsageError):
+    """No env file: the instance NAME is not installed here. Bad input (exit 2), the one line
+    every command that takes a NAME says for a name it does not know."""
+
+    name: str
+    path: Path
+
+
+def unknown_instance(name: str, path: Path, *, alternative: str = "") -> UnknownInstance:
+    """The one refusal of an unknown instance ``name`` whose env file would be ``path``;
+    ``alternative``: what else the command takes instead (``give --url``)."""
+    fix = (
+        f"`appliance status` lists the installed instances; "
+        f"`appliance instance install {name} --profile PROFILE` installs it"
+    )
+    exc = UnknownInstance(
+        f"no instance {name}: no {path}", fix=f"{fix}; or {alternative}" if alternative else fix
+    )
+    exc.name, exc.path = name, path
+    return exc
+
+
 class EnvFileSyntaxError(UsageError):
     """A line systemd and the appliance could read differently: refused, never guessed."""
 
@@ -148,9 +170,7 @@ def read(path: Path) -> EnvFile:
     try:
         env = EnvFile(path, path.read_bytes())
     except FileNotFoundError:
-        raise EnvFileError(
-            f"no env file {path}", fix="install the instance first: appliance install ..."
-        ) from None
+        raise unknown_instance(path.stem, path) from None
     except OSError as exc:
         raise EnvFileError(f"cannot read {path}: {exc.strerror}") from exc
     env.values  # noqa: B018 -- refuse an ambiguous file before anyone acts on it

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UsageError
 from . import names
+from .envfile import unknown_instance
 from .names import ROLES, Role, check_instance, node_instance
 
 ENV_DIR = Path(names.ENV_DIR).relative_to("/")
@@ -95,11 +95,13 @@ class Layout:
         return self.env_dir / f"{check_instance(name)}.env"
 
     def args_file(self, instance: str) -> Path:
-        """The engine's arguments, from the profile (JSON, written by ``appliance install``)."""
+        """The engine's arguments, from the profile (JSON, written by ``appliance instance
+        install``)."""
         return self.env_dir / f"{check_instance(instance)}.args"
 
     def api_key_file(self, instance: str) -> Path:
-        """The API key vLLM requires on ``/v1`` (mode 0600, written by ``appliance install``)."""
+        """The API key vLLM requires on ``/v1`` (mode 0600, written by ``appliance instance
+        install``)."""
         return self.env_dir / f"{check_instance(instance)}.api-key"
 
     def profile_copy(self, name: str) -> Path:
@@ -186,11 +188,7 @@ class Layout:
         """Refuse a name this host has never seen: no env file and no history (an uninstalled
         instance's history is kept, and stays readable)."""
         if not (self.env_file(name).exists() or self.history_file(name).exists()):
-            raise UsageError(
-                f"no instance {name}: no {self.env_file(name)} and no history",
-                fix=f"`appliance status` lists the installed instances; "
-                f"`appliance instance install {name} --profile PROFILE` installs it",
-            )
+            raise unknown_instance(name, self.env_file(name))
 
     # ---- the appliance's state, per instance ----------------------------------------------------
 

@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ApplianceError
+from ..errors import ApplianceError, UsageError
 from . import reach
 
 PREFIX_ENV = reach.SYSTEMD_ENV
@@ -21,6 +21,11 @@ PREFIX_ENV = reach.SYSTEMD_ENV
 
 class SystemdError(ApplianceError):
     """systemctl or journalctl could not be run, or refused."""
+
+
+class SystemdNotNamed(SystemdError, UsageError):
+    """A tree other than ``/`` whose systemd is not named (:func:`.reach.refusal`): bad input,
+    exit 2, as the same refusal for its Docker engine."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ class Systemd:
 
     def _run(self, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
         if self.refusal:
-            raise SystemdError(self.refusal)
+            raise SystemdNotNamed(self.refusal)
         cmd = [*self.prefix, *args]
         try:
             return subprocess.run(

@@ -206,6 +206,11 @@ def check(
     o = options or Options()
     client = docker_client or images.reachable(root)
     if instance is not None:
+        env_path = Layout(root).env_file(instance)
+        if profile is None and not env_path.exists():  # nothing says which profile NAME runs
+            raise envfile.unknown_instance(
+                instance, env_path, alternative="name the profile to install: --profile P"
+            )
         plan = planned(profile, instance, root=root, options=options)
         if o.image is None and not plan.existing.get(envfile.IMAGE_KEY):
             chosen = _default(client, plan.profile)
