@@ -16,14 +16,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from test_agent_meter import points as meter_points
 
 from appliance import agent, demo, specdecode
+from appliance.agent import spans
 from appliance.agent.instrumentor import OpenAIInstrumentor
 from appliance.agent.server import server_for
 from appliance.agent.worker import WORKER
@@ -160,13 +164,11 @@ def _same_result(a, b) -> None:
 # -- spans over the real OTLP/HTTP exporter ---------------------------------------------------
 
 
-def _export_and_receive(url, receiver, role):
-    env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
-        "OTEL_SERVICE_NAME": "agent-under-test",
-        "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test",
-    }
-    provider = agent.setup_tracing(env)
+def _export_and_receive(url, receiver, role, monkeypatch):
+    # The resource is the SDK's reading of the process's environment.
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "agent-under-test")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+    provider = agent.setup_tracing({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url})
     sent: list[dict] = []
 
     def hook(request):
@@ -190,8 +192,10 @@ def _export_and_receive(url, receiver, role):
     return receiver.wait_for(2), sent
 
 
-def test_spans_reach_a_real_otlp_receiver_with_gen_ai_and_mtp_attributes(mtp_engine, otlp_receiver):
-    got, sent = _export_and_receive(mtp_engine.url, otlp_receiver, "architect")
+def test_spans_reach_a_real_otlp_receiver_with_gen_ai_and_mtp_attributes(
+    mtp_engine, otlp_receiver, monkeypatch
+):
+    got, sent = _export_and_receive(mtp_engine.url, otlp_receiver, "architect", monkeypatch)
     assert len(got) == 2
     plain, stream = got
     for span in got:
@@ -213,6 +217,12 @@ def test_spans_reach_a_real_otlp_receiver_with_gen_ai_and_mtp_attributes(mtp_eng
         assert a["gen_ai.vllm.mtp.draft_tokens"] >= a["gen_ai.vllm.mtp.accepted"] > 0
         assert a["gen_ai.vllm.mtp.drafts"] > 0 and a["gen_ai.vllm.mtp.tokens_per_step"] > 2.5
         assert len(a["gen_ai.vllm.mtp.per_position_acceptance"]) == 2  # k=2
+        # The names of this release (ADR 0020), beside the old ones above until the next.
+        mtp = {k: v for k, v in a.items() if k.startswith("vllm.spec_decode.")}
+        assert {spans.MTP_OLD[k]: v for k, v in mtp.items()} == {
+            k: v for k, v in a.items() if k.startswith("gen_ai.vllm.mtp.")
+        }
+        assert mtp["vllm.spec_decode.num_draft_tokens"] == a["gen_ai.vllm.mtp.draft_tokens"] > 0
         # Prompt and completion text stay out unless enabled.
         assert "gen_ai.input.messages" not in a and "gen_ai.output.messages" not in a
     assert plain.attributes["gen_ai.request.stream"] is False
@@ -226,8 +236,8 @@ def test_spans_reach_a_real_otlp_receiver_with_gen_ai_and_mtp_attributes(mtp_eng
     ]
 
 
-def test_random_drafter_spans_show_low_acceptance(mtp_random_engine, otlp_receiver):
-    got, _ = _export_and_receive(mtp_random_engine.url, otlp_receiver, "worker")
+def test_random_drafter_spans_show_low_acceptance(mtp_random_engine, otlp_receiver, monkeypatch):
+    got, _ = _export_and_receive(mtp_random_engine.url, otlp_receiver, "worker", monkeypatch)
     assert len(got) == 2
     for span in got:
         assert span.attributes["gen_ai.vllm.mtp.source"] == "request"
@@ -644,6 +654,53 @@ def test_prometheus_metrics_by_role_served_on_a_local_port(mtp_engine):
     assert drafted == t.records[0].figures.draft_tokens > 0
     assert get("gemma4_agent_accepted_tokens_total", role="worker", model=MODEL) > 0
     assert get("gemma4_agent_call_duration_seconds_count", role="architect", model=MODEL) == 2
+
+
+def test_the_meter_api_gets_the_figures_prometheus_gets(mtp_engine):
+    """The same exact figures through the OpenTelemetry meter API (E7): an application that
+    exports metrics over OTLP sees what the agent's Prometheus registry and records say."""
+    reader = InMemoryMetricReader()
+    registry = CollectorRegistry()
+    records: list[agent.CallRecord] = []
+    client = agent.instrument(
+        openai.OpenAI(base_url=mtp_engine.url + "/v1", api_key="unused"),
+        role="worker",
+        tracer_provider=TracerProvider(),
+        registry=registry,
+        on_call=records.append,
+        meter_provider=MeterProvider(metric_readers=[reader]),
+    )
+    _plain(client)
+    _stream(client)
+    assert agent.flush(30)
+    got = meter_points(reader)
+    figs = [r.figures for r in records]
+    assert [f.source for f in figs] == ["request", "request"]
+    (acceptance,) = got["vllm.spec_decode.acceptance_rate"]
+    assert acceptance.count == 2
+    assert acceptance.sum == pytest.approx(sum(f.acceptance for f in figs))
+    (length,) = got["vllm.spec_decode.acceptance_length"]
+    assert length.sum == pytest.approx(sum(f.tokens_per_step for f in figs))
+    (drafted,) = got["vllm.spec_decode.num_draft_tokens"]
+    labels = {"role": "worker", "model": MODEL}
+    assert drafted.value == sum(f.draft_tokens for f in figs) > 0
+    assert drafted.value == registry.get_sample_value("gemma4_agent_drafted_tokens_total", labels)
+    (accepted,) = got["vllm.spec_decode.num_accepted_tokens"]
+    assert accepted.value == sum(f.accepted for f in figs)
+    assert dict(drafted.attributes) == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "vllm",
+        "gen_ai.request.model": MODEL,
+        "gen_ai.response.model": MODEL,
+        "server.address": "127.0.0.1",
+        "server.port": mtp_engine.port,
+        "appliance.agent.role": "worker",
+    }
+    usage = {p.attributes["gen_ai.token.type"]: p for p in got["gen_ai.client.token.usage"]}
+    assert usage["output"].sum == sum(r.output_tokens for r in records) == 48
+    assert usage["input"].sum == sum(r.input_tokens for r in records)
+    (duration,) = got["gen_ai.client.operation.duration"]
+    assert duration.count == 2
 
 
 # -- the demo -----------------------------------------------------------------------------------

@@ -231,3 +231,19 @@ def test_a_missing_grpc_exporter_is_one_line_naming_the_extra(plain_python):  # 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == f"spans are not exported: {line}\n"
     assert proc.stdout == f"the program went on\n{line}\n"
+
+
+def test_percent_encoded_resource_attributes_arrive_decoded(otlp_receiver, monkeypatch):
+    """The SDK parses ``OTEL_RESOURCE_ATTRIBUTES`` (the W3C baggage octet rules: a value's
+    ``%20`` is a space, ``%2C`` a comma); the agent's hand parser sent them encoded (E7)."""
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod%20eu,team=a%2Cb")
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_receiver.url)
+    provider = tracing.setup_tracing()
+    provider.get_tracer("test").start_span("one").end()
+    assert provider.force_flush(30_000)
+    provider.shutdown()
+    (span,) = otlp_receiver.spans
+    resource = span.resource
+    assert (resource["deployment.environment"], resource["team"]) == ("prod eu", "a,b")
+    assert resource["service.name"] == tracing.DEFAULT_SERVICE

@@ -13,7 +13,7 @@ from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as g
 from opentelemetry.semconv.attributes import error_attributes, http_attributes, server_attributes
 from prometheus_client import CollectorRegistry
 
-from appliance import metrics_reader
+from appliance import metrics_reader, specdecode
 from appliance.agent import AgentConfig, build_registry, metrics, rules, spans, tracing
 from appliance.agent.server import RESTART_MAX_S, RESTART_MIN_S, Server, Window
 from appliance.errors import UsageError
@@ -62,7 +62,43 @@ def test_removed_helpers_stay_removed():
     assert not hasattr(metrics, "SOURCES") and not hasattr(metrics, "EXACT_SOURCES")
     assert "draft_tokens" in rules.Figures.__dataclass_fields__
     assert "drafted" not in rules.Figures.__dataclass_fields__
-    assert spans.MTP_DRAFT_TOKENS == "gen_ai.vllm.mtp.draft_tokens"
+    assert spans.MTP_DRAFT_TOKENS == "vllm.spec_decode.num_draft_tokens"
+    assert spans.MTP_OLD[spans.MTP_DRAFT_TOKENS] == "gen_ai.vllm.mtp.draft_tokens"
+
+
+def test_mtp_attributes_are_vllm_spec_decode_and_the_old_names_for_one_release():
+    """Provider-specific names stay out of ``gen_ai.`` (the conventions' direction, E7): each
+    figure is ``vllm.spec_decode.*`` and, for this release, also its old ``gen_ai.vllm.mtp.*``
+    name with the same value (ADR 0020)."""
+    d = specdecode.from_response_metrics(
+        {
+            "metrics": {
+                "speculative_decoding": {
+                    "num_spec_steps": 3,
+                    "num_draft_tokens": 6,
+                    "num_accepted_draft_tokens": 4,
+                    "num_spec_tokens": 2,
+                    "per_step_accepted": [2, 1, 1],
+                }
+            }
+        }
+    )
+    attrs = spans.figures_attributes(rules.Figures.from_delta(d, "request"))
+    new = {k: v for k, v in attrs.items() if k.startswith("vllm.spec_decode.")}
+    old = {k: v for k, v in attrs.items() if k.startswith("gen_ai.vllm.mtp.")}
+    assert len(new) == len(old) == 9 and len(attrs) == 18
+    assert {spans.MTP_OLD[k]: v for k, v in new.items()} == old
+    assert new == {
+        "vllm.spec_decode.source": "request",
+        "vllm.spec_decode.shared": False,
+        "vllm.spec_decode.status": "ok",
+        "vllm.spec_decode.num_drafts": 3,
+        "vllm.spec_decode.num_draft_tokens": 6,
+        "vllm.spec_decode.num_accepted_tokens": 4,
+        "vllm.spec_decode.acceptance_rate": 4 / 6,
+        "vllm.spec_decode.acceptance_length": 1 + 4 / 3,
+        "vllm.spec_decode.per_position_acceptance_rate": [1.0, 1 / 3],
+    }
 
 
 def test_pinned_semconv_names_match_the_package():
@@ -144,21 +180,26 @@ def test_malformed_setting_is_logged_once_and_the_default_used(var, value, monke
     assert len(warnings) == 1 and value in warnings[0].getMessage()
 
 
-def test_tracing_from_otel_env():
+def test_tracing_from_otel_env(monkeypatch):
     assert not tracing.exporting({})
     assert tracing.exporting({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
     assert not tracing.exporting(
         {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_TRACES_EXPORTER": "none"}
     )
-    p = tracing.setup_tracing(
-        {
-            "OTEL_SERVICE_NAME": "svc",
-            "OTEL_RESOURCE_ATTRIBUTES": "a=1,b=2",
-            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
-        }
-    )
+    # The resource is the SDK's reading of the process's environment.
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "svc")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "a=1,b=2")
+    p = tracing.setup_tracing({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
     attrs = dict(p.resource.attributes)
     assert (attrs["service.name"], attrs["a"], attrs["b"]) == ("svc", "1", "2")
+    p.shutdown()
+    monkeypatch.delenv("OTEL_SERVICE_NAME")
+    p = tracing.setup_tracing({"OTEL_TRACES_EXPORTER": "none"})
+    assert p.resource.attributes["service.name"] == tracing.DEFAULT_SERVICE
+    p.shutdown()
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=mine")  # the variable's wins
+    p = tracing.setup_tracing({"OTEL_TRACES_EXPORTER": "none"})
+    assert p.resource.attributes["service.name"] == "mine"
     p.shutdown()
     assert tracing._endpoint(
         {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://h:4318/"}, "http/protobuf"

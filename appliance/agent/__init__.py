@@ -8,8 +8,9 @@ Adopt it with one line::
 
 Sync and async clients, streamed and plain ``chat.completions.create`` / ``completions.create``
 are traced; results, exceptions and streams are the bare client's own. Each call gets one CLIENT
-span (OpenTelemetry GenAI conventions, see :mod:`.spans`) with ``gen_ai.vllm.mtp.*`` figures
-attributed per :mod:`.rules`, and the Prometheus metrics of :mod:`.metrics`.
+span (OpenTelemetry GenAI conventions, see :mod:`.spans`) with ``vllm.spec_decode.*`` figures
+attributed per :mod:`.rules`, and the metrics of :mod:`.metrics`: Prometheus, and the same
+through the OpenTelemetry meter API.
 
 Settings: :class:`AgentConfig` (``APPLIANCE_AGENT_*``) and the standard ``OTEL_*`` variables
 (:func:`setup_tracing`). Prompt and completion text are recorded only when
@@ -70,18 +71,27 @@ def instrument(
     tracer_provider: trace.TracerProvider | None = None,
     registry: CollectorRegistry | None = None,
     on_call: Callable[[CallRecord], None] | None = None,
+    meter_provider=None,
 ) -> InstrumentedClient:
     """Wrap an ``openai.OpenAI`` or ``openai.AsyncOpenAI`` client; use the result instead.
 
     ``tracer_provider`` defaults to the global one; ``registry`` to the agent's own (serve it
-    with :func:`serve_metrics`); ``on_call`` receives a :class:`CallRecord` after each call.
+    with :func:`serve_metrics`); ``on_call`` receives a :class:`CallRecord` after each call;
+    ``meter_provider`` (the meter API's; the global one by default) gets the same figures as
+    OpenTelemetry metrics (:mod:`.metrics`).
     """
     cfg = config or AgentConfig.from_env()
     # Ahead of the exit handlers registered so far (e.g. this provider's own shutdown).
     register_exit_flush()
     provider = tracer_provider or trace.get_tracer_provider()
     settings = Settings.for_base(
-        str(client.base_url), cfg, provider, metrics.for_registry(registry), role, on_call
+        str(client.base_url),
+        cfg,
+        provider,
+        metrics.for_registry(registry),
+        role,
+        on_call,
+        meter_provider,
     )
     return InstrumentedClient(client, settings)
 

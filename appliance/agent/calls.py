@@ -21,7 +21,7 @@ from .. import __version__, specdecode
 from ..vllm_client import normalise_base_url
 from . import rules, spans
 from .config import AgentConfig
-from .metrics import AgentMetrics
+from .metrics import AgentMetrics, OTelMetrics, otel_for
 from .responses import NO_BLOCK, Reader
 from .rules import Figures
 from .server import Server, Window, server_for
@@ -67,6 +67,11 @@ class Settings:
     port: int | None
     role: str
     on_call: Callable[[CallRecord], None] | None = None
+    otel: OTelMetrics | None = None  # the meter API's instruments (the global provider's)
+
+    def __post_init__(self) -> None:
+        if self.otel is None:
+            self.otel = otel_for(None)
 
     @classmethod
     def for_base(
@@ -77,8 +82,10 @@ class Settings:
         agent_metrics: AgentMetrics,
         role: str,
         on_call: Callable[[CallRecord], None] | None,
+        meter_provider=None,
     ) -> Settings:
-        """The settings of every call to the server at ``base`` (the client's base URL)."""
+        """The settings of every call to the server at ``base`` (the client's base URL);
+        ``meter_provider``: the meter API's (the global one when ``None``)."""
         parts = urlsplit(base)
         metrics_url = normalise_base_url(config.metrics_url or base) + specdecode.SNAPSHOT_PATH
         return cls(
@@ -90,6 +97,7 @@ class Settings:
             port=parts.port or (443 if parts.scheme == "https" else 80),
             role=role,
             on_call=on_call,
+            otel=otel_for(meter_provider),
         )
 
 
@@ -453,6 +461,7 @@ class Call(Reader):
                 m.draft_tokens.labels(**labels).inc(fig.draft_tokens)
             if fig.accepted is not None:
                 m.accepted.labels(**labels).inc(fig.accepted)
+        self._record_otel(fig, error, duration)
         if self.settings.on_call is not None:
             record = CallRecord(
                 role=self.role,
@@ -474,6 +483,40 @@ class Call(Reader):
                 self.settings.on_call(record)
             except Exception:  # noqa: BLE001 - telemetry never raises into the call
                 m.error("on_call")
+
+    def _record_otel(self, fig: Figures, error: BaseException | None, duration: float) -> None:
+        """The same figures through the meter API (:class:`.metrics.OTelMetrics`), with the
+        GenAI conventions' client metric attributes and the agent's role."""
+        o = self.settings.otel
+        attrs: dict[str, Any] = {
+            spans.GEN_AI_OPERATION_NAME: "chat" if self.operation in NO_BLOCK else self.operation,
+            spans.GEN_AI_PROVIDER_NAME: spans.PROVIDER,
+            spans.ROLE: self.role,
+        }
+        for key, value in (
+            (spans.GEN_AI_REQUEST_MODEL, self.model),
+            (spans.GEN_AI_RESPONSE_MODEL, self.response_model),
+            (spans.SERVER_ADDRESS, self.settings.address),
+            (spans.SERVER_PORT, self.settings.port),
+        ):
+            if value is not None:
+                attrs[key] = value
+        if error is not None:
+            o.duration.record(duration, {**attrs, spans.ERROR_TYPE: spans.error_type(error)})
+            return
+        o.duration.record(duration, attrs)
+        for kind, tokens in (("input", self.input_tokens), ("output", self.output_tokens)):
+            if tokens is not None:
+                o.token_usage.record(tokens, {**attrs, spans.GEN_AI_TOKEN_TYPE: kind})
+        if fig.exact:
+            if fig.acceptance is not None:
+                o.acceptance.record(fig.acceptance, attrs)
+            if fig.tokens_per_step is not None:
+                o.acceptance_length.record(fig.tokens_per_step, attrs)
+            if fig.draft_tokens is not None:
+                o.draft_tokens.add(fig.draft_tokens, attrs)
+            if fig.accepted is not None:
+                o.accepted.add(fig.accepted, attrs)
 
 
 UNKNOWN_ERROR = Figures("unknown", "call_failed")

@@ -65,7 +65,8 @@ RETRY_PROBE_S = 30.0
 class _SDKInstrumentor(BaseInstrumentor):
     """Wraps ``create`` on an SDK's resource classes (``_methods``) with the agent's call.
 
-    ``instrument(config=, tracer_provider=, registry=, on_call=, role=)``; all optional.
+    ``instrument(config=, tracer_provider=, meter_provider=, registry=, on_call=, role=)``; all
+    optional.
     Idempotent (the base class instruments once); ``uninstrument()`` restores the classes.
     """
 
@@ -86,6 +87,7 @@ class _SDKInstrumentor(BaseInstrumentor):
             registry=kwargs.get("registry"),
             on_call=kwargs.get("on_call"),
             role=kwargs.get("role") or "default",
+            meter_provider=kwargs.get("meter_provider"),
         )
         register_exit_flush()
         self._wrappers = [
@@ -217,9 +219,12 @@ def _stream_wrapper(servers: Servers, is_async: bool, stream_type: type):
 class Servers:
     """Which base URLs are vLLM (asked once each, cached) and their :class:`Settings`."""
 
-    def __init__(self, config: AgentConfig, tracer_provider, registry, on_call, role: str):
+    def __init__(
+        self, config: AgentConfig, tracer_provider, registry, on_call, role: str, meter_provider
+    ):
         self.config = config
         self.provider = tracer_provider
+        self.meter_provider = meter_provider
         self.metrics = metrics.for_registry(registry)
         self.on_call = on_call
         self.role = role
@@ -280,7 +285,15 @@ class Servers:
 
     def _build(self, base: str) -> Settings:
         provider = self.provider or _global_provider()
-        return Settings.for_base(base, self.config, provider, self.metrics, self.role, self.on_call)
+        return Settings.for_base(
+            base,
+            self.config,
+            provider,
+            self.metrics,
+            self.role,
+            self.on_call,
+            self.meter_provider,
+        )
 
 
 _own_provider: trace.TracerProvider | None = None

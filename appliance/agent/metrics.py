@@ -1,9 +1,17 @@
-"""The agent's Prometheus metrics (names fixed by the metric contract between engineers).
+"""The agent's metrics: Prometheus (names fixed by the metric contract between engineers) and the
+same figures through the OpenTelemetry meter API (:class:`OTelMetrics`).
 
 Histograms and token counters take only EXACT figures (source ``request`` or ``counters``): a
 shared window's delta also holds other calls' drafts, so observing it would both double-count
 tokens and smear the per-role distributions. Shared, absent and unknown calls still count in
 ``gemma4_agent_calls_total`` under their ``source``.
+
+The meter API's instruments reach whatever meter provider the application set up (an SDK
+exporting OTLP, or the OpenTelemetry Prometheus exporter); with none, the API's no-op. Besides
+the MTP figures (``vllm.spec_decode.*``) they are the GenAI conventions' client metrics,
+``gen_ai.client.operation.duration`` and ``gen_ai.client.token.usage``: for a call to vLLM the
+agent's span takes the upstream OpenAI instrumentation's place (ADR 0006), so these take its
+metrics' place too.
 """
 
 from __future__ import annotations
@@ -11,7 +19,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from opentelemetry import metrics as otel_metrics
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from .. import __version__
 
 # Both edges measurable: near 0 (drafter mismatch, garbled output) and near 1 (repetition loops)
 # each get finer buckets than the middle, so "share of calls below 0.05 / above 0.95" is a
@@ -118,3 +129,83 @@ def serve(port: int, addr: str = "127.0.0.1", registry: CollectorRegistry | None
     reg = for_registry(registry).registry
     server, _thread = start_http_server(port, addr=addr, registry=reg)
     return server
+
+
+# The GenAI conventions' advice for their client histograms' buckets.
+GEN_AI_DURATION_BUCKETS = tuple(0.01 * 2**i for i in range(14))  # 0.01 ... 81.92 s
+GEN_AI_TOKEN_BUCKETS = tuple(4**i for i in range(14))  # 1 ... 67108864 tokens
+
+OTEL_DURATION = "gen_ai.client.operation.duration"
+OTEL_TOKEN_USAGE = "gen_ai.client.token.usage"
+OTEL_ACCEPTANCE = "vllm.spec_decode.acceptance_rate"
+OTEL_ACCEPTANCE_LENGTH = "vllm.spec_decode.acceptance_length"
+OTEL_DRAFT_TOKENS = "vllm.spec_decode.num_draft_tokens"
+OTEL_ACCEPTED = "vllm.spec_decode.num_accepted_tokens"
+
+
+@dataclass
+class OTelMetrics:
+    """The agent's instruments on one meter provider (the meter API's)."""
+
+    duration: otel_metrics.Histogram
+    token_usage: otel_metrics.Histogram
+    acceptance: otel_metrics.Histogram
+    acceptance_length: otel_metrics.Histogram
+    draft_tokens: otel_metrics.Counter
+    accepted: otel_metrics.Counter
+
+
+def build_otel(meter_provider: otel_metrics.MeterProvider | None = None) -> OTelMetrics:
+    """The instruments on ``meter_provider`` (the global one when ``None``: the API's proxy,
+    which follows a provider the application sets later)."""
+    meter = otel_metrics.get_meter(
+        "appliance.agent",
+        __version__,
+        meter_provider,
+        schema_url="https://opentelemetry.io/schemas/1.44.0",
+    )
+    return OTelMetrics(
+        duration=meter.create_histogram(
+            OTEL_DURATION,
+            "s",
+            "GenAI operation duration",
+            explicit_bucket_boundaries_advisory=GEN_AI_DURATION_BUCKETS,
+        ),
+        token_usage=meter.create_histogram(
+            OTEL_TOKEN_USAGE,
+            "{token}",
+            "Number of input and output tokens used",
+            explicit_bucket_boundaries_advisory=GEN_AI_TOKEN_BUCKETS,
+        ),
+        acceptance=meter.create_histogram(
+            OTEL_ACCEPTANCE,
+            "1",
+            "Per-call speculative decoding draft acceptance (accepted / draft tokens)",
+            explicit_bucket_boundaries_advisory=ACCEPTANCE_BUCKETS,
+        ),
+        acceptance_length=meter.create_histogram(
+            OTEL_ACCEPTANCE_LENGTH,
+            "{token}",
+            "Per-call mean acceptance length: tokens per engine step (1 + accepted / drafts)",
+            explicit_bucket_boundaries_advisory=TOKENS_PER_STEP_BUCKETS,
+        ),
+        draft_tokens=meter.create_counter(
+            OTEL_DRAFT_TOKENS, "{token}", "Draft tokens proposed for exact calls"
+        ),
+        accepted=meter.create_counter(
+            OTEL_ACCEPTED, "{token}", "Draft tokens accepted for exact calls"
+        ),
+    )
+
+
+_otel: dict[int, tuple[object, OTelMetrics]] = {}  # id(provider) -> (provider, instruments)
+
+
+def otel_for(meter_provider: otel_metrics.MeterProvider | None = None) -> OTelMetrics:
+    """The agent's meter-API instruments on ``meter_provider`` (global when ``None``), created
+    once per provider."""
+    with _lock:
+        found = _otel.get(id(meter_provider))
+        if found is None or found[0] is not meter_provider:
+            found = _otel[id(meter_provider)] = (meter_provider, build_otel(meter_provider))
+        return found[1]

@@ -3,7 +3,14 @@
 Pinned: the GenAI attribute names as shipped in ``opentelemetry-semantic-conventions`` 0.66b2
 (schema https://opentelemetry.io/schemas/1.44.0). The names are spelled out here rather than
 imported, because that package marks the GenAI module incubating/moved; a test checks that each
-constant still equals the package's. The MTP attributes are ours, under ``gen_ai.vllm.mtp.``.
+constant still equals the package's.
+
+The MTP attributes are provider-specific, so they stay out of ``gen_ai.`` as the conventions
+now ask (``gen_ai.openai.request.service_tier`` became ``openai.request.service_tier``): they
+are ``vllm.spec_decode.*``, vLLM's own word, with vLLM's counter names where it has one
+(:data:`SPEC_DECODE`). For one release each is also written under its old
+``gen_ai.vllm.mtp.*`` name (:data:`MTP_OLD`), so queries and dashboards can move; the old names
+go in the release after (ADR 0020).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_TOKEN_TYPE = "gen_ai.token.type"  # a metric attribute: input or output
 GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
 GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
 SERVER_ADDRESS = "server.address"
@@ -45,16 +53,30 @@ REJECTED_STATUS = 503
 PROVIDER = "vllm"
 ROLE = "appliance.agent.role"
 
+SPEC_DECODE = "vllm.spec_decode."
+MTP_DRAFTS = SPEC_DECODE + "num_drafts"  # vllm:spec_decode_num_drafts
+MTP_DRAFT_TOKENS = SPEC_DECODE + "num_draft_tokens"  # vllm:spec_decode_num_draft_tokens
+MTP_ACCEPTED = SPEC_DECODE + "num_accepted_tokens"  # vllm:spec_decode_num_accepted_tokens
+MTP_ACCEPTANCE = SPEC_DECODE + "acceptance_rate"  # accepted / draft tokens, 0..1
+MTP_TOKENS_PER_STEP = SPEC_DECODE + "acceptance_length"  # vLLM's mean acceptance length
+MTP_PER_POSITION = SPEC_DECODE + "per_position_acceptance_rate"
+MTP_SOURCE = SPEC_DECODE + "source"  # the figures' provenance (the agent's): request, counters...
+MTP_SHARED = SPEC_DECODE + "shared"
+MTP_STATUS = SPEC_DECODE + "status"
+
+# The names of the release before (deprecated; written too until the next release): new -> old.
 MTP = "gen_ai.vllm.mtp."
-MTP_DRAFTS = MTP + "drafts"
-MTP_DRAFT_TOKENS = MTP + "draft_tokens"  # vLLM's num_draft_tokens
-MTP_ACCEPTED = MTP + "accepted"
-MTP_ACCEPTANCE = MTP + "acceptance"
-MTP_TOKENS_PER_STEP = MTP + "tokens_per_step"
-MTP_PER_POSITION = MTP + "per_position_acceptance"
-MTP_SOURCE = MTP + "source"
-MTP_SHARED = MTP + "shared"
-MTP_STATUS = MTP + "status"
+MTP_OLD = {
+    MTP_DRAFTS: MTP + "drafts",
+    MTP_DRAFT_TOKENS: MTP + "draft_tokens",
+    MTP_ACCEPTED: MTP + "accepted",
+    MTP_ACCEPTANCE: MTP + "acceptance",
+    MTP_TOKENS_PER_STEP: MTP + "tokens_per_step",
+    MTP_PER_POSITION: MTP + "per_position_acceptance",
+    MTP_SOURCE: MTP + "source",
+    MTP_SHARED: MTP + "shared",
+    MTP_STATUS: MTP + "status",
+}
 
 
 def span_name(operation: str, model: str | None) -> str:
@@ -106,7 +128,8 @@ def _is_set(v: Any) -> bool:
 
 
 def figures_attributes(fig) -> dict[str, Any]:
-    """The ``gen_ai.vllm.mtp.*`` attributes of a :class:`~.rules.Figures`."""
+    """The ``vllm.spec_decode.*`` attributes of a :class:`~.rules.Figures`, each also under its
+    old ``gen_ai.vllm.mtp.*`` name (:data:`MTP_OLD`, for this release)."""
     attrs: dict[str, Any] = {MTP_SOURCE: fig.source, MTP_SHARED: fig.shared, MTP_STATUS: fig.status}
     for key, value in (
         (MTP_DRAFTS, fig.drafts),
@@ -119,6 +142,8 @@ def figures_attributes(fig) -> dict[str, Any]:
             attrs[key] = value
     if fig.per_position is not None:
         attrs[MTP_PER_POSITION] = list(fig.per_position)
+    for key in list(attrs):
+        attrs[MTP_OLD[key]] = attrs[key]
     return attrs
 
 
@@ -138,6 +163,12 @@ def rejected(exc: BaseException | None) -> bool:
     return http_status(exc) == REJECTED_STATUS
 
 
+def error_type(exc: BaseException) -> str:
+    """``error.type`` of a failed call: the exception's type, or "503" for the engine's
+    rejection (see :func:`set_error`)."""
+    return str(REJECTED_STATUS) if rejected(exc) else type(exc).__qualname__
+
+
 def set_error(span: Span, exc: BaseException, capture_content: bool = False) -> None:
     """Mark the span failed with the exception's type; its text only when content is captured.
 
@@ -147,7 +178,7 @@ def set_error(span: Span, exc: BaseException, capture_content: bool = False) -> 
     the SDK's class for it (OpenAI's InternalServerError) would read as a server fault.
     """
     status = http_status(exc)
-    name = str(status) if status == REJECTED_STATUS else type(exc).__qualname__
+    name = error_type(exc)
     if status is not None:
         span.set_attribute(HTTP_RESPONSE_STATUS_CODE, status)
     if capture_content:

@@ -1,6 +1,8 @@
 """A TracerProvider from the standard ``OTEL_*`` variables, exporting OTLP/HTTP by default.
 
-Read by the SDK itself: ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES`` (the resource),
+Read by the SDK itself, from the process's environment: ``OTEL_SERVICE_NAME`` and
+``OTEL_RESOURCE_ATTRIBUTES`` (the resource: ``Resource.create()``, which percent-decodes the
+values; the service name is ``gemma4-agent`` where neither names one), and
 ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``..._HEADERS``,
 ``..._TIMEOUT`` (the exporter). Read here: ``OTEL_EXPORTER_OTLP_PROTOCOL`` /
 ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (``http/protobuf`` default, to a collector's port 4318, or
@@ -74,17 +76,16 @@ def _sdk_trace():
 
 
 def setup_tracing(env: dict[str, str] | None = None) -> TracerProvider:
-    """A provider configured from the environment (not made global: the caller decides)."""
+    """A provider configured from the environment (not made global: the caller decides).
+
+    ``env`` (``os.environ`` by default) holds the exporter's settings; the resource is the
+    SDK's own reading of the process's environment (:func:`resource`)."""
     sdk = _sdk_trace()
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     env = dict(os.environ if env is None else env)
-    if not env.get("OTEL_SERVICE_NAME"):
-        env["OTEL_SERVICE_NAME"] = DEFAULT_SERVICE
-    # Resource.create() reads only os.environ; merge what ``env`` says over its defaults.
-    resource = Resource.create().merge(_resource_from(env))
     exporter = _exporter(env)  # first: a setting it refuses leaves no provider behind
+    resource = _resource()
     provider = sdk.TracerProvider(resource=resource, shutdown_on_exit=False)
     atexit.register(_bounded_shutdown, provider)
     if exporter is not None:
@@ -179,16 +180,15 @@ def _bounded_shutdown(provider: TracerProvider, bound: float = EXIT_EXPORT_S) ->
         )
 
 
-def _resource_from(env: dict[str, str]):
-    from opentelemetry.sdk.resources import Resource
+def _resource():
+    """The SDK's resource (``OTEL_RESOURCE_ATTRIBUTES`` parsed and percent-decoded by the SDK,
+    ``OTEL_SERVICE_NAME`` over it), named ``gemma4-agent`` where neither names the service."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
 
-    attrs: dict[str, str] = {}
-    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
-        key, sep, value = item.partition("=")
-        if sep and key.strip():
-            attrs[key.strip()] = value.strip()
-    attrs["service.name"] = env["OTEL_SERVICE_NAME"]  # the service name variable wins
-    return Resource(attrs)
+    resource = Resource.create()
+    if SERVICE_NAME not in OTELResourceDetector().detect().attributes:
+        resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE}))
+    return resource
 
 
 def _endpoint(env: dict[str, str], protocol: str) -> dict:
