@@ -191,6 +191,7 @@ def run(
             return Probe(state, model, running=before.running)
         try:
             gen = client.generate(model, prompt, max_tokens, timeout=timeout)
+            tally.answered()
             break
         except OverloadedError as exc:
             try:

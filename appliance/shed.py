@@ -87,6 +87,12 @@ class Tally:
             self.note(f"{self.summary()}, trying again")
         self.sleep(pause)
 
+    def answered(self) -> None:
+        """A try got through: the next shed try of this caller waits the shortest pause again
+        (a caller of many calls, kept at the longest, loses each freed place to clients that
+        retry sooner)."""
+        self._pause = FIRST_BACKOFF_S
+
     def summary(self) -> str:
         """``3 probes shed at the queue bound`` (``no probe shed ...`` when none was)."""
         return said(self.shed, self.what)
@@ -121,6 +127,9 @@ def retry(call: Callable[[], T], deadline: float, tally: Tally | None = None) ->
     tally = Tally() if tally is None else tally
     while True:
         try:
-            return call()
+            answer = call()
         except OverloadedError as exc:
             tally.again(exc, deadline)
+        else:
+            tally.answered()
+            return answer
