@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import apikey, profiles
 from .errors import ApplianceError, UsageError
+from .host import reach
 from .host.envfile import UnknownInstance, unknown_instance
 from .profiles import Profile
 from .units import instance as instances
@@ -34,6 +35,14 @@ class Endpoint:
     api_key: apikey.ApiKey | None
     instance: str | None
     root: Path = Path("/")
+    # False: ``url`` is the port a tree's env file names, on this host, where the tree is not
+    # the host (host/reach.py): whatever listens there is not the tree's instance; not asked.
+    reachable: bool = True
+
+    def require_reachable(self) -> None:
+        """Refuse (one line, exit 2) a command that must talk to an engine it may not ask."""
+        if not self.reachable:
+            raise reach.port_refusal(self.root)
 
     @property
     def secret(self) -> str | None:
@@ -70,7 +79,8 @@ def resolve(
     profile = profiles.lookup(profile_name) if profile_name else None
     key = apikey.resolve(api_key, api_key_file, instance, root)
     if instance is None:
-        return Endpoint(url or env_url or default, profile, key, None, root)
+        told = bool(url or env_url) or reach.ports(root)
+        return Endpoint(url or env_url or default, profile, key, None, root, told)
     try:
         inst = instances.read(root, instance)
     except UnknownInstance as exc:
@@ -84,4 +94,6 @@ def resolve(
             f"cannot tell where instance {instance} serves: {exc.message}",
             fix=f"{exc.fix}, or give --url" if exc.fix else "or give --url",
         ) from None
-    return Endpoint(url or inst.base_url, profile or inst.profile, key, instance, root)
+    # The instance's own port is its own only on its host (or a machine named as the tree's).
+    reachable = bool(url) or reach.ports(root)
+    return Endpoint(url or inst.base_url, profile or inst.profile, key, instance, root, reachable)

@@ -16,7 +16,6 @@ from pathlib import Path
 from .errors import ApplianceError
 from .host import envfile, reach
 from .host.layout import UNIT_DIR, Layout
-from .host.names import container_name, node_container
 from .units.instance import Instance, from_env
 
 # Where a unit template may be installed: the appliance's own place first, then the vendor ones.
@@ -32,6 +31,9 @@ class InstanceFacts:
     the record needs: ``record_error``).
     """
 
+    unit: str = ""  # the unit that serves it here (a group's head where this host runs it)
+    unit_template: str = ""  # its templated unit file's name
+    container: str = ""  # that unit's container
     unit_path: Path | None = None
     env_path: Path | None = None
     env: envfile.EnvFile | None = None
@@ -58,8 +60,8 @@ def read(instance: str, root: Path = Path("/"), docker_client=None) -> InstanceF
     env_path = layout.env_file(instance)  # validates the name before any path is built
     shape = layout.shape(instance)
     # A group's head where this host runs it (it serves the API), else its worker.
-    template = (layout.node_template(shape.roles[0]) if shape.group else layout.unit_template).name
-    facts = InstanceFacts()
+    template = shape.templates[0]
+    facts = InstanceFacts(unit=shape.unit, unit_template=template, container=shape.container)
     for d in UNIT_DIRS:
         if (root / d / template).is_file():
             facts.unit_path = root / d / template
@@ -75,13 +77,10 @@ def read(instance: str, root: Path = Path("/"), docker_client=None) -> InstanceF
                 facts.record = from_env(root, instance, facts.env)
             except ApplianceError as exc:
                 facts.record_error = str(exc)
-    container = (
-        node_container(instance, shape.roles[0]) if shape.group else container_name(instance)
-    )
     if docker_client is None and not reach.docker(root):
-        facts.docker_error = str(reach.refusal(root, "Docker"))
+        facts.docker_error = reach.why_not(root, reach.DOCKER_NOT)
         return facts
-    _container_facts(facts, container, docker_client)
+    _container_facts(facts, shape.container, docker_client)
     return facts
 
 

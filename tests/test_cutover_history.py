@@ -104,7 +104,9 @@ def test_status_json_is_one_object_with_each_instance_and_its_history(tmp_path, 
     # Exit 1: neither serves (no unit, nothing listening), and status says so by its code too.
     a1, b2 = json.loads(result.output)["instances"]
     assert (a1["instance"], a1["unit"], b2["instance"]) == ("a1", "gemma4-vllm@a1.service", "b2")
-    assert a1["url"] == "http://127.0.0.1:9" and a1["healthy"] is False  # nothing listens on 9
+    # A tree's port on this host is not its instance's: not asked, and never healthy.
+    assert a1["url"] == "http://127.0.0.1:9" and a1["healthy"] is None
+    assert a1["health_note"].startswith(f"not asked: --root {tmp_path} is not this host's /")
     assert [x["outcome"] for x in a1["entries"]] == ["rolled_back"] and b2["entries"] == []
     one = cli_run(["status", "b2", "--json", "--root", str(tmp_path)], code=1)
     assert [st["instance"] for st in json.loads(one.output)["instances"]] == ["b2"]

@@ -69,13 +69,21 @@ def test_two_different_names_are_refused(root, cli_run):
 
 
 def test_doctor_by_name_probes_the_instances_own_port(root, cli_run):
-    # Nothing listens there: the report names the port it tried, from the env file.
-    res = cli_run(["instance", "doctor", "tiny", "--root", str(root), "--json"], code=None)
+    # The tree named as a machine run from this host (its systemd entered), so its port is its
+    # own here. Nothing listens there: the report names the port it tried, from the env file.
+    machine = {"APPLIANCE_SYSTEMD_PREFIX": "/nonexistent/appliance-test/enter-machine"}
+    argv = ["instance", "doctor", "tiny", "--root", str(root), "--json"]
+    res = cli_run(argv, env=machine, code=None)
     body = json.loads(res.output)
     assert res.exit_code == 1
     reach = next(c for c in body["checks"] if c["name"] == "engine.reachable")
     assert reach["status"] == "fail" and f"127.0.0.1:{PORT}" in reach["summary"]
     assert f":{endpoint.DEFAULT_URL.rsplit(':', 1)[1]}" not in res.output
+    # A bare tree: the port is not asked, and said so (never healthy).
+    res = cli_run(argv, env={"APPLIANCE_SYSTEMD_PREFIX": None}, code=None)
+    reach = next(c for c in json.loads(res.output)["checks"] if c["name"] == "engine.reachable")
+    assert reach["status"] == "warn" and reach["summary"].startswith("not asked: --root ")
+    assert reach["evidence"]["url"] == f"http://127.0.0.1:{PORT}"
 
 
 @pytest.mark.engine

@@ -27,6 +27,13 @@ CAPTURES = Path(__file__).parent / "data" / "nvidia-smi"
 NO_DOCKER = "unix:///nonexistent/docker.sock"
 
 
+def as_machine(monkeypatch) -> None:
+    """The test's --root named as a machine run from this host (its systemd entered through
+    APPLIANCE_SYSTEMD_PREFIX, never run by host check): its GPUs are this host's, and the fake
+    nvidia-smi on PATH answers for them (host/reach.py). Without it a tree is not asked."""
+    monkeypatch.setenv("APPLIANCE_SYSTEMD_PREFIX", "/nonexistent/appliance-test/enter-machine")
+
+
 def fake_nvidia_smi(tmp_path: Path, monkeypatch, capture: str) -> None:
     """A ``nvidia-smi`` on PATH that prints ``capture`` for ``--query-gpu`` and, for ``-L`` and
     ``topo -m``, the files beside it (``NAME.L.txt``, ``NAME.topo.txt``; where a capture has
@@ -148,6 +155,7 @@ def test_cli_reads_the_fake_nvidia_smi_and_prints_one_line_per_finding(
 ):
     fake_nvidia_smi(tmp_path, monkeypatch, "rtx5070ti.csv")
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
+    as_machine(monkeypatch)
     res = cli_run(
         ["host", "check", "--profile", "rtx5090x2-31b-fp8-mtp", "--root", str(tmp_path)], code=1
     )
@@ -170,8 +178,11 @@ def test_no_gpu_here_is_a_blocker_for_a_gpu_profile_and_nothing_for_a_cpu_one(no
 
 def test_docker_that_does_not_answer_is_a_blocker_in_one_plain_line(monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
-    (f,) = hostcheck.docker.docker_findings(profiles.get("cpu-tiny-mtp"), "gemma4-vllm:latest")
+    f, build = hostcheck.docker.docker_findings(profiles.get("cpu-tiny-mtp"), "gemma4-vllm:latest")
     assert (f.name, f.status) == ("docker.engine", "blocker")
+    # The image's build (CPU or CUDA) cannot be read: said, not passed over.
+    assert (build.name, build.status) == ("docker.image", "warn")
+    assert build.message == "image build not checked: no Docker engine answered"
     # Not the SDK's nested exception tuple (the H200 capture's host check printed one).
     assert f.message == "no Docker socket at /nonexistent/docker.sock: is docker running?"
     assert "systemctl enable --now docker" in f.fix
@@ -290,6 +301,7 @@ def test_host_check_without_a_profile_reports_the_driver_and_gpus(tmp_path, monk
     # A GPU no shipped profile fits: the driver and GPUs are still reported.
     fake_nvidia_smi(tmp_path, monkeypatch, "rtx5070ti.csv")
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
+    as_machine(monkeypatch)
     res = cli_run(["host", "check", "--root", str(tmp_path / "r")], code=1)
     docker = "no Docker socket at /nonexistent/docker.sock: is docker running?"
     assert res.output.splitlines() == [

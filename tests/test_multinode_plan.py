@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from appliance import multinode, units
-from appliance.cutover.group import host_node
 from appliance.host.layout import Layout, Node
+from appliance.units.instance import host_node
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN = REPO / "deploy/ansible/roles/gemma4_appliance/filter_plugins/multinode.py"

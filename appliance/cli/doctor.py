@@ -13,7 +13,10 @@ from .output import echo_json
 
 
 @click.command()
-@endpoint_options(profile_help="Check the server against this profile (version, model, MTP, GPUs).")
+@endpoint_options(
+    profile_help="Check the server against this profile (version, model, MTP, GPUs).",
+    reports_not_asked=True,
+)
 @click.option(
     "--no-generate",
     is_flag=True,
@@ -38,6 +41,7 @@ def doctor(endpoint: Endpoint, no_generate: bool, as_json: bool) -> None:
         root=endpoint.root,
         generate=not no_generate,
         api_key=endpoint.api_key,
+        ask_engine=endpoint.reachable,
     )
     if as_json:
         echo_json(report.to_dict())

@@ -12,6 +12,7 @@ import click
 from ..errors import ApplianceError, UsageError
 from ..fleet import hosts, soak
 from ..fsutil import write_atomic
+from ..host import reach
 from ..observability import scrape
 from ..units.instance import read as read_instance
 from .options import OutputPath, root_option
@@ -25,6 +26,8 @@ def fleet() -> None:
 
 def _instance(root: Path, name: str):
     inst = read_instance(root, name)
+    if not reach.ports(root):  # a tree's port on this host is not its instance's
+        raise reach.port_refusal(root, url=False)
     return inst, inst.api_key()
 
 

@@ -115,12 +115,18 @@ def prompt_options(f):
 
 
 def endpoint_options(
-    *, profile_help: str, default_url: str | None = endpoint.DEFAULT_URL, named: bool = True
+    *,
+    profile_help: str,
+    default_url: str | None = endpoint.DEFAULT_URL,
+    named: bool = True,
+    reports_not_asked: bool = False,
 ):
     """The one way to name an engine (doctor, bench, canary record): ``[NAME]``, ``--instance``,
     ``--url``, ``--profile``, ``--root`` and the API key options, handed to the command as one
     ``endpoint`` (:func:`appliance.endpoint.resolve`). ``named=False``: only ``--profile`` and
-    the key, for commands that take their URLs in options of their own (bench compare, sweep)."""
+    the key, for commands that take their URLs in options of their own (bench compare, sweep).
+    Under a tree's ``--root`` the instance's port is not asked without ``--url``
+    (host/reach.py): a command refuses in one line, unless it ``reports_not_asked`` (doctor)."""
 
     def decorate(f):
         @functools.wraps(f)
@@ -153,6 +159,8 @@ def endpoint_options(
                 root=root,
                 default=default_url,
             )
+            if not reports_not_asked:
+                ep.require_reachable()
             return f(endpoint=ep, **kwargs)
 
         naming = [
@@ -161,6 +169,7 @@ def endpoint_options(
                 "--instance",
                 default=None,
                 metavar="NAME",
+                hidden=True,  # an old synonym of NAME, kept working
                 help="The installed instance (the same as NAME): its URL, profile and key.",
             ),
             click.option(

@@ -30,36 +30,16 @@ from pathlib import Path
 
 from .. import apikey, profiles
 from ..errors import EngineError, UsageError
-from ..host import envfile
-from ..host.layout import Layout, Node, Shape
-from ..host.names import node_container, node_unit
+from ..host.layout import Node, Shape
+from ..host.names import Role
 from ..host.systemd import SystemdError
-from ..host.values import base_url
-from ..serve.argsfile import read as read_args
 from ..serve.health import image_waiting_for_head
+from ..units.instance import Instance, host_node
 from . import gates
 from .context import Context
 from .history import Gate
 from .preflight import ImageInfo, check_overrides, env_overrides, inspect_image, running_image_id
 from .target import EnvFileTarget
-
-
-def host_node(layout: Layout, shape: Shape) -> Node:
-    """What this host runs of group ``shape``: its roles, and a worker's node rank read from
-    its args file."""
-    rank = 1
-    if "worker" in shape.roles:
-        path = layout.node_args_file(shape.name, "worker")
-        serve = list(read_args(path).serve)
-        try:
-            rank = int(serve[serve.index("--node-rank") + 1])
-        except (ValueError, IndexError):
-            raise UsageError(
-                f"{path} names no --node-rank",
-                fix=f"reinstall the worker: `appliance instance install {shape.name} "
-                "--role worker --rank N`",
-            ) from None
-    return Node(roles=shape.roles, rank=rank)
 
 
 @dataclass(frozen=True)
@@ -75,8 +55,15 @@ class GroupTarget(EnvFileTarget):
     root: Path
     base_url: str
     key_path: Path | None
+    shape: Shape
     remote_ranks: tuple[int, ...] = ()
     noun = "group"
+
+    def unit(self, role: Role) -> str:
+        return self.shape.role_unit(role)
+
+    def container(self, role: Role) -> str:
+        return self.shape.role_container(role)
 
     @property
     def served_model(self) -> str:
@@ -112,8 +99,8 @@ class GroupTarget(EnvFileTarget):
     def check_overrides(self, ctx: Context, *, allow: bool) -> None:
         own = "/" + str(self.env_path.relative_to(ctx.layout.root))
         checks = {
-            node_unit(self.name, role): functools.partial(
-                env_overrides, ctx.systemd, ctx.layout.root, node_unit(self.name, role), own
+            self.unit(role): functools.partial(
+                env_overrides, ctx.systemd, ctx.layout.root, self.unit(role), own
             )
             for role in self.node.roles
         }
@@ -137,10 +124,10 @@ class GroupTarget(EnvFileTarget):
 
     def runs(self, ctx: Context, image: ImageInfo) -> bool:
         for role in self.node.roles:
-            if ctx.systemd.state(node_unit(self.name, role)).active != "active":
+            if ctx.systemd.state(self.unit(role)).active != "active":
                 return False
             try:
-                if running_image_id(ctx, node_container(self.name, role)) != image.id:
+                if running_image_id(ctx, self.container(role)) != image.id:
                     return False
             except EngineError:
                 return False
@@ -148,31 +135,29 @@ class GroupTarget(EnvFileTarget):
 
     def journal(self, ctx: Context, lines: int) -> str:
         role = "head" if self.answers else "worker"
-        unit = node_unit(self.name, role)
+        unit = self.unit(role)
         return f"last journal lines of the {role}:\n{ctx.systemd.journal(unit, lines)}"
 
 
-def group_target(ctx: Context, shape: Shape) -> GroupTarget:
-    """The group ``shape`` names, as this host runs it: its profile, the head's URL and key,
+def group_target(ctx: Context, inst: Instance) -> GroupTarget:
+    """The group ``inst`` records, as this host runs it: its profile, the head's URL and key,
     and (on the head's host) the worker ranks other hosts run."""
-    layout = ctx.layout
-    node = host_node(layout, shape)
-    env_path = layout.env_file(shape.name)
-    env = envfile.read(env_path)
-    prof = profiles.get(env.get(envfile.PROFILE_KEY) or "")
-    if prof.multinode is None:
-        raise UsageError(
-            f"{env_path} names profile {prof.name}, which serves one host, but this host runs "
-            f"node(s) {', '.join(node.roles)} of group {shape.name}",
-            fix=f"reinstall the group with its multi-node profile: `appliance instance install "
-            f"{shape.name} --profile PROFILE --role ...`",
-        )
-    url = base_url(env.get(envfile.HOST_KEY) or "127.0.0.1", env.get(envfile.PORT_KEY))
+    node = inst.node or host_node(ctx.layout, inst.shape)
     head = "head" in node.roles
-    key = layout.node_api_key_file(shape.name, "head") if head else None
     ranks = {node.rank} if "worker" in node.roles else set()
-    remote = tuple(r for r in range(1, prof.multinode.nodes) if r not in ranks) if head else ()
-    return GroupTarget(shape.name, node, prof, env_path, layout.root, url, key, remote)
+    nodes = inst.profile.multinode.nodes if inst.profile.multinode else 1
+    remote = tuple(r for r in range(1, nodes) if r not in ranks) if head else ()
+    return GroupTarget(
+        inst.name,
+        node,
+        inst.profile,
+        inst.env_path,
+        ctx.layout.root,
+        inst.base_url,
+        inst.api_key_path,
+        inst.shape,
+        remote,
+    )
 
 
 def _restart(ctx: Context, tgt: GroupTarget, timeout: float) -> dict[str, str]:
@@ -181,7 +166,7 @@ def _restart(ctx: Context, tgt: GroupTarget, timeout: float) -> dict[str, str]:
     before = {}
     try:
         for role in tgt.node.roles:
-            unit = node_unit(tgt.name, role)
+            unit = tgt.unit(role)
             ctx.systemd.settle(unit, timeout)
             before[role] = ctx.systemd.invocation_id(unit)
             # Every unit the restart reaches, not only the one restarted: a head restarted
@@ -190,8 +175,8 @@ def _restart(ctx: Context, tgt: GroupTarget, timeout: float) -> dict[str, str]:
             ctx.systemd.reset_failed(unit)
         # Where the worker shares the head's host, its restart reaches the head (PartOf=).
         role = "worker" if "worker" in tgt.node.roles else "head"
-        ctx.progress(f"restarting {node_unit(tgt.name, role)}")
-        ctx.systemd.restart(node_unit(tgt.name, role))
+        ctx.progress(f"restarting {tgt.unit(role)}")
+        ctx.systemd.restart(tgt.unit(role))
     except SystemdError as exc:
         gate = Gate("restart", False, 0.0, str(exc))
         raise gates.GateFailed("restart", str(exc), [gate]) from exc
@@ -208,14 +193,14 @@ def _head_gates(
 ) -> list[Gate]:
     """The instance's gates, on the head (generation among them: it needs every worker)."""
     expect = gates.Expect(
-        unit=node_unit(tgt.name, "head"),
+        unit=tgt.unit("head"),
         base_url=tgt.base_url,
         served_model=tgt.served_model,
         vllm_version=image.vllm_version,
         mtp=tgt.profile.mtp and image.mtp,
         api_key=api_key,
         previous_invocation=previous,
-        container=node_container(tgt.name, "head"),
+        container=tgt.container("head"),
         image=image.ref,
         image_id=image.id,
     )
@@ -235,8 +220,8 @@ def _worker_gate(
     down, its serve program waiting for the head with ``image`` checked); waited for
     until ``timeout`` (a worker host's own target checks right after the restart, when its
     container may not run yet), failed at once by a unit that failed."""
-    unit = node_unit(tgt.name, "worker")
-    container = node_container(tgt.name, "worker")
+    unit = tgt.unit("worker")
+    container = tgt.container("worker")
     name = f"worker rank {tgt.node.rank}"
     while True:
         st = ctx.systemd.state(unit)

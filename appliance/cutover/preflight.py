@@ -115,14 +115,21 @@ def target(ctx: Context, name: str) -> Instance:
 def running_image_id(ctx: Context, container: str) -> str | None:
     """The ID of the image ``container`` runs (``docker inspect -f '{{.Image}}'``); None when
     there is no such container."""
+    return running_image(ctx, container)[0]
+
+
+def running_image(ctx: Context, container: str) -> tuple[str | None, str | None]:
+    """The ID of the image ``container`` runs and the reference it was started from
+    (``.Config.Image``); (None, None) when there is no such container."""
     import docker
 
     try:
-        return ctx.docker().containers.get(container).attrs.get("Image") or None
+        attrs = ctx.docker().containers.get(container).attrs
     except docker.errors.NotFound:
-        return None
+        return None, None
     except docker.errors.DockerException as exc:
         raise EngineError(f"cannot inspect container {container}: {exc}") from exc
+    return attrs.get("Image") or None, (attrs.get("Config") or {}).get("Image") or None
 
 
 def unit_overrides(ctx: Context, inst: Instance) -> list[str]:

@@ -105,9 +105,13 @@ def status_lines(st: Status) -> list[str]:
             out.append(f"  build:      {st.build_warning}")
     elif st.image_error:
         out.append(f"  labels:     {st.image_error}")
+        why = "Docker was not asked" if st.image_error.startswith("not asked") else "no labels"
+        out.append(f"  build:      image build not checked: {why}")
     if st.instance_error:
         out.append(f"  instance:   {st.instance_error}")
     health = {True: "200", False: "not answering", None: "-"}[st.healthy]
+    if st.health_note:
+        health = st.health_note
     out.append(f"  health:     {health}" + (f" ({st.url})" if st.url else ""))
     spec = {True: "on", False: "off", None: "-"}[st.speculative]
     out.append(f"  MTP:        {spec}")

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 
 from ..canary import baseline as baselines
 from ..errors import ApplianceError, EngineError
-from ..host import envfile
+from ..host import envfile, reach
 from ..host import lock as locks
-from ..host.names import check_instance, container_name, node_container
+from ..host.names import check_instance
 from ..images import variant
 from ..vllm_client import VLLMClient
 from . import history
 from .context import Context
 from .history import Entry
-from .preflight import ImageInfo, inspect_image, running_image_id
+from .preflight import ImageInfo, inspect_image, running_image
 from .recovery import recovery_image
 from .slot import rollback_image
 from .target import command
@@ -50,6 +50,8 @@ class Status:
     unit_state: str = "unknown"
     url: str | None = None
     healthy: bool | None = None
+    # Why /health was not asked (a tree whose port is not its own on this host): "not asked: ..."
+    health_note: str | None = None
     speculative: bool | None = None
     rollback_image: str | None = None
     in_progress: locks.Holder | None = None
@@ -60,6 +62,7 @@ class Status:
     # The running container's image: its ID, the tags that ID has here, and whether it differs
     # from the env file's image (None when either is unknown).
     running_id: str | None = None
+    running_ref: str | None = None  # the reference the container was started from
     running_tags: list[str] = field(default_factory=list)
     running_error: str | None = None
     mismatch: bool | None = None
@@ -88,13 +91,14 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     layout = ctx.layout
     env = envfile.read(layout.env_file(instance))  # a clear error when not installed
     shape = layout.shape(instance)
-    st = Status(instance, shape.units[0], env.get(envfile.IMAGE_KEY), env.get(envfile.GPUS_KEY))
-    st.units = {u: ctx.systemd.active_state(u) for u in shape.units}
-    st.unit_state = st.units[shape.units[0]]
+    st = Status(instance, shape.unit, env.get(envfile.IMAGE_KEY), env.get(envfile.GPUS_KEY))
+    if getattr(ctx.systemd, "refusal", ""):  # a tree naming no systemd: its units not asked
+        st.units = dict.fromkeys(shape.units, reach.NOT_ASKED)
+    else:
+        st.units = {u: ctx.systemd.active_state(u) for u in shape.units}
+    st.unit_state = st.units[shape.unit]
     # The container of the head where it runs here (it serves the API), else the worker's.
-    st.container = (
-        node_container(instance, shape.roles[0]) if shape.group else container_name(instance)
-    )
+    st.container = shape.container
     st.rollback_image = rollback_image(layout, instance)
     st.in_progress = locks.current_holder(layout.lock_file(instance))
     try:
@@ -107,12 +111,18 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     )
     all_entries = history.entries(layout.history_file(instance), live_ids=live)
     st.entries = all_entries[-last:]
-    if st.image:
+    docker = ctx.docker_client is not None or reach.docker(layout.root)
+    if st.image and not docker:
+        st.image_error = reach.why_not(layout.root, reach.DOCKER_NOT)
+    elif st.image:
         try:
             st.image_info = inspect_image(ctx, st.image)
         except ApplianceError as exc:
             st.image_error = str(exc)
-    _running(ctx, st)
+    if docker:
+        _running(ctx, st)
+    else:
+        st.running_error = reach.why_not(layout.root, reach.DOCKER_NOT)
     if all_entries and all_entries[-1].outcome == "interrupted":
         last = all_entries[-1]
         st.interrupted = _which(last, env) + "; " + _runs(st)
@@ -144,6 +154,9 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     if not tgt.answers:
         return st  # a group's worker host: the API is the head's, on another host
     st.url = tgt.base_url
+    if not reach.ports(layout.root):
+        st.health_note = reach.why_not(layout.root, reach.PORT_NOT)
+        return st
     with VLLMClient(tgt.base_url, timeout=3.0, api_key=api_key) as client:
         try:
             st.healthy = client.health()
@@ -157,7 +170,7 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
 def _running(ctx: Context, st: Status) -> None:
     """Fill in the running container's image and whether it is the env file's."""
     try:
-        st.running_id = running_image_id(ctx, st.container)
+        st.running_id, st.running_ref = running_image(ctx, st.container)
     except ApplianceError as exc:
         st.running_error = str(exc)
         return

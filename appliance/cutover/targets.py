@@ -13,7 +13,7 @@ def target(ctx: Context, name: str) -> Target:
     """``name`` as this host runs it: the nodes of a group (by the args files installed), else
     a single-node instance (by its env file)."""
     ctx.layout.require_known(name)
-    shape = ctx.layout.shape(name)
-    if shape.group:
-        return group_target(ctx, shape)
-    return InstanceTarget(read_instance(ctx.layout.root, name), ctx.layout.root)
+    inst = read_instance(ctx.layout.root, name)
+    if inst.group:
+        return group_target(ctx, inst)
+    return InstanceTarget(inst, ctx.layout.root)

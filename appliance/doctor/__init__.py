@@ -1,4 +1,5 @@
-"""``appliance doctor``: is this appliance serving what it should, with MTP actually working?
+"""``appliance instance doctor``: is this appliance serving what it should, with MTP actually
+working?
 
 Every check is a :class:`Check` record (``ok`` / ``warn`` / ``fail``, a one-line summary and the
 evidence it was based on). Doctor never changes anything: it reads ``/health``, ``/version``,
@@ -22,6 +23,7 @@ from pathlib import Path
 from .. import apikey, instance_facts, probe
 from .. import labels as image_labels
 from ..errors import EngineError
+from ..host import reach
 from ..profiles import Profile
 from ..units import check_instance
 from ..vllm_client import VLLMClient, normalise_base_url
@@ -42,11 +44,15 @@ def run(
     timeout: float = 60.0,
     docker_client=None,
     api_key: apikey.ApiKey | str | None = None,
+    ask_engine: bool = True,
+    gpu_query=None,
 ) -> DoctorReport:
     """Run every check that applies and return the report (never raises for a failed check).
 
     Without ``api_key``, an ``instance``'s key file under ``root`` is used when it exists.
-    Raises UsageError for an invalid instance name or an unreadable key file.
+    ``ask_engine`` False: ``url`` is a tree's port on this host (host/reach.py), not asked; nor
+    are this host's GPUs for a tree that is not the host. Raises UsageError for an invalid
+    instance name or an unreadable key file.
     """
     base = normalise_base_url(url)
     if instance is not None:
@@ -57,13 +63,21 @@ def run(
         api_key = apikey.resolve(instance=instance, root=root)
     facts = instance_facts.read(instance, root, docker_client) if instance else None
     checks: list[Check] = []
-    with VLLMClient(base, timeout=10.0, api_key=api_key.value if api_key else None) as client:
-        if _reachable(client, checks):
-            checks += _engine_checks(client, profile, facts, generate, timeout, api_key)
+    if ask_engine:
+        with VLLMClient(base, timeout=10.0, api_key=api_key.value if api_key else None) as client:
+            if _reachable(client, checks):
+                checks += _engine_checks(client, profile, facts, generate, timeout, api_key)
+    else:
+        why = reach.why_not(root, reach.PORT_NOT) + " (give --url)"
+        checks.append(Check("engine.reachable", "warn", why, {"url": base}))
     if facts:
         checks += instance_checks(instance, facts, root)
-    if profile:
-        checks.append(gpu_check(profile))
+    asks_gpus = profile is not None and profile.hardware.device == "cuda"
+    if profile and (not asks_gpus or gpu_query is not None or reach.gpus(root)):
+        checks.append(gpu_check(profile, gpu_query))
+    elif profile:
+        why = reach.why_not(root, reach.GPUS_NOT)
+        checks.append(Check("host.gpus", "warn", why, {"needed": profile.hardware.gpus}))
     return DoctorReport(base, checks)
 
 

@@ -13,7 +13,6 @@ from ..hostcheck import nvidia as hostcheck_nvidia
 from ..instance_facts import UNIT_DIRS, InstanceFacts
 from ..models import verify, where
 from ..profiles import Profile
-from ..units import UNIT_TEMPLATE, container_name
 from ..units.instance import Instance
 from .report import Check, Status
 
@@ -22,13 +21,14 @@ def instance_checks(instance: str, facts: InstanceFacts, root: Path = Path("/"))
     """The unit is installed, the env file is complete and names an image, the models are
     there, the container runs that image."""
     checks = []
+    template = facts.unit_template
     if facts.unit_path:
         checks.append(
             Check(
                 "instance.unit",
                 "ok",
-                f"unit {UNIT_TEMPLATE} installed",
-                {"path": str(facts.unit_path)},
+                f"unit {template} installed",
+                {"path": str(facts.unit_path), "unit": facts.unit},
             )
         )
     else:
@@ -36,8 +36,8 @@ def instance_checks(instance: str, facts: InstanceFacts, root: Path = Path("/"))
             Check(
                 "instance.unit",
                 "warn",
-                f"{UNIT_TEMPLATE} is not installed here",
-                {"searched": [str(d) for d in UNIT_DIRS]},
+                f"{template} is not installed here",
+                {"searched": [str(d) for d in UNIT_DIRS], "unit": facts.unit},
             )
         )
     if facts.env_error:
@@ -83,7 +83,7 @@ def instance_checks(instance: str, facts: InstanceFacts, root: Path = Path("/"))
     if facts.record is not None:
         checks.append(models_check(facts.record, root))
         checks.append(api_key_check(facts.record))
-    checks.append(_container_check(instance, facts))
+    checks.append(_container_check(facts))
     return checks
 
 
@@ -133,11 +133,12 @@ def api_key_check(inst: Instance) -> Check:
     return Check("instance.api_key", "fail", f"no API key file {path}: {why}", ev)
 
 
-def _container_check(instance: str, facts: InstanceFacts) -> Check:
-    name = container_name(instance)
+def _container_check(facts: InstanceFacts) -> Check:
+    name = facts.container
     if facts.docker_error:
+        said = "not asked" if facts.docker_error.startswith("not asked") else "cannot ask Docker"
         return Check(
-            "instance.container", "warn", "cannot ask Docker", {"error": facts.docker_error}
+            "instance.container", "warn", said, {"container": name, "error": facts.docker_error}
         )
     if facts.container_status is None:
         status: Status = "fail" if facts.env_image else "warn"
@@ -166,10 +167,10 @@ def _container_check(instance: str, facts: InstanceFacts) -> Check:
     return Check("instance.container", "ok", f"{name} runs {facts.container_image}", ev)
 
 
-def gpu_check(profile: Profile) -> Check:
+def gpu_check(profile: Profile, gpu_query=None) -> Check:
     """``host.gpus``: the host check's GPU findings (appliance/hostcheck/nvidia.py), as one
     check: the worst of them, a blocker being a failure."""
-    findings = hostcheck_nvidia.gpu_findings(profile)
+    findings = hostcheck_nvidia.gpu_findings(profile, gpu_query)
     rank = {"ok": 0, "warn": 1, "blocker": 2}
     worst = max(findings, key=lambda f: rank[f.status])
     status: Status = {"ok": "ok", "warn": "warn", "blocker": "fail"}[worst.status]

@@ -14,15 +14,16 @@ usually runs the same instance name everywhere.
 
 from __future__ import annotations
 
-import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..cutover.context import Context
 from ..cutover.status import status
 from ..errors import ApplianceError, UsageError
+from ..host import reach
 from ..host.layout import Layout
-from ..host.names import check_instance, container_name
+from ..host.names import check_instance
+from ..host.systemd import Systemd
 from ..observability import file_sd
 from ..observability.file_sd import EngineTarget
 from ..units.instance import read as read_instance
@@ -46,26 +47,19 @@ class HostStatus:
     rollback_image: str | None
     last: str | None  # the last cutover/rollback: "kind outcome from -> to"
     error: str | None = None
+    container: str = ""  # the container asked: the serving one (a group's head where it runs)
+    # What this host was not asked, and why (a tree that is not the host: host/reach.py).
+    not_asked: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def running_image(instance: str) -> str | None:
-    """The image the instance's container was started from (None: no such container)."""
-    proc = subprocess.run(
-        ["docker", "inspect", "--format", "{{.Config.Image}}", container_name(instance)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return proc.stdout.strip() or None if proc.returncode == 0 else None
-
-
 def host_status(instance: str, root: Path = Path("/")) -> HostStatus:
     """Gather :class:`HostStatus` for ``instance`` (read only); a name this host has never
     seen is a UsageError, as for ``appliance status``."""
-    ctx = Context(layout=Layout(root))
+    # The tree's own systemd and Docker only: never the host's for a tree (host/reach.py).
+    ctx = Context(layout=Layout(root), systemd=Systemd.of_tree(root))
     ctx.layout.require_known(instance)
     st = status(ctx, instance, last=1)
     last = None
@@ -76,7 +70,7 @@ def host_status(instance: str, root: Path = Path("/")) -> HostStatus:
         instance=instance,
         unit_state=st.unit_state,
         env_image=st.image,
-        container_image=running_image(instance),
+        container_image=st.running_ref,  # the shape's serving container, asked as status asks
         healthy=st.healthy,
         mtp=st.speculative,
         acceptance=None,
@@ -84,7 +78,10 @@ def host_status(instance: str, root: Path = Path("/")) -> HostStatus:
         rollback_image=st.rollback_image,
         last=last,
         error=st.instance_error,
+        container=st.container,
     )
+    said = (st.running_error, st.health_note, *(f"{u}: {v}" for u, v in st.units.items()))
+    out.not_asked = [w for w in said if w and reach.NOT_ASKED in w]
     if st.healthy and st.url:
         try:
             key = read_instance(ctx.layout.root, instance).api_key()

@@ -63,6 +63,42 @@ class Shape:
             return tuple(names.node_unit(self.name, r) for r in self.roles)
         return (names.unit_name(self.name),)
 
+    @property
+    def containers(self) -> tuple[str, ...]:
+        """The Docker containers of :attr:`units`, in the same order."""
+        if self.group:
+            return tuple(names.node_container(self.name, r) for r in self.roles)
+        return (names.container_name(self.name),)
+
+    @property
+    def unit(self) -> str:
+        """The unit that serves it here: a group's head where this host runs it, else its
+        worker; the instance's own."""
+        return self.units[0]
+
+    @property
+    def container(self) -> str:
+        """The container of :attr:`unit` (the one that answers the API where this host does)."""
+        return self.containers[0]
+
+    @property
+    def templates(self) -> tuple[str, ...]:
+        """The templated unit files of :attr:`units` (``gemma4-vllm@.service``, or a group
+        node's ``gemma4-vllm-head@.service`` / ``-worker@``)."""
+        if self.group:
+            return tuple(
+                names.HEAD_TEMPLATE if r == "head" else names.WORKER_TEMPLATE for r in self.roles
+            )
+        return (names.UNIT_TEMPLATE,)
+
+    def role_unit(self, role: Role) -> str:
+        """The unit of a group's node ``role`` (one this host runs)."""
+        return self.units[self.roles.index(role)]
+
+    def role_container(self, role: Role) -> str:
+        """The container of a group's node ``role`` (one this host runs)."""
+        return self.containers[self.roles.index(role)]
+
 
 @dataclass(frozen=True)
 class Node:

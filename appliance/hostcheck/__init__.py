@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import images
 from ..errors import ApplianceError, UsageError
-from ..host import envfile
+from ..host import envfile, reach
 from ..host.layout import Layout
 from ..host.names import DATA_DIR
 from ..images import choice
@@ -29,7 +29,7 @@ from ..profiles.catalog import MIN_DRIVER
 from ..units import Options, Planned, planned
 from . import placement
 from .disk import weights_finding
-from .docker import docker_findings, engine_finding
+from .docker import build_unchecked, docker_findings, engine_finding
 from .findings import Finding, Report, Status
 from .nvidia import Query, given, gpu_findings, host_findings, query
 from .ports import port_finding
@@ -128,17 +128,39 @@ def target(
     )
 
 
-def run(t: Target, *, docker_client=None, gpu_query=None) -> Report:
+def run(t: Target, *, docker_client=None, gpu_query=None, told: bool = False) -> Report:
     """Every check that applies to ``t`` (never raises for a failed one). The user and systemd
-    are this host's only when ``t.root`` is ``/`` (another root is a tree being built)."""
+    are this host's only when ``t.root`` is ``/`` (another root is a tree being built). Under
+    another root this host's GPUs, port and Docker are the tree's only where it names its own
+    (host/reach.py) or ``told`` (``install --host-check``): else each is one "not asked"
+    finding, never ready."""
     findings = _this_host(t.root)
-    findings += _gpus(t, gpu_query)
-    findings += docker_findings(t.profile, t.image, docker_client)
+    cpu = t.profile.hardware.device != "cuda"  # asks nothing of the GPUs
+    if cpu or gpu_query is not None or told or reach.gpus(t.root):
+        findings += _gpus(t, gpu_query)
+    else:
+        findings.append(not_asked("gpu", t.root, reach.GPUS_NOT))
+    if docker_client is not None or told or reach.docker(t.root):
+        findings += docker_findings(t.profile, t.image, docker_client)
+    else:
+        findings.append(not_asked("docker.engine", t.root, reach.DOCKER_NOT))
+        findings.append(build_unchecked(t.image, "Docker was not asked"))
     findings.append(weights_finding(t.profile, t.hf_home))
-    findings.append(port_finding(t.host, t.port, own=t.own_port))
+    if told or reach.ports(t.root):
+        findings.append(port_finding(t.host, t.port, own=t.own_port))
+    else:
+        port = f"{t.host}:{t.port} on this host is not the tree's"
+        findings.append(not_asked("port", t.root, port))
     if t.api_key is not None:
         findings.append(api_key_finding(t.api_key))
     return Report(t.profile.name, t.instance, tuple(findings))
+
+
+def not_asked(name: str, root: Path, clause: str) -> Finding:
+    """A finding a tree's check could not make without asking this host (never ``ok``)."""
+    return Finding(
+        name, "warn", reach.why_not(root, clause), "run `appliance host check` on the host itself"
+    )
 
 
 def _gpus(t: Target, q: Query | None) -> list[Finding]:
@@ -169,8 +191,14 @@ def host_only(why: str, root: Path = Path("/"), *, docker_client=None, gpu_query
     """``appliance host check`` with no profile to judge (``why``: none was given and none
     suggested): the host itself, the driver and GPUs, Docker. Exit 1 on a blocker as ever."""
     findings = _this_host(root)
-    findings += host_findings(gpu_query, MIN_DRIVER)
-    findings.append(engine_finding(docker_client))
+    if gpu_query is not None or reach.gpus(root):
+        findings += host_findings(gpu_query, MIN_DRIVER)
+    else:
+        findings.append(not_asked("gpu", root, reach.GPUS_NOT))
+    if docker_client is not None or reach.docker(root):
+        findings.append(engine_finding(docker_client))
+    else:
+        findings.append(not_asked("docker.engine", root, reach.DOCKER_NOT))
     findings.append(
         Finding("profile", "warn", why, "give one: --profile NAME (appliance profiles list)")
     )
@@ -241,6 +269,9 @@ def check_suggested(
     be suggested (no driver, no GPU, nothing fits) the host alone (:func:`host_only`), None."""
     from . import suggest
 
+    if not reach.gpus(root):
+        why = "no profile suggested: " + reach.why_not(root, reach.GPUS_NOT)
+        return host_only(why, root, docker_client=docker_client), None
     try:
         name, said = suggest.best()
     except UsageError as exc:
@@ -270,7 +301,7 @@ def gate(plan: Planned, *, force: str | None, command: str) -> Report:
     unless ``force`` (the operator's reason) is given; the report either way."""
     if force is not None and not force.strip():
         raise UsageError("--force needs a reason", fix='--force "why this host is fine"')
-    report = run(for_install(plan))
+    report = run(for_install(plan), told=True)  # --host-check: this host is asked
     if report.blockers and force is None:
         raise HostNotReady(report, command)
     return report

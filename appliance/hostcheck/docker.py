@@ -35,7 +35,7 @@ def docker_findings(profile: Profile, image: str, client=None) -> list[Finding]:
         version = client.version()
         info = client.info()
     except (docker.errors.DockerException, OSError) as exc:
-        return [absent(exc)]
+        return [absent(exc), build_unchecked(image, "no Docker engine answered")]
     cuda = profile.hardware.device == "cuda"
     text = version.get("Version", "?")
     out = []
@@ -61,7 +61,21 @@ def docker_findings(profile: Profile, image: str, client=None) -> list[Finding]:
     out.append(_data_root(info, image, found is not None, profile.hardware.device))
     if found is not None:
         out.append(_image_build(found, image, profile))
+    else:
+        out.append(build_unchecked(image, f"{image} is not here"))
     return out
+
+
+def build_unchecked(image: str, why: str) -> Finding:
+    """``docker.image`` when the image's build (CPU or CUDA) cannot be read here; the serve
+    program checks it at every start (a wrong build exits 78)."""
+    return Finding(
+        "docker.image",
+        "warn",
+        f"image build not checked: {why}",
+        f"the serve program checks {image}'s build at start; or `appliance host check` where "
+        "Docker answers",
+    )
 
 
 def absent(exc: Exception, host: str | None = None) -> Finding:

@@ -1,13 +1,19 @@
-"""An installed instance's facts, read once: :func:`read` ``(root, name) -> Instance``.
+"""An installed instance's facts, read once, whatever its shape: :func:`read` ``(root, name) ->
+Instance``.
 
-The facts come from the operator's env file (``/etc/gemma4-vllm/<name>.env``, through the one
-env-file parser) and the profile it names; never from generated shell. Cutover, status and
-re-install use this record. :mod:`appliance.instance_facts` (doctor, bench) is built on it: it
-reads the env file with the same parser and builds this record with :func:`from_env`, adding
-what the host says (unit, container), and reports an env file this refuses as a check.
+One record for a single-node instance and for a multi-node group alike: the shape and this
+host's node(s), the profile (the operator's kept copy or the shipped one, through
+:func:`appliance.profiles.installed`), the env file, the serving unit(s) and container(s) (from
+:class:`~appliance.host.layout.Shape`, the one place those names are decided), the key and the
+base URL. The facts come from the operator's env file (``/etc/gemma4-vllm/<name>.env``, through
+the one env-file parser), the args files installed and the profile the env file names; never
+from generated shell. ``status``, ``history``, the cutover targets, ``instance doctor``, the
+fleet's status, ``canary record``, ``bench`` and the scrape targets read it.
+:mod:`appliance.instance_facts` (doctor, bench) is built on it: it reads the env file with the
+same parser and builds this record with :func:`from_env`, adding what the host says.
 
     inst = instance.read(Path("/"), "31b")
-    inst.profile.name, inst.image, inst.base_url, inst.api_key()
+    inst.profile.name, inst.image, inst.base_url, inst.api_key(), inst.shape.container
 """
 
 from __future__ import annotations
@@ -19,21 +25,23 @@ from .. import profiles
 from ..errors import UsageError
 from ..host import envfile, values
 from ..host.envfile import HOST_KEY, PORT_KEY, PROFILE_KEY
-from ..host.layout import Layout
-from ..host.names import container_name, unit_name
+from ..host.layout import Layout, Node, Shape
 from ..host.values import check_host, check_port
 from ..profiles import Profile
+from ..serve.argsfile import read as read_args
 
 
 @dataclass(frozen=True)
 class Instance:
-    """One installed instance of ``gemma4-vllm@.service``.
+    """One installed NAME on this host: a single-node instance or the nodes of a group.
 
-    ``name``: the unit's instance (``%i``); ``unit``, ``container``: its systemd unit and Docker
-    container. ``profile``: the shipped profile ``APPLIANCE_PROFILE`` names. ``image``:
-    ``VLLM_IMAGE`` (None when unset). ``host``, ``port``: where vLLM binds (``VLLM_HOST``,
-    ``VLLM_PORT``). ``env``: the env file as read (its bytes, for a byte-preserving rewrite).
-    ``env_path``, ``args_path``, ``api_key_path``: the instance's files under the root.
+    ``name``: the instance or group; ``shape``: its shape here (:class:`Shape`: the units and
+    containers that serve it); ``node``: a group's node(s) on this host (None for a single-node
+    instance). ``profile``: the profile ``APPLIANCE_PROFILE`` names (the kept copy first).
+    ``image``: ``VLLM_IMAGE`` (None when unset). ``host``, ``port``: where vLLM binds (a group's
+    head). ``env``: the env file as read (its bytes, for a byte-preserving rewrite).
+    ``args_path``: the args file of the first node here; ``api_key_path``: the key guarding the
+    API on this host (None on a host that runs only a group's worker: it serves no API).
     """
 
     name: str
@@ -43,15 +51,44 @@ class Instance:
     port: int
     env: envfile.EnvFile
     args_path: Path
-    api_key_path: Path
+    api_key_path: Path | None
+    shape: Shape | None = None
+    node: Node | None = None
+
+    def __post_init__(self) -> None:
+        if self.shape is None:
+            object.__setattr__(self, "shape", Shape(self.name))
+
+    @property
+    def group(self) -> bool:
+        return self.shape.group
+
+    @property
+    def noun(self) -> str:
+        return self.shape.noun
 
     @property
     def unit(self) -> str:
-        return unit_name(self.name)
+        """The unit that serves it here (a group's head where this host runs it)."""
+        return self.shape.unit
 
     @property
     def container(self) -> str:
-        return container_name(self.name)
+        """The container of :attr:`unit`."""
+        return self.shape.container
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        return self.shape.units
+
+    @property
+    def containers(self) -> tuple[str, ...]:
+        return self.shape.containers
+
+    @property
+    def answers(self) -> bool:
+        """It serves the API on this host (not a host running only a group's worker)."""
+        return self.node is None or "head" in self.node.roles
 
     @property
     def env_path(self) -> Path:
@@ -70,9 +107,27 @@ class Instance:
     def api_key(self) -> str | None:
         """The key vLLM requires on ``/v1`` (None when the instance has no key file); the one
         rule of :mod:`appliance.apikey`, so an unreadable, empty or unsafe file is an error."""
-        from .. import apikey  # here: apikey imports host.layout
+        from .. import apikey  # here: apikey imports units (a cycle at import time)
 
-        return apikey.read(self.api_key_path)
+        return apikey.read(self.api_key_path) if self.api_key_path else None
+
+
+def host_node(layout: Layout, shape: Shape) -> Node:
+    """What this host runs of group ``shape``: its roles, and a worker's node rank read from
+    its args file."""
+    rank = 1
+    if "worker" in shape.roles:
+        path = layout.node_args_file(shape.name, "worker")
+        serve = list(read_args(path).serve)
+        try:
+            rank = int(serve[serve.index("--node-rank") + 1])
+        except (ValueError, IndexError):
+            raise UsageError(
+                f"{path} names no --node-rank",
+                fix=f"reinstall the worker: `appliance instance install {shape.name} "
+                "--role worker --rank N`",
+            ) from None
+    return Node(roles=shape.roles, rank=rank)
 
 
 def read(root: Path | str, name: str) -> Instance:
@@ -87,11 +142,11 @@ def read(root: Path | str, name: str) -> Instance:
 
 
 def from_env(root: Path | str, name: str, env: envfile.EnvFile) -> Instance:
-    """The record of instance ``name`` from its env file ``env``, already read (errors as
-    :func:`read`)."""
+    """The record of ``name`` from its env file ``env``, already read (errors as :func:`read`);
+    its shape from the args files installed under ``root``."""
     root = Path(root)
     layout = Layout(root)
-    upgrade = f"re-run `appliance install {name} --profile PROFILE` (it upgrades in place)"
+    upgrade = f"re-run `appliance instance install {name} --profile PROFILE` (it upgrades in place)"
 
     def required(key: str) -> str:
         value = env.get(key)
@@ -99,10 +154,26 @@ def from_env(root: Path | str, name: str, env: envfile.EnvFile) -> Instance:
             raise UsageError(f"{key} is not set in {env.path}", fix=upgrade)
         return value
 
+    shape = layout.shape(name)
     profile = profiles.installed(root, name, required(PROFILE_KEY))
+    node = None
+    if shape.group:
+        node = host_node(layout, shape)
+        if profile.multinode is None:
+            raise UsageError(
+                f"{env.path} names profile {profile.name}, which serves one host, but this host "
+                f"runs node(s) {', '.join(node.roles)} of group {name}",
+                fix=f"reinstall the group with its multi-node profile: `appliance instance "
+                f"install {name} --profile PROFILE --role ...`",
+            )
     host = check_host(host_text := required(HOST_KEY), f"{HOST_KEY}={host_text!r} in {env.path}")
     port_text = required(PORT_KEY)
     port = check_port(port_text, f"{PORT_KEY}={port_text!r} in {env.path}")
+    if shape.group:
+        args = layout.node_args_file(name, shape.roles[0])
+        key = layout.node_api_key_file(name, "head") if "head" in shape.roles else None
+    else:
+        args, key = layout.args_file(name), layout.api_key_file(name)
     return Instance(
         name=name,
         profile=profile,
@@ -110,6 +181,8 @@ def from_env(root: Path | str, name: str, env: envfile.EnvFile) -> Instance:
         host=host,
         port=port,
         env=env,
-        args_path=layout.args_file(name),
-        api_key_path=layout.served_key_file(name),
+        args_path=args,
+        api_key_path=key,
+        shape=shape,
+        node=node,
     )
