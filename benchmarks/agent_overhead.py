@@ -26,6 +26,18 @@ Figures, not assertions:
 
     .venv/bin/python benchmarks/agent_overhead.py --calls 200
     .venv/bin/python benchmarks/agent_overhead.py --counters-url http://127.0.0.1:8000  # reuse
+    .venv/bin/python benchmarks/agent_overhead.py --cpu-only --stand-in   # no engine, seconds
+
+The CPU block (issue 56's goals: caller-thread CPU under 0.2 ms a call on both paths, the
+counters path's background CPU under 0.4 ms, every figure exact) times each agent call's CPU on
+the caller's thread (``time.thread_time`` around the call, less the same around the SDK's own
+``create`` beneath the agent) and the CPU of the agent's own thread over the block, per call.
+Agent calls go back to back with ``--gap-ms`` of sleep between (the engine's time, so the
+caller's thread is cold as under a real engine), then with a bare call between each. It runs on
+the engines above, or with ``--stand-in`` on an in-process server that answers as vLLM 0.32
+does (a chat completion with the per-request block, or without it and ``/metrics/`` counters
+that move by exactly each call's figures): the caller's and the agent's threads do what they do
+against an engine, the server's CPU is on threads of its own, outside both figures.
 """
 
 from __future__ import annotations
@@ -33,9 +45,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import http.server
+import json
 import statistics
 import threading
 import time
+import urllib.parse
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -379,6 +395,211 @@ def anthropic_rounds(b: Bench, calls: int) -> dict:
     }
 
 
+# -- caller-thread and background CPU per call ------------------------------------------------
+
+_STEP = {"drafts": 3, "draft_tokens": 6, "accepted": 5, "per_pos": (3, 2), "tokens": 8}
+
+
+class StandIn:
+    """An in-process HTTP server answering as vLLM 0.32 does, for the CPU block without an
+    engine: ``/v1/chat/completions`` (with the per-request block when ``per_request``),
+    ``/version``, and ``/metrics/`` (``name[]`` filtered, from the real capture in tests/data)
+    whose counters move by exactly each call's figures (``_STEP``)."""
+
+    CAPTURE = Path(__file__).resolve().parents[1] / "tests/data/metrics-vllm-0.32-mtp.txt"
+
+    def __init__(self, per_request: bool) -> None:
+        self.per_request = per_request
+        self.calls = 0
+        self.lock = threading.Lock()
+        self.page = self.CAPTURE.read_text().splitlines()
+        stand_in = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, body: bytes, kind: str) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path.startswith("/version"):
+                    return self._send(b'{"version":"0.32.0"}', "application/json")
+                query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                self._send(stand_in.metrics(query.get("name[]", [])).encode(), "text/plain")
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._send(json.dumps(stand_in.chat()).encode(), "application/json")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def chat(self) -> dict:
+        with self.lock:
+            self.calls += 1
+        body = {
+            "id": f"chatcmpl-{self.calls}",
+            "object": "chat.completion",
+            "created": 1796000000,
+            "model": "gemma4-tiny",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "hi " * 8, "tool_calls": []},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                }
+            ],
+            "usage": {"prompt_tokens": 9, "total_tokens": 17, "completion_tokens": 8},
+            "prompt_logprobs": None,
+            "kv_transfer_params": None,
+        }
+        if self.per_request:
+            body["metrics"] = {
+                "speculative_decoding": {
+                    "num_spec_steps": _STEP["drafts"],
+                    "num_draft_tokens": _STEP["draft_tokens"],
+                    "num_accepted_draft_tokens": _STEP["accepted"],
+                    "num_spec_tokens": 2,
+                    "per_step_accepted": [2, 2, 1],
+                    "per_step_drafted": [2, 2, 2],
+                }
+            }
+        return body
+
+    def metrics(self, names: list[str]) -> str:
+        with self.lock:
+            n = self.calls
+        values = {
+            "vllm:spec_decode_num_drafts_total{": n * _STEP["drafts"],
+            "vllm:spec_decode_num_draft_tokens_total{": n * _STEP["draft_tokens"],
+            "vllm:spec_decode_num_accepted_tokens_total{": n * _STEP["accepted"],
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",'
+            'model_name="gemma4-tiny",position="0"}': n * _STEP["per_pos"][0],
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",'
+            'model_name="gemma4-tiny",position="1"}': n * _STEP["per_pos"][1],
+            "vllm:generation_tokens_total{": n * _STEP["tokens"],
+            'vllm:request_success_total{engine="0",finished_reason="length"': n,
+            "vllm:num_requests_running{": 0,
+        }
+        families = {name.removesuffix("_total") for name in names}
+        out = []
+        for line in self.page:
+            name = line.split(" ", 3)[2] if line.startswith("#") else line.split("{", 1)[0]
+            if families and not any(name.startswith(f) for f in families):
+                continue
+            for prefix, value in values.items():
+                if line.startswith(prefix):
+                    line = f"{line.rsplit(' ', 1)[0]} {float(value)}"
+            out.append(line)
+        return "\n".join(out) + "\n"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class SDKTime:
+    """Thread CPU spent inside the SDK's own ``create`` beneath the agent (on this thread)."""
+
+    def __init__(self, resource) -> None:
+        self.ns = 0
+        inner = resource.create
+
+        def create(*args, **kwargs):
+            t0 = time.thread_time_ns()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.ns += time.thread_time_ns() - t0
+
+        resource.create = create  # the proxy calls the resource's create: this one
+
+
+def _agent_threads_cpu_ns() -> int:
+    """CPU of the agent's own threads (named ``appliance-agent*``) so far."""
+    total = 0
+    for t in threading.enumerate():
+        if t.name.startswith("appliance-agent") and t.ident is not None:
+            with contextlib.suppress(OSError):
+                total += time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
+    return total
+
+
+def cpu_per_call(url: str, calls: int, gap_s: float, max_tokens: int) -> dict:
+    """Caller-thread CPU of each agent call (its own share), the agent threads' CPU per call,
+    and the share of exact figures: agent calls back to back (``gap_s`` apart), then with a
+    bare call between each."""
+    kw = {
+        "model": "gemma4-tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    records: list[agent.CallRecord] = []
+    raw = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    sdk = SDKTime(raw.chat.completions)
+    traced = agent.instrument(
+        raw,
+        role="bench",
+        tracer_provider=TracerProvider(),
+        registry=CollectorRegistry(),
+        on_call=records.append,
+    )
+    bare = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    out = {}
+    for regime, between in (("back to back", False), ("a bare call between", True)):
+        for _ in range(5):  # warm: connections, the agent's learned state
+            traced.chat.completions.create(**kw)
+        agent.flush(30)
+        records.clear()
+        caller: list[float] = []
+        bg0 = _agent_threads_cpu_ns()
+        for _ in range(calls):
+            if between:
+                bare.chat.completions.create(**kw)
+            time.sleep(gap_s)
+            sdk.ns = 0
+            t0 = time.thread_time_ns()
+            traced.chat.completions.create(**kw)
+            caller.append((time.thread_time_ns() - t0 - sdk.ns) / 1e6)
+        agent.flush(30)
+        background = (_agent_threads_cpu_ns() - bg0) / 1e6 / calls
+        out[regime] = {
+            "caller": caller,
+            "background": background,
+            "exact": sum(r.figures.exact for r in records) / max(1, len(records)),
+            "sources": sorted({r.figures.source for r in records}),
+        }
+    return out
+
+
+def print_cpu(rows: list[tuple[str, dict]]) -> None:
+    print()
+    print("agent CPU per call, ms: caller's thread (median, p10-p90) and the agent's thread")
+    print(
+        f"{'path':<20} {'regime':<22} {'caller med':>10} {'p10-p90':>13} {'background':>10} "
+        f"{'exact':>6}  sources"
+    )
+    for path, result in rows:
+        for regime, r in result.items():
+            c = r["caller"]
+            spread = f"{_pct(c, 0.1):.3f}-{_pct(c, 0.9):.3f}"
+            print(
+                f"{path:<20} {regime:<22} {statistics.median(c):>10.3f} {spread:>13} "
+                f"{r['background']:>10.3f} {r['exact']:>6.0%}  {','.join(r['sources'])}"
+            )
+
+
 @contextlib.contextmanager
 def _engine(url: str | None, prof):
     if url:
@@ -400,7 +621,25 @@ def main() -> None:
         help="which engines, comma-separated: per-request (chat's block; Anthropic's counters) "
         "and counters (per-request metrics off)",
     )
+    ap.add_argument("--gap-ms", type=float, default=25.0, help="CPU block: sleep between calls")
+    ap.add_argument("--cpu-only", action="store_true", help="only the CPU block")
+    ap.add_argument(
+        "--stand-in", action="store_true", help="CPU block on an in-process vLLM stand-in"
+    )
     args = ap.parse_args()
+    if args.stand_in:
+        rows = []
+        for name, per_request in (("per-request metrics", True), ("/metrics counters", False)):
+            server = StandIn(per_request)
+            try:
+                rows.append(
+                    (name, cpu_per_call(server.url, args.calls, args.gap_ms / 1e3, args.max_tokens))
+                )
+            finally:
+                server.close()
+        print(f"stand-in server, {args.calls} calls a regime, {args.gap_ms:g} ms apart")
+        print_cpu(rows)
+        return
     base = profiles.get("cpu-tiny-mtp")
     wanted = {"per-request": "per-request metrics", "counters": "/metrics counters"}
     args.engines = {wanted[e.strip()] for e in args.engines.split(",")}
@@ -418,10 +657,16 @@ def main() -> None:
         f"{'reads/call':>10} {'on caller':>9} {'exact':>6}"
     )
     summary = []
+    cpu_rows: list[tuple[str, dict]] = []
     for name, (url, prof) in paths.items():
         if name not in args.engines:
             continue
         with _engine(url, prof) as u:
+            if args.cpu_only:
+                cpu_rows.append(
+                    (name, cpu_per_call(u, args.calls, args.gap_ms / 1e3, args.max_tokens))
+                )
+                continue
             b = Bench(u, args.max_tokens)
             r = interleaved(b, args.calls)
             bare_med = statistics.median(r["bare"]) * ms
@@ -472,12 +717,16 @@ def main() -> None:
                     f"{name:<20} {label:<26} {'-':>8} {statistics.median(d) * ms:>9.3f}"
                     f" {_pct(d, 0.99) * ms:>9.3f} {'':>10} {'':>9} {'-':>6}"
                 )
+            cpu_rows.append((name, cpu_per_call(u, args.calls, args.gap_ms / 1e3, args.max_tokens)))
             summary += [
                 (name, "proxy (OpenAI chat)", r["bare"], r["added"]["agent"]),
                 (name, "instrumentor (OpenAI chat)", r["bare"], r["added"]["zero"]),
                 (name, "instrumentor (Anthropic)", a["bare"], a["added"]),
                 (name, "  the same, read off", a["bare"], a["no_read"]),
             ]
+    print_cpu(cpu_rows)
+    if args.cpu_only:
+        return
     print()
     print("caller-visible wall time, agent less bare (same round), ms")
     print(f"{'engine':<20} {'path':<28} {'bare med':>8} {'added med':>9} {'added p99':>9}")
