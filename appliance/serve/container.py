@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import labels, versions
+from ..errors import UsageError
 from ..host.names import container_name
 from .argsfile import ServeArgs
 from .docker import DRAIN_S
@@ -100,6 +101,24 @@ def stop_gate_args(
     )
 
 
+def check_build(settings: Settings, image_labels: Mapping[str, str]) -> None:
+    """Refuse an image of the other build than the instance runs: a CPU image given GPUs, or a
+    CUDA image given none. Install writes ``VLLM_GPUS`` for a GPU profile and never for a CPU
+    one, so the env file's devices say which build the profile runs on; an image that does not
+    say which build it is is let through (its labels are read again by the cutover)."""
+    device = "cuda" if settings.gpus else "cpu"
+    found = labels.variant(image_labels)
+    if found is None or found == device:
+        return
+    given = f"VLLM_GPUS={settings.gpus}" if settings.gpus else "no VLLM_GPUS"
+    raise UsageError(
+        f"image {settings.image} is a {found} build ({labels.VARIANT}={found}) and this "
+        f"instance's profile runs on {device} ({given} in its env file)",
+        fix=f"cut over to a {device} image (`appliance cutover NAME IMAGE`) or set VLLM_IMAGE "
+        "to one",
+    )
+
+
 def command(
     instance: str,
     args: ServeArgs,
@@ -108,7 +127,9 @@ def command(
     key: str | None,
     key_file: Path,
 ) -> Command:
-    """The ``docker run`` of ``instance``; ``key`` is the checked API key (None: no key file)."""
+    """The ``docker run`` of ``instance``; ``key`` is the checked API key (None: no key file).
+    A UsageError (exit 78) for an image of the other build (:func:`check_build`)."""
+    check_build(settings, image_labels)
     image_version = image_labels.get(labels.VERSION) or "unlabelled"
     vllm = labels.vllm_version(image_labels) or "unlabelled"
     mtp = image_labels.get(labels.MTP) or "unlabelled"
