@@ -126,7 +126,7 @@ def _call(client, model: str, prompt: str, max_tokens: int, stream: bool) -> Non
 
 
 def format_table(report: DemoReport) -> str:
-    """The per-call table and totals, as printed by ``appliance demo``."""
+    """The per-call table and totals, as printed by ``appliance dev demo``."""
     headers = ("call", "mode", "out_tok", "drafts", "draft_tok", "accepted", "accept")
     headers += ("tok/step", "source")
     rows = [

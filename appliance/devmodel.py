@@ -80,7 +80,7 @@ def load(root: Path) -> DevModel:
     except (OSError, ValueError) as exc:
         raise UsageError(
             f"{root} is not a tiny model directory",
-            fix="build one with: appliance devmodel build DIR",
+            fix="build one with: appliance dev devmodel DIR",
         ) from exc
     return DevModel(Path(root), meta["drafter"], meta["seed"])
 

@@ -109,7 +109,7 @@ def test_a_good_url_is_normalised(given, base):
 def test_dev_local_serve_refuses_a_port_out_of_range_at_parse_time(cli_run):
     # The parser's refusal (click's usage error): the command body, which boots vLLM, never ran.
     for port in ("99999", "0"):
-        res = cli_run(["dev", "local", "serve", "--port", port], code=2)
+        res = cli_run(["dev", "serve", "--port", port], code=2)
         assert "Invalid value for '--port'" in res.output and "1<=x<=65535" in res.output
 
 

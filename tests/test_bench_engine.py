@@ -218,7 +218,7 @@ def _environ_kept():
     """This process's environment as it was, after vLLM code run in-process: its CPU platform
     writes ``os.environ`` while it builds a config (VLLM_WORKER_MULTIPROC_METHOD=spawn,
     LD_PRELOAD, ...), and every engine this process starts afterwards inherited it (ci14:
-    `appliance local serve` then spawned its engine core, with a resource tracker beside it)."""
+    `appliance dev serve` then spawned its engine core, with a resource tracker beside it)."""
     saved = dict(os.environ)
     try:
         yield

@@ -1,4 +1,4 @@
-"""`appliance devmodel build`: deterministic, offline, and loud about bad directories."""
+"""`appliance dev devmodel`: deterministic, offline, and loud about bad directories."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _weight_digest(root: Path) -> str:
 
 def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
     for name, seed in (("a", 7), ("b", 7), ("c", 8)):
-        result = run("dev", "devmodel", "build", str(tmp_path / name), "--seed", str(seed))
+        result = run("dev", "devmodel", str(tmp_path / name), "--seed", str(seed))
         assert result.exit_code == 0, result.output
     digest = {n: _weight_digest(tmp_path / n) for n in "abc"}
     assert digest["a"] == digest["b"]
@@ -66,7 +66,7 @@ def test_copy_and_random_drafters_differ_but_share_the_target(tmp_path):
 
 def test_non_empty_directory_is_refused_with_one_line_and_exit_2(tmp_path, cli_run):
     (tmp_path / "keep.txt").write_text("mine")
-    result = cli_run(["dev", "devmodel", "build", str(tmp_path)], code=2)
+    result = cli_run(["dev", "devmodel", str(tmp_path)], code=2)
     assert result.output.strip().count("\n") == 0
     assert result.output.startswith("Error: ") and "not empty" in result.output
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
@@ -74,13 +74,13 @@ def test_non_empty_directory_is_refused_with_one_line_and_exit_2(tmp_path, cli_r
 
 def test_unwritable_directory_is_refused_with_one_line_and_exit_2(tmp_path, cli_run):
     # /proc refuses new directories even to root: a real unwritable place.
-    result = cli_run(["dev", "devmodel", "build", "/proc/appliance-test/tiny"], code=2)
+    result = cli_run(["dev", "devmodel", "/proc/appliance-test/tiny"], code=2)
     assert result.output.startswith("Error: cannot write to /proc/appliance-test")
     assert result.output.strip().count("\n") == 0
 
 
 def test_unknown_drafter_kind_is_a_usage_error(tmp_path, cli_run):
-    cli_run(["dev", "devmodel", "build", str(tmp_path / "x"), "--drafter", "eh"], code=2)
+    cli_run(["dev", "devmodel", str(tmp_path / "x"), "--drafter", "eh"], code=2)
     assert not (tmp_path / "x").exists()
 
 

@@ -80,7 +80,7 @@ def test_models_check_of_an_instance_under_root(tmp_path):
     assert check.summary.startswith(
         f"models not ready: target {root}/models/tiny/target: directory missing"
     )
-    assert "fix: appliance devmodel build DIR" in check.summary
+    assert "fix: appliance dev devmodel DIR" in check.summary
     model_dir = root / "models/tiny"
     shutil.copytree(devmodel.cached("copy").root, model_dir)
     check = doctor.run(dead, instance="a", root=root, docker_client=_dead_docker()).get(

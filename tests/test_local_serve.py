@@ -1,4 +1,4 @@
-"""`appliance local serve` in the foreground: serves, and SIGTERM leaves no process behind."""
+"""`appliance dev serve` in the foreground: serves, and SIGTERM leaves no process behind."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 def test_sigterm_stops_every_engine_process(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
-        [APPLIANCE, "dev", "local", "serve", "--profile", "cpu-tiny-mtp", "--port", str(port)],
+        [APPLIANCE, "dev", "serve", "--profile", "cpu-tiny-mtp", "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -59,7 +59,7 @@ def test_sigterm_stops_every_engine_process(tmp_path):
 
 def test_unknown_profile_is_one_line_and_exit_2():
     result = subprocess.run(
-        [APPLIANCE, "dev", "local", "serve", "--profile", "nope"],
+        [APPLIANCE, "dev", "serve", "--profile", "nope"],
         capture_output=True,
         check=False,
         text=True,
@@ -72,7 +72,7 @@ def test_unknown_profile_is_one_line_and_exit_2():
 
 def test_gpu_profile_is_refused_locally_with_the_fix():
     result = subprocess.run(
-        [APPLIANCE, "dev", "local", "serve", "--profile", "l4x4-31b-mtp"],
+        [APPLIANCE, "dev", "serve", "--profile", "l4x4-31b-mtp"],
         capture_output=True,
         check=False,
         text=True,

@@ -82,7 +82,7 @@ def test_a_broken_model_dir_fails_the_unit_once_with_78_and_one_line(host_dir, d
         want = (
             f"gemma4-vllm@{INSTANCE}: models not ready: target {model_dir}/target: file "
             f"model.safetensors is truncated ({size // 2} of {size} bytes) (fix: appliance "
-            f"devmodel build DIR (a new or empty directory), then MODEL_DIR=DIR in "
+            f"dev devmodel DIR (a new or empty directory), then MODEL_DIR=DIR in "
             f"/etc/gemma4-vllm/{INSTANCE}.env)"
         )
         assert lines == [want], journal

@@ -1,5 +1,5 @@
 """``--profile`` takes a shipped name or the operator's TOML file wherever a profile is chosen
-(newcomer review D8: canary compare, local serve and models answered "unknown profile" to a
+(newcomer review D8: canary compare, dev serve and models answered "unknown profile" to a
 file that install, host check, doctor, bench and tune took)."""
 
 from __future__ import annotations
@@ -64,5 +64,5 @@ def test_models_verify_takes_a_profile_file(tmp_path, mine, cli_run):
 
 
 def test_local_serve_reads_a_profile_file_before_refusing_a_gpu_one(mine, cli_run):
-    res = cli_run(["dev", "local", "serve", "--profile", str(mine)], code=2)
+    res = cli_run(["dev", "serve", "--profile", str(mine)], code=2)
     assert res.output.startswith("Error: profile mine-l4 needs 4x GPU")

@@ -279,6 +279,8 @@ def test_host_check_of_a_tree_says_not_asked_never_ready(tree, spies):
         assert found[name]["status"] == "warn"
         assert found[name]["message"].startswith(f"not asked: --root {tree} ")
     assert found["docker.image"]["message"] == "image build not checked: Docker was not asked"
+    res = invoke(["host", "check", "i1", "--root", str(tree)], env=spies.env(), code=0)
+    assert res.output.splitlines()[-1] == "host check: no blocker, 2 not asked (3 warning(s))"
 
 
 # --- one record, both shapes -------------------------------------------------------------

@@ -146,7 +146,7 @@ def test_the_old_spelling_still_runs_and_names_the_new_form(cli_run):
     args = ["--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:9"]
     res = cli_run(["tune", *args, "--profile", "cpu-tiny"], code=2)
     assert res.stderr.splitlines() == [
-        "warning: `appliance tune` is now `appliance bench tune`",
+        "warning: `appliance tune` is now `appliance bench tune` (the old spelling goes in 0.2.0)",
         "Error: profile cpu-tiny has no MTP to tune",
     ]
 

@@ -636,7 +636,7 @@ def test_a_missing_or_foreign_args_file_is_a_configuration_error(tmp_path, no_do
         proc = serve(tmp_path, "e", "print", no_docker_path)
         assert (proc.returncode, proc.stdout) == (78, ""), change
         assert says in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
-        assert proc.stderr.rstrip().endswith("(appliance install e)"), proc.stderr
+        assert proc.stderr.rstrip().endswith("(appliance instance install e)"), proc.stderr
     args.write_text("{ not json")
     assert "is not valid JSON" in serve(tmp_path, "e", "print", no_docker_path).stderr
     args.unlink()

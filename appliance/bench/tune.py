@@ -228,7 +228,7 @@ def verify(profile: Profile, levels: list[LevelResult]) -> list[specdecode.Sched
     if spec is None or not spec.num_speculative_tokens_per_batch_size:
         raise UsageError(
             f"profile {profile.name} has no {SCHEDULE_KEY} to verify",
-            fix="give the tuned profile the endpoint serves (appliance tune --write)",
+            fix="give the tuned profile the endpoint serves (appliance bench tune --write)",
         )
     schedule, k = spec.num_speculative_tokens_per_batch_size, spec.num_speculative_tokens
     out = []

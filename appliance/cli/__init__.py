@@ -8,7 +8,6 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
-import copy
 import importlib
 import sys
 
@@ -40,47 +39,27 @@ COMMANDS = {
     "rollback": ("cutover", "rollback"),
     "status": ("cutover", "status"),
 }
-# The old spellings, hidden, for one release (cli/aliases.py): each says its new form on stderr.
-# The README's demo command, `appliance demo`, stays as written, without a warning.
-MOVED = {
-    "demo": ("demo", "demo", "dev demo"),
-    "devmodel": ("devmodel", "devmodel", "dev devmodel"),
-    "doctor": ("doctor", "doctor", "instance doctor"),
-    "generate": ("generate", "generate", "dev generate"),
-    "install": ("units", "install", "instance install"),
-    "local": ("local", "local", "dev local"),
-    "render": ("units", "render", "instance render"),
-    "tune": ("tune", "tune", "bench tune"),
-    "uninstall": ("units", "uninstall", "instance uninstall"),
-}
 
 
 class ApplianceGroup(click.Group):
     """Turns an ApplianceError anywhere below into ``Error: ...`` and its exit code; loads each
-    command's module on first use (:data:`COMMANDS`)."""
+    command's module on first use (:data:`COMMANDS`); runs an old spelling as its current form
+    (cli/aliases.py)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in COMMANDS:
-            module, attr = COMMANDS[cmd_name]
-            return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
-        if cmd_name == "multinode":
-            from .aliases import multinode_group
-
-            return multinode_group()
-        if cmd_name not in MOVED:
+        if cmd_name not in COMMANDS:
             return None
-        module, attr, new = MOVED[cmd_name]
-        command = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
-        if cmd_name == "demo":
-            command = copy.copy(command)
-            command.hidden = True
-            return command
-        from .aliases import deprecated
+        module, attr = COMMANDS[cmd_name]
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
 
-        return deprecated(command, cmd_name, new)
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # An old spelling runs as its current form, for the release cli/aliases.py names.
+        from .aliases import current
+
+        return super().parse_args(ctx, current(args, warn=not ctx.resilient_parsing))
 
     def invoke(self, ctx: click.Context):
         try:

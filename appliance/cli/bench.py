@@ -37,50 +37,7 @@ def figures(*rows: str) -> str:
     return "\n".join([TABLE, *rows, CPU_NOTE])
 
 
-# The old single command's modes, by the option that chose each (the first found wins), and
-# how the old spelling reads now: `appliance bench OPTIONS` runs `appliance bench SUB OPTIONS`.
-OLD_MODES = (
-    ("--sweep-k", "sweep", "bench --sweep-k K,K", "bench sweep --k K,K"),
-    ("--mtp-url", "compare", "bench --mtp-url URL", "bench compare --mtp-url URL"),
-    ("--baseline-url", "compare", "bench --baseline-url URL", "bench compare --baseline-url URL"),
-    ("--concurrency", "load", "bench NAME --concurrency N", "bench load NAME --concurrency N"),
-)
-
-
-def current_form(args: list[str]) -> tuple[str, list[str], str, str]:
-    """The subcommand an old ``appliance bench ARGS`` line means, its arguments as that
-    subcommand spells them, and the old and new forms for the warning."""
-    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
-    for option, sub, old, new in OLD_MODES:
-        if option in given:
-            if sub == "sweep":  # --sweep-k became sweep's --k
-                args = [
-                    ("--k" + a[len(option) :]) if a.split("=")[0] == option else a for a in args
-                ]
-            return sub, args, old, new
-    return "run", args, "bench NAME", "bench run NAME"
-
-
-class BenchGroup(click.Group):
-    """``bench``'s subcommands, and the old single command for one release: a line that names
-    no subcommand (``appliance bench --url X ...``) runs the one its options chose, after one
-    warning line on stderr naming the new form."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        # The old options reach resolve_command unparsed, for the subcommand to parse.
-        kwargs.setdefault("context_settings", {})["ignore_unknown_options"] = True
-        super().__init__(*args, **kwargs)
-
-    def resolve_command(self, ctx: click.Context, args: list[str]):
-        if not args or args[0] in self.commands:
-            return super().resolve_command(ctx, args)
-        sub, args, old, new = current_form(args)
-        if not ctx.resilient_parsing:
-            click.echo(f"warning: `appliance {old}` is now `appliance {new}`", err=True)
-        return sub, self.commands[sub], args
-
-
-@click.group(cls=BenchGroup)
+@click.group()
 def bench() -> None:
     """Measure an engine: one endpoint, MTP against its baseline, several k, under load; tune k.
 

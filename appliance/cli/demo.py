@@ -1,4 +1,4 @@
-"""``appliance demo``: the main job on a fresh machine."""
+"""``appliance dev demo``: the main job on a fresh machine."""
 
 from __future__ import annotations
 

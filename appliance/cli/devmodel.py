@@ -1,4 +1,4 @@
-"""``appliance devmodel``: the tiny Gemma 4 models the CPU engine serves."""
+"""``appliance dev devmodel``: the tiny Gemma 4 models the CPU engine serves."""
 
 from __future__ import annotations
 
@@ -9,12 +9,7 @@ import click
 from .. import devmodel as dm
 
 
-@click.group()
-def devmodel() -> None:
-    """Tiny Gemma 4 target + MTP drafter, generated offline."""
-
-
-@devmodel.command(name="build")
+@click.command(name="devmodel")
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option(
     "--drafter",
@@ -24,12 +19,13 @@ def devmodel() -> None:
     help="copy: accepted almost always; random: accepted almost never.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same weights.")
-def devmodel_build(directory: Path, drafter: str, seed: int) -> None:
-    """Write a tiny target and drafter into DIRECTORY (new or empty).
+def devmodel(directory: Path, drafter: str, seed: int) -> None:
+    """Write a tiny Gemma 4 target and MTP drafter, generated offline, into DIRECTORY (new or
+    empty).
 
     \b
     Example:
-      appliance dev devmodel build ./tiny --drafter copy --seed 0
+      appliance dev devmodel ./tiny --drafter copy --seed 0
       vllm serve ./tiny/target --speculative-config \\
         '{"method":"mtp","model":"./tiny/drafter","num_speculative_tokens":2}'
     """

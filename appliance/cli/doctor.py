@@ -1,4 +1,4 @@
-"""``appliance doctor``: check a live appliance; exit 0 only when nothing fails."""
+"""``appliance instance doctor``: check a live appliance; exit 0 only when nothing fails."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from .. import generate as gen
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     default=Path("."),
     show_default=True,
-    help="The repository checkout holding grafana/, prometheus/, systemd/ and scripts/.",
+    help="The repository checkout holding grafana/, prometheus/ and systemd/.",
 )
 def generate(check: bool, repo: Path) -> None:
     """Regenerate the dashboards, rules, scrape config and the example unit, env and args files.

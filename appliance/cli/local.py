@@ -1,4 +1,4 @@
-"""``appliance local``: the real vLLM engine, natively, in the foreground."""
+"""``appliance dev serve``: the real vLLM engine, natively, in the foreground."""
 
 from __future__ import annotations
 
@@ -38,12 +38,7 @@ def progress_printer(label: str):
     return show
 
 
-@click.group()
-def local() -> None:
-    """Run the real vLLM engine on this machine."""
-
-
-@local.command(name="serve")
+@click.command(name="serve")
 @click.option(
     "--profile",
     "profile_name",
@@ -57,7 +52,7 @@ def local() -> None:
     "--model-dir",
     type=click.Path(path_type=Path),
     default=None,
-    help="A directory from `appliance devmodel build` (default: cached per user).",
+    help="A directory from `appliance dev devmodel` (default: cached per user).",
 )
 def local_serve(profile_name: str, port: int | None, drafter: str, model_dir: Path | None) -> None:
     """Serve PROFILE in the foreground until Ctrl-C or SIGTERM; then stop every process."""

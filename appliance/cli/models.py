@@ -21,12 +21,14 @@ def _where(fn):
     @click.option(
         "--profile-file",
         type=click.Path(dir_okay=False, path_type=Path),
+        hidden=True,  # an old synonym of --profile FILE, kept working
         help="A profile TOML file of your own (the same as --profile FILE).",
     )
     @click.argument("name", required=False, metavar="[NAME]")
     @click.option(
         "--instance",
         metavar="NAME",
+        hidden=True,  # an old synonym of NAME, kept working
         help="The installed instance (the same as NAME): its env file names the profile "
         "(APPLIANCE_PROFILE) and the cache (HF_CACHE_DIR).",
     )

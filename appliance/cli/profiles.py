@@ -144,7 +144,7 @@ def profiles_suggest(json_: bool) -> None:
     \b
     Example:
       appliance profiles suggest
-      appliance install 31b --profile "$(appliance profiles suggest --json | jq -r .best)"
+      appliance instance install 31b --profile "$(appliance profiles suggest --json | jq -r .best)"
     """
     from ..hostcheck import suggest
 

@@ -111,7 +111,7 @@ def tune(
       appliance instance install 31b --profile 31b-tuned.toml    # then restart to apply
       appliance bench tune --url http://127.0.0.1:8001 --profile l4x4-31b-mtp \\
           --baseline-url http://127.0.0.1:8002 --concurrency 1,8,32 --json
-      appliance tune 31b --verify --concurrency 1,8,32   # after the restart
+      appliance bench tune 31b --verify --concurrency 1,8,32   # after the restart
 
     A prediction, not a measurement of the schedule: once the tuned profile serves, --verify
     reads each level's drafts back from the engine's counters and says plainly whether the

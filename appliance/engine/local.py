@@ -1,7 +1,7 @@
 """Run the real vLLM engine natively from a profile, and stop every process it started.
 
 ``serve()`` is the Python API (a context manager yielding a :class:`LocalEngine` whose ``url``
-is the base URL); ``appliance local serve`` and the demo are thin wrappers around it.
+is the base URL); ``appliance dev serve`` and the demo are thin wrappers around it.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class LocalEngine:
 # soak opens thousands) in the minute before vLLM binds it. Random, so that two processes picking
 # at once rarely meet; never the same twice in one process. APPLIANCE_PORT_RANGE ("LOW-HIGH")
 # narrows it for a process and its children: the test suite gives each of its two streams a half,
-# and the commands a stream starts (`appliance demo`) pick from that half too.
+# and the commands a stream starts (`appliance dev demo`) pick from that half too.
 PORT_RANGE_ENV = "APPLIANCE_PORT_RANGE"
 
 

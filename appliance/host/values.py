@@ -1,6 +1,6 @@
 """The rules for the values of an instance's env file: address, port, paths, GPU selection.
 
-One rule each, used where the values are written (``appliance install``) and where they are
+One rule each, used where the values are written (``appliance instance install``) and where they are
 used (the serve program at every start, :mod:`appliance.serve`), so a hand edit of the env file
 is refused at start with the same words ``install`` would use. Standard library only: the serve
 program runs on the host's own Python.

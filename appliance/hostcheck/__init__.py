@@ -4,8 +4,8 @@ One finding per question, each ``ok`` / ``warn`` / ``blocker`` with one line and
 (:mod:`.findings`); one module per job: :mod:`.nvidia` (driver, GPUs; doctor's GPU check too),
 :mod:`.docker` (engine, GPU access, data root), :mod:`.disk` (weights), :mod:`.ports`,
 :mod:`.system` (systemd, user, the API key file). :func:`run` asks them all about a
-:class:`Target`: what ``appliance install`` would install (:func:`target`), which is also what
-install checks before it writes anything.
+:class:`Target`: what ``appliance instance install`` would install (:func:`target`), which is
+also what install checks before it writes anything.
 
     report = hostcheck.run(hostcheck.for_profile(profiles.get("l4x4-31b-mtp")))
     report.ok, report.text()
@@ -59,7 +59,8 @@ __all__ = [
 
 
 class HostNotReady(ApplianceError):
-    """``appliance install`` refused: the host check found blockers (one line, the first)."""
+    """``appliance instance install`` refused: the host check found blockers (one line, the
+    first)."""
 
     def __init__(self, report: Report, command: str) -> None:
         first = report.blockers[0]
@@ -227,8 +228,8 @@ def check(
     options: Options | None = None,
     docker_client=None,
 ) -> Report:
-    """``appliance host check``: instance ``instance`` as ``appliance install`` would install
-    it (installed or not; ``profile`` None: the one its env file names), or without an
+    """``appliance host check``: instance ``instance`` as ``appliance instance install`` would
+    install it (installed or not; ``profile`` None: the one its env file names), or without an
     instance the profile ``profile`` (a shipped name or the operator's file) with install's
     defaults and ``options``."""
     o = options or Options()
@@ -297,8 +298,8 @@ def suggested(need: str, fix: str) -> tuple[str, str]:
 
 
 def gate(plan: Planned, *, force: str | None, command: str) -> Report:
-    """The host check ``appliance install`` makes before writing: HostNotReady on a blocker
-    unless ``force`` (the operator's reason) is given; the report either way."""
+    """The host check ``appliance instance install`` makes before writing: HostNotReady on a
+    blocker unless ``force`` (the operator's reason) is given; the report either way."""
     if force is not None and not force.strip():
         raise UsageError("--force needs a reason", fix='--force "why this host is fine"')
     report = run(for_install(plan), told=True)  # --host-check: this host is asked

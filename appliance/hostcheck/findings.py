@@ -54,7 +54,10 @@ class Report:
     def text(self) -> str:
         lines = [f.line() for f in self.findings]
         warns = sum(f.status == "warn" for f in self.findings)
-        if self.ok:
+        unasked = sum(f.message.startswith("not asked") for f in self.findings)
+        if self.ok and unasked:  # a tree: what this host was not asked is not ready either
+            lines.append(f"host check: no blocker, {unasked} not asked ({warns} warning(s))")
+        elif self.ok:
             lines.append(f"host check: ready ({warns} warning(s))")
         else:
             lines.append(f"host check: {len(self.blockers)} blocker(s), {warns} warning(s)")

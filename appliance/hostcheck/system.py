@@ -70,7 +70,7 @@ def api_key_finding(path: Path) -> Finding:
             "api_key",
             "blocker",
             f"{path} is missing: the serve program refuses to start without it",
-            "re-run appliance install (it creates the key)",
+            "re-run appliance instance install (it creates the key)",
         )
     mode = st.st_mode & 0o7777
     if mode != 0o600:

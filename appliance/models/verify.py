@@ -170,7 +170,7 @@ def hub_fix(selector: Sequence[str], pull_extra: Sequence[str] = ()) -> str:
 def model_dir_fix(env_path: str) -> str:
     """What fixes a broken tiny model pair."""
     return (
-        "fix: appliance devmodel build DIR (a new or empty directory), "
+        "fix: appliance dev devmodel DIR (a new or empty directory), "
         f"then MODEL_DIR=DIR in {env_path}"
     )
 

@@ -93,7 +93,7 @@ def locate(
             if not name:
                 raise UsageError(
                     f"{env.path} names no {envfile.PROFILE_KEY}",
-                    fix=f"re-run appliance install {instance}, or pass --profile",
+                    fix=f"re-run appliance instance install {instance}, or pass --profile",
                 )
             prof = profiles.installed(root, instance, name)
         if cache is None and (value := env.get(envfile.HF_CACHE_KEY)):
@@ -122,7 +122,7 @@ def specs(profile: Profile) -> list[ModelSpec]:
     if profile.uses_devmodel:
         raise UsageError(
             f"profile {profile.name} serves the tiny dev models from MODEL_DIR, not the hub",
-            fix="build them with: appliance devmodel build DIR",
+            fix="build them with: appliance dev devmodel DIR",
         )
     out = [ModelSpec("target", profile.model, profile.revision)]
     spec = profile.speculative

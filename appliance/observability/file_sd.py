@@ -1,10 +1,10 @@
 """Prometheus file-based service discovery for the engines this host serves.
 
 The engine scrape job reads its targets from a JSON file (``file_sd_configs``) that
-``appliance install`` and ``uninstall`` rewrite from the installed instances: the port a profile
-serves on (8050 for the reference 4xL4 host, 8000 for others) reaches Prometheus without anyone
-editing ``prometheus.yml``, and an instance added or removed is picked up within Prometheus'
-file-watch interval, with no reload.
+``appliance instance install`` and ``uninstall`` rewrite from the installed instances: the port
+a profile serves on (8050 for the reference 4xL4 host, 8000 for others) reaches Prometheus
+without anyone editing ``prometheus.yml``, and an instance added or removed is picked up within
+Prometheus' file-watch interval, with no reload.
 
 Each instance is one target group labelled ``instance`` (the appliance instance name the state
 metrics carry, so engine figures join the running image) and ``profile``.

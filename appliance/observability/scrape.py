@@ -21,8 +21,8 @@ from . import names as n
 class ScrapeTargets:
     """Where each job scrapes; the defaults are the appliance's loopback ports."""
 
-    # The engines come from the file `appliance install` keeps (file_sd.py): every installed
-    # instance's own port, labelled with its instance name.
+    # The engines come from the file `appliance instance install` keeps (file_sd.py): every
+    # installed instance's own port, labelled with its instance name.
     engine_files: tuple[str, ...] = (file_sd.CONFIG_RELATIVE,)
     # Static engines besides: "NAME=ADDRESS" scrapes ADDRESS with instance="NAME": the appliance
     # instance name the state metrics carry, so engine figures join the running image.
@@ -59,7 +59,7 @@ def render(t: ScrapeTargets = ScrapeTargets()) -> str:
     return "\n".join(lines + _scrape_configs(t)) + "\n"
 
 
-# On a fleet host the engines' file_sd is the one `appliance install` keeps, read in place.
+# On a fleet host the engines' file_sd is the one `appliance instance install` keeps, read in place.
 AGENT_TARGETS = ScrapeTargets(engine_files=(f"{file_sd.TARGETS_DIR}/{file_sd.ENGINE_FILE}",))
 
 
@@ -191,8 +191,8 @@ def _scrape_configs(t: ScrapeTargets) -> list[str]:
         if honor:
             lines.append("    honor_labels: true")
         if files:
-            # `appliance install` writes it on the host; a relative path is resolved against
-            # this config file's directory.
+            # `appliance instance install` writes it on the host; a relative path is resolved
+            # against this config file's directory.
             lines += ["    file_sd_configs:", "      - files:"]
             lines += [f"          - {json.dumps(f)}" for f in files]
         if targets:

@@ -76,8 +76,8 @@ class Speculative:
     num_speculative_tokens: SpecTokens = 2
     revision: str | None = None  # the drafter's pinned hub revision (a commit), when pinned
     # vLLM's dynamic speculative decoding: ``(first batch size, last batch size, k)`` ranges,
-    # k capped at num_speculative_tokens (``appliance tune`` writes it; the validator checks it
-    # as vLLM's scheduler does). TOML gives arrays; they are kept as tuples (hashable, frozen).
+    # k capped at num_speculative_tokens (``appliance bench tune`` writes it; the validator checks
+    # it as vLLM's scheduler does). TOML gives arrays; they are kept as tuples (hashable, frozen).
     num_speculative_tokens_per_batch_size: tuple[tuple[int, ...], ...] | None = None
 
     def to_json(self, devmodel: str | None = None) -> str:
@@ -405,7 +405,7 @@ def installed(root: Path | str, instance: str, name: str) -> Profile:
     if prof.name != name:
         raise UsageError(
             f"{copy} is profile {prof.name!r}, the env file names {name!r}",
-            fix=f"re-run appliance install {instance} --profile with the one you mean",
+            fix=f"re-run appliance instance install {instance} --profile with the one you mean",
         )
     return prof
 

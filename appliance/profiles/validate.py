@@ -2,7 +2,7 @@
 
 Each rule is one function returning findings; :func:`check` runs them all. An error is a
 profile that would fail at start-up (or crash later) on its stated hardware; a warning is one
-that runs but is risky. ``appliance render``/``install`` refuse a profile with errors, so a
+that runs but is risky. ``appliance instance render``/``install`` refuse a profile with errors, so a
 broken combination is caught on the operator's terminal, not after a 471 s model load. The
 published vLLM defects by version are data (:mod:`.defects`): one finding per defect that applies.
 """

@@ -75,7 +75,7 @@ def render_demo(record: dict) -> str:
     return render(
         "demo.html.j2",
         r,
-        "appliance demo: per-call MTP figures",
+        "appliance dev demo: per-call MTP figures",
         model=r.v(("model",)),
         url=r.v(("url",)),
         acceptance_chart=acceptance,

@@ -1,6 +1,6 @@
 """The serve program: what every ``gemma4-vllm@<instance>.service`` runs (ADR 0009, ADR 0014).
 
-``appliance install`` writes it to ``/usr/local/libexec/gemma4-vllm/serve`` as one zip
+``appliance instance install`` writes it to ``/usr/local/libexec/gemma4-vllm/serve`` as one zip
 application (:mod:`.bundle`) run by the host's ``/usr/bin/python3``::
 
     serve INSTANCE run             check, then exec the engine's container (the unit's main process)

@@ -1,4 +1,4 @@
-"""The args file: the engine and container arguments ``appliance install`` derives from the
+"""The args file: the engine and container arguments ``appliance instance install`` derives from the
 profile, read by the serve program at every start (``/etc/gemma4-vllm/<instance>.args``, JSON).
 
 It holds arguments only, never code: each string is one argument as is. A file of another
@@ -26,7 +26,7 @@ _LISTS = ("serve", "mtp", "per_request", "queue", "docker", "require")
 
 
 class ArgsFileError(UsageError):
-    """The args file cannot be read or is not what ``appliance install`` writes."""
+    """The args file cannot be read or is not what ``appliance instance install`` writes."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The serve program as one file: a zip application of the modules it runs, for the host's
 ``/usr/bin/python3`` (``python -m zipapp``'s format: a shebang line, then a zip).
 
-``appliance install`` writes it to ``/usr/local/libexec/gemma4-vllm/serve``. It holds the
+``appliance instance install`` writes it to ``/usr/local/libexec/gemma4-vllm/serve``. It holds the
 appliance modules the serve program imports, all standard library only, and ``packaging`` (for
 version comparisons), so the host needs no package of the appliance's. The bytes depend only on
 those sources: an unchanged appliance writes an identical file (``install`` stays idempotent and

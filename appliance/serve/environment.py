@@ -1,7 +1,8 @@
 """The instance's settings as the unit gives them (systemd's ``EnvironmentFile=``), checked.
 
 The env file is the operator's and may be edited by hand between two starts: every value is
-checked here, by the rules ``appliance install`` writes them with, before any reaches docker.
+checked here, by the rules ``appliance instance install`` writes them with, before any reaches
+docker.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def settings(env: Mapping[str, str], args: ServeArgs, instance: str, env_file: s
         raise UsageError(
             f"APPLIANCE_PROFILE={profile} in {env_file}, but the args file is profile "
             f"{args.profile}",
-            fix=f"appliance install {instance} --profile {profile or 'PROFILE'}",
+            fix=f"appliance instance install {instance} --profile {profile or 'PROFILE'}",
         )
     host, port = endpoint(env, env_file)
     for key in args.require:

@@ -31,7 +31,7 @@ USAGE = f"usage: serve INSTANCE {'|'.join(COMMANDS)}"
 
 class Unit:
     """One instance's files, as the unit sees them (``APPLIANCE_ROOT`` prefixes them for an
-    instance installed with ``appliance install --root``; the unit never sets it)."""
+    instance installed with ``appliance instance install --root``; the unit never sets it)."""
 
     def __init__(self, instance: str, env: dict[str, str]) -> None:
         self.instance = instance
@@ -48,7 +48,9 @@ class Unit:
         try:
             return argsfile.read(self.args_file)
         except UsageError as exc:  # the file, not the operator's input: install rewrites it
-            raise UsageError(exc.message, fix=f"appliance install {self.instance}") from None
+            raise UsageError(
+                exc.message, fix=f"appliance instance install {self.instance}"
+            ) from None
 
     def key(self, settings: Settings) -> str | None:
         """The instance's API key by :mod:`appliance.apikey`'s rule; None when it has no key
@@ -59,7 +61,7 @@ class Unit:
                 raise UsageError(
                     f"no API key file {self.key_file}: refusing to serve on {settings.host} "
                     "without one",
-                    fix=f"appliance install {self.instance} writes one",
+                    fix=f"appliance instance install {self.instance} writes one",
                 )
             self.log(
                 f"no API key file {self.key_file}: vLLM on {settings.host}:{settings.port} "
@@ -73,7 +75,7 @@ class Unit:
         if not args.models:
             self.log(
                 f"{self.args_file} names no models: not checked at start; re-run "
-                f"`appliance install {self.instance}` to check them"
+                f"`appliance instance install {self.instance}` to check them"
             )
             return
         layouts = {m.layout for m in args.models}

@@ -10,7 +10,7 @@
   files with the last).
 - :mod:`.instance`: :func:`instance.read` ``(root, name) -> Instance``, an installed instance's
   facts read once from its env file.
-- :func:`render_to` writes a rendered tree for review (``appliance render --out DIR``).
+- :func:`render_to` writes a rendered tree for review (``appliance instance render --out DIR``).
 - :mod:`.examples`: the committed examples under ``systemd/``.
 """
 

@@ -1,8 +1,8 @@
 """Render an instance's files from a profile (no writing): the unit, env file, args file, script.
 
 :func:`render` returns every file as ``{relative path: RenderedFile}``, the paths relative to
-the root they are installed under, so ``appliance render --out DIR`` and ``appliance install
---root DIR`` lay out the same tree:
+the root they are installed under, so ``appliance instance render --out DIR`` and
+``appliance instance install --root DIR`` lay out the same tree:
 
 - ``etc/systemd/system/gemma4-vllm@.service``: the one templated unit (shared);
 - ``usr/local/libexec/gemma4-vllm/serve``: the one serve program (shared: :mod:`appliance.serve`
