@@ -620,6 +620,7 @@ def test_prometheus_metrics_by_role_served_on_a_local_port(mtp_engine):
     with agent.role("architect"):
         _plain(t.client)
         _stream(t.client)
+    assert agent.flush(30)  # a call's metrics are recorded on the agent's thread
     port = free_port()
     server = agent.serve_metrics(port, registry=t.registry)
     try:

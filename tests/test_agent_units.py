@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from appliance import metrics_reader, specdecode
 from appliance.agent import AgentConfig, build_registry, metrics, rules, spans, tracing
 from appliance.agent.server import RESTART_MAX_S, RESTART_MIN_S, Server, Window
+from appliance.agent.worker import Worker
 from appliance.errors import UsageError
 from appliance.observability import names as series
 
@@ -579,3 +582,29 @@ def test_a_counters_call_after_calls_that_read_nothing_reads_a_fresh_before_read
     after.got = after.clean_from = 4.8
     assert srv.certify(fresh, after)
     assert srv.needs(srv.begin(), now=5.0) == ""
+
+
+def test_deferred_work_runs_in_order_and_wakes_a_sleeping_thread():
+    """Deferred jobs (a per-request call's span end, metrics, record) run on the agent's thread
+    without a wake while it polls, before any queued job, and wake it once it sleeps; a hang
+    here (the 30 s waits) is the failure."""
+    w = Worker()
+    w.SLEEP_AFTER_S = 0.1
+    done: list[str] = []
+    ran = threading.Event()
+    assert w.defer(lambda: done.append("a"))
+    w.offer(lambda: done.append("b"))
+    assert w.flush(30)
+    assert done == ["a", "b"]
+    deadline = time.monotonic() + 30
+    while not w._sleeping and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w._sleeping  # idle: blocked on its queue with no timeout
+    assert w.defer(lambda: (done.append("c"), ran.set()))
+    assert ran.wait(30)
+    assert done == ["a", "b", "c"]
+    # A full deferred backlog refuses (the caller then closes the call itself).
+    w._sleeping = False
+    w._deferred.extend([lambda: None] * w.MAX_BACKLOG)
+    assert not w.defer(lambda: None)
+    assert w.flush(30) and not w._deferred

@@ -7,6 +7,7 @@ caller only ever sees the bare client's result or exception. :meth:`Call.finish`
 from __future__ import annotations
 
 import contextvars
+import functools
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -297,6 +298,9 @@ class Call(Reader):
 
         When the figures need an after-read, it and everything after it (span end, metrics,
         ``on_call``) are queued for the agent's background thread; the caller returns at once.
+        Otherwise the figures are known here, and the span end, metrics and record are handed to
+        that thread without waking it (:meth:`.worker.Worker.defer`): what stays on the caller
+        is the window's end (the overlap and the chain need it now) and the figures' source.
         """
         if self._done:
             return
@@ -328,15 +332,27 @@ class Call(Reader):
                 srv.after_done()
                 self.settings.metrics.error("backlog")
                 fig = rules.UNKNOWN_SKIPPED
-            self._close(fig, error)
+            if WORKER.defer(functools.partial(self._close_later, fig, error)):
+                deferred = True
+            else:
+                self._close(fig, error)  # the backlog is full: here, as before
             if error is None and fig.source == "request":
-                self._read_for_next()
+                self._read_for_next()  # now: a counters call right after starts from it
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
-            self._end_span_quietly()
         finally:
             if not deferred:
                 self._end_span_quietly()  # a no-op unless an interrupt cut _close short
+
+    def _close_later(self, fig: Figures, error: BaseException | None) -> None:
+        """On the background thread: span end, metrics and record of a call whose figures were
+        known at its end."""
+        try:
+            self._close(fig, error)
+        except Exception:  # noqa: BLE001 - telemetry never raises
+            self._agent_failed()
+        finally:
+            self._end_span_quietly()
 
     def _read_for_next(self) -> None:
         """After a per-request call to a server that also has counters-path calls: a read on

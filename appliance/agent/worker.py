@@ -3,14 +3,18 @@
 The after-read, and everything that waits on it (figures, span end, metrics, ``on_call``), runs
 on :data:`WORKER`, off the caller's path: the caller neither reads nor sends anything for it (a
 request sent from the caller's thread as its call ends was measured at 1.4-2.4 ms there on a
-2-core host: the server woken to render the page takes the caller's CPU). At interpreter exit
-the queued work is flushed, bounded, ahead of tracer providers' own shutdown
-(:func:`register_exit_flush`); a forked child starts with an empty queue and fresh locks.
+2-core host: the server woken to render the page takes the caller's CPU). A call whose figures
+need no read (the per-request block) hands its span end, metrics and record over too, with no
+wake (:meth:`Worker.defer`): the thread drains them every ``DRAIN_S``, before any queued job and
+on :meth:`Worker.flush`. At interpreter exit the queued work is flushed, bounded, ahead of tracer
+providers' own shutdown (:func:`register_exit_flush`); a forked child starts with an empty queue
+and fresh locks.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
 import queue
@@ -34,9 +38,13 @@ class Worker:
     """
 
     MAX_BACKLOG = 512
+    DRAIN_S = 0.05  # deferred work waits at most about this long while calls come
+    SLEEP_AFTER_S = 1.0  # with nothing deferred this long, the thread sleeps until woken
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._deferred: collections.deque[Callable[[], None]] = collections.deque()
+        self._sleeping = False  # blocked with no timeout: a defer must wake it
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._pid = os.getpid()
@@ -44,6 +52,7 @@ class Worker:
     def reset_after_fork(self) -> None:
         """In a forked child: an empty queue, no thread, a fresh lock."""
         self._q, self._thread, self._start_lock = queue.SimpleQueue(), None, threading.Lock()
+        self._deferred, self._sleeping = collections.deque(), False
         self._pid = os.getpid()
 
     def start(self) -> None:
@@ -75,23 +84,69 @@ class Worker:
     def put(self, fn: Callable[[], None]) -> None:
         self._q.put(fn)
 
+    def defer(self, fn: Callable[[], None]) -> bool:
+        """Hand ``fn`` over without waking the thread (it drains within ``DRAIN_S``, before the
+        next queued job, or on :meth:`flush`); False when the backlog is full (the caller then
+        runs it itself). The wake happens only when the thread sleeps (idle a second)."""
+        if len(self._deferred) >= self.MAX_BACKLOG:
+            return False
+        thread = self._thread
+        if thread is None or self._pid != os.getpid() or not thread.is_alive():
+            self.start()
+        self._deferred.append(fn)
+        if self._sleeping:
+            self._sleeping = False
+            self._q.put(_nothing)
+        return True
+
+    def _drain(self) -> None:
+        deferred = self._deferred
+        while deferred:
+            try:
+                deferred.popleft()()
+            except BaseException:
+                log.debug("agent background job failed", exc_info=True)
+
     def _run(self) -> None:
+        quiet = 0.0
         while True:
-            fn = self._q.get()
+            try:
+                fn = self._q.get(timeout=None if self._sleeping else self.DRAIN_S)
+            except queue.Empty:
+                if self._deferred:
+                    self._drain()
+                    quiet = 0.0
+                    continue
+                quiet += self.DRAIN_S
+                if quiet >= self.SLEEP_AFTER_S:
+                    # First the flag, then the check: a defer that ran before the flag was set
+                    # is seen here, one after it sees the flag and wakes the thread.
+                    self._sleeping = True
+                    if self._deferred:
+                        self._sleeping = False
+                continue
+            self._sleeping = False
+            quiet = 0.0
+            self._drain()  # what was handed over before this job first: calls stay in order
             try:
                 fn()
             except BaseException:
                 log.debug("agent background job failed", exc_info=True)
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until everything queued so far has run; False if ``timeout`` passed first."""
+        """Wait until everything queued or deferred so far has run; False if ``timeout``
+        passed first."""
         if self._thread is None or not self._thread.is_alive() or self._pid != os.getpid():
-            return self._q.empty()
+            return self._q.empty() and not self._deferred
         if threading.current_thread() is self._thread:
             return False  # called from a job (an on_call callback): waiting on itself
         done = threading.Event()
         self._q.put(done.set)
         return done.wait(timeout)
+
+
+def _nothing() -> None:
+    """The job that wakes a sleeping thread to drain what was deferred."""
 
 
 WORKER = Worker()
