@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import labels, versions
 from ..errors import UsageError
-from ..host.names import container_name
+from ..host.layout import Shape
 from .argsfile import ServeArgs
 from .docker import DRAIN_S
 from .environment import Settings
@@ -175,7 +175,7 @@ def command(
         "run",
         "--rm",
         "--name",
-        container_name(instance),
+        Shape(instance).container,
         "--pull",
         "never",
         "--label",

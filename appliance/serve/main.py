@@ -16,8 +16,8 @@ from pathlib import Path
 
 from .. import apikey, shed
 from ..errors import ApplianceError, UsageError
-from ..host.layout import Layout
-from ..host.names import check_instance, container_name
+from ..host.layout import Layout, Shape
+from ..host.names import check_instance
 from ..host.values import LOOPBACK, is_loopback, probe_host
 from ..models import EX_CONFIG, ModelsNotReady, ModelSpec
 from ..models import verify as model_verify
@@ -220,11 +220,11 @@ def probe(unit: Unit) -> None:
 
 
 def stop(unit: Unit) -> None:
-    unit.log(docker.stop(container_name(unit.instance)))
+    unit.log(docker.stop(Shape(unit.instance).container))
 
 
 def remove(unit: Unit) -> None:
-    docker.remove(container_name(unit.instance))
+    docker.remove(Shape(unit.instance).container)
 
 
 ACTIONS = {
