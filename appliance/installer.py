@@ -1,9 +1,20 @@
-"""Install or render an instance of either shape, and the one next step an operator types.
+"""Install or render a NAME of either shape, and the one next step an operator types.
 
-A profile with a ``[multinode]`` table is served by a group: this host's node(s) of it are
-installed by :mod:`appliance.multinode` (``node``: head, worker or both, and a worker's rank);
-any other profile by :mod:`appliance.units`. Which one is decided here, once: by the node
-asked for, else the profile given, else what the host already runs under that name.
+One pipeline for a single-node instance and a multi-node group alike:
+
+1. plan (:func:`appliance.units.planned`): the profile (the operator's file, the copy kept
+   beside NAME, or a shipped one), the values the env file keeps, a group's node(s) (the ones
+   asked for, else those this host runs, else the head) and a port chosen across every NAME
+   installed here, of either shape; then the image (below) and a new GPU instance's devices;
+2. render: the single-node templates (:func:`appliance.units.render`), or the group's
+   (:func:`appliance.multinode.render`), a profile with a ``[multinode]`` table;
+3. check: ``preflight`` (the host check, the same rules and ``--force`` for both shapes);
+4. write (:func:`appliance.units.writer.write`) under NAME's lock, refused while a cutover
+   holds it: the files, each unit's mounts drop-in, the keys (created or tightened), the
+   operator's profile copy, the host's scrape targets.
+
+The shape is decided here and in the plan, once: by the node asked for, else the profile, else
+what the host already runs under that name.
 
 The image is decided here too, for both shapes: the one given, else the one the env file keeps,
 else :func:`appliance.images.choice.default_image` (the newest version tag of the profile's build
@@ -13,6 +24,8 @@ a GPU profile, or the reverse) is refused before anything is written.
 
 from __future__ import annotations
 
+import os
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,11 +33,12 @@ from pathlib import Path
 from . import images, multinode, profiles, units
 from .errors import UsageError
 from .host import envfile
+from .host import lock as locks
 from .host.layout import Layout, Node
-from .host.names import STATE_UNIT, node_unit, unit_name
+from .host.names import STATE_UNIT
 from .hostcheck import placement
 from .images import choice, variant
-from .units.writer import WriteResult, write_tree
+from .units.writer import Planned, WriteResult, node_for, write, write_tree
 
 
 @dataclass(frozen=True)
@@ -36,32 +50,6 @@ class Installed:
     devices: str | None = None  # which GPUs a new GPU instance was given, in one line
 
 
-def group_profile(
-    profile: str | profiles.Profile | None, name: str, root: Path, node: Node | None
-) -> profiles.Profile | None:
-    """The multi-node profile ``name`` is installed with, None for a single-node instance; a
-    UsageError when ``node`` is asked for a profile that serves one host."""
-    if profile is None:
-        path = Layout(root).env_file(name)
-        if not Layout(root).shape(name).group or not path.exists():
-            if node is not None:
-                raise UsageError("--role needs the group's --profile on its first install")
-            return None
-        profile = envfile.read(path).get(envfile.PROFILE_KEY) or ""
-    if isinstance(profile, str) and profiles.is_file_ref(profile):
-        prof, _ = profiles.operators_file(profile)  # its errors name the file as given
-    else:
-        prof = profiles.get(profile) if isinstance(profile, str) else profile
-    if prof.multinode is None:
-        if node is not None:
-            raise UsageError(
-                f"profile {prof.name} serves one host: --role and --rank apply to a profile "
-                "with a [multinode] table"
-            )
-        return None
-    return prof
-
-
 def install(
     profile: str | profiles.Profile | None,
     name: str,
@@ -69,83 +57,131 @@ def install(
     root: Path | str = Path("/"),
     options: units.Options | None = None,
     node: Node | None = None,
-    preflight: Callable[[units.Planned], None] | None = None,
+    preflight: Callable[[Planned], None] | None = None,
     share_gpus: str | None = None,
 ) -> Installed:
     """Install ``name`` under ``root`` (an instance, or this host's ``node`` of group ``name``:
-    the head by default); idempotent, values already in the env file kept. ``preflight`` sees
-    a single-node install before anything is written (``appliance install``'s host check).
-    The image is judged against the host's Docker where ``root`` may reach one. A GPU
-    instance gets its own device set (:mod:`appliance.hostcheck.placement`; ``share_gpus``:
-    the reason an explicit --gpus may overlap another instance's)."""
+    by default the node(s) it runs already, else the head); idempotent, values already in the
+    env file kept. ``preflight`` sees the plan, of either shape, before anything is written
+    (the host check). The image is judged against the host's Docker where ``root`` may reach
+    one. A GPU instance gets its own device set (:mod:`appliance.hostcheck.placement`;
+    ``share_gpus``: the reason an explicit --gpus may overlap another instance's). Refused
+    (exit 3), before any check and writing nothing, while a cutover of ``name`` holds its
+    lock."""
     root = Path(root)
-    first = not Layout(root).env_file(name).exists()
-    group = group_profile(profile, name, root, node)
-    options, notes = _image(
-        images.reachable(root), group or profile, name, root, options or units.Options()
-    )
+    layout = Layout(root)
+    locks.refuse_if_busy(layout.lock_file(name), name)
+    plan = units.planned(profile, name, root=root, options=options, node=node)
+    plan, notes = _image(images.reachable(root), plan)
     placed = None
-    if group is not None:
-        node = node or Node()
-        result = multinode.install(group, name, node, root=root, options=options)
-        # The worker's host starts its worker; the head's starts the head (and, where both run
-        # here, the worker with it: BindsTo=).
-        unit = node_unit(name, "head" if "head" in node.roles else "worker")
-    else:
-        if preflight is not None or root == Path("/"):
-            # This host's GPUs, as for the host check: under another root only when asked.
-            plan = units.planned(profile, name, root=root, options=options)
-            kept = plan.existing.get(envfile.GPUS_KEY)
-            placed = placement.place(plan.profile, name, root, options, kept, share=share_gpus)
-            options = placed.options
-        result = units.install(profile, name, root=root, options=options, preflight=preflight)
-        unit = unit_name(name)
+    if plan.node is None and (preflight is not None or root == Path("/")):
+        # This host's GPUs, as for the host check: under another root only when asked. The
+        # devices asked for (not the kept ones) are judged against the other instances'.
+        kept = plan.existing.get(envfile.GPUS_KEY)
+        asked = replace(plan.options, gpus=(options or units.Options()).gpus)
+        placed = placement.place(plan.profile, name, root, asked, kept, share=share_gpus)
+        gpus = placed.options.gpus if placed.options.gpus is not None else plan.options.gpus
+        plan = replace(plan, options=replace(plan.options, gpus=gpus))
+    files = render(plan)  # validates everything before the first write
+    if preflight is not None:
+        preflight(plan)
+    models_before = _models_before(plan)
+    result = write(plan, files)
     result.warnings[:0] = notes
-    if first:
-        # Never enabled yet: restart would start it once and leave it off at the next boot.
-        step = f"systemctl daemon-reload && systemctl enable --now {unit} {STATE_UNIT}.timer"
-    elif result.changed:
-        # Until the reload, systemd runs the unit as it last read it.
-        step = f"systemctl daemon-reload && systemctl restart {unit}"
-    else:
-        step = None
+    step = next_step(plan, result, models_changed=_models(plan.profile) != models_before)
     return Installed(result, step, placed.said if placed else None)
 
 
-def _image(
-    client, profile: str | profiles.Profile | None, name: str, root: Path, opts: units.Options
-) -> tuple[units.Options, list[str]]:
-    """``opts`` with the image install writes (the one given, the env file's, else the chosen
+def render(plan: Planned) -> dict[str, units.RenderedFile]:
+    """The files ``plan`` installs: the group's templates for a group's node(s), else the
+    single-node instance's."""
+    if plan.node is not None:
+        return multinode.render(plan.profile, plan.instance, plan.node, plan.options)
+    return units.render(plan.profile, plan.instance, plan.options)
+
+
+def next_step(plan: Planned, result: WriteResult, *, models_changed: bool = False) -> str | None:
+    """The command that brings what ``plan`` installed into service, decided per unit: enable
+    (and start) the unit that starts NAME here where it was never enabled (the state timer with
+    it), else restart the one that reaches every node here when anything changed; first
+    ``appliance models pull NAME`` where the target or drafter changed (the engine runs
+    offline, and the unit would exit 78 without them)."""
+    layout = Layout(plan.root)
+    # A group's head starts its local worker first (BindsTo=, After=); the worker's restart
+    # reaches its local head (PartOf=). An instance has one unit.
+    start, restart = plan.shape.unit, plan.shape.units[-1]
+    if not (result.changed or result.first_install):
+        return None  # as it was: the step said last time still stands
+    timer = f"{STATE_UNIT}.timer"
+    steps = []
+    if models_changed and plan.existing:
+        pull = ["appliance", "models", "pull", plan.instance]
+        if plan.root != Path("/"):
+            pull += ["--root", str(plan.root)]
+        steps.append(shlex.join(pull))
+    if not _enabled(layout, start):
+        # Never enabled: restart would start it once and leave it off at the next boot.
+        enable = [start] + ([] if _enabled(layout, timer) else [timer])
+        steps.append(f"systemctl daemon-reload && systemctl enable --now {' '.join(enable)}")
+    else:
+        # Until the reload, systemd runs the unit as it last read it.
+        steps.append(f"systemctl daemon-reload && systemctl restart {restart}")
+    return " && ".join(steps) or None
+
+
+def _enabled(layout: Layout, unit: str) -> bool:
+    """Whether ``systemctl enable`` linked ``unit`` here (its ``WantedBy=`` target's folder)."""
+    return os.path.lexists(layout.wants_link(unit))
+
+
+def _models(prof: profiles.Profile | None) -> tuple | None:
+    """The hub models ``prof`` serves (target, drafter, their revisions); None for the tiny dev
+    models (MODEL_DIR: nothing to pull) or no profile."""
+    if prof is None or prof.uses_devmodel:
+        return None
+    spec = prof.speculative
+    drafter = (spec.model, spec.revision) if spec is not None and spec.model else None
+    return (prof.model, prof.revision, drafter)
+
+
+def _models_before(plan: Planned) -> tuple | None:
+    """The hub models NAME served before this install (None: none, or not known)."""
+    name = plan.existing.get(envfile.PROFILE_KEY)
+    if not name:
+        return None
+    try:
+        return _models(profiles.installed(plan.root, plan.instance, name))
+    except UsageError:
+        return None  # the old profile is gone: what it served is not known
+
+
+def _image(client, plan: Planned) -> tuple[Planned, list[str]]:
+    """``plan`` with the image install writes (the one given, the env file's, else the chosen
     default), and the warnings; a UsageError, before anything is written, for an image of the
     other build than the profile's."""
-    existing = Layout(root).env_file(name)
-    kept = envfile.read(existing).get(envfile.IMAGE_KEY) if existing.exists() else None
-    if isinstance(profile, profiles.Profile):
-        prof = profile
-    else:
-        prof = units.planned(profile, name, root=root, options=opts).profile
+    prof, opts = plan.profile, plan.options
     notes = []
-    image = opts.image or kept
+    image = opts.image  # the one given, else the env file's (the plan's kept values)
     if image is None:
         chosen = choice.default_image(client, prof.hardware.device, prof.mtp, prof.name)
-        opts = replace(opts, image=chosen.ref)
+        plan = replace(plan, options=replace(opts, image=chosen.ref))
         image = chosen.ref
         if chosen.warning:
             notes.append(chosen.warning)
     if client is None:
-        return opts, notes
+        return plan, notes
     import docker.errors
 
     try:
         found = client.images.get(image).labels
     except (docker.errors.DockerException, OSError):
-        return opts, notes  # not here (or not askable): nothing to judge, as before
+        return plan, notes  # not here (or not askable): nothing to judge, as before
     fit = variant.fit(image, found, prof.hardware.device, prof.name)
     if fit.refusal is not None:
         raise UsageError(fit.refusal, fix=fit.fix)
     if fit.warning is not None:
         notes.append(fit.warning)
-    return opts, notes
+    return plan, notes
 
 
 def render_to(
@@ -158,7 +194,8 @@ def render_to(
 ) -> WriteResult:
     """Render ``name``'s files into ``out`` as install lays them out under a root (no API
     key): an instance's, or the group node's ``node`` (the head by default)."""
-    group = group_profile(profile, name, out, node)
-    if group is None:
-        return units.render_to(profile, name, out, options)
-    return write_tree(out, multinode.render(group, name, node or Node(), options))
+    out = Path(out)
+    prof = profiles.lookup(profile)  # a shipped name or the operator's file
+    node = node_for(prof, Layout(out), name, node)
+    plan = Planned(name, out, prof, options or units.Options(), {}, None, node)
+    return write_tree(Path(out), render(plan))

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import pytest
 
-from appliance import multinode, profiles, units
+from appliance import installer, multinode, profiles, units
 from appliance.errors import UsageError
 from appliance.host import envfile
 from appliance.host.layout import Layout, Node
@@ -140,7 +140,7 @@ def _install(root: Path, name: str, node: Node, **kw) -> None:
     opts = units.Options(image="gemma4-vllm:0.32.0-mtp", **kw)
     if profiles.get(name).uses_devmodel:
         opts = dataclasses.replace(opts, model_dir="/srv/tiny")
-    multinode.install(name, "grp", node, root=root, options=opts)
+    installer.install(name, "grp", node=node, root=root, options=opts)
 
 
 def _args(root: Path, role: str) -> argsfile.ServeArgs:

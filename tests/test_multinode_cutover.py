@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import multinode, units
+from appliance import installer, units
 from appliance.cutover import flow
 from appliance.cutover.context import Context
 from appliance.cutover.flow import RollbackFailed
@@ -48,8 +48,8 @@ class _ConcurrentAtFirstLookup:
 
 def _install(root: Path, image: str) -> Path:
     opts = units.Options(image=image, model_dir="/srv/tiny")
-    multinode.install(PROFILE, GROUP, Node(roles=("head", "worker")), root=root,
-                      options=opts)  # fmt: skip
+    node = Node(roles=("head", "worker"))
+    installer.install(PROFILE, GROUP, node=node, root=root, options=opts)
     return Layout(root).env_file(GROUP)
 
 

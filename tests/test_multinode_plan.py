@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import multinode, units
+from appliance import installer, units
 from appliance.host.layout import Layout, Node
 from appliance.units.instance import host_node
 
@@ -160,7 +160,7 @@ def test_why_a_step_failed_is_the_appliances_error_line():
 
 def _install(root: Path, node: Node) -> None:
     opts = units.Options(image="gemma4-vllm:0.32.0", model_dir="/srv/tiny")
-    multinode.install(PROFILE, GROUP, node, root=root, options=opts)
+    installer.install(PROFILE, GROUP, node=node, root=root, options=opts)
 
 
 def test_a_head_whose_worker_runs_elsewhere_moves_only_without_its_own_way_back(tmp_path, cli_run):
@@ -205,7 +205,7 @@ def test_each_hosts_check_is_what_the_play_plans_with(
     for host, node in (("a", Node(("head",))), ("b", Node(("worker",), 1))):
         root = tmp_path / host
         opts = units.Options(image=old, model_dir="/srv/tiny")
-        multinode.install(PROFILE, GROUP, node, root=root, options=opts)
+        installer.install(PROFILE, GROUP, node=node, root=root, options=opts)
         listing = sorted(p for p in root.rglob("*"))
         argv = ["cutover", GROUP, new, "--check", "--root", str(root)]
         result = cli_run(argv)

@@ -31,7 +31,7 @@ from plugins.systemd_instance import APPLIANCE, REPO
 from plugins.traffic import Traffic
 
 import docker
-from appliance import devmodel, multinode, profiles, state_metrics, units
+from appliance import devmodel, installer, profiles, state_metrics, units
 from appliance.cutover import history
 from appliance.engine.local import free_port
 from appliance.host import envfile
@@ -277,7 +277,7 @@ def test_a_worker_waits_out_its_heads_outage_and_the_group_comes_back_unaided(mu
     )
 
     def lay(roles) -> None:
-        multinode.install(prof, group, Node(roles=roles, rank=1), root=m.root, options=opts)
+        installer.install(prof, group, node=Node(roles, 1), root=m.root, options=opts)
         for role in roles:  # no key files on 127.0.0.1, as the fixture's group (see there)
             Layout(m.root).node_api_key_file(group, role).unlink(missing_ok=True)
         m.daemon_reload()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import multinode, profiles, units
+from appliance import installer, multinode, profiles, units
 from appliance.host.layout import Layout, Node
 from appliance.host.names import ROLES, node_unit
 from appliance.serve import argsfile, health
@@ -30,8 +30,8 @@ def _root(tmp_path: Path, profile: str) -> Path:
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
     cpu = profiles.get(profile).uses_devmodel
     opts = units.Options(image="gemma4-vllm:0.32.0-mtp", model_dir="/srv/tiny" if cpu else None)
-    multinode.install(profile, "grp", Node(roles=("head", "worker")), root=root,
-                      options=opts)  # fmt: skip
+    node = Node(roles=("head", "worker"))
+    installer.install(profile, "grp", node=node, root=root, options=opts)
     return root
 
 

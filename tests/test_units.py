@@ -765,6 +765,12 @@ def test_install_prints_enable_now_on_a_first_install_and_restart_after(tmp_path
         "next: systemctl daemon-reload && systemctl enable --now gemma4-vllm@f.service"
         in first.output
     )
+    # Never enabled: a change is still `enable --now` (restart would leave it off at boot).
+    changed = run("instance", "install", "f", "--image", "gemma4-vllm:1", "--root", str(tmp_path))
+    assert "systemctl enable --now gemma4-vllm@f.service" in changed.output
+    link = Layout(tmp_path).wants_link("gemma4-vllm@f.service")  # what `systemctl enable` links
+    link.parent.mkdir(parents=True)
+    link.symlink_to("/etc/systemd/system/gemma4-vllm@.service")
     again = run("instance", "install", "f", "--image", "gemma4-vllm:mtp", "--root", str(tmp_path))
     assert (
         "next: systemctl daemon-reload && systemctl restart gemma4-vllm@f.service" in again.output

@@ -182,9 +182,11 @@ class Layout:
         dropin = LOCAL_WORKER_DROPIN if role == "head" else LOCAL_HEAD_DROPIN
         return self.unit_dir / f"{names.node_unit(group, role)}.d" / dropin
 
-    def mounts_dropin(self, instance: str) -> Path:
-        """The instance's drop-in waiting for the mounts of its model and cache folders."""
-        return self.unit_dir / f"{names.unit_name(instance)}.d" / MOUNTS_DROPIN
+    def mounts_dropin(self, name: str, role: Role | None = None) -> Path:
+        """The drop-in of instance ``name``'s unit (of group ``name``'s node ``role``) waiting
+        for the mounts of its model and cache folders."""
+        unit = names.node_unit(name, role) if role else names.unit_name(name)
+        return self.unit_dir / f"{unit}.d" / MOUNTS_DROPIN
 
     def rendezvous_dropin(self, group: str) -> Path:
         """The drop-in letting a group's worker reach its head's rendezvous."""

@@ -209,7 +209,7 @@ def host_only(why: str, root: Path = Path("/"), *, docker_client=None, gpu_query
 def for_install(plan: Planned) -> Target:
     """What :func:`appliance.units.install` is about to install (its key file is checked when
     the instance is installed already: install creates a missing one and tightens its mode)."""
-    key = Layout(plan.root).api_key_file(plan.instance) if plan.existing else None
+    key = plan.key_files[0] if plan.existing else None  # the one guarding the API
     return target(
         plan.profile,
         plan.env_values(),

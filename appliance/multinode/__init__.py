@@ -6,7 +6,12 @@ vLLM's own multi-node (``--nnodes N --node-rank R --master-addr A --master-port 
 orchestrator of ours: systemd on each host runs one unit per role, and every unit runs the
 appliance's one serve program (``serve <group>-head|<group>-worker ...``) unchanged.
 
-Per host, under ``/etc/gemma4-vllm`` (``render``/``install``):
+What is particular to a group lives here: each node's arguments (:func:`node_args`) and the
+group's templates, rendered by :func:`render`. Installing them is the one install pipeline of
+either shape (:func:`appliance.installer.install`: plan, render, host check, write under the
+group's lock, keys, the operator's profile copy, the scrape targets).
+
+Per host, under ``/etc/gemma4-vllm``:
 
 - ``<group>.env``: the group's operator file, read by both units (``EnvironmentFile=``):
   ``VLLM_IMAGE`` (the ONE image every node runs), profile, API host/port, paths, GPUs;
@@ -14,7 +19,8 @@ Per host, under ``/etc/gemma4-vllm`` (``render``/``install``):
   node's ``--nnodes/--node-rank/--master-addr/--master-port`` (``--headless`` on a worker) and
   the interconnect variables (``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``) as ``docker --env``;
 - the unit templates ``gemma4-vllm-head@.service``, ``gemma4-vllm-worker@.service``, the probe
-  timer, and where head and worker share a host the drop-in binding the head to the worker.
+  timer, where head and worker share a host the drop-in binding the head to the worker, and
+  each node's mounts drop-in (``RequiresMountsFor=`` the group's model and cache folders).
 
 Start order, health and a worker's death: see the unit templates and
 ``gotchas/multinode-start-order-and-worker-death.md``. Cutover: :mod:`appliance.multinode.cutover`.
@@ -22,18 +28,16 @@ Start order, health and a worker's death: see the unit templates and
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import replace
-from pathlib import Path
 
 import jinja2
 
 from ..errors import UsageError
-from ..fsutil import write_atomic
-from ..host import envfile, names
+from ..host import names
 from ..host.envfile import HOST_KEY, IMAGE_KEY, PORT_KEY, PROFILE_KEY
 from ..host.layout import LOCAL_WORKER_DROPIN, Layout, Node
 from ..host.names import HEAD_TEMPLATE, PROBE_SERVICE, PROBE_TIMER, WORKER_TEMPLATE, Role
+from ..host.values import PATH_KEYS
 from ..profiles import Profile, get
 from ..profiles import validate as pv
 from ..serve.argsfile import ServeArgs
@@ -41,9 +45,8 @@ from ..units import engine_args
 from ..units import template as ut
 from ..units.template import REL, rel
 from ..units.timing import DRAIN_S, STOP_GRACE_S, unit_timing
-from ..units.writer import WriteResult, write_scrape_targets, write_tree
 
-__all__ = ["Node", "install", "node_args", "render", "require_multinode"]
+__all__ = ["Node", "node_args", "render", "require_multinode"]
 
 PROBE_INTERVAL_S = 30
 # CPU profiles (every node on one host): vLLM's zmq ipc:// sockets, shared by the containers.
@@ -199,36 +202,14 @@ def render(
         if role in node.roles:
             text = env.get_template(name + ".j2").render(context)
             files[rel(REL.node_template(role))] = ut.RenderedFile(text, ut.MODE_UNIT)
+    # Each node waits for the mounts of the group's model and cache folders, as an instance does.
+    mounts = [values[k] for k in PATH_KEYS if k in values]
+    for role in node.roles:
+        at = Layout().mounts_dropin(group, role)
+        dropin = {**context, "instance": group, "mounts_dropin": at, "mounts": mounts}
+        text = env.get_template("mounts.conf.j2").render(dropin)
+        files[rel(REL.mounts_dropin(group, role))] = ut.RenderedFile(text, ut.MODE_UNIT)
     # The host's state metrics (status, cutover annotations, the failed-unit alert), as an
     # instance's install writes them: one service and timer per host, whatever it runs.
     files.update(ut.state_units())
     return files
-
-
-def install(
-    profile: str | Profile,
-    group: str,
-    node: Node | None = None,
-    *,
-    root: Path | str = Path("/"),
-    options: ut.Options | None = None,
-) -> WriteResult:
-    """Install ``node`` of ``group`` under ``root``; idempotent. Values already in the group's
-    env file (VLLM_IMAGE above all) are kept unless given in ``options``. Each role gets an API
-    key file (0600, created once). Does not call systemctl."""
-    root = Path(root)
-    layout = Layout(root)
-    node = node or Node()
-    existing_path = layout.env_file(group)
-    existing = envfile.read(existing_path).values if existing_path.exists() else {}
-    opts = ut.options_from_env(existing, options or ut.Options())
-    files = render(profile, group, node, opts)  # everything validated before the first write
-    result = write_tree(root, files)
-    for role in node.roles:
-        key = layout.node_api_key_file(group, role)
-        if not key.exists():
-            write_atomic(key, (secrets.token_urlsafe(32) + "\n").encode(), mode=ut.MODE_SECRET)
-            result.written.append(key)
-    # The head is scraped like an instance (the engines' file_sd targets of this host).
-    write_scrape_targets(root, result)
-    return result

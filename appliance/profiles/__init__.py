@@ -7,6 +7,7 @@ reviewer can diff two hosts' profiles field by field.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import tomllib
@@ -411,10 +412,15 @@ def installed(root: Path | str, instance: str, name: str) -> Profile:
 
 
 def get(name: str) -> Profile:
-    """A shipped profile by name; an unknown name is a usage error listing the known ones."""
+    """A shipped profile by name; an unknown name is a usage error naming the closest ones
+    (``appliance profiles list`` lists them all)."""
     profiles = all_profiles()
     if name not in profiles:
+        close = difflib.get_close_matches(name, sorted(profiles), n=3, cutoff=0.6)
+        near = f"did you mean {', '.join(close)}? " if close else ""
         raise UsageError(
-            f"unknown profile {name!r}", fix=f"known profiles: {', '.join(sorted(profiles))}"
+            f"unknown profile {name!r}",
+            fix=f"{near}`appliance profiles list` lists the shipped ones; a file of yours: "
+            "--profile PATH.toml",
         )
     return profiles[name]

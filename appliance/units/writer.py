@@ -21,7 +21,7 @@ from ..fsutil import write_atomic
 from ..host import envfile
 from ..host import lock as locks
 from ..host.envfile import PORT_KEY, PROFILE_KEY
-from ..host.layout import Layout, Shape
+from ..host.layout import Layout, Node, Shape
 from ..host.names import PROBE_TIMER
 from ..host.systemd import Systemd
 from ..observability import file_sd
@@ -94,9 +94,10 @@ def _existing_env(root: Path, instance: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Planned:
-    """What :func:`install` would install: the profile, the options with the env file's kept
-    values and the port chosen, the env file as it is (empty: a first install), the operator's
-    profile file's bytes (when installed from one)."""
+    """What an install would install: the profile, the options with the env file's kept values
+    and the port chosen, the env file as it is (empty: a first install), the operator's profile
+    file's bytes (when installed from one), and ``node``: the node(s) of a multi-node group this
+    host runs (None: a single-node instance)."""
 
     instance: str
     root: Path
@@ -104,6 +105,21 @@ class Planned:
     options: Options
     existing: dict[str, str]
     own: bytes | None
+    node: Node | None = None
+
+    @property
+    def shape(self) -> Shape:
+        """What ``instance`` is on this host once installed."""
+        return Shape(self.instance, self.node.roles if self.node else ())
+
+    @property
+    def key_files(self) -> tuple[Path, ...]:
+        """The API key file of each unit installed (created once, kept 0600), the one guarding
+        the API first: a group's head's, else the instance's own."""
+        layout = Layout(self.root)
+        if self.node is None:
+            return (layout.api_key_file(self.instance),)
+        return tuple(layout.node_api_key_file(self.instance, r) for r in self.node.roles)
 
     def env_values(self) -> dict[str, str]:
         """The env file's assignments install would write."""
@@ -116,9 +132,12 @@ def planned(
     *,
     root: Path | str = Path("/"),
     options: Options | None = None,
+    node: Node | None = None,
 ) -> Planned:
-    """Resolve :func:`install`'s inputs without writing: the profile (``None``: the one the env
-    file names; an operator's file; the copy installed before), the kept values and the port."""
+    """Resolve an install's inputs without writing: the profile (``None``: the one the env file
+    names; an operator's file; the copy installed before), the kept values, the node(s) of a
+    group (``node``, else those this host runs already, else the head) and the port, chosen
+    across every NAME installed here, of either shape."""
     root = Path(root)
     layout = Layout(root)
     existing = _existing_env(root, instance)
@@ -142,8 +161,66 @@ def planned(
         prof = get(profile)
     else:
         prof = profile
-    opts = replace(opts, port=_choose_port(root, instance, prof.port, opts.port, explicit.port))
-    return Planned(instance, root, prof, opts, dict(existing), own)
+    node = node_for(prof, layout, instance, node)
+    answers = node is None or "head" in node.roles
+    port = _choose_port(root, instance, prof.port, opts.port, explicit.port, answers=answers)
+    opts = replace(opts, port=port)
+    return Planned(instance, root, prof, opts, dict(existing), own, node)
+
+
+def node_for(prof: Profile, layout: Layout, name: str, node: Node | None) -> Node | None:
+    """The node(s) of group ``name`` this install lays down: the ones asked for, else those
+    this host runs already, else the head; None for a profile that serves one host (a
+    UsageError when a node was asked for it)."""
+    if prof.multinode is None:
+        if node is not None:
+            raise UsageError(
+                f"profile {prof.name} serves one host (it has no [multinode] table): --role "
+                "and --rank apply to a group's profile"
+            )
+        return None
+    if node is not None:
+        return node
+    shape = layout.shape(name)
+    return instances.host_node(layout, shape) if shape.group else Node()
+
+
+def write(plan: Planned, files: dict[str, RenderedFile]) -> WriteResult:
+    """Install ``files`` (rendered from ``plan``) under its root, holding NAME's lock: the
+    files, the operator's profile copy (or the old copy removed), each unit's API key (created
+    once, tightened to 0600), and the host's scrape targets. Refused (LockBusy, exit 3) before
+    the first write while a cutover or rollback of NAME holds the lock. Calls no systemctl."""
+    root, name = plan.root, plan.instance
+    layout = Layout(root)
+    # A cutover in progress holds the lock file; with none, no cutover ever ran here (as
+    # uninstall): the cutover would otherwise write back the env file it read before.
+    lock_path = layout.lock_file(name)
+    held = locks.hold(lock_path, name, "install") if lock_path.exists() else None
+    with held or contextlib.nullcontext():
+        copy = layout.profile_copy(name)
+        if plan.own is not None:
+            files = {str(copy.relative_to(root)): RenderedFile(plan.own, MODE_ARGS), **files}
+        result = write_tree(root, files)
+        if plan.own is None and copy.exists():
+            copy.unlink()  # now serving a shipped profile: the old copy would mislead
+            result.removed.append(copy)
+        result.first_install = not plan.existing
+        for key in plan.key_files:
+            _key(key, result)
+        write_scrape_targets(root, result)
+    return result
+
+
+def _key(key: Path, result: WriteResult) -> None:
+    """Create ``key`` (a new secret, 0600) or tighten it; never replace or show it."""
+    if not key.exists():
+        write_atomic(key, (secrets.token_urlsafe(32) + "\n").encode(), mode=MODE_SECRET)
+        result.written.append(key)
+    elif key.stat().st_mode & 0o7777 != MODE_SECRET:
+        os.chmod(key, MODE_SECRET)  # a key readable by others is a leaked key: tighten it
+        result.written.append(key)
+    else:
+        result.unchanged.append(key)
 
 
 def install(
@@ -154,66 +231,58 @@ def install(
     options: Options | None = None,
     preflight: Callable[[Planned], None] | None = None,
 ) -> WriteResult:
-    """Install ``instance`` under ``root``: the shared unit and serve program, the instance's
-    env file, args file and API key.
+    """Install single-node ``instance`` under ``root``: the shared unit and serve program, the
+    instance's env file, args file, mounts drop-in and API key (:func:`planned`, then
+    :func:`write`; :func:`appliance.installer.install` is the same pipeline for either shape,
+    with the image and GPU choice).
 
     ``preflight`` sees what is about to be installed (:class:`Planned`) once it is valid and
-    before anything is written; it raises to refuse (``appliance install``'s host check).
+    before anything is written; it raises to refuse (the host check).
 
     ``profile`` None re-installs the profile the env file names. Re-running is idempotent
     (identical files are not rewritten). Values already in the env file (``VLLM_IMAGE`` above
-    all, host, port, GPUs, paths) are kept unless given in ``options``. An instance of the old
-    layout is upgraded in place: its port is carried over and its own serve script removed.
-    The API key file (mode 0600) is created once and never overwritten or shown. Does not call
-    systemctl: ``root`` may be an image being built.
+    all, host, port, GPUs, paths) are kept unless given in ``options``. The API key file (mode
+    0600) is created once and never overwritten or shown. Does not call systemctl: ``root``
+    may be an image being built.
     """
-    root = Path(root)
-    layout = Layout(root)
     plan = planned(profile, instance, root=root, options=options)
-    prof, opts, existing, own = plan.profile, plan.options, plan.existing, plan.own
-    files = render(prof, instance, opts)  # validates everything before the first write
+    files = render(plan.profile, instance, plan.options)  # validates before the first write
     if preflight is not None:
         preflight(plan)
-    copy = layout.profile_copy(instance)
-    if own is not None:
-        files = {str(copy.relative_to(root)): RenderedFile(own, MODE_ARGS), **files}
-    result = write_tree(root, files)
-    if own is None and copy.exists():
-        copy.unlink()  # now serving a shipped profile: the old copy would mislead
-        result.removed.append(copy)
-    result.first_install = not existing
-    key = layout.api_key_file(instance)
-    if not key.exists():
-        write_atomic(key, (secrets.token_urlsafe(32) + "\n").encode(), mode=MODE_SECRET)
-        result.written.append(key)
-    elif key.stat().st_mode & 0o7777 != MODE_SECRET:
-        os.chmod(key, MODE_SECRET)  # a key readable by others is a leaked key: tighten it
-        result.written.append(key)
-    else:
-        result.unchanged.append(key)
-    write_scrape_targets(root, result)
-    return result
+    return write(plan, files)
 
 
 def _choose_port(
-    root: Path, instance: str, default: int, kept: int | None, asked: int | None
+    root: Path,
+    instance: str,
+    default: int,
+    kept: int | None,
+    asked: int | None,
+    *,
+    answers: bool = True,
 ) -> int:
-    """The instance's port: the one asked for (refused when another instance has it), else the
-    one its env file keeps, else the profile's or, when another instance has that, the next
-    free one (several instances of one profile, e.g. the four MIG slices of a card)."""
+    """NAME's port: the one asked for (refused when another NAME serves on it), else the one
+    its env file keeps, else the profile's or, when another NAME serves on that, the next free
+    one (several instances of one profile, e.g. the four MIG slices of a card). Every NAME
+    installed here counts, instance or group, but a host that runs only a group's worker
+    serves no API: its port is the head's, elsewhere (``answers`` False: taken as it comes)."""
+    layout = Layout(root)
     taken: dict[int, str] = {}
-    for name in Layout(root).installed():
-        if name == instance:
+    for name in layout.installed():
+        shape = layout.shape(name)
+        if name == instance or (shape.group and "head" not in shape.roles):
             continue
         try:
             port = int(_existing_env(root, name).get(PORT_KEY, ""))
         except (UsageError, ValueError):
             continue  # unreadable: install and the serve program refuse it with its own words
-        taken.setdefault(port, name)
+        taken.setdefault(port, f"{shape.noun} {name}")
+    if not answers:
+        return asked if asked is not None else kept if kept is not None else default
     if asked is not None and asked in taken:
         free = _next_free(asked, taken)
         raise UsageError(
-            f"port {asked} is already instance {taken[asked]}'s",
+            f"port {asked} is already {taken[asked]}'s",
             fix=f"give another: --port {free} is free",
         )
     if kept is not None:
@@ -326,10 +395,10 @@ def _own_files(layout: Layout, shape: Shape, root: Path) -> list[Path]:
     if not shape.group:
         own = [layout.args_file(name), layout.api_key_file(name), layout.profile_copy(name)]
         return [*own, layout.mounts_dropin(name)]
-    files = []
+    files = [layout.profile_copy(name)]
     for role in shape.roles:
         files += [layout.node_args_file(name, role), layout.node_api_key_file(name, role)]
-        files.append(layout.node_dropin(name, role))
+        files += [layout.node_dropin(name, role), layout.mounts_dropin(name, role)]
     if "worker" in shape.roles:
         files.append(layout.rendezvous_dropin(name))
     return files

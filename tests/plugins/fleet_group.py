@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from appliance import devmodel, multinode, profiles, specdecode, units
+from appliance import devmodel, installer, profiles, specdecode, units
 from appliance.engine.local import free_port
 from appliance.host import envfile
 from appliance.host.layout import Layout, Node
@@ -121,7 +121,7 @@ def fleet_group(fleet_hosts: Fleet) -> Iterator[FleetGroup]:
     try:
         nodes = ((head, Node(("head",))), (worker, Node(("worker",), 1)))
         for host, node in nodes:
-            multinode.install(prof, GROUP, node, root=host.root, options=opts)
+            installer.install(prof, GROUP, node=node, root=host.root, options=opts)
             # The serve script mounts the key file, which the host's dockerd would look for on
             # the host: no key on 127.0.0.1 (as tests/plugins/multinode.py).
             for role in node.roles:

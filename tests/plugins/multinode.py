@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import devmodel, multinode, profiles, specdecode, units
+from appliance import devmodel, installer, multinode, profiles, specdecode, units
 from appliance.cutover.context import Context
 from appliance.engine.local import free_port
 from appliance.host.layout import Layout, Node
@@ -185,10 +185,10 @@ def multinode_group(appliance_images, docker_engine) -> Iterator[Group]:
     ):
         group = Group(m, port, docker_engine, derived, m.files())
         try:
-            multinode.install(
+            installer.install(
                 prof,
                 GROUP,
-                Node(roles=("head", "worker")),
+                node=Node(roles=("head", "worker")),
                 root=m.root,
                 options=units.Options(
                     image=MTP_IMAGE,
