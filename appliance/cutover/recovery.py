@@ -130,7 +130,7 @@ def recover(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_TI
         content = snap.with_image(image)
         if entry.kind == "cutover":
             prev = tgt.saved(saved)
-            if prev is not None and prev.keys() == content.keys() and _names(prev, image):
+            if prev is not None and _names(prev, image):
                 content = prev  # byte-identical to before the killed cutover
             saved_slot = layout.saved_slot(name)
             if saved_slot.exists():
@@ -161,10 +161,10 @@ def recover(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_TI
         return finish(ctx, entry, outcome, entry.error, saved)
 
 
-def _names(files: dict[str, bytes], image: str) -> bool:
-    """Every saved env file names ``image`` (else it is not where the recovery goes)."""
+def _names(raw: bytes, image: str) -> bool:
+    """The saved env file names ``image`` (else it is not where the recovery goes)."""
     try:
-        return all(envfile.parse(raw).get(envfile.IMAGE_KEY) == image for raw in files.values())
+        return envfile.parse(raw).get(envfile.IMAGE_KEY) == image
     except ApplianceError:
         return False
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shlex
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import EngineError, UsageError
+from ..errors import EngineError
 from ..fsutil import write_atomic
 from ..host import envfile
 from ..host.layout import Node
@@ -33,29 +32,21 @@ from .preflight import ImageInfo, check_unit_overrides, inspect_image, running_i
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Every env file of a target as read at one moment, by host (``""`` for an instance)."""
+    """A target's env file as read at one moment (one file on this host, whatever the shape)."""
 
-    files: Mapping[str, envfile.EnvFile]
+    env: envfile.EnvFile
 
     @property
     def image(self) -> str | None:
-        """The one image every file names (None when none names one); a split is refused."""
-        found = {host: env.get(envfile.IMAGE_KEY) for host, env in self.files.items()}
-        images = set(found.values())
-        if len(images) > 1:
-            split = ", ".join(f"{h}: {i or 'unset'}" for h, i in sorted(found.items()))
-            raise UsageError(
-                f"the env files name different images ({split})",
-                fix="cut over to one image on every host first",
-            )
-        return images.pop() if images else None
+        """The image the env file names (None when it names none)."""
+        return self.env.get(envfile.IMAGE_KEY)
 
-    def with_image(self, image: str) -> dict[str, bytes]:
-        """Each file's bytes with ``VLLM_IMAGE=image``, every other line unchanged."""
-        return {h: env.with_value(envfile.IMAGE_KEY, image) for h, env in self.files.items()}
+    def with_image(self, image: str) -> bytes:
+        """The file's bytes with ``VLLM_IMAGE=image``, every other line unchanged."""
+        return self.env.with_value(envfile.IMAGE_KEY, image)
 
-    def raw(self) -> dict[str, bytes]:
-        return {h: env.raw for h, env in self.files.items()}
+    def raw(self) -> bytes:
+        return self.env.raw
 
 
 class Target(Protocol):
@@ -92,7 +83,7 @@ class Target(Protocol):
         """The env file now (read again under the lock)."""
         ...
 
-    def write(self, content: Mapping[str, bytes]) -> None:
+    def write(self, content: bytes) -> None:
         """Write the env file's bytes."""
         ...
 
@@ -100,7 +91,7 @@ class Target(Protocol):
         """Keep ``snap`` for the recovery of a killed cutover (private, atomic)."""
         ...
 
-    def saved(self, path: Path) -> dict[str, bytes] | None:
+    def saved(self, path: Path) -> bytes | None:
         """What :meth:`save` kept (None when nothing was, or it cannot be read)."""
         ...
 
@@ -153,18 +144,18 @@ class EnvFileTarget:
         return None
 
     def read(self) -> Snapshot:
-        return Snapshot({"": envfile.read(self.env_path)})
+        return Snapshot(envfile.read(self.env_path))
 
-    def write(self, content: Mapping[str, bytes]) -> None:
-        write_atomic(self.env_path, content[""])
+    def write(self, content: bytes) -> None:
+        write_atomic(self.env_path, content)
 
     def save(self, path: Path, snap: Snapshot) -> None:
         # The env file's own bytes: what an older appliance left is read the same way.
-        write_atomic(path, snap.files[""].raw, mode=0o600)
+        write_atomic(path, snap.raw(), mode=0o600)
 
-    def saved(self, path: Path) -> dict[str, bytes] | None:
+    def saved(self, path: Path) -> bytes | None:
         try:
-            return {"": path.read_bytes()}
+            return path.read_bytes()
         except OSError:
             return None
 
