@@ -393,3 +393,20 @@ def test_fleet_status_of_a_group_reads_the_heads_container(template, monkeypatch
     assert "gemma4-vllm-g1" not in stub.asked and stub.asked
     assert st.unit_state == "not asked" and st.healthy is None
     assert any("its instance" in w for w in st.not_asked)
+
+
+def test_one_place_names_a_serving_unit_or_container():
+    """Issue 53: only host/layout.py (Shape, and the drop-in paths beside the units) turns a
+    NAME into a unit or container name; every other module reads them from the Shape or the
+    record."""
+    package = Path(instance.__file__).resolve().parents[1]
+    calls = ("container_name(", "node_container(", "unit_name(", "node_unit(")
+    allowed = {package / "host" / "names.py", package / "host" / "layout.py"}
+    found = [
+        f"{path.relative_to(package.parent)}:{n}"
+        for path in sorted(package.rglob("*.py"))
+        if path not in allowed
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if any(c in line for c in calls) and not line.lstrip().startswith(("#", "def "))
+    ]
+    assert found == []
