@@ -59,7 +59,8 @@ def require_multinode(profile: Profile) -> Profile:
     if profile.multinode is None:
         raise UsageError(
             f"profile {profile.name} serves one host: it has no [multinode] table",
-            fix="use a multi-node profile (e.g. spark2-31b-nvfp4-mtp), or `appliance install`",
+            fix="use a multi-node profile (e.g. spark2-31b-nvfp4-mtp), or install it as an "
+            "instance: `appliance instance install NAME --profile PROFILE` without --role",
         )
     pv.require_valid(profile)
     return profile
