@@ -9,14 +9,15 @@ from __future__ import annotations
 import contextvars
 import functools
 import json
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from opentelemetry import propagate, trace
-from opentelemetry.trace import SpanKind
+from opentelemetry import context, propagate, trace
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
 from .. import __version__, specdecode
 from ..vllm_client import normalise_base_url
@@ -73,6 +74,12 @@ class Settings:
     def __post_init__(self) -> None:
         if self.otel is None:
             self.otel = otel_for(None)
+        # An SDK tracer (its sampler and id generator public): the span is started on the
+        # agent's thread with the ids the caller sent in ``traceparent`` (:class:`PresetIds`).
+        gen = getattr(self.tracer, "id_generator", None)
+        self.deferred_start = gen is not None and hasattr(self.tracer, "sampler")
+        if self.deferred_start and not isinstance(gen, PresetIds):
+            self.tracer.id_generator = PresetIds(gen)
 
     @classmethod
     def for_base(
@@ -102,6 +109,28 @@ class Settings:
         )
 
 
+_preset = threading.local()
+
+
+class PresetIds:
+    """The agent tracer's id generator: the ids set for this thread (a call whose span starts
+    on the agent's thread, with the ids its ``traceparent`` carried), else the SDK's own."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def generate_span_id(self) -> int:
+        ids = getattr(_preset, "ids", None)
+        return ids[1] if ids else self.inner.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        ids = getattr(_preset, "ids", None)
+        return ids[0] if ids else self.inner.generate_trace_id()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # is_trace_id_random and any later addition
+
+
 class Call(Reader):
     """One call through the agent, from before the request to the span's end."""
 
@@ -128,6 +157,9 @@ class Call(Reader):
         self.content: list[str] = []
         self.window: Window | None = None
         self.span: trace.Span | None = None
+        # A span started later, on the agent's thread (Settings.deferred_start): its context,
+        # name, request attributes (None: from the kwargs then) and start time.
+        self._later: tuple | None = None
         self.started = time.perf_counter()
         self.ended = self.started
         self.ended_ns: int | None = None
@@ -163,17 +195,14 @@ class Call(Reader):
         kwargs = self._kwargs
         # The GenAI conventions name a Responses API or Anthropic Messages call "chat" too.
         op = "chat" if self.operation in NO_BLOCK else self.operation
-        attrs = spans.request_attributes(
-            op,
-            kwargs,
-            self.settings.address,
-            self.settings.port,
-            self.role,
-            self.settings.config.capture_content,
-        )
-        self.span = self.settings.tracer.start_span(
-            spans.span_name(op, self.model), kind=SpanKind.CLIENT, attributes=attrs
-        )
+        name = spans.span_name(op, self.model)
+        if self.settings.deferred_start:
+            self.span = self._placeholder(name, op)
+        else:
+            attrs = self._request_attributes(op)
+            self.span = self.settings.tracer.start_span(
+                name, kind=SpanKind.CLIENT, attributes=attrs
+            )
         headers: dict[str, str] = {}
         propagate.inject(headers, context=trace.set_span_in_context(self.span))
         user = kwargs.get("extra_headers")
@@ -183,6 +212,66 @@ class Call(Reader):
             headers = {k: v for k, v in headers.items() if k.lower() not in mine}  # theirs win
             headers.update(user)
         return {**kwargs, "extra_headers": headers}
+
+    def _request_attributes(self, op: str) -> dict[str, Any]:
+        return spans.request_attributes(
+            op,
+            self._kwargs,
+            self.settings.address,
+            self.settings.port,
+            self.role,
+            self.settings.config.capture_content,
+        )
+
+    def _placeholder(self, name: str, op: str) -> trace.Span:
+        """The call's span context, made on the caller's thread: the ids (the SDK's generator),
+        and the sampler's decision (made again, the same, when the span starts). The span
+        itself starts on the agent's thread (:meth:`_started`); this non-recording stand-in is
+        what ``traceparent`` and any span started during the send (an HTTP instrumentation's)
+        take as the parent."""
+        tracer = self.settings.tracer
+        ctx = context.get_current()
+        parent = trace.get_current_span(ctx).get_span_context()
+        gen = tracer.id_generator.inner
+        if parent.is_valid:
+            trace_id, random_id = parent.trace_id, parent.trace_flags & _RANDOM_TRACE_ID
+        else:
+            trace_id, random_id = gen.generate_trace_id(), _random_flag(gen)
+        span_id = gen.generate_span_id()
+        sampled = tracer.sampler.should_sample(ctx, trace_id, name, SpanKind.CLIENT)
+        flags = TraceFlags.SAMPLED if sampled.decision.is_sampled() else TraceFlags.DEFAULT
+        sc = SpanContext(
+            trace_id,
+            span_id,
+            is_remote=False,
+            trace_flags=TraceFlags(flags | random_id),
+            trace_state=sampled.trace_state,
+        )
+        # Captured text is read now: the caller may change its messages after the call.
+        attrs = self._request_attributes(op) if self.settings.config.capture_content else None
+        self._later = (ctx, name, op, attrs, time.time_ns())
+        return trace.NonRecordingSpan(sc)
+
+    def _started(self) -> trace.Span | None:
+        """On the agent's thread: the SDK span of a call whose start was deferred, with the
+        ids its placeholder gave out (the tracer's :class:`PresetIds`)."""
+        if self._later is None:
+            return self.span
+        ctx, name, op, attrs, start_ns = self._later
+        self._later = None
+        placeholder = self.span.get_span_context()
+        _preset.ids = (placeholder.trace_id, placeholder.span_id)
+        try:
+            self.span = self.settings.tracer.start_span(
+                name,
+                context=ctx,
+                kind=SpanKind.CLIENT,
+                attributes=attrs if attrs is not None else self._request_attributes(op),
+                start_time=start_ns,
+            )
+        finally:
+            _preset.ids = None
+        return self.span
 
     def start(self) -> dict:
         """Sync start; returns the kwargs to call with (the caller's own on any agent failure)."""
@@ -435,6 +524,8 @@ class Call(Reader):
         try:
             if self.window is not None:
                 self.settings.server.end(self.window)
+            if self._later is not None:  # _close did not get to start it: the last resort
+                self._started()
             if self.span is not None and self.span.is_recording():
                 self.span.end(end_time=self.ended_ns)
         except Exception:  # noqa: BLE001, S110 - the last resort: nothing left to count with
@@ -443,7 +534,7 @@ class Call(Reader):
     def _close(self, fig: Figures, error: BaseException | None) -> None:
         duration = self.ended - self.started
         model = self.response_model or self.model
-        span = self.span
+        span = self._started()
         if span is not None:
             attrs: dict[str, Any] = dict(spans.figures_attributes(fig))
             for key, value in (
@@ -536,3 +627,12 @@ class Call(Reader):
 
 
 UNKNOWN_ERROR = Figures("unknown", "call_failed")
+
+# W3C Trace Context level 2's random trace-id flag, which newer SDKs set (0 where the API has
+# none).
+_RANDOM_TRACE_ID = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)
+
+
+def _random_flag(gen) -> int:
+    is_random = getattr(gen, "is_trace_id_random", None)
+    return _RANDOM_TRACE_ID if is_random is not None and is_random() else 0
