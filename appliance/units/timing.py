@@ -1,7 +1,8 @@
 """The unit's timings: start timeout, restart delay, stop grace and the start limit.
 
 One unit serves every instance, so these are the same for all profiles; the start limit is
-derived from the others so that a slowly failing start still trips it (issue 11).
+derived from the others so that a slowly failing start still trips it
+(gotchas/unit-restarts-and-start-limit.md).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ STOP_TIMEOUT_S = STOP_GRACE_S + 30
 START_LIMIT_BURST = 3
 # systemd counts starts in a fixed window and refuses the one after the burst: the window must
 # hold burst starts that each hang to the start timeout and wait the restart delay, or a slowly
-# failing image is reloaded forever (issue 11). The margin covers ExecStartPre/ExecStopPost.
+# failing image is reloaded forever. The margin covers ExecStartPre/ExecStopPost.
 START_LIMIT_MARGIN_S = 600
 
 
