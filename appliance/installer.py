@@ -35,7 +35,7 @@ from .errors import UsageError
 from .host import envfile
 from .host import lock as locks
 from .host.layout import Layout, Node
-from .host.names import STATE_UNIT
+from .host.names import PROBE_TIMER, STATE_UNIT
 from .hostcheck import placement
 from .images import choice, variant
 from .units.writer import Planned, WriteResult, node_for, write, write_tree
@@ -102,31 +102,38 @@ def render(plan: Planned) -> dict[str, units.RenderedFile]:
 
 def next_step(plan: Planned, result: WriteResult, *, models_changed: bool = False) -> str | None:
     """The command that brings what ``plan`` installed into service, decided per unit: enable
-    (and start) the unit that starts NAME here where it was never enabled (the state timer with
-    it), else restart the one that reaches every node here when anything changed; first
-    ``appliance models pull NAME`` where the target or drafter changed (the engine runs
-    offline, and the unit would exit 78 without them)."""
+    (and start) each unit it needs that was never enabled here (the one that starts NAME, a
+    head's generation probe timer, the host's state timer); restart, where it was enabled
+    already and anything changed, the one that reaches every node here; and first ``appliance
+    models pull NAME`` where a re-install changed the target or drafter (the engine runs
+    offline, and the unit would exit 78 without them). None when nothing changed."""
+    if not (result.changed or result.first_install):
+        return None  # as it was: the step said last time still stands
     layout = Layout(plan.root)
     # A group's head starts its local worker first (BindsTo=, After=); the worker's restart
     # reaches its local head (PartOf=). An instance has one unit.
     start, restart = plan.shape.unit, plan.shape.units[-1]
-    if not (result.changed or result.first_install):
-        return None  # as it was: the step said last time still stands
-    timer = f"{STATE_UNIT}.timer"
+    wanted = [start]
+    if "head" in plan.shape.roles:
+        wanted.append(PROBE_TIMER.replace("@.", f"@{plan.instance}."))
+    wanted.append(f"{STATE_UNIT}.timer")
+    enable = [u for u in wanted if not _enabled(layout, u)]
     steps = []
     if models_changed and plan.existing:
         pull = ["appliance", "models", "pull", plan.instance]
         if plan.root != Path("/"):
             pull += ["--root", str(plan.root)]
         steps.append(shlex.join(pull))
-    if not _enabled(layout, start):
-        # Never enabled: restart would start it once and leave it off at the next boot.
-        enable = [start] + ([] if _enabled(layout, timer) else [timer])
-        steps.append(f"systemctl daemon-reload && systemctl enable --now {' '.join(enable)}")
+    # Until the reload, systemd runs the units as it last read them.
+    steps.append("systemctl daemon-reload")
+    if start in enable:
+        # Never enabled: a restart would start it once and leave it off at the next boot.
+        steps.append(f"systemctl enable --now {' '.join(enable)}")
     else:
-        # Until the reload, systemd runs the unit as it last read it.
-        steps.append(f"systemctl daemon-reload && systemctl restart {restart}")
-    return " && ".join(steps) or None
+        steps.append(f"systemctl restart {restart}")
+        if enable:
+            steps.append(f"systemctl enable --now {' '.join(enable)}")
+    return " && ".join(steps)
 
 
 def _enabled(layout: Layout, unit: str) -> bool:

@@ -64,6 +64,10 @@ class Shape:
         """The unit `enable --now` starts (a group's head starts its local worker first)."""
         return unit_name(name) if not self.role else node_unit(name, "head")
 
+    def timers(self, name: str) -> list[str]:
+        """A head's generation probe timer: it generates through the head every 30 s."""
+        return [f"gemma4-vllm-probe@{name}.timer"] if self.role else []
+
     def restart_unit(self, name: str) -> str:
         # Where the worker shares the head's host, its restart reaches the head (PartOf=).
         return unit_name(name) if not self.role else node_unit(name, "worker")
@@ -303,19 +307,25 @@ def _enable(root: Path, unit: str) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_next_step_is_decided_per_unit(tmp_path, shape):
     """Old: `restart` for a unit never enabled (a head installed, not enabled, then changed),
-    and nothing of `models pull` after a change of the model."""
+    nothing of `models pull` after a change of the model, and a head's probe timer never
+    named."""
     root = tmp_path / "root"
     start, restart = shape.start_unit("n1"), shape.restart_unit("n1")
-    timer = f"{STATE_UNIT}.timer"
-    enable = f"systemctl daemon-reload && systemctl enable --now {start} {timer}"
+    timers = [*shape.timers("n1"), f"{STATE_UNIT}.timer"]
+    enable = f"systemctl daemon-reload && systemctl enable --now {start} {' '.join(timers)}"
     first = run(shape.argv("n1", root, shape.gpu, "--image", IMAGE))
     assert next_line(first.output) == enable
     changed = run(shape.argv("n1", root, None, "--image", "gemma4-vllm:0.32.1-mtp"))
     assert next_line(changed.output) == enable, "never enabled: enable, not restart"
     _enable(root, start)
-    _enable(root, timer)
+    assert next_line(run(shape.argv("n1", root, None, "--image", IMAGE)).output) == (
+        f"systemctl daemon-reload && systemctl restart {restart} && "
+        f"systemctl enable --now {' '.join(timers)}"
+    )
+    for timer in timers:
+        _enable(root, timer)
     assert next_line(run(shape.argv("n1", root, None)).output) is None  # nothing changed
-    again = run(shape.argv("n1", root, None, "--image", IMAGE))
+    again = run(shape.argv("n1", root, None, "--image", "gemma4-vllm:0.32.1-mtp"))
     assert next_line(again.output) == f"systemctl daemon-reload && systemctl restart {restart}"
     # Another target model: the engine runs offline, and would exit 78 without it.
     moved = run(shape.argv("n1", root, shape.other_gpu))
