@@ -89,12 +89,17 @@ def test_doctor_by_name_probes_the_instances_own_port(root, cli_run):
 @pytest.mark.engine
 def test_doctor_canary_and_bench_reach_an_installed_instance_by_name(mtp_engine, tmp_path, cli_run):
     """The session's engine installed as instance ``tiny`` on its own (random, non-default) port:
-    each command, given only the name, talks to it with the instance's profile and key."""
+    each command, given only the name, talks to it with the instance's profile and key. The
+    tree is named as a machine run from this host (APPLIANCE_SYSTEMD_PREFIX), whose ports are
+    this host's: a bare tree's port is not asked (test_tree_asks_nothing.py)."""
     units.install(
         get("cpu-tiny-mtp"), "tiny", root=tmp_path, options=units.Options(port=mtp_engine.port)
     )
     where = ["tiny", "--root", str(tmp_path)]
-    res = cli_run(["instance", "doctor", *where, "--json"], env={"VLLM_API_KEY": None}, code=None)
+    machine = {"APPLIANCE_SYSTEMD_PREFIX": "/nonexistent/appliance-test/enter-machine"}
+    res = cli_run(
+        ["instance", "doctor", *where, "--json"], env={"VLLM_API_KEY": None, **machine}, code=None
+    )
     checks = {c["name"]: c for c in json.loads(res.output)["checks"]}
     assert checks["engine.reachable"]["evidence"]["url"] == mtp_engine.url, res.output
     assert checks["vllm.version"]["status"] == "ok"
@@ -102,7 +107,7 @@ def test_doctor_canary_and_bench_reach_an_installed_instance_by_name(mtp_engine,
     assert checks["mtp.counters"]["evidence"]["state"] == "active"
 
     out = tmp_path / "rec.json"
-    res = cli_run(["canary", "record", *where, "--out", str(out), "--max-tokens", "8"])
+    res = cli_run(["canary", "record", *where, "--out", str(out), "--max-tokens", "8"], env=machine)
     rec = canary.load(out)
     assert (rec.url, rec.profile, len(rec.outputs)) == (mtp_engine.url, "cpu-tiny-mtp", 14)
 
@@ -110,7 +115,7 @@ def test_doctor_canary_and_bench_reach_an_installed_instance_by_name(mtp_engine,
     bench = ["bench", "run", *where, "--limit", "1", "--max-tokens", "8", "--runs", "1"]
     bench += ["--warmups", "0"]
     # The old spelling of --out still writes the artifact, and says the new one.
-    res = cli_run([*bench, "--json-output", str(art)], env={"VLLM_API_KEY": None})
+    res = cli_run([*bench, "--json-output", str(art)], env={"VLLM_API_KEY": None, **machine})
     assert f"warning: --json-output is deprecated: write --out {art}" in res.output
     body = json.loads(art.read_text())
     assert body["endpoints"][0]["url"] == mtp_engine.url
