@@ -14,11 +14,12 @@ from pathlib import Path
 
 import click
 import pytest
+from packaging.version import Version
 
-from appliance import canary, images, units
+from appliance import __version__, canary, images, units
 from appliance.canary import Record, Settings
 from appliance.canary.record import Output
-from appliance.cli import cli
+from appliance.cli import aliases, cli
 from appliance.engine.local import free_port
 from appliance.errors import ApplianceError
 from appliance.host import reach
@@ -38,6 +39,54 @@ def test_the_top_level_shows_the_noun_groups_and_the_four_lifecycle_verbs(cli_ru
     groups = {name for name in shown if isinstance(cli.get_command(ctx, name), click.Group)}
     assert VERBS <= shown and shown - VERBS == groups
     assert {"bench", "instance", "dev"} <= groups and "tune" not in shown
+
+
+# --- old spellings --------------------------------------------------------------------------------
+
+# A line of each old form (before --help), and the command it runs now.
+OLD_LINES = {
+    "demo": ([], "dev demo"),
+    "devmodel build": (["DIR"], "dev devmodel"),
+    "dev devmodel build": (["DIR"], "dev devmodel"),
+    "doctor": ([], "instance doctor"),
+    "generate": ([], "dev generate"),
+    "install": (["x"], "instance install"),
+    "local serve": ([], "dev serve"),
+    "dev local serve": ([], "dev serve"),
+    "render": (["x"], "instance render"),
+    "tune": ([], "bench tune"),
+    "uninstall": (["x"], "instance uninstall"),
+    "multinode install": (["-g", "g1", "--role", "both"], "instance install"),
+    "multinode cutover": ([], "cutover"),
+    "multinode rollback": ([], "rollback"),
+    "multinode canary": ([], "canary record"),
+    "bench": (["--sweep-k", "1,2"], "bench sweep"),
+}
+
+
+def test_the_table_of_old_spellings_is_the_one_walked_here():
+    assert [entry.old for entry in aliases.OLD] == list(OLD_LINES)
+
+
+@pytest.mark.parametrize("entry", aliases.OLD, ids=[e.old for e in aliases.OLD])
+def test_an_old_spelling_runs_its_current_command_until_the_release_that_removes_it(entry, cli_run):
+    rest, runs = OLD_LINES[entry.old]
+    res = cli_run([*entry.old.split(), *rest, "--help"])
+    assert res.stdout.startswith(f"Usage: appliance {runs} "), res.stdout
+    if entry.removed_in is None:  # the README's `appliance demo`: kept, and quiet
+        assert (entry.old, res.stderr) == ("demo", "")
+        return
+    assert Version(entry.removed_in) > Version(__version__)
+    [warning] = res.stderr.splitlines()
+    assert warning.startswith(f"warning: `appliance {entry.old.split()[0]}")
+    assert warning.endswith(f"` (the old spelling goes in {entry.removed_in})")
+    assert f" is now `appliance {runs}" in warning
+
+
+def test_a_current_line_that_looks_like_an_old_one_is_left_alone(cli_run):
+    """`dev devmodel build` alone is the current command given a directory named build."""
+    assert aliases.match(["dev", "devmodel", "build"]) is None
+    assert aliases.match(["bench", "run", "x"]) is None and aliases.match(["bench"]) is None
 
 
 # --- exit codes ----------------------------------------------------------------------------------
