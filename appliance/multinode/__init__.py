@@ -35,16 +35,14 @@ import jinja2
 from ..errors import UsageError
 from ..host import names
 from ..host.envfile import HOST_KEY, IMAGE_KEY, PORT_KEY, PROFILE_KEY
-from ..host.layout import LOCAL_WORKER_DROPIN, Layout, Node
+from ..host.layout import LOCAL_WORKER_DROPIN, Node
 from ..host.names import HEAD_TEMPLATE, PROBE_SERVICE, PROBE_TIMER, WORKER_TEMPLATE, Role
-from ..host.values import PATH_KEYS
 from ..profiles import Profile, get
 from ..profiles import validate as pv
 from ..serve.argsfile import ServeArgs
 from ..units import engine_args
 from ..units import template as ut
 from ..units.template import REL, rel
-from ..units.timing import DRAIN_S, STOP_GRACE_S, unit_timing
 
 __all__ = ["Node", "node_args", "render", "require_multinode"]
 
@@ -152,19 +150,9 @@ def render(
     ut.check_profile(prof)  # the single-node renderer's string checks, one rule
     opts = options or ut.Options()
     values = ut.env_values(prof, group, opts)
-    any_role: Role = node.roles[0]
     context = {
-        "profile": prof,
-        "instance": names.node_instance(group, any_role),
-        "labels": ut.labels,
-        "env_dir": names.ENV_DIR,
-        "serve_script": ut.SERVE_SCRIPT,
-        "values": values,
+        **ut.base_context(prof, names.node_instance(group, node.roles[0]), values),
         "extra_keys": [k for k in values if k not in _FIXED_KEYS],
-        # The instance unit's timings and start-limit arithmetic, one source (units.timing).
-        "timing": unit_timing(),
-        "stop_grace_s": STOP_GRACE_S,
-        "drain_s": DRAIN_S,
         "probe_interval_s": PROBE_INTERVAL_S,
         "dropin": LOCAL_WORKER_DROPIN,
         "group": group,
@@ -172,9 +160,7 @@ def render(
         "master_port": prof.multinode.master_port,
     }
     env = _jinja()
-    files: dict[str, ut.RenderedFile] = {
-        rel(REL.serve_program): ut.RenderedFile(ut.serve_program(), ut.MODE_PROGRAM),
-    }
+    files = ut.program()
     for role in node.roles:
         args = node_args(prof, role, node.rank, group)
         rank = 0 if role == "head" else node.rank
@@ -204,12 +190,8 @@ def render(
             text = env.get_template(name + ".j2").render(context)
             files[rel(REL.node_template(role))] = ut.RenderedFile(text, ut.MODE_UNIT)
     # Each node waits for the mounts of the group's model and cache folders, as an instance does.
-    mounts = [values[k] for k in PATH_KEYS if k in values]
     for role in node.roles:
-        at = Layout().mounts_dropin(group, role)
-        dropin = {**context, "instance": group, "mounts_dropin": at, "mounts": mounts}
-        text = env.get_template("mounts.conf.j2").render(dropin)
-        files[rel(REL.mounts_dropin(group, role))] = ut.RenderedFile(text, ut.MODE_UNIT)
+        files.update(ut.mounts_dropin(group, values, role))
     # The host's state metrics (status, cutover annotations, the failed-unit alert), as an
     # instance's install writes them: one service and timer per host, whatever it runs.
     files.update(ut.state_units())

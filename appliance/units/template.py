@@ -35,7 +35,7 @@ from .. import imageref, labels
 from ..errors import UsageError
 from ..host import envfile
 from ..host.layout import STATE_DIR, Layout
-from ..host.names import DATA_DIR, ENV_DIR, STATE_UNIT, UNIT_TEMPLATE, check_instance
+from ..host.names import DATA_DIR, ENV_DIR, STATE_UNIT, UNIT_TEMPLATE, Role, check_instance
 from ..host.values import PATH_KEYS, check_gpus, check_host, check_path, check_port
 from ..images.choice import fallback
 from ..profiles import PROFILE_NAME, Profile, get
@@ -211,36 +211,61 @@ def render(
     values = env_values(prof, instance, opts)
     args = serve_args(prof, list(values))
     context = {
-        "profile": prof,
-        "instance": instance,
-        "labels": labels,
-        "env_dir": ENV_DIR,
-        "serve_script": SERVE_SCRIPT,
-        "values": values,
+        **base_context(prof, instance, values),
         # install gives a new instance the next free device set of its kind, by UUID
         # (appliance/hostcheck/placement.py); all where it could not ask nvidia-smi.
         "gpus_hint": "one MIG slice per instance" if prof.hardware.mig else "install's own set",
-        "timing": unit_timing(),
-        "stop_grace_s": STOP_GRACE_S,
-        "drain_s": DRAIN_S,
-        "mounts_dropin": Layout().mounts_dropin(instance),
-        "mounts": [values[k] for k in PATH_KEYS if k in values],
     }
     env = jinja_env()
     unit = env.get_template(UNIT_TEMPLATE + ".j2").render(context)
     # In the order they are written: what the others refer to first, the unit last.
     return {
-        rel(REL.serve_program): RenderedFile(serve_program(), MODE_PROGRAM),
+        **program(),
         rel(REL.args_file(instance)): RenderedFile(args_text(args, instance), MODE_ARGS),
         rel(REL.env_file(instance)): RenderedFile(
             env.get_template("instance.env.j2").render(context), MODE_ENV
         ),
         rel(REL.unit_template): RenderedFile(unit, MODE_UNIT),
-        rel(REL.mounts_dropin(instance)): RenderedFile(
-            env.get_template("mounts.conf.j2").render(context), MODE_UNIT
-        ),
+        **mounts_dropin(instance, values),
         **state_units(),
     }
+
+
+def base_context(prof: Profile, name: str, values: Mapping[str, str]) -> dict[str, object]:
+    """What the unit templates of either shape read: the profile, NAME, the env file's values,
+    the paths, and the unit's timings and start-limit arithmetic (one source, units.timing)."""
+    return {
+        "profile": prof,
+        "instance": name,
+        "labels": labels,
+        "env_dir": ENV_DIR,
+        "serve_script": SERVE_SCRIPT,
+        "values": values,
+        "timing": unit_timing(),
+        "stop_grace_s": STOP_GRACE_S,
+        "drain_s": DRAIN_S,
+    }
+
+
+def program() -> dict[str, RenderedFile]:
+    """The one serve program every unit of either shape runs."""
+    return {rel(REL.serve_program): RenderedFile(serve_program(), MODE_PROGRAM)}
+
+
+def mounts_dropin(
+    name: str, values: Mapping[str, str], role: Role | None = None
+) -> dict[str, RenderedFile]:
+    """The drop-in making ``name``'s unit (group ``name``'s node ``role``) wait for the mounts
+    of the folders its env file's ``values`` name (a late mount is waited for, not taken for a
+    missing model)."""
+    context = {
+        "instance": name,
+        "env_dir": ENV_DIR,
+        "mounts_dropin": Layout().mounts_dropin(name, role),
+        "mounts": [values[k] for k in PATH_KEYS if k in values],
+    }
+    text = jinja_env().get_template("mounts.conf.j2").render(context)
+    return {rel(REL.mounts_dropin(name, role)): RenderedFile(text, MODE_UNIT)}
 
 
 def state_units() -> dict[str, RenderedFile]:
