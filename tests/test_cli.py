@@ -83,6 +83,37 @@ def test_an_old_spelling_runs_its_current_command_until_the_release_that_removes
     assert f" is now `appliance {runs}" in warning
 
 
+def _options_shown_and_hidden() -> tuple[set[str], set[str]]:
+    shown, hidden = set(), set()
+
+    def walk(cmd: click.Command) -> None:
+        for p in cmd.params:
+            if isinstance(p, click.Option):
+                (hidden if p.hidden else shown).update(p.opts)
+        if isinstance(cmd, click.Group):
+            ctx = click.Context(cmd)
+            for name in cmd.list_commands(ctx):
+                walk(cmd.get_command(ctx, name))
+
+    walk(cli)
+    return shown, hidden
+
+
+def test_the_synonyms_are_hidden_and_still_work(tmp_path, cli_run):
+    shown, hidden = _options_shown_and_hidden()
+    assert {"--instance", "--profile-file"} <= hidden and not {
+        "--instance",
+        "--profile-file",
+    } & shown
+    for argv in (["bench", "run"], ["models", "verify"]):
+        res = cli_run([*argv, "--instance", "nosuch", "--root", str(tmp_path)], code=2)
+        assert res.output.startswith("Error: no instance nosuch: no "), res.output
+    mine = tmp_path / "mine.toml"
+    mine.write_text("not a profile = [")
+    res = cli_run(["models", "verify", "--profile-file", str(mine)], code=2)
+    assert str(mine) in res.output
+
+
 def test_a_current_line_that_looks_like_an_old_one_is_left_alone(cli_run):
     """`dev devmodel build` alone is the current command given a directory named build."""
     assert aliases.match(["dev", "devmodel", "build"]) is None
