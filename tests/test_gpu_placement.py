@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from plugins.cli import invoke
-from test_hostcheck import CAPTURES, NO_DOCKER, fake_nvidia_smi
+from test_hostcheck import CAPTURES, NO_DOCKER, as_machine, fake_nvidia_smi
 
 from appliance import hostcheck, labels, profiles
 from appliance.cutover import metrics as cutover_metrics
@@ -56,6 +56,7 @@ def h100x8(tmp_path, monkeypatch) -> Path:
     """The 8x H100 host's nvidia-smi, Docker absent, and the root installs go under."""
     fake_nvidia_smi(tmp_path, monkeypatch, "h100x8.csv")
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
+    as_machine(monkeypatch)  # the tree is a machine on this host: its GPUs are the fake's
     return tmp_path / "root"
 
 
@@ -103,6 +104,7 @@ def test_a_mixed_host_is_judged_per_gpu_kind(tmp_path, monkeypatch, cli_run):
     assert fitting["h100-31b-mtp"]["devices"] == ["GPU-c639c2e9-f466-e020-6adb-b44eb1a82a66"]
     assert fitting["l4-e4b-mtp"]["devices"] == ["GPU-4ceea144-1531-993a-5c2c-dc566a5d4db0"]
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
+    as_machine(monkeypatch)  # the tree is a machine on this host: its GPUs are the fake's
     res = cli_run(["host", "check", "--profile", "h100-31b-mtp", "--root", str(tmp_path)], code=1)
     assert "OK      gpu.memory: 81559 MiB per GPU (profile: 80 GB per GPU)" in res.output
     assert "OK      gpu.devices: 0 (NVIDIA H100 80GB HBM3): docker --gpus device=GPU-c639" in (
@@ -185,6 +187,7 @@ def test_an_overlapping_gpus_is_refused_unless_shared_with_a_reason(h100x8):
 def test_the_mig_card_runs_four_instances_on_four_slices(tmp_path, monkeypatch):
     fake_nvidia_smi(tmp_path, monkeypatch, "rtxpro6000-mig.csv")
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
+    as_machine(monkeypatch)  # the tree is a machine on this host: its GPUs are the fake's
     _, slices = nvidia.parse_list((CAPTURES / "rtxpro6000-mig.L.txt").read_text())
     s = suggest.suggest()
     (only,) = s.fitting
