@@ -140,6 +140,22 @@ def test_the_host_check_refuses_a_gpu_profile_on_a_host_without_a_gpu(tmp_path, 
     assert Layout(root).env_file("x1").exists()
 
 
+def test_a_worker_hosts_check_asks_nothing_of_the_api_port(tmp_path):
+    """A host that runs only a group's worker binds no API port: its check does not block on
+    what listens there (an instance of its own, say), as a head's or an instance's does."""
+    root = tmp_path / "root"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        base = ["instance", "install", "--root", str(root), "--port", port, "--host-check"]
+        worker = [*base, "w1", "-p", GROUP.cpu, "--role", "worker", "--rank", "1"]
+        head = [*base, "h1", "-p", GROUP.cpu, "--role", "head"]
+        for argv, says in ((worker, False), (head, True)):
+            res = run([*argv, "--force", "no Docker here"])
+            assert (f"BLOCKER port: 127.0.0.1:{port} is in use" in res.output) is says, res.output
+
+
 # ---- the port ------------------------------------------------------------------------------
 
 

@@ -89,6 +89,7 @@ class Target:
     api_key: Path | None = None
     own_port: bool = False
     gpus: str | None = None  # the env file's VLLM_GPUS: the devices it is given
+    serves: bool = True  # False: only a group's worker runs here, and it binds no API port
 
 
 def for_profile(profile: Profile, root: Path = Path("/"), image: str | None = None) -> Target:
@@ -147,7 +148,9 @@ def run(t: Target, *, docker_client=None, gpu_query=None, told: bool = False) ->
         findings.append(not_asked("docker.engine", t.root, reach.DOCKER_NOT))
         findings.append(build_unchecked(t.image, "Docker was not asked"))
     findings.append(weights_finding(t.profile, t.hf_home))
-    if told or reach.ports(t.root):
+    if not t.serves:
+        findings.append(Finding("port", "ok", "a group's worker binds no API port here"))
+    elif told or reach.ports(t.root):
         findings.append(port_finding(t.host, t.port, own=t.own_port))
     else:
         port = f"{t.host}:{t.port} on this host is not the tree's"
@@ -207,10 +210,11 @@ def host_only(why: str, root: Path = Path("/"), *, docker_client=None, gpu_query
 
 
 def for_install(plan: Planned) -> Target:
-    """What :func:`appliance.units.install` is about to install (its key file is checked when
-    the instance is installed already: install creates a missing one and tightens its mode)."""
+    """What an install of either shape is about to install (its key file is checked when NAME
+    is installed already: install creates a missing one and tightens its mode; a host that runs
+    only a group's worker binds no API port)."""
     key = plan.key_files[0] if plan.existing else None  # the one guarding the API
-    return target(
+    t = target(
         plan.profile,
         plan.env_values(),
         root=plan.root,
@@ -218,6 +222,7 @@ def for_install(plan: Planned) -> Target:
         api_key=key,
         kept_port=plan.existing.get(envfile.PORT_KEY),
     )
+    return replace(t, serves=plan.node is None or "head" in plan.node.roles)
 
 
 def check(
