@@ -246,6 +246,12 @@ def test_an_unknown_instance_name_is_bad_input_exit_2_in_the_one_line(tmp_path, 
     assert not (elsewhere / "out").exists()
 
 
+@pytest.mark.parametrize("argv", [["fleet", "targets"], ["image", "load"]], ids=" ".join)
+def test_a_missing_input_file_is_bad_input_exit_2(tmp_path, argv, cli_run):
+    res = cli_run([*argv, str(tmp_path / "missing")], code=2)
+    assert str(tmp_path / "missing") in res.output.splitlines()[-1]
+
+
 def test_a_tree_whose_systemd_or_docker_is_not_named_is_refused_alike(tmp_path, monkeypatch):
     """One code per kind of refusal: a --root tree that names neither its systemd nor its
     Docker engine is bad input (2) for both, and still a systemd error to systemd's callers."""

@@ -39,9 +39,10 @@ def test_a_cutover_of_a_tree_asks_neither_the_hosts_docker_nor_its_systemd(
     assert line.startswith(f"Error: --root {mtp_instance.root} is not this host's /"), line
     assert "set DOCKER_HOST to the tree's own Docker" in line
     _untouched(mtp_instance, before)
-    # The tree's Docker named, its systemd not: refused at the first systemd call, untouched.
+    # The tree's Docker named, its systemd not: refused at the first systemd call, untouched,
+    # with the same code as Docker's refusal (one code per kind of refusal).
     result = _invoke(argv, DOCKER_HOST="unix:///var/run/docker.sock")
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     [line] = result.output.strip().splitlines()
     assert "set APPLIANCE_SYSTEMD_PREFIX to the tree's own systemd" in line, line
     _untouched(mtp_instance, before)

@@ -134,7 +134,10 @@ def status(name: str, json_: bool, root: Path) -> None:
 
 
 @fleet.command(name="targets")
-@click.argument("inventory", type=click.Path(path_type=Path, dir_okay=False, allow_dash=True))
+@click.argument(
+    "inventory",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False, allow_dash=True),
+)
 @click.option("--group", default=hosts.DEFAULT_GROUP, show_default=True)
 @click.option(
     "--out",
