@@ -12,7 +12,12 @@ import json
 
 import pytest
 from plugins.cli import invoke
-from test_hostcheck import NO_DOCKER, fake_nvidia_smi, no_nvidia_smi  # noqa: F401 (a fixture)
+from test_hostcheck import (  # noqa: F401 (a fixture)
+    NO_DOCKER,
+    as_machine,
+    fake_nvidia_smi,
+    no_nvidia_smi,
+)
 
 from appliance import profiles
 from appliance.hostcheck import nvidia, suggest
@@ -59,6 +64,7 @@ def test_the_suggested_profile_passes_host_check_for_the_captures_gpus(
     assert [f.line() for f in found if f.status == "blocker"] == []
     # host check without a profile checks the suggested one, and says so.
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
+    as_machine(monkeypatch)  # the tree is a machine on this host: its GPUs are the fake's
     res = run("host", "check", "--json", "--root", str(tmp_path / "root"))
     report = json.loads(res.stdout)
     assert report["profile"] == best
@@ -95,6 +101,7 @@ def test_a_gpu_nothing_fits_exits_1_with_every_reason(tmp_path, monkeypatch, cli
     assert res.exit_code == 1
     assert "no shipped profile fits these GPUs" in res.output
     monkeypatch.setenv("DOCKER_HOST", NO_DOCKER)
+    as_machine(monkeypatch)  # the tree is a machine on this host: its GPUs are the fake's
     # host check then reports the host alone (tests/test_hostcheck.py), saying why.
     res = cli_run(["host", "check", "--root", str(tmp_path / "r")], code=1)
     assert "WARN    profile: no shipped profile fits 1x NVIDIA GeForce RTX 5070 Ti" in res.output
