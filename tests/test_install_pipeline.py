@@ -228,8 +228,11 @@ def test_an_operators_profile_is_kept_beside_the_name(tmp_path, shape):
     assert "left out of the scrape targets" not in other_install.output
     listed = {t["labels"]["instance"]: t["labels"]["profile"] for t in engines(root)}
     assert listed == {"p1": "mine-tiny", "q1": "cpu-tiny-mtp"}
-    # A shipped profile again: the copy goes.
+    # A shipped profile again: the copy goes; and with NAME.
     run(shape.argv("p1", root, shape.cpu))
+    assert not copy.exists()
+    run(shape.argv("p1", root, str(_operators_profile(tmp_path, shape.cpu, "mine-tiny"))))
+    run(["instance", "uninstall", "p1", "--root", str(root)])
     assert not copy.exists()
 
 
