@@ -252,6 +252,13 @@ def test_a_missing_input_file_is_bad_input_exit_2(tmp_path, argv, cli_run):
     assert str(tmp_path / "missing") in res.output.splitlines()[-1]
 
 
+def test_a_rollback_with_nothing_to_return_to_is_a_refusal_exit_1(tmp_path, cli_run):
+    """Well-formed and of a known instance: the state refuses it (security review T7)."""
+    units.install(get("cpu-tiny-mtp"), "x", root=tmp_path, options=units.Options(port=free_port()))
+    res = cli_run(["rollback", "x", "--root", str(tmp_path)], code=1)
+    assert res.output.startswith("Error: instance x has no rollback target"), res.output
+
+
 def test_a_tree_whose_systemd_or_docker_is_not_named_is_refused_alike(tmp_path, monkeypatch):
     """One code per kind of refusal: a --root tree that names neither its systemd nor its
     Docker engine is bad input (2) for both, and still a systemd error to systemd's callers."""

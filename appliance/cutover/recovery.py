@@ -3,7 +3,7 @@ was killed (SIGKILL, power loss: its history entry has no end)."""
 
 from __future__ import annotations
 
-from ..errors import ApplianceError, UsageError
+from ..errors import ApplianceError
 from ..host import envfile
 from ..host import lock as locks
 from ..host.layout import Layout
@@ -35,7 +35,7 @@ def rollback(
     way_back = slot.read(ctx.layout, name)
     image = to or (pinned(ctx, tgt, way_back.image, way_back.image_id) if way_back else None)
     if not image:
-        raise UsageError(
+        raise ApplianceError(
             f"{tgt.noun} {name} has no rollback target",
             fix=f"a rollback target is recorded by the first successful "
             f"`{tgt.command('cutover', 'IMAGE')}`",
@@ -110,7 +110,7 @@ def recover(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_TI
         sig.hold(within=timeout)  # recovery is the way back: not interrupted half-way
         entry = interrupted_entry(layout, name, locked=True)
         if entry is None:
-            raise UsageError(
+            raise ApplianceError(
                 f"{tgt.noun} {name} has no interrupted cutover to recover",
                 fix=f"`appliance status {name}` shows its state",
             )
@@ -118,7 +118,7 @@ def recover(ctx: Context, instance: str | Target, *, timeout: float = DEFAULT_TI
         if image:
             image = pinned(ctx, tgt, image, recovery_image_id(entry))
         if not image:
-            raise UsageError(
+            raise ApplianceError(
                 f"the interrupted {entry.kind} of {name} started from no "
                 f"{envfile.IMAGE_KEY}: there is nothing to return to",
                 fix=f"`{tgt.command('cutover', 'IMAGE')}` to a working image",
