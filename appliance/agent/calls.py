@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from opentelemetry import context, propagate, trace
+from opentelemetry import baggage, context, propagate, trace
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
 from .. import __version__, specdecode
@@ -203,8 +203,7 @@ class Call(Reader):
             self.span = self.settings.tracer.start_span(
                 name, kind=SpanKind.CLIENT, attributes=attrs
             )
-        headers: dict[str, str] = {}
-        propagate.inject(headers, context=trace.set_span_in_context(self.span))
+        headers = _trace_headers(self.span)
         user = kwargs.get("extra_headers")
         if isinstance(user, Mapping):  # dict, httpx.Headers, any Mapping the SDK accepts
             user = dict(user)
@@ -364,11 +363,10 @@ class Call(Reader):
         if mode == "off":
             return Figures("unknown", "skipped"), False
         if mode != "counters":
-            fig = rules.from_response(self.extra)
-            if fig is not None:
+            if _has_block(self.extra):  # its figures are read on the agent's thread
                 if self.operation not in NO_BLOCK:
                     self.settings.server.per_request = True
-                return fig, False
+                return FROM_BLOCK, False
             if (
                 mode == "auto"
                 and self.operation not in NO_BLOCK
@@ -424,8 +422,8 @@ class Call(Reader):
             if WORKER.defer(functools.partial(self._close_later, fig, error)):
                 deferred = True
             else:
-                self._close(fig, error)  # the backlog is full: here, as before
-            if error is None and fig.source == "request":
+                self._close(self._block_figures(fig), error)  # the backlog is full: here
+            if error is None and (fig is FROM_BLOCK or fig.source == "request"):
                 self._read_for_next()  # now: a counters call right after starts from it
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
@@ -437,11 +435,17 @@ class Call(Reader):
         """On the background thread: span end, metrics and record of a call whose figures were
         known at its end."""
         try:
-            self._close(fig, error)
+            self._close(self._block_figures(fig), error)
         except Exception:  # noqa: BLE001 - telemetry never raises
             self._agent_failed()
         finally:
             self._end_span_quietly()
+
+    def _block_figures(self, fig: Figures) -> Figures:
+        """``fig``, or the figures of the response's per-request block (:data:`FROM_BLOCK`)."""
+        if fig is not FROM_BLOCK:
+            return fig
+        return rules.from_response(self.extra) or Figures("unknown", "missing")
 
     def _read_for_next(self) -> None:
         """After a per-request call to a server that also has counters-path calls: a read on
@@ -627,6 +631,55 @@ class Call(Reader):
 
 
 UNKNOWN_ERROR = Figures("unknown", "call_failed")
+# The response carries vLLM's per-request block: its figures are parsed off the caller's thread.
+FROM_BLOCK = Figures("request", "ok")
+
+
+def _has_block(extra: Any) -> bool:
+    """Whether a response's extra fields hold ``metrics.speculative_decoding`` (a dict)."""
+    if not isinstance(extra, dict):
+        return False
+    block = extra.get("metrics")
+    return isinstance(block, dict) and isinstance(block.get("speculative_decoding"), dict)
+
+
+# The global propagator last seen, and whether it is the SDK's default (W3C trace context and
+# baggage, nothing else): then ``traceparent`` is written here, without the propagator's calls.
+_propagator: tuple[object, bool] = (None, False)
+_DEFAULT_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
+
+
+def _trace_headers(span: trace.Span) -> dict[str, str]:
+    """The headers the global propagator would inject for ``span``. With the default
+    propagator, no trace state and no baggage, that is ``traceparent`` alone, written here as
+    the W3C propagator writes it; otherwise the propagator's own."""
+    global _propagator
+    prop = propagate.get_global_textmap()
+    if prop is not _propagator[0]:
+        _propagator = (prop, _is_default(prop))
+    sc = span.get_span_context()
+    if _propagator[1] and sc.is_valid and not sc.trace_state and not baggage.get_all():
+        return {"traceparent": f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"}
+    headers: dict[str, str] = {}
+    propagate.inject(headers, context=trace.set_span_in_context(span))
+    return headers
+
+
+def _is_default(prop) -> bool:
+    from opentelemetry.baggage.propagation import W3CBaggagePropagator
+    from opentelemetry.propagators.composite import CompositePropagator
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    if isinstance(prop, TraceContextTextMapPropagator):
+        return type(prop) is TraceContextTextMapPropagator
+    inner = getattr(prop, "_propagators", None)
+    return (
+        type(prop) is CompositePropagator
+        and isinstance(inner, (list, tuple))
+        and {type(p) for p in inner} <= {TraceContextTextMapPropagator, W3CBaggagePropagator}
+        and prop.fields <= _DEFAULT_FIELDS
+    )
+
 
 # W3C Trace Context level 2's random trace-id flag, which newer SDKs set (0 where the API has
 # none).

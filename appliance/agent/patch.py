@@ -12,7 +12,7 @@ import contextvars
 import weakref
 
 import wrapt
-from opentelemetry import trace
+from opentelemetry import context, trace
 
 from .calls import Call, Settings
 from .responses import MESSAGES
@@ -83,6 +83,20 @@ def _current(traced: Call):
     )
 
 
+def _attach(traced: Call):
+    """:func:`_current` without ``use_span``'s layers: the call's span made current while the
+    SDK sends it; the token to :func:`_detach` (None when the call has no span)."""
+    if traced.span is None:
+        return None
+    return context.attach(trace.set_span_in_context(traced.span))
+
+
+def _detach(token) -> None:
+    """Undo :func:`_attach` (once: the token is spent, None is returned to forget it)."""
+    if token is not None:
+        context.detach(token)
+
+
 def call(settings: Settings, operation: str, create, args, kwargs, stream_type: type):
     """One sync ``create`` through the agent (shared by the proxy and the instrumentors).
 
@@ -94,13 +108,15 @@ def call(settings: Settings, operation: str, create, args, kwargs, stream_type: 
     create = beneath_upstream(create)
     send = traced.start()
     token = _inside.set(True)
+    current = _attach(traced)
     try:
-        with _current(traced):
-            result = create(*args, **send)
+        result = create(*args, **send)
     except BaseException as exc:
+        current = _detach(current)
         traced.finish(error=exc)
         raise
     finally:
+        _detach(current)
         _inside.reset(token)
     if isinstance(result, stream_type):
         return SyncStream(result, traced)
@@ -115,13 +131,15 @@ async def acall(settings: Settings, operation: str, create, args, kwargs, stream
     create = beneath_upstream(create)
     send = await traced.astart()
     token = _inside.set(True)
+    current = _attach(traced)
     try:
-        with _current(traced):
-            result = await create(*args, **send)
+        result = await create(*args, **send)
     except BaseException as exc:
+        current = _detach(current)
         await traced.afinish(error=exc)
         raise
     finally:
+        _detach(current)
         _inside.reset(token)
     if isinstance(result, stream_type):
         return AsyncStream(result, traced)

@@ -90,8 +90,7 @@ class Worker:
         runs it itself). The wake happens only when the thread sleeps (idle a second)."""
         if len(self._deferred) >= self.MAX_BACKLOG:
             return False
-        thread = self._thread
-        if thread is None or self._pid != os.getpid() or not thread.is_alive():
+        if self._thread is None or self._pid != os.getpid():  # a daemon: alive once started
             self.start()
         self._deferred.append(fn)
         if self._sleeping:
