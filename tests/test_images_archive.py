@@ -75,7 +75,7 @@ def test_save_rm_load_gives_the_same_id_and_the_saved_tag(docker_engine, image, 
     out = tmp_path / "image.tar"
     saved = _invoke("image", "save", tag_a, "--out", str(out), "--json")
     assert saved.exit_code == 0, saved.output
-    record = json.loads(saved.output)
+    record = json.loads(saved.stdout)  # stderr: the save's progress lines
     assert record["image_id"] == image.id
     # Only the tag named: another tag of the image does not move on the target host unasked.
     assert record["tags"] == [tag_a]
@@ -97,7 +97,34 @@ def test_save_rm_load_gives_the_same_id_and_the_saved_tag(docker_engine, image, 
     # Without --expect-id the archive's own manifest names the image; a second load is a no-op.
     again = _invoke("image", "load", str(out), "--json")
     assert again.exit_code == 0, again.output
-    assert json.loads(again.output)["image_id"] == image.id
+    assert json.loads(again.stdout)["image_id"] == image.id
+
+
+@pytest.mark.docker
+def test_save_and_load_say_what_they_do_in_a_pipe_and_nothing_with_quiet(
+    docker_engine, image, tmp_path
+):
+    """Issue 56 §3: a save or a load of GBs says what it is doing (here in a pipe: plain lines
+    on stderr), the result stays on stdout, and ``-q`` keeps only the result."""
+    tag = min(image.tags)
+    out = tmp_path / "image.tar"
+    saved = _invoke("image", "save", tag, "--out", str(out))
+    assert saved.exit_code == 0, saved.output
+    assert saved.stderr.startswith(f"saving {tag} to {out}: "), saved.stderr
+    assert saved.stdout.startswith(f"saved {tag} to {out} (")
+    loaded = _invoke("image", "load", str(out))
+    assert loaded.exit_code == 0, loaded.output
+    size = out.stat().st_size / 1e6
+    assert loaded.stderr.splitlines() == [
+        f"checking {out}: {size:.1f} MB",
+        f"loading {out} into the engine: {size:.1f} MB",
+    ]
+    assert "\r" not in saved.stderr + loaded.stderr
+    quiet_save = _invoke("-q", "image", "save", tag, "--out", str(out))
+    quiet_load = _invoke("-q", "image", "load", str(out))
+    assert quiet_save.exit_code == quiet_load.exit_code == 0
+    assert quiet_save.stderr == quiet_load.stderr == ""
+    assert quiet_load.stdout.startswith(f"loaded {image.id} from {out}")
 
 
 @pytest.mark.docker

@@ -154,7 +154,10 @@ def test_pull_downloads_both_models_with_the_token_and_a_second_run_transfers_no
     )
     assert proc.returncode == 0, proc.stderr
     assert "models ok: target appliance-test/gemma4-tiny-it@" in proc.stdout
-    assert "%" in proc.stderr  # the hub client's progress bars
+    # In a pipe: a plain line naming each model, none of the hub client's \r-drawn bars.
+    assert f"target {TARGET_REPO}@main: downloading into {cache_dir}/hub" in proc.stderr
+    assert f"drafter {DRAFTER_REPO}@main: downloading into {cache_dir}/hub" in proc.stderr
+    assert "\r" not in proc.stderr
     for repo_id, directory in ((TARGET_REPO, "target"), (DRAFTER_REPO, "drafter")):
         snap = _snapshot(cache_dir, repo_id)
         assert snap.name == local_hub.repos[repo_id].commit
@@ -275,7 +278,10 @@ def test_pull_of_a_gated_model_without_a_token_is_one_line_naming_the_token_file
         env={"HF_ENDPOINT": local_hub.url},
     )
     assert result.exit_code == 1
-    lines = result.output.strip().splitlines()
+    # The progress line that named the model, then the one error line; nothing on stdout.
+    assert result.stdout == ""
+    progress_line, *lines = result.stderr.strip().splitlines()
+    assert progress_line == f"target {TARGET_REPO}@main: downloading into {tmp_path}/hf/hub"
     assert len(lines) == 1
     assert f"target {TARGET_REPO} is gated and no token has no access to it" in lines[0]
     assert f"read token in {missing} (chmod 600)" in lines[0]
@@ -748,3 +754,65 @@ def test_another_user_cannot_hold_the_cache_lock_and_block_every_pull(tmp_path):
         assert stat.S_IMODE((hub / cache.LOCK_NAME).stat().st_mode) == 0o600
     finally:
         shutil.rmtree(base)
+
+
+# --- progress (issue 56 §3) --------------------------------------------------------------------
+
+
+def test_models_pull_in_a_pipe_says_which_model_and_quiet_says_nothing(
+    pulled, local_hub, profile_file, token_file
+):
+    """A re-pull (the cache full): the appliance hashes what is there, then asks the hub; in a
+    pipe each step is a plain line naming the model, and the hub's ``\\r`` bars stay off."""
+    args = ["pull", "--profile-file", str(profile_file), "--hf-cache-dir", str(pulled)]
+    args += ["--token-file", str(token_file)]
+    env = {"HF_ENDPOINT": local_hub.url}
+    res = invoke(["models", *args], env=env)
+    err = res.stderr.splitlines()
+    for role, repo in (("target", TARGET_REPO), ("drafter", DRAFTER_REPO)):
+        assert any(
+            line.startswith(f"hashing the cached files of {role} {repo}: ") and line.endswith(" MB")
+            for line in err
+        ), res.stderr
+        assert f"{role} {repo}@main: downloading into {pulled}/hub" in err, res.stderr
+    assert "\r" not in res.stderr and "%|" not in res.stderr
+    assert f"target {TARGET_REPO}@" in res.stdout  # the results stay on stdout
+
+    quiet = invoke(["-q", "models", *args], env=env)
+    assert quiet.stderr == ""
+    assert quiet.stdout == res.stdout
+
+
+def test_models_pull_on_a_terminal_labels_the_hub_bars_with_the_model(
+    tmp_path, local_hub, profile_file, token_file
+):
+    """On a terminal the hub client draws its bars; each says which model it is for."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # 0x0 draws none
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=local_hub.url)
+    cmd = [str(Path(sys.executable).parent / "appliance"), "models", "pull"]
+    cmd += ["--profile-file", str(profile_file), "--hf-cache-dir", str(tmp_path / "hf")]
+    cmd += ["--token-file", str(token_file)]
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    os.close(master)
+    text = b"".join(chunks).decode(errors="replace")
+    for role, repo in (("target", TARGET_REPO), ("drafter", DRAFTER_REPO)):
+        assert f"{role} {repo}: Fetching" in text, repr(text)
+        assert f"{role} {repo}@main: downloading into" in text

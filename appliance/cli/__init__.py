@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from .. import __version__
+from .. import __version__, progress
 from ..errors import ApplianceError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -66,13 +66,13 @@ class ApplianceGroup(click.Group):
             return super().invoke(ctx)
         except (KeyboardInterrupt, click.exceptions.Abort):
             # Ctrl-C is 130 (128 + SIGINT), as in the shell: not 1, which says refused or failed.
-            click.echo("Error: interrupted", err=True)
+            click.echo(f"{progress.journal_prefix('error')}Error: interrupted", err=True)
             sys.exit(130)
         except ApplianceError as exc:
-            click.echo(f"Error: {exc}", err=True)
+            click.echo(f"{progress.journal_prefix('error')}Error: {exc}", err=True)
             sys.exit(exc.exit_code)
         except OSError as exc:
-            click.echo(f"Error: {os_error_line(exc)}", err=True)
+            click.echo(f"{progress.journal_prefix('error')}Error: {os_error_line(exc)}", err=True)
             sys.exit(1)
 
 
@@ -85,8 +85,16 @@ def os_error_line(exc: OSError) -> str:
 
 @click.group(cls=ApplianceGroup, context_settings=CONTEXT)
 @click.version_option(__version__, prog_name="appliance")
-def cli() -> None:
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="No progress bars or lines on long work (image save/load, models pull): results and "
+    "errors only.",
+)
+def cli(quiet: bool) -> None:
     """Serve Gemma 4 on vLLM with Gemma 4 MTP speculative decoding."""
+    progress.set_verbosity(progress.QUIET if quiet else progress.NORMAL)
 
 
 def main() -> None:

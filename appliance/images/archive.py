@@ -22,12 +22,13 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import re
 import tarfile
 import time
 from pathlib import Path
 
-from .. import fsutil
+from .. import fsutil, progress
 from ..errors import ApplianceError, UsageError
 from . import refused
 
@@ -89,9 +90,10 @@ def normalize_id(image_id: str) -> str:
 class _Reader:
     """A file-like view of a byte stream that hashes (and optionally copies) what is read."""
 
-    def __init__(self, read, copy_to=None) -> None:
+    def __init__(self, read, copy_to=None, meter: progress.Meter | None = None) -> None:
         self._read = read
         self._copy_to = copy_to
+        self._meter = meter
         self.sha256 = hashlib.sha256()
         self.size = 0
 
@@ -101,6 +103,8 @@ class _Reader:
         self.size += len(data)
         if self._copy_to is not None:
             self._copy_to.write(data)
+        if self._meter is not None:
+            self._meter.update(len(data))
         return data
 
     def drain(self) -> None:
@@ -221,15 +225,33 @@ def _manifest_ids(small: dict[str, bytes], image_id: str) -> set[str]:
     return ids
 
 
-def inspect(path: Path | str) -> ArchiveInfo:
-    """What the archive at ``path`` holds (one full read; nothing reaches the engine)."""
+def inspect(path: Path | str, *, show: bool = False) -> ArchiveInfo:
+    """What the archive at ``path`` holds (one full read; nothing reaches the engine); with
+    ``show``, the read's progress on stderr (:mod:`appliance.progress`)."""
     path = Path(path)
     try:
         f = path.open("rb")
+        total = os.fstat(f.fileno()).st_size
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from exc
-    with f:
-        return _inspect(_Reader(f.read), str(path))
+    with f, contextlib.ExitStack() as stack:
+        meter = stack.enter_context(progress.meter(f"checking {path}", total)) if show else None
+        return _inspect(_Reader(f.read, meter=meter), str(path))
+
+
+class _Upload:
+    """The archive file as the engine's load reads it (a body of known length), counted."""
+
+    def __init__(self, f, size: int, meter: progress.Meter) -> None:
+        self._f, self._size, self._meter = f, size, meter
+
+    def __len__(self) -> int:
+        return self._size
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._meter.update(len(data))
+        return data
 
 
 def _save_name(image, ref: str) -> str:
@@ -265,10 +287,16 @@ def save(client, ref: str, out_path: Path | str) -> SaveResult:
         raise refused(f"inspect {ref}", exc) from exc
     name = _save_name(image, ref)
     started = time.monotonic()
-    with fsutil.atomic_writer(out, mode=0o644) as f:
+    # The image's size: about the archive's (its layers' tars), known before the first byte.
+    about = (image.attrs or {}).get("Size") or None
+    with (
+        fsutil.atomic_writer(out, mode=0o644) as f,
+        progress.meter(f"saving {ref} to {out}", about) as meter,
+    ):
         try:
             chunks = client.api.get_image(name, chunk_size=CHUNK)
-            info = _inspect(_Reader(_Chunks(chunks), copy_to=f), f"the engine's save of {ref}")
+            reader = _Reader(_Chunks(chunks), copy_to=f, meter=meter)
+            info = _inspect(reader, f"the engine's save of {ref}")
         except docker.errors.APIError as exc:
             raise refused(f"save {ref}", exc) from exc
         if image.id not in info.ids:  # raised inside: the half-made archive goes
@@ -299,7 +327,7 @@ def load(client, path: Path | str, expect_id: str | None = None) -> LoadResult:
     path = Path(path)
     want = normalize_id(expect_id) if expect_id else None
     started = time.monotonic()
-    info = inspect(path)
+    info = inspect(path, show=True)
     if want is not None and want not in info.ids:
         raise ArchiveError(
             f"{path} holds image {info.image_id}, not the expected {want}",
@@ -307,8 +335,11 @@ def load(client, path: Path | str, expect_id: str | None = None) -> LoadResult:
         )
     loaded: list[str] = []
     try:
-        with path.open("rb") as f:
-            for chunk in client.api.load_image(f, quiet=True):
+        with (
+            path.open("rb") as f,
+            progress.meter(f"loading {path} into the engine", info.size_bytes) as meter,
+        ):
+            for chunk in client.api.load_image(_Upload(f, info.size_bytes, meter), quiet=True):
                 err = chunk.get("errorDetail", {}).get("message") or chunk.get("error")
                 if err:
                     raise ArchiveError(f"the Docker engine could not load {path}: {err}")

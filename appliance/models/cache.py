@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,8 +119,9 @@ def hash_from_blob_name(path: Path) -> tuple[str, str] | None:
     return None
 
 
-def file_hashes(path: Path) -> tuple[str, str]:
-    """``(sha256, git blob id)`` of a file, read once."""
+def file_hashes(path: Path, on_read: Callable[[int], None] | None = None) -> tuple[str, str]:
+    """``(sha256, git blob id)`` of a file, read once; ``on_read(n)`` after each chunk (a
+    progress meter)."""
     size = os.path.getsize(path)
     sha = hashlib.sha256()
     git = hashlib.sha1(f"blob {size}\0".encode())
@@ -128,6 +129,8 @@ def file_hashes(path: Path) -> tuple[str, str]:
         while chunk := f.read(_CHUNK):
             sha.update(chunk)
             git.update(chunk)
+            if on_read is not None:
+                on_read(len(chunk))
     return sha.hexdigest(), git.hexdigest()
 
 

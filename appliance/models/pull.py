@@ -11,10 +11,12 @@ turned into one line that never carries the token.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import progress
 from . import ModelSpec, TransferError, cache
 from . import token as tokens
 from .where import Location
@@ -53,10 +55,12 @@ def _pull_one(
 ) -> Pulled:
     from huggingface_hub import snapshot_download
 
+    label = f"{spec.role} {spec.repo_id}"
     repo = cache.repo_dir(loc.hub, spec.repo_id)
     removed = remove_partial(repo)
-    corrupt = remove_corrupt(repo)
+    corrupt = remove_corrupt(repo, label=f"hashing the cached files of {label}")
     kept = _blobs(repo)  # every one of them hashed just now
+    progress.line(f"{label}@{spec.ref}: downloading into {loc.hub}")
     try:
         path = Path(
             snapshot_download(
@@ -67,11 +71,12 @@ def _pull_one(
                 token=token or False,
                 endpoint=endpoint,
                 max_workers=max_workers,
+                tqdm_class=_hub_bars(label),
             )
         )
     except Exception as exc:  # noqa: BLE001 - the hub client's many error types, one line each
         raise _explain(exc, loc, spec, token, endpoint) from None
-    bad = remove_corrupt(repo, skip=kept)
+    bad = remove_corrupt(repo, skip=kept, label=f"hashing the downloaded files of {label}")
     if bad:
         raise TransferError(
             f"{spec.role} {spec.repo_id}: {bad} downloaded file(s) did not match their hash "
@@ -88,20 +93,48 @@ def _blobs(repo: Path) -> set[str]:
     return {p.name for p in blobs.iterdir()} if blobs.is_dir() else set()
 
 
-def remove_corrupt(repo: Path, skip: set[str] = frozenset()) -> int:
+def _hub_bars(label: str):
+    """The hub client's bar class, each bar's text prefixed with ``label`` (the target's and the
+    drafter's bars look alike otherwise), and off where :func:`progress.hub_bars_off` says."""
+    from huggingface_hub.utils import tqdm as hub_tqdm
+
+    off = progress.hub_bars_off()
+
+    class Labelled(hub_tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs["desc"] = f"{label}: {kwargs.get('desc') or 'files'}"
+            if off:
+                kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+        def set_description(self, desc=None, refresh=True) -> None:
+            super().set_description(f"{label}: {desc}" if desc else label, refresh)
+
+    return Labelled
+
+
+def remove_corrupt(repo: Path, skip: set[str] = frozenset(), label: str | None = None) -> int:
     """Delete the blobs in ``repo`` whose content does not hash to their name (the hub etag:
     sha256 for LFS files, the git blob id otherwise); the snapshot links to them then dangle,
-    which the hub client reads as not downloaded. Runs under the cache lock."""
-    n = 0
+    which the hub client reads as not downloaded. Runs under the cache lock. With ``label``,
+    the hashing's progress on stderr (:mod:`appliance.progress`)."""
+    todo = []
     for name in sorted(_blobs(repo) - skip):
         path = repo / "blobs" / name
         stated = cache.hash_from_blob_name(path)
-        if stated is None or not path.is_file():
-            continue
-        sha256, git = cache.file_hashes(path)
-        if stated[1] != (sha256 if stated[0] == "sha256" else git):
-            path.unlink()
-            n += 1
+        if stated is not None and path.is_file():
+            todo.append((path, stated))
+    if not todo:
+        return 0
+    n = 0
+    total = sum(path.stat().st_size for path, _ in todo)
+    with contextlib.ExitStack() as stack:
+        meter = stack.enter_context(progress.meter(label, total)) if label else None
+        for path, stated in todo:
+            sha256, git = cache.file_hashes(path, meter.update if meter else None)
+            if stated[1] != (sha256 if stated[0] == "sha256" else git):
+                path.unlink()
+                n += 1
     return n
 
 

@@ -1,0 +1,119 @@
+"""Long work says what it is doing (issue 56 §3): a bar that says what and how much on a
+terminal, plain lines in a pipe or the journal, nothing under ``-q``; error lines carry their
+journal priority when stderr is the journal's stream."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance import progress
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal (what tqdm draws on)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def _normal():
+    progress.set_verbosity(progress.NORMAL)
+    yield
+    progress.set_verbosity(progress.NORMAL)
+
+
+def test_a_terminal_gets_a_bar_that_says_what_and_how_much():
+    out = Terminal()
+    with progress.meter("saving gemma4-vllm:0.32.0-mtp", 2_940_000_000, out) as m:
+        assert m.mode == "bar"
+        m.update(1_200_000_000)
+    text = out.getvalue()
+    assert "saving gemma4-vllm:0.32.0-mtp" in text
+    assert "1.20G/2.94G" in text  # tqdm's bytes, in the CLI's decimal GB
+    assert "\r" in text  # redrawn in place
+
+
+def test_a_pipe_gets_plain_lines_a_log_keeps():
+    out = io.StringIO()
+    m = progress.Meter("hashing the cached files of target org/model", 2_000_000_000, out)
+    m.every = 0.0  # a line at every update, not every 10 s
+    m.update(500_000_000)
+    m.update(500_000_000)
+    m.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "hashing the cached files of target org/model: 2.00 GB"
+    assert lines[1].startswith(
+        "hashing the cached files of target org/model: 0.50 of 2.00 GB (25%), "
+    )
+    assert lines[2].startswith(
+        "hashing the cached files of target org/model: 1.00 of 2.00 GB (50%), "
+    )
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+
+
+def test_a_pipe_gets_a_line_only_every_ten_seconds():
+    out = io.StringIO()
+    with progress.meter("loading x.tar into the engine", 10_000_000, out) as m:
+        for _ in range(100):
+            m.update(100_000)
+    assert out.getvalue() == "loading x.tar into the engine: 10.0 MB\n"
+
+
+def test_quiet_prints_nothing_and_line_keeps_only_warnings_and_errors():
+    progress.set_verbosity(progress.QUIET)
+    for stream in (io.StringIO(), Terminal()):
+        with progress.meter("saving x", 100, stream) as m:
+            m.update(100)
+        progress.line("target org/model@main: downloading", stream=stream)
+        progress.line("a warning", "warning", stream=stream)
+        assert stream.getvalue() == "a warning\n"
+
+
+def test_the_journal_prefix_only_on_the_journal_stream(tmp_path, monkeypatch):
+    path = tmp_path / "stderr"
+    with path.open("w") as f:
+        st = os.fstat(f.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        progress.line("the model folder is not there", "error", stream=f)
+        progress.line("no API key file", "warning", stream=f)
+        progress.line("downloading", stream=f)
+        with (tmp_path / "other").open("w") as other:  # a redirect below the unit
+            progress.line("not the journal", "error", stream=other)
+    assert path.read_text().splitlines() == [
+        "<3>the model folder is not there",
+        "<4>no API key file",
+        "<6>downloading",
+    ]
+    assert (tmp_path / "other").read_text() == "not the journal\n"
+
+
+def _appliance(args: list[str], stderr_path: Path, journal: bool) -> tuple[int, str]:
+    env = dict(os.environ)
+    env.pop("JOURNAL_STREAM", None)
+    with stderr_path.open("w") as err:
+        if journal:
+            st = os.fstat(err.fileno())
+            env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
+        proc = subprocess.run(  # noqa: PLW1510 - the exit code is returned
+            [str(Path(sys.executable).parent / "appliance"), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+            timeout=60,
+        )
+    return proc.returncode, stderr_path.read_text()
+
+
+def test_the_cli_error_line_is_an_error_in_the_journal_and_plain_elsewhere(tmp_path):
+    args = ["profiles", "show", "no-such-profile"]
+    code, text = _appliance(args, tmp_path / "journal", journal=True)
+    assert code == 2 and text.startswith("<3>Error: "), text
+    code, text = _appliance(args, tmp_path / "file", journal=False)
+    assert code == 2 and text.startswith("Error: "), text
