@@ -1,7 +1,7 @@
 """Serving profiles: named, typed records that turn into the exact ``vllm serve`` arguments.
 
 Profiles ship as TOML files in ``appliance/profiles/data``. A profile never guesses: every flag
-it passes is a field here, so ``appliance profiles show NAME`` prints the whole command and a
+it passes is a field here, so ``appliance profiles show PROFILE`` prints the whole command and a
 reviewer can diff two hosts' profiles field by field.
 """
 
