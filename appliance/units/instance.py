@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import profiles
+from .. import apikey, profiles
 from ..errors import UsageError
 from ..host import envfile, values
 from ..host.envfile import HOST_KEY, PORT_KEY, PROFILE_KEY
@@ -107,8 +107,6 @@ class Instance:
     def api_key(self) -> str | None:
         """The key vLLM requires on ``/v1`` (None when the instance has no key file); the one
         rule of :mod:`appliance.apikey`, so an unreadable, empty or unsafe file is an error."""
-        from .. import apikey  # here: apikey imports units (a cycle at import time)
-
         return apikey.read(self.api_key_path) if self.api_key_path else None
 
 
