@@ -9,6 +9,7 @@ import shlex
 import click
 
 from .. import profiles as prof
+from ..errors import ApplianceError, UsageError
 from ..profiles import validate as pv
 from ..tables import table
 from .output import echo_json
@@ -139,7 +140,8 @@ def profiles_validate(
 @click.option("--json", "json_", is_flag=True, help="The GPUs, the best and every profile's why.")
 def profiles_suggest(json_: bool) -> None:
     """The shipped profiles that fit this host's GPUs (nvidia-smi), best first, one line of
-    why each; then why the others do not. Exit 1 when none fits.
+    why each; then why the others do not. Exit 1 when none fits, a host without a GPU
+    nvidia-smi lists included.
 
     \b
     Example:
@@ -148,7 +150,10 @@ def profiles_suggest(json_: bool) -> None:
     """
     from ..hostcheck import suggest
 
-    found = suggest.suggest()
+    try:
+        found = suggest.suggest()
+    except UsageError as exc:  # no GPU to judge: nothing fits this host, a refusal (exit 1)
+        raise ApplianceError(exc.message, fix=exc.fix) from None
     if json_:
         echo_json(found.to_dict())
     else:
