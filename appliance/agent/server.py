@@ -84,6 +84,7 @@ class Server:
     # This process's calls to the server, as they ended (certify's own calls).
     _ended: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
     _last_end: float = 0.0  # when the last of them ended (monotonic)
+    _newest_sent: float = 0.0  # the latest ``sent`` of the kept readings (needs reads one field)
 
     def __post_init__(self) -> None:
         self._changed = threading.Condition(self._lock)
@@ -131,8 +132,7 @@ class Server:
             if w.overlapped:
                 return ""  # shared whatever it starts from: neither a read nor a wait would help
             if not self._pending:
-                newest = max(t.sent for t in self._readings)
-                return "read" if newest < self._last_end else ""
+                return "read" if self._newest_sent < self._last_end else ""
             if w.quiet_before:
                 return "wait"
             now = time.monotonic() if now is None else now
@@ -211,6 +211,7 @@ class Server:
         t = Timed(reading, sent, reading.at)
         with self._lock:
             self._readings.append(t)
+            self._newest_sent = max(self._newest_sent, sent)
         return t
 
     def _failed(

@@ -77,7 +77,8 @@ class Worker:
         """Queue ``fn`` unless the backlog is full (False: the caller degrades and counts it)."""
         if self.busy():
             return False
-        self.start()
+        if self._thread is None or self._pid != os.getpid():  # a daemon: alive once started
+            self.start()
         self._q.put(fn)
         return True
 
