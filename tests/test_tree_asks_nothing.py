@@ -38,6 +38,7 @@ SPIED = ("systemctl", "journalctl", "docker", "nvidia-smi")
 TOLD = ("APPLIANCE_SYSTEMD_PREFIX", "DOCKER_HOST", "APPLIANCE_ROOT", "APPLIANCE_URL")
 IMAGE = "gemma4-vllm:0.32.0-cpu"
 GROUP_PROFILE = "cpu-tiny-mtp-2node"
+GPU_PROFILE = "h100-31b-mtp"  # its GPUs are nvidia-smi's to tell: never asked for a tree
 
 
 # --- the spies -----------------------------------------------------------------------------
@@ -74,7 +75,7 @@ class _Listener(ThreadingHTTPServer):
 
 @pytest.fixture(scope="module")
 def listeners():
-    found = {"i1": _Listener(), "g1": _Listener()}
+    found = {"i1": _Listener(), "g1": _Listener(), "x1": _Listener()}
     yield found
     for server in found.values():
         server.shutdown()
@@ -83,15 +84,17 @@ def listeners():
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory, listeners) -> Path:
-    """The tree: ``i1`` (cpu-tiny-mtp) and ``g1`` (a one-host CPU group), each on the port its
-    listener holds, installed through the CLI with nothing of the host asked."""
+    """The tree: ``i1`` (cpu-tiny-mtp), ``g1`` (a one-host CPU group) and ``x1`` (a GPU
+    profile), each on the port its listener holds, installed through the CLI."""
     root = tmp_path_factory.mktemp("tree")
     for argv in (
         ["i1", "--profile", "cpu-tiny-mtp", "--port", str(listeners["i1"].port)],
         ["g1", "--profile", GROUP_PROFILE, "--role", "both", "--port", str(listeners["g1"].port)],
+        ["x1", "--profile", GPU_PROFILE, "--port", str(listeners["x1"].port)],
     ):
+        image = "gemma4-vllm:0.32.0" if argv[0] == "x1" else IMAGE  # the profile's build
         env = {**dict.fromkeys(TOLD), "PATH": os.environ["PATH"]}
-        invoke(["instance", "install", *argv, "--image", IMAGE, "--root", str(root)], env=env)
+        invoke(["instance", "install", *argv, "--image", image, "--root", str(root)], env=env)
     return root
 
 
@@ -223,7 +226,7 @@ def test_every_command_that_takes_root_is_proven_below(tmp_path):
     assert {"status", "instance doctor", "fleet status", "host check"} <= set(ROOT_COMMANDS)
 
 
-@pytest.mark.parametrize("name", ["i1", "g1"])
+@pytest.mark.parametrize("name", ["i1", "g1", "x1"])
 @pytest.mark.parametrize("command", ROOT_COMMANDS)
 def test_a_command_under_a_tree_asks_nothing_of_the_host(command, name, tree, spies, tmp_path):
     argv = [*command.split(), *_argv(command, name, tmp_path), "--root", str(tree)]
