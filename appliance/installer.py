@@ -74,9 +74,11 @@ def install(
     plan = units.planned(profile, name, root=root, options=options, node=node)
     plan, notes = _image(images.reachable(root), plan)
     placed = None
-    if plan.node is None and (preflight is not None or root == Path("/")):
+    one_set = plan.node is None or len(plan.node.roles) == 1  # (a one-host pair shares one)
+    if one_set and (preflight is not None or root == Path("/")):
         # This host's GPUs, as for the host check: under another root only when asked. The
-        # devices asked for (not the kept ones) are judged against the other instances'.
+        # devices asked for (not the kept ones) are judged against the other NAMEs'; a group's
+        # node is placed as an instance is (its [hardware] gpus are per host).
         kept = plan.existing.get(envfile.GPUS_KEY)
         asked = replace(plan.options, gpus=(options or units.Options()).gpus)
         placed = placement.place(plan.profile, name, root, asked, kept, share=share_gpus)

@@ -352,3 +352,41 @@ def test_the_next_step_is_decided_per_unit(tmp_path, shape):
         f"appliance models pull n1 --root {root} && "
         f"systemctl daemon-reload && systemctl restart {restart}"
     )
+
+
+# ---- GPUs ----------------------------------------------------------------------------------
+
+
+def test_a_groups_node_gets_its_own_gpus_past_an_instances(tmp_path, monkeypatch):
+    """On the 8x H100 capture: an instance takes one GPU, a group's head then the next four
+    (its [hardware] gpus, per host), not `all` over the instance's (old: every group node was
+    given all of them, silently)."""
+    from test_hostcheck import as_machine, fake_nvidia_smi
+
+    fake_nvidia_smi(tmp_path, monkeypatch, "h100x8.csv")
+    as_machine(monkeypatch)  # the tree is a machine on this host: its GPUs are the fake's
+    root = tmp_path / "root"
+    text = profiles.shipped_text(GROUP.gpu).replace(f'name = "{GROUP.gpu}"', 'name = "h100x4x2"')
+    text = text.replace('gpu_name = "NVIDIA L4"', 'gpu_name = "NVIDIA H100 80GB HBM3"')
+    text = text.replace("gpu_memory_gib = 24", "gpu_memory_gib = 80")
+    mine = tmp_path / "h100x4x2.toml"
+    mine.write_text(text)
+    force = ("--host-check", "--force", "no Docker here")
+    run(INSTANCE.argv("i1", root, "h100-31b-mtp", *force))
+    run(
+        [
+            "instance",
+            "install",
+            "g1",
+            "--root",
+            str(root),
+            "-p",
+            str(mine),
+            "--role",
+            "head",
+            *force,
+        ]
+    )
+    gpus = {n: envfile.read(Layout(root).env_file(n)).get("VLLM_GPUS") for n in ("i1", "g1")}
+    held = [set(g.removeprefix("device=").split(",")) for g in gpus.values()]
+    assert [len(h) for h in held] == [1, 4] and not held[0] & held[1], gpus
