@@ -163,8 +163,19 @@ def test_the_old_single_command_still_runs_and_names_the_new_form(old, new, mess
 
 
 def test_percentile_matches_linear_interpolation():
+    """The standard library's inclusive quantiles: numpy's default, to the exact value."""
     assert stats.percentile([1, 2, 3, 4], 50) == 2.5
-    assert stats.percentile([10, 20, 30, 40, 50], 90) == pytest.approx(46.0)
+    assert stats.percentile([10, 20, 30, 40, 50], 90) == 46.0
+    assert stats.percentile([50, 10, 40, 20, 30], 99) == 49.6  # unsorted in, 10 * 0.96 = 9.6
+    assert stats.percentile(list(range(1, 102)), 99) == 100.0
+    assert stats.percentile([0.25, 0.5], 90) == 0.475
+    assert stats.percentile([7.0], 99) == 7.0
+    assert stats.percentile([3, 1, 2], 0) == 1 and stats.percentile([3, 1, 2], 100) == 3
+    for bad in (99.9, -1, 101, True):
+        with pytest.raises(ValueError):
+            stats.percentile([1, 2], bad)
+    with pytest.raises(ValueError):
+        stats.percentile([], 50)
     s = stats.summarise([3.0, 1.0, 2.0])
     assert (s.n, s.median, s.min, s.max, s.stdev) == (3, 2.0, 1.0, 3.0, 1.0)
     assert stats.summarise([]) is None

@@ -106,15 +106,78 @@ def test_a_failed_write_keeps_the_file_that_was_there(tmp_path):
     dest = tmp_path / "tuned.toml"
     dest.write_text("# the operator's previous copy\n")
     tuned = result(profiles.get("cpu-tiny-mtp"), [(1, 2)]).tuned("t")
-    # A schedule line spread over two lines cannot be replaced safely: refused, nothing written.
+    # Another profile's text: with the schedule in, it would not read back as the tuned
+    # profile; refused, nothing written.
     source = profiles.shipped_text("cpu-tiny-mtp").replace(
-        "num_speculative_tokens = 2\n",
-        f"num_speculative_tokens = 2\n{tune.SCHEDULE_KEY} = [\n  [1, 64, 1],\n]\n",
+        "max_model_len = 512", "max_model_len = 256"
     )
-    with pytest.raises(UsageError, match="could not write the schedule"):
+    with pytest.raises(UsageError, match="could not write the schedule.*reads back differently"):
         tune.write(dest, source, tuned)
     assert dest.read_text() == "# the operator's previous copy\n"
     assert [p.name for p in tmp_path.iterdir()] == ["tuned.toml"]  # no temporary left behind
+
+
+def _restyled(style: str) -> str:
+    """cpu-tiny-mtp's text with its [speculative] table in another valid TOML style."""
+    text = profiles.shipped_text("cpu-tiny-mtp")
+    table = (
+        '[speculative]\nmethod = "mtp"\nmodel = "{devmodel}/drafter"\nnum_speculative_tokens = 2\n'
+    )
+    assert table in text
+    if style == "dotted":  # the review's E6: valid, validated, and refused by the regex editor
+        top = 'speculative.method = "mtp"\nspeculative.model = "{devmodel}/drafter"\n'
+        top += "speculative.num_speculative_tokens = 2\n"
+    else:
+        top = 'speculative = { method = "mtp", model = "{devmodel}/drafter", '
+        top += "num_speculative_tokens = 2 }\n"
+    text = text.replace(table, "")
+    return text.replace('min_vllm = "0.32.0"\n', f'min_vllm = "0.32.0"\n{top}', 1)
+
+
+@pytest.mark.parametrize("style", ["dotted", "inline"])
+def test_the_schedule_goes_into_dotted_keys_and_inline_tables(tmp_path, style):
+    source = _restyled(style)
+    path = tmp_path / "mine.toml"
+    path.write_text(source)
+    assert profiles.load_file(path) == profiles.get("cpu-tiny-mtp")  # the same profile
+    tuned = result(profiles.get("cpu-tiny-mtp"), [(1, 2), (8, 1)]).tuned("mine-tuned")
+    dest = tmp_path / "tuned.toml"
+    tune.write(dest, source, tuned)
+    assert profiles.load_file(dest) == tuned
+    text = dest.read_text()
+    if style == "dotted":
+        assert "speculative.num_speculative_tokens_per_batch_size = [[1, 4, 2], [5, 8, 1]]" in text
+        assert "[speculative]" not in text
+    # Every comment of the original is still there, in order.
+    assert [ln for ln in source.splitlines() if ln.startswith("#")] == [
+        ln for ln in text.splitlines() if ln.startswith("#")
+    ]
+
+
+def test_a_write_that_cannot_succeed_is_refused_before_any_measurement(tmp_path, cli_run):
+    """E6: the write is tried (a stand-in schedule) before the bench starts; nothing listens
+    on port 9, so an answer about the TOML or the path came before any request."""
+    args = ["bench", "tune", "--url", "http://127.0.0.1:9", "--baseline-url", "http://127.0.0.1:9"]
+    mine = tmp_path / "mine.toml"
+    mine.write_text(_restyled("dotted").replace('name = "cpu-tiny-mtp"', 'name = "mine"'))
+    missing = tmp_path / "no-such-dir" / "tuned.toml"
+    res = cli_run([*args, "--profile", str(mine), "--write", str(missing)], code=2)
+    assert res.stderr == (
+        f"Error: cannot write {missing}: the directory {missing.parent} does not exist "
+        f"(create it first: mkdir -p {missing.parent})\n"
+    )
+    assert not missing.parent.exists()
+    # A writable one passes the check and goes on to the endpoints (and fails there).
+    res = cli_run([*args, "--profile", str(mine), "--write", str(tmp_path / "t.toml")], code=None)
+    assert res.exit_code == 1 and res.stderr.startswith("Error: cannot reach http://127.0.0.1:9")
+    assert not (tmp_path / "t.toml").exists()
+    with pytest.raises(UsageError, match="no top-level name"):
+        tune.check_writable(
+            tmp_path / "x.toml",
+            profiles.shipped_text("cpu-tiny-mtp").replace('name = "cpu-tiny-mtp"\n', ""),
+            profiles.get("cpu-tiny-mtp"),
+            "x",
+        )
 
 
 def test_tune_measures_a_fixed_k_of_an_mtp_profile_only():

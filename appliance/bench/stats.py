@@ -60,14 +60,16 @@ def t975(df: int) -> float:
     return _T975[max(smaller)] if df <= 120 else 1.960
 
 
-def percentile(values: list[float], p: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``p`` in 0..100."""
+def percentile(values: list[float], p: int) -> float:
+    """The ``p``-th percentile (an integer 0..100), interpolated linearly between the two
+    nearest ranks: numpy's default, the standard library's ``quantiles(method="inclusive")``."""
     if not values:
         raise ValueError("no values")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * p / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 100:
+        raise ValueError(f"percentile {p!r} is not an integer in 0..100")
+    if len(values) == 1 or p in (0, 100):
+        return min(values) if p == 0 else max(values)
+    return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ the last k on past it anyway). Adjacent ranges with the same k are merged.
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 import tomllib
 from dataclasses import dataclass
@@ -246,43 +245,60 @@ def verify(profile: Profile, levels: list[LevelResult]) -> list[specdecode.Sched
 
 # --- writing the profile copy -----------------------------------------------------------------
 
-_HEADER = re.compile(r"^\s*\[speculative\]\s*(#.*)?$", re.MULTILINE)
-_NAME = re.compile(r'^name\s*=\s*"[^"\n]*"\s*$', re.MULTILINE)
-_OLD = re.compile(rf"^\s*{SCHEDULE_KEY}\s*=.*\n?", re.MULTILINE)
-
 
 def with_schedule_text(source: str, tuned: Profile) -> str:
-    """``source`` (the profile's TOML text) with ``tuned``'s name and schedule, every other line
-    and comment kept; checked by parsing it back: the text must load as exactly ``tuned``."""
+    """``source`` (the profile's TOML text, any valid TOML: tables, dotted keys, inline tables)
+    with ``tuned``'s name and schedule, every other key, comment and the layout kept (tomlkit,
+    ADR 0021); checked by parsing it back: the text must load as exactly ``tuned``."""
+    import tomlkit
+    import tomlkit.exceptions
+
     assert tuned.speculative is not None and tuned.speculative.num_speculative_tokens_per_batch_size
-    header = _HEADER.search(source)
-    if header is None:
-        raise UsageError("the profile's TOML has no [speculative] table to put the schedule in")
-    body_start = header.end() + 1
-    nxt = re.compile(r"^\s*\[", re.MULTILINE).search(source, body_start)
-    body_end = nxt.start() if nxt else len(source)
-    body = _OLD.sub("", source[body_start:body_end])
-    ranges = tuned.speculative.num_speculative_tokens_per_batch_size
-    entries = ", ".join(f"[{', '.join(map(str, e))}]" for e in ranges)
-    line = (
-        "# Written by `appliance bench tune`: [first batch size, last, k] ranges (vLLM's dynamic "
-        f"speculative decoding).\n{SCHEDULE_KEY} = [{entries}]\n"
-    )
-    text = source[:body_start] + line + body + source[body_end:]
-    top = text[: _HEADER.search(text).start()]
-    if _NAME.search(top) is None:
-        raise UsageError('the profile\'s TOML has no top-level name = "..." line')
-    text = _NAME.sub(f'name = "{tuned.name}"', text, count=1)
+    fail = "could not write the schedule into the profile's TOML"
+    try:
+        doc = tomlkit.parse(source)
+    except tomlkit.exceptions.TOMLKitError as exc:
+        raise UsageError(f"{fail}: {exc}") from None
+    if "name" not in doc:
+        raise UsageError(f"{fail}: it has no top-level name")
+    spec = doc.get("speculative")
+    if not isinstance(spec, dict):  # tomlkit's tables and inline tables are dicts
+        raise UsageError(f"{fail}: it has no speculative table")
+    ranges = tomlkit.array()
+    for entry in tuned.speculative.num_speculative_tokens_per_batch_size:
+        ranges.append(list(entry))
+    ranges.comment("[first batch size, last, k]: written by appliance bench tune")
+    doc["name"] = tuned.name
+    spec[SCHEDULE_KEY] = ranges
+    text = tomlkit.dumps(doc)
     try:
         back = from_dict(tomllib.loads(text), "the tuned profile")
     except (tomllib.TOMLDecodeError, UsageError) as exc:
-        raise UsageError(f"could not write the schedule into the profile's TOML: {exc}") from None
+        raise UsageError(f"{fail}: {exc}") from None
     if back != tuned:
         raise UsageError(
-            "could not write the schedule into the profile's TOML: it reads back differently",
+            f"{fail}: it reads back differently",
             fix=f"put {SCHEDULE_KEY} = [...] under [speculative] by hand",
         )
     return text
+
+
+def check_writable(dest: Path, source: str, profile: Profile, name: str) -> None:
+    """Refuse now, before any measurement, a ``--write`` that would fail after it: a
+    directory that is not there, or a profile text the schedule cannot go into (tried with a
+    stand-in schedule, k from 1 up)."""
+    if not dest.parent.is_dir():
+        raise UsageError(
+            f"cannot write {dest}: the directory {dest.parent} does not exist",
+            fix=f"create it first: mkdir -p {dest.parent}",
+        )
+    if dest.is_dir():
+        raise UsageError(f"{dest} is a directory", fix="give the profile's file name")
+    assert profile.speculative is not None
+    k = profile.speculative.num_speculative_tokens
+    stand_in = ((1, max(1, profile.max_num_seqs or 1), k),)
+    spec = dataclasses.replace(profile.speculative, num_speculative_tokens_per_batch_size=stand_in)
+    with_schedule_text(source, dataclasses.replace(profile, name=name, speculative=spec))
 
 
 def write(dest: Path, source: str, tuned: Profile) -> list[profile_validate.Finding]:

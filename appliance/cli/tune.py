@@ -140,14 +140,16 @@ def tune(
     name = new_name or (
         f"{profile.name}-tuned" if profile.name in profiles.all_profiles() else profile.name
     )
+    if dest and source:
+        tune_lib.check_writable(dest, source, profile, name)  # before minutes of measurement
 
     mtp = runner.open_endpoint(endpoint.url, "mtp", endpoint.secret)
     base = runner.open_endpoint(baseline_url, "baseline", endpoint.secret)
     total = 2 * sum(requests or max(4 * n, config.measured_requests) for n in level_list)
     with progress_bar(total, "tune") as tick:
         result = tune_lib.run(profile, mtp, base, config, level_list, requests, tick)
-    warnings = tune_lib.write(dest, source, result.tuned(name)) if dest and source else []
     if as_json:
+        warnings = tune_lib.write(dest, source, result.tuned(name)) if dest and source else []
         out = result.to_dict() | {"written": str(dest) if dest else None, "name": name}
         echo_json(out)
     else:
@@ -176,6 +178,8 @@ def tune(
         click.echo(table(headers, rows, ">>>>>><"))
         entries = [list(e) for e in result.schedule]
         click.echo(f"\n{tune_lib.SCHEDULE_KEY} = {entries}  ({result.wall_s:.0f} s)")
+        # The table is out before the write: a failing write loses no measurement.
+        warnings = tune_lib.write(dest, source, result.tuned(name)) if dest and source else []
         if dest:
             click.echo(f"wrote profile {name} to {dest}")
     for w in warnings:
