@@ -120,6 +120,12 @@ def test_a_current_line_that_looks_like_an_old_one_is_left_alone(cli_run):
     assert aliases.match(["bench", "run", "x"]) is None and aliases.match(["bench"]) is None
 
 
+def test_an_old_spelling_after_the_top_levels_own_flags_is_found():
+    got = aliases.current(["-q", "install", "x", "-p", "cpu-tiny"], warn=False)
+    assert got == ["-q", "instance", "install", "x", "-p", "cpu-tiny"]
+    assert aliases.current(["--version"], warn=False) == ["--version"]
+
+
 # --- exit codes ----------------------------------------------------------------------------------
 
 

@@ -154,11 +154,16 @@ def match(args: list[str]) -> tuple[Old, list[str], str, str] | None:
 
 
 def current(args: list[str], *, warn: bool = True) -> list[str]:
-    """``args`` in the current grammar; an old spelling says its new form on stderr first."""
-    found = match(list(args))
+    """``args`` in the current grammar; an old spelling says its new form on stderr first.
+    The top level's own options before the command (all flags: ``-q``) stay where they are."""
+    lead = 0
+    while lead < len(args) and args[lead].startswith("-"):
+        lead += 1
+    found = match(list(args[lead:]))
     if found is None:
         return list(args)
     entry, new_args, old, new = found
+    new_args = [*args[:lead], *new_args]
     if warn and entry.removed_in:
         click.echo(
             f"warning: `appliance {old}` is now `appliance {new}` "
