@@ -383,6 +383,17 @@ def test_every_command_with_json_is_walked_here_or_named_with_its_test():
         assert "--json" in body and "json.loads(" in body, where
 
 
+def test_one_json_printer_in_the_cli():
+    """Every --json (and cutover --check's object) goes through cli/output.py's echo_json."""
+    printers = {
+        str(path.relative_to(REPO))
+        for path in (REPO / "appliance/cli").glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("json.dumps", "json.dump")
+    }
+    assert printers == {"appliance/cli/output.py"}
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> tuple[Path, Path]:
     root, files = tmp_path_factory.mktemp("root"), tmp_path_factory.mktemp("files")
