@@ -143,14 +143,18 @@ def install(
     share_gpus: str | None,
     **kw,
 ) -> None:
-    """Install NAME: the shared unit and serve program, its env file (values kept), args file
-    and API key (0600). A multi-node profile installs this host's node(s) of the group NAME
-    (--role, --rank). Refuses, writing nothing, when `appliance host check` finds a blocker
-    (unless --force). Without --profile: the one the instance's env file names, or for a new
-    instance on a GPU host the one `appliance profiles suggest` puts first (said on stderr). A
-    new GPU instance gets the next free GPUs (or MIG slice) of its profile's kind, by UUID in
-    its env file (said on stderr); a --gpus that overlaps another instance's is refused unless
-    --share-gpus REASON.
+    """Install NAME: the shared unit and serve program, its env file (values kept), args file,
+    mounts drop-in and API key (0600), and a copy of a --profile FILE beside it. A multi-node
+    profile installs this host's node(s) of the group NAME (--role, --rank; default: the ones
+    this host runs, else the head), the same way. The port is the profile's, or the next one
+    no other NAME here serves on. Refuses, writing nothing, when `appliance host check` finds a
+    blocker (unless --force), and while a cutover of NAME holds its lock (exit 3). Without
+    --profile: the one the env file names (its kept copy), or for a new instance on a GPU host
+    the one `appliance profiles suggest` puts first (said on stderr). A new GPU instance (or
+    group node) gets the next free GPUs (or MIG slice) of its profile's kind, by UUID in its
+    env file (said on stderr); a --gpus that overlaps another's is refused unless --share-gpus
+    REASON. The `next:` line names what is still to do: enable what was never enabled,
+    restart what changed, pull a changed model first.
 
     \b
     Example:
