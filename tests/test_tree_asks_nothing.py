@@ -413,3 +413,16 @@ def test_one_place_names_a_serving_unit_or_container():
         if any(c in line for c in calls) and not line.lstrip().startswith(("#", "def "))
     ]
     assert found == []
+
+
+def test_a_gpu_profiles_gpus_are_not_asked_for_a_tree(tree, spies):
+    # Its exit is the tree's disk for the weights' (a finding of the tree's files), not the GPUs.
+    res = invoke(["host", "check", "x1", "--root", str(tree), "--json"], env=spies.env(), code=None)
+    found = {f["name"]: f for f in json.loads(res.output)["findings"]}
+    assert found["gpu"]["status"] == "warn" and found["gpu"]["message"].startswith("not asked")
+    argv = ["instance", "doctor", "x1", "--root", str(tree), "--json"]
+    res = invoke(argv, env=spies.env(), code=1)  # its models are not in the tree
+    checks = {c["name"]: c for c in json.loads(res.output)["checks"]}
+    assert checks["host.gpus"]["status"] == "warn"
+    assert checks["host.gpus"]["summary"].startswith(f"not asked: --root {tree} ")
+    assert spies.reached() == []
