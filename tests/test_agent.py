@@ -467,7 +467,9 @@ def test_stream_is_passed_through_unchanged(mtp_engine):
     assert isinstance(s, openai.Stream)  # the proxy still is what the caller expects
     with s as entered:
         ours = _chunks(entered)
-    assert ours == _sse_chunks(tap.bodies["/v1/chat/completions"]) and len(ours) > 3
+    # At least the role's chunk, one of content and the usage's: a loaded host may send every
+    # token in one content chunk (seen in a full run).
+    assert ours == _sse_chunks(tap.bodies["/v1/chat/completions"]) and len(ours) >= 3
     assert ours[-1]["usage"]["completion_tokens"] == 30
     assert len(t.spans) == 1  # finished exactly once: on exhaustion, not again on __exit__
 

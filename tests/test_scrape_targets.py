@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from plugins.cli import invoke
 from test_observability import _promtool
 
@@ -85,18 +84,28 @@ class _Exporter(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_prometheus_scrapes_the_reference_port_install_wrote(tmp_path, prometheus_server):
-    # No 31B engine on this machine: a stand-in exporter answers on the reference profile's port,
-    # so "up" proves Prometheus scraped the address install wrote, through the shipped config.
-    try:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", REFERENCE_PORT), _Exporter)
-    except OSError as e:
-        pytest.fail(f"127.0.0.1:{REFERENCE_PORT} is taken on this machine ({e}); free it")
+def test_prometheus_scrapes_the_port_install_wrote(tmp_path, prometheus_server):
+    # No 31B engine on this machine: a stand-in exporter answers on the port the reference
+    # profile's instance was installed on, so "up" proves Prometheus scraped the address install
+    # wrote, through the shipped config. A free port, given to install: the reference profile's
+    # own 8050 may be another program's on this machine (seen in a full run).
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Exporter)
+    port = server.server_address[1]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         host = tmp_path / "host"
-        units.install("l4x4-31b-mtp", "31b", root=host)
+        _cli(
+            "instance",
+            "install",
+            "-p",
+            "l4x4-31b-mtp",
+            "31b",
+            "--port",
+            str(port),
+            "--root",
+            str(host),
+        )
         targets = units.writer.scrape_targets_file(host).read_text()
         config = generate.outputs()["prometheus/prometheus.yml"].replace(
             "scrape_interval: 15s", "scrape_interval: 1s"
@@ -114,7 +123,7 @@ def test_prometheus_scrapes_the_reference_port_install_wrote(tmp_path, prometheu
             time.sleep(0.5)
         engines = [t for t in seen if t["labels"]["job"] == "vllm"]
         assert [(t["scrapeUrl"], t["labels"]["instance"], t["health"]) for t in engines] == [
-            (f"http://127.0.0.1:{REFERENCE_PORT}/metrics", "31b", "up")
+            (f"http://127.0.0.1:{port}/metrics", "31b", "up")
         ], engines
         assert prom.query('up{job="vllm",instance="31b",profile="l4x4-31b-mtp"}')
     finally:
