@@ -50,7 +50,7 @@ from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry
 
 from appliance import agent, probe, profiles, specdecode
-from appliance.bench import concurrency, prompts, report, runner, tune
+from appliance.bench import concurrency, prompts, report, runner, schedule, tune
 from appliance.cutover import gates
 from appliance.engine import local
 from appliance.errors import OverloadedError
@@ -368,6 +368,6 @@ def test_tune_verify_reads_the_schedule_back_from_the_draft_counters(bounded, tm
                 pair = [pool.submit(_ask, client) for _ in range(SEQS)]
             assert all(isinstance(f.result(timeout=DEADLINE_S), Generation) for f in pair)
         moved = specdecode.delta(before, client.snapshot())
-    check = specdecode.check_schedule(moved, SEQS, k=2, k_at=2, k_most=2)
+    check = schedule.check_schedule(moved, SEQS, k=2, k_at=2, k_most=2)
     assert (check.verdict, check.drafted_per_step) == ("unchanged", 2.0)
     print(f"\ntune --verify: {alone}; a pair: {check.summary()}")

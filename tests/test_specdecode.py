@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance import specdecode as sd
+from appliance.bench import schedule
 
 CAPTURE = Path(__file__).parent / "data" / "metrics-vllm-0.32-mtp.txt"
 
@@ -209,8 +210,8 @@ def test_sums_take_ratios_over_the_summed_counts_and_project_under_vllm_names():
 
 
 def test_predicted_lengths_are_one_plus_the_first_k_prime_rates():
-    assert sd.predicted_lengths((0.8, 0.5, 0.3)) == pytest.approx((1.8, 2.3, 2.6))
-    assert sd.predicted_lengths(()) == ()
+    assert schedule.predicted_lengths((0.8, 0.5, 0.3)) == pytest.approx((1.8, 2.3, 2.6))
+    assert schedule.predicted_lengths(()) == ()
 
 
 def test_prediction_weighs_requests_by_their_steps_at_k_prime_not_at_k():
@@ -219,11 +220,11 @@ def test_prediction_weighs_requests_by_their_steps_at_k_prime_not_at_k():
     # 1 + 10/50 that truncating the summed counters gives.
     always = sd.Delta("ok", drafts=10, draft_tokens=30, accepted=30, accepted_per_pos=(10, 10, 10))
     never = sd.Delta("ok", drafts=40, draft_tokens=120, accepted=0, accepted_per_pos=(0, 0, 0))
-    assert sd.predicted_lengths_of([always, never]) == pytest.approx(
+    assert schedule.predicted_lengths_of([always, never]) == pytest.approx(
         (80 / 60, 80 / (40 / 3 + 40), 80 / 50)
     )
-    assert sd.predicted_lengths_of([always]) == pytest.approx((2.0, 3.0, 4.0))
-    assert sd.predicted_lengths_of([sd.Delta("absent")]) is None
+    assert schedule.predicted_lengths_of([always]) == pytest.approx((2.0, 3.0, 4.0))
+    assert schedule.predicted_lengths_of([sd.Delta("absent")]) is None
 
 
 @given(
@@ -240,19 +241,19 @@ def test_predicted_length_at_k_is_the_measured_one_and_grows_with_k_prime(reqs):
         p2 = min(p1, b * drafts // 3)
         p3 = min(p2, c * drafts // 3)
         deltas.append(sd.Delta("ok", drafts, 3 * drafts, p1 + p2 + p3, (p1, p2, p3)))
-    lengths = sd.predicted_lengths_of(deltas)
+    lengths = schedule.predicted_lengths_of(deltas)
     assert list(lengths) == sorted(lengths)
     assert lengths[-1] == pytest.approx(sd.summed(deltas).tokens_per_step)
 
 
 def test_step_cost_and_predicted_tpot():
     # No speculation: 10 ms a token (one per step). k=3: 5 ms a token at 4 per step, 20 ms a step.
-    cost = sd.step_cost((0, 0.010, 1.0), (3, 0.005, 4.0))
+    cost = schedule.step_cost((0, 0.010, 1.0), (3, 0.005, 4.0))
     assert (cost.base_s, cost.per_draft_s) == pytest.approx((0.010, 0.010 / 3))
-    assert sd.predicted_tpot((2.0, 3.0, 4.0), cost) == pytest.approx(
+    assert schedule.predicted_tpot((2.0, 3.0, 4.0), cost) == pytest.approx(
         (0.040 / 3 / 2, 0.050 / 3 / 3, 0.005)
     )
-    assert sd.step_cost((2, 0.01, 2.0), (2, 0.02, 2.0)) is None
+    assert schedule.step_cost((2, 0.01, 2.0), (2, 0.02, 2.0)) is None
 
 
 # --- a k schedule read back from the counters ---------------------------------------------------
@@ -282,7 +283,7 @@ def _drafted(steps: list[int], tokens_at) -> sd.Delta:
 def test_a_drafter_that_follows_the_schedule_is_never_called_ignoring_it(level):
     k, c, per_batch, steps = level
     k_at, most = per_batch[c], max(per_batch[1:])
-    check = sd.check_schedule(_drafted(steps, lambda b: per_batch[b]), c, k, k_at, most)
+    check = schedule.check_schedule(_drafted(steps, lambda b: per_batch[b]), c, k, k_at, most)
     want = "unchanged" if k_at == k else "unmeasured" if k_at == 0 else "follows"
     assert check.verdict == want
 
@@ -291,7 +292,7 @@ def test_a_drafter_that_follows_the_schedule_is_never_called_ignoring_it(level):
 def test_a_drafter_that_drafts_k_at_every_batch_size_is_called_out_where_it_should_not(level):
     k, c, per_batch, steps = level
     k_at, most = per_batch[c], max(per_batch[1:])
-    check = sd.check_schedule(_drafted(steps, lambda b: k), c, k, k_at, most)
+    check = schedule.check_schedule(_drafted(steps, lambda b: k), c, k, k_at, most)
     if most < k or 0 < k_at < k:
         assert check.verdict == "ignored"
         assert "DOES NOT FOLLOW" in check.summary() and "#57053" in check.summary()
@@ -303,8 +304,8 @@ def test_a_drafter_that_drafts_k_at_every_batch_size_is_called_out_where_it_shou
 def test_real_captures_of_one_request_alone_with_and_without_the_schedule():
     # k=2, schedule [[1, 1, 1], [2, 2, 2]]: alone (batch size 1) the drafter drafts one token.
     moved = sd.counters_delta(sd.Counters(), sd.parse(SCHEDULED.read_text()).total())
-    assert sd.drafted_per_step(moved) == 1.0
-    check = sd.check_schedule(moved, 1, k=2, k_at=1, k_most=1)
+    assert schedule.drafted_per_step(moved) == 1.0
+    check = schedule.check_schedule(moved, 1, k=2, k_at=1, k_most=1)
     assert check.verdict == "follows"
     assert check.summary() == (
         "concurrency 1: the schedule says k=1 (k=2 unscheduled): drafted 1.00 tokens per step, "
@@ -313,11 +314,11 @@ def test_real_captures_of_one_request_alone_with_and_without_the_schedule():
     # The same engine without a schedule drafts k=2 every step: what a drafter that ignores the
     # schedule shows (vLLM #57053).
     plain = sd.counters_delta(sd.Counters(), sd.parse(CAPTURE.read_text()).total())
-    check = sd.check_schedule(plain, 1, k=2, k_at=1, k_most=1)
+    check = schedule.check_schedule(plain, 1, k=2, k_at=1, k_most=1)
     assert (check.verdict, check.drafted_per_step) == ("ignored", 2.0)
     assert check.summary() == (
         "concurrency 1: the schedule says k=1: DOES NOT FOLLOW: drafted 2.00 tokens per step, "
         "more than the 1 the schedule allows at any batch size up to here (vLLM #57053)"
     )
-    assert sd.check_schedule(plain, 1, k=2, k_at=2, k_most=2).verdict == "unchanged"
-    assert sd.check_schedule(sd.Delta("absent"), 1, 2, 1, 1).verdict == "unmeasured"
+    assert schedule.check_schedule(plain, 1, k=2, k_at=2, k_most=2).verdict == "unchanged"
+    assert schedule.check_schedule(sd.Delta("absent"), 1, 2, 1, 1).verdict == "unmeasured"

@@ -1,5 +1,5 @@
 """``appliance bench tune`` without an engine: the k per level from the predictions of
-appliance/specdecode.py, the schedule's ranges, and the profile copy it writes.
+appliance/bench/schedule.py, the schedule's ranges, and the profile copy it writes.
 
 The engine test (tests/test_bench_engine.py) runs tune against the session engines and hands
 the written profile to vLLM's own config code.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from appliance import profiles, specdecode
-from appliance.bench import tune
+from appliance.bench import schedule, tune
 from appliance.bench.concurrency import LevelResult
 from appliance.errors import UsageError
 from appliance.profiles import validate
@@ -45,7 +45,7 @@ def test_the_captured_counters_predict_every_k_and_the_cheap_draft_wins():
 
 def test_a_decaying_drafter_under_load_gets_a_smaller_k():
     # Per position 0.8 / 0.5 / 0.3 at k=3 (the partial drafter): 1.8, 2.3, 2.6 tok/step.
-    lengths = specdecode.predicted_lengths((0.8, 0.5, 0.3))
+    lengths = schedule.predicted_lengths((0.8, 0.5, 0.3))
     assert lengths == pytest.approx((1.8, 2.3, 2.6))
     # Alone: a step costs 10 ms + 1 ms per draft; at k=3, 13 ms / 2.6 = 5 ms a token.
     alone = tune.choose(1, lengths, mtp_tpot_s=0.013 / 2.6, baseline_tpot_s=0.010)

@@ -26,7 +26,7 @@ import httpx
 from .. import specdecode
 from ..errors import OverloadedError
 from ..vllm_client import VLLMClient, bearer, generate_streamed
-from . import stats
+from . import schedule, stats
 from .prompts import Prompt
 from .runner import BenchConfig, Endpoint, Progress, RunRecord, parse_distinct_ints
 from .stream import StreamResult
@@ -72,11 +72,11 @@ class LevelResult:
         requests carry their own figures, else from the level's summed per-position rates."""
         spec, source = self.spec()
         if source == "request":
-            predicted = specdecode.predicted_lengths_of([r.spec for r in self.records])
+            predicted = schedule.predicted_lengths_of([r.spec for r in self.records])
             if predicted is not None:
                 return predicted
         if spec is not None and spec.per_position:
-            return specdecode.predicted_lengths(spec.per_position)
+            return schedule.predicted_lengths(spec.per_position)
         return None
 
     def tpot_median_s(self) -> float | None:

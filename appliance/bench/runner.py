@@ -19,7 +19,7 @@ import httpx
 from .. import acceptance, probe, specdecode
 from ..errors import EngineError, NotVLLMError, UsageError
 from ..vllm_client import VLLMClient
-from . import stats
+from . import schedule, stats
 from .prompts import Prompt, PromptSet
 from .stream import StreamResult
 
@@ -257,7 +257,7 @@ class EndpointResult:
             # Without speculative decoding every engine step yields exactly one token.
             figures["tokens_per_step"] = 1.0
         # Tokens per step that a run at each k' <= k would measure, from this run's positions.
-        predicted = specdecode.predicted_lengths_of([r.spec for r in self.records])
+        predicted = schedule.predicted_lengths_of([r.spec for r in self.records])
         figures["predicted_tokens_per_step"] = None if predicted is None else list(predicted)
         return {"sources": sorted({r.spec_source for r in self.records}), **figures}
 

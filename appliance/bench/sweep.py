@@ -13,11 +13,10 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import specdecode
 from ..engine import local
 from ..errors import UsageError
 from ..profiles import Profile, get
-from . import stats
+from . import schedule, stats
 from .runner import (
     BenchConfig,
     EndpointResult,
@@ -75,7 +74,7 @@ class SweepResult:
         if not rows:
             return None
         top = max(rows, key=lambda r: r.k)
-        lengths = specdecode.predicted_lengths_of([r.spec for r in top.result.records])
+        lengths = schedule.predicted_lengths_of([r.spec for r in top.result.records])
         if lengths is None:
             return None
         points = {
@@ -84,8 +83,8 @@ class SweepResult:
         low = min(rows, key=lambda r: r.k)
         cost = None
         if low.k != top.k and points[low.k][2] and points[top.k][2]:
-            cost = specdecode.step_cost(points[low.k], points[top.k])
-        tpots = specdecode.predicted_tpot(lengths, cost) if cost else None
+            cost = schedule.step_cost(points[low.k], points[top.k])
+        tpots = schedule.predicted_tpot(lengths, cost) if cost else None
         return {
             "from_k": top.k,
             "step_cost_from_k": None if cost is None else [low.k, top.k],

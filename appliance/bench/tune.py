@@ -7,11 +7,11 @@ each step by the number of scheduled requests. Tune fills it from one concurrenc
 MTP endpoint at the profile's k and of the same model without MTP (the baseline), level by level:
 
 - tokens per step at every k' <= k: from the run at k by prefix acceptance
-  (:func:`appliance.specdecode.predicted_lengths_of`, per request where the responses carry their
-  own figures);
+  (:func:`appliance.bench.schedule.predicted_lengths_of`, per request where the responses carry
+  their own figures);
 - the step cost: the line through the baseline (k = 0, one token per step) and the run at k
-  (:func:`appliance.specdecode.step_cost`), so a predicted TPOT per k'
-  (:func:`appliance.specdecode.predicted_tpot`);
+  (:func:`appliance.bench.schedule.step_cost`), so a predicted TPOT per k'
+  (:func:`appliance.bench.schedule.predicted_tpot`);
 - the k' with the lowest predicted TPOT (ties: the smaller, less drafting work for the same
   speed). Never 0: where the baseline beats every k', the level says MTP does not pay there, and
   the schedule keeps k' >= 1, since vLLM counts prefills in the batch size and a threshold to
@@ -36,6 +36,7 @@ from ..profiles import Profile, from_dict
 from ..profiles import validate as profile_validate
 from .concurrency import LevelResult, run_level
 from .runner import BenchConfig, Endpoint, Progress
+from .schedule import ScheduleCheck, check_schedule, predicted_tpot, step_cost
 
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 
@@ -74,9 +75,9 @@ def choose(
     k = len(lengths)
     if k < 1:
         raise UsageError(f"concurrency {concurrency}: no per-position acceptance to predict from")
-    cost = specdecode.step_cost((0, baseline_tpot_s, 1.0), (k, mtp_tpot_s, lengths[-1]))
+    cost = step_cost((0, baseline_tpot_s, 1.0), (k, mtp_tpot_s, lengths[-1]))
     assert cost is not None  # k >= 1, never the baseline's 0
-    tpots = specdecode.predicted_tpot(lengths, cost)
+    tpots = predicted_tpot(lengths, cost)
     best = min(range(k), key=lambda i: (tpots[i], i))
     return LevelChoice(
         concurrency, k, baseline_tpot_s, mtp_tpot_s, lengths[-1], lengths, tpots, best + 1
@@ -220,7 +221,7 @@ def k_at(schedule: tuple[tuple[int, ...], ...], k: int, batch_size: int) -> int:
     return min(k, chosen)
 
 
-def verify(profile: Profile, levels: list[LevelResult]) -> list[specdecode.ScheduleCheck]:
+def verify(profile: Profile, levels: list[LevelResult]) -> list[ScheduleCheck]:
     """Each level of a bench of the endpoint serving ``profile`` (its schedule) against what the
     schedule says there: does the drafter draft fewer tokens per step where it should?"""
     spec = profile.speculative
@@ -236,9 +237,7 @@ def verify(profile: Profile, levels: list[LevelResult]) -> list[specdecode.Sched
         figures, _source = lv.spec()
         most = max(k_at(schedule, k, b) for b in range(1, n + 1))
         out.append(
-            specdecode.check_schedule(
-                figures or specdecode.Delta("absent"), n, k, k_at(schedule, k, n), most
-            )
+            check_schedule(figures or specdecode.Delta("absent"), n, k, k_at(schedule, k, n), most)
         )
     return out
 
