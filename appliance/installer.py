@@ -90,7 +90,8 @@ def install(
     models_before = _models_before(plan)
     result = write(plan, files)
     result.warnings[:0] = notes
-    step = next_step(plan, result, models_changed=_models(plan.profile) != models_before)
+    now = _models(plan.profile)
+    step = next_step(plan, result, models_changed=now is not None and now != models_before)
     return Installed(result, step, placed.said if placed else None)
 
 

@@ -352,6 +352,14 @@ def test_the_next_step_is_decided_per_unit(tmp_path, shape):
         f"appliance models pull n1 --root {root} && "
         f"systemctl daemon-reload && systemctl restart {restart}"
     )
+    # The tiny dev models are in MODEL_DIR, not the hub: nothing to pull.
+    tiny = run(shape.argv("n2", root, shape.cpu))
+    _enable(root, shape.start_unit("n2"))
+    mine = _operators_profile(tmp_path, shape.cpu, "mine-tiny")
+    mine.write_text(mine.read_text().replace("max_model_len = 512", "max_model_len = 384"))
+    edited = run(shape.argv("n2", root, str(mine)))
+    assert "appliance models pull" not in tiny.output + edited.output
+    assert next_line(edited.output).startswith("systemctl daemon-reload && systemctl restart ")
 
 
 # ---- GPUs ----------------------------------------------------------------------------------
