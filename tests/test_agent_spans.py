@@ -3,7 +3,9 @@
 The caller's thread makes the span's ids, the sampler's decision and ``traceparent``; the SDK
 span itself starts and ends on the agent's thread with those ids (overhead review #2). No
 engine: a real HTTP server on 127.0.0.1 that records each request's headers and answers 404 as
-vLLM does for an unknown model (the call fails, as bare), through the real OpenAI SDK.
+vLLM does for an unknown model (the call fails, as bare), or, for ``gemma4-tiny``, a chat
+completion shaped as vLLM 0.32's with its per-request block, through the real OpenAI SDK. The
+real engine's spans and figures: tests/test_agent.py (engine tier).
 """
 
 from __future__ import annotations
@@ -24,6 +26,32 @@ from prometheus_client import CollectorRegistry
 
 from appliance import agent
 
+# A chat completion as vLLM 0.32 answers it with --per-request-spec-decode-metrics (the shape
+# of tests/test_specdecode.py's block; the model's other fields as the SDK reads them).
+ANSWER = {
+    "id": "chatcmpl-7",
+    "object": "chat.completion",
+    "created": 1796000000,
+    "model": "gemma4-tiny",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hi hi hi"},
+            "finish_reason": "length",
+        }
+    ],
+    "usage": {"prompt_tokens": 9, "total_tokens": 17, "completion_tokens": 8},
+    "metrics": {
+        "speculative_decoding": {
+            "num_spec_steps": 3,
+            "num_draft_tokens": 6,
+            "num_accepted_draft_tokens": 5,
+            "num_spec_tokens": 2,
+            "per_step_accepted": [2, 2, 1],
+        }
+    },
+}
+
 
 @pytest.fixture()
 def not_found() -> Iterator[tuple[str, list[dict]]]:
@@ -34,11 +62,19 @@ def not_found() -> Iterator[tuple[str, list[dict]]]:
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             seen.append(dict(self.headers))
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            body = json.dumps(
-                {"object": "error", "message": "The model `x` does not exist.", "code": 404}
-            ).encode()
-            self.send_response(404)
+            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            status, body = (
+                404,
+                {
+                    "object": "error",
+                    "message": "The model `x` does not exist.",
+                    "code": 404,
+                },
+            )
+            if request["model"] == "gemma4-tiny":
+                status, body = 200, ANSWER
+            body = json.dumps(body).encode()
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -108,3 +144,34 @@ def test_an_unsampled_call_sends_an_unsampled_traceparent_and_exports_nothing(no
     assert agent.flush(30)
     assert exporter.get_finished_spans() == ()
     assert int(seen[0]["traceparent"].rsplit("-", 1)[1], 16) & 1 == 0
+
+
+def test_what_is_read_off_the_callers_thread_reaches_span_and_record(not_found):
+    """The response's id, model and finish reasons, and the block's figures, are read on the
+    agent's thread after the call returned: the record and the span still carry them."""
+    url, _ = not_found
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    records: list[agent.CallRecord] = []
+    client = agent.instrument(
+        openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0),
+        tracer_provider=provider,
+        registry=CollectorRegistry(),
+        on_call=records.append,
+    )
+    resp = client.chat.completions.create(
+        model="gemma4-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+    )
+    assert resp.id == "chatcmpl-7"
+    assert agent.flush(30)
+    (r,) = records
+    assert (r.response_id, r.model, r.finish_reasons) == ("chatcmpl-7", "gemma4-tiny", ("length",))
+    assert (r.input_tokens, r.output_tokens) == (9, 8)
+    f = r.figures
+    assert (f.source, f.drafts, f.draft_tokens, f.accepted) == ("request", 3, 6, 5)
+    (span,) = exporter.get_finished_spans()
+    a = span.attributes
+    assert (a["gen_ai.response.id"], a["gen_ai.response.model"]) == ("chatcmpl-7", "gemma4-tiny")
+    assert a["gen_ai.response.finish_reasons"] == ("length",)
+    assert a["vllm.spec_decode.num_accepted_tokens"] == a["gen_ai.vllm.mtp.accepted"] == 5

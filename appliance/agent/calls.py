@@ -155,6 +155,7 @@ class Call(Reader):
         self.chunks = 0
         self.ttfc: float | None = None
         self.content: list[str] = []
+        self._response: Any = None  # a response whose rest is read with the span (read_rest)
         self.window: Window | None = None
         self.span: trace.Span | None = None
         # A span started later, on the agent's thread (Settings.deferred_start): its context,
@@ -491,6 +492,7 @@ class Call(Reader):
                 srv.after_done()
             w = self.window
             before = srv.before(w)
+            self.read_rest()  # the response's model names the page's series
             fig = rules.from_readings(
                 before,
                 after,
@@ -536,6 +538,7 @@ class Call(Reader):
             pass
 
     def _close(self, fig: Figures, error: BaseException | None) -> None:
+        self.read_rest()
         duration = self.ended - self.started
         model = self.response_model or self.model
         span = self._started()

@@ -23,11 +23,25 @@ class Reader:
     ``_agent_failed`` for a reader's own failure, come from :class:`~.calls.Call`)."""
 
     def on_response(self, resp: Any) -> None:
-        """Read a non-streamed response."""
+        """Read a non-streamed response: its usage and extra fields now (the window and the
+        figures need them at the call's end), the rest (:meth:`read_rest`) with the span, on
+        the agent's thread."""
+        try:
+            self._usage(getattr(resp, "usage", None))
+            self.extra = getattr(resp, "model_extra", None)
+            self._response = resp
+        except Exception:  # noqa: BLE001 - telemetry never raises into the call
+            self._agent_failed()
+
+    def read_rest(self) -> None:
+        """What the span and the record need of the response :meth:`on_response` kept: its id,
+        model, finish reasons and (when captured) content."""
+        resp, self._response = self._response, None
+        if resp is None:
+            return
         try:
             self.response_id = getattr(resp, "id", None)
             self.response_model = getattr(resp, "model", None)
-            self._usage(getattr(resp, "usage", None))
             status = getattr(resp, "status", None)  # a Responses API response: no choices
             if isinstance(status, str):
                 self.finish_reasons.append(status)
@@ -46,7 +60,6 @@ class Reader:
                     self.content.append(
                         getattr(msg, "content", None) or getattr(choice, "text", "") or ""
                     )
-            self.extra = getattr(resp, "model_extra", None)
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
 
