@@ -215,7 +215,8 @@ def test_every_data_file_of_the_package_ships_in_the_wheel() -> None:
 
 
 # Imported only by code that runs with the `cpu` extra: the tiny dev models and the CPU engine.
-CPU_EXTRA_IMPORTS = {"torch", "transformers", "safetensors", "tokenizers", "vllm"}
+# uvicorn: vLLM's own dependency, imported by the image's entry point (engine/vllm_main.py).
+CPU_EXTRA_IMPORTS = {"torch", "transformers", "safetensors", "tokenizers", "vllm", "uvicorn"}
 # SDKs an instrumentor patches only where the application has them: OpenTelemetry's loader checks
 # the instrumentor's instrumentation_dependencies() first, so they are not the appliance's to
 # install (the test below checks they are declared there instead).
