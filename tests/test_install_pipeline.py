@@ -156,6 +156,21 @@ def test_a_worker_hosts_check_asks_nothing_of_the_api_port(tmp_path):
             assert (f"BLOCKER port: 127.0.0.1:{port} is in use" in res.output) is says, res.output
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_name_keeps_its_shape(tmp_path, shape):
+    """A profile of the other shape for an installed NAME is refused, writing nothing (old: the
+    other shape's files were written beside the first's, and the host's readers took NAME for
+    a group with a single-node profile, or the reverse)."""
+    root = tmp_path / "root"
+    run(shape.argv("s1", root, shape.cpu))
+    before = snapshot(root)
+    res = run(other(shape).argv("s1", root, other(shape).cpu), code=2)
+    assert f"s1 is installed here as a{'' if shape.role else 'n'} {shape.noun}" in res.output
+    assert "appliance instance uninstall s1" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert snapshot(root) == before
+
+
 # ---- the port ------------------------------------------------------------------------------
 
 

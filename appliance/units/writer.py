@@ -171,7 +171,17 @@ def planned(
 def node_for(prof: Profile, layout: Layout, name: str, node: Node | None) -> Node | None:
     """The node(s) of group ``name`` this install lays down: the ones asked for, else those
     this host runs already, else the head; None for a profile that serves one host (a
-    UsageError when a node was asked for it)."""
+    UsageError when a node was asked for it, or when NAME is installed here as the other
+    shape: its files would be left beside the new ones)."""
+    shape = layout.shape(name)
+    single = layout.args_file(name).exists()  # an instance's (a group's nodes have their own)
+    if (prof.multinode is None and shape.group) or (prof.multinode is not None and single):
+        now, then = ("instance", "group") if shape.group else ("group", "instance")
+        raise UsageError(
+            f"{name} is installed here as {'a group' if shape.group else 'an instance'}; "
+            f"profile {prof.name} would make it {'an' if shape.group else 'a'} {now}",
+            fix=f"give the profile of the {then}, or `appliance instance uninstall {name}` first",
+        )
     if prof.multinode is None:
         if node is not None:
             raise UsageError(
@@ -181,7 +191,6 @@ def node_for(prof: Profile, layout: Layout, name: str, node: Node | None) -> Nod
         return None
     if node is not None:
         return node
-    shape = layout.shape(name)
     return instances.host_node(layout, shape) if shape.group else Node()
 
 
