@@ -1,5 +1,6 @@
-"""The layers import one way: no cycle between the appliance's packages and modules, and the
-host layer (names, env files, layout, locks, systemd) below everything that uses it."""
+"""The layers import one way: no cycle between the appliance's packages and modules, none
+between the files of one package, nothing imports the command line, and the host layer (names,
+env files, layout, locks, systemd) below everything that uses it."""
 
 from __future__ import annotations
 
@@ -25,12 +26,34 @@ def _graph() -> dict[str, set[str]]:
     return edges
 
 
-def _imports(tree: ast.AST, parts: list[str], package: bool) -> list[list[str]]:
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but the bodies of ``if TYPE_CHECKING:`` (imports for annotations
+    only, never run: no cycle at run time)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(
+    tree: ast.AST, parts: list[str], package: bool, runtime: bool = False
+) -> list[list[str]]:
     """Every module ``tree`` imports, as dotted parts, in every form: ``import a.b``, ``from a
     import b``, ``from . import b`` and ``from ..a import b`` (each imported name may be a
-    module: ``from .. import multinode`` imports ``appliance.multinode``)."""
+    module: ``from .. import multinode`` imports ``appliance.multinode``). ``runtime``: not
+    those under ``if TYPE_CHECKING:``."""
     found = []
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree) if runtime else ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [alias.name.split(".") for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -66,6 +89,87 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _modules() -> dict[tuple[str, ...], Path]:
+    """Every module of the appliance by its dotted parts (a package by its own, for its
+    ``__init__``)."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[tuple(parts)] = path
+    return out
+
+
+def _file_graphs() -> dict[tuple[str, ...], dict[str, set[str]]]:
+    """Per package, its files (by module name) -> the files of the same package they import
+    at run time (``if TYPE_CHECKING:`` bodies skipped). An import of a name that is no module
+    (``from . import ModelSpec``) is an import of the package's ``__init__``."""
+    modules = _modules()
+    graphs: dict[tuple[str, ...], dict[str, set[str]]] = collections.defaultdict(
+        lambda: collections.defaultdict(set)
+    )
+    for parts, path in modules.items():
+        is_init = path.name == "__init__.py"
+        package = parts if is_init else parts[:-1]
+        here = "__init__" if is_init else parts[-1]
+        tree = ast.parse(path.read_text())
+        for target in _imports(tree, list(parts), is_init, runtime=True):
+            while target and tuple(target) not in modules:
+                target = target[:-1]  # a name inside a module: the module
+            if tuple(target[:-1]) == package:
+                graphs[package][here].add(target[-1])
+            elif tuple(target) == package and not is_init:
+                graphs[package][here].add("__init__")
+    for graph in graphs.values():
+        for node, targets in graph.items():
+            targets.discard(node)
+    return graphs
+
+
+def test_no_import_cycle_between_the_files_of_one_package():
+    for package, graph in sorted(_file_graphs().items()):
+        # A package's __init__ importing its own files is how a package presents them; the
+        # cycle that matters is two files (or more) needing each other.
+        files = {
+            n: {t for t in ts if t != "__init__"} for n, ts in graph.items() if n != "__init__"
+        }
+        cycle = _cycle(files)
+        assert cycle is None, f"{'.'.join(package)}: " + " -> ".join(cycle)
+
+
+def test_nothing_imports_the_command_line():
+    """``appliance.cli`` parses options and calls the library (docs/architecture.md); no
+    library module reaches back into it."""
+    importers = sorted(
+        ".".join(parts)
+        for parts, path in _modules().items()
+        if parts[:2] != ("appliance", "cli")
+        and any(
+            t[:2] == ["appliance", "cli"]
+            for t in _imports(ast.parse(path.read_text()), list(parts), path.name == "__init__.py")
+        )
+    )
+    assert importers == []
+
+
+def test_type_checking_imports_are_no_run_time_edge():
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .where import Location\n"
+        "else:\n    from . import cache\nimport typing\nif typing.TYPE_CHECKING:\n"
+        "    from . import verify\n"
+    )
+    got = _imports(tree, ["appliance", "models", "verify"], package=False, runtime=True)
+    assert sorted(got) == [
+        ["appliance", "models", "cache"],
+        ["typing"],
+        ["typing", "TYPE_CHECKING"],
+    ]
+    assert ["appliance", "models", "where", "Location"] in _imports(
+        tree, ["appliance", "models", "verify"], package=False
+    )
+
+
 def test_no_import_cycle_between_the_packages():
     cycle = _cycle(_graph())
     assert cycle is None, " -> ".join(cycle)
@@ -94,6 +198,13 @@ def test_the_cutover_and_the_units_know_nothing_of_multinode():
     and the instance's files import nothing of the group's rendering."""
     edges = _graph()
     assert "multinode" not in edges["cutover"] | edges["units"]
+
+
+def test_the_models_files_need_each_other_in_one_direction():
+    """S8's cycle: ``where`` took ``hub_fix`` from ``verify``, which types its argument with
+    ``where.Location``; the fix now lives in the package's ``__init__``."""
+    graph = _file_graphs()[("appliance", "models")]
+    assert "verify" not in graph["where"]
 
 
 def test_a_cycle_is_found_when_there_is_one():

@@ -18,6 +18,8 @@ package's ``__init__``, :mod:`.cache` and :mod:`.verify` use the standard librar
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ApplianceError
@@ -49,3 +51,19 @@ class ModelSpec:
     @property
     def ref(self) -> str:
         return self.revision or "main"
+
+
+def hub_fix(selector: Sequence[str], pull_extra: Sequence[str] = ()) -> str:
+    """What fixes a missing or broken model in the hub cache, on a connected host and on an
+    air-gapped one; ``selector`` names the models as ``appliance models`` takes them."""
+    pull = shlex.join(["appliance", "models", "pull", *selector, *pull_extra])
+    imp = shlex.join(["appliance", "models", "import", *selector, "--from", "COPY"])
+    return f"fix: {pull}; air-gapped: {imp}"
+
+
+def model_dir_fix(env_path: str) -> str:
+    """What fixes a broken tiny model pair."""
+    return (
+        "fix: appliance dev devmodel DIR (a new or empty directory), "
+        f"then MODEL_DIR=DIR in {env_path}"
+    )

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shlex
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import DRAFTER_TYPES, ModelSpec, cache
+# hub_fix and model_dir_fix live in the package (where.py needs one; no cycle through here)
+# and stay reachable as verify's, where the serve program and doctor call them.
+from . import DRAFTER_TYPES, ModelSpec, cache, hub_fix, model_dir_fix  # noqa: F401
 
 if TYPE_CHECKING:
     from .where import Location
@@ -157,22 +158,6 @@ def verify_model_dir(model_dir: Path, specs: Sequence[ModelSpec], *, quick: bool
         states.append(state)
     check_pair(states)
     return Report(tuple(states), tuple(p for s in states for p in s.problems), quick)
-
-
-def hub_fix(selector: Sequence[str], pull_extra: Sequence[str] = ()) -> str:
-    """What fixes a missing or broken model in the hub cache, on a connected host and on an
-    air-gapped one; ``selector`` names the models as ``appliance models`` takes them."""
-    pull = shlex.join(["appliance", "models", "pull", *selector, *pull_extra])
-    imp = shlex.join(["appliance", "models", "import", *selector, "--from", "COPY"])
-    return f"fix: {pull}; air-gapped: {imp}"
-
-
-def model_dir_fix(env_path: str) -> str:
-    """What fixes a broken tiny model pair."""
-    return (
-        "fix: appliance dev devmodel DIR (a new or empty directory), "
-        f"then MODEL_DIR=DIR in {env_path}"
-    )
 
 
 def check_cached(hub: Path, spec: ModelSpec, *, quick: bool) -> ModelState:

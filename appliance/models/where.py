@@ -17,7 +17,7 @@ from ..host import envfile
 from ..host.layout import Layout
 from ..host.names import DATA_DIR, ENV_DIR
 from ..profiles import DEVMODEL, Profile
-from . import ModelSpec, verify
+from . import ModelSpec, hub_fix
 
 DEFAULT_HF_CACHE = f"{DATA_DIR}/huggingface"
 DEFAULT_TOKEN_FILE = f"{ENV_DIR}/hf-token"
@@ -49,7 +49,7 @@ class Location:
     def fix(self) -> str:
         """What fixes a missing or broken model, on a connected host and on an air-gapped one."""
         token = ("--token-file", str(self.token_file)) if self.token_file_explicit else ()
-        return verify.hub_fix(self.selector, token)
+        return hub_fix(self.selector, token)
 
 
 def under_root(root: Path, host_path: str) -> Path:
