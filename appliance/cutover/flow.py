@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from .. import canary as canaries
-from .. import imageref
+from .. import imageref, traffic_acceptance
 from ..canary import baseline as baselines
 from ..canary.gate import GATE as CANARY_GATE
 from ..errors import ApplianceError, EngineError, UsageError
@@ -46,8 +48,8 @@ from . import gates, history, live, metrics, slot
 from .context import Context, PreflightError
 from .history import Entry, Gate
 from .preflight import ImageInfo, check_compatible, check_pinned, way_back
-from .signals import Interrupted, guard
-from .target import Target
+from .signals import Guard, Interrupted, guard
+from .target import Snapshot, Target
 from .targets import target
 
 DEFAULT_TIMEOUT = gates.DEFAULT_TIMEOUT  # the unit's stop and start budgets, and the gates
@@ -108,6 +110,74 @@ def cutover(
     ``live_acceptance``: judge the new image's acceptance on the live traffic against the old
     one's (:mod:`.live`; None: off).
     """
+    m = _refusals(
+        ctx,
+        instance,
+        image,
+        kind,
+        rollback=rollback,
+        allow_no_mtp=allow_no_mtp,
+        canary=canary,
+        canary_files=canary_files,
+        way_back_required=way_back_required,
+        allow_unit_overrides=allow_unit_overrides,
+        force=force,
+    )
+    # Refused up to here, nothing is written, not even the lock.
+    layout = ctx.layout
+    lock = locks.hold(layout.lock_file(m.name), m.name, f"{kind} to {image}")
+    with lock as held, guard(ctx.progress) as sig:
+        _before(ctx, m, held, sig, canary_timeout, canary_before, live_acceptance)
+        return _move(ctx, m, sig, timeout, canary_timeout, live_acceptance)
+
+
+@dataclass
+class _Cutover:
+    """What one cutover carries from phase to phase: the refusals' findings (the target, the
+    images), then what it read and saved under the lock."""
+
+    tgt: Target
+    image: str
+    kind: history.Kind
+    rollback: bool
+    way_back_required: bool
+    api_key: str | None
+    plan: canaries.Plan
+    new: ImageInfo
+    old: ImageInfo | None  # the way back (None: none to return to)
+    unusable: bool  # the image it would leave cannot be inspected
+    first_ref: str | None  # the image the env file named before the lock
+    # Under the lock (_before):
+    snap: Snapshot | None = None
+    current_ref: str | None = None
+    kept: baselines.Baseline | None = None
+    baseline: canaries.Record | None = None
+    traffic: traffic_acceptance.Traffic | None = None
+    entry: Entry | None = None
+    saved: Path | None = None
+    slot_path: Path | None = None
+    slot_before: bytes | None = None
+
+    @property
+    def name(self) -> str:
+        return self.tgt.name
+
+
+def _refusals(
+    ctx: Context,
+    instance: str | Target,
+    image: str,
+    kind: history.Kind,
+    *,
+    rollback: bool,
+    allow_no_mtp: bool,
+    canary: bool | None,
+    canary_files: tuple[Path, ...],
+    way_back_required: bool,
+    allow_unit_overrides: bool,
+    force: bool,
+) -> _Cutover:
+    """Phase 1, nothing touched: every refusal a cutover can meet before it takes the lock."""
     tgt = target(ctx, instance) if isinstance(instance, str) else instance
     name = tgt.name
     imageref.validate(image)
@@ -126,129 +196,165 @@ def cutover(
     old, unusable = way_back(ctx, first_ref, image, rollback, way_back_required, tgt.inspect)
     # Systemd last: the refusals above need only the files and Docker.
     tgt.check_overrides(ctx, allow=allow_unit_overrides)
-    # Refused up to here, nothing is written, not even the lock.
+    return _Cutover(
+        tgt, image, kind, rollback, way_back_required, api_key, plan, new, old, unusable, first_ref
+    )
 
-    lock = locks.hold(layout.lock_file(name), name, f"{kind} to {image}")
-    with lock as held, guard(ctx.progress) as sig:
-        for d in layout.private_dirs(name):
-            private_dir(d)
-        # Read again under the lock: the files a concurrent cutover left are the ones we
-        # replace, and the image they name is the way back.
-        snap = tgt.read()
-        current_ref = snap.image
-        if current_ref != first_ref:
-            old, unusable = way_back(
-                ctx, current_ref, image, rollback, way_back_required, tgt.inspect
-            )
-        ctx.progress(f"{kind} {name}: {current_ref} -> {image}")
-        # Read before the canary runs: a broken baseline file refuses with nothing touched.
-        kept = baselines.load(layout.canary_baseline(name)) if plan.enabled else None
-        # While the old image serves, before anything is written: an engine that cannot answer
-        # the canary refuses the cutover with nothing touched; so does a signal.
-        try:
-            baseline = _canary_before(
-                ctx, plan, tgt, api_key, current_ref, canary_timeout, canary_before
-            )
-            # The old image's live traffic, while it serves and nothing is touched.
-            traffic = live.before(ctx, tgt.base_url, live_acceptance if tgt.answers else None)
-        except Interrupted as stop:
-            raise CutoverInterrupted(
-                f"{kind} of {name} interrupted by {stop.name} before anything was touched"
-            ) from None
-        # The history line, the saved files and the slot go together: a signal waits for them.
-        sig.defer()
-        was = old.id if old is not None else _image_id(ctx, tgt, current_ref)
-        entry = Entry.begin(name, kind, current_ref, image, was, new.id)
-        held.note(entry.id)
-        hist = layout.history_file(name)
-        history.append(hist, entry)
 
-        saved = layout.saved_env(name)
-        tgt.save(saved, snap)
-        slot_path = layout.rollback_slot(name)
-        slot_before = slot_path.read_bytes() if slot_path.exists() else None
-        # Kept until the cutover ends, for `appliance rollback` after a kill (recover()).
-        write_atomic(layout.saved_slot(name), slot_before or b"", mode=0o644)
-        if current_ref and current_ref != image:
-            slot.write(layout, name, current_ref, entry.id, was)
-
-        touched = False
-        canary_result = None
-        try:
-            sig.arm()  # a signal that came meanwhile interrupts here, before the env write
-            touched = True
-            tgt.write(snap.with_image(image))
-            entry.gates = tgt.move(ctx, new, api_key, timeout, True)
-            if baseline is not None:
-                canary_result = _canary_after(
-                    ctx, plan, baseline, tgt, api_key, image, entry, canary_timeout, kept
-                )
-            if traffic is not None and live_acceptance is not None:
-                live.after(ctx, tgt.base_url, traffic, live_acceptance, entry.gates, timeout)
-            sig.hold()  # every gate passed: a signal from here on is too late to matter
-        except gates.GateFailed as failed:
-            entry.gates = failed.gates
-            failure = f"{image} failed gate {failed.gate!r}: {failed.detail}"
-        except Interrupted as stop:
-            entry.gates = interrupted_gates(stop, entry.gates)
-            entry.interrupted = stop.name
-            failure = f"interrupted by {stop.name} during the gates of {image}"
-            ctx.progress(f"{failure}: returning to {current_ref or 'the previous env file'}")
-        else:
-            if canary_result is not None:
-                _keep_baseline(ctx, name, canary_result)
-            return finish(ctx, entry, "ok", None, saved)
-        # The way back is not interrupted by the operator's next Ctrl-C or hang-up; it is bounded
-        # by the same --timeout as the gates.
-        sig.hold(within=timeout)
-        if not touched:
-            # Stopped before the env file was written: the unit was never touched.
-            slot.restore(slot_path, slot_before)
-            entry.error = f"{failure}; stopped before the env file was written, nothing changed"
-            finish(ctx, entry, "rolled_back", entry.error, saved)
-            raise CutoverInterrupted(f"{kind} of {name} {entry.error}")
-
-        if not rollback or old is None:
-            entry.error = failure
-            finish(ctx, entry, "failed", failure, saved)
-            if not rollback:
-                why = "NOT rolled back (--no-rollback)"
-            elif unusable:
-                why = f"NOT rolled back: the image it left, {current_ref}, cannot be inspected"
-            else:
-                why = f"NOT rolled back: {tgt.env_files} named no previous {envfile.IMAGE_KEY} "
-                why += "to return to"
-            if current_ref and not unusable:
-                fix = f"{name} runs {image}; `{tgt.command('rollback')}` returns to {current_ref}"
-            else:
-                fix = f"{name} runs {image}; `{tgt.command('cutover', 'IMAGE')}` to a "
-                fix += "working one"
-            raise RollbackFailed(f"{kind} of {name} failed: {failure}; {why}", fix=fix)
-
-        ctx.progress(f"rolling back {name} to {current_ref}")
-        tgt.write(snap.raw())
-        # We are back where we were: the rollback target is what it was before.
-        slot.restore(slot_path, slot_before)
-        try:
-            entry.rollback_gates = tgt.move(ctx, old, api_key, timeout, True)
-        except gates.GateFailed as back:
-            entry.rollback_gates = back.gates
-            journal = tgt.journal(ctx, JOURNAL_LINES)
-            entry.error = (
-                f"{failure}; rollback to {current_ref} failed gate {back.gate!r}: {back.detail}"
-            )
-            finish(ctx, entry, "failed", entry.error, saved)
-            raise RollbackFailed(
-                f"{kind} of {name} failed: {failure}; the rollback to {current_ref} ALSO "
-                f"failed gate {back.gate!r}: {back.detail}\n{journal}"
-            ) from None
-        entry.error = failure
-        finish(ctx, entry, "rolled_back", failure, saved)
-        what = "was" if entry.interrupted else "failed:"
-        raise CutoverFailed(
-            f"{kind} of {name} {what} {failure}; rolled back to {current_ref}, "
-            "which passed the gates and is serving"
+def _before(
+    ctx: Context,
+    m: _Cutover,
+    held: locks.InstanceLock,
+    sig: Guard,
+    canary_timeout: float,
+    canary_before: Path | None,
+    live_acceptance: live.Settings | None,
+) -> None:
+    """Phase 2, under the lock: read the files again, record the old image's answers and live
+    traffic (an engine error or a signal refuses, still untouched), then the history line, the
+    saved env file and the rollback slot, together."""
+    tgt, name, layout, image = m.tgt, m.name, ctx.layout, m.image
+    for d in layout.private_dirs(name):
+        private_dir(d)
+    # Read again under the lock: the files a concurrent cutover left are the ones we
+    # replace, and the image they name is the way back.
+    m.snap = snap = tgt.read()
+    m.current_ref = current_ref = snap.image
+    if current_ref != m.first_ref:
+        m.old, m.unusable = way_back(
+            ctx, current_ref, image, m.rollback, m.way_back_required, tgt.inspect
         )
+    ctx.progress(f"{m.kind} {name}: {current_ref} -> {image}")
+    # Read before the canary runs: a broken baseline file refuses with nothing touched.
+    m.kept = baselines.load(layout.canary_baseline(name)) if m.plan.enabled else None
+    # While the old image serves, before anything is written: an engine that cannot answer
+    # the canary refuses the cutover with nothing touched; so does a signal.
+    try:
+        m.baseline = _canary_before(
+            ctx, m.plan, tgt, m.api_key, current_ref, canary_timeout, canary_before
+        )
+        # The old image's live traffic, while it serves and nothing is touched.
+        m.traffic = live.before(ctx, tgt.base_url, live_acceptance if tgt.answers else None)
+    except Interrupted as stop:
+        raise CutoverInterrupted(
+            f"{m.kind} of {name} interrupted by {stop.name} before anything was touched"
+        ) from None
+    # The history line, the saved files and the slot go together: a signal waits for them.
+    sig.defer()
+    was = m.old.id if m.old is not None else _image_id(ctx, tgt, current_ref)
+    m.entry = entry = Entry.begin(name, m.kind, current_ref, image, was, m.new.id)
+    held.note(entry.id)
+    history.append(layout.history_file(name), entry)
+
+    m.saved = layout.saved_env(name)
+    tgt.save(m.saved, snap)
+    m.slot_path = layout.rollback_slot(name)
+    m.slot_before = m.slot_path.read_bytes() if m.slot_path.exists() else None
+    # Kept until the cutover ends, for `appliance rollback` after a kill (recover()).
+    write_atomic(layout.saved_slot(name), m.slot_before or b"", mode=0o644)
+    if current_ref and current_ref != image:
+        slot.write(layout, name, current_ref, entry.id, was)
+
+
+def _move(
+    ctx: Context,
+    m: _Cutover,
+    sig: Guard,
+    timeout: float,
+    canary_timeout: float,
+    live_acceptance: live.Settings | None,
+) -> Entry:
+    """Phase 3: write the new image, restart, the gates, the canary and the live acceptance;
+    on a failed gate or a signal, the way back (:func:`_way_back`)."""
+    tgt, image, entry = m.tgt, m.image, m.entry
+    assert entry is not None and m.snap is not None and m.saved is not None
+    touched = False
+    canary_result = None
+    try:
+        sig.arm()  # a signal that came meanwhile interrupts here, before the env write
+        touched = True
+        tgt.write(m.snap.with_image(image))
+        entry.gates = tgt.move(ctx, m.new, m.api_key, timeout, True)
+        if m.baseline is not None:
+            canary_result = _canary_after(
+                ctx, m.plan, m.baseline, tgt, m.api_key, image, entry, canary_timeout, m.kept
+            )
+        if m.traffic is not None and live_acceptance is not None:
+            live.after(ctx, tgt.base_url, m.traffic, live_acceptance, entry.gates, timeout)
+        sig.hold()  # every gate passed: a signal from here on is too late to matter
+    except gates.GateFailed as failed:
+        entry.gates = failed.gates
+        failure = f"{image} failed gate {failed.gate!r}: {failed.detail}"
+    except Interrupted as stop:
+        entry.gates = interrupted_gates(stop, entry.gates)
+        entry.interrupted = stop.name
+        failure = f"interrupted by {stop.name} during the gates of {image}"
+        ctx.progress(f"{failure}: returning to {m.current_ref or 'the previous env file'}")
+    else:
+        if canary_result is not None:
+            _keep_baseline(ctx, m.name, canary_result)
+        return finish(ctx, entry, "ok", None, m.saved)
+    # The way back is not interrupted by the operator's next Ctrl-C or hang-up; it is bounded
+    # by the same --timeout as the gates.
+    sig.hold(within=timeout)
+    _way_back(ctx, m, failure, touched, timeout)
+
+
+def _way_back(ctx: Context, m: _Cutover, failure: str, touched: bool, timeout: float) -> NoReturn:
+    """The files back as they were, the old image restarted through the same gates; always
+    raises, saying what failed and where the instance is now."""
+    tgt, name, kind, image, entry = m.tgt, m.name, m.kind, m.image, m.entry
+    current_ref, saved = m.current_ref, m.saved
+    assert entry is not None and m.snap is not None and saved is not None
+    assert m.slot_path is not None
+    if not touched:
+        # Stopped before the env file was written: the unit was never touched.
+        slot.restore(m.slot_path, m.slot_before)
+        entry.error = f"{failure}; stopped before the env file was written, nothing changed"
+        finish(ctx, entry, "rolled_back", entry.error, saved)
+        raise CutoverInterrupted(f"{kind} of {name} {entry.error}")
+
+    if not m.rollback or m.old is None:
+        entry.error = failure
+        finish(ctx, entry, "failed", failure, saved)
+        if not m.rollback:
+            why = "NOT rolled back (--no-rollback)"
+        elif m.unusable:
+            why = f"NOT rolled back: the image it left, {current_ref}, cannot be inspected"
+        else:
+            why = f"NOT rolled back: {tgt.env_files} named no previous {envfile.IMAGE_KEY} "
+            why += "to return to"
+        if current_ref and not m.unusable:
+            fix = f"{name} runs {image}; `{tgt.command('rollback')}` returns to {current_ref}"
+        else:
+            fix = f"{name} runs {image}; `{tgt.command('cutover', 'IMAGE')}` to a "
+            fix += "working one"
+        raise RollbackFailed(f"{kind} of {name} failed: {failure}; {why}", fix=fix)
+
+    ctx.progress(f"rolling back {name} to {current_ref}")
+    tgt.write(m.snap.raw())
+    # We are back where we were: the rollback target is what it was before.
+    slot.restore(m.slot_path, m.slot_before)
+    try:
+        entry.rollback_gates = tgt.move(ctx, m.old, m.api_key, timeout, True)
+    except gates.GateFailed as back:
+        entry.rollback_gates = back.gates
+        journal = tgt.journal(ctx, JOURNAL_LINES)
+        entry.error = (
+            f"{failure}; rollback to {current_ref} failed gate {back.gate!r}: {back.detail}"
+        )
+        finish(ctx, entry, "failed", entry.error, saved)
+        raise RollbackFailed(
+            f"{kind} of {name} failed: {failure}; the rollback to {current_ref} ALSO "
+            f"failed gate {back.gate!r}: {back.detail}\n{journal}"
+        ) from None
+    entry.error = failure
+    finish(ctx, entry, "rolled_back", failure, saved)
+    what = "was" if entry.interrupted else "failed:"
+    raise CutoverFailed(
+        f"{kind} of {name} {what} {failure}; rolled back to {current_ref}, "
+        "which passed the gates and is serving"
+    )
 
 
 def check(
