@@ -281,3 +281,63 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+# The classic builder's answer to a build whose RUN prints, its base pulled by the daemon: the
+# chunk shapes the Docker engine sends (docker build's JSON stream, decode=True).
+BUILD_CHUNKS = [
+    {"status": "Pulling from library/debian", "id": "bookworm"},
+    {"status": "Downloading", "progressDetail": {"current": 1, "total": 9}, "id": "0a1b"},
+    {"status": "Pull complete", "progressDetail": {}, "id": "0a1b"},
+    {"stream": "Step 1/3 : FROM debian:bookworm"},
+    {"stream": "\n"},
+    {"stream": " ---> 4c2d\n"},
+    {"stream": "Step 2/3 : RUN for i in 1 2; do echo tick $i; done"},
+    {"stream": "\n"},
+    {"stream": " ---> Running in 77aa\n"},
+    {"stream": "tick 1\ntick 2\n"},
+    {"stream": "Removing intermediate container 77aa\n"},
+    {"stream": " ---> 9e9e\n"},
+    {"stream": "Step 3/3 : LABEL a=b\n"},
+    {"aux": {"ID": "sha256:" + "9" * 64}},
+    {"stream": "Successfully built 9e9e\n"},
+]
+
+
+class _Builder:
+    """The engine's build endpoint as the SDK's low-level client hands it back: the chunks."""
+
+    def __init__(self) -> None:
+        self.api = self
+
+    def build(self, **kwargs):
+        assert kwargs["pull"] is False and kwargs["decode"] is True  # the build as it was
+        return iter(BUILD_CHUNKS)
+
+
+def test_a_build_shows_what_its_steps_print_and_the_base_pull_and_nothing_quiet():
+    """Issue 56 §3: the build showed only its ``Step`` headers; a RUN's output and the
+    daemon's pull of a missing base now come under them (the builder's bookkeeping and the
+    pull's byte counts do not), and ``-q`` keeps none of it."""
+    from appliance import progress
+    from appliance.images import build
+
+    said: list[str] = []
+    image_id = build._docker_build(_Builder(), {"Dockerfile": b""}, {}, "d", None, said.append)
+    assert image_id == "sha256:" + "9" * 64
+    assert said == [
+        "  bookworm Pulling from library/debian",
+        "  0a1b Pull complete",
+        "Step 1/3 : FROM debian:bookworm",
+        "Step 2/3 : RUN for i in 1 2; do echo tick $i; done",
+        "  tick 1",
+        "  tick 2",
+        "Step 3/3 : LABEL a=b",
+    ]
+    progress.set_verbosity(progress.QUIET)
+    try:
+        said.clear()
+        build._docker_build(_Builder(), {"Dockerfile": b""}, {}, "d", None, said.append)
+        assert said == []
+    finally:
+        progress.set_verbosity(progress.NORMAL)

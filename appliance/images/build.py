@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .. import __version__, assets, labels, versions
 from ..errors import ApplianceError, UsageError
+from ..progress import QUIET, verbosity
 from . import base, scheme, targets, wheelhouse
 from .files import digest
 from .lock import lock_path
@@ -229,11 +230,14 @@ def _docker_build(client, files, buildargs, build_digest, wheel_dir, say) -> str
                 )
                 for chunk in stream:
                     if "stream" in chunk:
-                        line = chunk["stream"].rstrip()
-                        if line:
-                            log.append(line)
-                            if line.startswith("Step "):
-                                say(line)
+                        for line in chunk["stream"].rstrip().splitlines():
+                            if line.strip():
+                                log.append(line)
+                                _say_step(say, line)
+                    elif chunk.get("status") and not chunk.get("progressDetail"):
+                        # The daemon pulling a missing base: one line per layer event, not
+                        # its byte counts.
+                        _say_step(say, f"{chunk.get('id', '')} {chunk['status']}".strip())
                     if "error" in chunk:
                         log.append(chunk["error"].rstrip())
                         raise ApplianceError("docker build failed: " + "\n".join(log[-15:]))
@@ -244,6 +248,21 @@ def _docker_build(client, files, buildargs, build_digest, wheel_dir, say) -> str
     if image_id is None:
         raise ApplianceError("docker build finished without an image id: " + "\n".join(log[-10:]))
     return image_id
+
+
+# The classic builder's own bookkeeping between steps: not what a step printed.
+_BUILDER_NOISE = (" ---> ", "Removing intermediate container", "Successfully built ")
+
+
+def _say_step(say, line: str) -> None:
+    """A step header as it is, a line a ``RUN`` printed indented under it (issue 56 §3: the
+    build showed the headers only); nothing under ``-q`` (:mod:`appliance.progress`)."""
+    if verbosity() <= QUIET:
+        return
+    if line.startswith("Step "):
+        say(line)
+    elif not line.startswith(_BUILDER_NOISE):
+        say(f"  {line}")
 
 
 class _no_wheels:
