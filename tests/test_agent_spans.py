@@ -17,11 +17,12 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from opentelemetry import trace
+from opentelemetry import context, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.trace import SpanContext, TraceFlags
 from prometheus_client import CollectorRegistry
 
 from appliance import agent
@@ -175,3 +176,26 @@ def test_what_is_read_off_the_callers_thread_reaches_span_and_record(not_found):
     assert (a["gen_ai.response.id"], a["gen_ai.response.model"]) == ("chatcmpl-7", "gemma4-tiny")
     assert a["gen_ai.response.finish_reasons"] == ("length",)
     assert a["vllm.spec_decode.num_accepted_tokens"] == a["gen_ai.vllm.mtp.accepted"] == 5
+
+
+def test_under_the_default_sampler_an_unsampled_parent_keeps_the_call_unsampled(not_found):
+    """The SDK's default sampler follows the parent: the caller takes that decision itself
+    (the sampler is not called there), and the span the agent's thread starts agrees."""
+    url, seen = not_found
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()  # ParentBased(ALWAYS_ON), the default
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    client = _client(url, provider)
+    remote = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(0))
+    token = context.attach(trace.set_span_in_context(trace.NonRecordingSpan(remote)))
+    try:
+        _call(client)
+    finally:
+        context.detach(token)
+    _call(client)  # a root: sampled
+    assert agent.flush(30)
+    unsampled, root = (h["traceparent"].split("-") for h in seen)
+    assert unsampled[1:] == [f"{0xABC:032x}", unsampled[2], "00"]
+    assert int(root[3], 16) & 1 == 1  # sampled (with the random trace-id flag, W3C level 2)
+    (span,) = exporter.get_finished_spans()
+    assert f"{span.context.span_id:016x}" == root[2]

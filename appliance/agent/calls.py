@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -80,6 +81,12 @@ class Settings:
         self.deferred_start = gen is not None and hasattr(self.tracer, "sampler")
         if self.deferred_start and not isinstance(gen, PresetIds):
             self.tracer.id_generator = PresetIds(gen)
+        # The SDK's default sampler (ParentBased(ALWAYS_ON)): its decision is the parent's
+        # sampled flag (a root is sampled), taken on the caller without calling it.
+        sampling = sys.modules.get("opentelemetry.sdk.trace.sampling")
+        self.default_sampler = self.deferred_start and (
+            sampling is not None and self.tracer.sampler is getattr(sampling, "DEFAULT_ON", None)
+        )
 
     @classmethod
     def for_base(
@@ -238,14 +245,19 @@ class Call(Reader):
         else:
             trace_id, random_id = gen.generate_trace_id(), _random_flag(gen)
         span_id = gen.generate_span_id()
-        sampled = tracer.sampler.should_sample(ctx, trace_id, name, SpanKind.CLIENT)
-        flags = TraceFlags.SAMPLED if sampled.decision.is_sampled() else TraceFlags.DEFAULT
+        if self.settings.default_sampler:
+            is_sampled = parent.trace_flags.sampled if parent.is_valid else True
+            trace_state = parent.trace_state if parent.is_valid else None
+        else:
+            result = tracer.sampler.should_sample(ctx, trace_id, name, SpanKind.CLIENT)
+            is_sampled, trace_state = result.decision.is_sampled(), result.trace_state
+        flags = TraceFlags.SAMPLED if is_sampled else TraceFlags.DEFAULT
         sc = SpanContext(
             trace_id,
             span_id,
             is_remote=False,
             trace_flags=TraceFlags(flags | random_id),
-            trace_state=sampled.trace_state,
+            trace_state=trace_state,
         )
         # Captured text is read now: the caller may change its messages after the call.
         attrs = self._request_attributes(op) if self.settings.config.capture_content else None
