@@ -117,3 +117,20 @@ def test_the_cli_error_line_is_an_error_in_the_journal_and_plain_elsewhere(tmp_p
     assert code == 2 and text.startswith("<3>Error: "), text
     code, text = _appliance(args, tmp_path / "file", journal=False)
     assert code == 2 and text.startswith("Error: "), text
+
+
+def test_the_serve_programs_refusal_is_an_error_in_the_journal(tmp_path, monkeypatch):
+    """E11: the unit's exit-78 reason was logged at info, invisible to ``journalctl -p err``.
+    Here the instance has no args file (never installed under this root)."""
+    from appliance.serve.main import main
+
+    path = tmp_path / "journal"
+    monkeypatch.setenv("APPLIANCE_ROOT", str(tmp_path))
+    with path.open("w") as journal:
+        st = os.fstat(journal.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        monkeypatch.setattr(sys, "stderr", journal)
+        code = main(["31b", "print"])
+    lines = path.read_text().splitlines()
+    assert code == 78
+    assert len(lines) == 1 and lines[0].startswith("<3>gemma4-vllm@31b: "), lines

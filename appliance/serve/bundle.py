@@ -30,6 +30,7 @@ MODULES = (
     "apikey.py",
     "imageref.py",
     "fsutil.py",
+    "progress.py",
     "shed.py",
     "host/__init__.py",
     "host/envfile.py",

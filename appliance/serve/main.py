@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .. import apikey, shed
+from .. import apikey, progress, shed
 from ..errors import ApplianceError, UsageError
 from ..host.layout import Layout, Shape
 from ..host.names import check_instance
@@ -41,8 +41,11 @@ class Unit:
         self.args_file = layout.args_file(instance)
         self.key_file = layout.api_key_file(instance)
 
-    def log(self, line: str) -> None:
-        print(f"gemma4-vllm@{self.instance}: {line}", file=sys.stderr, flush=True)
+    def log(self, line: str, level: str | None = None) -> None:
+        """One line on stderr; an ``error`` or ``warning`` one with its journal priority when
+        stderr is the journal (``journalctl -p warning`` finds it; E11)."""
+        prefix = progress.journal_prefix(level) if level else ""
+        print(f"{prefix}gemma4-vllm@{self.instance}: {line}", file=sys.stderr, flush=True)
 
     def args(self) -> ServeArgs:
         try:
@@ -65,7 +68,8 @@ class Unit:
                 )
             self.log(
                 f"no API key file {self.key_file}: vLLM on {settings.host}:{settings.port} "
-                "accepts any caller on this host"
+                "accepts any caller on this host",
+                "warning",
             )
         return key
 
@@ -273,15 +277,15 @@ def main(argv: list[str] | None = None) -> int:
         unit.log(f"{argv[1]}: the unit is stopping (SIGTERM), no longer waiting for vLLM")
         return 0
     except health.EngineExited as exc:
-        unit.log(f"the engine exited (main process {exc}) before vLLM /health answered")
+        unit.log(f"the engine exited (main process {exc}) before vLLM /health answered", "error")
         return 1
     except docker.DockerError as exc:
-        unit.log(str(exc))
+        unit.log(str(exc), "error")
         return 1
     except UsageError as exc:
-        unit.log(str(exc))
+        unit.log(str(exc), "error")
         return EX_CONFIG
     except ApplianceError as exc:
-        unit.log(str(exc))
+        unit.log(str(exc), "error")
         return exc.exit_code
     return 0
