@@ -79,7 +79,8 @@ class Unit:
         if not args.models:
             self.log(
                 f"{self.args_file} names no models: not checked at start; re-run "
-                f"`appliance instance install {self.instance}` to check them"
+                f"`appliance instance install {self.instance}` to check them",
+                "warning",
             )
             return
         layouts = {m.layout for m in args.models}
