@@ -30,10 +30,13 @@ def _invoke(*args: str):
 
 
 def _error_line(result) -> str:
-    """The refusal: exactly one line, ``Error: ...``."""
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
-    return lines[0]
+    """The refusal: exactly one line, ``Error: ...``, after the progress lines that said what
+    was being done (``checking FILE: SIZE``); nothing on stdout."""
+    assert result.stdout == "", result.output
+    *said, last = result.stderr.strip().splitlines()
+    assert last.startswith("Error: ") and not any(ln.startswith("Error") for ln in said)
+    assert all(ln.startswith(("checking ", "saving ", "loading ")) for ln in said), said
+    return last
 
 
 @pytest.fixture
