@@ -1,9 +1,11 @@
 """What an operation does to the clients calling an engine: each operation on an idle engine and
 under steady traffic, side by side.
 
-A subset, on the local CPU engine: the systemd operations (cutover, its way back, rollback, the
-fleet roll, a group's cutover) need booted machines and the images, and are the ``traffic``
-tests' (``pytest -m traffic``), which print the same counts. Here one ``cpu-tiny-mtp`` engine
+Two sets. ``--systemd``: under real systemd, on the systemd tier's booted machine and instance
+(tests/bench_traffic_systemd.py, run through pytest for its fixtures): ``systemctl restart``, a
+cutover to a good image, ``appliance rollback``, a cutover to a broken image and its way back
+(the group's cutover and the fleet roll are the ``traffic`` tests', ``pytest -m traffic``,
+which print the same counts). Without it, on the local CPU engine: one ``cpu-tiny-mtp`` engine
 with ``max_num_seqs = 1`` (so the queue bound 2, ``--max-num-queued-reqs``: 62 of the shipped
 profiles carry a bound, two of them 2) and the stop the unit gives it (``--shutdown-timeout``,
 SIGTERM to vLLM's API server, as docker-init forwards it):
@@ -17,7 +19,8 @@ Traffic is tests/plugins/traffic.py's: six clients (three past the bound), half 
 answers. Printed per operation: its exit, its wall seconds, the requests by class (whole,
 refused, cut, error) and how long the engine refused traffic. No timed assertion.
 
-Usage: ``.venv/bin/python benchmarks/traffic.py`` (about five minutes on 2 cores).
+Usage: ``.venv/bin/python benchmarks/traffic.py`` (about five minutes on 2 cores), or with
+``--systemd`` (as root, about twenty minutes with the images built).
 """
 
 from __future__ import annotations
@@ -135,4 +138,7 @@ def print_table(bound: int | None, rows: list[tuple[str, bool, int, float, Repor
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--systemd"]:
+        pytest = [sys.executable, "-m", "pytest", "-s", "-p", "no:cacheprovider"]
+        sys.exit(subprocess.call([*pytest, "tests/bench_traffic_systemd.py"], cwd=REPO))
     main()
