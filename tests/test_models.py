@@ -86,8 +86,10 @@ def _args(profile_file: Path, cache_dir: Path) -> list[str]:
     return ["--profile-file", str(profile_file), "--hf-cache-dir", str(cache_dir)]
 
 
-def _run(args: list[str], env: dict[str, str] | None = None):
-    return invoke(["models", *args], env=env, code=None)
+def _run(args: list[str], env: dict[str, str] | None = None, prefix: bool = False):
+    """``appliance models ARGS`` (``prefix``: ARGS[0] is a group option such as ``-q``)."""
+    argv = [args[0], "models", *args[1:]] if prefix else ["models", *args]
+    return invoke(argv, env=env, code=None)
 
 
 def _pull_cmd(profile_file, cache_dir, token_file) -> list[str]:
@@ -305,11 +307,19 @@ def test_a_token_file_others_may_read_is_refused(tmp_path, local_hub, profile_fi
 def test_verify_passes_on_a_pulled_cache_and_checks_every_hash(pulled, profile_file):
     result = _run(["verify", *_args(profile_file, pulled)])
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("models ok: target ")
+    assert result.stdout.startswith("models ok: target ")
+    # The hashing says what it hashes (here in a pipe: a plain line per model, on stderr).
+    said = result.stderr.splitlines()
+    assert [ln.split(":")[0] for ln in said] == [
+        f"hashing target {TARGET_REPO}",
+        f"hashing drafter {DRAFTER_REPO}",
+    ]
+    assert all(ln.endswith(" MB") for ln in said), said
+    assert _run(["-q", "verify", *_args(profile_file, pulled)], prefix=True).stderr == ""
     report = mv.verify(where.locate(profile_file=profile_file, hf_cache_dir=pulled))
     assert report.ok and [m.hashed for m in report.models] == [m.files for m in report.models]
     assert all(m.files >= 5 for m in report.models)
-    as_json = json.loads(_run(["verify", "--json", *_args(profile_file, pulled)]).output)
+    as_json = json.loads(_run(["verify", "--json", *_args(profile_file, pulled)]).stdout)
     assert as_json["ok"] and as_json["problems"] == [] and as_json["fix"] is None
     assert [(m["role"], m["hashed"]) for m in as_json["models"]] == [
         (m.spec.role, m.hashed) for m in report.models
@@ -317,9 +327,11 @@ def test_verify_passes_on_a_pulled_cache_and_checks_every_hash(pulled, profile_f
 
 
 def _fails(profile_file, cache_dir, *flags):
+    """The one Error line (after the lines that said what was being hashed)."""
     result = _run(["verify", *flags, *_args(profile_file, cache_dir)])
     assert result.exit_code == 78, result.output
-    lines = result.output.strip().splitlines()
+    assert result.stdout == ""
+    lines = [ln for ln in result.stderr.strip().splitlines() if not ln.startswith("hashing ")]
     assert len(lines) == 1, lines
     assert f"appliance models pull --profile-file {profile_file}" in lines[0]
     return lines[0]

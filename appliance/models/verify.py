@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 # hub_fix and model_dir_fix live in the package (where.py needs one; no cycle through here)
 # and stay reachable as verify's, where the serve program and doctor call them.
+from .. import progress
 from . import DRAFTER_TYPES, ModelSpec, cache, hub_fix, model_dir_fix  # noqa: F401
 
 if TYPE_CHECKING:
@@ -202,6 +203,31 @@ def check_files(
     state.bytes = sum(p.stat().st_size for p in present.values())
     reported: set[str] = set()  # already failed: no second line for the same file
     hashed: set[str] = set()
+    # Hashing 62 GB takes a minute or more: say so (stderr; a bar on a terminal).
+    what = f"hashing {state.spec.role} {state.spec.repo_id}"
+    meter = None if quick or not present else progress.Meter(what, state.bytes)
+    try:
+        _check_listed(state, tree, present, reported, hashed, meter)
+        if meter is not None:
+            for rel, path in sorted(present.items()):
+                if rel not in hashed | reported and (known := cache.hash_from_blob_name(path)):
+                    _check_hash(state, rel, path, known, meter)
+    finally:
+        if meter is not None:
+            meter.close()
+    _check_structure(state, present, skip=reported)
+
+
+def _check_listed(
+    state: ModelState,
+    tree: dict[str, cache.TreeEntry] | None,
+    present: dict[str, Path],
+    reported: set[str],
+    hashed: set[str],
+    meter: progress.Meter | None,
+) -> None:
+    """The files the hub's listing names: there, of their size, and (with ``meter``: not
+    quick) of their hash."""
     for rel, entry in sorted((tree or {}).items()):
         path = present.get(rel)
         if path is None:
@@ -210,18 +236,15 @@ def check_files(
         elif (size := path.stat().st_size) != entry.size:
             state.fail(f"file {rel} has {size} of {entry.size} bytes (truncated or replaced)")
             reported.add(rel)
-        elif not quick:
-            _check_hash(state, rel, path, entry.expected_hash())
+        elif meter is not None:
+            _check_hash(state, rel, path, entry.expected_hash(), meter)
             hashed.add(rel)
-    if not quick:
-        for rel, path in sorted(present.items()):
-            if rel not in hashed | reported and (known := cache.hash_from_blob_name(path)):
-                _check_hash(state, rel, path, known)
-    _check_structure(state, present, skip=reported)
 
 
-def _check_hash(state: ModelState, rel: str, path: Path, expected: tuple[str, str]) -> None:
-    sha256, git = cache.file_hashes(path)
+def _check_hash(
+    state: ModelState, rel: str, path: Path, expected: tuple[str, str], meter: progress.Meter
+) -> None:
+    sha256, git = cache.file_hashes(path, meter.update)
     kind, want = expected
     got = sha256 if kind == "sha256" else git
     state.hashed += 1
