@@ -159,6 +159,17 @@ def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 4)
 
 
+def settled(side: Side, rule: Rule) -> bool:
+    """Whether one side holds the rule's least evidence and its mean is known to within a
+    quarter of the margin (the half-width of a normal interval at the rule's confidence): more
+    samples would narrow a comparison with it little. Steady traffic settles at the least
+    evidence; traffic whose acceptance varies from window to window does not."""
+    if side.n < rule.min_samples or side.n_calls < rule.min_calls:
+        return False
+    z = statistics.NormalDist().inv_cdf(0.5 + rule.confidence / 2)
+    return z * statistics.stdev(side.values) / math.sqrt(side.n) <= rule.margin / 4
+
+
 def judge(before: Side, after: Side, rule: Rule = Rule(), unit: str = "calls") -> Judgement:
     """The rule's decision on ``after`` against ``before`` (see the module docstring)."""
     short = [

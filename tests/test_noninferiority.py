@@ -141,3 +141,28 @@ def test_the_summary_and_figures_carry_every_number():
 def test_a_rule_out_of_range_is_refused(kwargs, message):
     with pytest.raises(UsageError, match=message):
         ni.Rule(**kwargs)
+
+
+def test_a_steady_side_settles_at_the_least_evidence_and_a_varying_one_does_not():
+    rule = ni.Rule()  # margin 0.05: settled once the mean is known to within 0.0125
+    assert not ni.settled(_side([1.0] * 9, calls=20), rule)  # 9 of 10 windows
+    assert not ni.settled(_side([1.0] * 10, calls=9), rule)  # 9 of 10 calls
+    assert ni.settled(_side([1.0] * 10, calls=10), rule)
+    # Windows between 0.6 and 0.9: a half-width of 0.098 at 10 windows, still 0.036 at 30.
+    varying = [0.6, 0.9] * 15
+    assert not ni.settled(_side(varying[:10], calls=10), rule)
+    assert not ni.settled(_side(varying, calls=30), rule)
+    # The same spread around 0.75 settles once enough windows pin the mean down.
+    assert ni.settled(_side([0.6, 0.9] * 300, calls=600), rule)
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=10, max_size=60))
+@settings(max_examples=200, deadline=None)
+def test_a_side_that_settled_has_its_normal_half_width_within_a_quarter_margin(values):
+    rule = ni.Rule()
+    side = _side(values, calls=len(values))
+    half = 1.959964 * statistics.stdev(values) / len(values) ** 0.5
+    assert (
+        ni.settled(side, rule) == (half <= rule.margin / 4 + 1e-9)
+        or abs(half - rule.margin / 4) < 1e-6
+    )

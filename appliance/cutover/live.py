@@ -36,7 +36,8 @@ class Settings:
 
     rule: noninferiority.Rule = field(default_factory=noninferiority.Rule)
     sampling: traffic_acceptance.Settings = field(default_factory=traffic_acceptance.Settings)
-    before_windows: int = 30  # the before-side stops here (more: a narrower interval)
+    # The before-side stops here, or earlier once settled (noninferiority.settled).
+    before_windows: int = 30
     before_s: float = 90.0  # at most this long recording before the move
     idle_s: float = 4.0  # nothing served for this long before the move: no traffic
     after_s: float = 180.0  # at most this long waiting for a decision after the move
@@ -67,8 +68,11 @@ def before(
     traffic = traffic_acceptance.sample(
         base_url,
         until=lambda t: (
-            len(t.windows) >= settings.before_windows
-            and (t.calls is None or t.calls >= rule.min_calls)
+            (
+                len(t.windows) >= settings.before_windows
+                and (t.calls is None or t.calls >= rule.min_calls)
+            )
+            or noninferiority.settled(t.side(), rule)
         ),
         limit_s=settings.before_s,
         idle_s=settings.idle_s,
