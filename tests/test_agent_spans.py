@@ -199,3 +199,23 @@ def test_under_the_default_sampler_an_unsampled_parent_keeps_the_call_unsampled(
     assert int(root[3], 16) & 1 == 1  # sampled (with the random trace-id flag, W3C level 2)
     (span,) = exporter.get_finished_spans()
     assert f"{span.context.span_id:016x}" == root[2]
+
+
+def test_a_provider_shut_down_right_after_the_call_still_exports_its_span(not_found):
+    """The span ends on the agent's thread after the call returned: the provider's own
+    shutdown (and force_flush) first runs the agent's pending work, so a program that shuts
+    its provider down right after its last call, without ``agent.flush()``, loses nothing."""
+    url, _ = not_found
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    client = agent.instrument(
+        openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0),
+        tracer_provider=provider,
+        registry=CollectorRegistry(),
+    )
+    client.chat.completions.create(
+        model="gemma4-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+    )
+    provider.shutdown()
+    assert [s.name for s in exporter.get_finished_spans()] == ["chat gemma4-tiny"]

@@ -101,6 +101,7 @@ class Settings:
     ) -> Settings:
         """The settings of every call to the server at ``base`` (the client's base URL);
         ``meter_provider``: the meter API's (the global one when ``None``)."""
+        flush_first(provider)
         parts = urlsplit(base)
         metrics_url = normalise_base_url(config.metrics_url or base) + specdecode.SNAPSHOT_PATH
         return cls(
@@ -117,6 +118,27 @@ class Settings:
 
 
 _preset = threading.local()
+
+
+def flush_first(provider) -> None:
+    """Make ``provider.force_flush()`` and ``shutdown()`` (an SDK provider's) first run the
+    agent's pending work (:func:`.worker.Worker.flush`, bounded by the call's own timeout or
+    5 s): the spans of calls that have returned are ended on the agent's thread, and a program
+    that shuts its provider down right after its last call still exports them."""
+    for name in ("force_flush", "shutdown"):
+        method = getattr(provider, name, None)
+        if method is None or getattr(method, "_agent_flushes_first", False):
+            continue
+        if not hasattr(provider, "add_span_processor"):  # not the SDK's: nothing to wrap
+            return
+
+        def first(*args, _method=method, **kwargs):
+            timeout_ms = kwargs.get("timeout_millis", args[0] if args else 5000)
+            WORKER.flush(min(5.0, timeout_ms / 1000) if isinstance(timeout_ms, int) else 5.0)
+            return _method(*args, **kwargs)
+
+        first._agent_flushes_first = True
+        setattr(provider, name, first)
 
 
 class PresetIds:
