@@ -29,8 +29,11 @@ T = TypeVar("T")
 # The first pause after a shed try, doubled each time up to the most: a bound frees a place as
 # soon as one request in flight ends (a fraction of a second on a small model, seconds on a 31B
 # one), and a few tries a second cost the engine little (turned away before they are scheduled).
+# A freed place goes to whichever request arrives first: at 2 s a try, `instance doctor` lost
+# every one for its 60 s to six clients retrying each 0.5 s at a bound of 2 (benchmarks/
+# traffic.py); OpenAI's and Anthropic's client SDKs wait 0.5 s and more before a retry.
 FIRST_BACKOFF_S = 0.25
-MAX_BACKOFF_S = 2.0
+MAX_BACKOFF_S = 0.5
 # How often a caller's note hears that its tries are still turned away.
 NOTE_EVERY_S = 15.0
 FIX = (

@@ -106,14 +106,15 @@ def test_a_shed_request_is_sent_again_and_counted(stand_in, how):
     assert (gen.completion_tokens, server.posts) == (2, 4)
     assert tally.shed == 3 and tally.summary() == "3 probes shed at the queue bound"
     assert BUSY in tally.last.message
-    assert pauses == [0.25, 0.5, 1.0]  # the backoff doubles (to MAX_BACKOFF_S)
+    assert pauses == [0.25, 0.5, 0.5]  # the backoff doubles (to MAX_BACKOFF_S)
 
 
 def test_one_tally_over_many_calls_starts_each_calls_backoff_afresh(stand_in):
     """The canary sends its prompts one by one through one tally: a prompt that was answered
     ends its backoff, so the next prompt's first wait is the shortest again (kept at its most,
-    every later prompt waited 2 s a try and lost each freed place to clients that retry
-    sooner: a canary record beside six clients at a bound of 2 ran out its 300 s)."""
+    every later prompt waited the longest pause, then 2 s, a try and lost each freed place to
+    clients that retry sooner: a canary record beside six clients at a bound of 2 ran out its
+    300 s)."""
     server = stand_in(busy=3)
     pauses: list[float] = []
     tally = shed.Tally("prompt", sleep=pauses.append)
@@ -123,7 +124,7 @@ def test_one_tally_over_many_calls_starts_each_calls_backoff_afresh(stand_in):
                 lambda: client.generate("gemma4-tiny", "hi", 2), time.monotonic() + 60, tally
             )
             server.posts = 0  # the next call is turned away three times too
-    assert pauses == [0.25, 0.5, 1.0] * 2
+    assert pauses == [0.25, 0.5, 0.5] * 2
     assert tally.summary() == "6 prompts shed at the queue bound"
 
 
