@@ -226,20 +226,7 @@ def _argv(path: str, cmd: click.Command, root: Path, elsewhere: Path) -> list[st
     return [*argv, "--root", str(root)]
 
 
-# Worded otherwise until the install pipeline's refactor of units/writer.py lands (strict: it
-# fails the day it is fixed, and goes then).
-PENDING = {"instance uninstall": "units/writer.py says 'instance X is not installed under R'"}
-
-
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=PENDING[p]))
-        if p in PENDING
-        else p
-        for p in sorted(set(NAMED) - CREATE)
-    ],
-)
+@pytest.mark.parametrize("path", sorted(set(NAMED) - CREATE))
 def test_an_unknown_instance_name_is_bad_input_exit_2_in_the_one_line(tmp_path, path, cli_run):
     root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
     root.mkdir()

@@ -167,21 +167,7 @@ def test_the_appliance_mentions_commands_to_check():
     assert any(where.endswith(".j2:" + where.split(":")[-1]) for where, _ in MENTIONS)
 
 
-# Old spellings in files another change is restructuring, until it lands (strict: each fails
-# the day its line changes, and goes then).
-PENDING = {("appliance/fleet/hosts.py", "install")}
-
-
-@pytest.mark.parametrize(
-    ("where", "mention"),
-    [
-        pytest.param(
-            w, m, marks=[pytest.mark.xfail(strict=True)] if (w.split(":")[0], m) in PENDING else []
-        )
-        for w, m in MENTIONS
-    ],
-    ids=[w for w, _ in MENTIONS],
-)
+@pytest.mark.parametrize(("where", "mention"), MENTIONS, ids=[w for w, _ in MENTIONS])
 def test_what_the_appliance_writes_and_says_names_the_current_command(where, mention):
     words = _current(mention.split())
     cmd, ctx = cli, click.Context(cli, info_name="appliance")

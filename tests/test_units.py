@@ -938,7 +938,7 @@ def test_uninstall_removes_the_instance_and_the_shared_files_with_the_last(tmp_p
     assert layout.history_file("big").exists()  # big was not purged
 
     result = run("instance", "uninstall", "small", "--root", str(tmp_path))
-    assert result.exit_code == 2 and "instance small is not installed" in result.output
+    assert result.exit_code == 2 and "no instance small: no " in result.output
 
 
 def test_uninstall_drops_the_instance_from_the_state_metrics_and_purge_leaves_the_tree_as_found(

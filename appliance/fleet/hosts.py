@@ -169,5 +169,5 @@ def _hosts_of(inventory: dict, group: str) -> set[str]:
 
 
 def render_targets(groups: list[dict]) -> str:
-    """The file_sd JSON text (stable bytes): the format ``appliance install`` writes."""
+    """The file_sd JSON text (stable bytes): the format ``appliance instance install`` writes."""
     return file_sd.dump(groups)

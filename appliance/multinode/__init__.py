@@ -23,7 +23,7 @@ Per host, under ``/etc/gemma4-vllm``:
   each node's mounts drop-in (``RequiresMountsFor=`` the group's model and cache folders).
 
 Start order, health and a worker's death: see the unit templates and
-``gotchas/multinode-start-order-and-worker-death.md``. Cutover: :mod:`appliance.multinode.cutover`.
+``gotchas/multinode-start-order-and-worker-death.md``. Cutover: :mod:`appliance.cutover.group`.
 """
 
 from __future__ import annotations

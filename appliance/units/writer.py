@@ -370,7 +370,7 @@ def uninstall(
     mine += [layout.wants_link(u) for u in _enabled_units(shape)]
     state = list(layout.state_files(name))
     if not any(os.path.lexists(f) for f in mine) and not (purge and any(f.exists() for f in state)):
-        raise UsageError(f"{shape.noun} {name} is not installed under {root}")
+        raise envfile.unknown_instance(name, layout.env_file(name))
     result = WriteResult()
     # A cutover in progress holds the lock file; with none, no cutover ever ran here.
     lock_path = layout.lock_file(name)
