@@ -432,6 +432,8 @@ def test_fleet_soak_on_a_wrong_typed_reading(tmp_path, cli_run):
     data = _reading()
     data["counters"]["drafts"] = "many"
     before = _write(tmp_path / "before.json", json.dumps(data))
+    # An installed NAME: the unknown one is refused before its reading is read.
+    cli_run(["instance", "install", "-p", "cpu-tiny-mtp", "i1", "--root", str(tmp_path)])
     argv = ["fleet", "soak", "i1", "--before", str(before), "--root", str(tmp_path)]
     result = cli_run(argv, code=None)
     _one_error_line(result, str(before), "counters.drafts = 'many'")

@@ -24,8 +24,10 @@ def fleet() -> None:
     """Per-host steps of a fleet rollout: counters before a cutover, the canary's soak, status."""
 
 
-def _instance(root: Path, name: str):
-    inst = read_instance(root, name)
+def _instance(root: Path, name: str, inst=None):
+    """NAME's record (``inst`` when already read) and key; refused under a tree whose port is
+    not its instance's on this host."""
+    inst = read_instance(root, name) if inst is None else inst
     if not reach.ports(root):  # a tree's port on this host is not its instance's
         raise reach.port_refusal(root, url=False)
     return inst, inst.api_key()
@@ -94,8 +96,10 @@ def soak_(
     thresholds = soak.Thresholds(
         max_acceptance_drop, max_tokens_per_step_drop, max_error_rate_rise, min_drafts, min_requests
     )
-    inst, key = _instance(root, name)
+    inst = read_instance(root, name)
+    # Bad input first: a reading that cannot be used is refused before the host is asked.
     before = soak.loads(before_file.read_text(), str(before_file))
+    inst, key = _instance(root, name, inst)
     run = soak.Soak(inst.base_url, inst.served_model, key, seconds, probe_requests)
     run.thresholds = thresholds
     verdict = soak.run(run, before, progress=lambda m: click.echo(m, err=True))
