@@ -12,7 +12,7 @@ from .. import imageref, labels, versions
 from ..errors import ApplianceError, EngineError, UsageError
 from ..host import envfile
 from ..host.layout import ENV_DIR
-from ..host.systemd import Systemd, SystemdError
+from ..host.systemd import Systemd, SystemdError, SystemdNotNamed
 from ..images import scheme, variant
 from ..profiles import Profile
 from ..units.instance import Instance
@@ -188,6 +188,8 @@ def check_overrides(
     for unit, check in checks.items():
         try:
             problems += check()
+        except SystemdNotNamed:
+            raise  # a tree whose systemd is not named: bad input, its own one line (exit 2)
         except SystemdError as exc:
             # A systemd that cannot be asked cannot restart the unit either: refused here,
             # before the env file is written, not after a restart and a way back that fail.
