@@ -291,3 +291,48 @@ def test_a_generation_whose_200_was_not_yet_sent_when_the_gate_shut_is_refused_n
     refused_ = through_the_gate(shut_after_start=True)
     assert [m.get("status") for m in refused_] == [503, None], refused_
     assert through_the_gate(shut_after_start=False) == [start, *bodies]
+
+
+def test_an_exception_that_vllm_019_answers_outside_the_gate_is_refused_once_shut():
+    """vLLM 0.19 registers a handler for every exception (``app.exception_handler(Exception)``
+    in vllm/entrypoints/openai/api_server.py), which Starlette runs in its ServerErrorMiddleware,
+    outside every middleware: its renderer's ``cannot schedule new futures after shutdown`` went
+    out past the gate as that 500 (3 of 359 requests, a cutover from the 0.19 image under
+    traffic). A request the SIGTERM meets inside vLLM whose handling raises is now refused by
+    the gate itself; with the gate open the exception goes on to vLLM's handler as before."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    gates: list[StopGate] = []
+
+    class Gate(StopGate):
+        def __init__(self, app) -> None:
+            super().__init__(app)
+            self._watching = True  # no signal handler here: the gate is shut by hand
+            gates.append(self)
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(sigterm: bool = False):
+        gates[0].shut = sigterm  # the SIGTERM lands while vLLM renders the request
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    async def vllm_019_handler(request, exc):
+        body = {"error": {"message": str(exc), "type": "InternalServerError", "code": 500}}
+        return JSONResponse(body, status_code=500)
+
+    app.exception_handler(Exception)(vllm_019_handler)
+    app.add_middleware(Gate)
+
+    async def calls() -> tuple[httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gate") as client:
+            open_ = await client.post("/v1/chat/completions", json={})
+            shut = await client.post("/v1/chat/completions?sigterm=true", json={})
+        return open_, shut
+
+    open_, shut = asyncio.run(calls())
+    assert open_.status_code == 500 and "cannot schedule new futures" in open_.text
+    assert shut.status_code == 503 and shut.headers["retry-after"] == "5", shut.text
+    assert json.loads(shut.text)["error"]["message"] == stop_gate.MESSAGE

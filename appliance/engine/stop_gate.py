@@ -28,7 +28,8 @@ gate, then calls the one it replaced: vLLM's drain runs exactly as before. Shut,
 - holds back every generation's answer (``GENERATIONS``) until it shows a generated token (a
   client waits for the first token either way), and any other answer that starts after the
   SIGTERM likewise: one still without a token when the gate shuts, or that starts
-  after, goes out as that same 503 if it fails (500) or ends with no token (the engine core's
+  after, goes out as that same 503 if it fails (500, or an exception vLLM would answer with
+  one: vLLM 0.19 does so outside every middleware) or ends with no token (the engine core's
   abort above: its 200 had not left yet, so the client is told to retry instead).
 
 The listening socket stays open until vLLM closes it: closed at the SIGTERM, every connection
@@ -118,7 +119,17 @@ class StopGate:
                 await send(message)
             return
         generation = scope.get("method") == "POST" and scope.get("path") in GENERATIONS
-        await self.app(scope, receive, _Answer(self, send, generation).send)
+        answer = _Answer(self, send, generation)
+        try:
+            await self.app(scope, receive, answer.send)
+        except Exception:
+            # vLLM 0.19 answers any exception with a handler that Starlette runs outside every
+            # middleware (``app.exception_handler(Exception)``): its drain's "cannot schedule
+            # new futures after shutdown" would pass this gate as that 500. Refused here while
+            # nothing of the answer has left; anything else goes on as it came.
+            if not (self.shut and answer.mode in ("start", "hold")):
+                raise
+            await answer.refuse()
 
 
 class _Answer:
@@ -144,14 +155,14 @@ class _Answer:
             if _shows_token(body, ended) or (ended and not self.gate.shut):
                 await self._release()
             elif ended:
-                await self._refuse()
+                await self.refuse()
 
     async def _start(self, message: dict) -> None:
         if message["type"] != "http.response.start" or not (self.generation or self.gate.shut):
             self.mode = "pass"
             await self._send(message)
         elif message["status"] == 500 and self.gate.shut:
-            await self._refuse()
+            await self.refuse()
         elif message["status"] != 200:
             self.mode = "pass"
             await self._send(message)
@@ -165,7 +176,7 @@ class _Answer:
             await self._send(message)
         self.held.clear()
 
-    async def _refuse(self) -> None:
+    async def refuse(self) -> None:
         self.mode = "refused"  # whatever the app still sends is dropped
         self.held.clear()
         for message in _refusal():
