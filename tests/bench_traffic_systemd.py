@@ -115,13 +115,17 @@ def test_each_operation_idle_and_under_traffic(systemd_instance, docker_engine):
     inst = systemd_instance
     docker_engine.images.get(MTP_IMAGE).tag(*GOOD.split(":"))
     rows = []
-    for busy in (False, True):
+    try:
+        for busy in (False, True):
+            inst.ensure(MTP_IMAGE)
+            for name, op in _operations(inst).items():
+                code, seconds, report, idle_refusing = _run(inst, op, busy)
+                rows.append((name, busy, code, seconds, report, idle_refusing))
+                if report:
+                    print(f"{name} under traffic:\n{report.summary()}", flush=True)
+    finally:
         inst.ensure(MTP_IMAGE)
-        for name, op in _operations(inst).items():
-            code, seconds, report, idle_refusing = _run(inst, op, busy)
-            rows.append((name, busy, code, seconds, report, idle_refusing))
-            if report:
-                print(f"{name} under traffic:\n{report.summary()}", flush=True)
+        docker_engine.images.remove(GOOD, noprune=True)  # the tag only: tests list the tags
     print(table(rows))
 
 

@@ -67,7 +67,7 @@ def test_unknown_profile_is_one_line_and_exit_2():
     )
     assert result.returncode == 2
     assert result.stderr.startswith("Error: unknown profile 'nope'")
-    assert "cpu-tiny-mtp" in result.stderr and result.stderr.count("\n") == 1
+    assert "appliance profiles list" in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_gpu_profile_is_refused_locally_with_the_fix():
