@@ -365,7 +365,8 @@ def test_status_flags_a_running_image_that_is_not_the_env_files(pinned, canary_i
         assert f"image:      {canary_images['label-off']}" in s.stdout
         # The running image's tags (another run may have given it more), then its short ID.
         [running] = [ln for ln in s.stdout.splitlines() if ln.startswith("  running:")]
-        assert MTP_IMAGE in running.split("(")[0].removeprefix("  running:").split(", "), running
+        tags = running.removeprefix("  running:").split("(")[0].split(",")
+        assert MTP_IMAGE in [t.strip() for t in tags], running
         assert "MISMATCH: not the env file's image" in s.stdout
     finally:
         inst.env_path.write_bytes(env_before)
