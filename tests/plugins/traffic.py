@@ -205,6 +205,7 @@ class Traffic:
         retry_s: float = 0.5,
         think_s: float = 0.2,
         read_timeout: float = 300.0,
+        long_tokens: tuple[int, ...] = LONG_TOKENS,
         label: str = "traffic",
     ) -> None:
         if not url.startswith("http://127.0.0.1:"):
@@ -216,6 +217,9 @@ class Traffic:
         self.retry_s, self.think_s = retry_s, think_s
         self.timeout = httpx.Timeout(read_timeout, connect=5.0)
         self.clients = [_Client(i, long=i % 2 == 0) for i in range(clients)]
+        # A stop lets a request in flight finish within the drain (--shutdown-timeout 50): an
+        # engine without MTP decodes a token a step, so its long answers are shorter.
+        self.long_tokens = long_tokens
         self._outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -313,7 +317,11 @@ class Traffic:
                 if not self._more():
                     return
                 stream = c.long or n % 2 == 1
-                tokens = LONG_TOKENS[(c.index // 2) % len(LONG_TOKENS)] if c.long else next(shorts)
+                tokens = (
+                    self.long_tokens[(c.index // 2) % len(self.long_tokens)]
+                    if c.long
+                    else next(shorts)
+                )
                 c.running_since, c.running_stream = time.monotonic(), stream
                 c.running_tokens = tokens
                 out = self._call(http, c, n, stream, tokens)
