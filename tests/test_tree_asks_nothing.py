@@ -2,30 +2,37 @@
 NAME, whatever its shape.
 
 Every command that takes ``--root`` (found by walking the click tree, not a hand list) runs
-against a tree holding a single-node instance ``i1`` and a one-host group ``g1`` (``--role
-both``), with stand-in ``systemctl``, ``journalctl``, ``docker`` and ``nvidia-smi`` on PATH that
-log their calls, the Docker SDK's client refused and logged, and a server on ``127.0.0.1`` at
-each port the tree's env files name that answers 200 to anything (an unrelated server there
-was once reported as the instance's ``health: 200``). None of them may be reached, and nothing
-may be reported healthy; what was not asked is said ("not asked").
+against a tree holding a single-node instance ``i1``, a one-host group ``g1`` (``--role both``)
+and a GPU-profile instance ``x1``, in a child Python under strace: every ``execve`` of
+``systemctl``, ``journalctl``, ``docker`` or ``nvidia-smi``, every ``connect`` to Docker's or
+systemd's socket or to a port the tree's env files name, and every ``bind`` of such a port is
+in strace's record, whether it succeeded or not. A server on ``127.0.0.1`` at each of those
+ports answers 200 to anything (an unrelated server there was once reported as the instance's
+``health: 200``). None of it may be reached, and nothing may be reported healthy; what was not
+asked is said ("not asked"). The host's real tools, Docker engine and ports are there: a
+command that asks them is seen asking. strace also refuses each such call (``-e inject``: the
+only thing here that is not real, so that a command that would ask cannot change this host).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import socket
+import subprocess
+import sys
 import threading
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import click
 import pytest
-from plugins.cli import invoke
+from plugins.docker_engine import SOCKET, machine_lock
 
 import docker
-from appliance import doctor, profiles
+from appliance import profiles
 from appliance.cli import cli
 from appliance.fleet import hosts
 from appliance.fsutil import write_atomic
@@ -39,9 +46,10 @@ TOLD = ("APPLIANCE_SYSTEMD_PREFIX", "DOCKER_HOST", "APPLIANCE_ROOT", "APPLIANCE_
 IMAGE = "gemma4-vllm:0.32.0-cpu"
 GROUP_PROFILE = "cpu-tiny-mtp-2node"
 GPU_PROFILE = "h100-31b-mtp"  # its GPUs are nvidia-smi's to tell: never asked for a tree
+MTP_IMAGE = "gemma4-vllm:0.32.0-mtp-cpu"  # the suite's real CPU image (docker tests)
 
 
-# --- the spies -----------------------------------------------------------------------------
+# --- the listeners and the tree ------------------------------------------------------------
 
 
 class _Listener(ThreadingHTTPServer):
@@ -82,77 +90,126 @@ def listeners():
         server.server_close()
 
 
+def _unnamed() -> dict[str, str]:
+    """This process's environment without what would name a tree's systemd, Docker or engine."""
+    env = {k: v for k, v in os.environ.items() if k not in TOLD}
+    return {**env, "HF_HUB_OFFLINE": "1"}
+
+
 @pytest.fixture(scope="module")
 def template(tmp_path_factory, listeners) -> Path:
     """The tree: ``i1`` (cpu-tiny-mtp), ``g1`` (a one-host CPU group) and ``x1`` (a GPU
     profile), each on the port its listener holds, installed through the CLI."""
     root = tmp_path_factory.mktemp("tree")
+    cases = []
     for argv in (
         ["i1", "--profile", "cpu-tiny-mtp", "--port", str(listeners["i1"].port)],
         ["g1", "--profile", GROUP_PROFILE, "--role", "both", "--port", str(listeners["g1"].port)],
         ["x1", "--profile", GPU_PROFILE, "--port", str(listeners["x1"].port)],
     ):
         image = "gemma4-vllm:0.32.0" if argv[0] == "x1" else IMAGE  # the profile's build
-        env = {**dict.fromkeys(TOLD), "PATH": os.environ["PATH"]}
-        invoke(["instance", "install", *argv, "--image", image, "--root", str(root)], env=env)
+        cases.append(["instance", "install", *argv, "--image", image, "--root", str(root)])
+    for done in trace(cases, listeners):
+        assert done.code == 0 and done.reached == [], done
     return root
 
 
-class Spies:
-    def __init__(self, tmp_path: Path, monkeypatch, listeners) -> None:
-        self.log = tmp_path / "spied.log"
-        self.log.touch()
-        bin_dir = tmp_path / "spy-bin"
-        bin_dir.mkdir()
-        for tool in SPIED:
-            script = bin_dir / tool
-            script.write_text(f'#!/bin/sh\necho "{tool} $*" >> "{self.log}"\nexit 1\n')
-            script.chmod(0o755)
-        self.path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
-        self.listeners = listeners
-        for server in listeners.values():
-            server.hits.clear()
-        self.sdk: list[str] = []
-        self.binds: list[tuple] = []
+# --- strace: what a command asked of the host ----------------------------------------------
 
-        def refused(client, *args, **kwargs):
-            self.sdk.append(f"DockerClient({kwargs.get('base_url', '')})")
-            raise docker.errors.DockerException("the test's spy: no Docker here")
-
-        monkeypatch.setattr(docker.DockerClient, "__init__", refused)
-        monkeypatch.setattr(docker.APIClient, "__init__", refused)
-        ports = {s.port for s in listeners.values()}
-        bind = socket.socket.bind
-
-        def spied_bind(sock, address):
-            if isinstance(address, tuple) and len(address) > 1 and address[1] in ports:
-                self.binds.append(address)
-            return bind(sock, address)
-
-        monkeypatch.setattr(socket.socket, "bind", spied_bind)
-
-    def env(self) -> dict:
-        return {**dict.fromkeys(TOLD), "PATH": self.path, "HF_HUB_OFFLINE": "1"}
-
-    def reached(self) -> list[str]:
-        said = self.log.read_text().splitlines()
-        for name, server in self.listeners.items():
-            said += [f"{name}'s port: {hit}" for hit in server.hits]
-        said += [f"bind {a}" for a in self.binds] + [f"Docker SDK: {c}" for c in self.sdk]
-        return said
+MARK = "/nonexistent/tree-asks-nothing/"
+# The child: each case's tree copied, a mark (an access(2) of a path that cannot exist: strace's
+# record is split at it), then the command through click in this one Python (one start, not one
+# per case).
+_DRIVER = """
+import json, os, shutil, sys
+from click.testing import CliRunner
+from appliance.cli import cli
+cases = json.load(open(sys.argv[1]))
+done = []
+for i, case in enumerate(cases):
+    if case["copy"]:
+        shutil.copytree(case["copy"][0], case["copy"][1], symlinks=True)
+    os.access(f"{sys.argv[3]}{i}", os.F_OK)
+    res = CliRunner().invoke(cli, case["argv"], prog_name="appliance")
+    done.append({"code": res.exit_code, "output": res.output})
+os.access(f"{sys.argv[3]}end", os.F_OK)
+json.dump(done, open(sys.argv[2], "w"))
+"""
+_MARKED = re.compile(r'access\w*\((?:AT_FDCWD, )?"' + re.escape(MARK) + r'(\w+)"')
+_EXECVE = re.compile(r'execve\("([^"]+)"')
+_UNIX = re.compile(r'connect\(\d+, \{sa_family=AF_UNIX, sun_path="([^"]+)"')
+_PORT = re.compile(r"(connect|bind)\(\d+, \{sa_family=AF_INET6?, sin6?_port=htons\((\d+)\)")
+_HOST_SOCKETS = ("docker", "containerd", "systemd", "dbus")
 
 
-@pytest.fixture
-def spies(tmp_path, monkeypatch, listeners) -> Spies:
-    return Spies(tmp_path, monkeypatch, listeners)
+@dataclass
+class Done:
+    """One command run under strace: its exit, its output, what it asked of the host."""
+
+    argv: list[str]
+    code: int
+    output: str
+    reached: list[str]
 
 
-@pytest.fixture
-def tree(template, tmp_path) -> Path:
-    """A copy of the tree of its own (uninstall, install and cutover may write)."""
-    root = tmp_path / "root"
-    shutil.copytree(template, root, symlinks=True)
-    return root
+def trace(
+    cases: list[list[str]],
+    listeners: dict,
+    copies: list[tuple[Path, Path] | None] | None = None,
+    *,
+    refuse: bool = True,
+    told: dict[str, str] | None = None,
+) -> list[Done]:
+    """Run each ``appliance`` argv of ``cases`` (after copying ``copies[i]``: a tree of its
+    own) in one child Python under strace, with none of :data:`TOLD` set but ``told``;
+    ``refuse``: strace fails every execve after the child's own and every connect, so that
+    nothing asked can reach this host."""
+    ports = {s.port for s in listeners.values()}
+    for server in listeners.values():
+        server.hits.clear()
+    work = Path(os.environ.get("TMPDIR", "/tmp"))
+    record = work / f"tree-asks-nothing-{os.getpid()}-{threading.get_ident()}"
+    copies = copies or [None] * len(cases)
+    spec = [
+        {"argv": a, "copy": [str(c[0]), str(c[1])] if c else None}
+        for a, c in zip(cases, copies, strict=True)
+    ]
+    Path(f"{record}.cases").write_text(json.dumps(spec))
+    argv = ["strace", "-f", "-qq", "--seccomp-bpf", "-o", f"{record}.strace"]
+    argv += ["-e", "trace=execve,connect,bind,access,faccessat,faccessat2"]
+    if refuse:
+        argv += ["-e", "inject=execve:error=EPERM:when=2+"]
+        argv += ["-e", "inject=connect:error=ECONNREFUSED"]
+    argv += [sys.executable, "-c", _DRIVER, f"{record}.cases", f"{record}.done", MARK]
+    try:
+        env = {**_unnamed(), **(told or {})}
+        subprocess.run(argv, env=env, check=True, timeout=600, cwd=work)
+        results = json.loads(Path(f"{record}.done").read_text())
+        lines = Path(f"{record}.strace").read_text().splitlines()
+    finally:
+        for suffix in (".cases", ".done", ".strace"):
+            Path(f"{record}{suffix}").unlink(missing_ok=True)
+    reached: list[list[str]] = [[] for _ in cases]
+    case = None
+    for line in lines:
+        if m := _MARKED.search(line):
+            case = None if m[1] == "end" else int(m[1])
+            continue
+        if case is None:
+            continue
+        if (m := _EXECVE.search(line)) and Path(m[1]).name in SPIED:
+            reached[case].append(f"ran {Path(m[1]).name}")
+        elif (m := _UNIX.search(line)) and any(h in m[1] for h in _HOST_SOCKETS):
+            reached[case].append(f"connect {m[1]}")
+        elif (m := _PORT.search(line)) and int(m[2]) in ports:
+            reached[case].append(f"{m[1]} port {m[2]}")
+    hits = [f"port {s.port}: {h}" for s in listeners.values() for h in s.hits]
+    if hits:  # a request that got through (not refused): the listeners cannot tell which case
+        reached = [[*r, *hits] for r in reached]
+    return [
+        Done(a, r["code"], r["output"], sorted(set(x)))
+        for a, r, x in zip(cases, results, reached, strict=True)
+    ]
 
 
 # --- every command that takes --root -------------------------------------------------------
@@ -211,6 +268,24 @@ def _argv(command: str, name: str, scratch: Path) -> list[str]:
 
 
 ROOT_COMMANDS = _root_commands()
+NAMES = ("i1", "g1", "x1")
+
+
+@pytest.fixture(scope="module")
+def every_command(template, listeners, tmp_path_factory) -> dict[tuple[str, str], Done]:
+    """Each command that takes --root, for each NAME, on a copy of the tree of its own
+    (uninstall, install and cutover may write), all in one traced child."""
+    work = tmp_path_factory.mktemp("cases")
+    keys, cases, copies = [], [], []
+    for command in ROOT_COMMANDS:
+        for name in NAMES:
+            case = work / f"{command.replace(' ', '-')}-{name}"
+            (case / "scratch").mkdir(parents=True)
+            argv = [*command.split(), *_argv(command, name, case / "scratch")]
+            keys.append((command, name))
+            cases.append([*argv, "--root", str(case / "root")])
+            copies.append((template, case / "root"))
+    return dict(zip(keys, trace(cases, listeners, copies), strict=True))
 
 
 def test_every_command_that_takes_root_is_proven_below(tmp_path):
@@ -226,64 +301,89 @@ def test_every_command_that_takes_root_is_proven_below(tmp_path):
     assert {"status", "instance doctor", "fleet status", "host check"} <= set(ROOT_COMMANDS)
 
 
-@pytest.mark.parametrize("name", ["i1", "g1", "x1"])
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("command", ROOT_COMMANDS)
-def test_a_command_under_a_tree_asks_nothing_of_the_host(command, name, tree, spies, tmp_path):
-    argv = [*command.split(), *_argv(command, name, tmp_path), "--root", str(tree)]
-    res = invoke(argv, env=spies.env(), code=None)
-    assert spies.reached() == [], f"{' '.join(argv)} reached the host:\n{res.output}"
-    assert "health:     200" not in res.output and '"healthy": true' not in res.output
+def test_a_command_under_a_tree_asks_nothing_of_the_host(command, name, every_command):
+    done = every_command[(command, name)]
+    assert done.reached == [], f"{' '.join(done.argv)} reached the host:\n{done.output}"
+    assert "Traceback" not in done.output, done.output
+    assert "health:     200" not in done.output and '"healthy": true' not in done.output
+
+
+def test_the_trace_sees_a_command_that_asks(template, listeners, tmp_path):
+    """The same trace on the same tree, the tree's systemd and Docker named (as for a machine
+    run from this host), records the asking, refused: the test above can fail. The prefix is
+    ``systemctl`` itself, so that the program run is the one the trace looks for."""
+    tree = tmp_path / "root"
+    told = {"APPLIANCE_SYSTEMD_PREFIX": "systemctl", "DOCKER_HOST": f"unix://{SOCKET}"}
+    cases = [["status", "i1", "--root", str(tree)], ["image", "list", "--root", str(tree)]]
+    status, images = trace(cases, listeners, [(template, tree), None], told=told)
+    assert status.reached == ["ran systemctl"], status
+    assert images.reached == [f"connect {SOCKET}"], images
 
 
 # --- what the commands say instead -----------------------------------------------------------
 
 
+@pytest.fixture
+def tree(template, tmp_path) -> tuple[Path, tuple[Path, Path]]:
+    """A path for a copy of the tree, and the copy to make in the traced child."""
+    root = tmp_path / "root"
+    return root, (template, root)
+
+
 @pytest.mark.parametrize("name", ["i1", "g1"])
-def test_status_says_what_it_did_not_ask_and_is_not_serving(name, tree, spies):
-    res = invoke(["status", name, "--root", str(tree)], env=spies.env(), code=1)
-    assert spies.reached() == []
-    lines = {ln.split(":", 1)[0].strip(): ln for ln in res.output.splitlines()[1:]}
-    assert "not asked" in res.output.splitlines()[0]  # the units: systemd is not the tree's
+def test_status_says_what_it_did_not_ask_and_is_not_serving(name, tree, listeners):
+    root, copy = tree
+    [done] = trace([["status", name, "--root", str(root)]], listeners, [copy])
+    assert done.code == 1 and done.reached == [], done
+    lines = {ln.split(":", 1)[0].strip(): ln for ln in done.output.splitlines()[1:]}
+    assert "not asked" in done.output.splitlines()[0]  # the units: systemd is not the tree's
     assert "not asked: --root" in lines["health"] and "200" not in lines["health"].split("(")[0]
     assert "not asked: --root" in lines["running"]
     assert lines["build"].strip() == "build:      image build not checked: Docker was not asked"
 
 
 @pytest.mark.parametrize("name", ["i1", "g1"])
-def test_commands_that_must_talk_to_the_engine_refuse_in_one_line(name, tree, spies, tmp_path):
-    for argv in (
-        ["canary", "record", name, "--out", str(tmp_path / "c.json")],
-        ["bench", "run", name],
-        ["fleet", "snapshot", name, "--out", str(tmp_path / "s.json")],
-    ):
-        res = invoke([*argv, "--root", str(tree)], env=spies.env(), code=2)
-        [line] = res.output.strip().splitlines()
-        assert line.startswith(f"Error: --root {tree} is not this host's /: the port its env"), line
-    assert spies.reached() == []
+def test_commands_that_must_talk_to_the_engine_refuse_in_one_line(name, tree, listeners, tmp_path):
+    root, copy = tree
+    cases = [
+        ["canary", "record", name, "--out", str(tmp_path / "c.json"), "--root", str(root)],
+        ["bench", "run", name, "--root", str(root)],
+        ["fleet", "snapshot", name, "--out", str(tmp_path / "s.json"), "--root", str(root)],
+    ]
+    for done in trace(cases, listeners, [copy, None, None]):
+        assert done.code == 2 and done.reached == [], done
+        [line] = done.output.strip().splitlines()
+        assert line.startswith(f"Error: --root {root} is not this host's /: the port its env"), line
     assert not (tmp_path / "c.json").exists() and not (tmp_path / "s.json").exists()
 
 
-def test_a_url_given_is_asked(tree, spies, listeners):
-    """Told (--url), doctor asks the engine there: the listener is hit."""
+def test_a_url_given_is_asked(tree, listeners):
+    """Told (--url), doctor asks the engine there: the listener is hit (nothing refused)."""
+    root, copy = tree
     url = f"http://127.0.0.1:{listeners['i1'].port}"
-    invoke(
-        ["instance", "doctor", "i1", "--url", url, "--root", str(tree)],
-        env=spies.env(),
-        code=None,
-    )
-    assert listeners["i1"].hits and listeners["i1"].hits[0] == "GET /health"
+    argv = ["instance", "doctor", "i1", "--url", url, "--root", str(root)]
+    [done] = trace([argv], listeners, [copy], refuse=False)
+    assert f"connect port {listeners['i1'].port}" in done.reached, done
+    assert any(r.endswith("GET /health") for r in done.reached), done
 
 
-def test_host_check_of_a_tree_says_not_asked_never_ready(tree, spies):
-    res = invoke(["host", "check", "i1", "--root", str(tree), "--json"], env=spies.env(), code=0)
-    assert spies.reached() == []
-    found = {f["name"]: f for f in json.loads(res.output)["findings"]}
+def test_host_check_of_a_tree_says_not_asked_never_ready(tree, listeners):
+    root, copy = tree
+    cases = [
+        ["host", "check", "i1", "--root", str(root), "--json"],
+        ["host", "check", "i1", "--root", str(root)],
+    ]
+    as_json, plain = trace(cases, listeners, [copy, None])
+    assert as_json.code == 0 and as_json.reached == [], as_json
+    found = {f["name"]: f for f in json.loads(as_json.output)["findings"]}
     for name in ("docker.engine", "port"):
         assert found[name]["status"] == "warn"
-        assert found[name]["message"].startswith(f"not asked: --root {tree} ")
+        assert found[name]["message"].startswith(f"not asked: --root {root} ")
     assert found["docker.image"]["message"] == "image build not checked: Docker was not asked"
-    res = invoke(["host", "check", "i1", "--root", str(tree)], env=spies.env(), code=0)
-    assert res.output.splitlines()[-1] == "host check: no blocker, 2 not asked (3 warning(s))"
+    assert plain.code == 0 and plain.reached == [], plain
+    assert plain.output.splitlines()[-1] == "host check: no blocker, 2 not asked (3 warning(s))"
 
 
 # --- one record, both shapes -------------------------------------------------------------
@@ -315,85 +415,86 @@ def test_the_record_of_a_group_names_its_nodes_and_the_head_serves(template, lis
     assert rec.answers
 
 
-def test_a_worker_hosts_record_serves_no_api(tree):
-    layout = Layout(tree)
+def test_a_worker_hosts_record_serves_no_api(template, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(template, root, symlinks=True)
+    layout = Layout(root)
     layout.node_args_file("g1", "head").unlink()
-    rec = instance.read(tree, "g1")
+    rec = instance.read(root, "g1")
     assert rec.units == ("gemma4-vllm-worker@g1.service",) and rec.node.rank == 1
     assert rec.api_key_path is None and rec.api_key() is None and not rec.answers
 
 
-def test_a_groups_profile_is_its_kept_copy(tree):
+def test_a_groups_profile_is_its_kept_copy(template, tmp_path):
     """The operator's own profile, kept beside the env file, is the one read (not a shipped
     name): cutover, doctor and canary record take the group's record."""
-    layout = Layout(tree)
+    root = tmp_path / "root"
+    shutil.copytree(template, root, symlinks=True)
+    layout = Layout(root)
     text = (Path(profiles.__file__).parent / "data" / f"{GROUP_PROFILE}.toml").read_text()
     mine = text.replace(f'name = "{GROUP_PROFILE}"', 'name = "my-2node"')
     assert mine != text
     layout.profile_copy("g1").write_text(mine)
     env = envfile.read(layout.env_file("g1"))
     write_atomic(layout.env_file("g1"), env.with_value(envfile.PROFILE_KEY, "my-2node"))
-    assert instance.read(tree, "g1").profile.name == "my-2node"
+    assert instance.read(root, "g1").profile.name == "my-2node"
 
 
-# --- doctor and fleet status name the group's head ------------------------------------------
+# --- doctor and fleet status name the group's head, on the real Docker engine ---------------
 
 
-class _Container:
-    def __init__(self, image: str) -> None:
-        self.status = "running"
-        self.attrs = {"Image": "sha256:" + "ab" * 32, "Config": {"Image": image, "Labels": {}}}
+@pytest.fixture
+def head_running(template, tmp_path, docker_engine, appliance_images):
+    """A copy of the tree whose group ``g1`` runs the suite's MTP image, and on the real
+    engine a container of that name (``sleep``: nothing of the engine needed) beside a decoy
+    under the single-node name ``gemma4-vllm-g1``, started from the image's ID: a command that
+    read the wrong container would say the ID."""
+    appliance_images["cpu-mtp"]
+    root = tmp_path / "root"
+    shutil.copytree(template, root, symlinks=True)
+    env_path = Layout(root).env_file("g1")
+    write_atomic(env_path, envfile.read(env_path).with_value(envfile.IMAGE_KEY, MTP_IMAGE))
+    image = docker_engine.images.get(MTP_IMAGE)
+    names = ("gemma4-vllm-g1-head", "gemma4-vllm-g1")
+    with machine_lock("tree-asks-nothing-g1"):
+        for name, ref in zip(names, (MTP_IMAGE, image.id), strict=True):
+            _remove(docker_engine, name)
+            docker_engine.containers.run(
+                ref, ["600"], entrypoint=["sleep"], name=name, detach=True, network_mode="none"
+            )
+        try:
+            yield root
+        finally:
+            for name in names:
+                _remove(docker_engine, name)
 
 
-class _Image:
-    def __init__(self) -> None:
-        self.id = "sha256:" + "ab" * 32
-        self.labels = {"io.gemma4-appliance.variant": "cpu"}
-        self.tags = [IMAGE]
+def _remove(client, name: str) -> None:
+    try:
+        client.containers.get(name).remove(force=True)
+    except docker.errors.NotFound:
+        pass
 
 
-class StubDocker:
-    """A Docker SDK client that knows one running container per name asked for."""
-
-    def __init__(self, running: dict[str, str]) -> None:
-        self.asked: list[str] = []
-        stub = self
-
-        class Containers:
-            def get(self, name):
-                stub.asked.append(name)
-                if name not in running:
-                    raise docker.errors.NotFound(name)
-                return _Container(running[name])
-
-        class Images:
-            def get(self, ref):
-                return _Image()
-
-        self.containers, self.images = Containers(), Images()
+@pytest.mark.docker
+def test_doctor_on_a_group_names_the_head_unit_and_container(head_running, listeners):
+    argv = ["instance", "doctor", "g1", "--root", str(head_running), "--json"]
+    [done] = trace([argv], listeners, refuse=False, told={"DOCKER_HOST": f"unix://{SOCKET}"})
+    checks = {c["name"]: c for c in json.loads(done.output)["checks"]}
+    assert checks["instance.unit"]["summary"] == "unit gemma4-vllm-head@.service installed"
+    assert checks["instance.container"]["summary"] == f"gemma4-vllm-g1-head runs {MTP_IMAGE}"
+    assert checks["engine.reachable"]["status"] == "warn"  # not asked, never ok
+    # The tree's Docker was named and asked; its systemd and port were not.
+    assert done.reached == [f"connect {SOCKET}"], done
 
 
-def test_doctor_on_a_group_names_the_head_unit_and_container(template):
-    stub = StubDocker({"gemma4-vllm-g1-head": IMAGE})
-    report = doctor.run(
-        "http://127.0.0.1:9", instance="g1", root=template, docker_client=stub, ask_engine=False
-    )
-    checks = {c.name: c for c in report.checks}
-    assert checks["instance.unit"].summary == "unit gemma4-vllm-head@.service installed"
-    assert checks["instance.container"].summary == f"gemma4-vllm-g1-head runs {IMAGE}"
-    assert stub.asked == ["gemma4-vllm-g1-head"]
-    assert checks["engine.reachable"].status == "warn"  # not asked, never ok
-
-
-def test_fleet_status_of_a_group_reads_the_heads_container(template, monkeypatch):
-    stub = StubDocker({"gemma4-vllm-g1-head": IMAGE, "gemma4-vllm-g1": "wrong:one"})
-    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/the-trees-docker.sock")
-    monkeypatch.setattr(docker, "from_env", lambda *a, **k: stub)
+@pytest.mark.docker
+def test_fleet_status_of_a_group_reads_the_heads_container(head_running, monkeypatch):
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{SOCKET}")  # the tree's Docker: this host's
     for var in ("APPLIANCE_SYSTEMD_PREFIX", "APPLIANCE_ROOT"):
         monkeypatch.delenv(var, raising=False)
-    st = hosts.host_status("g1", template)
-    assert st.container == "gemma4-vllm-g1-head" and st.container_image == IMAGE
-    assert "gemma4-vllm-g1" not in stub.asked and stub.asked
+    st = hosts.host_status("g1", head_running)
+    assert st.container == "gemma4-vllm-g1-head" and st.container_image == MTP_IMAGE
     assert st.unit_state == "not asked" and st.healthy is None
     assert any("its instance" in w for w in st.not_asked)
 
@@ -415,14 +516,18 @@ def test_one_place_names_a_serving_unit_or_container():
     assert found == []
 
 
-def test_a_gpu_profiles_gpus_are_not_asked_for_a_tree(tree, spies):
+def test_a_gpu_profiles_gpus_are_not_asked_for_a_tree(tree, listeners):
+    root, copy = tree
+    cases = [
+        ["host", "check", "x1", "--root", str(root), "--json"],
+        ["instance", "doctor", "x1", "--root", str(root), "--json"],
+    ]
+    check, doc = trace(cases, listeners, [copy, None])
+    assert check.reached == [] and doc.reached == [], (check, doc)
     # Its exit is the tree's disk for the weights' (a finding of the tree's files), not the GPUs.
-    res = invoke(["host", "check", "x1", "--root", str(tree), "--json"], env=spies.env(), code=None)
-    found = {f["name"]: f for f in json.loads(res.output)["findings"]}
+    found = {f["name"]: f for f in json.loads(check.output)["findings"]}
     assert found["gpu"]["status"] == "warn" and found["gpu"]["message"].startswith("not asked")
-    argv = ["instance", "doctor", "x1", "--root", str(tree), "--json"]
-    res = invoke(argv, env=spies.env(), code=1)  # its models are not in the tree
-    checks = {c["name"]: c for c in json.loads(res.output)["checks"]}
+    assert doc.code == 1  # its models are not in the tree
+    checks = {c["name"]: c for c in json.loads(doc.output)["checks"]}
     assert checks["host.gpus"]["status"] == "warn"
-    assert checks["host.gpus"]["summary"].startswith(f"not asked: --root {tree} ")
-    assert spies.reached() == []
+    assert checks["host.gpus"]["summary"].startswith(f"not asked: --root {root} ")
