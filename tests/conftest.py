@@ -40,6 +40,7 @@ pytest_plugins: list[str] = [
     "plugins.multinode",
     "plugins.fleet",
     "plugins.fleet_group",
+    "plugins.traffic",
 ]
 
 

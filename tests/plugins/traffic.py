@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 from collections import Counter
@@ -47,6 +48,8 @@ import httpx
 from appliance import shed
 
 WHOLE, REFUSED, CUT, ERROR = "whole", "refused", "cut", "error"
+# Every run of the harness in this process: (test, label, report), for the table at the end.
+FINISHED: list[tuple[str, str, Report]] = []
 CLASSES = (WHOLE, REFUSED, CUT, ERROR)
 
 # The tiny model's context is 512 tokens; the prompt takes about 30 of them with the template.
@@ -235,9 +238,12 @@ class Traffic:
         return self.start().wait_flowing()
 
     def __exit__(self, *exc: object) -> None:
-        """Stop; the report is :attr:`report` (and printed, for the test's output)."""
+        """Stop; the report is :attr:`report` (printed, for the test's output, and kept for the
+        run's table of operations under traffic)."""
         self.report = self.stop()
         print(f"{self.label}: {self.report.summary()}", flush=True)
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].split("::")[-1]
+        FINISHED.append((test, self.label, self.report))
 
     def start(self) -> Self:
         self.started = time.monotonic()
@@ -426,3 +432,19 @@ def _read_stream(resp: httpx.Response, asked: int) -> tuple[str, str]:
     if not ended:
         return CUT, f"no [DONE] after {chunks} chunks (finish {finish!r}, {tokens} tokens)"
     return _whole(finish, tokens, asked)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The operations run under traffic in this run, each with its requests by class."""
+    if not FINISHED:
+        return
+    terminalreporter.section("operations under traffic (tests/plugins/traffic.py)")
+    terminalreporter.write_line(
+        f"{'test':<62} {'traffic':<36} whole  503 refused  cut error refusing s"
+    )
+    for test, label, r in FINISHED:
+        c = r.counts()
+        terminalreporter.write_line(
+            f"{test[:62]:<62} {label[:36]:<36} {c[WHOLE]:5} {r.shed():4} "
+            f"{c[REFUSED] - r.shed():7} {c[CUT]:4} {c[ERROR]:5} {r.refused_seconds:10.1f}"
+        )
