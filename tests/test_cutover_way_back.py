@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from plugins.cutover import write_env
 
-from appliance import labels, profiles
+from appliance import labels
 from appliance.cutover import flow, gates, history
 from appliance.cutover import slot as slots
 from appliance.cutover.context import Context, PreflightError
@@ -26,6 +26,8 @@ from appliance.cutover.preflight import ImageInfo
 from appliance.cutover.target import EnvFileTarget
 from appliance.host.layout import Layout
 from appliance.host.systemd import Systemd
+from appliance.units import instance
+from appliance.units.instance import Instance
 
 NAME = "i1"
 OLD = "gemma4-cutover-test:0.32.0-mtp-cpu"
@@ -63,20 +65,12 @@ class ScriptedTarget(EnvFileTarget):
     """An instance whose moves go as scripted (``outcomes``: one gate list per move, the last
     failing one raising ``GateFailed``); it records what each move saw."""
 
-    name: str
-    env_path: Path
+    inst: Instance  # the record of the tree's env file (its URL never asked: no canary)
     root: Path
     outcomes: list[list[Gate]]
-    profile: profiles.Profile = field(default_factory=lambda: profiles.get("cpu-tiny-mtp"))
-    base_url: str = "http://127.0.0.1:9"  # never asked: the canary is off
-    served_model: str = "gemma4-tiny"
     noun: str = "instance"
-    node: None = None
     remote_ranks: tuple[int, ...] = ()
     moves: list[Move] = field(default_factory=list)
-
-    def api_key(self) -> str | None:
-        return None
 
     def inspect(self, ctx: Context, ref: str) -> ImageInfo:
         if ref not in IMAGES:
@@ -114,7 +108,8 @@ def _tree(tmp_path: Path, slot_before: str | None, outcomes: list[list[Gate]]) -
         systemd=Systemd(prefix=(str(tmp_path / "no-systemctl"),)),
         progress=said.append,
     )
-    tgt = ScriptedTarget(NAME, env_path, tmp_path, list(outcomes))
+    tgt = ScriptedTarget(instance.read(tmp_path, NAME), tmp_path, list(outcomes))
+    assert tgt.env_path == env_path
     return ctx, tgt, said
 
 

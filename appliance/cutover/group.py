@@ -28,13 +28,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import apikey, profiles
 from ..errors import EngineError, UsageError
-from ..host.layout import Node, Shape
 from ..host.names import Role
 from ..host.systemd import SystemdError
 from ..serve.health import image_waiting_for_head
-from ..units.instance import Instance, host_node
+from ..units.instance import Instance
 from . import gates
 from .context import Context
 from .history import Gate
@@ -48,14 +46,8 @@ class GroupTarget(EnvFileTarget):
     :class:`~.target.Target`). ``remote_ranks``: the worker ranks of a head's group that run on
     other hosts (moved by the fleet's play, not by this target)."""
 
-    name: str
-    node: Node
-    profile: profiles.Profile
-    env_path: Path
+    inst: Instance
     root: Path
-    base_url: str
-    key_path: Path | None
-    shape: Shape
     remote_ranks: tuple[int, ...] = ()
     noun = "group"
 
@@ -64,17 +56,6 @@ class GroupTarget(EnvFileTarget):
 
     def container(self, role: Role) -> str:
         return self.shape.role_container(role)
-
-    @property
-    def served_model(self) -> str:
-        return self.profile.served_model_name
-
-    @property
-    def answers(self) -> bool:
-        return "head" in self.node.roles
-
-    def api_key(self) -> str | None:
-        return apikey.read(self.key_path) if self.key_path else None
 
     def check_way_back(self, rollback: bool) -> None:
         """A head whose workers run elsewhere moves only without its own way back: that way
@@ -142,22 +123,11 @@ class GroupTarget(EnvFileTarget):
 def group_target(ctx: Context, inst: Instance) -> GroupTarget:
     """The group ``inst`` records, as this host runs it: its profile, the head's URL and key,
     and (on the head's host) the worker ranks other hosts run."""
-    node = inst.node or host_node(ctx.layout, inst.shape)
-    head = "head" in node.roles
+    node = inst.node  # read for a group with its multi-node profile (units.instance.read)
     ranks = {node.rank} if "worker" in node.roles else set()
-    nodes = inst.profile.multinode.nodes if inst.profile.multinode else 1
-    remote = tuple(r for r in range(1, nodes) if r not in ranks) if head else ()
-    return GroupTarget(
-        inst.name,
-        node,
-        inst.profile,
-        inst.env_path,
-        ctx.layout.root,
-        inst.base_url,
-        inst.api_key_path,
-        inst.shape,
-        remote,
-    )
+    nodes = inst.profile.multinode.nodes
+    remote = tuple(r for r in range(1, nodes) if r not in ranks) if inst.answers else ()
+    return GroupTarget(inst, ctx.layout.root, remote)
 
 
 def _restart(ctx: Context, tgt: GroupTarget, timeout: float) -> dict[str, str]:

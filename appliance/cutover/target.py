@@ -20,7 +20,7 @@ from typing import Protocol
 from ..errors import EngineError
 from ..fsutil import write_atomic
 from ..host import envfile
-from ..host.layout import Node
+from ..host.layout import Node, Shape
 from ..host.systemd import SystemdError
 from ..profiles import Profile
 from ..units.instance import Instance
@@ -127,14 +127,48 @@ def command(root: Path, verb: str, name: str, *args: str) -> str:
 
 
 class EnvFileTarget:
-    """What both shapes share: one env file on this host (``env_path``), read, written, saved
-    and put back byte for byte, and the operator's command line for a verb."""
+    """What both shapes share: the installed record (``inst``, read through), one env file on
+    this host, read, written, saved and put back byte for byte, and the operator's command line
+    for a verb."""
 
-    name: str
-    env_path: Path
+    inst: Instance
     root: Path  # the host's root the env file is under (``/`` on a real host)
-    answers = True
     own_way_back = True
+
+    @property
+    def name(self) -> str:
+        return self.inst.name
+
+    @property
+    def env_path(self) -> Path:
+        return self.inst.env_path
+
+    @property
+    def profile(self) -> Profile:
+        return self.inst.profile
+
+    @property
+    def base_url(self) -> str:
+        return self.inst.base_url
+
+    @property
+    def served_model(self) -> str:
+        return self.inst.served_model
+
+    @property
+    def node(self) -> Node | None:
+        return self.inst.node
+
+    @property
+    def shape(self) -> Shape:
+        return self.inst.shape
+
+    @property
+    def answers(self) -> bool:
+        return self.inst.answers
+
+    def api_key(self) -> str | None:
+        return self.inst.api_key()
 
     @property
     def env_files(self) -> str:
@@ -170,35 +204,11 @@ class InstanceTarget(EnvFileTarget):
     inst: Instance
     root: Path = Path("/")
     noun = "instance"
-    node: Node | None = None  # not a group
     remote_ranks: tuple[int, ...] = ()
-
-    @property
-    def name(self) -> str:
-        return self.inst.name
-
-    @property
-    def env_path(self) -> Path:
-        return self.inst.env_path
-
-    @property
-    def profile(self) -> Profile:
-        return self.inst.profile
-
-    @property
-    def base_url(self) -> str:
-        return self.inst.base_url
-
-    @property
-    def served_model(self) -> str:
-        return self.inst.served_model
 
     @property
     def unit(self) -> str:
         return self.inst.unit
-
-    def api_key(self) -> str | None:
-        return self.inst.api_key()
 
     def inspect(self, ctx: Context, ref: str) -> ImageInfo:
         return inspect_image(ctx, ref)

@@ -57,6 +57,12 @@ class Shape:
         return "group" if self.group else "instance"
 
     @property
+    def answers(self) -> bool:
+        """It serves the API on this host: an instance, or a group whose head runs here (not a
+        host that runs only a group's worker)."""
+        return not self.group or "head" in self.roles
+
+    @property
     def units(self) -> tuple[str, ...]:
         """The units that serve it on this host."""
         if self.group:
@@ -144,12 +150,14 @@ class Layout:
         """Where an operator's own profile file is installed beside the instance's env file."""
         return self.env_dir / f"{check_instance(name)}.profile.toml"
 
-    def served_key_file(self, name: str) -> Path:
+    def served_key_file(self, name: str, shape: Shape | None = None) -> Path | None:
         """The API key guarding ``name``'s API on this host: a group's head's, else the
-        instance's own."""
-        if "head" in self.shape(name).roles:
-            return self.node_api_key_file(name, "head")
-        return self.api_key_file(name)
+        instance's own; None where this host serves no API (a group's worker only).
+        ``shape``: ``name``'s, when the caller has it already."""
+        shape = self.shape(name) if shape is None else shape
+        if not shape.answers:
+            return None
+        return self.node_api_key_file(name, "head") if shape.group else self.api_key_file(name)
 
     def node_args_file(self, group: str, role: Role) -> Path:
         return self.args_file(node_instance(group, role))

@@ -222,7 +222,7 @@ def for_install(plan: Planned) -> Target:
         api_key=key,
         kept_port=plan.existing.get(envfile.PORT_KEY),
     )
-    return replace(t, serves=plan.node is None or "head" in plan.node.roles)
+    return replace(t, serves=plan.shape.answers)
 
 
 def check(

@@ -88,7 +88,7 @@ class Instance:
     @property
     def answers(self) -> bool:
         """It serves the API on this host (not a host running only a group's worker)."""
-        return self.node is None or "head" in self.node.roles
+        return self.shape.answers
 
     @property
     def env_path(self) -> Path:
@@ -167,11 +167,8 @@ def from_env(root: Path | str, name: str, env: envfile.EnvFile) -> Instance:
     host = check_host(host_text := required(HOST_KEY), f"{HOST_KEY}={host_text!r} in {env.path}")
     port_text = required(PORT_KEY)
     port = check_port(port_text, f"{PORT_KEY}={port_text!r} in {env.path}")
-    if shape.group:
-        args = layout.node_args_file(name, shape.roles[0])
-        key = layout.node_api_key_file(name, "head") if "head" in shape.roles else None
-    else:
-        args, key = layout.args_file(name), layout.api_key_file(name)
+    args = layout.node_args_file(name, shape.roles[0]) if shape.group else layout.args_file(name)
+    key = layout.served_key_file(name, shape)
     return Instance(
         name=name,
         profile=profile,

@@ -162,7 +162,7 @@ def planned(
     else:
         prof = profile
     node = node_for(prof, layout, instance, node)
-    answers = node is None or "head" in node.roles
+    answers = Shape(instance, node.roles if node else ()).answers
     port = _choose_port(root, instance, prof.port, opts.port, explicit.port, answers=answers)
     opts = replace(opts, port=port)
     return Planned(instance, root, prof, opts, dict(existing), own, node)
@@ -275,19 +275,19 @@ def _choose_port(
     one (several instances of one profile, e.g. the four MIG slices of a card). Every NAME
     installed here counts, instance or group, but a host that runs only a group's worker
     serves no API: its port is the head's, elsewhere (``answers`` False: taken as it comes)."""
+    if not answers:
+        return asked if asked is not None else kept if kept is not None else default
     layout = Layout(root)
     taken: dict[int, str] = {}
     for name in layout.installed():
         shape = layout.shape(name)
-        if name == instance or (shape.group and "head" not in shape.roles):
+        if name == instance or not shape.answers:
             continue
         try:
             port = int(_existing_env(root, name).get(PORT_KEY, ""))
         except (UsageError, ValueError):
             continue  # unreadable: install and the serve program refuse it with its own words
         taken.setdefault(port, f"{shape.noun} {name}")
-    if not answers:
-        return asked if asked is not None else kept if kept is not None else default
     if asked is not None and asked in taken:
         free = _next_free(asked, taken)
         raise UsageError(
@@ -319,8 +319,7 @@ def write_scrape_targets(root: Path, result: WriteResult) -> None:
     layout = Layout(root)
     targets = []
     for name in layout.installed():
-        shape = layout.shape(name)
-        if shape.group and "head" not in shape.roles:
+        if not layout.shape(name).answers:
             continue
         try:
             inst = instances.read(root, name)
