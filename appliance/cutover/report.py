@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 
 from .. import labels
+from ..host import reach
 from . import history
 from .status import Status, describe_running
 
@@ -105,7 +106,7 @@ def status_lines(st: Status) -> list[str]:
             out.append(f"  build:      {st.build_warning}")
     elif st.image_error:
         out.append(f"  labels:     {st.image_error}")
-        why = "Docker was not asked" if st.image_error.startswith("not asked") else "no labels"
+        why = "Docker was not asked" if reach.unasked(st.image_error) else "no labels"
         out.append(f"  build:      image build not checked: {why}")
     if st.instance_error:
         out.append(f"  instance:   {st.instance_error}")

@@ -92,10 +92,7 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     env = envfile.read(layout.env_file(instance))  # a clear error when not installed
     shape = layout.shape(instance)
     st = Status(instance, shape.unit, env.get(envfile.IMAGE_KEY), env.get(envfile.GPUS_KEY))
-    if getattr(ctx.systemd, "refusal", ""):  # a tree naming no systemd: its units not asked
-        st.units = dict.fromkeys(shape.units, reach.NOT_ASKED)
-    else:
-        st.units = {u: ctx.systemd.active_state(u) for u in shape.units}
+    st.units = {u: ctx.systemd.active_state(u) for u in shape.units}
     st.unit_state = st.units[shape.unit]
     # The container of the head where it runs here (it serves the API), else the worker's.
     st.container = shape.container

@@ -12,7 +12,6 @@ from .target import InstanceTarget, Target
 def target(ctx: Context, name: str) -> Target:
     """``name`` as this host runs it: the nodes of a group (by the args files installed), else
     a single-node instance (by its env file)."""
-    ctx.layout.require_known(name)
     inst = read_instance(ctx.layout.root, name)
     if inst.group:
         return group_target(ctx, inst)

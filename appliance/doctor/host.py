@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .. import labels as image_labels
 from ..errors import ApplianceError
+from ..host import reach
 from ..host.layout import ENV_DIR
 from ..host.values import LOOPBACK
 from ..hostcheck import nvidia as hostcheck_nvidia
@@ -136,7 +137,7 @@ def api_key_check(inst: Instance) -> Check:
 def _container_check(facts: InstanceFacts) -> Check:
     name = facts.container
     if facts.docker_error:
-        said = "not asked" if facts.docker_error.startswith("not asked") else "cannot ask Docker"
+        said = reach.NOT_ASKED if reach.unasked(facts.docker_error) else "cannot ask Docker"
         return Check(
             "instance.container", "warn", said, {"container": name, "error": facts.docker_error}
         )

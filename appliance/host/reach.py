@@ -44,6 +44,11 @@ def gpus(root: Path) -> bool:
     return systemd(root)
 
 
+def unasked(said: str) -> bool:
+    """Whether ``said`` (a finding, an error's text) is a "not asked" of :func:`why_not`."""
+    return said.startswith(NOT_ASKED)
+
+
 def why_not(root: Path, clause: str) -> str:
     """Why something was not asked: :data:`NOT_ASKED`, the tree, and ``clause`` (e.g. "this
     host's Docker is not the tree's")."""

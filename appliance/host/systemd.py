@@ -138,10 +138,12 @@ class Systemd:
             return ""
 
     def active_state(self, unit: str) -> str:
-        """``active``, ``activating``, ``failed``, ``inactive``, ...; ``unknown`` when systemd
-        cannot be asked (never raises)."""
+        """``active``, ``activating``, ``failed``, ``inactive``, ...; ``not asked`` for a tree
+        whose systemd is not named, ``unknown`` when systemd cannot be asked (never raises)."""
         try:
             return self._run("systemctl", "is-active", unit).stdout.strip() or "unknown"
+        except SystemdNotNamed:
+            return reach.NOT_ASKED
         except SystemdError:
             return "unknown"
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from ..host import reach
+
 Status = Literal["ok", "warn", "blocker"]
 
 
@@ -54,7 +56,7 @@ class Report:
     def text(self) -> str:
         lines = [f.line() for f in self.findings]
         warns = sum(f.status == "warn" for f in self.findings)
-        unasked = sum(f.message.startswith("not asked") for f in self.findings)
+        unasked = sum(reach.unasked(f.message) for f in self.findings)
         if self.ok and unasked:  # a tree: what this host was not asked is not ready either
             lines.append(f"host check: no blocker, {unasked} not asked ({warns} warning(s))")
         elif self.ok:
