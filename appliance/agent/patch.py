@@ -74,18 +74,11 @@ def inside() -> bool:
     return _inside.get()
 
 
-def _current(traced: Call):
-    """The call's span as the current one while the SDK sends it: a span the SDK or an HTTP
-    instrumentation starts inside (the Anthropic SDK 2.x traces its own calls) is its child, in
-    the call's trace, not a second root. Errors are recorded by the call's finish, once."""
-    return trace.use_span(
-        traced.span, end_on_exit=False, record_exception=False, set_status_on_exception=False
-    )
-
-
 def _attach(traced: Call):
-    """:func:`_current` without ``use_span``'s layers: the call's span made current while the
-    SDK sends it; the token to :func:`_detach` (None when the call has no span)."""
+    """The call's span made current while the SDK sends it: a span the SDK or an HTTP
+    instrumentation starts inside (the Anthropic SDK 2.x traces its own calls) is its child, in
+    the call's trace, not a second root (errors are recorded by the call's finish, once). The
+    token to :func:`_detach` (None when the call has no span)."""
     if traced.span is None:
         return None
     return context.attach(trace.set_span_in_context(traced.span))
@@ -202,13 +195,15 @@ class MessageStreamManager(_StreamManager):
         self._self_unread.detach()
         traced.send()
         token = _inside.set(True)
+        current = _attach(traced)
         try:
-            with _current(traced):
-                message_stream = self.__wrapped__.__enter__()
+            message_stream = self.__wrapped__.__enter__()
         except BaseException as exc:
+            current = _detach(current)
             traced.finish(error=exc)
             raise
         finally:
+            _detach(current)
             _inside.reset(token)
         _watch(message_stream, traced, self._self_stream_type, SyncStream)
         return message_stream
@@ -230,13 +225,15 @@ class AsyncMessageStreamManager(_StreamManager):
         self._self_unread.detach()
         await traced.asend()
         token = _inside.set(True)
+        current = _attach(traced)
         try:
-            with _current(traced):
-                message_stream = await self.__wrapped__.__aenter__()
+            message_stream = await self.__wrapped__.__aenter__()
         except BaseException as exc:
+            current = _detach(current)
             await traced.afinish(error=exc)
             raise
         finally:
+            _detach(current)
             _inside.reset(token)
         _watch(message_stream, traced, self._self_stream_type, AsyncStream)
         return message_stream
