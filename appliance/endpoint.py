@@ -83,13 +83,11 @@ def resolve(
         return Endpoint(url or env_url or default, profile, key, None, root, told)
     try:
         inst = instances.read(root, instance)
-    except UnknownInstance as exc:
-        if url:  # the URL was given: the instance lends its key; doctor reports its files
-            return Endpoint(url, profile, key, instance, root)
-        raise unknown_instance(instance, exc.path, alternative="give --url") from None
     except ApplianceError as exc:
         if url:  # the URL was given: the instance lends its key; doctor reports its files
             return Endpoint(url, profile, key, instance, root)
+        if isinstance(exc, UnknownInstance):
+            raise unknown_instance(instance, exc.path, alternative="give --url") from None
         raise UsageError(
             f"cannot tell where instance {instance} serves: {exc.message}",
             fix=f"{exc.fix}, or give --url" if exc.fix else "or give --url",

@@ -35,7 +35,7 @@ from .errors import UsageError
 from .host import envfile
 from .host import lock as locks
 from .host.layout import Layout, Node
-from .host.names import PROBE_TIMER, STATE_UNIT
+from .host.names import STATE_UNIT, probe_timer
 from .hostcheck import placement
 from .images import choice, variant
 from .units.writer import Planned, WriteResult, node_for, write, write_tree
@@ -118,7 +118,7 @@ def next_step(plan: Planned, result: WriteResult, *, models_changed: bool = Fals
     start, restart = plan.shape.unit, plan.shape.units[-1]
     wanted = [start]
     if "head" in plan.shape.roles:
-        wanted.append(PROBE_TIMER.replace("@.", f"@{plan.instance}."))
+        wanted.append(probe_timer(plan.instance))
     wanted.append(f"{STATE_UNIT}.timer")
     enable = [u for u in wanted if not _enabled(layout, u)]
     steps = []

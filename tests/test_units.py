@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from plugins.cli import invoke
 
-from appliance import devmodel, generate, labels, profiles, units
+from appliance import devmodel, generate, labels, models, profiles, units
 from appliance.errors import UsageError
 from appliance.host import envfile
 from appliance.host.layout import Layout
@@ -1154,7 +1154,7 @@ def test_run_refuses_a_broken_model_with_one_line_and_exit_78(
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, lines
     env_path = Layout(root).env_file("m")
-    fix = model_verify.model_dir_fix(str(env_path))
+    fix = models.model_dir_fix(str(env_path))
     assert lines[0].startswith(f"gemma4-vllm@m: models not ready: {want}"), lines[0]
     assert lines[0].endswith(f" ({fix})")
     # The same problems, in the same words, as `appliance models verify --quick` (doctor's check).

@@ -16,7 +16,6 @@ from ..host.systemd import Systemd, SystemdError, SystemdNotNamed
 from ..images import scheme, variant
 from ..profiles import Profile
 from ..units.instance import Instance
-from ..units.instance import read as read_instance
 from .context import Context, PreflightError
 
 
@@ -105,11 +104,6 @@ def check_pinned(
         "would run whatever it names then, without the gates",
         fix=f"cut over to {instead if same else image.id} (what it names now), or pass --force",
     )
-
-
-def target(ctx: Context, name: str) -> Instance:
-    """The instance's facts (profile, URL, image, key file), read once from its env file."""
-    return read_instance(ctx.layout.root, name)
 
 
 def running_image_id(ctx: Context, container: str) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import labels as image_labels
+from .. import models
 from ..errors import ApplianceError
 from ..host import reach
 from ..host.layout import ENV_DIR
@@ -100,7 +101,7 @@ def models_check(inst: Instance, root: Path = Path("/")) -> Check:
                 return Check("instance.models", "fail", f"MODEL_DIR is not set in {inst.env_path}")
             model_dir = where.under_root(root, value)
             report = verify.verify_model_dir(model_dir, where.dir_specs(profile), quick=True)
-            fix = verify.model_dir_fix(str(inst.env_path))
+            fix = models.model_dir_fix(str(inst.env_path))
             ev: dict = {"model_dir": str(model_dir)}
         else:
             loc = where.locate(root=root, instance=inst.name, env=inst.env, profile=profile)

@@ -46,6 +46,11 @@ def check_instance(name: str) -> str:
     return name
 
 
+def probe_timer(group: str) -> str:
+    """The head's generation probe timer of ``group``."""
+    return PROBE_TIMER.replace("@.", f"@{check_instance(group)}.")
+
+
 def unit_name(instance: str) -> str:
     """The systemd unit of ``instance``."""
     return f"gemma4-vllm@{check_instance(instance)}.service"

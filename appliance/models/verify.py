@@ -23,10 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# hub_fix and model_dir_fix live in the package (where.py needs one; no cycle through here)
-# and stay reachable as verify's, where the serve program and doctor call them.
 from .. import progress
-from . import DRAFTER_TYPES, ModelSpec, cache, hub_fix, model_dir_fix  # noqa: F401
+from . import DRAFTER_TYPES, ModelSpec, cache
 
 if TYPE_CHECKING:
     from .where import Location

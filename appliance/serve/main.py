@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .. import apikey, progress, shed
+from .. import apikey, models, progress, shed
 from ..errors import ApplianceError, UsageError
 from ..host.layout import Layout, Shape
 from ..host.names import check_instance
@@ -91,12 +91,12 @@ class Unit:
             if not settings.model_dir:
                 raise UsageError(f"MODEL_DIR is not set in {self.env_file}")
             report = model_verify.verify_model_dir(Path(settings.model_dir), specs, quick=True)
-            fix = model_verify.model_dir_fix(self.env_file)
+            fix = models.model_dir_fix(self.env_file)
         else:
             if not settings.hf_cache_dir:
                 raise UsageError(f"HF_CACHE_DIR is not set in {self.env_file}")
             report = model_verify.verify_hub(Path(settings.hf_cache_dir) / "hub", specs, quick=True)
-            fix = model_verify.hub_fix([self.instance])
+            fix = models.hub_fix([self.instance])
         line = report.one_line(fix)
         if not report.ok:
             raise ModelsNotReady(line)

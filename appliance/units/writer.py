@@ -22,7 +22,7 @@ from ..host import envfile
 from ..host import lock as locks
 from ..host.envfile import PORT_KEY, PROFILE_KEY
 from ..host.layout import Layout, Node, Shape
-from ..host.names import PROBE_TIMER
+from ..host.names import probe_timer
 from ..host.systemd import Systemd
 from ..observability import file_sd
 from ..profiles import Profile, get, installed, is_file_ref, operators_file
@@ -416,7 +416,7 @@ def _enabled_units(shape: Shape) -> list[str]:
     """The units ``systemctl enable`` may have linked for ``shape``."""
     units = list(shape.units)
     if "head" in shape.roles:
-        units.append(PROBE_TIMER.replace("@.", f"@{shape.name}."))
+        units.append(probe_timer(shape.name))
     return units
 
 
