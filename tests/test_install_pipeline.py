@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from plugins.cli import invoke
+from test_units import snapshot
 
 from appliance import profiles
 from appliance.host import envfile
@@ -95,16 +96,6 @@ def no_docker(monkeypatch):
 
 def run(argv: list[str], code: int | None = 0):
     return invoke(argv, code=code)
-
-
-def snapshot(root: Path) -> dict[str, tuple[bytes, int, int]]:
-    """Every file under ``root``: bytes, mode and mtime (an unchanged tree is equal)."""
-    out = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            st = path.stat()
-            out[str(path.relative_to(root))] = (path.read_bytes(), st.st_mode, st.st_mtime_ns)
-    return out
 
 
 def next_line(output: str) -> str | None:
