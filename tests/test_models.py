@@ -39,7 +39,7 @@ from test_cutover_lock import _squatter
 from appliance import profiles, units
 from appliance.doctor.host import models_check
 from appliance.host import envfile
-from appliance.host.layout import Layout
+from appliance.host.layout import Layout, Shape
 from appliance.models import cache, where
 from appliance.models import verify as mv
 from appliance.units import instance
@@ -728,7 +728,7 @@ def test_doctor_checks_the_instance_models_quick_with_the_fix(pulled, profile_fi
     # record is built with it directly (doctor.run builds it from the env file: test_doctor.py).
     env = envfile.read(Layout(root).env_file("h"))
     inst = instance.Instance(
-        "h", prof, env.get("VLLM_IMAGE"), "127.0.0.1", 8000, env, Path("/x"), Path("/y")
+        "h", prof, env.get("VLLM_IMAGE"), "127.0.0.1", 8000, env, Path("/x"), Path("/y"), Shape("h")
     )
     check = models_check(inst, root)
     assert check.status == "ok", check

@@ -52,12 +52,8 @@ class Instance:
     env: envfile.EnvFile
     args_path: Path
     api_key_path: Path | None
-    shape: Shape | None = None
+    shape: Shape
     node: Node | None = None
-
-    def __post_init__(self) -> None:
-        if self.shape is None:
-            object.__setattr__(self, "shape", Shape(self.name))
 
     @property
     def group(self) -> bool:
