@@ -55,6 +55,10 @@ class SwapTarget(EnvFileTarget):
     noun = "instance"
     node = None
     remote_ranks = ()
+    # Plain attributes where EnvFileTarget reads an installed record: this target has none.
+    name = NAME
+    env_path = profile = served_model = None
+    answers = True  # it serves the API
 
     def __init__(self, root: Path, engines: dict[str, str], first: str, on_move=None) -> None:
         self.name = NAME
