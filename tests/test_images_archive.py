@@ -136,7 +136,7 @@ def test_save_by_id_carries_no_tag_and_loads_by_id(docker_engine, image, tmp_pat
     r = archive.save(docker_engine, image.id, out)
     assert r.tags == [] and r.image_id == image.id
     _gone(docker_engine, image)
-    loaded = archive.load(docker_engine, out, expect_id=image.id.removeprefix("sha256:"))
+    loaded = archive.load(lambda: docker_engine, out, expect_id=image.id.removeprefix("sha256:"))
     assert loaded.image_id == image.id
     assert docker_engine.images.get(image.id).tags == []
 

@@ -175,7 +175,7 @@ def image_load(file: Path, expect_id: str | None, json_: bool) -> None:
     An incomplete or corrupt archive, or one holding another image than --expect-id (default:
     the image its manifest names), is refused before the engine loads anything.
     """
-    r = archive.load(images.client(), file, expect_id)
+    r = archive.load(images.client, file, expect_id)
     _print_archive(r, f"loaded {r.image_id} from {r.path}", json_)
 
 

@@ -316,11 +316,13 @@ def save(client, ref: str, out_path: Path | str) -> SaveResult:
     )
 
 
-def load(client, path: Path | str, expect_id: str | None = None) -> LoadResult:
-    """Load the archive at ``path`` into the engine and verify the image ID and its tags.
+def load(connect, path: Path | str, expect_id: str | None = None) -> LoadResult:
+    """Load the archive at ``path`` into the engine ``connect()`` returns and verify the image
+    ID and its tags.
 
-    The archive is read whole first; it is refused unread by the engine when it is incomplete,
-    corrupt, or holds another image than ``expect_id`` (default: the image its manifest names).
+    The archive is read whole first, before the engine is asked anything: it is refused when
+    it is missing, incomplete, corrupt, or holds another image than ``expect_id`` (default: the
+    image its manifest names).
     """
     import docker.errors
 
@@ -333,6 +335,7 @@ def load(client, path: Path | str, expect_id: str | None = None) -> LoadResult:
             f"{path} holds image {info.image_id}, not the expected {want}",
             fix="check --expect-id against the ID `appliance image save` printed",
         )
+    client = connect()
     loaded: list[str] = []
     try:
         with (
