@@ -21,7 +21,7 @@ import subprocess
 
 import pytest
 from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE, PRE_MTP_IMAGE, SystemdInstance
-from plugins.traffic import Traffic
+from plugins.traffic import LIVE_WINDOW, Traffic
 
 from appliance import canary, specdecode
 from appliance.cutover import history
@@ -87,7 +87,9 @@ def test_cutover_to_a_broken_image_rolls_back_and_the_env_file_is_byte_identical
     slot = Layout(inst.root).rollback_slot(inst.instance)
     slot_before = slot.read_bytes() if slot.exists() else None
     with Traffic(inst.url, inst.api_key, label="cutover to a broken image") as traffic:
-        r = inst.appliance("cutover", inst.instance, BROKEN_IMAGE, "--timeout", TIMEOUT)
+        r = inst.appliance(
+            "cutover", inst.instance, BROKEN_IMAGE, "--timeout", TIMEOUT, *LIVE_WINDOW
+        )
         traffic.wait_back()
     assert r.returncode == 1, r.stderr
     assert f"{BROKEN_IMAGE} failed gate" in r.stderr

@@ -222,21 +222,48 @@ def test_settings_from_the_command_line():
     assert live.settings(True) is live.DEFAULT
     assert live.settings(True, 0.2).rule.margin == 0.2
     assert live.settings(True, 0.2).rule.min_calls == live.DEFAULT.rule.min_calls
+    both = live.settings(True, 0.1, 0.5)
+    assert (both.rule.margin, both.sampling.window_s) == (0.1, 0.5)
+    assert both.before_windows == live.DEFAULT.before_windows
 
 
-@pytest.mark.parametrize("margin", ["nan", "1.5", "-0.1"])
-def test_a_bad_margin_is_one_error_line_before_anything_is_read(tmp_path, cli_run, margin):
+@pytest.mark.parametrize(
+    "option, value, says",
+    [
+        *[("--live-acceptance-margin", v, "margin must be within 0..1") for v in ("nan", "1.5")],
+        ("--live-acceptance-margin", "-0.1", "margin must be within 0..1"),
+        *[("--live-acceptance-window", v, "must last at least 0.2 s") for v in ("0.1", "nan")],
+    ],
+)
+@pytest.mark.parametrize("check", [[], ["--check"]])
+def test_a_bad_value_is_one_error_line_before_anything_is_read(
+    tmp_path, cli_run, option, value, says, check
+):
     r = cli_run(
         ["cutover", "i1", "gemma4-vllm:0.32.0-mtp-cpu", "--root", str(tmp_path)]
-        + ["--live-acceptance-margin", margin],
+        + [option, value, *check],
         code=2,
     )
     [line] = r.output.strip().splitlines()
-    assert line.startswith("Error: ") and "margin must be within 0..1" in line, line
+    assert line.startswith("Error: ") and says in line, line
     assert not any(tmp_path.iterdir())
 
 
 def test_the_options_are_on_cutover_only(cli_run):
     assert "--live-acceptance / --no-live-acceptance" in cli_run(["cutover", "--help"]).output
     assert "--live-acceptance-margin" in cli_run(["cutover", "--help"]).output
+    assert "--live-acceptance-window" in cli_run(["cutover", "--help"]).output
     assert "--live-acceptance" not in cli_run(["rollback", "--help"]).output
+
+
+def test_a_new_image_that_does_not_draft_records_nothing(replay):
+    """A move to an image serving without speculative decoding (a rollback to pre-MTP): its
+    side has no acceptance, so the old image's traffic is not recorded."""
+    said: list[str] = []
+    server = replay(reads("copy"))
+    assert live.before(_ctx(said), server, SETTINGS, new_drafts=False) is None
+    [line] = said
+    assert line == (
+        "live acceptance: nothing to judge (the new image serves without speculative "
+        "decoding); the canary decides"
+    )

@@ -28,7 +28,7 @@ from plugins.multinode import (
     remove_group,
 )
 from plugins.systemd_instance import APPLIANCE, REPO
-from plugins.traffic import Traffic
+from plugins.traffic import LIVE_WINDOW, Traffic
 
 import docker
 from appliance import devmodel, installer, profiles, state_metrics, units
@@ -142,7 +142,7 @@ def test_cutover_moves_both_nodes_and_a_killed_rollback_is_recovered(multinode_g
     old_id = g.container_image_id("head")
     env_vars = dict(os.environ, **m.tree_env())
     run = {"env": env_vars, "cwd": REPO, "capture_output": True, "text": True}
-    cut = [APPLIANCE, "cutover", GROUP, g.derived_image, "--timeout", "900"]
+    cut = [APPLIANCE, "cutover", GROUP, g.derived_image, "--timeout", "900", *LIVE_WINDOW]
     with Traffic(g.url, g.api_key, label="group cutover") as traffic:
         moved = subprocess.run([*cut, "--root", str(m.root)], check=False, **run)
         traffic.wait_back()

@@ -99,6 +99,15 @@ def timeout_option(which: str):
     help=f"The drop in mean acceptance (absolute, 0..1) the live rule tolerates "
     f"[default: {live.DEFAULT.rule.margin}].",
 )
+@click.option(
+    "--live-acceptance-window",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help=f"How long each window of the live traffic lasts at least; the rule wants "
+    f"{live.DEFAULT.rule.min_samples} a side, so shorter windows decide sooner on busy traffic "
+    f"[default: {live.DEFAULT.sampling.window_s}].",
+)
 @gate_options
 @root_option
 def cutover(
@@ -116,6 +125,7 @@ def cutover(
     force: bool,
     live_acceptance: bool,
     live_acceptance_margin: float | None,
+    live_acceptance_window: float | None,
     root: Path,
 ) -> None:
     """Move NAME to IMAGE: restart, gate, and roll back automatically on failure.
@@ -133,6 +143,8 @@ def cutover(
       appliance cutover 31b gemma4-vllm:0.32.0-mtp
       appliance cutover 31b gemma4-vllm:0.32.0-mtp --check
     """
+    # Before anything else: a bad value is refused with or without --check.
+    live_settings = live.settings(live_acceptance, live_acceptance_margin, live_acceptance_window)
     if check:
         found = flow.check(
             _context(root, progress=False),
@@ -157,7 +169,7 @@ def cutover(
         canary_before=canary_before,
         allow_unit_overrides=allow_unit_overrides,
         force=force,
-        live_acceptance=live.settings(live_acceptance, live_acceptance_margin),
+        live_acceptance=live_settings,
     )
     click.echo(f"{name}: now on {entry.to_image} (was {entry.from_image}); gates passed")
     if entry.canary:

@@ -234,7 +234,12 @@ def _before(
             ctx, m.plan, tgt, m.api_key, current_ref, canary_timeout, canary_before
         )
         # The old image's live traffic, while it serves and nothing is touched.
-        m.traffic = live.before(ctx, tgt.base_url, live_acceptance if tgt.answers else None)
+        m.traffic = live.before(
+            ctx,
+            tgt.base_url,
+            live_acceptance if tgt.answers else None,
+            new_drafts=tgt.profile.mtp and m.new.mtp,
+        )
     except Interrupted as stop:
         raise CutoverInterrupted(
             f"{m.kind} of {name} interrupted by {stop.name} before anything was touched"

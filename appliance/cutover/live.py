@@ -18,10 +18,12 @@ its real workload: a drafter that fails the real traffic can pass the canary. So
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 
 from .. import noninferiority, traffic_acceptance
+from ..errors import UsageError
 from . import gates
 from .context import Context
 from .history import Gate
@@ -44,25 +46,45 @@ class Settings:
 
 
 DEFAULT = Settings()
+# A window shorter than a few decode steps reads mostly noise (and a metrics read per window).
+MIN_WINDOW_S = 0.2
 
 
-def settings(enabled: bool = True, margin: float | None = None) -> Settings | None:
+def settings(
+    enabled: bool = True, margin: float | None = None, window_s: float | None = None
+) -> Settings | None:
     """The gate as the command line sets it: None when off; ``margin`` (absolute acceptance,
-    0..1) in place of the rule's."""
+    0..1) in place of the rule's; ``window_s`` (seconds a window lasts at least) in place of
+    the sampling's."""
     if not enabled:
         return None
-    if margin is None:
-        return DEFAULT
-    return dataclasses.replace(DEFAULT, rule=dataclasses.replace(DEFAULT.rule, margin=margin))
+    chosen = DEFAULT
+    if margin is not None:
+        chosen = dataclasses.replace(chosen, rule=dataclasses.replace(chosen.rule, margin=margin))
+    if window_s is not None:
+        if not (math.isfinite(window_s) and window_s >= MIN_WINDOW_S):
+            raise UsageError(
+                f"a live-acceptance window must last at least {MIN_WINDOW_S} s, not {window_s}"
+            )
+        sampling = dataclasses.replace(chosen.sampling, window_s=window_s)
+        chosen = dataclasses.replace(chosen, sampling=sampling)
+    return chosen
 
 
 def before(
-    ctx: Context, base_url: str, settings: Settings | None
+    ctx: Context, base_url: str, settings: Settings | None, new_drafts: bool = True
 ) -> traffic_acceptance.Traffic | None:
     """Record the old image's live traffic; None when the gate is off or has nothing to judge
-    (said in a progress line)."""
+    (said in a progress line). ``new_drafts``: the new image serves with speculative decoding
+    (when it does not, its side has no acceptance to compare: nothing is recorded)."""
     if settings is None:
         ctx.progress("live acceptance: off")
+        return None
+    if not new_drafts:
+        ctx.progress(
+            "live acceptance: nothing to judge (the new image serves without speculative "
+            "decoding); the canary decides"
+        )
         return None
     rule = settings.rule
     traffic = traffic_acceptance.sample(

@@ -265,6 +265,9 @@ def _inventory(workdir: Path, key: Path, hosts: list[tuple[str, str, int, int]])
                         # of 6 probes is the same evidence as 15 s, 13 s sooner per soak.
                         "rollout_soak_seconds": 2,
                         "rollout_soak_probe_requests": 6,
+                        # Half-second windows: the tiny engine's traffic settles each side
+                        # of the live rule in ~5 s, not 20 (tests/plugins/traffic.py).
+                        "rollout_live_acceptance_window": 0.5,
                     },
                 }
             }

@@ -178,6 +178,12 @@ class Report:
         return None
 
 
+# `appliance cutover --live-acceptance-window` under this traffic: the tiny engine drafts
+# hundreds of tokens a second, so half-second windows hold the rule's least evidence and each
+# side settles in about 5 s instead of 20 (the default 2 s windows are a real host's).
+LIVE_WINDOW = ("--live-acceptance-window", "0.5")
+
+
 @dataclass
 class _Client:
     """One client's plan: its index, whether it streams long answers, its lengths."""
