@@ -285,8 +285,53 @@ def test_pull_of_a_gated_model_without_a_token_is_one_line_naming_the_token_file
     progress_line, *lines = result.stderr.strip().splitlines()
     assert progress_line == f"target {TARGET_REPO}@main: downloading into {tmp_path}/hf/hub"
     assert len(lines) == 1
-    assert f"target {TARGET_REPO} is gated and no token has no access to it" in lines[0]
+    assert f"target {TARGET_REPO} is gated and no token was given (" in lines[0]
+    assert "HF_TOKEN" not in lines[0]  # not set here: nothing to say about it
     assert f"read token in {missing} (chmod 600)" in lines[0]
+
+
+def test_pull_with_HF_TOKEN_set_says_in_one_line_that_it_is_not_used_and_why(
+    tmp_path, local_hub, profile_file
+):
+    """``HF_TOKEN`` is huggingface_hub's variable: the pull never reads a token from the
+    environment (gotchas/models-gated-and-air-gapped.md), and says so instead of being silent."""
+    missing = tmp_path / "etc" / "gemma4-vllm" / "hf-token"
+    result = _run(
+        ["pull", *_args(profile_file, tmp_path / "hf"), "--root", str(tmp_path)],
+        env={"HF_ENDPOINT": local_hub.url, "HF_TOKEN": HUB_TOKEN},
+    )
+    assert result.exit_code == 1
+    warning, _progress, error = result.stderr.strip().splitlines()
+    assert warning == (
+        f"warning: HF_TOKEN is set but not used: the pull reads the hub token only from "
+        f"{missing} (mode 0600), which is not there; the environment passes a token to every "
+        "process a command starts"
+    )
+    assert error.startswith(
+        f"Error: target {TARGET_REPO} is gated and no token was given (HF_TOKEN is set but not "
+        f"used: put it in {missing}, chmod 600) "
+    )
+    assert HUB_TOKEN not in result.output
+    assert local_hub.log and not any(r.authorized for r in local_hub.log)
+
+
+def test_pull_with_a_token_file_and_HF_TOKEN_uses_the_file_and_says_so(
+    tmp_path, local_hub, profile_file, token_file
+):
+    result = _run(
+        ["pull", *_args(profile_file, tmp_path / "hf"), "--token-file", str(token_file)],
+        env={"HF_ENDPOINT": local_hub.url, "HF_TOKEN": "hf_someOtherToken"},
+    )
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        (
+            f"warning: HF_TOKEN is set but not used: the pull reads the hub token only from "
+            f"{token_file} (mode 0600); the environment passes a token to every process a "
+            "command starts"
+        )
+    ]
+    assert any(r.authorized for r in local_hub.downloads())  # the file's token, not HF_TOKEN's
 
 
 def test_a_token_file_others_may_read_is_refused(tmp_path, local_hub, profile_file, token_file):
@@ -655,6 +700,34 @@ def test_serve_script_passes_a_complete_cache_then_goes_on_to_docker(
     assert f"models ok: target {TARGET_REPO}@" in proc.stderr
     assert f"; drafter {DRAFTER_REPO}@" in proc.stderr
     assert "no docker client" in proc.stderr  # past the check, at the first docker call
+
+
+def test_serve_script_with_HF_TOKEN_in_the_unit_env_says_it_is_not_used(
+    profile_file, tmp_path, no_docker_path
+):
+    """The engine runs offline: a hub token in the unit's environment (its env file, which
+    every user may read) does nothing there, and the serve program says so at each start."""
+    root = tmp_path / "root"
+    _install(root, profile_file, tmp_path)
+    env_file = Layout(root).env_file("h")
+    env_file.write_text(env_file.read_text() + f"HF_TOKEN={HUB_TOKEN}\n")
+    values = envfile.read(env_file).values
+    proc = subprocess.run(
+        [str(Layout(root).serve_program), "h", "print"],
+        env={**values, "PATH": no_docker_path, "APPLIANCE_ROOT": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 78 and "no docker client" in proc.stderr  # went on to docker
+    assert proc.stderr.splitlines()[0] == (
+        "gemma4-vllm@h: HF_TOKEN is set but not used: the engine runs offline from the cache "
+        "`appliance models pull` filled, which reads the hub token from "
+        f"/etc/gemma4-vllm/hf-token only; take it out of {env_file} (or the unit's drop-in), "
+        "which every user may read"
+    )
+    assert HUB_TOKEN not in proc.stderr
 
 
 def test_serve_script_refuses_a_missing_shard(pulled, profile_file, tmp_path, no_docker_path):

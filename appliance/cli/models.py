@@ -65,7 +65,7 @@ def models() -> None:
 @click.option(
     "--token-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    help=f"File holding the hub token, mode 0600 (default {where.DEFAULT_TOKEN_FILE} under "
+    help=f"File holding the hub token, mode 0600 (default {token.DEFAULT_TOKEN_FILE} under "
     "--root, used when it exists). Never pass a token on the command line.",
 )
 def models_pull(loc: where.Location) -> None:

@@ -43,6 +43,13 @@ def pull(loc: Location, *, token: str | None, max_workers: int = 8) -> list[Pull
             fix="unset HF_HUB_OFFLINE for this command, or use appliance models import",
         )
     endpoint = os.environ.get("HF_ENDPOINT") or None
+    if name := tokens.unused_env():
+        there = "" if token else ", which is not there"
+        progress.line(
+            f"warning: {name} is set but not used: the pull reads the hub token only from "
+            f"{loc.token_file} (mode 0600){there}; {tokens.WHY_NOT_ENV}",
+            "warning",
+        )
     out = []
     with cache.locked(loc.hub):
         for spec in loc.specs:
@@ -157,9 +164,17 @@ def _explain(
     where = endpoint or "https://huggingface.co"
     name = f"{spec.role} {spec.repo_id}"
     if isinstance(exc, hf.GatedRepoError):
-        have = "the token in " + str(loc.token_file) if token else "no token"
+        if token:
+            have = f"the token in {loc.token_file} has no access to it"
+        elif unused := tokens.unused_env():
+            have = (
+                f"no token was given ({unused} is set but not used: put it in "
+                f"{loc.token_file}, chmod 600)"
+            )
+        else:
+            have = "no token was given"
         return TransferError(
-            f"{name} is gated and {have} has no access to it",
+            f"{name} is gated and {have}",
             fix=f"accept its licence on the hub with your account, then put a read token in "
             f"{loc.token_file} (chmod 600)",
         )

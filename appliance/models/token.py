@@ -2,7 +2,9 @@
 
 Gemma 4 checkpoints are gated: the token of an account that accepted the licence is needed to
 download them. The file holds the token alone; a file that others may read is refused (the
-token grants that account's access), and no message ever includes its content.
+token grants that account's access), and no message ever includes its content. The hub client's
+own variables (``HF_TOKEN``) are not read for a token; where one is set, the commands say so in
+one line (:func:`unused_env`) instead of leaving a user of ``hf`` to wonder.
 """
 
 from __future__ import annotations
@@ -10,11 +12,25 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import UsageError
+from ..host.names import ENV_DIR
 
+DEFAULT_TOKEN_FILE = f"{ENV_DIR}/hf-token"
 _TOKEN = re.compile(r"[A-Za-z0-9_.~+/=-]+")
+# huggingface_hub's token variables, in the order it reads them; the appliance uses neither.
+HUB_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+# Why not: the file is readable by its owner alone, the environment is inherited.
+WHY_NOT_ENV = "the environment passes a token to every process a command starts"
+
+
+def unused_env(env: Mapping[str, str] | None = None) -> str | None:
+    """The hub client's token variable set in ``env`` (the process's by default), which the
+    appliance does not use; None when none is."""
+    env = os.environ if env is None else env
+    return next((name for name in HUB_ENV if env.get(name, "").strip()), None)
 
 
 def read(path: Path, *, required: bool) -> str | None:

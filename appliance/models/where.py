@@ -15,12 +15,12 @@ from .. import profiles
 from ..errors import UsageError
 from ..host import envfile
 from ..host.layout import Layout
-from ..host.names import DATA_DIR, ENV_DIR
+from ..host.names import DATA_DIR
 from ..profiles import DEVMODEL, Profile
 from . import ModelSpec, hub_fix
+from .token import DEFAULT_TOKEN_FILE
 
 DEFAULT_HF_CACHE = f"{DATA_DIR}/huggingface"
-DEFAULT_TOKEN_FILE = f"{ENV_DIR}/hf-token"
 
 
 @dataclass(frozen=True)

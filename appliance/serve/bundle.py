@@ -40,6 +40,7 @@ MODULES = (
     "host/values.py",
     "models/__init__.py",
     "models/cache.py",
+    "models/token.py",
     "models/verify.py",
     "serve/__init__.py",
     "serve/argsfile.py",

@@ -20,6 +20,7 @@ from ..host.layout import Layout, Shape
 from ..host.names import check_instance
 from ..host.values import LOOPBACK, is_loopback, probe_host
 from ..models import EX_CONFIG, ModelsNotReady, ModelSpec
+from ..models import token as tokens
 from ..models import verify as model_verify
 from . import argsfile, container, docker, environment, health
 from .argsfile import ServeArgs
@@ -105,6 +106,14 @@ class Unit:
     def command(self, args: ServeArgs, *, check_models: bool) -> container.Command:
         """The checked docker command for ``args`` (``run`` checks the models; ``print`` shows
         the command whether or not the models are there yet)."""
+        if name := tokens.unused_env(self.env):
+            self.log(
+                f"{name} is set but not used: the engine runs offline from the cache "
+                "`appliance models pull` filled, which reads the hub token from "
+                f"{tokens.DEFAULT_TOKEN_FILE} only; take it out of {self.env_file} (or the "
+                "unit's drop-in), which every user may read",
+                "warning",
+            )
         settings = environment.settings(self.env, args, self.instance, self.env_file)
         if check_models:
             self.check_models(args, settings)
