@@ -265,7 +265,7 @@ def _context_tar(files: dict[str, bytes]) -> bytes:
 
 CRASH_TAG = "0.32.0-mtp-crash-after-health"
 CRASH_EXIT = 3
-CRASH_AFTER_S = 8
+CRASH_AFTER_S = 3  # past several of the unit's 0.5 s health polls; the crash loop is 3 of these
 
 _CRASH_SERVER = f"""\
 # The MTP image's labels with a stand-in for vLLM: /health answers 200 on the --host and --port
