@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import images, multinode, profiles, units
-from .errors import UsageError
+from .errors import ApplianceError, UsageError
 from .host import envfile
 from .host import lock as locks
 from .host.layout import Layout, Node
@@ -167,8 +167,9 @@ def _models_before(plan: Planned) -> tuple | None:
 
 def _image(client, plan: Planned) -> tuple[Planned, list[str]]:
     """``plan`` with the image install writes (the one given, the env file's, else the chosen
-    default), and the warnings; a UsageError, before anything is written, for an image of the
-    other build than the profile's."""
+    default), and the warnings; refused (exit 1, as the cutover's preflight and the host
+    check's blocker), before anything is written, for an image of the other build than the
+    profile's: a well-formed image the profile cannot run, not bad input."""
     prof, opts = plan.profile, plan.options
     notes = []
     image = opts.image  # the one given, else the env file's (the plan's kept values)
@@ -188,7 +189,7 @@ def _image(client, plan: Planned) -> tuple[Planned, list[str]]:
         return plan, notes  # not here (or not askable): nothing to judge, as before
     fit = variant.fit(image, found, prof.hardware.device, prof.name)
     if fit.refusal is not None:
-        raise UsageError(fit.refusal, fix=fit.fix)
+        raise ApplianceError(fit.refusal, fix=fit.fix)
     if fit.warning is not None:
         notes.append(fit.warning)
     return plan, notes

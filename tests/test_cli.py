@@ -10,16 +10,19 @@ import signal
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import click
 import pytest
 from packaging.version import Version
 
-from appliance import __version__, canary, images, units
+from appliance import __version__, canary, images, labels, units
 from appliance.canary import Record, Settings
 from appliance.canary.record import Output
 from appliance.cli import aliases, cli
+from appliance.cutover import preflight
+from appliance.cutover.preflight import ImageInfo
 from appliance.engine.local import free_port
 from appliance.errors import ApplianceError
 from appliance.host import reach
@@ -250,6 +253,38 @@ def test_a_rollback_with_nothing_to_return_to_is_a_refusal_exit_1(tmp_path, cli_
     units.install(get("cpu-tiny-mtp"), "x", root=tmp_path, options=units.Options(port=free_port()))
     res = cli_run(["rollback", "x", "--root", str(tmp_path)], code=1)
     assert res.output.startswith("Error: instance x has no rollback target"), res.output
+
+
+def test_an_image_of_the_other_build_is_one_refusal_exit_1_for_install_and_cutover(
+    tmp_path, monkeypatch, cli_run
+):
+    """A CPU image for a GPU profile is a well-formed image the profile cannot run: a refusal,
+    as the cutover's preflight and the host check's blocker say it (security review T7). The
+    Docker engine is a stand-in here answering one image's labels (the real CPU image against
+    both commands: test_images_variant.py, the docker tier)."""
+    ref = "gemma4-vllm:0.32.0-mtp-cpu"
+    found = {labels.VARIANT: "cpu", labels.VLLM_VERSION: "0.32.0", labels.MTP: "true"}
+
+    # The one call install makes of the engine: images.get(ref).labels.
+    image = types.SimpleNamespace(labels=found)
+    engine = types.SimpleNamespace(images=types.SimpleNamespace(get={ref: image}.__getitem__))
+    monkeypatch.setattr(images, "reachable", lambda *_a, **_k: engine)
+    argv = ["instance", "install", "31b", "-p", "l4x4-31b-mtp", "--image", ref]
+    res = cli_run([*argv, "--root", str(tmp_path)], code=1)
+    line = _one_line(res.output)
+    assert line.startswith(f"Error: image {ref} is a cpu build ({labels.VARIANT}=cpu)"), line
+    assert list(tmp_path.iterdir()) == []
+    # The cutover's preflight refuses the same image with the same code.
+    info = ImageInfo(ref, "sha256:" + "a" * 64, "0.32.0", mtp=True, labels=found)
+    with pytest.raises(ApplianceError) as by_cutover:
+        preflight.check_compatible(info, get("l4x4-31b-mtp"), allow_no_mtp=False)
+    assert by_cutover.value.exit_code == res.exit_code
+    assert f"Error: {by_cutover.value}" == line
+
+
+def _one_line(output: str) -> str:
+    [line] = output.splitlines()
+    return line
 
 
 def test_a_tree_whose_systemd_or_docker_is_not_named_is_refused_alike(tmp_path, monkeypatch):

@@ -140,7 +140,7 @@ def test_install_with_no_image_of_its_build_here_falls_back_to_latest_never_a_cp
         docker_engine.images.get(appliance_images["cpu-mtp"].image_id).tag(*LATEST)
         upgraded = tmp_path / "upgraded"
         result = _invoke(*argv, "--root", str(upgraded))
-        assert result.exit_code == 2, result.output
+        assert result.exit_code == 1, result.output
         assert "Error: image gemma4-vllm:latest is a cpu build" in result.output
         assert not upgraded.exists()
 

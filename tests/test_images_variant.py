@@ -5,7 +5,7 @@ The CPU image is the real one the suite builds (``cpu-mtp``, labelled
 ``io.gemma4-appliance.variant=cpu`` by docker/cpu/Dockerfile); the CUDA image, and one that does
 not say which build it is, are small labelled images imported into the same engine
 (tests/plugins/cutover.py): every check here reads labels, none runs the engine. Each refusal
-is one line, a non-zero exit, and nothing written.
+is one line, exit 1 (a refusal, install and cutover alike), and nothing written.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_install_refuses_a_cpu_image_for_a_gpu_profile_and_writes_nothing(tmp_pa
     result = _invoke(
         "instance", "install", "31b", "-p", GPU, "--image", cpu_image, "--root", str(tmp_path)
     )
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 1, result.output
     assert result.output.startswith(
         f"Error: image {cpu_image} is a cpu build (io.gemma4-appliance.variant=cpu) and profile "
         f"{GPU} runs on cuda (choose a cuda image, e.g. gemma4-vllm:0.32.0-mtp (appliance image "
@@ -66,7 +66,7 @@ def test_install_refuses_a_cuda_image_for_a_cpu_profile(tmp_path, preflight_imag
     result = _invoke(
         "instance", "install", "t", "-p", "cpu-tiny-mtp", "--image", cuda, "--root", str(tmp_path)
     )
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 1, result.output
     assert f"Error: image {cuda} is a cuda build" in result.output
     assert "profile cpu-tiny-mtp runs on cpu" in result.output
     assert "gemma4-cutover-test:0.32.0-mtp-cpu (appliance image build cpu-mtp)" in result.output
