@@ -3,6 +3,7 @@ assignment changes while every other byte stays, and a kill never leaves half.""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -294,8 +295,37 @@ def test_cutover_refuses_an_ambiguous_env_file_before_anything_is_touched(tmp_pa
         b"VLLM_PORT=8000\n# note \\\nVLLM_IMAGE=gemma4-vllm:b\n"
     )
     before = env_path.read_bytes()
-    for args in (["cutover", "i1", "gemma4-vllm:mtp"], ["status", "i1"]):
-        result = cli_run([*args, "--root", str(tmp_path)], code=2)
-        assert f"Error: {env_path}:5: a comment ending in a backslash" in result.output
+    result = cli_run(["cutover", "i1", "gemma4-vllm:mtp", "--root", str(tmp_path)], code=2)
+    assert f"Error: {env_path}:5: a comment ending in a backslash" in result.output
     assert env_path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["i1.env"]
+
+
+def test_status_of_an_env_file_it_cannot_use_is_not_serving_exit_1_whichever_line(
+    tmp_path, cli_run
+):
+    """One code for an env file status cannot use (security review T7): a line the parser
+    refuses, as a port that is not one, is shown as the instance's problem and exits 1 (not
+    serving, README's table and status's help), never 2; status of all still lists the others."""
+    layout = Layout(tmp_path)
+    good = b"APPLIANCE_PROFILE=cpu-tiny\nVLLM_HOST=127.0.0.1\nVLLM_IMAGE=gemma4-vllm:pre-mtp\n"
+    written = {
+        "ambiguous": (
+            good + b"VLLM_PORT=8000\n# note \\\nVLLM_IMAGE=gemma4-vllm:b\n",
+            ":5: a comment ending in a backslash",
+        ),
+        "port": (good + b"VLLM_PORT=70000\n", "VLLM_PORT='70000' in"),
+    }
+    layout.env_dir.mkdir(parents=True)
+    for name, (raw, _why) in written.items():
+        layout.env_file(name).write_bytes(raw)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for name, (_raw, why) in written.items():
+        result = cli_run(["status", name, "--root", str(tmp_path)], code=1)
+        assert why in result.output and "Traceback" not in result.output, result.output
+    result = cli_run(["status", "--json", "--root", str(tmp_path)], code=1)
+    shown = {st["instance"]: st for st in json.loads(result.stdout)["instances"]}
+    assert set(shown) == set(written)
+    for name, (_raw, why) in written.items():
+        assert why in shown[name]["instance_error"], shown[name]
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

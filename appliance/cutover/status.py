@@ -89,9 +89,18 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
     """Gather the status of ``instance`` (read only: touches nothing)."""
     check_instance(instance)
     layout = ctx.layout
-    env = envfile.read(layout.env_file(instance))  # a clear error when not installed
+    unusable = None
+    try:
+        env = envfile.read(layout.env_file(instance))
+    except envfile.UnknownInstance:
+        raise  # not installed: bad input, the one line every command says
+    except ApplianceError as exc:
+        # A line the parser refuses is the instance's problem, shown with the rest and not
+        # serving (exit 1), as a port that is not one is: never a refusal of the whole status.
+        env, unusable = None, str(exc)
     shape = layout.shape(instance)
-    st = Status(instance, shape.unit, env.get(envfile.IMAGE_KEY), env.get(envfile.GPUS_KEY))
+    image, gpus = (env.get(envfile.IMAGE_KEY), env.get(envfile.GPUS_KEY)) if env else (None, None)
+    st = Status(instance, shape.unit, image, gpus)
     st.units = {u: ctx.systemd.active_state(u) for u in shape.units}
     st.unit_state = st.units[shape.unit]
     # The container of the head where it runs here (it serves the API), else the worker's.
@@ -136,6 +145,9 @@ def status(ctx: Context, instance: str, *, last: int = 5) -> Status:
         else:
             st.recovery = command(layout.root, "cutover", instance, "IMAGE")
             st.recovery_note = "the interrupted cutover started from no image: choose one"
+    if unusable is not None:
+        st.instance_error = unusable
+        return st
     try:
         tgt = target(ctx, instance)
         api_key = tgt.api_key()
@@ -197,8 +209,10 @@ def describe_running(st: Status) -> str:
     return f"{', '.join(tags)} ({short})" if tags else short
 
 
-def _which(entry: Entry, env: envfile.EnvFile) -> str:
+def _which(entry: Entry, env: envfile.EnvFile | None) -> str:
     """Which side of an interrupted cutover the env file is on."""
+    if env is None:
+        return "unknown: the env file cannot be read (see instance)"
     image = env.get(envfile.IMAGE_KEY)
     if image == entry.to_image and image != entry.from_image:
         return f"new: the env file names {entry.to_image} (the cutover's target, never gated)"
