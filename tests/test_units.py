@@ -717,6 +717,29 @@ def test_install_keeps_the_image_values_host_and_port_already_there(tmp_path):
     assert instance.read(tmp_path, "c").image == "gemma4-vllm:mtp"
 
 
+def test_the_compile_cache_is_rebuildable_data_under_var_cache_and_an_old_one_is_kept(
+    tmp_path, cli_run
+):
+    """vLLM's compile cache is data the engine rebuilds (FHS: /var/cache, beside the image
+    build's cache; issue 56 E17). An instance installed with the old default keeps its folder on
+    re-install: a moved default must not cost it a cold compile of minutes at the next start."""
+    no_docker = {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
+    argv = ["instance", "install", "c", "--profile", "cpu-tiny-mtp", "--root", str(tmp_path)]
+    cli_run(argv, env=no_docker)
+    layout = Layout(tmp_path)
+    env_path, mounts = layout.env_file("c"), layout.mounts_dropin("c")
+    new = "/var/cache/gemma4-appliance/vllm/c"
+    assert envfile.read(env_path).get("VLLM_CACHE_DIR") == new
+    assert f"RequiresMountsFor=/var/lib/gemma4-vllm/models/tiny {new}\n" in mounts.read_text()
+    # Named, never made: docker makes it at the first start, on the host; --root writes its tree.
+    assert not (tmp_path / "var" / "cache").exists() and not Path(new).exists()
+    old = "/var/lib/gemma4-vllm/cache/c"
+    env_path.write_bytes(envfile.read(env_path).with_value("VLLM_CACHE_DIR", old))
+    cli_run(["instance", "install", "c", "--root", str(tmp_path)], env=no_docker)
+    assert envfile.read(env_path).get("VLLM_CACHE_DIR") == old
+    assert f"RequiresMountsFor=/var/lib/gemma4-vllm/models/tiny {old}\n" in mounts.read_text()
+
+
 def test_a_second_instance_of_a_profile_gets_the_next_free_port_recorded_in_its_env(tmp_path):
     # the MIG profile is meant for four slices per card, one instance each.
     ports = []

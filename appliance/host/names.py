@@ -27,6 +27,10 @@ PROBE_TIMER = "gemma4-vllm-probe@.timer"
 STATE_UNIT = "gemma4-appliance-state"
 ENV_DIR = "/etc/gemma4-vllm"
 DATA_DIR = "/var/lib/gemma4-vllm"
+# Rebuildable data (FHS /var/cache: deleting it loses time, never data): the image build's
+# rootfs tarballs and wheelhouses, and each instance's vLLM compile cache under vllm/NAME.
+CACHE_DIR = "/var/cache/gemma4-appliance"
+COMPILE_CACHE_DIR = f"{CACHE_DIR}/vllm"
 
 Role = Literal["head", "worker"]
 ROLES: tuple[Role, ...] = ("head", "worker")

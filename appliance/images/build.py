@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .. import __version__, assets, labels, versions
 from ..errors import ApplianceError, UsageError
+from ..host.names import CACHE_DIR
 from ..progress import QUIET, verbosity
 from . import base, scheme, targets, wheelhouse
 from .files import digest
@@ -43,7 +44,7 @@ def docker_folder() -> Path:
 def system_cache() -> Path:
     """The per-machine cache (rootfs tarballs, wheelhouses): ``APPLIANCE_SYSTEM_CACHE`` or
     ``/var/cache/gemma4-appliance``."""
-    return Path(os.environ.get("APPLIANCE_SYSTEM_CACHE", "/var/cache/gemma4-appliance"))
+    return Path(os.environ.get("APPLIANCE_SYSTEM_CACHE", CACHE_DIR))
 
 
 @dataclass

@@ -35,7 +35,15 @@ from .. import imageref, labels
 from ..errors import UsageError
 from ..host import envfile
 from ..host.layout import STATE_DIR, Layout
-from ..host.names import DATA_DIR, ENV_DIR, STATE_UNIT, UNIT_TEMPLATE, Role, check_instance
+from ..host.names import (
+    COMPILE_CACHE_DIR,
+    DATA_DIR,
+    ENV_DIR,
+    STATE_UNIT,
+    UNIT_TEMPLATE,
+    Role,
+    check_instance,
+)
 from ..host.values import PATH_KEYS, check_gpus, check_host, check_path, check_port
 from ..images.choice import fallback
 from ..profiles import PROFILE_NAME, Profile, get
@@ -181,7 +189,7 @@ def env_values(profile: Profile, instance: str, opts: Options) -> dict[str, str]
             "HF cache dir", opts.hf_cache_dir or f"{DATA_DIR}/huggingface"
         )
     values[envfile.VLLM_CACHE_KEY] = check_path(
-        "vLLM cache dir", opts.vllm_cache_dir or f"{DATA_DIR}/cache/{instance}"
+        "vLLM cache dir", opts.vllm_cache_dir or f"{COMPILE_CACHE_DIR}/{instance}"
     )
     return values
 
