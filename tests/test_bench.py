@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tomllib
@@ -292,3 +293,112 @@ def test_a_level_whose_server_refuses_generations_is_one_engine_error(routed_htt
     config = runner.BenchConfig(prompt_sets=tuple(prompts.resolve(limit=1)), warmups=0)
     with pytest.raises(EngineError, match=r"^.*/v1/chat/completions answered 501: "):
         concurrency.run_level(ep, config, 2, 2)
+
+
+# --- vllm bench serve's names (issue 56 §4, E18) -----------------------------------------------
+
+
+def _timed(ttft: float, tpot: float, tokens: int, itl: list[float], source: str = "request"):
+    """A record whose E2EL is what its TTFT and TPOT make (vLLM derives TPOT from E2EL)."""
+    rec = _rec(tokens, 4, [3, 2, 1], source)
+    e2el = ttft + tpot * (tokens - 1)
+    return dataclasses.replace(
+        rec, ttft_s=ttft, tpot_s=tpot, e2el_s=e2el, itl_s=itl, prompt_tokens=7
+    )
+
+
+def test_bench_json_carries_vllm_bench_serve_fields_computed_as_vllm_computes_them():
+    """Every bench record holds, beside the appliance's own figures, the same measurements under
+    the names and units ``vllm bench serve --save-result`` writes; the values are checked against
+    vLLM's own ``calculate_metrics`` on the same requests, the names against its source."""
+    import inspect
+
+    from vllm.benchmarks import serve
+    from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
+
+    from appliance import specdecode
+    from appliance.bench import report, runner
+    from appliance.bench.concurrency import ConcurrencyResult, LevelResult
+
+    # Requests without blocks of their own: the level's figures are its /metrics delta.
+    recs = [
+        _timed(0.120, 0.010, 40, [0.03, 0.02, 0.05, 0.01], "shared"),
+        _timed(0.080, 0.020, 17, [0.04, 0.06], "shared"),
+        _timed(0.300, 0.005, 9, [0.02, 0.02, 0.03], "shared"),
+    ]
+    counters = specdecode.Delta("ok", 10, 30, 15, (7, 5, 3))
+    level = LevelResult(4, recs, 2.5, counters)
+    ep = runner.Endpoint("endpoint", "http://127.0.0.1:1", "m", 512, "0.32.0", True)
+    config = runner.BenchConfig(prompt_sets=tuple(prompts.resolve(limit=1)), warmups=0)
+    body = report.artifact(
+        "concurrency", config, report.environment(), ConcurrencyResult(ep, [level])
+    )
+    ours = dict(body["concurrency"]["levels"][0]["vllm_bench_serve"])
+
+    outputs = [
+        RequestFuncOutput(
+            success=True,
+            latency=r.e2el_s,
+            output_tokens=r.output_tokens,
+            ttft=r.ttft_s,
+            itl=r.itl_s,
+            prompt_len=r.prompt_tokens,
+        )
+        for r in recs
+    ]
+    metrics, _ = serve.calculate_metrics([], outputs, 2.5, None, [99.0], {})
+    want = {
+        "duration": 2.5,
+        "completed": metrics.completed,
+        "total_input_tokens": metrics.total_input,
+        "total_output_tokens": metrics.total_output,
+        "request_throughput": metrics.request_throughput,
+        "output_throughput": metrics.output_throughput,
+        "total_token_throughput": metrics.total_token_throughput,
+    }
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std"):
+            want[f"{stat}_{m}_ms"] = getattr(metrics, f"{stat}_{m}_ms")
+        ((p, value),) = getattr(metrics, f"percentiles_{m}_ms")
+        want[f"p{int(p)}_{m}_ms"] = value
+    # vLLM's spec_decode_* from the same counters (vllm/benchmarks/serve.py, benchmark()).
+    want |= {
+        "spec_decode_acceptance_rate": 50.0,  # percent
+        "spec_decode_acceptance_length": 2.5,  # 1 + accepted / drafts
+        "spec_decode_num_drafts": 10,
+        "spec_decode_draft_tokens": 30,
+        "spec_decode_accepted_tokens": 15,
+    }
+    rates = ours.pop("spec_decode_per_position_acceptance_rates")
+    assert rates == pytest.approx([0.7, 0.5, 0.3])
+    assert ours == pytest.approx(want, rel=1e-12)  # the same keys, the *_ms ones vLLM's metrics'
+    # benchmark() writes the other keys by their literal names.
+    literal = [k for k in want if not k.endswith("_ms")]
+    literal.append("spec_decode_per_position_acceptance_rates")
+    source = inspect.getsource(serve)
+    assert [k for k in literal if f'"{k}"' not in source] == []
+    # The appliance's own names stay, in their units, beside vLLM's.
+    level_dict = body["concurrency"]["levels"][0]
+    assert level_dict["ttft_s"]["median"] * 1000 == pytest.approx(ours["median_ttft_ms"])
+    assert level_dict["acceptance"] * 100 == pytest.approx(ours["spec_decode_acceptance_rate"])
+    assert "vllm_bench_serve" in body["definitions"]
+
+
+def test_bench_run_json_carries_vllm_names_per_group_and_run_without_a_throughput():
+    """A single-endpoint bench sends one request at a time between /metrics reads: its latencies
+    are vLLM's figures, but it has no benchmark duration, so no throughput under vLLM's names."""
+    from appliance import specdecode
+    from appliance.bench import runner
+
+    recs = [_timed(0.1, 0.01, 20, [0.02, 0.03]), _timed(0.2, 0.02, 10, [0.05])]
+    recs = [dataclasses.replace(r, max_tokens=64) for r in recs]  # one group
+    ep = runner.Endpoint("endpoint", "http://127.0.0.1:1", "m", 512, "0.32.0", True)
+    counters = specdecode.Delta("ok", 50, 150, 20, (10, 6, 4))  # others' requests in it too
+    d = runner.EndpointResult(ep, recs, counters).to_dict()
+    run, (group,) = d["vllm_bench_serve"], d["groups"]
+    assert run == group["vllm_bench_serve"]  # one group: the same requests
+    assert run["completed"] == 2 and run["total_output_tokens"] == 30
+    assert run["p99_ttft_ms"] == pytest.approx(199.0)
+    assert run["spec_decode_num_drafts"] == 8  # the requests' own blocks, summed
+    assert run["spec_decode_acceptance_rate"] == pytest.approx(100 * 12 / 24)
+    assert not {"duration", "request_throughput", "output_throughput"} & set(run)

@@ -26,7 +26,7 @@ import httpx
 from .. import specdecode
 from ..errors import OverloadedError
 from ..vllm_client import VLLMClient, bearer, generate_streamed
-from . import schedule, stats
+from . import schedule, stats, vllm_names
 from .prompts import Prompt
 from .runner import BenchConfig, Endpoint, Progress, RunRecord, parse_distinct_ints
 from .stream import StreamResult
@@ -109,6 +109,7 @@ class LevelResult:
             **figures,
             "predicted_tokens_per_step": None if predicted is None else list(predicted),
             "counters_over_level": self.counters.to_dict(),
+            "vllm_bench_serve": vllm_names.fields(rs, spec, self.wall_s),
         }
 
 

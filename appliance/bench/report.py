@@ -41,6 +41,9 @@ DEFINITIONS = {
     "mtp": "the MTP probe's verdict on the endpoint (the same as doctor's and the cutover "
     "gates'): active, idle, absent, reset",
     "speedup": "geometric mean of paired ratios, 95% Student-t CI on the log ratios",
+    "vllm_bench_serve": "the same requests' figures under vllm bench serve --save-result's names "
+    "and units: ms as mean/median/std/p99, acceptance rate in %, spec_decode_acceptance_length = "
+    "tokens_per_step; throughputs only where a duration is measured as vLLM's (bench load)",
 }
 
 

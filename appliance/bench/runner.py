@@ -19,7 +19,7 @@ import httpx
 from .. import acceptance, probe, specdecode
 from ..errors import EngineError, NotVLLMError, UsageError
 from ..vllm_client import VLLMClient
-from . import schedule, stats
+from . import schedule, stats, vllm_names
 from .prompts import Prompt, PromptSet
 from .stream import StreamResult
 
@@ -281,9 +281,16 @@ class EndpointResult:
                     "output_tps": _sd(stats.summarise([r.output_tps for r in rs])),
                     "output_tokens": sum(r.output_tokens for r in rs),
                     "spec": sub.spec_totals(),
+                    "vllm_bench_serve": sub.vllm_fields(),
                 }
             )
         return out
+
+    def vllm_fields(self) -> dict:
+        """The run under ``vllm bench serve``'s names: no duration (one request at a time,
+        /metrics read between them), so no throughput; the speculative figures as in
+        :meth:`spec_totals`."""
+        return vllm_names.fields(self.records, specdecode.summed([r.spec for r in self.records]))
 
     def to_dict(self) -> dict:
         return {
@@ -291,6 +298,7 @@ class EndpointResult:
             "counters_over_run": self.counters.to_dict(),
             "spec_totals": self.spec_totals(),
             "groups": self.groups(),
+            "vllm_bench_serve": self.vllm_fields(),
             "runs": [r.to_dict() for r in self.records],
         }
 
