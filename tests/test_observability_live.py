@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from appliance import agent, state_metrics
 from appliance.agent import metrics as agent_metrics
 from appliance.engine.local import free_port
-from appliance.observability import dashboards, generate, metric_check, rules, scrape
+from appliance.observability import generate, metric_check, rules, scrape
 from appliance.observability.dashboards import DASHBOARDS
 
 pytestmark = pytest.mark.engine
@@ -32,7 +32,7 @@ MAY_BE_EMPTY = {"Agent errors"}
 # Grafana's variables as "All" and a rate window that spans the whole short run.
 SUBST = {
     "$__rate_interval": "1m",
-    **{f"${v.name}": ".*" for v in dashboards.VARIABLES if v.query},
+    **{f"${v.name}": ".*" for b in DASHBOARDS.values() for v in b().variables if v.query},
 }
 assert {"$host", "$instance", "$model_name", "$role"} <= SUBST.keys()
 

@@ -6,23 +6,33 @@ Edit the panels here and run ``appliance dev generate``; the committed JSON in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from . import names as n
 from . import rules as r
 from .panels import Annotation, Dashboard, Layout, Panel, Target, Variable
-from .promql import Expr, agg, histogram_quantile, increase, ratio, recorded, sum_rate
+from .promql import Expr, Selector, agg, histogram_quantile, increase, ratio, recorded, sum_rate
 
 RATE = "$__rate_interval"
-# `host`: the fleet's file_sd labels each engine with its inventory host (equal instance names on
-# many hosts); a single host has no such label, which the variable's All (.*) matches.
+# Every query of a dashboard follows every variable of it (tests/test_dashboard_variables.py).
+# `host`: the fleet's file_sd and agents label every series with its inventory host, and the
+# fleet role installs the same instance names on every host; a single host has no such label,
+# which the variable's All (.*) matches.
 ENGINE = {"host": "$host", "instance": "$instance", "model_name": "$model_name"}
-ROLE = {"role": "$role", "model": "$model_name"}
+# The agent's series: their `instance` is the scrape address, never an appliance instance.
+ROLE = {"host": "$host", "role": "$role", "model": "$model_name"}
 BY_ENGINE = ("host", "instance", "model_name")
 BY_DP_ENGINE = ("host", "instance", "engine")  # vLLM's `engine` label: one per data-parallel engine
+BY_EVENT = ("host", "instance", "kind", "outcome")
 LATENCY_QUANTILES = (0.5, 0.9, 0.99)
+# Legend suffix: instances of one name on many hosts stay told apart (empty on a single host).
+ON_HOST = " {{host}}"
 
-VARIABLES = (
-    Variable("datasource", "Datasource"),
-    Variable("host", "Host", "label_values(vllm:num_requests_running, host)"),
+DATASOURCE = Variable("datasource", "Datasource")
+HOST = Variable("host", "Host", "label_values(vllm:num_requests_running, host)")
+ENGINE_VARIABLES = (
+    DATASOURCE,
+    HOST,
     Variable(
         "instance",
         "Instance",
@@ -33,7 +43,60 @@ VARIABLES = (
         "Model",
         'label_values(vllm:num_requests_running{host=~"$host", instance=~"$instance"}, model_name)',
     ),
-    Variable("role", "Role", "label_values(gemma4_agent_calls_total, role)"),
+)
+# The per-role dashboard's: no instance (the agent's series carry none of the appliance's), the
+# models and roles the agent reported on the chosen hosts.
+ROLE_VARIABLES = (
+    DATASOURCE,
+    HOST,
+    Variable("model_name", "Model", 'label_values(gemma4_agent_calls_total{host=~"$host"}, model)'),
+    Variable(
+        "role",
+        "Role",
+        'label_values(gemma4_agent_calls_total{host=~"$host", model=~"$model_name"}, role)',
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """How one dashboard's variables narrow series that lack some of their labels (the
+    appliance state carries ``host`` and ``instance`` only; the agent's errors no role).
+
+    ``where`` selects on the labels the series have. A variable they lack (the model, the role)
+    narrows them through ``present`` series that know it, joined ``on`` the labels both carry: a
+    series goes where ``present`` has series for its ``on`` labels and none of them is
+    ``chosen``. With All nothing goes, and an instance whose engine is down (no ``present``
+    series) keeps its cutover marks."""
+
+    where: dict[str, str]
+    on: tuple[str, ...]
+    present: Selector
+    chosen: Selector
+
+    def select(self, sel: Selector) -> Selector:
+        return sel.where(**self.where)
+
+    def narrow(self, expr: Expr) -> Expr:
+        others = agg("group", self.on, self.present.expr).unless_on(
+            agg("group", self.on, self.chosen.expr), self.on
+        )
+        return expr.unless_on(others.paren(), self.on)
+
+
+ENGINE_SCOPE = Scope(
+    where={"host": "$host", "instance": "$instance"},
+    on=("host", "instance"),
+    present=n.RUNNING.where(host="$host", instance="$instance"),
+    chosen=n.RUNNING.where(**ENGINE),
+)
+# The per-role view: the hosts whose agent reports calls of the chosen roles to the chosen models
+# (or reports none).
+ROLE_SCOPE = Scope(
+    where={"host": "$host"},
+    on=("host",),
+    present=n.AGENT_CALLS.where(host="$host"),
+    chosen=n.AGENT_CALLS.where(**ROLE),
 )
 
 ITL_NOTE = (
@@ -47,7 +110,7 @@ def _latency(title: str, sel, what: str, note: str = "") -> Panel:
     targets = tuple(
         Target(
             histogram_quantile(q, sel.where(**ENGINE), BY_ENGINE, RATE),
-            f"p{round(q * 100)} {{{{instance}}}} {{{{model_name}}}}",
+            f"p{round(q * 100)} {{{{instance}}}} {{{{model_name}}}}{ON_HOST}",
         )
         for q in LATENCY_QUANTILES
     )
@@ -61,30 +124,40 @@ def _latency(title: str, sel, what: str, note: str = "") -> Panel:
     )
 
 
-def _cutover(kind: str) -> Annotation:
-    sel = n.CUTOVER_EVENTS.where(kind=kind)
+def _cutover(kind: str, scope: Scope) -> Annotation:
+    sel = scope.select(n.CUTOVER_EVENTS.where(kind=kind))
     return Annotation(
         name=f"{kind.capitalize()}s",
-        expr=agg("sum", ("instance", "kind", "outcome"), increase(sel, "1m")) > 0,
+        expr=scope.narrow(agg("sum", BY_EVENT, increase(sel, "1m")) > 0),
         color="blue" if kind == "cutover" else "red",
-        title=f"{kind} on {{{{instance}}}}",
+        title=f"{kind} on {{{{instance}}}}{ON_HOST}",
         text="outcome {{outcome}}",
     )
 
 
-def _canary() -> Annotation:
+def _canary(scope: Scope) -> Annotation:
     """Where a cutover's output canary ran, with its verdict and figures in the text.
 
     The series' labels change with every canary (its figures), so ``changes()`` would miss a
     new series; the annotation marks the minute after the canary's recorded time instead."""
-    last = agg("max", ("instance", "verdict", "identical", "tasks", "vllm"), n.LAST_CANARY.expr)
+    labels = ("host", "instance", "verdict", "identical", "tasks", "vllm")
+    last = agg("max", labels, scope.select(n.LAST_CANARY).expr)
     return Annotation(
         name="Output canary",
-        expr=Expr(f"(time() - {last.text}) < 60", last.metrics),
+        expr=scope.narrow(Expr(f"(time() - {last.text}) < 60", last.metrics)),
         color="purple",
-        title="canary {{verdict}} on {{instance}}",
+        title=f"canary {{{{verdict}}}} on {{{{instance}}}}{ON_HOST}",
         text="{{identical}} outputs identical, tasks {{tasks}}, vLLM {{vllm}}",
     )
+
+
+def _annotations(scope: Scope) -> tuple[Annotation, ...]:
+    return (_cutover("cutover", scope), _cutover("rollback", scope), _canary(scope))
+
+
+def _state(sel: Selector) -> Expr:
+    """An appliance state series on the overview's chosen hosts and instances."""
+    return ENGINE_SCOPE.select(sel).expr
 
 
 def _stat(
@@ -167,7 +240,7 @@ def per_engine() -> tuple[Panel, ...]:
             (
                 Target(
                     ratio(by_engine(n.ACCEPTED), by_engine(n.DRAFT_TOKENS)),
-                    "{{instance}} engine {{engine}}",
+                    "{{instance}} engine {{engine}}" + ON_HOST,
                 ),
             ),
             unit="percentunit",
@@ -178,7 +251,7 @@ def per_engine() -> tuple[Panel, ...]:
             "timeseries",
             "Output tokens per second by engine",
             "Generated tokens per second per data-parallel engine: the load balance.",
-            (Target(by_engine(n.GENERATION_TOKENS), "{{instance}} engine {{engine}}"),),
+            (Target(by_engine(n.GENERATION_TOKENS), "{{instance}} engine {{engine}}" + ON_HOST),),
             unit="tps",
         ),
     )
@@ -196,11 +269,7 @@ def before_after() -> tuple[Panel, ...]:
             "timeseries",
             "Output tokens per second by running image",
             "Generated tokens per second, by the image the instance ran." + note,
-            (
-                Target(
-                    recorded(r.IMAGE_TOKENS_1M, {"instance": "$instance"}), "{{image}} {{instance}}"
-                ),
-            ),
+            (Target(recorded(r.IMAGE_TOKENS_1M, ENGINE), "{{image}} {{instance}}" + ON_HOST),),
             unit="tps",
         ),
         Panel(
@@ -209,8 +278,8 @@ def before_after() -> tuple[Panel, ...]:
             "accepted / draft tokens, by the image the instance ran." + note,
             (
                 Target(
-                    recorded(r.IMAGE_ACCEPTANCE_1M, {"instance": "$instance"}),
-                    "{{image}} {{instance}}",
+                    recorded(r.IMAGE_ACCEPTANCE_1M, ENGINE),
+                    "{{image}} {{instance}}" + ON_HOST,
                 ),
             ),
             unit="percentunit",
@@ -232,7 +301,7 @@ def overload() -> tuple[Panel, ...]:
             (
                 Target(
                     agg("sum", BY_ENGINE, n.WAITING.where(**ENGINE).expr),
-                    "waiting {{instance}} {{model_name}}",
+                    "waiting {{instance}} {{model_name}}" + ON_HOST,
                 ),
             ),
         ),
@@ -245,7 +314,7 @@ def overload() -> tuple[Panel, ...]:
             (
                 Target(
                     sum_rate(n.ADMISSION_REJECTIONS.where(**ENGINE), (*BY_ENGINE, "reason"), RATE),
-                    "{{reason}} {{instance}} {{model_name}}",
+                    "{{reason}} {{instance}} {{model_name}}" + ON_HOST,
                 ),
             ),
             unit="reqps",
@@ -265,7 +334,7 @@ def overview() -> Dashboard:
             "Draft acceptance rate",
             "vLLM's definition: accepted draft tokens / drafted tokens over 1m (the bonus "
             "token is not a draft, so it is not counted). No series while idle.",
-            (Target(recorded(r.ACCEPTANCE_1M, ENGINE), "{{instance}} {{model_name}}"),),
+            (Target(recorded(r.ACCEPTANCE_1M, ENGINE), "{{instance}} {{model_name}}" + ON_HOST),),
             unit="percentunit",
             min=0,
             max=1,
@@ -275,7 +344,11 @@ def overview() -> Dashboard:
             "Mean tokens per step (acceptance length)",
             "vLLM's definition: 1 + accepted / drafts over 1m; the 1 is the bonus token the "
             "target always emits. 1.0 means MTP gains nothing; the ceiling is 1 + k.",
-            (Target(recorded(r.TOKENS_PER_STEP_1M, ENGINE), "{{instance}} {{model_name}}"),),
+            (
+                Target(
+                    recorded(r.TOKENS_PER_STEP_1M, ENGINE), "{{instance}} {{model_name}}" + ON_HOST
+                ),
+            ),
             min=1,
             decimals=2,
         ),
@@ -284,7 +357,7 @@ def overview() -> Dashboard:
             "Acceptance by draft position",
             "accepted_per_pos[i] / drafts over 1m: how often position i of a draft was "
             "accepted. Falls with position; position 0 bounds all others.",
-            (Target(recorded(r.POSITION_1M, ENGINE), "pos {{position}} {{instance}}"),),
+            (Target(recorded(r.POSITION_1M, ENGINE), "pos {{position}} {{instance}}" + ON_HOST),),
             unit="percentunit",
             min=0,
             max=1,
@@ -296,9 +369,10 @@ def overview() -> Dashboard:
             "tokens the target rejected (drafted - accepted).",
             (
                 Target(
-                    sum_rate(n.ACCEPTED.where(**ENGINE), BY_ENGINE, RATE), "accepted {{instance}}"
+                    sum_rate(n.ACCEPTED.where(**ENGINE), BY_ENGINE, RATE),
+                    "accepted {{instance}}" + ON_HOST,
                 ),
-                Target(recorded(r.REJECTED_1M, ENGINE), "rejected {{instance}}"),
+                Target(recorded(r.REJECTED_1M, ENGINE), "rejected {{instance}}" + ON_HOST),
             ),
             unit="tps",
             stack=True,
@@ -308,7 +382,12 @@ def overview() -> Dashboard:
             "Share of output tokens from drafts",
             "Accepted draft tokens / output tokens over 1m: the part of the output MTP "
             "produced beyond one token per engine step.",
-            (Target(recorded(r.OUTPUT_FROM_DRAFTS_1M, ENGINE), "{{instance}} {{model_name}}"),),
+            (
+                Target(
+                    recorded(r.OUTPUT_FROM_DRAFTS_1M, ENGINE),
+                    "{{instance}} {{model_name}}" + ON_HOST,
+                ),
+            ),
             unit="percentunit",
             min=0,
             max=1,
@@ -320,13 +399,15 @@ def overview() -> Dashboard:
             "exposes speculative-decoding counters (vLLM exposes none without it).",
             (
                 Target(
-                    agg("max", ("instance", "mtp"), n.IMAGE_INFO.expr),
-                    "image mtp={{mtp}} {{instance}}",
+                    ENGINE_SCOPE.narrow(
+                        agg("max", ("host", "instance", "mtp"), _state(n.IMAGE_INFO))
+                    ),
+                    "image mtp={{mtp}} {{instance}}" + ON_HOST,
                     instant=True,
                 ),
                 Target(
                     agg("count", BY_ENGINE, n.DRAFTS.where(**ENGINE).expr),
-                    "engine counters {{instance}}",
+                    "engine counters {{instance}}" + ON_HOST,
                     instant=True,
                 ),
             ),
@@ -338,7 +419,7 @@ def overview() -> Dashboard:
             "The image each instance runs, its vLLM version and MTP flag, and the GPUs it is "
             "given (gpus: its device set), from the appliance's state textfile. Cutovers and "
             "rollbacks are annotations.",
-            (Target(n.IMAGE_INFO.expr.eq(1), instant=True),),
+            (Target(ENGINE_SCOPE.narrow(_state(n.IMAGE_INFO).eq(1)), instant=True),),
             width=16,
         ),
     )
@@ -356,7 +437,7 @@ def overview() -> Dashboard:
             (
                 Target(
                     sum_rate(n.GENERATION_TOKENS.where(**ENGINE), BY_ENGINE, RATE),
-                    "{{instance}} {{model_name}}",
+                    "{{instance}} {{model_name}}" + ON_HOST,
                 ),
             ),
             unit="tps",
@@ -377,10 +458,12 @@ def overview() -> Dashboard:
             "Requests in the running batch and in the queue.",
             (
                 Target(
-                    agg("sum", BY_ENGINE, n.RUNNING.where(**ENGINE).expr), "running {{instance}}"
+                    agg("sum", BY_ENGINE, n.RUNNING.where(**ENGINE).expr),
+                    "running {{instance}}" + ON_HOST,
                 ),
                 Target(
-                    agg("sum", BY_ENGINE, n.WAITING.where(**ENGINE).expr), "waiting {{instance}}"
+                    agg("sum", BY_ENGINE, n.WAITING.where(**ENGINE).expr),
+                    "waiting {{instance}}" + ON_HOST,
                 ),
             ),
             width=8,
@@ -398,7 +481,7 @@ def overview() -> Dashboard:
             (
                 Target(
                     agg("max", BY_ENGINE, n.KV_CACHE.where(**ENGINE).expr),
-                    "{{instance}} {{model_name}}",
+                    "{{instance}} {{model_name}}" + ON_HOST,
                 ),
             ),
             unit="percentunit",
@@ -412,8 +495,10 @@ def overview() -> Dashboard:
             "textfile (also drawn as annotations on every panel).",
             (
                 Target(
-                    agg("sum", ("instance", "kind", "outcome"), increase(n.CUTOVER_EVENTS, "1h")),
-                    "{{kind}} {{outcome}} {{instance}}",
+                    ENGINE_SCOPE.narrow(
+                        agg("sum", BY_EVENT, increase(ENGINE_SCOPE.select(n.CUTOVER_EVENTS), "1h"))
+                    ),
+                    "{{kind}} {{outcome}} {{instance}}" + ON_HOST,
                 ),
             ),
             width=8,
@@ -425,8 +510,10 @@ def overview() -> Dashboard:
             "appliance's state textfile.",
             (
                 Target(
-                    agg("max", ("instance",), n.LAST_CUTOVER.expr) * 1000,
-                    "{{instance}}",
+                    ENGINE_SCOPE.narrow(
+                        agg("max", ("host", "instance"), _state(n.LAST_CUTOVER)) * 1000
+                    ),
+                    "{{instance}}" + ON_HOST,
                     instant=True,
                 ),
             ),
@@ -441,8 +528,8 @@ def overview() -> Dashboard:
         "step, throughput, latency, load and the running image. Generated by "
         "appliance/observability; do not edit by hand.",
         layout=lay,
-        variables=VARIABLES,
-        annotations=(_cutover("cutover"), _cutover("rollback"), _canary()),
+        variables=ENGINE_VARIABLES,
+        annotations=_annotations(ENGINE_SCOPE),
     )
 
 
@@ -457,7 +544,7 @@ def roles() -> Dashboard:
             "Distribution over calls of each call's draft acceptance (accepted / drafted), "
             "per role, over 5m. A low p10 shows the calls (e.g. code-heavy prompts) that the "
             "engine-wide ratio hides.",
-            (Target(recorded(r.ROLE_CALL_ACCEPTANCE_Q, ROLE), "{{role}} q{{quantile}}"),),
+            (Target(recorded(r.ROLE_CALL_ACCEPTANCE_Q, ROLE), "{{role}} q{{quantile}}" + ON_HOST),),
             unit="percentunit",
             min=0,
             max=1,
@@ -466,7 +553,7 @@ def roles() -> Dashboard:
             "timeseries",
             "Per-call tokens per step by role (p10 / median / p90)",
             "Distribution over calls of 1 + accepted / drafts per call, per role, over 5m.",
-            (Target(recorded(r.ROLE_CALL_TPS_Q, ROLE), "{{role}} q{{quantile}}"),),
+            (Target(recorded(r.ROLE_CALL_TPS_Q, ROLE), "{{role}} q{{quantile}}" + ON_HOST),),
             min=1,
             decimals=2,
         ),
@@ -475,7 +562,7 @@ def roles() -> Dashboard:
             "Token-weighted acceptance by role",
             "Accepted / drafted tokens summed over the role's calls (weights long calls more "
             "than the per-call median does).",
-            (Target(recorded(r.ROLE_ACCEPTANCE_5M, ROLE), "{{role}} {{model}}"),),
+            (Target(recorded(r.ROLE_ACCEPTANCE_5M, ROLE), "{{role}} {{model}}" + ON_HOST),),
             unit="percentunit",
             min=0,
             max=1,
@@ -488,8 +575,10 @@ def roles() -> Dashboard:
             "speculative decoding) and outcome.",
             (
                 Target(
-                    sum_rate(n.AGENT_CALLS.where(**ROLE), ("role", "source", "outcome"), RATE),
-                    "{{role}} {{source}} {{outcome}}",
+                    sum_rate(
+                        n.AGENT_CALLS.where(**ROLE), ("host", "role", "source", "outcome"), RATE
+                    ),
+                    "{{role}} {{source}} {{outcome}}" + ON_HOST,
                 ),
             ),
             unit="reqps",
@@ -500,8 +589,8 @@ def roles() -> Dashboard:
             "Wall time of each call as the application saw it, per role.",
             tuple(
                 Target(
-                    histogram_quantile(q, n.AGENT_DURATION.where(**ROLE), ("role",), RATE),
-                    f"{{{{role}}}} p{round(q * 100)}",
+                    histogram_quantile(q, n.AGENT_DURATION.where(**ROLE), ("host", "role"), RATE),
+                    f"{{{{role}}}} p{round(q * 100)}{ON_HOST}",
                 )
                 for q in (0.5, 0.9)
             ),
@@ -515,8 +604,8 @@ def roles() -> Dashboard:
             "tokens per call (the alerts judge only long calls). Thresholds: "
             "gotchas/per-call-acceptance-extremes.md.",
             (
-                Target(recorded(r.ROLE_NEAR_ONE, ROLE), "{{role}} near 1"),
-                Target(recorded(r.ROLE_NEAR_ZERO, ROLE), "{{role}} near 0"),
+                Target(recorded(r.ROLE_NEAR_ONE, ROLE), "{{role}} near 1" + ON_HOST),
+                Target(recorded(r.ROLE_NEAR_ZERO, ROLE), "{{role}} near 0" + ON_HOST),
             ),
             unit="percentunit",
             min=0,
@@ -527,7 +616,7 @@ def roles() -> Dashboard:
             "Draft tokens per call by role",
             "Mean draft tokens per exact call over 15m: a call's acceptance is only telling "
             "when it is a ratio of many drafts.",
-            (Target(recorded(r.ROLE_DRAFT_TOKENS_PER_CALL, ROLE), "{{role}} {{model}}"),),
+            (Target(recorded(r.ROLE_DRAFT_TOKENS_PER_CALL, ROLE), "{{role}} {{model}}" + ON_HOST),),
             decimals=1,
         ),
         Panel(
@@ -535,7 +624,18 @@ def roles() -> Dashboard:
             "Agent errors",
             "The agent's own failures by kind (metrics unreachable, timeouts, parse errors); "
             "never the calls' errors.",
-            (Target(agg("sum", ("kind",), increase(n.AGENT_ERRORS, "5m")), "{{kind}}"),),
+            (
+                Target(
+                    ROLE_SCOPE.narrow(
+                        agg(
+                            "sum",
+                            ("host", "kind"),
+                            increase(ROLE_SCOPE.select(n.AGENT_ERRORS), "5m"),
+                        )
+                    ),
+                    "{{kind}}" + ON_HOST,
+                ),
+            ),
         ),
     )
     return Dashboard(
@@ -545,8 +645,8 @@ def roles() -> Dashboard:
         "what vLLM's engine-wide counters cannot show. Generated by "
         "appliance/observability; do not edit by hand.",
         layout=lay,
-        variables=VARIABLES,
-        annotations=(_cutover("cutover"), _cutover("rollback"), _canary()),
+        variables=ROLE_VARIABLES,
+        annotations=_annotations(ROLE_SCOPE),
     )
 
 

@@ -177,7 +177,7 @@ class Annotation:
             "name": self.name,
             # The query in `target` (Grafana >= 10's form); the format fields stay top-level,
             # where Grafana's Prometheus plugin reads them.
-            "tagKeys": "instance,kind,outcome",
+            "tagKeys": "host,instance,kind,outcome",
             "target": {"expr": self.expr.text, "interval": "30s", "refId": "Anno"},
             "textFormat": self.text,
             "titleFormat": self.title,

@@ -31,7 +31,10 @@ from .promql import (
 # two hosts serving instances of one name stay two series. The recorded names keep their
 # `instance_...` level, so queries and dashboards built on them keep working.
 ENGINE_BY = ("host", "instance", "model_name")
-ROLE_BY = ("role", "model")
+# The agent's series carry `host` where a fleet host's Prometheus agent scrapes the application
+# beside its engines: a role's figures stay per host, like the engines' (the dashboards' host
+# variable); the recorded names keep their `role_model` level.
+ROLE_BY = ("host", "role", "model")
 # The instance in an alert's summary, with its host where the scrape labels one (a fleet).
 ON_INSTANCE = "{{ $labels.instance }}{{ with $labels.host }} on host {{ . }}{{ end }}"
 SHORT = "1m"  # dashboards: reacts within a minute at a 15 s scrape
@@ -41,6 +44,8 @@ EXTREMES = "15m"  # per-call extremes: enough long calls per role for a share to
 # move it, short enough that a cutover's effect shows within the alert's `for`.
 BASELINE = "15m"
 IMAGE_BY = ("host", "instance", "image")
+# The engine's figures by image keep its model too (the dashboards' model variable selects it).
+IMAGE_ENGINE_BY = (*ENGINE_BY, "image")
 # The state metrics carry the appliance instance (and, across a fleet, the host), not the model.
 BASELINE_BY = ("host", "instance")
 QUANTILES = (0.1, 0.5, 0.9)
@@ -143,7 +148,8 @@ def _acceptance(window: str) -> Expr:
 
 
 def by_image(sel: Selector, window: str) -> Expr:
-    """``sum by (instance, image)`` of a rate, each engine series labelled with its running image.
+    """``sum by (host, instance, model_name, image)`` of a rate, each engine series labelled with
+    its running image.
 
     The image comes from the appliance state (``gemma4_appliance_image_info``, one series per
     instance); the engine's scrape carries the same ``instance`` (scrape.py names it).
@@ -153,7 +159,9 @@ def by_image(sel: Selector, window: str) -> Expr:
         f"topk by (host, instance) (1, {agg('max', IMAGE_BY, n.IMAGE_INFO.expr).text})",
         n.IMAGE_INFO.expr.metrics,
     )
-    return agg("sum", IMAGE_BY, rate(sel, window).mul_on(info, ("host", "instance"), ("image",)))
+    return agg(
+        "sum", IMAGE_ENGINE_BY, rate(sel, window).mul_on(info, ("host", "instance"), ("image",))
+    )
 
 
 def _bucket_rate(le: float, window: str) -> Expr:
@@ -530,7 +538,8 @@ def _extremes(t: Thresholds) -> tuple[Rule, ...]:
                 for_=t.extremes_for,
                 labels={"severity": "warning"},
                 annotations={
-                    "summary": f"MTP {what} in role {{{{ $labels.role }}}}",
+                    "summary": f"MTP {what} in role {{{{ $labels.role }}}}"
+                    "{{ with $labels.host }} on host {{ . }}{{ end }}",
                     "description": "{{ $value | humanizePercentage }} of the long calls of role "
                     "{{ $labels.role }} ({{ $labels.model }}) have per-call "
                     f"acceptance {edge} (limit {limit:.0%}) for {t.extremes_for}: "
