@@ -372,6 +372,19 @@ def test_a_profile_turns_the_batched_pass_on_for_its_canary():
     assert canary.plan(table).batched
 
 
+def test_a_records_figures_are_the_run_without_its_answers_and_read_back_alike(tmp_path):
+    """What `canary record --json` prints beside the file (the run itself: the engine tier's
+    test_cli_record_and_compare_end_to_end): every field of the record but the answers, with
+    how many prompts, checked tasks and passes; the same from the saved file."""
+    rec = _with_batched(_rec(ALONE, passed={"a": True, "b": False}), {})
+    figures = rec.figures()
+    assert not {"outputs", "batched"} & set(figures)
+    assert (figures["prompts"], figures["tasks"], figures["passed"]) == (3, 2, 1)
+    assert figures["settings"] == dataclasses.asdict(rec.settings)
+    path = canary.save(rec, tmp_path / "r.json")
+    assert json.dumps(canary.load(path).figures()) == json.dumps(figures)
+
+
 def test_a_record_keeps_its_batched_pass_and_an_older_one_loads_without(tmp_path):
     rec = _with_batched(_rec(ALONE), {"c": (1, 13, 14, 15, 99, 99)})
     path = canary.save(rec, tmp_path / "r.json")

@@ -177,8 +177,19 @@ def test_cli_record_and_compare_end_to_end(baseline_engine, mtp_random_engine, t
         rf"canary: 14 prompts in [\d.]+ s \([\d.]+ s per prompt, max_tokens {max_tokens}\)",
         r.output,
     ), r.output
-    r = cli_run([*base, "--url", mtp_random_engine.url, "--out", str(b), "--instance", "tiny"])
+    r = cli_run(
+        [*base, "--url", mtp_random_engine.url, "--out", str(b), "--instance", "tiny", "--json"]
+    )
     assert canary.load(b).image == "gemma4-vllm:0.32.0-mtp"
+    # --json: one object on stdout, the run's figures from the record (its answers are b's).
+    shown = json.loads(r.stdout)
+    saved = {**canary.load(b).figures(), "out": str(b), "batched": None}
+    assert shown == json.loads(json.dumps(saved)), r.stdout
+    assert (shown["prompts"], shown["image"], shown["profile"]) == (
+        14,
+        "gemma4-vllm:0.32.0-mtp",
+        "cpu-tiny-mtp",
+    )
     assert canary.load(a).image is None
     r = cli_run(["canary", "compare", str(a), str(b), "--profile", "cpu-tiny-mtp"])
     assert r.output.startswith("canary passed [14/14 outputs token-identical (100%, min 100%)")

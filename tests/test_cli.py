@@ -365,13 +365,22 @@ WALKED = {
     "instance history": ["instance", "history", "x", "--root", "{root}"],
     "profiles list": ["profiles", "list"],
     "profiles show": ["profiles", "show", "cpu-tiny-mtp"],
+    "profiles validate": ["profiles", "validate", "cpu-tiny-mtp"],
     "host check": ["host", "check", "x", "--root", "{root}"],
     "instance doctor": ["instance", "doctor", "x", "--no-generate", "--root", "{root}"],
     "models verify": ["models", "verify", "--profile", "l4x4-31b-mtp", "--root", "{root}"],
     "fleet status": ["fleet", "status", "x", "--root", "{root}"],
     "canary compare": ["canary", "compare", "{dir}/a.json", "{dir}/b.json"],
 }
-# The ones that need an engine, Docker or a fleet, and the test that reads their --json whole.
+_ROLLBACK_BY_ID = (
+    "test_cutover_systemd.py::"
+    "test_rollback_returns_to_the_image_id_the_slot_recorded_when_its_tag_moved"
+)
+_MODELS_JSON = (
+    "test_models.py::test_pull_export_and_import_json_are_one_object_each_from_their_records"
+)
+# The ones that need an engine, Docker, systemd, a hub or a fleet, or that change what the other
+# commands here read, and the test that reads their --json whole.
 ELSEWHERE = {
     "bench run": "test_bench_engine.py::test_api_key_file_lets_bench_through",
     "bench load": "test_bench_engine.py::_appliance_level",
@@ -388,6 +397,22 @@ ELSEWHERE = {
     ),
     "image save": "test_images_archive.py::test_save_rm_load_gives_the_same_id_and_the_saved_tag",
     "image load": "test_images_archive.py::test_save_rm_load_gives_the_same_id_and_the_saved_tag",
+    "image prune": "test_images_docker.py::test_protected_images_survive_every_prune",
+    "image rm": "test_images_docker.py::test_rm_refuses_a_referenced_image_and_removes_a_free_one",
+    "image tag": (
+        "test_images_docker.py::test_tag_moves_latest_and_keeps_the_last_non_mtp_image_as_pre_mtp"
+    ),
+    # The commands that act (ecosystem review E15), each where it acts for real.
+    "instance install": "test_units.py::test_install_and_uninstall_json_are_the_write_record",
+    "instance uninstall": "test_units.py::test_install_and_uninstall_json_are_the_write_record",
+    "cutover": _ROLLBACK_BY_ID,
+    "instance cutover": _ROLLBACK_BY_ID,
+    "rollback": _ROLLBACK_BY_ID,
+    "instance rollback": _ROLLBACK_BY_ID,
+    "models pull": _MODELS_JSON,
+    "models import": _MODELS_JSON,
+    "models export": _MODELS_JSON,
+    "canary record": "test_canary_engine.py::test_cli_record_and_compare_end_to_end",
     # No test drives these through the CLI with --json; they print through the same
     # cli/output.echo_json, which refuses anything but one object.
     "bench sweep": None,

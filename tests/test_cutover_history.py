@@ -67,6 +67,29 @@ def test_history_command_prints_entries_with_gate_timings(tmp_path, cli_run):
     assert Entry.from_dict(entry).id == e.id
 
 
+def test_cutover_and_rollback_json_is_the_entry_history_keeps(tmp_path, cli_run, monkeypatch):
+    """--json where scripts act (ecosystem review E15): a cutover or rollback that passed
+    prints the entry it closed, as `history --json` gives it, and nothing else on stdout. The
+    move itself is replaced here by the entry it returns (the real moves, through systemd and
+    Docker: test_cutover_systemd.py's rollback by image ID); a refusal stays one Error: line."""
+    from appliance.cli import cutover as cli_cutover
+
+    cut = _done(Entry.begin("i1", "cutover", "gemma4-vllm:pre-mtp", "gemma4-vllm:mtp"), "ok")
+    back = _done(Entry.begin("i1", "rollback", "gemma4-vllm:mtp", "gemma4-vllm:pre-mtp"), "ok")
+    monkeypatch.setattr(cli_cutover.flow, "cutover", lambda *_a, **_k: cut)
+    monkeypatch.setattr(cli_cutover.recovery, "rollback", lambda *_a, **_k: back)
+    root = ["--root", str(tmp_path)]
+    for argv, entry in ((["cutover", "i1", "gemma4-vllm:mtp"], cut), (["rollback", "i1"], back)):
+        text = cli_run([*argv, *root])
+        assert f"{entry.to_image} (was {entry.from_image}); gates passed" in text.stdout
+        shown = json.loads(cli_run([*argv, *root, "--json"]).stdout)
+        assert Entry.from_dict(shown) == entry
+        assert shown["gates"][1] == {"name": "health", "ok": True, "seconds": 40.0, "detail": "x"}
+    monkeypatch.undo()
+    refused = cli_run(["rollback", "nosuch", *root, "--json"], code=2)
+    assert refused.stdout == "" and refused.stderr.startswith("Error: no instance nosuch")
+
+
 def test_history_of_an_invalid_instance_name_is_a_usage_error(tmp_path, cli_run):
     result = cli_run(["history", "../etc", "--root", str(tmp_path)], code=2)
     assert "invalid instance name '../etc'" in result.output

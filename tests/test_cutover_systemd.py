@@ -194,14 +194,18 @@ def test_rollback_returns_to_the_image_id_the_slot_recorded_when_its_tag_moved(
     try:
         inst.set_image(way_back)  # the image that runs, by another name: no restart
         r = inst.appliance(
-            "cutover", inst.instance, changed_ref, "--no-canary", "--timeout", TIMEOUT
+            "cutover", inst.instance, changed_ref, "--no-canary", "--timeout", TIMEOUT, "--json"
         )
         assert r.returncode == 0, r.stderr
         slot = json.loads(Layout(inst.root).rollback_slot(inst.instance).read_text())
         cut = _history(inst)[-1]
+        # --json: one object on stdout, the history entry the cutover closed.
+        assert _facts(json.loads(r.stdout)) == _facts(vars(cut)), r.stdout
+        assert (cut.kind, cut.outcome) == ("cutover", "ok")
         changed.tag(repo, tag)  # the slot's tag now names the image that runs
-        r = inst.appliance("rollback", inst.instance, "--timeout", TIMEOUT)
+        r = inst.appliance("rollback", inst.instance, "--timeout", TIMEOUT, "--json")
         assert r.returncode == 0, r.stderr
+        shown = json.loads(r.stdout)
         running = docker_engine.containers.get(inst.container).attrs["Image"]
         assert running == mtp.id, "the rollback went where the tag points now"
         assert (
@@ -216,12 +220,19 @@ def test_rollback_returns_to_the_image_id_the_slot_recorded_when_its_tag_moved(
             mtp.id,
             mtp.id,
         )
+        assert _facts(shown) == _facts(vars(back)), shown
         assert (slot["image"], slot["image_id"]) == (way_back, mtp.id)
         assert (cut.from_image_id, cut.to_image_id) == (mtp.id, changed.id)
     finally:
         docker_engine.images.remove(way_back)
         if inst.image() == mtp.id:
             inst.set_image(MTP_IMAGE)  # what runs, by its tag: the next test's ensure is a no-op
+
+
+def _facts(entry: dict) -> tuple:
+    """What a history entry says of its move (``--json``'s object, or an Entry's fields)."""
+    keys = ("id", "kind", "outcome", "from_image", "to_image", "from_image_id", "to_image_id")
+    return tuple(entry[k] for k in keys)
 
 
 def _two_at_once(inst: SystemdInstance, *args: str) -> subprocess.CompletedProcess:

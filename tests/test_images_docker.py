@@ -279,6 +279,15 @@ def test_protected_images_survive_every_prune(test_repo, docker_engine, applianc
             assert f"would remove {image_id[7:19]}" in dry.output, dry.output
         for image_id in protected.values():
             assert f"would remove {image_id[7:19]}" not in dry.output, dry.output
+        # --json: the same judgement as records, each kept image with its reason.
+        argv = ["image", "prune", "--mode", mode, "--dry-run", "--root", str(tmp_path)]
+        dry_json = _invoke(*argv, "--repository", repo, "--json")
+        assert dry_json.exit_code == 0, dry_json.output
+        shown = json.loads(dry_json.stdout)
+        removed = {i["id"] for i in shown["removed"]}
+        assert shown["dry_run"] is True and expect_gone[mode] <= removed, shown
+        assert not removed & set(protected.values()), shown
+        assert all(i["why"] for i in shown["kept"]), shown
         assert _tags_of(docker_engine, watched) == before
         result = _invoke(
             "image", "prune", "--mode", mode, "--root", str(tmp_path), "--repository", repo
@@ -307,8 +316,9 @@ def test_rm_refuses_a_referenced_image_and_removes_a_free_one(
     result = cli_run(["image", "rm", f"{repo}:2.0.0-mtp", "--root", str(tmp_path)], code=2)
     assert "refusing to remove" in result.output and "instance a" in result.output
     assert _exists(docker_engine, used)
-    result = _invoke("image", "rm", f"{repo}:0.2.0", "--root", str(tmp_path))
+    result = _invoke("image", "rm", f"{repo}:0.2.0", "--root", str(tmp_path), "--json")
     assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"ref": f"{repo}:0.2.0", "image_id": free}
     assert not _exists(docker_engine, free)
 
 
@@ -367,6 +377,10 @@ def test_tag_moves_latest_and_keeps_the_last_non_mtp_image_as_pre_mtp(
     result = _invoke("image", "tag", new, "--repository", repo)
     assert result.exit_code == 0, result.output
     assert set(result.output.split()) >= {f"{repo}:0.32.0-mtp", f"{repo}:mtp", f"{repo}:latest"}
+    # Again with --json: the same tags (the scheme applied twice changes nothing), one object.
+    again = _invoke("image", "tag", new, "--repository", repo, "--json")
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout) == {"source": new, "tags": result.output.split()}
     assert docker_engine.images.get(f"{repo}:latest").id == new
     assert docker_engine.images.get(f"{repo}:pre-mtp").id == old
     unlabelled = cli_run(["image", "tag", appliance_base_ref(docker_engine)], code=2)

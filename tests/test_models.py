@@ -635,6 +635,49 @@ def test_export_prints_the_copy_sha256_and_import_checks_it(pulled, profile_file
     assert "models ok" in right.output
 
 
+def test_pull_export_and_import_json_are_one_object_each_from_their_records(
+    tmp_path, local_hub, profile_file, token_file
+):
+    """--json where scripts act (ecosystem review E15): each prints one object on stdout, the
+    records its text says (each model and its commit; the copy and its sha256) and the check
+    after it, as `models verify --json` says it; a refusal stays the one Error: line."""
+    cache_dir, copy, fresh = tmp_path / "hf", tmp_path / "copy.tar", tmp_path / "fresh"
+    argv = ["pull", *_args(profile_file, cache_dir), "--token-file", str(token_file), "--json"]
+    pulled = _run(argv, env={"HF_ENDPOINT": local_hub.url})
+    assert pulled.exit_code == 0, pulled.output
+    body = json.loads(pulled.stdout)
+    assert [(p["spec"]["role"], p["spec"]["repo_id"]) for p in body["pulled"]] == [
+        ("target", TARGET_REPO),
+        ("drafter", DRAFTER_REPO),
+    ]
+    for p in body["pulled"]:
+        assert p["snapshot"] == str(_snapshot(cache_dir, p["spec"]["repo_id"]))
+        assert Path(p["snapshot"]).name == p["commit"]
+        assert (p["partial_removed"], p["corrupt_removed"]) == (0, 0)
+    assert body["verify"]["ok"] and body["verify"]["quick"] and body["verify"]["problems"] == []
+
+    exported = _run(["export", *_args(profile_file, cache_dir), "--to", str(copy), "--json"])
+    assert exported.exit_code == 0, exported.output
+    out = json.loads(exported.stdout)
+    assert (out["copy"], out["sha256_of"], out["profile"]) == (str(copy), str(copy), "tiny-hub-mtp")
+    assert out["sha256"] == hashlib.sha256(copy.read_bytes()).hexdigest()  # what sha256sum says
+    assert [(m["repo_id"], m["commit"]) for m in out["models"]] == [
+        (p["spec"]["repo_id"], p["commit"]) for p in body["pulled"]
+    ]
+
+    where_to = [*_args(profile_file, fresh), "--from", str(copy), "--json"]
+    wrong = _run(["import", *where_to, "--expect-sha256", "0" * 64])
+    assert wrong.exit_code == 1 and wrong.stdout == "", wrong.output
+    assert wrong.stderr.startswith("Error: ") and len(wrong.stderr.splitlines()) == 1
+    laid = _run(["import", *where_to, "--expect-sha256", out["sha256"]])
+    assert laid.exit_code == 0, laid.output
+    got = json.loads(laid.stdout)
+    assert [
+        (i["spec"]["repo_id"], i["commit"], i["files"], i["bytes"]) for i in got["imported"]
+    ] == [(m["repo_id"], m["commit"], m["files"], m["bytes"]) for m in out["models"]]
+    assert got["verify"]["ok"] and got["verify"]["fix"] is None
+
+
 def test_location_defaults(tmp_path):
     loc = where.locate(root=tmp_path, profile="l4x4-31b-mtp")
     assert loc.hub == tmp_path / "var/lib/gemma4-vllm/huggingface/hub"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 
 import pytest
@@ -278,6 +279,32 @@ def test_cli_validate_a_profile_file(tmp_path):
         "drafter",
     ):
         assert f"[{code}]" in result.output, code
+
+
+def test_cli_validate_json_is_one_object_of_every_profiles_findings():
+    """--json where scripts act (ecosystem review E15): each profile's findings as records, the
+    warnings the text says once (shared) beside them; exit 1 on an error as without, the object
+    printed first; an unknown profile stays the one Error: line."""
+    result = run("profiles", "validate", "--json")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert [row["name"] for row in body["profiles"]] == list(profiles.all_profiles())
+    assert all(row["ok"] for row in body["profiles"])
+    [shared] = body["shared"]  # the batching defect of every GPU MTP profile, said once
+    assert shared["code"] == "kv-auto-mtp-batching" and shared["level"] == "warning"
+    holding = [row["name"] for row in body["profiles"] if shared in row["findings"]]
+    text = run("profiles", "validate").output
+    assert f"* {len(holding)} of {len(SHIPPED)} profiles: " in text
+
+    failed = run("profiles", "validate", "l4x4-31b-mtp", "--vllm-version", "0.19.0", "--json")
+    assert failed.exit_code == 1
+    [row] = json.loads(failed.stdout)["profiles"]
+    assert row["name"] == "l4x4-31b-mtp" and not row["ok"]
+    codes = {f["code"] for f in row["findings"] if f["level"] == "error"}
+    assert "mtp-old-vllm" in codes
+    unknown = run("profiles", "validate", "nope", "--json")
+    assert unknown.exit_code == 2 and unknown.stdout == ""
+    assert unknown.stderr.startswith("Error: unknown profile 'nope'")
 
 
 def test_cli_unknown_profile_is_a_usage_error():

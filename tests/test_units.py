@@ -800,6 +800,34 @@ def test_install_prints_enable_now_on_a_first_install_and_restart_after(tmp_path
     )
 
 
+def test_install_and_uninstall_json_are_the_write_record(tmp_path, cli_run):
+    """--json where scripts act (ecosystem review E15; the fleet role reads install's): the files
+    written, unchanged and removed, whether anything changed and install's next step, as one
+    object on stdout, the same facts as the lines without it; a refusal stays one Error: line."""
+    layout = Layout(tmp_path)
+    argv = ["instance", "install", "j", "-p", "cpu-tiny-mtp", "--root", str(tmp_path)]
+    first = json.loads(cli_run([*argv, "--json"]).stdout)
+    assert (first["changed"], first["first_install"]) == (True, True)
+    assert (first["unchanged"], first["removed"], first["devices"]) == ([], [], None)
+    assert {str(layout.env_file("j")), str(layout.args_file("j"))} <= set(first["written"])
+    assert first["next_step"] == (
+        "systemctl daemon-reload && systemctl enable --now gemma4-vllm@j.service "
+        "gemma4-appliance-state.timer"
+    )
+    text = cli_run(argv).stdout
+    again = json.loads(cli_run([*argv, "--json"]).stdout)
+    assert (again["changed"], again["written"], again["next_step"]) == (False, [], None)
+    assert sorted(again["unchanged"]) == sorted(first["written"])
+    assert text.splitlines() == [f"unchanged {path}" for path in again["unchanged"]]
+
+    root = ["--root", str(tmp_path)]
+    refused = cli_run(["instance", "install", "k", "-p", "nosuch", *root, "--json"], code=2)
+    assert refused.stdout == "" and refused.stderr.startswith("Error: unknown profile 'nosuch'")
+    gone = json.loads(cli_run(["instance", "uninstall", "j", *root, "--json"]).stdout)
+    assert gone["changed"] and sorted(gone["removed"]) == sorted(first["written"])
+    assert not layout.env_file("j").exists()
+
+
 def _my_profile(tmp_path: Path, **edits: str) -> Path:
     """The operator's own copy of cpu-tiny-mtp under another name, max_model_len changed."""
     text = (Path(profiles.__file__).parent / "data" / "cpu-tiny-mtp.toml").read_text()

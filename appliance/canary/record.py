@@ -160,6 +160,12 @@ class Record:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def figures(self) -> dict:
+        """The run without its answers (those are the record's file): what ``canary record
+        --json`` prints beside the file it wrote."""
+        facts = {k: v for k, v in self.to_dict().items() if k not in ("outputs", "batched")}
+        return {**facts, "prompts": len(self.outputs), "tasks": self.tasks, "passed": self.passed}
+
 
 def served_model(url: str, api_key: str | None = None) -> str:
     """The one model ``url`` serves; a UsageError when it serves several (name one)."""

@@ -68,6 +68,13 @@ def _instance_image(instance: str | None, root: Path) -> str | None:
     "when they differ): answers mixed across a batch (vLLM #46088) show only there "
     "[default: the profile's [canary] batched].",
 )
+@click.option(
+    "--json",
+    "json_",
+    is_flag=True,
+    help="One JSON object: the run's figures without its answers (those are --out's), \"out\" "
+    'and "batched" (the batched pass\'s verdict, null without one).',
+)
 def canary_record(
     endpoint: Endpoint,
     out: Path,
@@ -78,6 +85,7 @@ def canary_record(
     seed: int | None,
     image: str | None,
     batched: bool,
+    json_: bool,
 ) -> None:
     """Run the canary set greedily against one endpoint and save the answers with token ids.
 
@@ -137,13 +145,16 @@ def canary_record(
         at_once=at_once,
     )
     lib.save(rec, out)
-    rate = f", tasks {rec.passed}/{rec.tasks} passed" if rec.tasks else ""
-    click.echo(f"{rec.cost()}{rate}; wrote {out}")
     check = lib.batched(rec, policy.min_parity)
-    if check is not None:
-        click.echo(check.summary())
-        if not check.ok:
-            sys.exit(1)
+    if json_:
+        echo_json({**rec.figures(), "out": out, "batched": check.figures() if check else None})
+    else:
+        rate = f", tasks {rec.passed}/{rec.tasks} passed" if rec.tasks else ""
+        click.echo(f"{rec.cost()}{rate}; wrote {out}")
+        if check is not None:
+            click.echo(check.summary())
+    if check is not None and not check.ok:
+        sys.exit(1)
 
 
 @canary.command("compare")

@@ -110,6 +110,13 @@ def timeout_option(which: str):
 )
 @gate_options
 @root_option
+@click.option(
+    "--json",
+    "json_",
+    is_flag=True,
+    help="Print the history entry of the cutover that passed as one JSON object (--check "
+    "prints its object either way).",
+)
 def cutover(
     name: str,
     image: str,
@@ -127,6 +134,7 @@ def cutover(
     live_acceptance_margin: float | None,
     live_acceptance_window: float | None,
     root: Path,
+    json_: bool,
 ) -> None:
     """Move NAME to IMAGE: restart, gate, and roll back automatically on failure.
 
@@ -171,6 +179,9 @@ def cutover(
         force=force,
         live_acceptance=live_settings,
     )
+    if json_:
+        echo_json(dataclasses.asdict(entry))
+        return
     click.echo(f"{name}: now on {entry.to_image} (was {entry.from_image}); gates passed")
     if entry.canary:
         click.echo(f"{name}: {entry.canary['summary']}")
@@ -187,12 +198,21 @@ def cutover(
     "rollback slot's.",
 )
 @root_option
-def rollback(name: str, timeout: float, to: str | None, root: Path) -> None:
+@click.option(
+    "--json",
+    "json_",
+    is_flag=True,
+    help="Print the history entry of the rollback that passed as one JSON object.",
+)
+def rollback(name: str, timeout: float, to: str | None, root: Path, json_: bool) -> None:
     """Return NAME to its previous image, through the same gates.
 
     After a cutover that was killed (SIGKILL, power loss), return to where it started instead
     (the env file saved before it) and close its history entry."""
     entry = recovery.rollback(_context(root), name, timeout=timeout, to=to)
+    if json_:
+        echo_json(dataclasses.asdict(entry))
+        return
     click.echo(rollback_line(name, entry))
 
 

@@ -64,9 +64,14 @@ def image_build_cmd(
 @image.command(name="tag")
 @click.argument("source")
 @REPO_OPTION
-def image_tag(source: str, repository: str) -> None:
+@click.option("json_", "--json", is_flag=True, help='One JSON object: {"source", "tags"}.')
+def image_tag(source: str, repository: str, json_: bool) -> None:
     """Tag the local image SOURCE per the scheme, from its labels."""
-    for t in scheme.apply_tags(images.client(), source, repository):
+    tags = scheme.apply_tags(images.client(), source, repository)
+    if json_:
+        echo_json({"source": source, "tags": tags})
+        return
+    for t in tags:
         click.echo(t)
 
 
@@ -125,9 +130,25 @@ def image_list(root: Path, repository: str, json_: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Say what would go, remove nothing.")
 @root_option
 @REPO_OPTION
-def image_prune(mode: str, dry_run: bool, root: Path, repository: str) -> None:
+@click.option(
+    "json_",
+    "--json",
+    is_flag=True,
+    help='One JSON object: {"removed": [...], "kept": [...], "dry_run": ...}, each image '
+    'with its tags, labels and references (a kept one with "why").',
+)
+def image_prune(mode: str, dry_run: bool, root: Path, repository: str, json_: bool) -> None:
     """Remove appliance images; never one an instance or a rollback slot refers to."""
     r = prune.prune(images.client(root=root), root, mode, repository, dry_run)
+    if json_:
+        echo_json(
+            {
+                "removed": [dataclasses.asdict(i) for i in r.removed],
+                "kept": [{**dataclasses.asdict(i), "why": why} for i, why in r.kept],
+                "dry_run": r.dry_run,
+            }
+        )
+        return
     verb = "would remove" if dry_run else "removed"
     for i in r.removed:
         click.echo(f"{verb} {i.short_id} {' '.join(i.tags) or '<none>'}")
@@ -139,9 +160,13 @@ def image_prune(mode: str, dry_run: bool, root: Path, repository: str) -> None:
 @click.argument("ref")
 @root_option
 @REPO_OPTION
-def image_rm(ref: str, root: Path, repository: str) -> None:
+@click.option("json_", "--json", is_flag=True, help='One JSON object: {"ref", "image_id"}.')
+def image_rm(ref: str, root: Path, repository: str, json_: bool) -> None:
     """Remove image REF unless an instance or a rollback slot refers to it."""
     image_id = prune.remove(images.client(root=root), ref, root, repository)
+    if json_:
+        echo_json({"ref": ref, "image_id": image_id})
+        return
     click.echo(f"removed {ref} ({image_id[7:19]})")
 
 

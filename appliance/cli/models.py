@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -55,6 +56,15 @@ def _where(fn):
     return wrapper
 
 
+def _json_option(what: str):
+    return click.option(
+        "--json",
+        "json_",
+        is_flag=True,
+        help=f"One JSON object: {what} and the check after it (exit 78 as without).",
+    )
+
+
 @click.group()
 def models() -> None:
     """The target and drafter weights in an instance's cache (the engine runs offline)."""
@@ -68,11 +78,16 @@ def models() -> None:
     help=f"File holding the hub token, mode 0600 (default {token.DEFAULT_TOKEN_FILE} under "
     "--root, used when it exists). Never pass a token on the command line.",
 )
-def models_pull(loc: where.Location) -> None:
+@_json_option('{"pulled": [...], "verify": {...}}: each model pulled')
+def models_pull(loc: where.Location, json_: bool) -> None:
     """Download the profile's target and drafter into the cache (resumable; files already
     there are not transferred again). Set HF_ENDPOINT for a hub mirror."""
     tok = token.read(loc.token_file, required=loc.token_file_explicit)
-    for got in pull.pull(loc, token=tok):
+    got_all = pull.pull(loc, token=tok)
+    if json_:
+        _require_json(loc, {"pulled": [dataclasses.asdict(got) for got in got_all]})
+        return
+    for got in got_all:
         if got.partial_removed:
             click.echo(
                 f"{got.spec.role} {got.spec.repo_id}: removed {got.partial_removed} "
@@ -96,10 +111,37 @@ def models_pull(loc: where.Location) -> None:
     type=click.Path(path_type=Path),
     help="A new directory, or a .tar / .tar.gz file.",
 )
-def models_export(loc: where.Location, dest: Path) -> None:
+@click.option(
+    "--json",
+    "json_",
+    is_flag=True,
+    help='One JSON object: {"copy": ..., "sha256": ..., "sha256_of": ..., "models": [...]}.',
+)
+def models_export(loc: where.Location, dest: Path, json_: bool) -> None:
     """Copy the profile's models out of the cache, with a hashed manifest, for an
     air-gapped host (there: appliance models import --from COPY)."""
     exported = export_mod.export(loc, dest)
+    if json_:
+        echo_json(
+            {
+                "copy": dest,
+                "sha256": exported.sha256,
+                "sha256_of": export_mod.copy_sha256_of(dest),
+                "profile": exported.manifest.profile,
+                "models": [
+                    {
+                        "role": m.role,
+                        "repo_id": m.repo_id,
+                        "revision": m.revision,
+                        "commit": m.commit,
+                        "files": len(m.files),
+                        "bytes": m.size,
+                    }
+                    for m in exported.manifest.models
+                ],
+            }
+        )
+        return
     for m in exported.manifest.models:
         click.echo(
             f"{m.role} {m.repo_id}@{m.commit[:12]}: {len(m.files)} files, {m.size / 1e6:.1f} MB"
@@ -127,10 +169,17 @@ def models_export(loc: where.Location, dest: Path) -> None:
     help="The sha256 models export printed for this copy (the archive's, or a directory "
     "copy's manifest.json's): nothing is laid unless the copy has it.",
 )
-def models_import(loc: where.Location, source: Path, expect_sha256: str | None) -> None:
+@_json_option('{"imported": [...], "verify": {...}}: each model laid')
+def models_import(
+    loc: where.Location, source: Path, expect_sha256: str | None, json_: bool
+) -> None:
     """Lay a copy into the cache in the layout vLLM reads offline; every file's hash is
     checked against the copy's manifest first, and nothing is laid on a mismatch."""
-    for got in importer.import_copy(loc, source, expect_sha256):
+    got_all = importer.import_copy(loc, source, expect_sha256)
+    if json_:
+        _require_json(loc, {"imported": [dataclasses.asdict(got) for got in got_all]})
+        return
+    for got in got_all:
         click.echo(
             f"{got.spec.role} {got.spec.repo_id}@{got.commit[:12]}: {got.files} files, "
             f"{got.bytes / 1e6:.1f} MB"
@@ -156,6 +205,15 @@ def models_verify(loc: where.Location, quick: bool, json_: bool) -> None:
             raise SystemExit(EX_CONFIG)
         return
     _require(loc, quick=quick, one_line=quick)
+
+
+def _require_json(loc: where.Location, done: dict) -> None:
+    """``done`` and the quick check after it as one object; exit 78 when the models are not
+    ready, as :func:`_require` (the object printed first, as ``models verify --json``)."""
+    report = verify.verify(loc, quick=True)
+    echo_json({**done, "verify": report.to_dict(loc.fix())})
+    if not report.ok:
+        raise SystemExit(EX_CONFIG)
 
 
 def _require(loc: where.Location, *, quick: bool, one_line: bool = True) -> None:

@@ -114,8 +114,15 @@ def profiles_show(profile: str, json_: bool) -> None:
     help="A profile TOML file to validate (repeatable).",
 )
 @click.option("--vllm-version", help="Also check against this vLLM version (e.g. an image's).")
+@click.option(
+    "--json",
+    "json_",
+    is_flag=True,
+    help='One JSON object: {"profiles": [{"name", "ok", "findings"}...], "shared": [...]} '
+    "(shared: the warnings several of them hold, said once in the text).",
+)
 def profiles_validate(
-    names: tuple[str, ...], files: tuple[str, ...], vllm_version: str | None
+    names: tuple[str, ...], files: tuple[str, ...], vllm_version: str | None, json_: bool
 ) -> None:
     """Validate each PROFILE and --file TOMLs (default: every shipped one); exit 1 on errors."""
     selected = [prof.lookup(n) for n in names] + [prof.load_file(f) for f in files]
@@ -123,6 +130,19 @@ def profiles_validate(
         selected = list(prof.all_profiles().values())
     checked = [pv.check(p, vllm_version=vllm_version) for p in selected]
     shared = pv.shared(checked)
+    if json_:
+        rows = [
+            {
+                "name": p.name,
+                "ok": not pv.errors(findings),
+                "findings": [dataclasses.asdict(f) for f in findings],
+            }
+            for p, findings in zip(selected, checked, strict=True)
+        ]
+        echo_json({"profiles": rows, "shared": [dataclasses.asdict(f) for f in shared]})
+        if not all(row["ok"] for row in rows):
+            raise click.exceptions.Exit(1)
+        return
     failed = 0
     for p, findings in zip(selected, checked, strict=True):
         failed += bool(pv.errors(findings))

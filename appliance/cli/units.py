@@ -3,6 +3,7 @@ file and the shared serve program, from a profile; a multi-node profile's group 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -13,6 +14,7 @@ from ..errors import UsageError
 from ..host.layout import Layout, Node
 from ..host.systemd import Systemd
 from .options import OutputPath, root_option
+from .output import echo_json
 
 
 def instance_options(profile_required: bool):
@@ -68,7 +70,15 @@ def _options(kw: dict) -> units.Options:
     )
 
 
-def _report(result: units.WriteResult) -> None:
+def _report(result: units.WriteResult, json_: bool = False, **more) -> None:
+    """What a write did, a line per file; with ``json_`` one object: the record, whether it
+    changed anything, and ``more`` (install's ``next_step``). Warnings go to stderr either
+    way."""
+    if json_:
+        for warning in result.warnings:
+            click.echo(f"warning: {warning}", err=True)
+        echo_json({**dataclasses.asdict(result), "changed": result.changed, **more})
+        return
     for path in result.written:
         click.echo(f"wrote     {path} ({path.stat().st_mode & 0o777:o})")
     for path in result.unchanged:
@@ -134,6 +144,13 @@ def render(profile: str, name: str, out: Path, **kw) -> None:
     metavar="REASON",
     help="Let --gpus overlap another instance's GPUs; REASON is printed.",
 )
+@click.option(
+    "--json",
+    "json_",
+    is_flag=True,
+    help='One JSON object: {"written": [...], "unchanged": [...], "removed": [...], '
+    '"changed": ..., "next_step": ...} (what the fleet role reads).',
+)
 def install(
     profile: str | None,
     name: str,
@@ -141,6 +158,7 @@ def install(
     host_check: bool,
     force: str | None,
     share_gpus: str | None,
+    json_: bool,
     **kw,
 ) -> None:
     """Install NAME: the shared unit and serve program, its env file (values kept), args file,
@@ -191,6 +209,9 @@ def install(
         click.echo(done.devices, err=True)
     for blocker in checked[0].blockers if checked else ():
         click.echo(f"warning: installed despite {blocker.line()} (--force: {force})", err=True)
+    if json_:
+        _report(done.result, json_, next_step=done.next_step, devices=done.devices)
+        return
     _report(done.result)
     if done.next_step:
         click.echo(f"next: {done.next_step}")
@@ -200,12 +221,20 @@ def install(
 @click.argument("name", metavar="NAME")
 @click.option("--purge", is_flag=True, help="Also remove its cutover history and rollback slot.")
 @root_option
-def uninstall(name: str, purge: bool, root: Path) -> None:
+@click.option(
+    "--json",
+    "json_",
+    is_flag=True,
+    help='One JSON object: {"removed": [...], "written": [...], "changed": ...}.',
+)
+def uninstall(name: str, purge: bool, root: Path, json_: bool) -> None:
     """Stop and disable NAME (an instance, or this host's nodes of a group) and remove what
     install wrote for it (a shared unit and the serve program with the last instance that uses
-    them). systemctl is called for / (or the tree's own systemd, APPLIANCE_SYSTEMD_PREFIX)."""
+    them), then rewrite the state-metrics textfile without it. systemctl is called for / (or
+    the tree's own systemd, APPLIANCE_SYSTEMD_PREFIX)."""
     systemd = Systemd.for_root(root)
-    _report(units.uninstall(name, root=root, purge=purge, systemd=systemd))
+    result = units.uninstall(name, root=root, purge=purge, systemd=systemd)
     written = cutover_metrics.refresh(Layout(root), systemd)
     if written is not None:
-        click.echo(f"wrote     {written}")
+        result.written.append(written)
+    _report(result, json_)
