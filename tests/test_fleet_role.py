@@ -173,24 +173,35 @@ def _run_pip_task(tmp_path: Path, fails: int) -> tuple[subprocess.CompletedProce
     )
     pip.chmod(0o755)
     task = {**_pip_task(), "delay": 0}
+    wheels = {"changed": True}
+    given = {"appliance_venv": str(venv), "appliance_version": "", "appliance_wheels": wheels}
+    run = _play(tmp_path, task, given)
+    return run, int(count.read_text())
+
+
+def _play(
+    tmp_path: Path, task: dict, given: dict, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``task`` alone in a play on this machine (connection local) with the variables
+    ``given``; ``env``: added to the environment its commands inherit."""
     play = [
         {
             "hosts": "localhost",
             "connection": "local",
             "gather_facts": False,
-            "vars": {
-                "ansible_python_interpreter": sys.executable,
-                "appliance_venv": str(venv),
-                "appliance_version": "",
-                "appliance_wheels": {"changed": True},
-            },
+            "vars": {"ansible_python_interpreter": sys.executable, **given},
             "tasks": [task],
         }
     ]
     playbook = tmp_path / "play.yml"
     playbook.write_text(json.dumps(play))  # JSON is YAML; the loader's strings are str
-    env = dict(os.environ, ANSIBLE_HOME=str(tmp_path), ANSIBLE_LOCAL_TEMP=str(tmp_path / "tmp"))
-    run = subprocess.run(
+    env = dict(
+        os.environ,
+        ANSIBLE_HOME=str(tmp_path),
+        ANSIBLE_LOCAL_TEMP=str(tmp_path / "tmp"),
+        **(env or {}),
+    )
+    return subprocess.run(
         [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", str(playbook)],
         capture_output=True,
         text=True,
@@ -198,7 +209,6 @@ def _run_pip_task(tmp_path: Path, fails: int) -> tuple[subprocess.CompletedProce
         check=False,
         timeout=120,
     )
-    return run, int(count.read_text())
 
 
 def test_a_pip_install_that_fails_once_is_tried_again_and_the_play_goes_on(tmp_path):
@@ -212,3 +222,44 @@ def test_a_pip_install_that_keeps_failing_fails_the_host_with_pips_words(tmp_pat
     assert run.returncode != 0
     assert runs == int(_pip_task()["retries"]) + 1  # the first try and each retry
     assert "pip: interrupted" in run.stdout
+
+
+# --- the install, changed or not by its --json -----------------------------------------------
+
+INSTALL_TASK = "Install the instance (unit, serve program, env, args, API key, scrape target)"
+
+
+def _changed(run: subprocess.CompletedProcess) -> int:
+    """The play recap's ``changed=N`` for the one host."""
+    return int(re.search(r"^localhost\s*:.*\bchanged=(\d+)", run.stdout, re.MULTILINE).group(1))
+
+
+def test_the_install_task_is_changed_by_what_installs_json_says(tmp_path):
+    """The role reads `appliance instance install --json` (ecosystem review E15), not a grep of
+    its text: the role's own task runs this venv's appliance on a tree (APPLIANCE_ROOT, the
+    --root of every command; no Docker or systemd of the tree named, so none is asked). A first
+    install is a change, the same install again is none, and a refusal fails the task with the
+    appliance's own line (no object to read)."""
+    root = tmp_path / "root"
+    task = _named(_tasks("install.yml"), INSTALL_TASK)
+    assert "'--json'" in task["ansible.builtin.command"]["argv"]
+    given = {
+        "appliance_path": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "appliance_instance": "t",
+        "appliance_profile": "cpu-tiny-mtp",
+        "appliance_env_file": {"stat": {"exists": False}},
+        **dict.fromkeys(
+            ("image", "host", "port", "gpus", "model_dir", "hf_cache_dir", "vllm_cache_dir"), ""
+        ),
+    }
+    given = {k if k.startswith("appliance_") else f"appliance_{k}": v for k, v in given.items()}
+    env = {"APPLIANCE_ROOT": str(root), "DOCKER_HOST": "", "APPLIANCE_SYSTEMD_PREFIX": ""}
+    first = _play(tmp_path, task, given, env)
+    assert first.returncode == 0 and _changed(first) == 1, first.stdout[-3000:]
+    assert (root / "etc/gemma4-vllm/t.env").is_file()
+    again = _play(tmp_path, task, given, env)
+    assert again.returncode == 0 and _changed(again) == 0, again.stdout[-3000:]
+    refused = _play(tmp_path, task, {**given, "appliance_profile": "nosuch"}, env)
+    assert refused.returncode != 0
+    assert "Error: unknown profile 'nosuch'" in refused.stdout, refused.stdout[-3000:]
+    assert "from_json" not in refused.stdout and "conditional" not in refused.stdout
