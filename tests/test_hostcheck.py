@@ -98,7 +98,10 @@ def test_h100_capture_fits_the_h100_profile(tmp_path, monkeypatch):
         "gpu.compute_capability": "ok",
     }
     # This capture has no uuid column and no -L listing: the GPU goes by its index.
-    assert found["gpu.devices"].message == "0 (NVIDIA H100 80GB HBM3): docker --gpus device=0"
+    assert found["gpu.devices"].message == (
+        "0 (NVIDIA H100 80GB HBM3): docker --gpus device=0 (no CDI spec names nvidia.com/gpu "
+        "devices)"
+    )
     assert found["nvidia.driver"].message == "driver 580.82.07 (>= 575.51.03)"
     assert found["gpu.memory"].message == "81559 MiB per GPU (profile: 80 GB per GPU)"
 

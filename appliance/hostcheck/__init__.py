@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import images
 from ..errors import ApplianceError, UsageError
-from ..host import envfile, reach
+from ..host import cdi, envfile, reach
 from ..host.layout import Layout
 from ..host.names import DATA_DIR
 from ..images import choice
@@ -27,7 +27,7 @@ from ..models.where import under_root
 from ..profiles import Profile, lookup
 from ..profiles.catalog import MIN_DRIVER
 from ..units import Options, Planned, planned
-from . import placement
+from . import docker, placement
 from .disk import weights_finding
 from .docker import build_unchecked, docker_findings, engine_finding
 from .findings import Finding, Report, Status
@@ -138,12 +138,14 @@ def run(t: Target, *, docker_client=None, gpu_query=None, told: bool = False) ->
     finding, never ready."""
     findings = _this_host(t.root)
     cpu = t.profile.hardware.device != "cuda"  # asks nothing of the GPUs
+    asks_docker = docker_client is not None or told or reach.docker(t.root)
+    engine = docker.connect(docker_client) if asks_docker else None
     if cpu or gpu_query is not None or told or reach.gpus(t.root):
-        findings += _gpus(t, gpu_query)
+        findings += _gpus(t, gpu_query, engine)
     else:
         findings.append(not_asked("gpu", t.root, reach.GPUS_NOT))
-    if docker_client is not None or told or reach.docker(t.root):
-        findings += docker_findings(t.profile, t.image, docker_client)
+    if engine is not None:
+        findings += docker_findings(t.profile, t.image, root=t.root, engine=engine)
     else:
         findings.append(not_asked("docker.engine", t.root, reach.DOCKER_NOT))
         findings.append(build_unchecked(t.image, "Docker was not asked"))
@@ -167,21 +169,26 @@ def not_asked(name: str, root: Path, clause: str) -> Finding:
     )
 
 
-def _gpus(t: Target, q: Query | None) -> list[Finding]:
+def _gpus(t: Target, q: Query | None, engine: docker.Engine | None = None) -> list[Finding]:
     # The devices the instance is given (its env file's device set), else those it would get:
-    # the next free of its kind past the other instances' (appliance/hostcheck/placement.py).
+    # the next free of its kind past the other instances' (appliance/hostcheck/placement.py);
+    # and how they go to Docker: the tree's CDI specs, in the folders Docker reads where it
+    # answered, and whether its CDI is on (None: not asked, the spec decides).
     if t.profile.hardware.device != "cuda":
         return gpu_findings(t.profile, q)
     q = q if q is not None else query()
     if q.error is not None:
         return gpu_findings(t.profile, q)
+    docker_cdi = engine.cdi if engine is not None else None
+    dirs = docker.cdi_dirs(engine.info) if docker_cdi else cdi.DIRS
+    way = {"specs": cdi.read(t.root, dirs), "docker_cdi": docker_cdi}
     devices = given(q, t.gpus) if t.gpus else None
     if devices is not None:
-        return gpu_findings(t.profile, q, devices=devices)
+        return gpu_findings(t.profile, q, devices=devices, **way)
     held = set(placement.claimed(t.root, t.instance, q))
     if placement.EVERY in held:  # another instance is given all of them
         held = {a for d in q.devices for a in d.aliases}
-    return gpu_findings(t.profile, q, taken=frozenset(held))
+    return gpu_findings(t.profile, q, taken=frozenset(held), **way)
 
 
 def _this_host(root: Path) -> list[Finding]:

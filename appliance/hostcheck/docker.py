@@ -1,12 +1,15 @@
-"""Docker: the engine answers and is recent enough, its containers can reach the GPUs, its data
-root has room for the image, and the image (when here) is the build the profile runs on."""
+"""Docker: the engine answers and is recent enough, its containers can reach the GPUs (as CDI
+devices, through the nvidia runtime or its hook), its data root has room for the image, and the
+image (when here) is the build the profile runs on."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..host import cdi
 from ..images import variant
 from ..profiles import Profile
 from .findings import Finding
@@ -17,25 +20,65 @@ MIN_DOCKER_GPUS = (19, 3)
 # measurement (the CUDA CPU images differ; the CPU image built here is 3.6 GB).
 IMAGE_ROOM_GIB = {"cuda": 30, "cpu": 8}
 HOOK = "nvidia-container-runtime-hook"
-CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 DEFAULT_SOCKET = "unix:///var/run/docker.sock"  # the SDK's default without DOCKER_HOST
 INSTALL = "install Docker (apt-get install docker.io) and start it: systemctl enable --now docker"
 
 
-def docker_findings(profile: Profile, image: str, client=None) -> list[Finding]:
-    """``docker.engine``, then (GPU profiles) ``docker.gpus``, ``docker.data_root`` and (when
-    the image is here) ``docker.image``.
-    ``client``: a Docker SDK client (default: from the environment, ``DOCKER_HOST`` included)."""
+@dataclass(frozen=True)
+class Engine:
+    """What the Docker engine said when asked once: its client, version and info, or why it did
+    not answer (``error``)."""
+
+    client: object = None
+    version: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+    error: Exception | None = None
+
+    @property
+    def cdi(self) -> bool | None:
+        """Whether Docker takes CDI devices: ``docker info`` lists the CDI spec folders it
+        reads only where CDI is on (None: the engine did not answer)."""
+        return None if self.error is not None else bool(cdi_dirs(self.info))
+
+
+def connect(client=None) -> Engine:
+    """Ask the engine (``client``: a Docker SDK client; default: from the environment,
+    ``DOCKER_HOST`` included) for its version and info."""
     import docker.errors
 
     import docker
 
     try:
         client = client or docker.DockerClient.from_env(timeout=10)
-        version = client.version()
-        info = client.info()
+        return Engine(client, client.version(), client.info())
     except (docker.errors.DockerException, OSError) as exc:
-        return [absent(exc), build_unchecked(image, "no Docker engine answered")]
+        return Engine(error=exc)
+
+
+def cdi_dirs(info: dict) -> tuple[str, ...]:
+    """Docker's CDI spec folders (``docker info``'s ``CDISpecDirs``): none where CDI is off or
+    Docker is older than the field."""
+    dirs = info.get("CDISpecDirs") or ()
+    return tuple(d for d in dirs if isinstance(d, str) and d.startswith("/"))
+
+
+def docker_findings(
+    profile: Profile,
+    image: str,
+    client=None,
+    *,
+    root: Path = Path("/"),
+    engine: Engine | None = None,
+) -> list[Finding]:
+    """``docker.engine``, then (GPU profiles) ``docker.gpus``, ``docker.data_root`` and (when
+    the image is here) ``docker.image``. ``engine``: what Docker said (default: asked through
+    ``client``, :func:`connect`); ``root``: the tree whose CDI specs are read."""
+    import docker.errors
+
+    engine = engine or connect(client)
+    if engine.error is not None:
+        return [absent(engine.error), build_unchecked(image, "no Docker engine answered")]
+    client, version, info = engine.client, engine.version, engine.info
     cuda = profile.hardware.device == "cuda"
     text = version.get("Version", "?")
     out = []
@@ -53,7 +96,7 @@ def docker_findings(profile: Profile, image: str, client=None) -> list[Finding]:
             Finding("docker.engine", "ok", f"Docker {text} (API {version.get('ApiVersion')})")
         )
     if cuda:
-        out.append(_gpu_access(info))
+        out.append(gpu_access(info, root))
     try:
         found = client.images.get(image)  # looked up once, for the two findings below
     except (docker.errors.DockerException, OSError):
@@ -134,21 +177,33 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _gpu_access(info: dict) -> Finding:
+def gpu_access(info: dict, root: Path = Path("/")) -> Finding:
+    """How Docker can give a container GPUs: CDI devices (CDI on and a spec in its folders under
+    ``root``), the nvidia runtime, or the runtime hook; a blocker where none of them."""
     runtimes = sorted(info.get("Runtimes") or {})
+    dirs = cdi_dirs(info)
+    specs = cdi.read(root, dirs) if dirs else ()
+    if specs:
+        return Finding(
+            "docker.gpus",
+            "ok",
+            f"Docker takes CDI devices (CDI on; spec {specs[0].path}, "
+            f"{len(specs[0].names)} device name(s))",
+        )
     if "nvidia" in runtimes:
         return Finding("docker.gpus", "ok", "Docker has the nvidia runtime")
     if shutil.which(HOOK):
         return Finding("docker.gpus", "ok", f"--gpus through {HOOK} (NVIDIA Container Toolkit)")
     configure = "nvidia-ctk runtime configure --runtime=docker && systemctl restart docker"
-    cdi = [p for d in CDI_DIRS if d.is_dir() for p in sorted(d.iterdir()) if "nvidia" in p.name]
-    if cdi:
+    present = cdi.read(root)  # the documented folders, where Docker does not read them
+    if present:
+        why = "Docker's CDI is off" if not dirs else f"Docker reads CDI specs from {dirs}"
         return Finding(
             "docker.gpus",
-            "warn",
-            f"only CDI specs ({cdi[0]}): the serve program passes --gpus, which needs the "
-            "NVIDIA runtime or hook",
-            configure,
+            "blocker",
+            f"a CDI spec ({present[0].path}) but {why}, and no nvidia runtime or {HOOK} for "
+            "--gpus: no container gets a GPU",
+            f"{cdi.ENABLE}; or {configure}",
         )
     return Finding(
         "docker.gpus",

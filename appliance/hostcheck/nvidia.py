@@ -13,9 +13,10 @@ import io
 import re
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..host import cdi
 from ..profiles import Profile
 from .findings import Finding
 
@@ -350,10 +351,15 @@ def gpu_findings(
     *,
     devices: tuple[Device, ...] | None = None,
     taken: frozenset[str] = frozenset(),
+    specs: Sequence[cdi.Spec] = (),
+    docker_cdi: bool | None = None,
 ) -> list[Finding]:
     """The driver and its version against ``[hardware] min_driver``; the devices the profile
     gets (``devices``: an installed instance's; else :func:`choose`, past ``taken``) against
-    its count, model, memory and compute capability. A CPU profile needs none of it."""
+    its count, model, memory and compute capability, and how they go to Docker: CDI devices
+    where ``specs`` (the host's CDI specs) name each and Docker's CDI is not off
+    (``docker_cdi``), else ``--gpus`` (:func:`appliance.host.cdi.passing`, as the serve program
+    decides). A CPU profile needs none of it."""
     hw = profile.hardware
     if hw.device != "cuda":
         return [Finding("gpu", "ok", f"profile {profile.name} runs on {hw.device}: no GPU needed")]
@@ -399,7 +405,16 @@ def gpu_findings(
         out.append(Finding("gpu.count", "ok", seen))
         refs = ",".join(d.ref for d in used)
         where = ", ".join(d.label() for d in used)
-        out.append(Finding("gpu.devices", "ok", f"{where}: docker --gpus device={refs}"))
+        # By what the env file records (the UUID), as the serve program matches them.
+        way = cdi.passing(f"device={refs}", None, specs, docker_cdi)
+        out.append(
+            Finding(
+                "gpu.devices",
+                "warn" if way.stale else "ok",
+                f"{where}: docker {' '.join(way.args)} ({way.why})",
+                cdi.GENERATE if way.stale else "",
+            )
+        )
     if hw.gpu_name and not all(hw.gpu_name in d.name for d in used or kind):
         names = ", ".join(sorted({d.name for d in used or kind}))
         out.append(

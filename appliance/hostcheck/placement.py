@@ -1,6 +1,6 @@
 """Which GPUs (or MIG slices) an instance gets: its own device set, recorded by UUID in its env
-file (``VLLM_GPUS=device=GPU-...,GPU-...``), which the serve program passes to ``docker run
---gpus`` as it is.
+file (``VLLM_GPUS=device=GPU-...,GPU-...``), which the serve program passes to Docker as they
+are: as CDI devices where the host's CDI spec names them, else ``--gpus`` (appliance/host/cdi.py).
 
 A new instance of a GPU profile takes the next free device set of the profile's kind
 (:func:`.nvidia.choose`: what ``host check --profile`` and ``profiles suggest`` judge), past the

@@ -33,6 +33,7 @@ MODULES = (
     "progress.py",
     "shed.py",
     "host/__init__.py",
+    "host/cdi.py",
     "host/envfile.py",
     "host/names.py",
     "host/layout.py",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .. import labels, versions
 from ..errors import UsageError
+from ..host import cdi
 from ..host.layout import Shape
 from .argsfile import ServeArgs
 from .docker import DRAIN_S
@@ -126,9 +127,12 @@ def command(
     image_labels: Mapping[str, str],
     key: str | None,
     key_file: Path,
+    devices: list[str] | None = None,
 ) -> Command:
-    """The ``docker run`` of ``instance``; ``key`` is the checked API key (None: no key file).
-    A UsageError (exit 78) for an image of the other build (:func:`check_build`)."""
+    """The ``docker run`` of ``instance``; ``key`` is the checked API key (None: no key file);
+    ``devices`` how its GPUs go to Docker (CDI devices or ``--gpus``, :func:`.cdi.passing`;
+    None: ``--gpus`` with the env file's ``VLLM_GPUS``). A UsageError (exit 78) for an image of
+    the other build (:func:`check_build`)."""
     check_build(settings, image_labels)
     image_version = image_labels.get(labels.VERSION) or "unlabelled"
     vllm = labels.vllm_version(image_labels) or "unlabelled"
@@ -159,10 +163,10 @@ def command(
         key_args = ["--env", "VLLM_API_KEY"]
         env = {"VLLM_API_KEY": key}
     gpu_args: list[str] = []
-    if settings.gpus:
-        # docker reads --gpus as CSV: a device list with commas must be one quoted field.
-        gpus = f'"{settings.gpus}"' if "," in settings.gpus else settings.gpus
-        gpu_args = ["--gpus", gpus]
+    if devices is not None:
+        gpu_args = list(devices)
+    elif settings.gpus:
+        gpu_args = cdi.gpus_args(settings.gpus)
     volumes: list[str] = []
     if settings.model_dir:
         volumes += ["--volume", f"{settings.model_dir}:{CONTAINER_MODEL_DIR}:ro"]

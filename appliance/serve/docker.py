@@ -55,6 +55,19 @@ def image_labels(image: str) -> dict[str, str] | None:
     return {str(k): str(v) for k, v in (found or {}).items()}
 
 
+def cdi_spec_dirs() -> tuple[str, ...]:
+    """The CDI spec folders Docker reads, as ``docker info`` lists them (``CDISpecDirs``): none
+    where CDI is off in the daemon, or where Docker is older than the field (before 25)."""
+    proc = _docker("info", "--format", "{{json .CDISpecDirs}}", timeout=30)
+    if proc.returncode != 0:
+        return ()
+    try:
+        found = json.loads(proc.stdout or "null")
+    except ValueError:
+        return ()
+    return tuple(d for d in found or () if isinstance(d, str) and d.startswith("/"))
+
+
 def stop(container: str) -> str:
     """Stop ``container``, giving vLLM ``STOP_GRACE_S`` to drain; what happened, as a line. A
     container already gone is fine (the engine exited and ``--rm`` removed it)."""

@@ -11,11 +11,14 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .. import apikey, models, progress, shed
 from ..errors import ApplianceError, UsageError
+from ..host import cdi
 from ..host.layout import Layout, Shape
 from ..host.names import check_instance
 from ..host.values import LOOPBACK, is_loopback, probe_host
@@ -37,7 +40,8 @@ class Unit:
     def __init__(self, instance: str, env: dict[str, str]) -> None:
         self.instance = instance
         self.env = env
-        layout = Layout(Path(env.get("APPLIANCE_ROOT") or "/"))
+        self.root = Path(env.get("APPLIANCE_ROOT") or "/")
+        layout = Layout(self.root)
         self.env_file = str(layout.env_file(instance))
         self.args_file = layout.args_file(instance)
         self.key_file = layout.api_key_file(instance)
@@ -124,15 +128,54 @@ class Unit:
                 f"image {settings.image} is not on this host (the unit never pulls)",
                 fix=f"build or load it, or fix VLLM_IMAGE in {self.env_file}",
             )
+        container.check_build(settings, image_labels)  # before Docker is asked anything more
         key = self.key(settings)
-        cmd = container.command(self.instance, args, settings, image_labels, key, self.key_file)
+        devices = self.devices(settings)
+        cmd = container.command(
+            self.instance, args, settings, image_labels, key, self.key_file, devices
+        )
         for note in cmd.notes:
             self.log(note)
         return cmd
 
+    def devices(self, settings: Settings) -> list[str] | None:
+        """How the instance's GPUs go to Docker, said in the journal: CDI devices where Docker
+        has CDI on and a spec in its folders (under ``APPLIANCE_ROOT``) names each, else
+        ``--gpus`` (:func:`appliance.host.cdi.passing`, as ``host check`` says it). None: a
+        CPU instance."""
+        if not settings.gpus:
+            return None
+        dirs = docker.cdi_spec_dirs()
+        specs = cdi.read(self.root, dirs or cdi.DIRS)
+        way = cdi.passing(settings.gpus, None, specs, bool(dirs))
+        listed = cdi.refs(settings.gpus)
+        if way.stale and dirs and listed:
+            # A spec of index names (nvidia-ctk's default) and an env file of UUIDs: the index
+            # of each, as nvidia-smi lists them.
+            if known := gpu_listing():
+                way = cdi.passing(settings.gpus, [known.get(r, {r}) for r in listed], specs, True)
+            else:  # the unit's PrivateDevices=yes hides the GPUs from nvidia-smi
+                way = replace(way, why=f"{way.why}; nvidia-smi does not answer here for indexes")
+        if way.stale:
+            self.log(f"GPUs: {' '.join(way.args)}: {way.why}; `{cdi.GENERATE}`", "warning")
+        else:
+            self.log(f"GPUs: {' '.join(way.args)}: {way.why}")
+        return way.args
+
     def endpoint(self) -> tuple[str, int]:
         host, port = environment.endpoint(self.env, self.env_file)
         return probe_host(host), port
+
+
+def gpu_listing() -> dict[str, set[str]]:
+    """``nvidia-smi -L``'s devices by UUID, with their indexes (none where it does not answer)."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return cdi.aliases(done.stdout) if done.returncode == 0 else {}
 
 
 def run(unit: Unit) -> None:
