@@ -126,5 +126,6 @@ def node_exporter_finding() -> Finding:
         "node_exporter",
         "warn",
         "node_exporter not found: the state metrics the timer writes are not served",
-        "apt install prometheus-node-exporter, with --collector.textfile.directory (README)",
+        "apt install prometheus-node-exporter, and link the state textfile into its textfile "
+        "directory (README, Monitoring)",
     )

@@ -47,6 +47,10 @@ ENV_FILE_READABLE = Selector("gemma4_appliance_env_file_readable")
 # node_exporter's textfile collector (collector/textfile.go): the mtime of each *.prom file it
 # read, labelled `file` (the file's path; its base name in releases before 1.5).
 TEXTFILE_MTIME = Selector("node_textfile_mtime_seconds")
+# The textfile directory Debian's node_exporter has compiled in, where its
+# prometheus-node-exporter-collectors write: the state textfile is linked into it, so that
+# node_exporter serves both (before 1.9 it takes --collector.textfile.directory once).
+DEBIAN_TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
 NODE_EXPORTER = frozenset({TEXTFILE_MTIME.metric})
 
 # Series Prometheus makes itself for every target.

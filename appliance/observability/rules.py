@@ -471,10 +471,11 @@ def _state_collector(t: Thresholds) -> tuple[Rule, ...]:
             annotations={
                 "summary": f"The appliance's state textfile is not served{on_host}",
                 "description": "node_exporter at {{ $labels.instance }} answers but has served "
-                f"no {textfile.name} for {t.state_collector_for}: start it with "
-                f"--collector.textfile.directory={textfile.parent}, and see that "
-                "gemma4-appliance-state.timer runs (`appliance status --write-metrics` writes "
-                f"the file once). {blind}",
+                f"no {textfile.name} for {t.state_collector_for}: link {textfile} into its "
+                f"textfile directory (Debian's {n.DEBIAN_TEXTFILE_DIR}), or from node_exporter "
+                f"1.9 add --collector.textfile.directory={textfile.parent} beside the flag of "
+                "that directory (README, Monitoring); and see that gemma4-appliance-state.timer "
+                f"runs (`appliance status --write-metrics` writes the file once). {blind}",
             },
         ),
         Rule(

@@ -28,7 +28,8 @@ class ScrapeTargets:
     # instance name the state metrics carry, so engine figures join the running image.
     engine: tuple[str, ...] = ()
     agent: tuple[str, ...] = ("127.0.0.1:9464",)
-    # node_exporter with --collector.textfile.directory on the appliance's state directory.
+    # node_exporter, whose textfile collector serves the appliance's state file (README,
+    # Monitoring: linked into its own textfile directory, which it keeps).
     state: tuple[str, ...] = ("127.0.0.1:9100",)
     # Where firing alerts go (the plane's Alertmanager, prometheus/alertmanager.yml).
     alertmanagers: tuple[str, ...] = ("127.0.0.1:9093",)

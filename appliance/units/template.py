@@ -46,6 +46,7 @@ from ..host.names import (
 )
 from ..host.values import PATH_KEYS, check_gpus, check_host, check_path, check_port
 from ..images.choice import fallback
+from ..observability.names import DEBIAN_TEXTFILE_DIR
 from ..profiles import PROFILE_NAME, Profile, get
 from ..profiles import validate as pv
 from ..serve import bundle
@@ -283,6 +284,7 @@ def state_units() -> dict[str, RenderedFile]:
         "appliance_bin": APPLIANCE_BIN,
         "textfile": textfile,
         "textfile_dir": textfile.parent,
+        "distro_textfile_dir": DEBIAN_TEXTFILE_DIR,
         "state_dir_name": STATE_DIR.relative_to("var/lib"),
     }
     env = jinja_env()
