@@ -11,7 +11,8 @@ left at `/`:
 3. `appliance install` of the CPU profile (which runs the host check) and the exact `next:`
    line it prints, `systemctl daemon-reload && systemctl enable --now ...`;
 4. a generation through the instance's own port, with its key;
-5. Debian's node_exporter with the README's textfile flag, and a real Prometheus (on the host,
+5. Debian's node_exporter with the state file linked into its own textfile directory (the
+   README's way, which keeps Debian's directory), and a real Prometheus (on the host,
    as a central server would be) scraping the engine through the file_sd list `install` keeps
    and the state metrics the timer's service writes;
 6. `appliance cutover` to another tag of the MTP image, the state metrics showing it;
@@ -48,6 +49,7 @@ from appliance import devmodel, specdecode, units
 from appliance.engine.local import free_port
 from appliance.host.layout import Layout
 from appliance.observability import scrape
+from appliance.observability.names import DEBIAN_TEXTFILE_DIR
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]
 
@@ -96,11 +98,13 @@ def bare_host(appliance_images, tmp_path_factory) -> Iterator[BareHost]:
     host = BareHost(None, free_port(), free_port(), model_dir)  # type: ignore[arg-type]
     with nspawn.boot("gemma4-barehost", binds=binds, unmask=[NODE_EXPORTER]) as m:
         host.machine = m
-        # What an operator writes once: node_exporter on loopback, with the README's flag.
+        # What an operator does once (README, Monitoring): the state file linked into
+        # node_exporter's textfile directory, which keeps Debian's default; node_exporter on
+        # loopback. The link waits for the file the state timer writes.
+        m.run("ln", "-s", f"{TEXTFILE_DIR}/gemma4_appliance.prom", f"{DEBIAN_TEXTFILE_DIR}/")
         m.write(
             "/etc/default/prometheus-node-exporter",
-            f'ARGS="--web.listen-address=127.0.0.1:{host.node_exporter} '
-            f'--collector.textfile.directory={TEXTFILE_DIR}"\n',
+            f'ARGS="--web.listen-address=127.0.0.1:{host.node_exporter}"\n',
         )
         m.systemctl("restart", NODE_EXPORTER)
         m.run("python3", "-m", "venv", VENV)
