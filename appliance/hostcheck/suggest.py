@@ -13,11 +13,12 @@ and say so.
 
 Each fitting profile is judged on the devices of its kind (:func:`.nvidia.choose`, a mixed host
 per kind, MIG slices as slices) and says how many instances of it those hold: the packing (on
-8x H100, four of ``h100x2-31b-mtp`` or eight of ``h100-31b-mtp``). One data-parallel instance
-(``--data-parallel-size``, one endpoint) is not offered: vLLM 0.32 does not refuse it with MTP
-(the draft proposer syncs its batches across the ranks, ``coordinate_batch_across_dp`` in
-vllm/v1/spec_decode/llm_base_proposer.py, which Gemma 4's proposer inherits), but no profile
-states it and no host here has measured it.
+8x H100, four of ``h100x2-31b-mtp`` or eight of ``h100-31b-mtp``). Where an MTP profile fits
+more than once, the same devices as one data-parallel instance follow it (``NAME-dpN``:
+``--data-parallel-size N``, one endpoint, one unit): vLLM 0.32 runs a dense Gemma 4's ranks as
+independent engines behind one API server, each exactly its one-instance MTP engine, so the
+memory per GPU is NAME's (adr/0022). Not for a mixture of experts (26B-A4B), whose experts vLLM
+shards over every rank's GPUs, nor for MIG slices: the text says so in a note.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .. import profiles
 from ..errors import UsageError
 from ..profiles import Profile, all_profiles, catalog
 from ..profiles import validate as pv
@@ -57,6 +59,7 @@ class Suggestion:
     gpu: catalog.Gpu | None  # the table's GPU of the best's kind (None: not in the table)
     fitting: tuple[Candidate, ...] = ()
     others: tuple[Candidate, ...] = field(default=())
+    notes: tuple[str, ...] = ()  # why a fitting profile has no data-parallel form here
 
     @property
     def gpus(self) -> tuple[Gpu, ...]:
@@ -78,6 +81,7 @@ class Suggestion:
             lines.append("no shipped profile fits these GPUs")
         lines.append(f"do not fit ({len(self.others)}):")
         lines += [f"  {c.line()}" for c in self.others]
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -96,6 +100,7 @@ class Suggestion:
                 for c in self.fitting
             ],
             "others": [{"name": c.name, "why": c.why} for c in self.others],
+            "notes": list(self.notes),
         }
 
 
@@ -170,8 +175,28 @@ def candidate(prof: Profile, q: Query) -> Candidate:
     made_for = "" if mine else f", made for {hw.gpu_name or 'any GPU'}"
     fit = f"; {estimate.line()}" if estimate is not None else ""
     refs = tuple(d.ref for d in used)
+    if prof.data_parallel_size > 1:
+        per = need // prof.data_parallel_size
+        uses += (
+            f"; each rank a whole copy on {per} GPU(s), an independent engine behind one API "
+            "server: adr/0022"
+        )
     why = f"{prof.description} ({uses}{made_for}){fit}"
     return Candidate(prof.name, True, why, rank, instances, refs)
+
+
+def _data_parallel(c: Candidate, prof: Profile, q: Query) -> tuple[Candidate | None, str | None]:
+    """The one data-parallel instance of fitting ``prof`` on the devices its ``c.instances``
+    would take; or why it has none (None, None: not asked: it fits once, is not MTP, or was made
+    for another GPU)."""
+    made_here = bool(c.rank and c.rank[0])
+    if c.instances < 2 or not prof.mtp or not made_here or prof.name not in all_profiles():
+        return None, None
+    why = profiles.data_parallel_refusal(prof)
+    if why is not None:
+        return None, why
+    dp = candidate(profiles.data_parallel(prof.name, c.instances), q)
+    return (dp if dp.fits else None), None
 
 
 def suggest(q: Query | None = None, shipped: dict[str, Profile] | None = None) -> Suggestion:
@@ -179,18 +204,24 @@ def suggest(q: Query | None = None, shipped: dict[str, Profile] | None = None) -
     judged on the devices of its kind (a mixed host per kind, MIG slices as slices)."""
     q = q if q is not None else query()
     _host_gpus(q)
-    found = [
-        candidate(p, q) for p in (shipped or all_profiles()).values() if p.hardware.device == "cuda"
-    ]
-    fitting = sorted((c for c in found if c.fits), key=lambda c: c.rank, reverse=True)
+    by_name = shipped or all_profiles()
+    found = [candidate(p, q) for p in by_name.values() if p.hardware.device == "cuda"]
+    fitting, refused = [], {}
+    # Each data-parallel form right after its profile: the same devices, one endpoint.
+    for c in sorted((c for c in found if c.fits), key=lambda c: c.rank, reverse=True):
+        dp, why = _data_parallel(c, by_name[c.name], q)
+        fitting += [c] if dp is None else [c, dp]
+        if why is not None:
+            refused.setdefault(why, []).append(c.name)
+    notes = [f"no data-parallel form of {', '.join(n)}: {why}" for why, n in refused.items()]
     others = sorted((c for c in found if not c.fits), key=lambda c: c.name)
     host = None
     if fitting:
-        kind, _ = choose((shipped or all_profiles())[fitting[0].name], q)
+        kind, _ = choose(by_name[fitting[0].name], q)
         host = catalog.identify(kind[0].name)
     elif q.devices:
         host = catalog.identify(q.devices[0].name)
-    return Suggestion(q, host, tuple(fitting), tuple(others))
+    return Suggestion(q, host, tuple(fitting), tuple(others), tuple(notes))
 
 
 def best(q: Query | None = None) -> tuple[str, str]:

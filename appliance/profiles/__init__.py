@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -18,7 +19,7 @@ from typing import Annotated
 
 import pydantic
 
-from .. import records
+from .. import records, versions
 from ..errors import UsageError
 from ..host.layout import Layout
 from ..host.values import HOST_PATTERN
@@ -163,6 +164,9 @@ class Profile:
     dtype: Dtype = "auto"
     tensor_parallel_size: Parallel = 1
     pipeline_parallel_size: Parallel = 1
+    # Ranks of the whole model behind one endpoint (vLLM's --data-parallel-size), each on
+    # tensor_parallel_size x pipeline_parallel_size GPUs (adr/0022; NAME-dpN derives one).
+    data_parallel_size: Parallel = 1
     max_model_len: Tokens | None = None
     max_num_batched_tokens: Tokens | None = None
     max_num_seqs: Sequences | None = None
@@ -196,13 +200,14 @@ class Profile:
     @property
     def queue_bound(self) -> int | None:
         """Requests the engine holds at most, running and waiting, before it answers 503: the
-        explicit ``max_num_queued_reqs``, else ``QUEUE_PER_SEQUENCE`` x ``max_num_seqs``; None
-        (vLLM's unbounded queue) when the profile states neither, since vLLM's own
-        ``max_num_seqs`` then depends on the device it finds."""
+        explicit ``max_num_queued_reqs``, else ``QUEUE_PER_SEQUENCE`` x ``max_num_seqs`` x the
+        data-parallel ranks (the bound is the API server's, over every rank: ``check_admission``
+        in vllm/v1/engine/async_llm.py); None (vLLM's unbounded queue) when the profile states
+        neither, since vLLM's own ``max_num_seqs`` then depends on the device it finds."""
         if self.max_num_queued_reqs is not None:
             return self.max_num_queued_reqs
         if self.max_num_seqs is not None:
-            return QUEUE_PER_SEQUENCE * self.max_num_seqs
+            return QUEUE_PER_SEQUENCE * self.max_num_seqs * self.data_parallel_size
         return None
 
     def serve_args(
@@ -228,6 +233,15 @@ class Profile:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.pipeline_parallel_size != 1:
             args += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
+        if self.data_parallel_size != 1:
+            # One API server in front of every rank (vLLM's default is one per rank): the
+            # process the stop gate, the drain and the key on stdin were built and tested on.
+            args += [
+                "--data-parallel-size",
+                str(self.data_parallel_size),
+                "--api-server-count",
+                "1",
+            ]
         for flag, value in (
             ("--max-model-len", self.max_model_len),
             ("--max-num-batched-tokens", self.max_num_batched_tokens),
@@ -363,7 +377,89 @@ def examples() -> dict[str, Profile]:
 def shipped_text(name: str) -> str:
     """The TOML text of shipped profile ``name`` (a copy to edit keeps its comments)."""
     get(name)  # an unknown name: the usage error listing the known ones
+    if name not in _shipped():
+        return _data_parallel_text(name)
     return _shipped()[name][1]
+
+
+# --- one data-parallel instance of a shipped profile (adr/0022) --------------------------------
+
+# NAME-dpN: shipped profile NAME run as N data-parallel ranks behind one endpoint.
+DATA_PARALLEL = re.compile(r"^(?P<base>.+)-dp(?P<ranks>[1-9][0-9]*)$")
+# The release whose source was read for Gemma 4 MTP under data parallel (adr/0022).
+DATA_PARALLEL_MIN_VLLM = "0.32.0"
+
+
+def data_parallel_refusal(base: Profile) -> str | None:
+    """Why ``base`` has no data-parallel form (None: ``NAME-dpN`` derives one)."""
+    from . import catalog
+
+    hw = base.hardware
+    if hw.device != "cuda":
+        return f"{base.name} runs on the {hw.device} engine, one engine per instance"
+    if hw.mig:
+        return f"{base.name} is a MIG profile: one instance per slice"
+    if base.multinode is not None:
+        return f"{base.name} spreads one model over {base.multinode.nodes} hosts"
+    if base.data_parallel_size != 1:
+        return f"{base.name} is data-parallel already"
+    known = catalog.of_profile(base.model, base.drafter_matches, base.quantization)
+    if known is None:
+        return f"the table does not know {base.model}: no fit to give each rank"
+    if known[0].moe:
+        return (
+            f"Gemma 4 {known[0].label} is a mixture of experts: under data parallel vLLM shards "
+            "its experts over every rank's GPUs and steps the ranks together, which the fit "
+            "does not count (adr/0022)"
+        )
+    return None
+
+
+def _data_parallel_text(name: str) -> str:
+    """The TOML of ``NAME-dpN``: shipped NAME's, comments kept, with N ranks on N x its GPUs."""
+    import tomlkit
+
+    found = DATA_PARALLEL.match(name)
+    assert found is not None, name
+    base, ranks = _shipped()[found["base"]][0], int(found["ranks"])
+    doc = tomlkit.parse(_shipped()[base.name][1])
+    doc["name"] = name
+    doc["description"] = f"{base.description}; {ranks} data-parallel ranks, one endpoint"
+    doc["provenance"] = (
+        f"derived: {ranks} data-parallel ranks of {base.name} ({base.provenance or 'computed'}); "
+        "data parallel not measured on any host here"
+    )
+    doc["data_parallel_size"] = ranks
+    if versions.older(base.min_vllm, DATA_PARALLEL_MIN_VLLM):
+        doc["min_vllm"] = DATA_PARALLEL_MIN_VLLM
+    doc["hardware"]["gpus"] = base.hardware.gpus * ranks
+    head = (
+        f"# {name}: {base.name} as {ranks} data-parallel ranks behind one endpoint, derived by\n"
+        "# appliance/profiles (adr/0022): each rank holds the whole model on its own GPUs, with\n"
+        f"# {base.name}'s memory per GPU; vLLM spreads the requests over the ranks.\n"
+    )
+    return head + tomlkit.dumps(doc)
+
+
+def data_parallel(base: str, ranks: int) -> Profile:
+    """Shipped profile ``base`` as ``ranks`` data-parallel ranks behind one endpoint
+    (``BASE-dpRANKS``); a UsageError where it has no such form."""
+    name = f"{base}-dp{ranks}"
+    shipped = _shipped()
+    if base not in shipped:
+        get(base)  # the unknown-profile error, with close matches
+    why = data_parallel_refusal(shipped[base][0])
+    if why is not None:
+        raise UsageError(
+            f"no profile {name}: {why}", fix=f"use {base}, one instance per device set"
+        )
+    gpus = shipped[base][0].hardware.gpus * ranks
+    if ranks < 2 or gpus > 64:
+        raise UsageError(
+            f"no profile {name}: {ranks} rank(s) of {shipped[base][0].hardware.gpus} GPU(s)",
+            fix="2 ranks or more, 64 GPUs at most",
+        )
+    return from_dict(tomllib.loads(_data_parallel_text(name)), where=name)
 
 
 def is_file_ref(value: str) -> bool:
@@ -415,6 +511,8 @@ def get(name: str) -> Profile:
     """A shipped profile by name; an unknown name is a usage error naming the closest ones
     (``appliance profiles list`` lists them all)."""
     profiles = all_profiles()
+    if name not in profiles and (dp := DATA_PARALLEL.match(name)) and dp["base"] in profiles:
+        return data_parallel(dp["base"], int(dp["ranks"]))
     if name not in profiles:
         close = difflib.get_close_matches(name, sorted(profiles), n=3, cutoff=0.6)
         near = f"did you mean {', '.join(close)}? " if close else ""

@@ -43,6 +43,10 @@ class Model:
     k: int  # num_speculative_tokens of the generated profiles
     size_rank: int  # larger: the bigger model (suggest prefers it)
     sources: tuple[str, ...]
+    # A mixture of experts (vLLM's ModelConfig.is_moe): under data parallel its experts are
+    # sharded over every rank's GPUs and the ranks step together (adr/0022), which the fit does
+    # not count; a dense model's ranks are independent copies.
+    moe: bool = False
 
 
 GEMMA_DOCS = "https://ai.google.dev/gemma/docs/core"  # sizes E2B/E4B/26B A4B/31B, effective params
@@ -97,6 +101,7 @@ MODELS: tuple[Model, ...] = (
         drafter_gib=0.5,  # assumed: 4 layers, width 256; no size found
         k=2,
         size_rank=3,
+        moe=True,  # "A4B": 4B of its 26B active per token, a mixture of experts (GEMMA_DOCS)
         sources=(
             GEMMA_DOCS,
             GEMMA_CPP,

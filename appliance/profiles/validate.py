@@ -18,7 +18,7 @@ from typing import Literal
 
 from .. import labels, versions
 from ..errors import UsageError
-from . import DEVMODEL, Profile, catalog, defects
+from . import DATA_PARALLEL_MIN_VLLM, DEVMODEL, Profile, catalog, defects
 from . import fit as memory
 
 # Gemma 4's largest multimodal item, in tokens (vLLM's max_tokens_per_mm_item for Gemma 4).
@@ -241,6 +241,79 @@ def _parallelism(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
             "a MIG profile runs one instance per slice: one device, no tensor parallelism "
             f"(gpus = {hw.gpus}, tensor_parallel_size = {tp})",
             "set gpus = 1 and tensor_parallel_size = 1; start one unit instance per slice",
+        )
+
+
+def _data_parallel(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
+    """Data-parallel ranks behind one endpoint (adr/0022): the whole model per rank, on its own
+    GPUs of the host. Refused where vLLM 0.32 (the source read) would not serve this profile's
+    Gemma 4 MTP that way, or the appliance does not place it."""
+    dp, hw = p.data_parallel_size, p.hardware
+    if dp == 1:
+        return
+    where = f"data_parallel_size = {dp}"
+    if hw.device != "cuda":
+        yield Finding(
+            "error",
+            "data-parallel",
+            f"{where} on the {hw.device} engine: a CPU instance runs one engine",
+            "use data_parallel_size = 1",
+        )
+        return
+    if hw.mig:
+        yield Finding(
+            "error",
+            "data-parallel",
+            f"{where} for a MIG profile, which runs one instance per slice",
+            "use data_parallel_size = 1; install one instance per slice",
+        )
+    if p.multinode is not None:
+        yield Finding(
+            "error",
+            "data-parallel",
+            f"{where} for a group: the group spreads one model over its nodes (TP x PP), not "
+            "ranks of it",
+            "use data_parallel_size = 1",
+        )
+    need = dp * p.tensor_parallel_size * p.pipeline_parallel_size
+    if p.multinode is None and not hw.mig and hw.gpus != need:
+        yield Finding(
+            "error",
+            "data-parallel",
+            f"{where} x tensor_parallel_size {p.tensor_parallel_size} x pipeline_parallel_size "
+            f"{p.pipeline_parallel_size} = {need} GPUs, but [hardware] gpus = {hw.gpus}",
+            f"set [hardware] gpus = {need}",
+        )
+    spec = p.speculative
+    if spec is not None and spec.num_speculative_tokens_per_batch_size:
+        # vllm/config/vllm.py _maybe_disable_dynamic_sd_for_data_parallel (0.32): ranks that
+        # drafted different counts would diverge, so vLLM drops the schedule with a warning.
+        yield Finding(
+            "error",
+            "data-parallel",
+            f"{where} with [speculative] num_speculative_tokens_per_batch_size: vLLM drops the "
+            f"schedule under data parallel and drafts k = {spec.num_speculative_tokens} for "
+            "every batch",
+            "remove num_speculative_tokens_per_batch_size, or use data_parallel_size = 1",
+        )
+    if p.mtp and versions.older(p.min_vllm, DATA_PARALLEL_MIN_VLLM):
+        yield Finding(
+            "error",
+            "data-parallel",
+            f"{where} with Gemma 4 MTP needs vLLM >= {DATA_PARALLEL_MIN_VLLM}, the release read "
+            f"for it (adr/0022), but min_vllm is {p.min_vllm}",
+            f'set min_vllm = "{DATA_PARALLEL_MIN_VLLM}"',
+        )
+    known = catalog.of_profile(p.model, p.drafter_matches, p.quantization)
+    if known is not None and known[0].moe:
+        yield Finding(
+            "warning",
+            "data-parallel-moe",
+            f"{where} for Gemma 4 {known[0].label}, a mixture of experts: vLLM shards its "
+            "experts over every rank's GPUs and steps the ranks together "
+            "(model_executor/layers/fused_moe/config.py), so the fit per GPU, which counts each "
+            "rank as a whole copy, is not what it holds",
+            "measure it on the host, or install one instance per device set",
         )
 
 
@@ -578,6 +651,7 @@ RULES: tuple[Callable[[Profile, str | None], Iterable[Finding]], ...] = (
     _k,
     _k_schedule,
     _parallelism,
+    _data_parallel,
     _heads,
     _fits,
     _drafter,
