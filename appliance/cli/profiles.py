@@ -88,15 +88,27 @@ def profiles_show(profile: str, json_: bool) -> None:
     model_dir = "$DEVMODEL" if p.uses_devmodel else None
     argv = ["vllm", "serve", *p.serve_args(devmodel=model_dir), *p.queue_args()]
     fit = pv.estimated_fit(p)
+    seqs = pv.sequences(p)
     if json_:
         findings = [dataclasses.asdict(f) for f in pv.check(p)]
         shown = {"fit": fit.line() if fit else None, "provenance": p.provenance or "computed"}
+        shown["sequences"] = [{"max_model_len": n, "fit": k} for n, k in seqs]
         echo_json({"name": p.name, "argv": argv, **shown, "findings": findings})
         return
     click.echo(shlex.join(argv))
     # Beside the command, not in it: stdout stays the one line a script runs.
     if fit is not None:
         click.echo(f"fit per GPU (appliance/profiles/fit.py): {fit.line()}", err=True)
+    if seqs:
+        # The trade of context for concurrent callers (a rank's, for a data-parallel one).
+        stated = p.max_num_seqs if p.max_num_seqs is not None else "vLLM's"
+        bound = p.queue_bound if p.queue_bound is not None else "none"
+        fits = ", ".join(f"{k} of {n} tokens" for n, k in seqs)
+        click.echo(
+            f"sequences: max_num_seqs {stated}, queue bound {bound}; the fit holds at once "
+            f"{fits} (full-length sequences)",
+            err=True,
+        )
     if p.provenance:
         click.echo(f"values {p.provenance}", err=True)
     for finding in pv.check(p):

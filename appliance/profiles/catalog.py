@@ -438,10 +438,23 @@ REFERENCES: tuple[Reference, ...] = (
         (
             "Reference host: Gemma 4 31B-it, bf16, tensor-parallel over 4x NVIDIA L4 (PCIe, no",
             "NVLink), with Google's assistant drafter. k=2 measured 2.46 tokens/step on this host",
-            "(the seed ADR, a production MTP cutover: its Run 7). The ADR states no max_num_seqs:",
-            "this one is the fit's (each sequence counted at the full context): a queue bound.",
+            "(the seed ADR, a production MTP cutover: its Run 7), one stream at a time.",
+            "",
+            "max_num_seqs = 1, kept (issue 54): one 32K sequence is what this host holds. The",
+            "ADR states none (vLLM's default batch, its traffic one stream at a time); vLLM 0.21",
+            "counted 45,336 tokens of KV cache here (the ADR's table, single stream): 1.38",
+            "requests of 32,768, so a second full-length one would be preempted and recomputed,",
+            "and the fit below has no room for it either.",
+            "The queue bound is 2: one running, one waiting, the next caller 503 at once. For",
+            "concurrent callers, trade context for sequences in a copy of this profile:",
+            "`appliance profiles show l4x4-31b-mtp` prints how many fit at 16K and 8K (2 and 4,",
+            "by the fit), or max_num_seqs above the fit if preempting long requests is acceptable.",
         ),
-        measured="4x L4, the seed ADR's production host (k=2, 4096 batched tokens, 32K; vLLM 0.21)",
+        measured=(
+            "4x L4, the seed ADR's production host (k=2, 4096 batched tokens, 32K, one stream at "
+            "a time; vLLM 0.21); max_num_seqs 1, kept: one 32K sequence is what it holds (vLLM "
+            "0.21 counted 45,336 tokens of KV cache there, 1.38 of 32,768)"
+        ),
     ),
     Reference(
         "h100",

@@ -13,7 +13,7 @@ import ipaddress
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from .. import labels, versions
@@ -373,6 +373,23 @@ def estimated_fit(
         mtp=p.mtp,
         kv_bytes=1 if (p.kv_cache_dtype or "").startswith("fp8") else 2,
     )
+
+
+def sequences(p: Profile) -> list[tuple[int, int]]:
+    """How many sequences of full length fit ``p``'s GPUs at once (:func:`estimated_fit`), at
+    its ``max_model_len`` and at a half and a quarter of it (2048 tokens at least): the trade of
+    context for concurrent callers. Empty where the fit is not known."""
+    if p.max_model_len is None or estimated_fit(p) is None:
+        return []
+    out = []
+    for length in dict.fromkeys((p.max_model_len, p.max_model_len // 2, p.max_model_len // 4)):
+        if length < 2048 and length != p.max_model_len:
+            continue
+        one = estimated_fit(replace(p, max_model_len=length, max_num_seqs=1))
+        assert one is not None
+        more = int(one.spare_gib // one.more_gib) if one.fits and one.more_gib > 0 else 0
+        out.append((length, 1 + more if one.fits else 0))
+    return out
 
 
 def _fits(p: Profile, vllm_version: str | None) -> Iterable[Finding]:
