@@ -268,3 +268,45 @@ def test_a_purge_keeps_the_lock_it_holds_until_it_has_released_it(tmp_path):
         purge.kill()
         purge.wait()
     assert not path.exists()  # the purge still leaves no lock behind
+
+
+_INSTALL = """
+import sys
+from pathlib import Path
+from appliance import units
+units.install("cpu-tiny-mtp", "a1", root=Path(sys.argv[1]), options=units.Options(port=18301))
+"""
+
+
+def test_an_install_holds_the_lock_where_no_cutover_ever_ran(tmp_path):
+    """A first cutover of a1 starting while a re-install writes a1's files must be busy: it
+    would read the env file before the write and write its old values back. Before, an install
+    locked only where a cutover had once left the lock file.
+
+    Held inside its locked part for real, as the purge above: a1's args file is a FIFO, which
+    the install reads (is it unchanged?) while it writes a1's files."""
+    from appliance import units
+    from appliance.host.layout import Layout
+
+    layout = Layout(tmp_path)
+    units.install("cpu-tiny-mtp", "a1", root=tmp_path, options=units.Options(port=18301))
+    path = layout.lock_file("a1")
+    # As an older appliance's install left it, where no cutover of a1 ever ran.
+    path.unlink(missing_ok=True)
+    args = layout.args_file("a1")
+    content = args.read_bytes()
+    args.unlink()
+    os.mkfifo(args)
+    install = subprocess.Popen(
+        [sys.executable, "-c", _INSTALL, str(tmp_path)], cwd=Path(__file__).resolve().parents[1]
+    )
+    try:
+        with open(args, "wb") as fifo:
+            with pytest.raises(lock.LockBusy) as busy, lock.hold(path, "a1", "cutover to x:1"):
+                pass
+            assert f"pid {install.pid}, install" in str(busy.value)
+            fifo.write(content)
+        assert install.wait(timeout=120) == 0
+    finally:
+        install.kill()
+        install.wait()

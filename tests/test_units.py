@@ -58,10 +58,13 @@ def run(*args: str):
 
 
 def snapshot(root: Path) -> dict[str, tuple[bytes, int, int]]:
-    """Every file under root: bytes, mode and mtime (an unchanged tree has equal snapshots)."""
+    """Every file under root: bytes, mode and mtime (an unchanged tree has equal snapshots).
+    A lock file only by its mode: each holder (an install too) writes its PID into it."""
     out = {}
     for path in sorted(root.rglob("*")):
-        if path.is_file():
+        if path.is_file() and path.suffix == ".lock" and path.parent.name == "locks":
+            out[str(path.relative_to(root))] = (b"", path.stat().st_mode, 0)
+        elif path.is_file():
             st = path.stat()
             out[str(path.relative_to(root))] = (path.read_bytes(), st.st_mode, st.st_mtime_ns)
     return out

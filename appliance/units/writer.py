@@ -201,11 +201,10 @@ def write(plan: Planned, files: dict[str, RenderedFile]) -> WriteResult:
     the first write while a cutover or rollback of NAME holds the lock. Calls no systemctl."""
     root, name = plan.root, plan.instance
     layout = Layout(root)
-    # A cutover in progress holds the lock file; with none, no cutover ever ran here (as
-    # uninstall): the cutover would otherwise write back the env file it read before.
-    lock_path = layout.lock_file(name)
-    held = locks.hold(lock_path, name, "install") if lock_path.exists() else None
-    with held or contextlib.nullcontext():
+    # Held whether or not a cutover ever ran here: one starting meanwhile would otherwise read
+    # the env file before this write and write its old values back (its lock file is created
+    # here, as the cutover creates it; a purge removes it).
+    with locks.hold(layout.lock_file(name), name, "install"):
         copy = layout.profile_copy(name)
         if plan.own is not None:
             files = {str(copy.relative_to(root)): RenderedFile(plan.own, MODE_ARGS), **files}
