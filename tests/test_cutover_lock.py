@@ -310,3 +310,34 @@ def test_an_install_holds_the_lock_where_no_cutover_ever_ran(tmp_path):
     finally:
         install.kill()
         install.wait()
+
+
+def test_an_install_planned_before_a_cutover_ended_writes_nothing(tmp_path):
+    """The plan reads the env file's values (VLLM_IMAGE among them) before the lock is taken;
+    a cutover that ends in between moved the image, and the install would move it back. The
+    cutover here is its own env-file write (the target's read, ``with_image``, ``write``),
+    under the lock, while the install's preflight runs."""
+    from appliance import installer, units
+    from appliance.cutover.target import InstanceTarget
+    from appliance.host.layout import Layout
+    from appliance.units.instance import read as read_instance
+
+    layout = Layout(tmp_path)
+    installer.install("cpu-tiny-mtp", "a1", root=tmp_path, options=units.Options(port=18301))
+    moved: list[bytes] = []
+
+    def a_cutover_ends(_plan) -> None:
+        tgt = InstanceTarget(read_instance(tmp_path, "a1"), tmp_path)
+        with lock.hold(layout.lock_file("a1"), "a1", "cutover to gemma4-vllm:next"):
+            moved.append(tgt.read().with_image("gemma4-vllm:next"))
+            tgt.write(moved[-1])
+
+    with pytest.raises(lock.LockBusy, match="changed while this install was planned"):
+        installer.install(
+            "cpu-tiny-mtp",
+            "a1",
+            root=tmp_path,
+            options=units.Options(port=18302),  # a change to write
+            preflight=a_cutover_ends,
+        )
+    assert layout.env_file("a1").read_bytes() == moved[0]  # the cutover's, and only that

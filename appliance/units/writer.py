@@ -205,6 +205,14 @@ def write(plan: Planned, files: dict[str, RenderedFile]) -> WriteResult:
     # the env file before this write and write its old values back (its lock file is created
     # here, as the cutover creates it; a purge removes it).
     with locks.hold(layout.lock_file(name), name, "install"):
+        # The plan kept the env file's values as it read them, before the lock: a cutover or
+        # rollback that ended since then moved VLLM_IMAGE, and writing would move it back.
+        if _existing_env(root, name) != plan.existing:
+            raise locks.LockBusy(
+                f"instance {name} changed while this install was planned (a cutover or "
+                "rollback ended meanwhile): nothing written",
+                fix="run the install again",
+            )
         copy = layout.profile_copy(name)
         if plan.own is not None:
             files = {str(copy.relative_to(root)): RenderedFile(plan.own, MODE_ARGS), **files}
