@@ -38,6 +38,7 @@ from .host.layout import Layout, Node
 from .host.names import STATE_UNIT, probe_timer
 from .hostcheck import placement
 from .images import choice, variant
+from .models import verify, where
 from .units.writer import Planned, WriteResult, node_for, write, write_tree
 
 
@@ -91,7 +92,13 @@ def install(
     result = write(plan, files)
     result.warnings[:0] = notes
     now = _models(plan.profile)
-    step = next_step(plan, result, models_changed=now is not None and now != models_before)
+    # The engine runs offline and its unit exits 78 without them: a re-install that changed
+    # the models, or a first one whose models are not on the host yet, names the pull first.
+    if plan.existing:
+        pull = now is not None and now != models_before
+    else:
+        pull = now is not None and not _models_on_host(plan)
+    step = next_step(plan, result, pull=pull)
     return Installed(result, step, placed.said if placed else None)
 
 
@@ -103,13 +110,13 @@ def render(plan: Planned) -> dict[str, units.RenderedFile]:
     return units.render(plan.profile, plan.instance, plan.options)
 
 
-def next_step(plan: Planned, result: WriteResult, *, models_changed: bool = False) -> str | None:
+def next_step(plan: Planned, result: WriteResult, *, pull: bool = False) -> str | None:
     """The command that brings what ``plan`` installed into service, decided per unit: enable
     (and start) each unit it needs that was never enabled here (the one that starts NAME, a
     head's generation probe timer, the host's state timer); restart, where it was enabled
-    already and anything changed, the one that reaches every node here; and first ``appliance
-    models pull NAME`` where a re-install changed the target or drafter (the engine runs
-    offline, and the unit would exit 78 without them). None when nothing changed."""
+    already and anything changed, the one that reaches every node here; and first, with
+    ``pull``, ``appliance models pull NAME`` (the engine runs offline, and the unit would exit
+    78 without its models). None when nothing changed."""
     if not (result.changed or result.first_install):
         return None  # as it was: the step said last time still stands
     layout = Layout(plan.root)
@@ -122,11 +129,11 @@ def next_step(plan: Planned, result: WriteResult, *, models_changed: bool = Fals
     wanted.append(f"{STATE_UNIT}.timer")
     enable = [u for u in wanted if not _enabled(layout, u)]
     steps = []
-    if models_changed and plan.existing:
-        pull = ["appliance", "models", "pull", plan.instance]
+    if pull:
+        pull_argv = ["appliance", "models", "pull", plan.instance]
         if plan.root != Path("/"):
-            pull += ["--root", str(plan.root)]
-        steps.append(shlex.join(pull))
+            pull_argv += ["--root", str(plan.root)]
+        steps.append(shlex.join(pull_argv))
     # Until the reload, systemd runs the units as it last read them.
     steps.append("systemctl daemon-reload")
     if start in enable:
@@ -152,6 +159,12 @@ def _models(prof: profiles.Profile | None) -> tuple | None:
     spec = prof.speculative
     drafter = (spec.model, spec.revision) if spec is not None and spec.model else None
     return (prof.model, prof.revision, drafter)
+
+
+def _models_on_host(plan: Planned) -> bool:
+    """Whether NAME's models are in the cache its env file names (present, not hashed)."""
+    loc = where.locate(root=plan.root, instance=plan.instance)
+    return verify.verify(loc, quick=True).ok
 
 
 def _models_before(plan: Planned) -> tuple | None:

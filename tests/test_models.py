@@ -944,3 +944,18 @@ def test_models_pull_on_a_terminal_labels_the_hub_bars_with_the_model(
     for role, repo in (("target", TARGET_REPO), ("drafter", DRAFTER_REPO)):
         assert f"{role} {repo}: Fetching" in text, repr(text)
         assert f"{role} {repo}@main: downloading into" in text
+
+
+def test_a_first_install_names_the_pull_unless_its_models_are_on_the_host(pulled, profile_file):
+    """The engine runs offline: a first install whose models are not in the cache its env file
+    names says `models pull` first; one whose models are there does not (before, a first
+    install never named it and the unit exited 78 at its start)."""
+    roots = pulled.parent / "bare", pulled.parent / "stocked"
+    shutil.copytree(pulled, roots[1] / "hf", symlinks=True)
+    said = {}
+    for root in roots:
+        argv = ["instance", "install", "m1", "--profile", str(profile_file), "--root", str(root)]
+        out = invoke([*argv, "--hf-cache-dir", "/hf", "--image", "gemma4-vllm:0.32.0-mtp-cpu"])
+        said[root.name] = [ln for ln in out.output.splitlines() if ln.startswith("next: ")]
+    assert said["bare"][0].startswith(f"next: appliance models pull m1 --root {roots[0]} && ")
+    assert said["stocked"][0].startswith("next: systemctl daemon-reload && "), said
