@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 from test_hostcheck import CAPTURES, NO_DOCKER, as_machine, fake_nvidia_smi
+from test_models import serve_program
 
 from appliance import labels, units
-from appliance.host import cdi, envfile
-from appliance.host.layout import Layout
+from appliance.host import cdi
 from appliance.hostcheck import docker as hc_docker
 from appliance.profiles import get
 
@@ -207,15 +207,7 @@ def fake_docker(tmp_path: Path, cdi_dirs: list[str] | None) -> str:
 
 
 def serve_print(root: Path, path: str) -> subprocess.CompletedProcess:
-    values = envfile.read(Layout(root).env_file("g")).values
-    return subprocess.run(
-        [str(Layout(root).serve_program), "g", "print"],
-        env={**values, "PATH": path, "APPLIANCE_ROOT": str(root)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return serve_program(root, "g", "print", path)
 
 
 @pytest.fixture

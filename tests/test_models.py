@@ -711,10 +711,12 @@ def _install(root: Path, profile_file: Path, cache_dir: Path) -> None:
     units.install(prof, "h", root=root, options=units.Options(hf_cache_dir=str(cache_dir)))
 
 
-def _serve_run(root: Path, path: str) -> subprocess.CompletedProcess:
-    values = envfile.read(Layout(root).env_file("h")).values
+def serve_program(root: Path, name: str, verb: str, path: str) -> subprocess.CompletedProcess:
+    """The installed serve program's ``NAME VERB`` as its unit runs it: the env file's values
+    as its environment, ``path`` as its PATH (stand-ins for the tools it calls)."""
+    values = envfile.read(Layout(root).env_file(name)).values
     return subprocess.run(
-        [str(Layout(root).serve_program), "h", "run"],
+        [str(Layout(root).serve_program), name, verb],
         env={**values, "PATH": path, "APPLIANCE_ROOT": str(root)},
         capture_output=True,
         text=True,
@@ -725,7 +727,7 @@ def _serve_run(root: Path, path: str) -> subprocess.CompletedProcess:
 
 def _script_refuses(root, path, profile_file, cache_dir) -> str:
     """The script's one line, checked against `models verify --quick`'s problems, word for word."""
-    proc = _serve_run(root, path)
+    proc = serve_program(root, "h", "run", path)
     assert (proc.returncode, proc.stdout) == (78, ""), proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, lines
@@ -738,7 +740,7 @@ def test_serve_script_passes_a_complete_cache_then_goes_on_to_docker(
     pulled, profile_file, tmp_path, no_docker_path
 ):
     _install(tmp_path / "root", profile_file, pulled)
-    proc = _serve_run(tmp_path / "root", no_docker_path)
+    proc = serve_program(tmp_path / "root", "h", "run", no_docker_path)
     assert proc.returncode == 78
     assert f"models ok: target {TARGET_REPO}@" in proc.stderr
     assert f"; drafter {DRAFTER_REPO}@" in proc.stderr
