@@ -169,6 +169,8 @@ def test_a_head_whose_worker_runs_elsewhere_moves_only_without_its_own_way_back(
     _install(tmp_path, Node(("head",)))
     env = Layout(tmp_path).env_file(GROUP)
     before = env.read_bytes()
+    state = {p: p.read_bytes() for p in (tmp_path / "var").rglob("*") if p.is_file()}
+    assert list(state) == [Layout(tmp_path).lock_file(GROUP)]  # the install's lock, holder and all
     argv = ["cutover", GROUP, "gemma4-vllm:0.32.0-mtp", "--root", str(tmp_path)]
     result = cli_run(argv, code=None)
     assert result.exit_code != 0
@@ -176,7 +178,8 @@ def test_a_head_whose_worker_runs_elsewhere_moves_only_without_its_own_way_back(
     assert "the worker(s) of rank 1 run on other hosts" in line and "\n" not in line, line
     assert "playbooks/multinode-cutover.yml" in line
     assert env.read_bytes() == before
-    assert not (tmp_path / "var").exists(), "nothing written: not even the lock"
+    after = {p: p.read_bytes() for p in (tmp_path / "var").rglob("*") if p.is_file()}
+    assert after == state, "nothing written: not even the lock's holder"
 
 
 def test_a_name_this_host_does_not_run_is_told_so(tmp_path, cli_run):
