@@ -67,25 +67,14 @@ def parse(status: int, body: bytes, url: str = "/metrics") -> Reading:
         raise MetricsReadError("status", f"{url} answered {status}", status_code=status)
     text = body.decode("utf-8", errors="replace")
     try:
-        snap = specdecode.parse(text)
+        snap, (tokens, finished) = specdecode.parse_with(text, _TOTALS)
     except specdecode.MetricsParseError as exc:
         raise MetricsReadError("parse", str(exc)) from None
-    return Reading(
-        snap, _sum(text, GENERATION_TOKENS), _sum(text, REQUEST_SUCCESS), time.monotonic()
-    )
+    return Reading(snap, tokens, finished, time.monotonic())
 
 
-def _sum(text: str, family: str) -> float | None:
-    """Sum of a counter's ``_total`` samples over every label set (None when there are none)."""
-    prefix = family + "_total"
-    total: float | None = None
-    for line in text.splitlines():
-        if line.startswith(prefix) and line[len(prefix) : len(prefix) + 1] in ("{", " "):
-            try:
-                total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                raise MetricsReadError("parse", f"unparsable {prefix} sample") from None
-    return total
+# The work counters' samples, summed over every label set in the same pass as the snapshot.
+_TOTALS = (GENERATION_TOKENS + "_total", REQUEST_SUCCESS + "_total")
 
 
 def read_text(
