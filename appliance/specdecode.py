@@ -314,13 +314,18 @@ def parse_with(
     for line in text.split("\n"):
         if not line.startswith((PREFIX, RUNNING, *totals)):
             continue
-        name, value, labels = _sample(line)
-        if name == RUNNING:
-            running = (running or 0.0) + value
-        elif name in totals:
-            i = totals.index(name)
-            sums[i] = (sums[i] or 0.0) + value
-        if (field := _FIELDS.get(name)) is None:
+        brace = line.find("{")
+        name = line[:brace] if brace >= 0 else line.partition(" ")[0]
+        field = _FIELDS.get(name)
+        if field is None and name != RUNNING and name not in totals:
+            continue  # e.g. another counter's _created: not read, not split
+        value, labels = _sample(line, brace, field is not None)
+        if field is None:
+            if name == RUNNING:
+                running = (running or 0.0) + value
+            else:
+                i = totals.index(name)
+                sums[i] = (sums[i] or 0.0) + value
             continue
         slot = raw.setdefault(
             (labels.get("model_name", ""), labels.get("engine", "0")), {"pos": {}}
@@ -338,18 +343,17 @@ def parse_with(
     return _snapshot(raw, running), tuple(sums)
 
 
-def _sample(line: str) -> tuple[str, float, dict[str, str]]:
-    """One sample line without escapes: its name, value and labels."""
+def _sample(line: str, brace: int, with_labels: bool) -> tuple[float, dict[str, str]]:
+    """One sample line without escapes (``brace``: where its labels start, or -1): its value
+    and, ``with_labels``, its labels."""
+    labels: dict[str, str] = {}
     try:
-        brace = line.find("{")
         if brace < 0:
-            name, _, rest = line.partition(" ")
-            labels = {}
+            rest = line.partition(" ")[2]
         else:
             close = line.rindex("}")
-            name, rest = line[:brace], line[close + 1 :]
-            labels = {}
-            inner = line[brace + 1 : close].rstrip(",")
+            rest = line[close + 1 :]
+            inner = line[brace + 1 : close].rstrip(",") if with_labels else ""
             if inner:
                 # No backslash, so no quote inside a value: '",' only ever ends a value.
                 for part in inner.split('",'):
@@ -357,7 +361,7 @@ def _sample(line: str) -> tuple[str, float, dict[str, str]]:
                     if not eq:
                         raise ValueError(part)
                     labels[key.strip()] = val.removesuffix('"')
-        return name, float(rest.split(None, 1)[0]), labels
+        return float(rest.split(None, 1)[0]), labels
     except (ValueError, IndexError):
         raise MetricsParseError(f"unparsable /metrics line: {line[:200]!r}") from None
 
