@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass
 
 import openai
 
-from . import agent, specdecode
+from . import agent
+from .engine_api import specdecode
+from .engine_api.vllm_client import VLLMClient
 from .tables import table
-from .vllm_client import VLLMClient
 
 PROMPTS = (
     "Write a short poem about the sea.",

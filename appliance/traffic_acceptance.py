@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from . import metrics_reader, noninferiority, specdecode
+from . import noninferiority
+from .engine_api import metrics_reader, specdecode
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 DIST = "gemma4-appliance"
 HEAVY = ("openai", "pydantic", "opentelemetry.sdk", "matplotlib")
 # What the agent's modules import beyond the standard library (appliance/agent/*.py and the
-# appliance modules they import: errors, specdecode, metrics_reader, vllm_client, shed).
+# appliance modules they import: errors, engine_api: specdecode, metrics_reader, vllm_client, shed).
 AGENT_OWN = (
     "opentelemetry-api",
     "opentelemetry-instrumentation",
@@ -53,8 +53,9 @@ AGENT_OWN = (
     "httpx",
     "wrapt",
 )
-AGENT_FILES = ("__init__.py", "errors.py", "specdecode.py", "metrics_reader.py", "vllm_client.py")
-AGENT_FILES += ("shed.py", "agent")
+AGENT_FILES = ("__init__.py", "errors.py", "engine_api/__init__.py", "engine_api/specdecode.py")
+AGENT_FILES += ("engine_api/metrics_reader.py", "engine_api/vllm_client.py", "engine_api/shed.py")
+AGENT_FILES += ("agent",)
 
 
 def _norm(name: str) -> str:

@@ -59,12 +59,13 @@ import openai
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from appliance import agent, profiles, specdecode
+from appliance import agent, profiles
 from appliance.agent import calls, patch, responses
 from appliance.agent import metrics as agent_metrics
 from appliance.agent.instrumentor import AnthropicInstrumentor, OpenAIInstrumentor
 from appliance.agent.server import server_for
 from appliance.engine import local
+from appliance.engine_api import specdecode
 
 
 def _pct(values: list[float], q: float) -> float:

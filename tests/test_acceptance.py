@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from appliance import acceptance
+from appliance.engine_api.specdecode import Delta
 from appliance.errors import UsageError
-from appliance.specdecode import Delta
 
 
 def _d(accepted: int, drafts: int = 10, k: int = 2) -> Delta:

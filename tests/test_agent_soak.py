@@ -32,10 +32,11 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from plugins.engine_idle import idle
 from prometheus_client import CollectorRegistry
 
-from appliance import agent, profiles, specdecode
+from appliance import agent, profiles
 from appliance.agent.server import server_for
 from appliance.engine import local
-from appliance.vllm_client import VLLMClient
+from appliance.engine_api import specdecode
+from appliance.engine_api.vllm_client import VLLMClient
 
 pytestmark = [pytest.mark.engine, pytest.mark.soak]
 

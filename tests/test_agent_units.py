@@ -15,10 +15,10 @@ from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as g
 from opentelemetry.semconv.attributes import error_attributes, http_attributes, server_attributes
 from prometheus_client import CollectorRegistry
 
-from appliance import metrics_reader, specdecode
 from appliance.agent import AgentConfig, build_registry, metrics, rules, spans, tracing
 from appliance.agent.server import RESTART_MAX_S, RESTART_MIN_S, Server, Window
 from appliance.agent.worker import Worker
+from appliance.engine_api import metrics_reader, specdecode
 from appliance.errors import UsageError
 from appliance.observability import names as series
 

@@ -23,10 +23,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from plugins.engine_idle import idle
 from prometheus_client import CollectorRegistry
 
-from appliance import agent, specdecode
+from appliance import agent
 from appliance.agent.instrumentor import METHODS, OpenAIInstrumentor
 from appliance.engine.local import free_port
-from appliance.vllm_client import VLLMClient
+from appliance.engine_api import specdecode
+from appliance.engine_api.vllm_client import VLLMClient
 
 MODEL = "gemma4-tiny"
 

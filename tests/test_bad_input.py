@@ -12,10 +12,10 @@ import pytest
 
 from appliance import doctor, profiles
 from appliance.engine.local import free_port
+from appliance.engine_api.vllm_client import engine_url
 from appliance.host import envfile
 from appliance.host.layout import Layout
 from appliance.profiles import validate as pv
-from appliance.vllm_client import engine_url
 
 # Not UTF-8 from the first byte (0x84 cannot start a character): what a binary file gives.
 BINARY = bytes([0x84, 0xFF, 0x00, 0x9C]) * 64

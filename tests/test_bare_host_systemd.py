@@ -45,8 +45,9 @@ from plugins.systemd_instance import MTP_IMAGE, START_TIMEOUT
 from test_artifact import build_wheel
 from test_packaging import dependency_links
 
-from appliance import devmodel, specdecode, units
+from appliance import devmodel, units
 from appliance.engine.local import free_port
+from appliance.engine_api import specdecode
 from appliance.host.layout import Layout
 from appliance.observability import scrape
 from appliance.observability.names import DEBIAN_TEXTFILE_DIR

@@ -262,8 +262,8 @@ def _rec(tokens: int, drafts: int, pos: list[int], source: str = "request"):
 
 
 def test_a_level_sums_its_requests_blocks_and_predicts_per_request():
-    from appliance import specdecode
     from appliance.bench.concurrency import LevelResult
+    from appliance.engine_api import specdecode
 
     recs = [_rec(40, 10, [10, 10, 10]), _rec(40, 40, [0, 0, 0])]
     d = LevelResult(4, recs, 2.0, specdecode.Delta("ok", 1, 1, 1, (1, 1, 1))).to_dict()
@@ -316,9 +316,9 @@ def test_bench_json_carries_vllm_bench_serve_fields_computed_as_vllm_computes_th
     from vllm.benchmarks import serve
     from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
 
-    from appliance import specdecode
     from appliance.bench import report, runner
     from appliance.bench.concurrency import ConcurrencyResult, LevelResult
+    from appliance.engine_api import specdecode
 
     # Requests without blocks of their own: the level's figures are its /metrics delta.
     recs = [
@@ -387,8 +387,8 @@ def test_bench_json_carries_vllm_bench_serve_fields_computed_as_vllm_computes_th
 def test_bench_run_json_carries_vllm_names_per_group_and_run_without_a_throughput():
     """A single-endpoint bench sends one request at a time between /metrics reads: its latencies
     are vLLM's figures, but it has no benchmark duration, so no throughput under vLLM's names."""
-    from appliance import specdecode
     from appliance.bench import runner
+    from appliance.engine_api import specdecode
 
     recs = [_timed(0.1, 0.01, 20, [0.02, 0.03]), _timed(0.2, 0.02, 10, [0.05])]
     recs = [dataclasses.replace(r, max_tokens=64) for r in recs]  # one group

@@ -12,7 +12,7 @@ import pytest
 
 from appliance import canary, profiles
 from appliance.canary import cases
-from appliance.vllm_client import VLLMClient
+from appliance.engine_api.vllm_client import VLLMClient
 
 pytestmark = pytest.mark.engine
 

@@ -32,8 +32,8 @@ import pytest
 from plugins.systemd_instance import MTP_IMAGE, REPO, SystemdInstance
 from plugins.traffic import Traffic
 
-from appliance import specdecode
 from appliance.cutover import history
+from appliance.engine_api import specdecode
 from appliance.host.layout import Layout
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]

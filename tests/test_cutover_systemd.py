@@ -23,10 +23,11 @@ import pytest
 from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE, PRE_MTP_IMAGE, SystemdInstance
 from plugins.traffic import LIVE_WINDOW, Traffic
 
-from appliance import canary, specdecode
+from appliance import canary
 from appliance.cutover import history
+from appliance.engine_api import specdecode
+from appliance.engine_api.vllm_client import VLLMClient
 from appliance.host.layout import Layout
-from appliance.vllm_client import VLLMClient
 
 # pre_mtp_image: built on first use; the machines stream runs this module after those that need
 # no pre-MTP image (tests/conftest.py).

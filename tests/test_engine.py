@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from appliance import specdecode
-from appliance.vllm_client import VLLMClient
+from appliance.engine_api import specdecode
+from appliance.engine_api.vllm_client import VLLMClient
 
 pytestmark = pytest.mark.engine
 

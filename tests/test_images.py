@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import labels, versions
+from appliance import labels
+from appliance.engine_api import versions
 from appliance.errors import UsageError
 from appliance.host.layout import Layout
 from appliance.images import base, inventory, lock, scheme, targets

@@ -23,8 +23,9 @@ from plugins.cli import invoke
 from plugins.docker_engine import CACHE as DOCKER_CACHE
 from plugins.docker_engine import tiny_rootfs
 
-from appliance import devmodel, labels, profiles, specdecode
+from appliance import devmodel, labels, profiles
 from appliance.engine.local import free_port
+from appliance.engine_api import specdecode
 from appliance.host.layout import Layout
 from appliance.images import scheme
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from appliance import noninferiority, specdecode, traffic_acceptance
+from appliance import noninferiority, traffic_acceptance
 from appliance.cutover import gates, live
 from appliance.cutover.context import Context
 from appliance.cutover.history import Gate
+from appliance.engine_api import specdecode
 
 DATA = Path(__file__).parent / "data"
 READ = re.compile(r"^# read \d+ at \+[0-9.]+ s\n", re.MULTILINE)

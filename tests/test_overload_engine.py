@@ -22,8 +22,9 @@ runs unheld, as traffic does, and prints its figures.
 The judges of an engine (``instance doctor``, ``canary record``, the cutover's generation and MTP
 gates, which its way back runs too) pass this good engine while it sheds load: held, with its
 bound full of clients' requests, it turns their probes away until it is released and a place
-frees; each sends its probe again (appliance/shed.py) and reports exactly as many shed as vLLM
-counted (review 2026-12-06-security-and-reliability.md T1: before, each failed on the first 503).
+frees; each sends its probe again (appliance/engine_api/shed.py) and reports exactly as many shed as
+vLLM counted (review 2026-12-06-security-and-reliability.md T1: before, each failed on the first
+503).
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry
 
-from appliance import agent, probe, profiles, specdecode
+from appliance import agent, profiles
 from appliance.bench import concurrency, prompts, report, runner, schedule, tune
 from appliance.cutover import gates
 from appliance.engine import local
+from appliance.engine_api import probe, specdecode
+from appliance.engine_api.vllm_client import Generation, VLLMClient
 from appliance.errors import OverloadedError
-from appliance.vllm_client import Generation, VLLMClient
 
 pytestmark = [pytest.mark.engine, pytest.mark.own_engines]
 

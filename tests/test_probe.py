@@ -9,11 +9,11 @@ import pytest
 from plugins.cli import invoke
 from plugins.http_servers import Route
 
-from appliance import probe
 from appliance.cutover import gates
 from appliance.engine.local import free_port
+from appliance.engine_api import probe
+from appliance.engine_api.vllm_client import VLLMClient
 from appliance.errors import EngineError
-from appliance.vllm_client import VLLMClient
 
 MODEL = "gemma4-tiny"
 # The probe's figures under vLLM's names: every report that carries a verdict carries these.

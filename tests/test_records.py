@@ -15,13 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance import canary, specdecode
+from appliance import canary
 from appliance.bench import report
 from appliance.bench.prompts import Prompt, PromptSet
 from appliance.bench.runner import BenchConfig, Endpoint, EndpointResult, RunRecord
 from appliance.canary.record import Output, Record, Settings
 from appliance.cutover import history, recovery
 from appliance.cutover.history import Entry, Gate
+from appliance.engine_api import specdecode
 from appliance.errors import UsageError
 from appliance.fleet import soak
 from appliance.host.layout import Layout

@@ -344,8 +344,8 @@ def _run(label: str, pset: str, pid: str, mt: int, run: int, tps: float, spec: b
 
 
 def _endpoint_result(label: str, model: str, tps: float, spec: bool, differ: bool = False):
-    from appliance import specdecode
     from appliance.bench.runner import Endpoint, EndpointResult
+    from appliance.engine_api import specdecode
 
     ep = Endpoint(label, "http://127.0.0.1:9/?a=1&b=<2>", model, 2048, "0.32.0", spec)
     records = [
@@ -392,8 +392,9 @@ def bench_artifact(kind: str, variant: str = "") -> dict:
 
 def demo_record(engine: bool = True) -> dict:
     """A demo record (``DemoReport.to_dict()``): one call with figures, one without."""
-    from appliance import demo, specdecode
+    from appliance import demo
     from appliance.agent import Figures
+    from appliance.engine_api import specdecode
 
     calls = [
         demo.DemoCall(1, False, 48, None, Figures("request", "ok", False, 16, 32, 24, 0.75, 2.5)),

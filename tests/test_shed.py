@@ -1,4 +1,5 @@
-"""The one rule for a request turned away at the queue bound (appliance/shed.py), fast tier.
+"""The one rule for a request turned away at the queue bound (appliance/engine_api/shed.py), fast
+tier.
 
 The server here is a STAND-IN for an overloaded engine: a real HTTP server on 127.0.0.1 that
 answers vLLM's admission 503 (its body as vllm/exceptions.py's QueueOverflowError words it), or
@@ -17,10 +18,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from appliance import shed
+from appliance.engine_api import shed
+from appliance.engine_api.vllm_client import VLLMClient
 from appliance.errors import EngineError, OverloadedError
 from appliance.serve import health
-from appliance.vllm_client import VLLMClient
 
 BUSY = (
     "The engine is currently busy and cannot accept new requests. "

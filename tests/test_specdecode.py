@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance import specdecode as sd
 from appliance.bench import schedule
+from appliance.engine_api import specdecode as sd
 
 CAPTURE = Path(__file__).parent / "data" / "metrics-vllm-0.32-mtp.txt"
 

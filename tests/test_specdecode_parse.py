@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance import metrics_reader
-from appliance import specdecode as sd
+from appliance.engine_api import metrics_reader
+from appliance.engine_api import specdecode as sd
 
 DATA = Path(__file__).parent / "data"
 CAPTURES = sorted(DATA.glob("metrics-vllm-*.txt"))

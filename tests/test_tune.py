@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance import profiles, specdecode
+from appliance import profiles
 from appliance.bench import schedule, tune
 from appliance.bench.concurrency import LevelResult
+from appliance.engine_api import specdecode
 from appliance.errors import UsageError
 from appliance.profiles import validate
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from plugins.systemd_instance import MTP_IMAGE, PRE_MTP_IMAGE, SystemdInstance
 
-from appliance import profiles, specdecode, units
+from appliance import profiles, units
 from appliance.engine.local import free_port
+from appliance.engine_api import specdecode
 from appliance.host import envfile
 from appliance.host.layout import Layout
 from appliance.host.systemd import Systemd

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance import labels, versions
+from appliance import labels
+from appliance.engine_api import versions
 from appliance.errors import UsageError
 
 releases = st.lists(st.integers(0, 40), min_size=1, max_size=4)

@@ -20,8 +20,9 @@ from urllib.parse import urlsplit
 from opentelemetry import baggage, context, propagate, trace
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
-from .. import __version__, specdecode
-from ..vllm_client import normalise_base_url
+from .. import __version__
+from ..engine_api import specdecode
+from ..engine_api.vllm_client import normalise_base_url
 from . import rules, spans
 from .config import AgentConfig
 from .metrics import AgentMetrics, OTelMetrics, otel_for

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.instrumentation.utils import unwrap
 
-from ..vllm_client import normalise_base_url
+from ..engine_api.vllm_client import normalise_base_url
 from . import metrics
 from .calls import Settings
 from .config import AgentConfig

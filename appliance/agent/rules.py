@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .. import specdecode
-from ..metrics_reader import Reading
+from ..engine_api import specdecode
+from ..engine_api.metrics_reader import Reading
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .. import metrics_reader
-from ..metrics_reader import Reading
+from ..engine_api import metrics_reader
+from ..engine_api.metrics_reader import Reading
 from .metrics import AgentMetrics
 from .rules import Timed
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .. import specdecode
+from ..engine_api import specdecode
+from ..engine_api.vllm_client import VLLMClient, bearer, generate_streamed
 from ..errors import OverloadedError
-from ..vllm_client import VLLMClient, bearer, generate_streamed
 from . import schedule, stats, vllm_names
 from .prompts import Prompt
 from .runner import BenchConfig, Endpoint, Progress, RunRecord, parse_distinct_ints

@@ -1,11 +1,11 @@
 """Run benchmarks: one endpoint, or an MTP endpoint paired with its baseline.
 
-Every endpoint is first probed (:mod:`appliance.probe`: the same MTP verdict doctor and the
-cutover gates give), and every measured request is a probe too: counters read, one streamed
+Every endpoint is first probed (:mod:`appliance.engine_api.probe`: the same MTP verdict doctor and
+the cutover gates give), and every measured request is a probe too: counters read, one streamed
 generation, counters read. Requests run one at a time, so the counter delta is exactly that
 request's figure unless another client loads the server (then ``shared``); the response's
 per-request block wins when the server sends one (source ``request``). The rule is
-:func:`appliance.specdecode.attribute`'s.
+:func:`appliance.engine_api.specdecode.attribute`'s.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from .. import acceptance, probe, specdecode
+from .. import acceptance
+from ..engine_api import probe, specdecode
+from ..engine_api.vllm_client import VLLMClient
 from ..errors import EngineError, NotVLLMError, UsageError
-from ..vllm_client import VLLMClient
 from . import schedule, stats, vllm_names
 from .prompts import Prompt, PromptSet
 from .stream import StreamResult

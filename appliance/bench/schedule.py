@@ -1,10 +1,10 @@
 """Predictions and checks for ``bench tune`` and ``bench run --sweep-k``, on the figures of
-:mod:`appliance.specdecode`: tokens per step at every k' <= k from one run at k, the step cost
-as a line through two runs, the predicted TPOT per k', and ``tune --verify``'s reading of a k
+:mod:`appliance.engine_api.specdecode`: tokens per step at every k' <= k from one run at k, the step
+cost as a line through two runs, the predicted TPOT per k', and ``tune --verify``'s reading of a k
 schedule back from the draft counters.
 
-:mod:`appliance.specdecode` keeps what every reader of ``/metrics`` shares (the parse, the
-counter arithmetic, the attribution); what only the bench predicts or checks lives here.
+:mod:`appliance.engine_api.specdecode` keeps what every reader of ``/metrics`` shares (the parse,
+the counter arithmetic, the attribution); what only the bench predicts or checks lives here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from ..specdecode import Delta, per_position
+from ..engine_api.specdecode import Delta, per_position
 
 # --- k from one run ---------------------------------------------------------------------------
 # vLLM accepts drafts as a prefix: position i is accepted only if every position before it was.

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from .. import specdecode
-from ..vllm_client import Generation
+from ..engine_api import specdecode
+from ..engine_api.vllm_client import Generation
 
 
 @dataclass

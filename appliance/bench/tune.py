@@ -30,7 +30,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import fsutil, specdecode
+from .. import fsutil
+from ..engine_api import specdecode
 from ..errors import UsageError
 from ..profiles import Profile, from_dict
 from ..profiles import validate as profile_validate

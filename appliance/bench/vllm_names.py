@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .. import specdecode
+from ..engine_api import specdecode
 from . import stats
 
 if TYPE_CHECKING:

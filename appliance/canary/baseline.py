@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import acceptance, specdecode
+from .. import acceptance
+from ..engine_api import specdecode
 from ..errors import UsageError
 from . import record as records
 from .compare import Policy

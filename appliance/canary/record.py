@@ -9,8 +9,8 @@ at once, so the engine decodes them in one batch (``Record.batched``): a defect 
 answers across the sequences of a batch (vLLM #46088, ``--kv-cache-dtype auto`` with MTP) shows
 only there, and :func:`appliance.canary.compare.batched` judges those answers against the same
 engine's answers alone. A prompt the engine turns away at its queue bound (503: it is serving
-other clients) is sent again within the canary's bound (:mod:`appliance.shed`), and the record
-says how many were (``Record.shed``).
+other clients) is sent again within the canary's bound (:mod:`appliance.engine_api.shed`), and the
+record says how many were (``Record.shed``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .. import records, shed, specdecode
+from .. import records
+from ..engine_api import shed, specdecode
+from ..engine_api.vllm_client import Generation, VLLMClient
 from ..errors import EngineError, UsageError
 from ..fsutil import write_atomic
-from ..vllm_client import Generation, VLLMClient
 from .cases import CanarySet, Case
 
 FORMAT = "appliance-canary-record/1"

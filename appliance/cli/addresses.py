@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from ..vllm_client import engine_url
+from ..engine_api.vllm_client import engine_url
 
 # A TCP port, for an option that binds or connects one (vLLM's bind() refuses the rest, late).
 PORT = click.IntRange(1, 65535)

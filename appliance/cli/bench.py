@@ -12,9 +12,9 @@ from ..bench import concurrency as concurrency_lib
 from ..bench import prompts, report, runner, sweep
 from ..devmodel import DRAFTER_KINDS
 from ..endpoint import Endpoint
+from ..engine_api.vllm_client import engine_url
 from ..errors import ApplianceError, UsageError
 from ..profiles import get
-from ..vllm_client import engine_url
 from .addresses import ENGINE_URL
 from .options import OutputPath, endpoint_options, progress_bar, prompt_options
 from .output import echo_json

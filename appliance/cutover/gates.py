@@ -10,7 +10,8 @@ generation. While waiting, a unit that fails or restarts (the engine exited) fai
 once instead of at the deadline, and a progress line says what is awaited against the deadline
 (``waiting for .../health ... 130 s of 2010 s``). A generation the engine turns away at its
 queue bound (503: it is serving other clients) is sent again until the deadline
-(:mod:`appliance.shed`): an instance at its bound passes, and the gate says how many were shed.
+(:mod:`appliance.engine_api.shed`): an instance at its bound passes, and the gate says how many were
+shed.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import probe, shed
+from ..engine_api import probe, shed
+from ..engine_api.vllm_client import VLLMClient
 from ..errors import ApplianceError, EngineError
 from ..host.systemd import Systemd
 from ..units import timing
-from ..vllm_client import VLLMClient
 from .history import Gate
 from .signals import Interrupted
 

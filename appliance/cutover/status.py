@@ -17,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..canary import baseline as baselines
+from ..engine_api.vllm_client import VLLMClient
 from ..errors import ApplianceError, EngineError
 from ..host import envfile, reach
 from ..host import lock as locks
 from ..host.names import check_instance
 from ..images import variant
-from ..vllm_client import VLLMClient
 from . import history
 from .context import Context
 from .history import Entry

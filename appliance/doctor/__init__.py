@@ -3,8 +3,8 @@ working?
 
 Every check is a :class:`Check` record (``ok`` / ``warn`` / ``fail``, a one-line summary and the
 evidence it was based on). Doctor never changes anything: it reads ``/health``, ``/version``,
-``/v1/models``, and runs the MTP probe (:mod:`appliance.probe`: counters, one short generation
-unless ``generate=False``, sent again while the engine turns it away at its queue bound,
+``/v1/models``, and runs the MTP probe (:mod:`appliance.engine_api.probe`: counters, one short
+generation unless ``generate=False``, sent again while the engine turns it away at its queue bound,
 counters again); with an instance it reads the instance's files
 (:mod:`appliance.instance_facts`), checks its models as the serve program does before every start
 (:func:`appliance.models.verify.verify` quick) and asks Docker. The published vLLM defects that
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import apikey, instance_facts, probe
+from .. import apikey, instance_facts
 from .. import labels as image_labels
+from ..engine_api import probe
+from ..engine_api.vllm_client import VLLMClient, normalise_base_url
 from ..errors import EngineError
 from ..host import reach
 from ..profiles import Profile
 from ..units import check_instance
-from ..vllm_client import VLLMClient, normalise_base_url
 from .engine import defect_checks, model_check, mtp_checks, version_check
 from .host import gpu_check, instance_checks
 from .report import Check, DoctorReport, Status
@@ -132,7 +133,7 @@ def _engine_checks(
         profile.served_model_name if profile and profile.served_model_name in served else served[0]
     )
     # An engine at its queue bound turns the test generation away (503): it is serving, so the
-    # probe asks again within ``timeout`` (appliance.shed), and the check says how often.
+    # probe asks again within ``timeout`` (appliance.engine_api.shed), and the check says how often.
     p = probe.run(client, model, generate=generate, timeout=timeout, within=timeout)
     checks += mtp_checks(p, profile)
     if (

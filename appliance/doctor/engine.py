@@ -1,15 +1,15 @@
 """Doctor's checks of the engine: the right vLLM, the right model, and MTP really working.
 
-The MTP verdict is the probe's (:mod:`appliance.probe`), the same the cutover gates and bench
-give; doctor only maps it to ok / warn / fail against what the profile expects.
+The MTP verdict is the probe's (:mod:`appliance.engine_api.probe`), the same the cutover gates and
+bench give; doctor only maps it to ok / warn / fail against what the profile expects.
 """
 
 from __future__ import annotations
 
 from .. import labels as image_labels
-from .. import shed, versions
+from ..engine_api import shed, versions
+from ..engine_api.probe import Probe
 from ..errors import UsageError
-from ..probe import Probe
 from ..profiles import Profile, defects
 from .report import Check, Status
 

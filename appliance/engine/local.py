@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from .. import devmodel, versions
+from .. import devmodel
+from ..engine_api import versions
 from ..errors import EngineError, UsageError
 from ..profiles import Profile, lookup
 

@@ -16,7 +16,8 @@ the soak's own probe requests), and :func:`compare` decides whether the new imag
 - the server restarted during the soak (its counters reset) or stopped answering.
 
 The pre-cutover figures are the old server's counters since it started (the cutover replaces the
-container, so they cannot be read later). All counter arithmetic is :mod:`appliance.specdecode`'s.
+container, so they cannot be read later). All counter arithmetic is
+:mod:`appliance.engine_api.specdecode`'s.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .. import acceptance, records, specdecode
+from .. import acceptance, records
+from ..engine_api import specdecode
+from ..engine_api.vllm_client import VLLMClient
 from ..errors import ApplianceError, EngineError, UsageError
-from ..vllm_client import VLLMClient
 
 HTTP_REQUESTS = "http_requests_total"  # prometheus-fastapi-instrumentator, in vLLM's /metrics
 API_PREFIX = "/v1/"

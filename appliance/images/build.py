@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import __version__, assets, labels, versions
+from .. import __version__, assets, labels
+from ..engine_api import versions
 from ..errors import ApplianceError, UsageError
 from ..host.names import CACHE_DIR
 from ..progress import QUIET, verbosity

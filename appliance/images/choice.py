@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import labels, versions
+from .. import labels
+from ..engine_api import versions
 from ..errors import UsageError
 from . import scheme
 

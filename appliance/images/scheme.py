@@ -34,7 +34,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .. import labels, versions
+from .. import labels
+from ..engine_api import versions
 from ..errors import UsageError
 
 REPOSITORY = "gemma4-vllm"

@@ -19,7 +19,8 @@ from typing import Annotated
 
 import pydantic
 
-from .. import records, versions
+from .. import records
+from ..engine_api import versions
 from ..errors import UsageError
 from ..host.layout import Layout
 from ..host.values import HOST_PATTERN

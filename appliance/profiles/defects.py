@@ -17,7 +17,8 @@ from typing import Literal
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-from .. import records, versions
+from .. import records
+from ..engine_api import versions
 from ..errors import UsageError
 from . import Profile
 

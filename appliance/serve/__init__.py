@@ -15,7 +15,7 @@ Before ``run`` starts the engine it makes the unit's decisions with the same fun
 ``appliance`` commands use: the env file's values (:mod:`appliance.host.values`), the API key
 rule (:mod:`appliance.apikey`), the models present and complete (``models verify --quick``,
 :mod:`appliance.models.verify`) and the image's labels choosing the MTP flags
-(:mod:`appliance.versions`). A configuration problem is one journal line and exit 78, which the
-unit never restarts. This package and what it imports use the standard library only (and
+(:mod:`appliance.engine_api.versions`). A configuration problem is one journal line and exit 78,
+which the unit never restarts. This package and what it imports use the standard library only (and
 ``packaging``, carried in the zip): the host's Python has nothing else.
 """

@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import labels, versions
+from .. import labels
+from ..engine_api import versions
 from ..errors import UsageError
 from ..host import cdi
 from ..host.layout import Shape

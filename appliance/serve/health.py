@@ -3,7 +3,8 @@
 Why a generation for a multi-node head: after a worker's death vLLM's head keeps answering
 ``/health`` 200 until a request fails (500, EngineDeadError); only then does its engine exit.
 A generation turned away at the head's queue bound (503: it is serving its clients) says
-nothing of the workers: it is sent again (:mod:`appliance.shed`) until :data:`SHED_WITHIN_S`.
+nothing of the workers: it is sent again (:mod:`appliance.engine_api.shed`) until
+:data:`SHED_WITHIN_S`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from .. import shed
+from ..engine_api import shed
 from ..errors import OverloadedError
 from ..host.lock import pid_alive
 
@@ -68,7 +69,7 @@ def generate(
 ) -> int | None:  # fmt: skip
     """The status of one two-token completion (None when nothing answers). One the engine turns
     away at its queue bound (503) is sent again until ``within`` seconds have passed, counted in
-    ``tally``; then :class:`appliance.shed.TurnedAway`."""
+    ``tally``; then :class:`appliance.engine_api.shed.TurnedAway`."""
     body = {"model": model, "prompt": "ok", "max_tokens": 2, "temperature": 0}
     path = "/v1/completions"
 

@@ -16,7 +16,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .. import apikey, models, progress, shed
+from .. import apikey, models, progress
+from ..engine_api import shed
 from ..errors import ApplianceError, UsageError
 from ..host import cdi
 from ..host.layout import Layout, Shape

@@ -16,8 +16,8 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance import specdecode
-from appliance.vllm_client import VLLMClient
+from appliance.engine_api import specdecode
+from appliance.engine_api.vllm_client import VLLMClient
 
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 FINISHED = "vllm:request_success_total"

@@ -31,9 +31,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import devmodel, installer, multinode, profiles, specdecode, units
+from appliance import devmodel, installer, multinode, profiles, units
 from appliance.cutover.context import Context
 from appliance.engine.local import free_port
+from appliance.engine_api import specdecode
 from appliance.host.layout import Layout, Node
 from appliance.host.names import ROLES, node_container, node_unit
 from appliance.host.systemd import Systemd

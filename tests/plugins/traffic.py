@@ -45,7 +45,7 @@ from typing import Self
 
 import httpx
 
-from appliance import shed
+from appliance.engine_api import shed
 
 WHOLE, REFUSED, CUT, ERROR = "whole", "refused", "cut", "error"
 # Every run of the harness in this process: (test, label, report), for the table at the end.

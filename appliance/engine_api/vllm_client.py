@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ..errors import AuthError, EngineError, NotVLLMError, OverloadedError, UsageError
 from . import metrics_reader, shed, specdecode
-from .errors import AuthError, EngineError, NotVLLMError, OverloadedError, UsageError
 
 
 def bearer(api_key: str | None) -> dict[str, str]:

@@ -4,8 +4,8 @@ Past ``--max-num-queued-reqs`` (or ``--max-num-queued-tokens``) vLLM answers at 
 "The engine is currently busy" (``QueueOverflowError`` in vllm/exceptions.py, raised by the
 admission check in vllm/v1/engine/async_llm.py); a streamed request turned away after its
 response started gets an error event with code 503 instead (vLLM #58192). Both reach the
-appliance as :class:`~appliance.errors.OverloadedError` (:mod:`appliance.vllm_client`). An
-engine at its bound is serving, so everything that judges one (the cutover's gates and its way
+appliance as :class:`~appliance.errors.OverloadedError` (:mod:`appliance.engine_api.vllm_client`).
+An engine at its bound is serving, so everything that judges one (the cutover's gates and its way
 back, doctor, the canary, a multi-node head's probes) asks again here: after a short backoff
 (the server's ``Retry-After`` when it sends one), until the caller's own deadline, counting
 what was shed; only a deadline that passes while every try is turned away fails, and says so
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .errors import EngineError, OverloadedError
+from ..errors import EngineError, OverloadedError
 
 T = TypeVar("T")
 

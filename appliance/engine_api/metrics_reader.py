@@ -1,9 +1,9 @@
 """The one reader of vLLM's ``/metrics``: bounded, filtered, sync and async, one typed error.
 
 Every caller that reads the engine's speculative-decoding counters (the telemetry agent,
-:class:`~appliance.vllm_client.VLLMClient`) goes through :func:`read` / :func:`aread`. A read is
-bounded as a whole by ``timeout``: connect, headers and the body (a server that trickles its page
-is cut off by an overall deadline, not only per gap between bytes). Every failure is one
+:class:`~appliance.engine_api.vllm_client.VLLMClient`) goes through :func:`read` / :func:`aread`. A
+read is bounded as a whole by ``timeout``: connect, headers and the body (a server that trickles its
+page is cut off by an overall deadline, not only per gap between bytes). Every failure is one
 :class:`MetricsReadError` whose ``kind`` says what went wrong: ``timeout``, ``unreachable``,
 ``status`` or ``parse``. Callers map the kinds to their own reporting (the agent counts them, the
 client raises ``EngineError`` / ``NotVLLMError``).
@@ -21,8 +21,8 @@ from urllib.parse import urlencode, urlsplit
 
 import httpx
 
+from ..errors import AuthError, EngineError, NotVLLMError
 from . import specdecode
-from .errors import AuthError, EngineError, NotVLLMError
 
 Kind = Literal["timeout", "unreachable", "status", "parse"]
 

@@ -10,7 +10,7 @@ sends one real generation (with the API key), reads the counters again, and judg
 - ``reset``: the counters went backwards or the server was replaced between the reads;
 - ``unreadable`` / ``unparsable``: ``/metrics`` could not be read / is not vLLM's;
 - ``failed``: the generation itself failed (a generation turned away at the engine's queue
-  bound is sent again until the probe's ``within`` passes: :mod:`appliance.shed`);
+  bound is sent again until the probe's ``within`` passes: :mod:`appliance.engine_api.shed`);
 - ``present``: counters exist, but no generation was sent (``generate=False``).
 
 The figures are :func:`specdecode.attribute`'s: the response's per-request block when the
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from ..errors import EngineError, NotVLLMError, OverloadedError
 from . import shed, specdecode
-from .errors import EngineError, NotVLLMError, OverloadedError
 from .vllm_client import Generation, VLLMClient
 
 State = Literal[
