@@ -20,9 +20,10 @@ import yaml
 from test_hostcheck import CAPTURES, NO_DOCKER, as_machine, fake_nvidia_smi
 from test_models import serve_program
 
-from appliance import labels, units
+from appliance import units
 from appliance.host import cdi
 from appliance.hostcheck import docker as hc_docker
+from appliance.oci import labels
 from appliance.profiles import get
 
 SPECS = Path(__file__).parent / "data" / "cdi"

@@ -17,7 +17,7 @@ import click
 import pytest
 from packaging.version import Version
 
-from appliance import __version__, canary, images, labels, units
+from appliance import __version__, canary, images, units
 from appliance.canary import Record, Settings
 from appliance.canary.record import Output
 from appliance.cli import aliases, cli
@@ -27,6 +27,7 @@ from appliance.engine.local import free_port
 from appliance.errors import ApplianceError
 from appliance.host import reach
 from appliance.host.systemd import Systemd, SystemdError
+from appliance.oci import labels
 from appliance.profiles import get
 
 REPO = Path(__file__).resolve().parent.parent

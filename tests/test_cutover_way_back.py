@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from plugins.cutover import write_env
 
-from appliance import labels
 from appliance.cutover import flow, gates, history
 from appliance.cutover import slot as slots
 from appliance.cutover.context import Context, PreflightError
@@ -26,6 +25,7 @@ from appliance.cutover.preflight import ImageInfo
 from appliance.cutover.target import EnvFileTarget
 from appliance.host.layout import Layout
 from appliance.host.systemd import Systemd
+from appliance.oci import labels
 from appliance.units import instance
 from appliance.units.instance import Instance
 

@@ -16,11 +16,12 @@ import pytest
 from plugins.cli import invoke
 from test_hostcheck import CAPTURES, NO_DOCKER, as_machine, fake_nvidia_smi
 
-from appliance import hostcheck, labels, profiles
+from appliance import hostcheck, profiles
 from appliance.cutover import metrics as cutover_metrics
 from appliance.host import envfile
 from appliance.host.layout import Layout
 from appliance.hostcheck import nvidia, suggest
+from appliance.oci import labels
 from appliance.serve import argsfile, container, environment
 
 FORCE = ("--host-check", "--force", "no Docker or systemd on the test machine")

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from appliance import labels
 from appliance.engine_api import versions
 from appliance.errors import UsageError
 from appliance.host.layout import Layout
 from appliance.images import base, inventory, lock, scheme, targets
 from appliance.images.build import docker_folder
+from appliance.oci import labels
 
 MTP_LABELS = {labels.VLLM_VERSION: "0.32.0", labels.MTP: "true"}
 PRE_LABELS = {labels.VLLM_VERSION: "0.19.0", labels.MTP: "false"}

@@ -23,11 +23,12 @@ from plugins.cli import invoke
 from plugins.docker_engine import CACHE as DOCKER_CACHE
 from plugins.docker_engine import tiny_rootfs
 
-from appliance import devmodel, labels, profiles
+from appliance import devmodel, profiles
 from appliance.engine.local import free_port
 from appliance.engine_api import specdecode
 from appliance.host.layout import Layout
 from appliance.images import scheme
+from appliance.oci import labels
 
 pytestmark = pytest.mark.docker
 

@@ -9,7 +9,8 @@ import shlex
 import pytest
 from plugins.cli import invoke
 
-from appliance import labels, profiles
+from appliance import profiles
+from appliance.oci import labels
 from appliance.profiles import Hardware, Speculative, fit
 from appliance.profiles import validate as pv
 

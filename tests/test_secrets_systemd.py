@@ -30,10 +30,11 @@ import httpx
 import pytest
 from plugins.systemd_instance import MTP_IMAGE, SystemdInstance
 
-from appliance import apikey, labels, units
+from appliance import apikey, units
 from appliance.engine.local import free_port
 from appliance.host import envfile
 from appliance.host.layout import Layout
+from appliance.oci import labels
 
 SERVE = "/usr/local/libexec/gemma4-vllm/serve"
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from appliance import labels, units
+from appliance import units
 from appliance.host import envfile
 from appliance.host.layout import Layout
 from appliance.models import EX_CONFIG
+from appliance.oci import labels
 from appliance.profiles import get
 
 IMAGE = "gemma4-vllm:0.32.0"

@@ -22,12 +22,13 @@ from pathlib import Path
 import pytest
 from plugins.cli import invoke
 
-from appliance import devmodel, generate, labels, models, profiles, units
+from appliance import devmodel, generate, models, profiles, units
 from appliance.errors import UsageError
 from appliance.host import envfile
 from appliance.host.layout import Layout
 from appliance.models import verify as model_verify
 from appliance.models import where
+from appliance.oci import labels
 from appliance.profiles.validate import ProfileError
 from appliance.serve import argsfile, container, docker, environment
 from appliance.units import engine_args, instance, template, timing

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance import labels
 from appliance.engine_api import versions
 from appliance.errors import UsageError
+from appliance.oci import labels
 
 releases = st.lists(st.integers(0, 40), min_size=1, max_size=4)
 suffixes = st.sampled_from(["", "rc1", ".dev0", "+cpu", "rc2+cpu", ".post1"])

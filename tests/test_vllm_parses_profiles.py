@@ -21,9 +21,10 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from appliance import labels, profiles
+from appliance import profiles
 from appliance.bench import tune
 from appliance.multinode import node_args
+from appliance.oci import labels
 from appliance.profiles import validate
 from appliance.serve.container import drain_args, queue_args, speculative_args
 from appliance.serve.docker import DRAIN_S

@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .. import labels, state_metrics
+from .. import state_metrics
 from ..canary import baseline as baselines
 from ..errors import ApplianceError
 from ..host import envfile, reach
 from ..host.layout import Layout
+from ..oci import labels
 from . import history
 
 

@@ -8,13 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import imageref, labels
 from ..engine_api import versions
 from ..errors import ApplianceError, EngineError, UsageError
 from ..host import envfile
 from ..host.layout import ENV_DIR
 from ..host.systemd import Systemd, SystemdError, SystemdNotNamed
 from ..images import scheme, variant
+from ..oci import imageref, labels
 from ..profiles import Profile
 from ..units.instance import Instance
 from .context import Context, PreflightError

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from .. import labels
 from ..host import reach
+from ..oci import labels
 from . import history
 from .status import Status, describe_running
 

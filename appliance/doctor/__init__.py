@@ -21,11 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import apikey, instance_facts
-from .. import labels as image_labels
 from ..engine_api import probe
 from ..engine_api.vllm_client import VLLMClient, normalise_base_url
 from ..errors import EngineError
 from ..host import reach
+from ..oci import labels as image_labels
 from ..profiles import Profile
 from ..units import check_instance
 from .engine import defect_checks, model_check, mtp_checks, version_check

@@ -6,10 +6,10 @@ bench give; doctor only maps it to ok / warn / fail against what the profile exp
 
 from __future__ import annotations
 
-from .. import labels as image_labels
 from ..engine_api import shed, versions
 from ..engine_api.probe import Probe
 from ..errors import UsageError
+from ..oci import labels as image_labels
 from ..profiles import Profile, defects
 from .report import Check, Status
 

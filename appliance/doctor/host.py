@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import labels as image_labels
 from .. import models
 from ..errors import ApplianceError
 from ..host import reach
@@ -14,6 +13,7 @@ from ..host.values import LOOPBACK
 from ..hostcheck import nvidia as hostcheck_nvidia
 from ..instance_facts import UNIT_DIRS, InstanceFacts
 from ..models import verify, where
+from ..oci import labels as image_labels
 from ..profiles import Profile
 from ..units.instance import Instance
 from .report import Check, Status

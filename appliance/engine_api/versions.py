@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from packaging.version import InvalidVersion, Version
 
-from .. import labels
 from ..errors import UsageError
+from ..oci import labels
 
 
 def parse(text: str) -> Version:

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import __version__, assets, labels
+from .. import __version__, assets
 from ..engine_api import versions
 from ..errors import ApplianceError, UsageError
 from ..host.names import CACHE_DIR
+from ..oci import labels
 from ..progress import QUIET, verbosity
 from . import base, scheme, targets, wheelhouse
 from .files import digest

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import labels
 from ..engine_api import versions
 from ..errors import UsageError
+from ..oci import labels
 from . import scheme
 
 

@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import labels
 from ..host.layout import Layout
+from ..oci import labels
 from . import scheme
 
 IMAGE_KEY = "VLLM_IMAGE"

@@ -25,7 +25,7 @@ ungated; the version tag names the image instead (it moves only when the same ve
 from changed inputs, and the rollback slot keeps the image ID: ``appliance/cutover/slot.py``).
 
 ``REPO`` is ``gemma4-vllm`` unless told otherwise. Tags are applied from the image's labels (see
-:mod:`appliance.labels`), never from what the operator believes is inside.
+:mod:`appliance.oci.labels`), never from what the operator believes is inside.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .. import labels
 from ..engine_api import versions
 from ..errors import UsageError
+from ..oci import labels
 
 REPOSITORY = "gemma4-vllm"
 MTP_TAG = "mtp"

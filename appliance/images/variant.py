@@ -2,7 +2,7 @@
 
 One judgement for every place an image is chosen: ``appliance instance install --image``, the
 cutover's preflight, ``appliance status`` and ``appliance host check``. The build is the image's
-``io.gemma4-appliance.variant`` label (:data:`appliance.labels.VARIANT`), never its tag: a CPU
+``io.gemma4-appliance.variant`` label (:data:`appliance.oci.labels.VARIANT`), never its tag: a CPU
 image carried ``gemma4-vllm:latest`` until the variants had tags of their own. An image without
 the label (made by hand) cannot be judged here: a warning says so, and its other labels are
 checked as before.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .. import labels
 from ..errors import UsageError
+from ..oci import labels
 from . import scheme
 
 CURRENT = "0.32.0"  # the vLLM of the images the appliance ships (docker/cpu/vllm-0.32.0.lock)

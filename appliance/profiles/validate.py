@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from .. import labels
 from ..engine_api import versions
 from ..errors import UsageError
+from ..oci import labels
 from . import DATA_PARALLEL_MIN_VLLM, DEVMODEL, Profile, catalog, defects
 from . import fit as memory
 

@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import labels
 from ..engine_api import versions
 from ..errors import UsageError
 from ..host import cdi
 from ..host.layout import Shape
+from ..oci import labels
 from .argsfile import ServeArgs
 from .docker import DRAIN_S
 from .environment import Settings

@@ -11,9 +11,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .. import imageref
 from ..errors import ApplianceError, UsageError
 from ..host import values
+from ..oci import imageref
 from .argsfile import ServeArgs
 
 EX_TEMPFAIL = 75  # sysexits' EX_TEMPFAIL: the unit restarts on it (only 78 is final)

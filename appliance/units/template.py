@@ -31,7 +31,6 @@ from pathlib import Path
 
 import jinja2
 
-from .. import imageref, labels
 from ..errors import UsageError
 from ..host import envfile
 from ..host.layout import STATE_DIR, Layout
@@ -47,6 +46,7 @@ from ..host.names import (
 from ..host.values import PATH_KEYS, check_gpus, check_host, check_path, check_port
 from ..images.choice import fallback
 from ..observability.names import DEBIAN_TEXTFILE_DIR
+from ..oci import imageref, labels
 from ..profiles import PROFILE_NAME, Profile, get
 from ..profiles import validate as pv
 from ..serve import bundle

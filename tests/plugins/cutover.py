@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import labels
+from appliance.oci import labels
 
 from .docker_engine import machine_lock, tiny_rootfs
 

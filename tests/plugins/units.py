@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from appliance import labels
+from appliance.oci import labels
 
 from .docker_engine import machine_lock, tiny_rootfs
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import UsageError
+from ..errors import UsageError
 
 _ALNUM = r"[a-z0-9]+"
 _SEPARATOR = r"(?:[._]|__|-+)"
