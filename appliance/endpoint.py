@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import apikey, profiles
+from . import profiles
 from .errors import ApplianceError, UsageError
-from .host import reach
+from .host import apikey, reach
 from .host.envfile import UnknownInstance, unknown_instance
 from .profiles import Profile
 from .units import instance as instances

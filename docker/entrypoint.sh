@@ -19,7 +19,7 @@ export DO_NOT_TRACK="${DO_NOT_TRACK:-1}"
 #   content, less trailing newlines;
 # - the container's stdin, when GEMMA4_API_KEY_STDIN=1: the appliance's serve program runs
 #   `docker run -i` with the key alone on its stdin, read and checked there by the appliance's one
-#   rule (appliance/apikey.py), so the bytes travel over the Docker socket and never land on disk;
+#   rule (appliance/host/apikey.py), so the bytes travel over the Docker socket and never land on disk;
 # - else VLLM_API_KEY as the container was given it, left as it is.
 # This script applies no rule of its own to the key; it only refuses to start without one when a
 # key was promised: vLLM given an empty key would serve anyone. Exit 78 (EX_CONFIG): the unit does

@@ -170,7 +170,7 @@ def test_api_key_file_problems_are_usage_errors(tmp_path, cli_run):
     res = cli_run(
         ["instance", "doctor", "--url", url, "--api-key-file", str(tmp_path / "empty")], code=2
     )
-    # The one key-file rule (appliance.apikey): whitespace and CRLF are not a key.
+    # The one key-file rule (appliance.host.apikey): whitespace and CRLF are not a key.
     assert f"{tmp_path / 'empty'} is empty (" in res.output
     assert len(res.output.splitlines()) == 1
     (tmp_path / "k").write_text("abc\n")

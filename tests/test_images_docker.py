@@ -610,7 +610,7 @@ def test_the_entry_point_takes_the_key_it_is_handed(appliance_images, tmp_path, 
     VLLM_API_KEY is that key; none where one was promised is exit 78 and one line."""
     import subprocess
 
-    from appliance import apikey
+    from appliance.host import apikey
     from appliance.serve.main import key_pipe
 
     image = appliance_images["cpu-mtp"]

@@ -30,9 +30,9 @@ import httpx
 import pytest
 from plugins.systemd_instance import MTP_IMAGE, SystemdInstance
 
-from appliance import apikey, units
+from appliance import units
 from appliance.engine.local import free_port
-from appliance.host import envfile
+from appliance.host import apikey, envfile
 from appliance.host.layout import Layout
 from appliance.oci import labels
 

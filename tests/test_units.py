@@ -372,7 +372,7 @@ def test_the_api_key_reaches_docker_on_stdin_or_by_name_never_as_a_value(tmp_pat
 def test_the_container_stdin_holds_the_checked_key_alone(tmp_path):
     """What the serve program hands the image's entry point: the key its file holds by the one
     rule (CRLF and spaces around it are not part of it), then the end of the input."""
-    from appliance import apikey
+    from appliance.host import apikey
     from appliance.serve.main import key_pipe
 
     key_file = tmp_path / "k.api-key"

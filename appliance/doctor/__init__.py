@@ -9,8 +9,8 @@ counters again); with an instance it reads the instance's files
 (:mod:`appliance.instance_facts`), checks its models as the serve program does before every start
 (:func:`appliance.models.verify.verify` quick) and asks Docker. The published vLLM defects that
 apply to the profile on the server's version are one warning each (``vllm.defect.ID``). ``/v1``
-calls carry the API key (:func:`appliance.apikey.resolve`); the key is never printed or put into
-the report.
+calls carry the API key (:func:`appliance.host.apikey.resolve`); the key is never printed or put
+into the report.
 
 One job per module: ``report`` (the records), ``engine`` (vLLM, model, MTP), ``host`` (the
 installed instance and GPUs); this module runs them in order.
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import apikey, instance_facts
+from .. import instance_facts
 from ..engine_api import probe
 from ..engine_api.vllm_client import VLLMClient, normalise_base_url
 from ..errors import EngineError
-from ..host import reach
+from ..host import apikey, reach
 from ..oci import labels as image_labels
 from ..profiles import Profile
 from ..units import check_instance

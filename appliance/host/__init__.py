@@ -6,5 +6,6 @@ this package; it imports none of them (the layers run one way).
 - :mod:`.envfile`: the one parser and byte-preserving editor of ``/etc/gemma4-vllm/NAME.env``.
 - :mod:`.layout`: where the appliance keeps an instance's state under a root (``Layout``).
 - :mod:`.lock`: one cutover, rollback or uninstall at a time per instance (``flock``).
+- :mod:`.apikey`: the one reader of an instance's API key file, with one rule for every caller.
 - :mod:`.systemd`: ``systemctl`` and ``journalctl``, with a test root prefix.
 """

@@ -13,7 +13,7 @@ application (:mod:`.bundle`) run by the host's ``/usr/bin/python3``::
 
 Before ``run`` starts the engine it makes the unit's decisions with the same functions the
 ``appliance`` commands use: the env file's values (:mod:`appliance.host.values`), the API key
-rule (:mod:`appliance.apikey`), the models present and complete (``models verify --quick``,
+rule (:mod:`appliance.host.apikey`), the models present and complete (``models verify --quick``,
 :mod:`appliance.models.verify`) and the image's labels choosing the MTP flags
 (:mod:`appliance.engine_api.versions`). A configuration problem is one journal line and exit 78,
 which the unit never restarts. This package and what it imports use the standard library only (and

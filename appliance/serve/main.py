@@ -16,10 +16,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .. import apikey, models, progress
+from .. import models, progress
 from ..engine_api import shed
 from ..errors import ApplianceError, UsageError
-from ..host import cdi
+from ..host import apikey, cdi
 from ..host.layout import Layout, Shape
 from ..host.names import check_instance
 from ..host.values import LOOPBACK, is_loopback, probe_host
@@ -62,7 +62,7 @@ class Unit:
             ) from None
 
     def key(self, settings: Settings) -> str | None:
-        """The instance's API key by :mod:`appliance.apikey`'s rule; None when it has no key
+        """The instance's API key by :mod:`appliance.host.apikey`'s rule; None when it has no key
         file, which is allowed only when vLLM listens on loopback."""
         key = apikey.read(self.key_file)
         if key is None:
@@ -201,7 +201,7 @@ def run(unit: Unit) -> None:
 
 def key_pipe(key: str) -> int:
     """A pipe's read end holding ``key`` alone, then its end: the container's stdin. The key was
-    checked here (:mod:`appliance.apikey`), so the image's entry point takes it as it comes."""
+    checked here (:mod:`appliance.host.apikey`), so the image's entry point takes it as it comes."""
     read, write = os.pipe()
     try:
         data = key.encode()

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import apikey, profiles
+from .. import profiles
 from ..errors import UsageError
-from ..host import envfile, values
+from ..host import apikey, envfile, values
 from ..host.envfile import HOST_KEY, PORT_KEY, PROFILE_KEY
 from ..host.layout import Layout, Node, Shape
 from ..host.values import check_host, check_port
@@ -102,7 +102,7 @@ class Instance:
 
     def api_key(self) -> str | None:
         """The key vLLM requires on ``/v1`` (None when the instance has no key file); the one
-        rule of :mod:`appliance.apikey`, so an unreadable, empty or unsafe file is an error."""
+        rule of :mod:`appliance.host.apikey`, so an unreadable, empty or unsafe file is an error."""
         return apikey.read(self.api_key_path) if self.api_key_path else None
 
 

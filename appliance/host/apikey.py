@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
-from .host.layout import Layout
+from ..errors import UsageError
+from .layout import Layout
 
 # token_urlsafe's alphabet plus the base64 and "." characters: enough for any generated key,
 # nothing a shell, a header or an env file could read two ways.
