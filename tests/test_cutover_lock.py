@@ -317,9 +317,10 @@ def test_an_install_planned_before_a_cutover_ended_writes_nothing(tmp_path):
     a cutover that ends in between moved the image, and the install would move it back. The
     cutover here is its own env-file write (the target's read, ``with_image``, ``write``),
     under the lock, while the install's preflight runs."""
-    from appliance import installer, units
+    from appliance import units
     from appliance.cutover.target import InstanceTarget
     from appliance.host.layout import Layout
+    from appliance.instance import installer
     from appliance.units.instance import read as read_instance
 
     layout = Layout(tmp_path)

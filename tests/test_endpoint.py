@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from appliance import canary, endpoint, units
+from appliance import canary, units
+from appliance.instance import endpoint
 from appliance.profiles import get
 
 PORT = 8123  # not vLLM's 8000 nor the reference profile's 8050: it can only come from the file

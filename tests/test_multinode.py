@@ -16,11 +16,12 @@ from typing import ClassVar
 
 import pytest
 
-from appliance import installer, multinode, profiles, units
+from appliance import multinode, profiles, units
 from appliance.errors import UsageError
 from appliance.host import envfile
 from appliance.host.layout import Layout, Node
 from appliance.host.names import ROLES, node_unit
+from appliance.instance import installer
 from appliance.profiles import validate as pv
 from appliance.serve import argsfile
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import installer, units
+from appliance import units
 from appliance.cutover import flow
 from appliance.cutover.context import Context
 from appliance.cutover.flow import RollbackFailed
@@ -17,6 +17,7 @@ from appliance.host import envfile
 from appliance.host import lock as locks
 from appliance.host.layout import Layout, Node
 from appliance.host.systemd import Systemd
+from appliance.instance import installer
 
 pytestmark = pytest.mark.docker
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance import installer, units
+from appliance import units
 from appliance.host.layout import Layout, Node
+from appliance.instance import installer
 from appliance.units.instance import host_node
 
 REPO = Path(__file__).resolve().parents[1]

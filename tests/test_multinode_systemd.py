@@ -31,12 +31,13 @@ from plugins.systemd_instance import APPLIANCE, REPO
 from plugins.traffic import LIVE_WINDOW, Traffic
 
 import docker
-from appliance import devmodel, installer, profiles, state_metrics, units
+from appliance import devmodel, profiles, state_metrics, units
 from appliance.cutover import history
 from appliance.engine.local import free_port
 from appliance.host import envfile
 from appliance.host.layout import Layout, Node
 from appliance.host.names import node_container, node_unit
+from appliance.instance import installer
 
 pytestmark = [pytest.mark.systemd, pytest.mark.multinode]
 

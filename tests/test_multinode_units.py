@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance import installer, multinode, profiles, units
+from appliance import multinode, profiles, units
 from appliance.host.layout import Layout, Node
 from appliance.host.names import ROLES, node_unit
+from appliance.instance import installer
 from appliance.serve import argsfile, health
 from appliance.units import timing
 

@@ -7,13 +7,14 @@ import functools
 
 import click
 
-from .. import acceptance, instance_facts, reports
+from .. import acceptance, reports
 from ..bench import concurrency as concurrency_lib
 from ..bench import prompts, report, runner, sweep
 from ..devmodel import DRAFTER_KINDS
-from ..endpoint import Endpoint
 from ..engine_api.vllm_client import engine_url
 from ..errors import ApplianceError, UsageError
+from ..instance import instance_facts
+from ..instance.endpoint import Endpoint
 from ..profiles import get
 from .addresses import ENGINE_URL
 from .options import OutputPath, endpoint_options, progress_bar, prompt_options

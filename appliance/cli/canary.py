@@ -15,9 +15,9 @@ import click
 from .. import canary as lib
 from ..canary import cases as canary_cases
 from ..canary import record as records
-from ..endpoint import Endpoint
 from ..host import envfile
 from ..host.layout import Layout
+from ..instance.endpoint import Endpoint
 from ..profiles import lookup
 from .options import OutputPath, endpoint_options
 from .output import echo_json

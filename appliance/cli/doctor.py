@@ -7,7 +7,7 @@ import sys
 import click
 
 from .. import doctor as lib
-from ..endpoint import Endpoint
+from ..instance.endpoint import Endpoint
 from .options import endpoint_options
 from .output import echo_json
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .. import endpoint
+from ..instance import endpoint
 from ..models import EX_CONFIG, ModelsNotReady, importer, pull, token, verify, where
 from ..models import export as export_mod
 from .options import root_option

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import click
 
-from .. import endpoint
 from ..bench import prompts
 from ..errors import UsageError
 from ..fsutil import check_target
+from ..instance import endpoint
 from .addresses import ENGINE_URL
 
 # One meaning everywhere: where the host's /etc and /var/lib are (an image being built, a test
@@ -123,8 +123,8 @@ def endpoint_options(
 ):
     """The one way to name an engine (doctor, bench, canary record): ``[NAME]``, ``--instance``,
     ``--url``, ``--profile``, ``--root`` and the API key options, handed to the command as one
-    ``endpoint`` (:func:`appliance.endpoint.resolve`). ``named=False``: only ``--profile`` and
-    the key, for commands that take their URLs in options of their own (bench compare, sweep).
+    ``endpoint`` (:func:`appliance.instance.endpoint.resolve`). ``named=False``: only ``--profile``
+    and the key, for commands that take their URLs in options of their own (bench compare, sweep).
     Under a tree's ``--root`` the instance's port is not asked without ``--url``
     (host/reach.py): a command refuses in one line, unless it ``reports_not_asked`` (doctor)."""
 

@@ -9,9 +9,9 @@ import click
 from .. import profiles
 from ..bench import concurrency, prompts, runner
 from ..bench import tune as tune_lib
-from ..endpoint import Endpoint
 from ..errors import ApplianceError, UsageError
 from ..host.layout import Layout
+from ..instance.endpoint import Endpoint
 from ..tables import table
 from .addresses import ENGINE_URL
 from .options import OutputPath, endpoint_options, progress_bar, prompt_options

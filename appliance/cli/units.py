@@ -8,11 +8,12 @@ from pathlib import Path
 
 import click
 
-from .. import hostcheck, installer, units
+from .. import hostcheck, units
 from ..cutover import metrics as cutover_metrics
 from ..errors import UsageError
 from ..host.layout import Layout, Node
 from ..host.systemd import Systemd
+from ..instance import installer
 from .options import OutputPath, root_option
 from .output import echo_json
 

@@ -6,9 +6,9 @@ evidence it was based on). Doctor never changes anything: it reads ``/health``, 
 ``/v1/models``, and runs the MTP probe (:mod:`appliance.engine_api.probe`: counters, one short
 generation unless ``generate=False``, sent again while the engine turns it away at its queue bound,
 counters again); with an instance it reads the instance's files
-(:mod:`appliance.instance_facts`), checks its models as the serve program does before every start
-(:func:`appliance.models.verify.verify` quick) and asks Docker. The published vLLM defects that
-apply to the profile on the server's version are one warning each (``vllm.defect.ID``). ``/v1``
+(:mod:`appliance.instance.instance_facts`), checks its models as the serve program does before every
+start (:func:`appliance.models.verify.verify` quick) and asks Docker. The published vLLM defects
+that apply to the profile on the server's version are one warning each (``vllm.defect.ID``). ``/v1``
 calls carry the API key (:func:`appliance.host.apikey.resolve`); the key is never printed or put
 into the report.
 
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import instance_facts
 from ..engine_api import probe
 from ..engine_api.vllm_client import VLLMClient, normalise_base_url
 from ..errors import EngineError
 from ..host import apikey, reach
+from ..instance import instance_facts
 from ..oci import labels as image_labels
 from ..profiles import Profile
 from ..units import check_instance

@@ -11,7 +11,7 @@ from ..host import reach
 from ..host.layout import ENV_DIR
 from ..host.values import LOOPBACK
 from ..hostcheck import nvidia as hostcheck_nvidia
-from ..instance_facts import UNIT_DIRS, InstanceFacts
+from ..instance.instance_facts import UNIT_DIRS, InstanceFacts
 from ..models import verify, where
 from ..oci import labels as image_labels
 from ..profiles import Profile

@@ -8,8 +8,8 @@ appliance's one serve program (``serve <group>-head|<group>-worker ...``) unchan
 
 What is particular to a group lives here: each node's arguments (:func:`node_args`) and the
 group's templates, rendered by :func:`render`. Installing them is the one install pipeline of
-either shape (:func:`appliance.installer.install`: plan, render, host check, write under the
-group's lock, keys, the operator's profile copy, the scrape targets).
+either shape (:func:`appliance.instance.installer.install`: plan, render, host check, write under
+the group's lock, keys, the operator's profile copy, the scrape targets).
 
 Per host, under ``/etc/gemma4-vllm``:
 

@@ -9,8 +9,8 @@ base URL. The facts come from the operator's env file (``/etc/gemma4-vllm/<name>
 the one env-file parser), the args files installed and the profile the env file names; never
 from generated shell. ``status``, ``history``, the cutover targets, ``instance doctor``, the
 fleet's status, ``canary record``, ``bench`` and the scrape targets read it.
-:mod:`appliance.instance_facts` (doctor, bench) is built on it: it reads the env file with the
-same parser and builds this record with :func:`from_env`, adding what the host says.
+:mod:`appliance.instance.instance_facts` (doctor, bench) is built on it: it reads the env file with
+the same parser and builds this record with :func:`from_env`, adding what the host says.
 
     inst = instance.read(Path("/"), "31b")
     inst.profile.name, inst.image, inst.base_url, inst.api_key(), inst.shape.container

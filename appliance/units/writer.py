@@ -249,8 +249,8 @@ def install(
 ) -> WriteResult:
     """Install single-node ``instance`` under ``root``: the shared unit and serve program, the
     instance's env file, args file, mounts drop-in and API key (:func:`planned`, then
-    :func:`write`; :func:`appliance.installer.install` is the same pipeline for either shape,
-    with the image and GPU choice).
+    :func:`write`; :func:`appliance.instance.installer.install` is the same pipeline for either
+    shape, with the image and GPU choice).
 
     ``preflight`` sees what is about to be installed (:class:`Planned`) once it is valid and
     before anything is written; it raises to refuse (the host check).

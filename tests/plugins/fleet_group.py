@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from appliance import devmodel, installer, profiles, units
+from appliance import devmodel, profiles, units
 from appliance.engine.local import free_port
 from appliance.engine_api import specdecode
 from appliance.host import envfile
 from appliance.host.layout import Layout, Node
 from appliance.host.names import node_container, node_unit
+from appliance.instance import installer
 
 from . import nspawn
 from .docker_engine import inspect_container

@@ -31,13 +31,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import devmodel, installer, multinode, profiles, units
+from appliance import devmodel, multinode, profiles, units
 from appliance.cutover.context import Context
 from appliance.engine.local import free_port
 from appliance.engine_api import specdecode
 from appliance.host.layout import Layout, Node
 from appliance.host.names import ROLES, node_container, node_unit
 from appliance.host.systemd import Systemd
+from appliance.instance import installer
 
 from . import nspawn
 from .docker_engine import machine_lock

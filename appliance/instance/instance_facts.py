@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ApplianceError
-from .host import envfile, reach
-from .host.layout import UNIT_DIR, Layout
-from .units.instance import Instance, from_env
+from ..errors import ApplianceError
+from ..host import envfile, reach
+from ..host.layout import UNIT_DIR, Layout
+from ..units.instance import Instance, from_env
 
 # Where a unit template may be installed: the appliance's own place first, then the vendor ones.
 UNIT_DIRS = (UNIT_DIR, Path("usr/lib/systemd/system"), Path("lib/systemd/system"))

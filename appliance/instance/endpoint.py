@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import profiles
-from .errors import ApplianceError, UsageError
-from .host import apikey, reach
-from .host.envfile import UnknownInstance, unknown_instance
-from .profiles import Profile
-from .units import instance as instances
+from .. import profiles
+from ..errors import ApplianceError, UsageError
+from ..host import apikey, reach
+from ..host.envfile import UnknownInstance, unknown_instance
+from ..profiles import Profile
+from ..units import instance as instances
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

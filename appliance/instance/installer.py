@@ -30,16 +30,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import images, multinode, profiles, units
-from .errors import ApplianceError, UsageError
-from .host import envfile
-from .host import lock as locks
-from .host.layout import Layout, Node
-from .host.names import STATE_UNIT, probe_timer
-from .hostcheck import placement
-from .images import choice, variant
-from .models import verify, where
-from .units.writer import Planned, WriteResult, node_for, write, write_tree
+from .. import images, multinode, profiles, units
+from ..errors import ApplianceError, UsageError
+from ..host import envfile
+from ..host import lock as locks
+from ..host.layout import Layout, Node
+from ..host.names import STATE_UNIT, probe_timer
+from ..hostcheck import placement
+from ..images import choice, variant
+from ..models import verify, where
+from ..units.writer import Planned, WriteResult, node_for, write, write_tree
 
 
 @dataclass(frozen=True)
