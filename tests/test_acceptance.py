@@ -1,4 +1,4 @@
-"""The one acceptance judgement (appliance.acceptance) that the canary, the fleet soak and the
+"""The one acceptance judgement (appliance.judge.acceptance) that the canary, the fleet soak and the
 paired bench share: its statistic, its tolerances and its refusals, tested once here; each caller's
 own tests check that it hands over the right samples."""
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance import acceptance
 from appliance.engine_api.specdecode import Delta
 from appliance.errors import UsageError
+from appliance.judge import acceptance
 
 
 def _d(accepted: int, drafts: int = 10, k: int = 2) -> Delta:

@@ -1,5 +1,5 @@
-"""The live-acceptance sampler (appliance.traffic_acceptance) and gate (appliance.cutover.live)
-on real captures of vLLM's counters, without an engine.
+"""The live-acceptance sampler (appliance.judge.traffic_acceptance) and gate
+(appliance.cutover.live) on real captures of vLLM's counters, without an engine.
 
 tests/data/metrics-vllm-0.32-mtp-traffic-{copy,random}.txt are successive reads of the filtered
 /metrics of the session's cpu-tiny-mtp engines (copy and random drafters) under two clients'
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from appliance import noninferiority, traffic_acceptance
 from appliance.cutover import gates, live
 from appliance.cutover.context import Context
 from appliance.cutover.history import Gate
 from appliance.engine_api import specdecode
+from appliance.judge import noninferiority, traffic_acceptance
 
 DATA = Path(__file__).parent / "data"
 READ = re.compile(r"^# read \d+ at \+[0-9.]+ s\n", re.MULTILINE)

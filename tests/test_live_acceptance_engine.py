@@ -19,7 +19,7 @@ from typing import Self
 import httpx
 import pytest
 
-from appliance import noninferiority, profiles, traffic_acceptance
+from appliance import profiles
 from appliance.cutover import flow, history, live
 from appliance.cutover.context import Context
 from appliance.cutover.history import Gate
@@ -27,6 +27,7 @@ from appliance.cutover.preflight import ImageInfo
 from appliance.cutover.target import EnvFileTarget
 from appliance.errors import ApplianceError
 from appliance.host.layout import Layout
+from appliance.judge import noninferiority, traffic_acceptance
 from appliance.oci import labels
 
 pytestmark = pytest.mark.engine

@@ -1,4 +1,4 @@
-"""The live acceptance rule (appliance.noninferiority): its three answers as properties that
+"""The live acceptance rule (appliance.judge.noninferiority): its three answers as properties that
 hold for any samples, its refusals, and its numbers."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance import noninferiority as ni
 from appliance.errors import UsageError
+from appliance.judge import noninferiority as ni
 
 RULE = ni.Rule(margin=0.05, min_samples=10, min_calls=10)
 acceptances = st.floats(0.0, 1.0, allow_nan=False)

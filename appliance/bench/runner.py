@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from .. import acceptance
 from ..engine_api import probe, specdecode
 from ..engine_api.vllm_client import VLLMClient
 from ..errors import EngineError, NotVLLMError, UsageError
+from ..judge import acceptance
 from . import schedule, stats, vllm_names
 from .prompts import Prompt, PromptSet
 from .stream import StreamResult

@@ -5,7 +5,7 @@ image's draft acceptance against: the old image drafted nothing, so its record h
 So every cutover whose canary passes with figures keeps its after-record as the instance's
 baseline (:meth:`appliance.host.layout.Layout.canary_baseline`, the record's own JSON), and a
 cutover whose before-record has no figures judges the after-record against that baseline
-instead: per prompt, cases matched by id, by :mod:`appliance.acceptance` with the profile's
+instead: per prompt, cases matched by id, by :mod:`appliance.judge.acceptance` with the profile's
 ``max_acceptance_drop``. The first such cutover has no baseline yet: it passes on its answers and
 its record becomes the baseline.
 """
@@ -17,9 +17,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import acceptance
 from ..engine_api import specdecode
 from ..errors import UsageError
+from ..judge import acceptance
 from . import record as records
 from .compare import Policy
 from .record import Record

@@ -8,11 +8,11 @@
   a warning when the version changed: a new engine may legitimately move the numerics (see
   gotchas/canary-across-vllm-versions.md), while an MTP switch, a label or a config change
   within one version must not change a greedy answer.
-- Draft acceptance: how the answers were made, judged per prompt by :mod:`appliance.acceptance`
-  (the fleet soak's and the paired bench's judgement too). A median drop beyond
-  ``policy.max_acceptance_drop`` fails whatever the versions; a rise is a note. Records without
-  figures (no MTP on a side, or written before the figures) compare on answers only, and the
-  summary says so.
+- Draft acceptance: how the answers were made, judged per prompt by
+  :mod:`appliance.judge.acceptance` (the fleet soak's and the paired bench's judgement too). A
+  median drop beyond ``policy.max_acceptance_drop`` fails whatever the versions; a rise is a
+  note. Records without figures (no MTP on a side, or written before the figures) compare on
+  answers only, and the summary says so.
 - Under batching (the after-record's batched pass, when it ran one): each answer with every case
   in flight against the same engine's answer alone (:func:`batched`). Fewer identical than
   ``policy.min_parity`` fails (one engine, one version); an answer that follows another case's
@@ -26,8 +26,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .. import acceptance
 from ..errors import UsageError
+from ..judge import acceptance
 from .record import Output, Record
 
 Verdict = Literal["pass", "warn", "fail"]

@@ -7,7 +7,7 @@ import functools
 
 import click
 
-from .. import acceptance, reports
+from .. import reports
 from ..bench import concurrency as concurrency_lib
 from ..bench import prompts, report, runner, sweep
 from ..devmodel import DRAFTER_KINDS
@@ -15,6 +15,7 @@ from ..engine_api.vllm_client import engine_url
 from ..errors import ApplianceError, UsageError
 from ..instance import instance_facts
 from ..instance.endpoint import Endpoint
+from ..judge import acceptance
 from ..profiles import get
 from .addresses import ENGINE_URL
 from .options import OutputPath, endpoint_options, progress_bar, prompt_options

@@ -37,13 +37,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from .. import canary as canaries
-from .. import traffic_acceptance
 from ..canary import baseline as baselines
 from ..canary.gate import GATE as CANARY_GATE
 from ..errors import ApplianceError, EngineError, UsageError
 from ..fsutil import private_dir, write_atomic
 from ..host import envfile
 from ..host import lock as locks
+from ..judge import traffic_acceptance
 from ..oci import imageref
 from . import gates, history, live, metrics, slot
 from .context import Context, PreflightError

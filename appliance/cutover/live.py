@@ -4,11 +4,11 @@ The canary's prompts are prose, and the seed measured 99% acceptance on prose ag
 its real workload: a drafter that fails the real traffic can pass the canary. So, beside it:
 
 - :func:`before`, while the old image serves and before anything is touched: windows of the
-  live traffic's acceptance (:mod:`appliance.traffic_acceptance`). With no traffic, or no
+  live traffic's acceptance (:mod:`appliance.judge.traffic_acceptance`). With no traffic, or no
   speculative decoding on the old image, the rule has nothing to judge: said once, and the
   canary decides (never a refusal for it);
 - :func:`after`, the last gate: windows of the new image's traffic, judged against those by
-  :func:`appliance.noninferiority.judge` after each new window until it decides or ``after_s``
+  :func:`appliance.judge.noninferiority.judge` after each new window until it decides or ``after_s``
   passes. ``worse`` fails the gate (the way back follows, as for any gate); ``not worse``
   passes; no decision by then (too few calls, an interval across the margin) passes too,
   saying so: the rule never decides on too few calls, and a quiet hour is no reason to roll a
@@ -22,8 +22,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .. import noninferiority, traffic_acceptance
 from ..errors import UsageError
+from ..judge import noninferiority, traffic_acceptance
 from . import gates
 from .context import Context
 from .history import Gate

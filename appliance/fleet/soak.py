@@ -7,7 +7,7 @@ the soak's own probe requests), and :func:`compare` decides whether the new imag
 
 - MTP **acceptance** (accepted / draft tokens) fell by more than ``max_acceptance_drop``
   (absolute), or **tokens per step** (1 + accepted / drafts) by more than
-  ``max_tokens_per_step_drop`` (a fraction of the old figure): :mod:`appliance.acceptance`'s
+  ``max_tokens_per_step_drop`` (a fraction of the old figure): :mod:`appliance.judge.acceptance`'s
   judgement, the canary's and the paired bench's, over one window per side;
 - MTP was on before and is off now (the image lost its drafter);
 - the **error rate** (5xx answers / answers on ``/v1/``) rose by more than
@@ -29,10 +29,11 @@ from dataclasses import asdict, dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .. import acceptance, records
+from .. import records
 from ..engine_api import specdecode
 from ..engine_api.vllm_client import VLLMClient
 from ..errors import ApplianceError, EngineError, UsageError
+from ..judge import acceptance
 
 HTTP_REQUESTS = "http_requests_total"  # prometheus-fastapi-instrumentator, in vLLM's /metrics
 API_PREFIX = "/v1/"

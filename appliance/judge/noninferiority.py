@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import UsageError
+from ..errors import UsageError
 
 Decision = Literal["worse", "not worse", "not enough calls yet"]
 WORSE: Decision = "worse"

@@ -21,8 +21,8 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .engine_api import specdecode
-from .errors import UsageError
+from ..engine_api import specdecode
+from ..errors import UsageError
 
 _EPS = 1e-9  # a float tolerance: a drop of exactly the tolerance passes
 

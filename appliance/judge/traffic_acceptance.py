@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from ..engine_api import metrics_reader, specdecode
 from . import noninferiority
-from .engine_api import metrics_reader, specdecode
 
 
 @dataclass(frozen=True)
