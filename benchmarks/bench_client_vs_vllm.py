@@ -36,9 +36,8 @@ import threading
 import time
 from pathlib import Path
 
-from appliance import devmodel
 from appliance.bench import concurrency, prompts, runner
-from appliance.engine import local
+from appliance.engine import devmodel, local
 from appliance.engine.local import OFFLINE_ENV, engine_command
 
 MODEL = "gemma4-tiny"

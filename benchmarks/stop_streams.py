@@ -30,7 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from appliance import devmodel, units
+from appliance import units
+from appliance.engine import devmodel
 from appliance.engine.local import free_port
 from appliance.host import envfile
 from appliance.host.layout import Layout

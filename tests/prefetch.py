@@ -74,7 +74,7 @@ def images() -> str:
 
 
 def models() -> str:
-    from appliance import devmodel
+    from appliance.engine import devmodel
 
     return ", ".join(devmodel.cached(d).root.name for d in ("copy", "partial", "random"))
 

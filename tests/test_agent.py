@@ -26,11 +26,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from test_agent_meter import points as meter_points
 
-from appliance import agent, demo
+from appliance import agent
 from appliance.agent import spans
 from appliance.agent.instrumentor import OpenAIInstrumentor
 from appliance.agent.server import server_for
 from appliance.agent.worker import WORKER
+from appliance.dev import demo
 from appliance.engine.local import free_port
 from appliance.engine_api import specdecode
 from appliance.engine_api.vllm_client import VLLMClient

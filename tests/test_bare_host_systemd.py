@@ -45,7 +45,8 @@ from plugins.systemd_instance import MTP_IMAGE, START_TIMEOUT
 from test_artifact import build_wheel
 from test_packaging import dependency_links
 
-from appliance import devmodel, units
+from appliance import units
+from appliance.engine import devmodel
 from appliance.engine.local import free_port
 from appliance.engine_api import specdecode
 from appliance.host.layout import Layout

@@ -11,8 +11,9 @@ import httpx
 import pytest
 from plugins.cli import invoke
 
-from appliance import devmodel, profiles
+from appliance import profiles
 from appliance.bench import prompts, runner
+from appliance.engine import devmodel
 from appliance.engine.local import OFFLINE_ENV, engine_command
 
 pytestmark = [pytest.mark.engine, pytest.mark.bench]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import demo as demo_lib
+from appliance.dev import demo as demo_lib
 from appliance.engine import local
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from plugins.cli import invoke
 
-from appliance import devmodel
+from appliance.engine import devmodel
 
 
 def run(*args):

@@ -10,7 +10,8 @@ from plugins.cli import invoke
 from plugins.http_servers import API_KEY, Route
 
 import docker
-from appliance import devmodel, doctor, profiles
+from appliance import doctor, profiles
+from appliance.engine import devmodel
 from appliance.engine.local import free_port
 from appliance.hostcheck.nvidia import gpu_findings
 

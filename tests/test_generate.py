@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from plugins.cli import invoke
 
-from appliance import generate as gen
+from appliance.dev import generate as gen
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,8 @@ from plugins.cli import invoke
 from plugins.docker_engine import CACHE as DOCKER_CACHE
 from plugins.docker_engine import tiny_rootfs
 
-from appliance import devmodel, profiles
+from appliance import profiles
+from appliance.engine import devmodel
 from appliance.engine.local import free_port
 from appliance.engine_api import specdecode
 from appliance.host.layout import Layout

@@ -4,7 +4,7 @@ The hub is tests/plugins/hub.py: a real HTTP server standing in for the whole Hu
 API, because no hub is reachable from these machines or from CI and its gating and resume faults
 cannot be produced on demand. The client is the real huggingface_hub (the version the stand-in
 mimics, checked below) pointed at it with HF_ENDPOINT. The models are the tiny pair from
-appliance.devmodel, under hub-style repo ids given by a profile file of the test's own.
+appliance.engine.devmodel, under hub-style repo ids given by a profile file of the test's own.
 """
 
 from __future__ import annotations

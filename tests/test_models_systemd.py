@@ -20,7 +20,8 @@ import pytest
 from plugins import nspawn
 from plugins.systemd_instance import MTP_IMAGE
 
-from appliance import devmodel, units
+from appliance import units
+from appliance.engine import devmodel
 from appliance.engine.local import free_port
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker]

@@ -31,8 +31,9 @@ from plugins.systemd_instance import APPLIANCE, REPO
 from plugins.traffic import LIVE_WINDOW, Traffic
 
 import docker
-from appliance import devmodel, profiles, state_metrics, units
+from appliance import profiles, state_metrics, units
 from appliance.cutover import history
+from appliance.engine import devmodel
 from appliance.engine.local import free_port
 from appliance.host import envfile
 from appliance.host.layout import Layout, Node

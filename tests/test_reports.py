@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import demo as demo_lib
 from appliance import reports
+from appliance.dev import demo as demo_lib
 from appliance.errors import UsageError
 from appliance.reports.figures import resolve
 
@@ -392,8 +392,8 @@ def bench_artifact(kind: str, variant: str = "") -> dict:
 
 def demo_record(engine: bool = True) -> dict:
     """A demo record (``DemoReport.to_dict()``): one call with figures, one without."""
-    from appliance import demo
     from appliance.agent import Figures
+    from appliance.dev import demo
     from appliance.engine_api import specdecode
 
     calls = [

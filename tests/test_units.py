@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 from plugins.cli import invoke
 
-from appliance import devmodel, generate, models, profiles, units
+from appliance import models, profiles, units
+from appliance.dev import generate
+from appliance.engine import devmodel
 from appliance.errors import UsageError
 from appliance.host import envfile
 from appliance.host.layout import Layout

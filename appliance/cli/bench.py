@@ -10,7 +10,7 @@ import click
 from .. import reports
 from ..bench import concurrency as concurrency_lib
 from ..bench import prompts, report, runner, sweep
-from ..devmodel import DRAFTER_KINDS
+from ..engine.devmodel import DRAFTER_KINDS
 from ..engine_api.vllm_client import engine_url
 from ..errors import ApplianceError, UsageError
 from ..instance import instance_facts

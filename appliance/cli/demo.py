@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from .. import demo as demo_lib
 from .. import reports
+from ..dev import demo as demo_lib
 from ..engine import local as engine
 from .local import progress_printer
 from .options import OutputPath

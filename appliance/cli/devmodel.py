@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .. import devmodel as dm
+from ..engine import devmodel as dm
 
 
 @click.command(name="devmodel")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .. import generate as gen
+from ..dev import generate as gen
 
 
 @click.command()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from ..devmodel import DRAFTER_KINDS
 from ..engine import local as engine
+from ..engine.devmodel import DRAFTER_KINDS
 from .addresses import PORT
 
 

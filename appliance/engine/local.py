@@ -22,10 +22,10 @@ from pathlib import Path
 
 import httpx
 
-from .. import devmodel
 from ..engine_api import versions
 from ..errors import EngineError, UsageError
 from ..profiles import Profile, lookup
+from . import devmodel
 
 # Nothing in the appliance may reach the internet at run time: no hub, no usage stats.
 OFFLINE_ENV = {

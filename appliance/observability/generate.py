@@ -1,4 +1,4 @@
-"""The observability files the one generator (:mod:`appliance.generate`) writes.
+"""The observability files the one generator (:mod:`appliance.dev.generate`) writes.
 
 The JSON in ``grafana/dashboards/`` and the YAML in ``prometheus/`` are produced here from
 :mod:`.dashboards`, :mod:`.rules` and :mod:`.scrape`, deterministically; :func:`problems` adds

@@ -7,7 +7,7 @@ reads exactly what ``appliance instance install`` writes: the one unit
 profile (``systemd/env/``, ``systemd/args/``, ``systemd/mounts/``); a multi-node profile's group
 is :mod:`appliance.multinode.examples`.
 The one serve program is not an example: it is :mod:`appliance.serve`, bundled at install.
-``appliance dev generate`` (``appliance.generate``) writes and checks the examples.
+``appliance dev generate`` (``appliance.dev.generate``) writes and checks the examples.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ UNIT_DIR = "systemd"
 ENV_DIR = "systemd/env"
 ARGS_DIR = "systemd/args"
 MOUNTS_DIR = "systemd/mounts"
-# Folders whose every file `appliance dev generate` must produce (appliance.generate).
+# Folders whose every file `appliance dev generate` must produce (appliance.dev.generate).
 FOLDERS = (UNIT_DIR, ENV_DIR, ARGS_DIR, MOUNTS_DIR)
 
 # A MIG profile needs its slice: the examples use the first slice of GPU 0.

@@ -211,7 +211,7 @@ CHANGED_TEMPLATE_PATH = "/opt/gemma4-appliance/changed-chat-template.jinja"
 def _changed_chat_template() -> str:
     """The tiny model's chat template with the generation prompt ending in ``>>`` instead of a
     newline: the target greedily repeats its last input token, so every answer changes."""
-    from appliance import devmodel
+    from appliance.engine import devmodel
 
     old = "<start_of_turn>model\n{% endif %}"
     assert old in devmodel.CHAT_TEMPLATE, "devmodel's chat template changed: update this image"
@@ -328,7 +328,7 @@ os.execv("/usr/local/bin/gemma4-entrypoint", ["gemma4-entrypoint", *args])
 def degraded_recipe(parent_id: str) -> dict[str, dict[str, bytes]]:
     """The MTP image with the random drafter in place of the instance's: same answers, drafts
     almost never accepted."""
-    from appliance import devmodel
+    from appliance.engine import devmodel
 
     drafter = devmodel.cached("random").root / "drafter"
     files = {f"drafter/{p.name}": p.read_bytes() for p in sorted(drafter.iterdir())}

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import __version__, devmodel, units
+from appliance import __version__, units
+from appliance.engine import devmodel
 from appliance.engine.local import free_port
 from appliance.host import envfile
 from appliance.host.layout import Layout

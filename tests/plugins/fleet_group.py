@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from appliance import devmodel, profiles, units
+from appliance import profiles, units
+from appliance.engine import devmodel
 from appliance.engine.local import free_port
 from appliance.engine_api import specdecode
 from appliance.host import envfile

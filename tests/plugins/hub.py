@@ -36,7 +36,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from appliance import devmodel
+from appliance.engine import devmodel
 from appliance.models import cache
 
 TARGET_REPO = "appliance-test/gemma4-tiny-it"

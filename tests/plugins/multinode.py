@@ -31,8 +31,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import devmodel, multinode, profiles, units
+from appliance import multinode, profiles, units
 from appliance.cutover.context import Context
+from appliance.engine import devmodel
 from appliance.engine.local import free_port
 from appliance.engine_api import specdecode
 from appliance.host.layout import Layout, Node

@@ -30,7 +30,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import devmodel, units
+from appliance import units
+from appliance.engine import devmodel
 from appliance.engine.local import free_port
 from appliance.fsutil import write_atomic
 from appliance.host import envfile

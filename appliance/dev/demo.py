@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass
 
 import openai
 
-from . import agent
-from .engine_api import specdecode
-from .engine_api.vllm_client import VLLMClient
-from .tables import table
+from .. import agent
+from ..engine_api import specdecode
+from ..engine_api.vllm_client import VLLMClient
+from ..tables import table
 
 PROMPTS = (
     "Write a short poem about the sea.",

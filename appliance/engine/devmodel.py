@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 DRAFTER_KINDS: tuple[str, ...] = ("copy", "partial", "random")
 

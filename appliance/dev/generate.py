@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from .errors import ApplianceError, UsageError
-from .fsutil import write_atomic
+from ..errors import ApplianceError, UsageError
+from ..fsutil import write_atomic
 
 COMMAND = "appliance dev generate"
 FIX = f"run: {COMMAND}"
@@ -64,11 +64,11 @@ class Result:
 
 def sources() -> list[Source]:
     """Every source of generated files in the repository."""
-    from . import profiles
-    from .multinode import examples as group_examples
-    from .observability import generate as observability
-    from .profiles import generated as profile_files
-    from .units import examples
+    from .. import profiles
+    from ..multinode import examples as group_examples
+    from ..observability import generate as observability
+    from ..profiles import generated as profile_files
+    from ..units import examples
 
     return [
         Source(
