@@ -24,9 +24,8 @@ import pytest
 import yaml
 from prometheus_client import start_http_server
 
-from appliance import state_metrics
 from appliance.engine.local import free_port
-from appliance.observability import generate, scrape
+from appliance.observability import generate, scrape, state_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 ALERTMANAGER = os.environ.get("APPLIANCE_ALERTMANAGER", "/usr/bin/prometheus-alertmanager")

@@ -14,7 +14,7 @@ import pytest
 from plugins.cutover import InstanceTree, write_env
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance import state_metrics, units
+from appliance import units
 from appliance.canary import baseline, compare
 from appliance.canary.record import Output, Record, Settings, SpecFigures
 from appliance.cutover import history, metrics
@@ -22,6 +22,7 @@ from appliance.cutover.history import Entry, Gate
 from appliance.engine.local import free_port
 from appliance.errors import UsageError
 from appliance.host.layout import Layout
+from appliance.observability import state_metrics
 from appliance.profiles import get as get_profile
 
 

@@ -31,7 +31,7 @@ from plugins.systemd_instance import APPLIANCE, REPO
 from plugins.traffic import LIVE_WINDOW, Traffic
 
 import docker
-from appliance import profiles, state_metrics, units
+from appliance import profiles, units
 from appliance.cutover import history
 from appliance.engine import devmodel
 from appliance.engine.local import free_port
@@ -39,6 +39,7 @@ from appliance.host import envfile
 from appliance.host.layout import Layout, Node
 from appliance.host.names import node_container, node_unit
 from appliance.instance import installer
+from appliance.observability import state_metrics
 
 pytestmark = [pytest.mark.systemd, pytest.mark.multinode]
 

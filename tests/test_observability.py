@@ -13,10 +13,9 @@ import pytest
 import yaml
 from plugins.observability import PROMTOOL
 
-from appliance import state_metrics
 from appliance.agent import metrics as agent_metrics
 from appliance.errors import UsageError
-from appliance.observability import generate, metric_check, names, rules
+from appliance.observability import generate, metric_check, names, rules, state_metrics
 from appliance.observability.dashboards import DASHBOARDS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,10 +13,10 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
-from appliance import agent, state_metrics
+from appliance import agent
 from appliance.agent import metrics as agent_metrics
 from appliance.engine.local import free_port
-from appliance.observability import generate, metric_check, rules, scrape
+from appliance.observability import generate, metric_check, rules, scrape, state_metrics
 from appliance.observability.dashboards import DASHBOARDS
 
 pytestmark = pytest.mark.engine

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance import state_metrics
 from appliance.host import envfile
 from appliance.host.layout import Layout
+from appliance.observability import state_metrics
 
 APPLIANCE = str(Path(sys.executable).with_name("appliance"))
 NOBODY = ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups"]

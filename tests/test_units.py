@@ -1369,7 +1369,7 @@ def test_remove_waits_for_a_container_docker_is_still_auto_removing(
 def test_the_units_state_reaches_the_state_metrics_one_series_per_state():
     from prometheus_client import generate_latest
 
-    from appliance import state_metrics
+    from appliance.observability import state_metrics
 
     show = {"ActiveState": "failed", "SubState": "failed", "Result": "start-limit-hit",
             "NRestarts": "2"}  # fmt: skip

@@ -32,10 +32,10 @@ import pytest
 from plugins.docker_engine import CRASH_AFTER_S, CRASH_EXIT, build_derived
 from plugins.systemd_instance import MTP_IMAGE, SystemdInstance
 
-from appliance import state_metrics
 from appliance.engine_api import specdecode
 from appliance.host.layout import Layout
 from appliance.host.systemd import Systemd
+from appliance.observability import state_metrics
 from appliance.units import timing
 
 pytestmark = [pytest.mark.systemd, pytest.mark.docker, pytest.mark.engine]

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import click
 
-from .. import state_metrics
 from ..cutover import flow, gates, history, live, recovery, report
 from ..cutover import metrics as cutover_metrics
 from ..cutover.context import Context
@@ -22,6 +21,7 @@ from ..errors import UsageError
 from ..host import lock as locks
 from ..host.layout import Layout
 from ..host.systemd import Systemd
+from ..observability import state_metrics
 from ..units import timing
 from .options import SECONDS, gate_options, root_option
 from .output import echo_json

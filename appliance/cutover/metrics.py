@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .. import state_metrics
 from ..canary import baseline as baselines
 from ..errors import ApplianceError
 from ..host import envfile, reach
 from ..host.layout import Layout
+from ..observability import state_metrics
 from ..oci import labels
 from . import history
 

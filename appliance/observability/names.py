@@ -2,7 +2,8 @@
 
 vLLM names come from a real vLLM 0.32 ``/metrics`` page (tests/data/metrics-vllm-0.32-mtp.txt);
 the agent's come from the metric contract (appliance/agent/metrics.py registers them); the
-appliance state metrics from :mod:`appliance.state_metrics`. The tests check each one exists.
+appliance state metrics from :mod:`appliance.observability.state_metrics`. The tests check each one
+exists.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ AGENT_CALLS = Selector("gemma4_agent_calls_total")
 AGENT_DURATION = Selector("gemma4_agent_call_duration_seconds")
 AGENT_ERRORS = Selector("gemma4_agent_errors_total")
 
-# Appliance state (textfile collector; labels as in appliance.state_metrics).
+# Appliance state (textfile collector; labels as in appliance.observability.state_metrics).
 IMAGE_INFO = Selector("gemma4_appliance_image_info")
 CUTOVER_EVENTS = Selector("gemma4_appliance_cutover_events_total")
 LAST_CUTOVER = Selector("gemma4_appliance_last_cutover_timestamp_seconds")

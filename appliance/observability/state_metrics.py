@@ -14,8 +14,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from .errors import UsageError
-from .fsutil import shared_dir, write_atomic
+from ..errors import UsageError
+from ..fsutil import shared_dir, write_atomic
 
 IMAGE_INFO = "gemma4_appliance_image_info"
 CUTOVER_EVENTS = "gemma4_appliance_cutover_events"  # exposed as ..._total
@@ -137,7 +137,7 @@ SHOW_PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts")
 def unit_status(systemd, unit: str) -> UnitStatus:
     """``unit``'s status from ``systemctl show`` through ``systemd`` (an
     :class:`appliance.host.systemd.Systemd`); ``unknown`` when systemctl cannot say."""
-    from .errors import ApplianceError
+    from ..errors import ApplianceError
 
     try:
         return UnitStatus.from_show(systemd.show(unit, *SHOW_PROPERTIES))
