@@ -1,6 +1,9 @@
 """The layers import one way: no cycle between the appliance's packages and modules, none
 between the files of one package, nothing imports the command line, and the host layer (names,
-env files, layout, locks, systemd) below everything that uses it."""
+env files, layout, locks, systemd) below everything that uses it. The package root holds only
+the shared kernels; what serves one thing lives in its folder (docs/architecture.md), and the
+low folders (the image contract, what reads the engine, the acceptance judgements) import only
+what is below them."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "appliance"
 
 
 def _graph() -> dict[str, set[str]]:
-    """First-level part of the package (``cutover``, ``units``, ``apikey``...) -> the parts it
+    """First-level part of the package (``cutover``, ``units``, ``errors``...) -> the parts it
     imports, at any depth and from any place in a file (a function's import counts too)."""
     edges: dict[str, set[str]] = collections.defaultdict(set)
     for path in PACKAGE.rglob("*.py"):
@@ -177,6 +180,47 @@ def test_no_import_cycle_between_the_packages():
 
 def test_the_host_layer_imports_only_the_base_modules():
     assert _graph()["host"] <= {"errors", "fsutil"}
+
+
+# The modules that stay at the package root: no domain of their own, used across the folders.
+KERNELS = {"errors", "fsutil", "records", "progress", "tables", "jsonl", "assets"}
+
+
+def test_the_package_root_holds_only_the_shared_kernels():
+    """A module that serves one thing goes into that thing's folder (issue 55): a new loose
+    module at the root is a decision, made here."""
+    loose = {
+        parts[1]
+        for parts, path in _modules().items()
+        if len(parts) == 2 and path.parent == PACKAGE and path.name != "__init__.py"
+    }
+    assert loose == KERNELS
+
+
+def test_the_kernels_import_only_the_errors():
+    edges = _graph()
+    for kernel in sorted(KERNELS):
+        assert edges[kernel] <= {"errors"}, kernel
+
+
+def test_the_low_folders_import_only_what_is_below_them():
+    """The image contract (``oci``) and what reads the engine (``engine_api``) import no folder
+    above them: the serve program carries parts of both, and the agent imports the engine's
+    readers and installs light (ADR 0020); the acceptance judgements (``judge``) build on the
+    engine's counters only, nothing of the gates that use them."""
+    edges = _graph()
+    assert edges["oci"] <= {"errors"}
+    assert edges["engine_api"] <= {"errors", "oci"}
+    assert edges["judge"] <= {"errors", "engine_api"}
+
+
+def test_the_grouping_folders_init_is_a_docstring_only():
+    """``engine_api``, ``oci``, ``judge``, ``instance`` and ``dev`` only group their files: their
+    ``__init__`` imports nothing (the serve program carries two of them)."""
+    for name in ("engine_api", "oci", "judge", "instance", "dev"):
+        body = ast.parse((PACKAGE / name / "__init__.py").read_text()).body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr), name
+        assert isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)
 
 
 def test_every_import_form_is_seen():
