@@ -76,6 +76,21 @@ def test_escaped_label_values_are_read_by_the_full_parser():
     assert snap.series[('a"b,c}', "0")].drafts == 4.0
 
 
+@pytest.mark.parametrize("name", [",", ",,", ",a", "a,", "=", "}", "a=,b", " , "])
+def test_label_values_with_commas_and_signs_read_as_prometheus_client_reads_them(name):
+    """A value that opens with a comma puts '",' right after its own opening quote (a split on
+    '",' took it for the end of the value before: hypothesis found model_name=",")."""
+    page = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        f'vllm:num_requests_running{{engine="0",model_name="{name}"}} 1.0\n'
+        "# TYPE vllm:spec_decode_num_drafts_total counter\n"
+        f'vllm:spec_decode_num_drafts_total{{model_name="{name}", engine="0",}} 4.0\n'
+    )
+    snap, _ = sd.parse_with(page, TOTALS)
+    assert snap == sd.parse_exposition(page)
+    assert snap.series[(name, "0")].drafts == 4.0
+
+
 @pytest.mark.parametrize(
     "line",
     [

@@ -354,13 +354,18 @@ def _sample(line: str, brace: int, with_labels: bool) -> tuple[float, dict[str, 
             close = line.rindex("}")
             rest = line[close + 1 :]
             inner = line[brace + 1 : close].rstrip(",") if with_labels else ""
-            if inner:
-                # No backslash, so no quote inside a value: '",' only ever ends a value.
-                for part in inner.split('",'):
-                    key, eq, val = part.partition('="')
-                    if not eq:
-                        raise ValueError(part)
-                    labels[key.strip()] = val.removesuffix('"')
+            # No backslash, so no quote inside a value: a value ends at the next quote (a
+            # value may hold '",' itself: model_name="," opens with a quote and a comma).
+            at = 0
+            while at < len(inner):
+                eq = inner.index('="', at)
+                end = inner.index('"', eq + 2)
+                labels[inner[at:eq].strip()] = inner[eq + 2 : end]
+                at = end + 1
+                if at < len(inner):
+                    if inner[at] != ",":
+                        raise ValueError(inner)
+                    at += 1
         return float(rest.split(None, 1)[0]), labels
     except (ValueError, IndexError):
         raise MetricsParseError(f"unparsable /metrics line: {line[:200]!r}") from None
