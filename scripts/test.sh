@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: system packages, .venv, lint, then every tier of pytest.
 # Fast tiers only: scripts/test.sh -m "not engine and not docker and not systemd"
-# With arguments, one pytest runs them. Without, the suite runs as three streams side by side
-# (tests/conftest.py: the booted systemd machines' tests, the fast tier, and the rest), each line
-# of output prefixed with its stream; the run fails if any fails. APPLIANCE_TEST_STREAMS=1: one pytest.
+# With arguments, one pytest runs them. Without, the suite runs as two streams side by side
+# (tests/conftest.py: the booted systemd machines' tests, and the rest), each line of output
+# prefixed with its stream; the run fails if either fails. APPLIANCE_TEST_STREAMS=1: one pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Before any of the run's work: how fast the host runs Python now (runs' times vary with it).
@@ -73,20 +73,16 @@ run_stream() {
 tests_start=$SECONDS
 run_stream machines &
 machines=$!
-run_stream fast &
-fast=$!
 set +e
 run_stream host
 host_rc=$?
 wait "$machines"
 machines_rc=$?
-wait "$fast"
-fast_rc=$?
 set -e
 trap - EXIT
 wait
 cat "$run_dir"/prefetch-*.log
 rm -rf "$run_dir"
 took() { echo "$(( $1 / 60 )) min $(( $1 % 60 )) s"; }
-echo "streams: host exit ${host_rc}, machines exit ${machines_rc}, fast exit ${fast_rc}; setup and lint $(took "$tests_start"), tests $(took $((SECONDS - tests_start))), whole run $(took "$SECONDS"); ${host_speed}"
-[ "$host_rc" = 0 ] && [ "$machines_rc" = 0 ] && [ "$fast_rc" = 0 ]
+echo "streams: host exit ${host_rc}, machines exit ${machines_rc}; setup and lint $(took "$tests_start"), tests $(took $((SECONDS - tests_start))), whole run $(took "$SECONDS"); ${host_speed}"
+[ "$host_rc" = 0 ] && [ "$machines_rc" = 0 ]

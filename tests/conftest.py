@@ -166,35 +166,30 @@ def api_key_engine() -> Iterator[local.LocalEngine]:
     yield from _engines.serve("api_key_engine")
 
 
-# Three streams (scripts/test.sh runs them at once, one pytest each: `--stream machines`,
-# `--stream host`, `--stream fast`). Each process has its own session fixtures, so a fixture must
-# live in ONE stream or it starts twice: the booted systemd machines (the shared instance, the
-# one-host multi-node pair) in one; the session's local engines, the Docker tier and the fleet's
-# two hosts (with the group across them) in another; the fast tier, which starts no engine and no
-# machine, in the third. Run in the host stream before its engines, the fast tier's 4-5 CPU-bound
-# minutes delayed the fleet's start; beside them, it fills the CPU the other two leave idle while
-# they wait on starts, stops and gates. The soak and the tests that start engines of their own run
-# early in the host stream (in the machines stream they made it the longer one). The fleet runs
-# last in its stream: with it in the machines stream beside the one-host pair and the session's
-# engines (ci13, ci14) its tier took 11-14 minutes instead of 8.6, and the whole run longer.
-STREAMS = ("host", "machines", "fast")
+# Two streams (scripts/test.sh runs both at once, one pytest each: `--stream machines`, `--stream
+# host`). Each process has its own session fixtures, so a fixture must live in ONE stream or it
+# starts twice: the booted systemd machines (the shared instance, the one-host multi-node pair)
+# in one; the session's local engines, the Docker tier and the fleet's two hosts (with the group
+# across them) in the other. The soak and the tests that start engines of their own only go with
+# the machines, early, so that both take about as long. The fleet runs last and mostly alone:
+# with it in the machines stream beside the one-host pair and the session's engines (ci13, ci14)
+# its tier took 11-14 minutes instead of 8.6, and the whole run longer.
+STREAMS = ("machines", "host")
 
 
 def stream(item: pytest.Item) -> str:
-    """The stream of a test: ``machines`` for systemd tests except the fleet's, ``fast`` for the
-    fast tier, else ``host``."""
+    """The stream of a test: ``machines`` for systemd tests except the fleet's, for the soak tier
+    and for tests with engines of their own only, else ``host``."""
     kw = item.keywords
-    if "systemd" in kw and "fleet" not in kw:
-        return "machines"
-    return "fast" if tier(kw) == "fast" else "host"
+    alone = "soak" in kw or "own_engines" in kw
+    return "machines" if ("systemd" in kw and "fleet" not in kw) or alone else "host"
 
 
 def stream_ports(name: str, whole: tuple[int, int]) -> tuple[int, int]:
-    """The share of the engines' port range ``whole`` that stream ``name`` picks ports from."""
+    """The half of the engines' port range ``whole`` that stream ``name`` picks ports from."""
     low, high = whole
-    step = (high - low) // len(STREAMS)
-    at = STREAMS.index(name)
-    return (low + at * step, high if at == len(STREAMS) - 1 else low + (at + 1) * step)
+    mid = (low + high) // 2
+    return (low, mid) if name == STREAMS[1] else (mid, high)
 
 
 def pytest_configure(config) -> None:
@@ -226,7 +221,7 @@ def pytest_addoption(parser) -> None:
     parser.addoption(
         "--stream",
         choices=STREAMS,
-        help="run only this stream's tests (scripts/test.sh runs the three side by side)",
+        help="run only this stream's tests (scripts/test.sh runs the two side by side)",
     )
 
 
