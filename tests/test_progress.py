@@ -122,6 +122,15 @@ def test_the_cli_error_line_is_an_error_in_the_journal_and_plain_elsewhere(tmp_p
     assert code == 2 and text.startswith("Error: "), text
 
 
+def test_a_cli_warning_line_is_a_warning_in_the_journal(tmp_path):
+    """An old spelling's warning, then the command's refusal: each at its priority (E11)."""
+    args = ["doctor", "--url", "http://me:s3cret@127.0.0.1:8000"]
+    code, text = _appliance(args, tmp_path / "journal", journal=True)
+    warning, error = text.splitlines()
+    assert code == 2 and warning.startswith("<4>warning: `appliance doctor` is now "), text
+    assert error.startswith("<3>Error: "), text
+
+
 def test_the_serve_programs_refusal_is_an_error_in_the_journal(tmp_path, monkeypatch):
     """E11: the unit's exit-78 reason was logged at info, invisible to ``journalctl -p err``.
     Here the instance has no args file (never installed under this root)."""
