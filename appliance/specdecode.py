@@ -353,14 +353,23 @@ def _sample(line: str, brace: int, with_labels: bool) -> tuple[float, dict[str, 
         else:
             close = line.rindex("}")
             rest = line[close + 1 :]
-            inner = line[brace + 1 : close].rstrip(",") if with_labels else ""
-            if inner:
-                # No backslash, so no quote inside a value: '",' only ever ends a value.
-                for part in inner.split('",'):
-                    key, eq, val = part.partition('="')
-                    if not eq:
-                        raise ValueError(part)
-                    labels[key.strip()] = val.removesuffix('"')
+            inner = line[brace + 1 : close] if with_labels else ""
+            # No backslash, so no quote inside a value: a value ends at the next quote (a
+            # comma may be anywhere in it, its first character too).
+            at, end = 0, len(inner)
+            while at < end:
+                eq = inner.index('="', at)
+                stop = inner.index('"', eq + 2)
+                labels[inner[at:eq].strip()] = inner[eq + 2 : stop]
+                at = stop + 1
+                while at < end and inner[at] == " ":
+                    at += 1
+                if at < end:
+                    if inner[at] != ",":
+                        raise ValueError(inner)
+                    at += 1
+                    if not inner[at:].strip():  # a trailing comma
+                        break
         return float(rest.split(None, 1)[0]), labels
     except (ValueError, IndexError):
         raise MetricsParseError(f"unparsable /metrics line: {line[:200]!r}") from None

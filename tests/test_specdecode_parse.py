@@ -76,6 +76,21 @@ def test_escaped_label_values_are_read_by_the_full_parser():
     assert snap.series[('a"b,c}', "0")].drafts == 4.0
 
 
+@pytest.mark.parametrize("name", [",", ",,", ", x", "a,b", "x,"])
+def test_a_label_value_with_a_comma_anywhere_is_read(name):
+    """Hypothesis found model_name="," unparsable: splitting the labels on '",' took the
+    value's opening quote and its comma for the end of a value."""
+    page = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        f'vllm:num_requests_running{{engine="0",model_name="{name}"}} 0.0\n'
+        "# TYPE vllm:spec_decode_num_drafts_total counter\n"
+        f'vllm:spec_decode_num_drafts_total{{model_name="{name}", engine="1"}} 4.0\n'
+    )
+    snap, _ = sd.parse_with(page, TOTALS)
+    assert snap == sd.parse_exposition(page)
+    assert snap.series[(name, "1")].drafts == 4.0
+
+
 @pytest.mark.parametrize(
     "line",
     [
