@@ -592,18 +592,18 @@ class Call(Reader):
             span.end(end_time=self.ended_ns)
         outcome = "ok" if error is None else "rejected" if spans.rejected(error) else "error"
         m = self.settings.metrics
-        labels = {"role": self.role, "model": model or ""}
-        m.calls.labels(**labels, source=fig.source, outcome=outcome).inc()
-        m.duration.labels(**labels).observe(duration)
+        m.count(self.role, model or "", fig.source, outcome)
+        c = m.of(self.role, model or "")
+        c.duration.observe(duration)
         if fig.exact and error is None:
             if fig.acceptance is not None:
-                m.acceptance.labels(**labels).observe(fig.acceptance)
+                c.acceptance.observe(fig.acceptance)
             if fig.tokens_per_step is not None:
-                m.tokens_per_step.labels(**labels).observe(fig.tokens_per_step)
+                c.tokens_per_step.observe(fig.tokens_per_step)
             if fig.draft_tokens is not None:
-                m.draft_tokens.labels(**labels).inc(fig.draft_tokens)
+                c.draft_tokens.inc(fig.draft_tokens)
             if fig.accepted is not None:
-                m.accepted.labels(**labels).inc(fig.accepted)
+                c.accepted.inc(fig.accepted)
         self._record_otel(fig, error, duration)
         if self.settings.on_call is not None:
             record = CallRecord(
