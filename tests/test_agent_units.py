@@ -517,6 +517,37 @@ def test_a_leak_makes_two_calls_shared_and_the_next_after_read_certifies_both():
     assert not srv.certify(r2, r3)
 
 
+def test_certify_finds_its_own_calls_newest_first_and_stops_at_the_older_ones():
+    """certify reads the ended calls newest first and stops at the first one Server.end closed
+    before the before-reading's clean_from (on its own clock, as the agent's calls run): 300
+    calls before it are not looked at, and an own call that ended first but was closed last is
+    still one of the own calls."""
+    srv = Server("http://127.0.0.1:9/metrics/")
+
+    def rec(tokens, finished):
+        at = time.monotonic()
+        return srv.record(metrics_reader.parse(200, _seq(CAPTURE, tokens, finished).encode()), at)
+
+    for _ in range(300):
+        w = srv.begin()
+        w.sent = w.finished = time.monotonic()
+        w.tokens = 7
+        srv.end(w)
+    before = rec(64, 1)
+    first, second = srv.begin(), srv.begin()
+    first.sent = second.sent = time.monotonic()
+    first.finished, first.tokens = time.monotonic(), 11
+    second.finished, second.tokens = time.monotonic(), 5
+    srv.end(second)
+    srv.end(first)  # closed after the call that ended after it
+    assert srv.certify(before, rec(64 + 16, 3))
+    assert not srv.certify(before, rec(64 + 15, 3))  # first's tokens missing: no certificate
+    third = srv.begin()
+    third.sent = third.finished = time.monotonic()  # usage unknown (cancelled)
+    srv.end(third)
+    assert not srv.certify(before, rec(64 + 16, 4))
+
+
 def test_after_foreign_traffic_a_call_waits_for_the_pending_read_now_and_then():
     srv = Server("http://127.0.0.1:9/metrics/")
     srv.record(metrics_reader.parse(200, CAPTURE.encode()), sent=0.0)

@@ -414,6 +414,9 @@ ELSEWHERE = {
     "models import": _MODELS_JSON,
     "models export": _MODELS_JSON,
     "canary record": "test_canary_engine.py::test_cli_record_and_compare_end_to_end",
+    "fleet scrape-config": (
+        "test_fleet_soak.py::test_scrape_config_json_says_whether_the_config_changed"
+    ),
     # No test drives these through the CLI with --json; they print through the same
     # cli/output.echo_json, which refuses anything but one object.
     "bench sweep": None,

@@ -263,3 +263,39 @@ def test_the_install_task_is_changed_by_what_installs_json_says(tmp_path):
     assert refused.returncode != 0
     assert "Error: unknown profile 'nosuch'" in refused.stdout, refused.stdout[-3000:]
     assert "from_json" not in refused.stdout and "conditional" not in refused.stdout
+
+
+# --- the agent's config, changed or not by scrape-config's --json --------------------------------
+
+CONFIG_TASK = "Write the agent's config (its loopback jobs, label host, remote_write; 0600)"
+AGENT_CONFIG = "/etc/gemma4-prometheus-agent/prometheus.yml"
+
+
+def test_the_agent_config_task_is_changed_by_what_scrape_configs_json_says(tmp_path):
+    """The role read `changed` from a grep of `wrote ` in `appliance fleet scrape-config`'s text
+    (ecosystem review E15); now from its --json, as the install task. The role's own task, its
+    --out moved from /etc into the test's folder: a first write is a change, the same config
+    again is none, and a refusal fails the task with the appliance's own line."""
+    task = _named(_tasks("monitoring.yml"), CONFIG_TASK)
+    argv = task["ansible.builtin.command"]["argv"]
+    assert "'--json'" in argv and f"'{AGENT_CONFIG}'" in argv
+    out = tmp_path / "agent/prometheus.yml"
+    out.parent.mkdir()
+    command = {**task["ansible.builtin.command"], "argv": argv.replace(AGENT_CONFIG, str(out))}
+    task = {**task, "ansible.builtin.command": command}
+    given = {
+        "appliance_path": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "monitoring_remote_write_url": "http://10.0.0.5:9090/api/v1/write",
+        "appliance_state_port": 9100,
+        "monitoring_scrape_interval": "15s",
+        "monitoring_scrape_auth_argv": [],
+    }
+    first = _play(tmp_path, task, given)
+    assert first.returncode == 0 and _changed(first) == 1, first.stdout[-3000:]
+    assert 'host: "localhost"' in out.read_text()
+    again = _play(tmp_path, task, given)
+    assert again.returncode == 0 and _changed(again) == 0, again.stdout[-3000:]
+    refused = _play(tmp_path, task, {**given, "monitoring_scrape_interval": "15"})
+    assert refused.returncode != 0
+    assert "is not a Prometheus duration" in refused.stdout, refused.stdout[-3000:]
+    assert "from_json" not in refused.stdout and "conditional" not in refused.stdout

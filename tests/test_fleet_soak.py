@@ -375,6 +375,23 @@ def test_scrape_config_is_an_agent_config_promtool_accepts(tmp_path, cli_run):
     assert statics == ["127.0.0.1:9464", "127.0.0.1:9200"]
 
 
+def test_scrape_config_json_says_whether_the_config_changed(tmp_path, cli_run):
+    """The fleet role's `changed` (ecosystem review E15): install's shape, not a grep of
+    `wrote `; the mode is compared too (a config left 0644 is rewritten 0600)."""
+    out = tmp_path / "prometheus.yml"
+    argv = ["fleet", "scrape-config", "--host", "l4-01", "--remote-write",
+            "http://10.0.0.5:9090/api/v1/write", "--out", str(out), "--json"]  # fmt: skip
+    first = json.loads(cli_run(argv).stdout)
+    assert first == {"written": [str(out)], "unchanged": [], "changed": True}
+    again = json.loads(cli_run(argv).stdout)
+    assert again == {"written": [], "unchanged": [str(out)], "changed": False}
+    out.chmod(0o644)
+    assert json.loads(cli_run(argv).stdout)["changed"] is True
+    assert out.stat().st_mode & 0o777 == 0o600
+    res = cli_run(argv[:-3] + ["--json"], code=2)  # stdout would be the config itself
+    assert res.stderr == "Error: --json goes with --out (add --out FILE)\n"
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [

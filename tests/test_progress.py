@@ -5,14 +5,17 @@ journal priority when stderr is the journal's stream."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from plugins.http_servers import Route
 
 from appliance import progress
+from appliance.host.layout import Layout
 
 
 class Terminal(io.StringIO):
@@ -119,6 +122,15 @@ def test_the_cli_error_line_is_an_error_in_the_journal_and_plain_elsewhere(tmp_p
     assert code == 2 and text.startswith("Error: "), text
 
 
+def test_a_cli_warning_line_is_a_warning_in_the_journal(tmp_path):
+    """An old spelling's warning, then the command's refusal: each at its priority (E11)."""
+    args = ["doctor", "--url", "http://me:s3cret@127.0.0.1:8000"]
+    code, text = _appliance(args, tmp_path / "journal", journal=True)
+    warning, error = text.splitlines()
+    assert code == 2 and warning.startswith("<4>warning: `appliance doctor` is now "), text
+    assert error.startswith("<3>Error: "), text
+
+
 def test_the_serve_programs_refusal_is_an_error_in_the_journal(tmp_path, monkeypatch):
     """E11: the unit's exit-78 reason was logged at info, invisible to ``journalctl -p err``.
     Here the instance has no args file (never installed under this root)."""
@@ -134,3 +146,91 @@ def test_the_serve_programs_refusal_is_an_error_in_the_journal(tmp_path, monkeyp
     lines = path.read_text().splitlines()
     assert code == 78
     assert len(lines) == 1 and lines[0].startswith("<3>gemma4-vllm@31b: "), lines
+
+
+# --- the top level's -q and -v (ecosystem review E10) ---------------------------------------------
+
+
+def test_the_state_timers_run_prints_nothing_when_it_writes(tmp_path, cli_run):
+    """gemma4-appliance-state.timer runs `status --write-metrics -q` every minute: a `wrote` line
+    on each success was 1440 journal lines a day. The top level's -q is the same flag, and
+    without either the write is said."""
+    root = str(tmp_path)
+    cli_run(["instance", "install", "a1", "-p", "cpu-tiny-mtp", "--root", root])
+    textfile = Layout(tmp_path).metrics_textfile()
+    for argv in (
+        ["status", "--write-metrics", "-q", "--root", root],  # the unit's ExecStart
+        ["status", "--write-metrics", "--quiet", "--root", root],
+        ["-q", "status", "--write-metrics", "--root", root],
+    ):
+        textfile.unlink(missing_ok=True)
+        res = cli_run(argv)
+        assert (res.stdout, res.stderr) == ("", ""), argv
+        assert 'instance="a1"' in textfile.read_text()
+    said = cli_run(["status", "--write-metrics", "--root", root], code=None)
+    assert f"wrote {textfile}\n" in said.stdout
+
+
+def test_the_timers_run_still_says_a_warning_on_stderr(tmp_path, cli_run):
+    root = str(tmp_path)
+    cli_run(["instance", "install", "a1", "-p", "cpu-tiny-mtp", "--root", root])
+    with Layout(tmp_path).env_file("a1").open("a") as f:
+        f.write('EXTRA="a\\b"\n')  # systemd reads it; the appliance refuses it
+    res = cli_run(["-q", "status", "--write-metrics", "--root", root])
+    assert res.stdout == ""
+    [warning] = res.stderr.splitlines()
+    assert warning.startswith("warning: a1: marked "), warning
+
+
+def test_status_q_alone_is_the_report_without_chatter(tmp_path, cli_run):
+    """-q means results and errors only, wherever it is given: the report is status's result."""
+    root = str(tmp_path)
+    cli_run(["instance", "install", "a1", "-p", "cpu-tiny-mtp", "--root", root])
+    plain = cli_run(["status", "--root", root], code=None)
+    for argv in (["status", "-q", "--root", root], ["-q", "status", "--root", root]):
+        res = cli_run(argv, code=None)
+        assert (res.exit_code, res.stdout) == (plain.exit_code, plain.stdout), argv
+
+
+def _doctor_lines(res) -> dict[str, str]:
+    return {ln.split(":", 1)[0].split()[1]: ln for ln in res.stdout.splitlines()[:-1]}
+
+
+def test_doctor_shows_a_passed_checks_evidence_only_with_v(routed_http_server, cli_run):
+    """A warning's and a failure's evidence always (the why); a passed check's only with -v,
+    and all of it in --json either way."""
+    url = routed_http_server(
+        {
+            "/health": Route(200, b""),
+            "/version": Route(200, b'{"version": "0.32.0"}'),
+            "/v1/models": Route(200, b'{"data": [{"id": "m", "max_model_len": 8}]}'),
+        }
+    )
+    argv = ["instance", "doctor", "--url", url, "--no-generate"]
+    plain = _doctor_lines(cli_run(argv, code=None))
+    verbose = _doctor_lines(cli_run(["-v", *argv], code=None))
+    assert plain.keys() == verbose.keys()
+    reachable = plain["engine.reachable"]
+    assert reachable.startswith("OK ") and "[" not in reachable, reachable
+    assert verbose["engine.reachable"] == f"{reachable} [url={url}]"
+    failed = [name for name, ln in plain.items() if not ln.startswith("OK ")]
+    assert failed, plain  # /metrics is not served: the MTP checks do not pass
+    for name in failed:
+        assert plain[name] == verbose[name], name
+    as_json = json.loads(cli_run([*argv, "--json"], code=None).stdout)
+    ok = next(c for c in as_json["checks"] if c["name"] == "engine.reachable")
+    assert ok["evidence"]["url"] == url
+
+
+def test_q_and_v_together_are_refused(cli_run):
+    res = cli_run(["-q", "-v", "profiles", "list"], code=2)
+    assert res.stderr == "Error: -q and -v together (give one of them)\n"
+
+
+def test_a_commands_verbosity_ends_with_it(tmp_path, cli_run):
+    """The tests' CliRunner and any caller running several commands in one process: each starts
+    from its own flags, and the process's verbosity is put back."""
+    cli_run(["-q", "status", "--root", str(tmp_path)], code=None)
+    assert progress.verbosity() == progress.NORMAL
+    cli_run(["-v", "status", "--root", str(tmp_path)], code=None)
+    assert progress.verbosity() == progress.NORMAL

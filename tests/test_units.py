@@ -1472,10 +1472,3 @@ def test_the_state_units_stay_until_the_last_instance_goes(tmp_path):
     assert run("instance", "uninstall", "b", "--root", str(tmp_path)).exit_code == 0
     assert not any((unit_dir / u).exists() for u in STATE_UNITS)
     assert not os.path.lexists(wants / STATE_UNITS[1])
-
-
-def test_status_quiet_goes_with_write_metrics(tmp_path):
-    result = run("status", "--quiet", "--root", str(tmp_path))
-    assert result.exit_code == 2, result.output
-    assert "--quiet goes with --write-metrics" in result.output
-    assert len(result.output.strip().splitlines()) == 1

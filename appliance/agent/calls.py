@@ -287,13 +287,18 @@ class Call(Reader):
         self._later = (ctx, name, op, attrs, time.time_ns())
         return trace.NonRecordingSpan(sc)
 
-    def _started(self) -> trace.Span | None:
+    def _started(self, more: dict[str, Any] | None = None) -> trace.Span | None:
         """On the agent's thread: the SDK span of a call whose start was deferred, with the
-        ids its placeholder gave out (the tracer's :class:`PresetIds`)."""
+        ids its placeholder gave out (the tracer's :class:`PresetIds`), started with the
+        request's attributes and ``more`` (the end's: one start with every attribute costs
+        the SDK one attribute set, not a second pass through ``set_attributes``)."""
         if self._later is None:
             return self.span
         ctx, name, op, attrs, start_ns = self._later
         self._later = None
+        attributes = attrs if attrs is not None else self._request_attributes(op)
+        if more:
+            attributes = {**attributes, **more}
         placeholder = self.span.get_span_context()
         _preset.ids = (placeholder.trace_id, placeholder.span_id)
         try:
@@ -301,7 +306,7 @@ class Call(Reader):
                 name,
                 context=ctx,
                 kind=SpanKind.CLIENT,
-                attributes=attrs if attrs is not None else self._request_attributes(op),
+                attributes=attributes,
                 start_time=start_ns,
             )
         finally:
@@ -576,40 +581,30 @@ class Call(Reader):
         self.read_rest()
         duration = self.ended - self.started
         model = self.response_model or self.model
-        span = self._started()
+        if self._later is not None:  # the deferred start: with every attribute at once
+            span = self._started(self._end_attributes(fig))
+        else:
+            span = self.span
+            if span is not None:
+                span.set_attributes(self._end_attributes(fig))
         if span is not None:
-            attrs: dict[str, Any] = dict(spans.figures_attributes(fig))
-            for key, value in (
-                (spans.GEN_AI_RESPONSE_MODEL, self.response_model),
-                (spans.GEN_AI_RESPONSE_ID, self.response_id),
-                (spans.GEN_AI_USAGE_INPUT_TOKENS, self.input_tokens),
-                (spans.GEN_AI_USAGE_OUTPUT_TOKENS, self.output_tokens),
-                (spans.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, self.ttfc),
-            ):
-                if value is not None:
-                    attrs[key] = value
-            if self.finish_reasons:
-                attrs[spans.GEN_AI_RESPONSE_FINISH_REASONS] = list(self.finish_reasons)
-            if self.settings.config.capture_content and self.content:
-                attrs[spans.GEN_AI_OUTPUT_MESSAGES] = json.dumps(["".join(self.content)])
-            span.set_attributes(attrs)
             if error is not None:
                 spans.set_error(span, error, self.settings.config.capture_content)
             span.end(end_time=self.ended_ns)
         outcome = "ok" if error is None else "rejected" if spans.rejected(error) else "error"
         m = self.settings.metrics
-        labels = {"role": self.role, "model": model or ""}
-        m.calls.labels(**labels, source=fig.source, outcome=outcome).inc()
-        m.duration.labels(**labels).observe(duration)
+        m.count(self.role, model or "", fig.source, outcome)
+        c = m.of(self.role, model or "")
+        c.duration.observe(duration)
         if fig.exact and error is None:
             if fig.acceptance is not None:
-                m.acceptance.labels(**labels).observe(fig.acceptance)
+                c.acceptance.observe(fig.acceptance)
             if fig.tokens_per_step is not None:
-                m.tokens_per_step.labels(**labels).observe(fig.tokens_per_step)
+                c.tokens_per_step.observe(fig.tokens_per_step)
             if fig.draft_tokens is not None:
-                m.draft_tokens.labels(**labels).inc(fig.draft_tokens)
+                c.draft_tokens.inc(fig.draft_tokens)
             if fig.accepted is not None:
-                m.accepted.labels(**labels).inc(fig.accepted)
+                c.accepted.inc(fig.accepted)
         self._record_otel(fig, error, duration)
         if self.settings.on_call is not None:
             record = CallRecord(
@@ -632,6 +627,24 @@ class Call(Reader):
                 self.settings.on_call(record)
             except Exception:  # noqa: BLE001 - telemetry never raises into the call
                 m.error("on_call")
+
+    def _end_attributes(self, fig: Figures) -> dict[str, Any]:
+        """The span's attributes known at the call's end: the figures and the response's."""
+        attrs: dict[str, Any] = spans.figures_attributes(fig)
+        for key, value in (
+            (spans.GEN_AI_RESPONSE_MODEL, self.response_model),
+            (spans.GEN_AI_RESPONSE_ID, self.response_id),
+            (spans.GEN_AI_USAGE_INPUT_TOKENS, self.input_tokens),
+            (spans.GEN_AI_USAGE_OUTPUT_TOKENS, self.output_tokens),
+            (spans.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, self.ttfc),
+        ):
+            if value is not None:
+                attrs[key] = value
+        if self.finish_reasons:
+            attrs[spans.GEN_AI_RESPONSE_FINISH_REASONS] = list(self.finish_reasons)
+        if self.settings.config.capture_content and self.content:
+            attrs[spans.GEN_AI_OUTPUT_MESSAGES] = json.dumps(["".join(self.content)])
+        return attrs
 
     def _record_otel(self, fig: Figures, error: BaseException | None, duration: float) -> None:
         """The same figures through the meter API (:class:`.metrics.OTelMetrics`), with the

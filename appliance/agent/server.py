@@ -46,6 +46,7 @@ class Window:
     quiet_before: bool = False  # no usage to prove with: wait for a pending after-read
     ended: bool = False
     tokens: int | None = None  # the call's usage.completion_tokens; None: unknown
+    closed: float = 0.0  # when Server.end took it (monotonic): the order of Server._ended
 
 
 # After foreign traffic broke the chain, a call waits for the pending after-read (to start from
@@ -108,6 +109,7 @@ class Server:
                 w.ended = True
                 self._active.discard(w)
                 if w.sent:
+                    w.closed = time.monotonic()  # under the lock: _ended is in this order
                     self._ended.append(w)
                     self._last_end = max(self._last_end, w.finished)
 
@@ -291,9 +293,15 @@ class Server:
         if b is None or a is None:
             return False
         with self._lock:
-            own = [
-                w for w in self._ended if before.clean_from < w.sent and w.finished <= after.sent
-            ]
+            own = []
+            # Newest first, and no further than the first call closed before ``before``'s
+            # clean_from: it, and every call closed before it, went out before that (a call is
+            # sent before it is closed), so none is an own call. Usually two windows, not 256.
+            for w in reversed(self._ended):
+                if w.closed <= before.clean_from:
+                    break
+                if before.clean_from < w.sent and w.finished <= after.sent:
+                    own.append(w)
             if not own or any(w.tokens is None for w in own):
                 return False  # an own call of unknown usage (failed, cancelled) may hold tokens
             if a - b != sum(w.tokens for w in own):

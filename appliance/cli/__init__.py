@@ -8,13 +8,14 @@ bug and keeps its traceback.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
 import click
 
 from .. import __version__, progress
-from ..errors import ApplianceError
+from ..errors import ApplianceError, UsageError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -89,12 +90,30 @@ def os_error_line(exc: OSError) -> str:
     "-q",
     "--quiet",
     is_flag=True,
-    help="No progress bars or lines on long work (image save/load, models pull): results and "
-    "errors only.",
+    help="Results and errors only: no progress bars or lines on long work (image save/load, "
+    "models pull), nothing on success from a command run for its side effect (status "
+    "--write-metrics).",
 )
-def cli(quiet: bool) -> None:
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Also the evidence behind each verdict (instance doctor's passed checks) and the "
+    "debug lines.",
+)
+@click.pass_context
+def cli(ctx: click.Context, quiet: bool, verbose: bool) -> None:
     """Serve Gemma 4 on vLLM with Gemma 4 MTP speculative decoding."""
-    progress.set_verbosity(progress.QUIET if quiet else progress.NORMAL)
+    if quiet and verbose:
+        raise UsageError("-q and -v together", fix="give one of them")
+    # The one store of the verbosity: the library's progress lines and the commands read it,
+    # and a command's own -q (options.quiet_option) sets it the same way. Put back when the
+    # command ends, so that a caller running several commands in one process (the tests'
+    # CliRunner) starts each from its own flags.
+    ctx.call_on_close(functools.partial(progress.set_verbosity, progress.verbosity()))
+    progress.set_verbosity(
+        progress.QUIET if quiet else progress.VERBOSE if verbose else progress.NORMAL
+    )
 
 
 def main() -> None:

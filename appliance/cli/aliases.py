@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import click
+from .. import progress
 
 # The release that removes every old spelling below: they ran for one release (0.1.x).
 NEXT = "0.2.0"
@@ -165,9 +165,9 @@ def current(args: list[str], *, warn: bool = True) -> list[str]:
     entry, new_args, old, new = found
     new_args = [*args[:lead], *new_args]
     if warn and entry.removed_in:
-        click.echo(
+        progress.line(
             f"warning: `appliance {old}` is now `appliance {new}` "
             f"(the old spelling goes in {entry.removed_in})",
-            err=True,
+            "warning",
         )
     return new_args

@@ -7,7 +7,7 @@ import functools
 
 import click
 
-from .. import reports
+from .. import progress, reports
 from ..bench import concurrency as concurrency_lib
 from ..bench import prompts, report, runner, sweep
 from ..engine.devmodel import DRAFTER_KINDS
@@ -114,7 +114,9 @@ def _checked(s: dict) -> dict:
     """The settings with the config built: every input validated before a server is touched
     (bad input costs nothing and writes nothing; OutputPath checked the outputs already)."""
     if s["old_out"] is not None:
-        click.echo(f"warning: --json-output is deprecated: write --out {s['old_out']}", err=True)
+        progress.line(
+            f"warning: --json-output is deprecated: write --out {s['old_out']}", "warning"
+        )
         s["out"] = s["out"] or s["old_out"]
     sets = [x.strip() for x in s["sets"].split(",") if x.strip()]
     s["config"] = runner.BenchConfig(

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import click
 
+from .. import progress
 from ..cutover import flow, gates, history, live, recovery, report
 from ..cutover import metrics as cutover_metrics
 from ..cutover.context import Context
 from ..cutover.status import status as get_status
-from ..errors import UsageError
 from ..host import lock as locks
 from ..host.layout import Layout
 from ..host.systemd import Systemd
 from ..observability import state_metrics
 from ..units import timing
-from .options import SECONDS, gate_options, root_option
+from .options import SECONDS, gate_options, quiet_option, root_option
 from .output import echo_json
 
 
@@ -234,21 +234,16 @@ def rollback_line(name: str, entry: history.Entry) -> str:
     is_flag=True,
     help="Also rewrite the state-metrics textfile (units' states included); for a timer.",
 )
-@click.option(
-    "--quiet",
-    "-q",
-    is_flag=True,
-    help="With --write-metrics: print only the file written (gemma4-appliance-state.service).",
-)
+@quiet_option
 @click.option("--json", "json_", is_flag=True, help='One JSON object: {"instances": [...]}.')
 @root_option
-def status(name: str | None, write_metrics: bool, quiet: bool, json_: bool, root: Path) -> None:
+def status(name: str | None, write_metrics: bool, json_: bool, root: Path) -> None:
     """Image, labels, unit state, health, MTP and recent history of NAME (or of all).
 
     Exits 1 when an instance shown is not serving (a unit not active, /health not answering,
-    its files unreadable)."""
-    if quiet and not write_metrics:
-        raise UsageError("--quiet goes with --write-metrics", fix="drop --quiet")
+    its files unreadable). With --write-metrics and -q (what gemma4-appliance-state.timer runs
+    every minute): the textfile alone, and nothing printed unless something is wrong."""
+    quiet = progress.verbosity() <= progress.QUIET
     layout = Layout(root)
     if name:
         layout.require_known(name)
@@ -260,13 +255,14 @@ def status(name: str | None, write_metrics: bool, quiet: bool, json_: bool, root
         # Cutovers write it too; between them only this refresh shows a unit that gave up.
         found = cutover_metrics.states(layout, cutover_metrics.local_docker(root), ctx.systemd)
         written = cutover_metrics.write_states(layout, found)
-        click.echo(f"wrote {written}", err=json_)  # with --json, stdout is the one object
+        if not quiet:  # the timer's run: a line a minute would fill the journal (E10)
+            click.echo(f"wrote {written}", err=json_)  # with --json, stdout is the one object
         for st in found:
             if st.env_error:
-                click.echo(
+                progress.line(
                     f"warning: {st.instance}: marked {state_metrics.ENV_FILE_READABLE} 0: "
                     f"{st.env_error}",
-                    err=True,
+                    "warning",
                 )
         if quiet:
             return

@@ -7,6 +7,7 @@ import sys
 import click
 
 from .. import doctor as lib
+from .. import progress
 from ..instance.endpoint import Endpoint
 from .options import endpoint_options
 from .output import echo_json
@@ -46,5 +47,5 @@ def doctor(endpoint: Endpoint, no_generate: bool, as_json: bool) -> None:
     if as_json:
         echo_json(report.to_dict())
     else:
-        click.echo(report.text())
+        click.echo(report.text(evidence=progress.verbosity() >= progress.VERBOSE))
     sys.exit(0 if report.ok else 1)

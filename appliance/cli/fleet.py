@@ -220,12 +220,20 @@ _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")  # Prometheus' duration s
     default=None,
     help="The config to write (default: stdout), 0600; says `wrote` or `unchanged`.",
 )
+@click.option(
+    "--json",
+    "json_",
+    is_flag=True,
+    help='With --out: one JSON object, {"written": [...], "unchanged": [...], "changed": ...} '
+    "(what the fleet role reads).",
+)
 def scrape_config(
     host: str,
     remote_write: str,
     state_port: int,
     scrape_interval: str,
     out: Path | None,
+    json_: bool,
     **auth: str | None,
 ) -> None:
     """This host's Prometheus agent config: its loopback engines and state, labelled --host,
@@ -236,6 +244,8 @@ def scrape_config(
     must be; the Ansible role lays them there (0600) and hands them to the agent's unit."""
     if not _DURATION.match(scrape_interval):
         raise UsageError(f"--scrape-interval {scrape_interval!r} is not a Prometheus duration")
+    if json_ and out is None:  # stdout is the config itself
+        raise UsageError("--json goes with --out", fix="add --out FILE")
     targets = scrape.ScrapeTargets(
         engine_files=scrape.AGENT_TARGETS.engine_files,
         state=(f"127.0.0.1:{state_port}",),
@@ -262,4 +272,8 @@ def scrape_config(
         # Root's alone: it names the credential files; the agent's unit gets it through
         # LoadCredential= (deploy/ansible's gemma4-prometheus-agent.service).
         write_atomic(out, text, mode=0o600)
+    if json_:  # the shape of instance install's --json
+        done = {"written": [], "unchanged": [out]} if same else {"written": [out], "unchanged": []}
+        echo_json({**done, "changed": not same})
+        return
     click.echo(f"{'unchanged' if same else 'wrote'} {out}")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from .. import progress
 from ..bench import prompts
 from ..errors import UsageError
 from ..fsutil import check_target
@@ -25,6 +26,23 @@ root_option = click.option(
     show_default=True,
     envvar="APPLIANCE_ROOT",
     help="Prefix of the host's /etc and /var/lib (an image being built, a test tree).",
+)
+
+
+def _quiet(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        progress.set_verbosity(progress.QUIET)
+
+
+# A command's own -q is the top level's (`appliance -q status` = `appliance status -q`): it sets
+# the one verbosity (progress.py) that the command and the library read, never a flag of its own.
+quiet_option = click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    expose_value=False,
+    callback=_quiet,
+    help="The same as `appliance -q`: results and errors only.",
 )
 
 

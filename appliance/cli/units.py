@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .. import hostcheck, units
+from .. import hostcheck, progress, units
 from ..cutover import metrics as cutover_metrics
 from ..errors import UsageError
 from ..host.layout import Layout, Node
@@ -77,7 +77,7 @@ def _report(result: units.WriteResult, json_: bool = False, **more) -> None:
     way."""
     if json_:
         for warning in result.warnings:
-            click.echo(f"warning: {warning}", err=True)
+            progress.line(f"warning: {warning}", "warning")
         echo_json({**dataclasses.asdict(result), "changed": result.changed, **more})
         return
     for path in result.written:
@@ -87,7 +87,7 @@ def _report(result: units.WriteResult, json_: bool = False, **more) -> None:
     for path in result.removed:
         click.echo(f"removed   {path}")
     for warning in result.warnings:
-        click.echo(f"warning: {warning}", err=True)
+        progress.line(f"warning: {warning}", "warning")
 
 
 def _node(kw: dict) -> Node | None:
@@ -209,7 +209,7 @@ def install(
     if done.devices:
         click.echo(done.devices, err=True)
     for blocker in checked[0].blockers if checked else ():
-        click.echo(f"warning: installed despite {blocker.line()} (--force: {force})", err=True)
+        progress.line(f"warning: installed despite {blocker.line()} (--force: {force})", "warning")
     if json_:
         _report(done.result, json_, next_step=done.next_step, devices=done.devices)
         return

@@ -36,11 +36,14 @@ class DoctorReport:
     def to_dict(self) -> dict:
         return {"url": self.url, "ok": self.ok, "checks": [asdict(c) for c in self.checks]}
 
-    def text(self) -> str:
-        """One line per check, evidence in brackets."""
+    def text(self, evidence: bool = False) -> str:
+        """One line per check; a warning's or failure's evidence in brackets, a passed check's
+        only with ``evidence`` (``appliance -v``: the mtp.counters line alone is 400 characters,
+        and the whole of it is in ``--json``)."""
         lines = []
         for c in self.checks:
-            ev = ", ".join(f"{k}={v}" for k, v in c.evidence.items() if v not in (None, "", {}))
+            shown = c.evidence if evidence or c.status != "ok" else {}
+            ev = ", ".join(f"{k}={v}" for k, v in shown.items() if v not in (None, "", {}))
             lines.append(
                 f"{c.status.upper():<4} {c.name}: {c.summary}" + (f" [{ev}]" if ev else "")
             )

@@ -12,7 +12,7 @@ client raises ``EngineError`` / ``NotVLLMError``).
 from __future__ import annotations
 
 import asyncio
-import http.client
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -131,6 +131,13 @@ class KeptReader:
     same page once per call: a fresh connection each time would cost a handshake and a
     server-side accept). Only one read at a time: :meth:`read` returns ``None`` while another
     is outstanding and the caller reads the usual way instead.
+
+    The request is one fixed set of bytes, and the answer is read by :class:`_Answer`, a
+    minimal HTTP/1.1 response reader (status line, the three headers that frame a body, a body
+    by ``Content-Length``, chunks or the connection's close): ``http.client`` parsed every
+    answer's headers through the ``email`` package, and with its request building it was half
+    of the agent's background CPU per call (issue 56 §2). Anything it does not understand is a
+    failed read (``unreachable``), never a guess.
     """
 
     IDLE_S = 2.0  # reuse a connection idle for less than this (vLLM's keep-alive is 5 s)
@@ -140,9 +147,14 @@ class KeptReader:
         self._https = parts.scheme == "https"
         self._host = parts.hostname or "127.0.0.1"
         self._port = parts.port or (443 if self._https else 80)
-        self._target = (parts.path or "/") + "?" + urlencode(PARAMS)
+        target = (parts.path or "/") + "?" + urlencode(PARAMS)
+        netloc = parts.netloc.rpartition("@")[2] or self._host  # as the URL names the server
+        self._request = (
+            f"GET {target} HTTP/1.1\r\nHost: {netloc}\r\nAccept-Encoding: identity\r\n"
+            "Accept: text/plain\r\n\r\n"
+        ).encode("ascii")
         self.url = url
-        self._conn: http.client.HTTPConnection | None = None
+        self._sock: socket.socket | None = None
         self._busy = False
         self._idle_since = 0.0
         self._lock = threading.Lock()
@@ -155,10 +167,10 @@ class KeptReader:
             if self._busy:
                 return None
             self._busy = True
-            if self._conn is not None and time.monotonic() - self._idle_since > self.IDLE_S:
-                self._conn.close()
-                self._conn = None
-            reused = self._conn is not None
+            if self._sock is not None and time.monotonic() - self._idle_since > self.IDLE_S:
+                self._sock.close()
+                self._sock = None
+            reused = self._sock is not None
         try:
             return self._send_and_answer(timeout)
         except MetricsReadError as exc:
@@ -170,54 +182,195 @@ class KeptReader:
             self._busy = True
         return self._send_and_answer(timeout)
 
-    def _send_and_answer(self, timeout: float) -> Reading:
+    def _connect(self, timeout: float) -> socket.socket:
+        sock = socket.create_connection((self._host, self._port), timeout)
         try:
-            if self._conn is None:
-                cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-                self._conn = cls(self._host, self._port, timeout=timeout)
-            self._conn.request("GET", self._target)
-        except (OSError, http.client.HTTPException) as exc:
-            self._drop()
-            raise MetricsReadError("unreachable", f"cannot reach {self.url}: {exc}") from exc
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as http.client does
+            if self._https:
+                import ssl
+
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self._host)
         except BaseException:
-            self._drop()
+            sock.close()
             raise
+        return sock
+
+    def _send_and_answer(self, timeout: float) -> Reading:
+        deadline = time.monotonic() + timeout
         try:
-            return self._answer(timeout)
+            try:
+                if self._sock is None:
+                    self._sock = self._connect(timeout)
+                else:
+                    self._sock.settimeout(timeout)
+                self._sock.sendall(self._request)
+                answer = _Answer(self._sock, deadline)
+            except TimeoutError as exc:
+                raise MetricsReadError(
+                    "timeout", f"{self.url} timed out after {timeout} s"
+                ) from exc
+            except _Late:
+                raise MetricsReadError(
+                    "timeout", f"{self.url} took longer than {timeout} s"
+                ) from None
+            except OSError as exc:
+                raise MetricsReadError("unreachable", f"cannot reach {self.url}: {exc}") from exc
+            except _BadAnswer as exc:
+                raise MetricsReadError("unreachable", f"{self.url}: {exc}") from None
+            reading = parse(answer.status, answer.body, self.url)
         except BaseException:  # a failed or interrupted read leaves no half-read connection
             self._drop()
             raise
-
-    def _answer(self, timeout: float) -> Reading:
-        conn = self._conn
-        deadline = time.monotonic() + timeout
-        try:
-            if conn.sock is not None:
-                conn.sock.settimeout(timeout)
-            resp = conn.getresponse()
-            body = bytearray()
-            while chunk := resp.read(65536):  # each gap bounded; the whole by the deadline
-                body += chunk
-                if time.monotonic() > deadline:
-                    raise MetricsReadError("timeout", f"{self.url} took longer than {timeout} s")
-            reading = parse(resp.status, bytes(body), self.url)
-        except TimeoutError as exc:
-            raise MetricsReadError("timeout", f"{self.url} timed out after {timeout} s") from exc
-        except (OSError, http.client.HTTPException) as exc:
-            raise MetricsReadError("unreachable", f"cannot reach {self.url}: {exc}") from exc
         with self._lock:
-            if resp.will_close:
-                conn.close()
-                self._conn = None
+            if answer.will_close:
+                self._sock.close()
+                self._sock = None
             self._busy = False
             self._idle_since = time.monotonic()
         return reading
 
     def _drop(self) -> None:
         with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-            self._conn, self._busy = None, False
+            if self._sock is not None:
+                self._sock.close()
+            self._sock, self._busy = None, False
+
+
+class _BadAnswer(Exception):
+    """An answer that is not HTTP/1.x as :class:`_Answer` reads it."""
+
+
+class _Answer:
+    """One HTTP/1.x response read from ``sock`` by ``deadline`` (monotonic): ``status``,
+    ``body`` and ``will_close`` (the connection cannot carry another request). Reads only what
+    frames the body: ``Content-Length``, ``Transfer-Encoding: chunked`` (else the body ends
+    when the server closes) and ``Connection``; interim 1xx answers are skipped. Every socket
+    read is bounded by the socket's timeout, the whole by ``deadline`` (:class:`_Late` past
+    it)."""
+
+    MAX_HEAD = 65536
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+        self._buf = bytearray()
+        while True:
+            head = self._head()
+            self.status, length, chunked, self.will_close = _framing(head)
+            if not 100 <= self.status < 200:
+                break
+        if self.status in (204, 304):
+            self.body = b""
+        elif chunked:
+            self.body = self._chunked()
+        elif length is not None:
+            self.body = self._exactly(length)
+        else:
+            self.body = self._to_close()
+            self.will_close = True
+        if self._buf:  # bytes past the answer: the connection's next answer is out of step
+            self.will_close = True
+
+    def _fill(self) -> bool:
+        """One more read into the buffer; False when the server closed the connection."""
+        if time.monotonic() > self._deadline:
+            raise _Late
+        chunk = self._sock.recv(65536)
+        self._buf += chunk
+        return bool(chunk)
+
+    def _need(self, n: int) -> None:
+        while len(self._buf) < n:
+            if not self._fill():
+                raise _BadAnswer("the connection closed inside an answer")
+
+    def _line(self) -> bytes:
+        while (i := self._buf.find(b"\r\n")) < 0:
+            if len(self._buf) > self.MAX_HEAD:
+                raise _BadAnswer("a line longer than 64 KiB")
+            if not self._fill():
+                raise _BadAnswer("the connection closed inside an answer")
+        line = bytes(self._buf[:i])
+        del self._buf[: i + 2]
+        return line
+
+    def _head(self) -> bytes:
+        while (i := self._buf.find(b"\r\n\r\n")) < 0:
+            if len(self._buf) > self.MAX_HEAD:
+                raise _BadAnswer("a header longer than 64 KiB")
+            if not self._fill():
+                raise _BadAnswer("the connection closed before an answer")
+        head = bytes(self._buf[:i])
+        del self._buf[: i + 4]
+        return head
+
+    def _exactly(self, n: int) -> bytes:
+        self._need(n)
+        body = bytes(self._buf[:n])
+        del self._buf[:n]
+        return body
+
+    def _chunked(self) -> bytes:
+        body = bytearray()
+        while True:
+            size_line = self._line().split(b";", 1)[0].strip()
+            try:
+                size = int(size_line, 16)
+            except ValueError:
+                raise _BadAnswer(f"a chunk size of {size_line[:20]!r}") from None
+            if size < 0:
+                raise _BadAnswer("a negative chunk size")
+            if size == 0:
+                while self._line():  # the trailer, up to its empty line
+                    pass
+                return bytes(body)
+            self._need(size + 2)
+            if self._buf[size : size + 2] != b"\r\n":
+                raise _BadAnswer("a chunk without its CRLF")
+            body += self._buf[:size]
+            del self._buf[: size + 2]
+
+    def _to_close(self) -> bytes:
+        while self._fill():
+            pass
+        body = bytes(self._buf)
+        self._buf.clear()
+        return body
+
+
+class _Late(Exception):
+    """The deadline passed between two socket reads."""
+
+
+def _framing(head: bytes) -> tuple[int, int | None, bool, bool]:
+    """Status, ``Content-Length`` (None: not given), chunked, and whether the connection closes
+    after the answer, from a response head (status line and header lines)."""
+    lines = head.split(b"\r\n")
+    version, _, rest = lines[0].partition(b" ")
+    code = rest[:3]
+    if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
+        raise _BadAnswer(f"a status line of {lines[0][:40]!r}")
+    length: int | None = None
+    chunked = False
+    tokens: set[bytes] = set()
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon:
+            raise _BadAnswer(f"a header line of {line[:40]!r}")
+        name = name.strip().lower()
+        if name == b"content-length":
+            value = value.strip()
+            if not value.isdigit() or (length is not None and int(value) != length):
+                raise _BadAnswer(f"a Content-Length of {value[:20]!r}")
+            length = int(value)
+        elif name == b"transfer-encoding":
+            codings = [c.strip().lower() for c in value.split(b",")]
+            if codings[-1] != b"chunked":
+                raise _BadAnswer(f"a Transfer-Encoding of {value.strip()[:40]!r}")
+            chunked = True
+        elif name == b"connection":
+            tokens.update(t.strip().lower() for t in value.split(b","))
+    close = b"close" in tokens or (version == b"HTTP/1.0" and b"keep-alive" not in tokens)
+    return int(code), None if chunked else length, chunked, close
 
 
 def engine_error(exc: MetricsReadError, base_url: str) -> EngineError:

@@ -345,30 +345,53 @@ def parse_with(
 
 def _sample(line: str, brace: int, with_labels: bool) -> tuple[float, dict[str, str]]:
     """One sample line without escapes (``brace``: where its labels start, or -1): its value
-    and, ``with_labels``, its labels."""
-    labels: dict[str, str] = {}
+    and, ``with_labels``, its labels (a dict shared by every line with the same label text:
+    read it, never change it)."""
     try:
         if brace < 0:
-            rest = line.partition(" ")[2]
-        else:
-            close = line.rindex("}")
-            rest = line[close + 1 :]
-            inner = line[brace + 1 : close].rstrip(",") if with_labels else ""
-            # No backslash, so no quote inside a value: a value ends at the next quote (a
-            # value may hold '",' itself: model_name="," opens with a quote and a comma).
-            at = 0
-            while at < len(inner):
-                eq = inner.index('="', at)
-                end = inner.index('"', eq + 2)
-                labels[inner[at:eq].strip()] = inner[eq + 2 : end]
-                at = end + 1
-                if at < len(inner):
-                    if inner[at] != ",":
-                        raise ValueError(inner)
-                    at += 1
-        return float(rest.split(None, 1)[0]), labels
+            return float(line.partition(" ")[2].split(None, 1)[0]), _NO_LABELS
+        close = line.rindex("}")
+        value = float(line[close + 1 :].split(None, 1)[0])
+        if not with_labels:
+            return value, _NO_LABELS
+        inner = line[brace + 1 : close]
+        labels = _LABELS.get(inner)
+        if labels is None:
+            labels = _split_labels(inner)
+            if len(_LABELS) >= _LABELS_KEPT:  # a page of ever new label sets: start over
+                _LABELS.clear()
+            _LABELS[inner] = labels
+        return value, labels
     except (ValueError, IndexError):
         raise MetricsParseError(f"unparsable /metrics line: {line[:200]!r}") from None
+
+
+# Label text -> its labels: the agent reads the same series on every call, so each label set is
+# split once, not once per read (ValueError for text that is not labels).
+_LABELS: dict[str, dict[str, str]] = {}
+_LABELS_KEPT = 4096
+_NO_LABELS: dict[str, str] = {}
+
+
+def _split_labels(inner: str) -> dict[str, str]:
+    """``a="1",b="2"`` without backslashes: no quote is inside a value, so a value ends at the
+    next quote (a comma may be anywhere in it, its first character too)."""
+    labels: dict[str, str] = {}
+    at, end = 0, len(inner)
+    while at < end:
+        eq = inner.index('="', at)
+        stop = inner.index('"', eq + 2)
+        labels[inner[at:eq].strip()] = inner[eq + 2 : stop]
+        at = stop + 1
+        while at < end and inner[at] == " ":
+            at += 1
+        if at < end:
+            if inner[at] != ",":
+                raise ValueError(inner)
+            at += 1
+            if not inner[at:].strip():  # a trailing comma
+                break
+    return labels
 
 
 def _snapshot(raw: dict[tuple[str, str], dict], running: float | None) -> Snapshot:
