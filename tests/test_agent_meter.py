@@ -74,6 +74,14 @@ def test_a_failed_call_is_one_duration_with_its_error_type(refused):
     assert registry.get_sample_value(
         "gemma4_agent_call_duration_seconds_sum", {"role": "worker", "model": "gemma4-tiny"}
     ) == pytest.approx(point.sum)
+    # No figures, no per-call MTP series: a child made ahead would show a count of 0.
+    for name in (
+        "gemma4_agent_call_acceptance_count",
+        "gemma4_agent_call_tokens_per_step_count",
+        "gemma4_agent_drafted_tokens_total",
+        "gemma4_agent_accepted_tokens_total",
+    ):
+        assert registry.get_sample_value(name, {"role": "worker", "model": "gemma4-tiny"}) is None
 
 
 def test_the_mtp_instruments_carry_the_prometheus_buckets():

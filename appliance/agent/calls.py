@@ -593,18 +593,18 @@ class Call(Reader):
             span.end(end_time=self.ended_ns)
         outcome = "ok" if error is None else "rejected" if spans.rejected(error) else "error"
         m = self.settings.metrics
-        m.count(self.role, model or "", fig.source, outcome)
-        c = m.of(self.role, model or "")
-        c.duration.observe(duration)
+        role, model_label = self.role, model or ""
+        m.count(role, model_label, fig.source, outcome)
+        m.of("duration", role, model_label).observe(duration)
         if fig.exact and error is None:
             if fig.acceptance is not None:
-                c.acceptance.observe(fig.acceptance)
+                m.of("acceptance", role, model_label).observe(fig.acceptance)
             if fig.tokens_per_step is not None:
-                c.tokens_per_step.observe(fig.tokens_per_step)
+                m.of("tokens_per_step", role, model_label).observe(fig.tokens_per_step)
             if fig.draft_tokens is not None:
-                c.draft_tokens.inc(fig.draft_tokens)
+                m.of("draft_tokens", role, model_label).inc(fig.draft_tokens)
             if fig.accepted is not None:
-                c.accepted.inc(fig.accepted)
+                m.of("accepted", role, model_label).inc(fig.accepted)
         self._record_otel(fig, error, duration)
         if self.settings.on_call is not None:
             record = CallRecord(

@@ -53,18 +53,15 @@ class AgentMetrics:
         """Count one of the agent's own failures (never the call's)."""
         self.errors.labels(kind=kind).inc()
 
-    def of(self, role: str, model: str) -> CallMetrics:
-        """The per-call instruments' children for ``role`` and ``model``."""
-        found = self._children.get((role, model))
+    def of(self, name: str, role: str, model: str) -> Counter | Histogram:
+        """The child of per-call instrument ``name`` (``acceptance``, ``tokens_per_step``,
+        ``draft_tokens``, ``accepted``, ``duration``) for ``role`` and ``model``. Each is made
+        at its first use, as ``labels()`` makes it: a role whose calls have no figures of their
+        own shows no acceptance series, not one that counts 0."""
+        key = (name, role, model)
+        found = self._children.get(key)
         if found is None:
-            kw = {"role": role, "model": model}
-            found = self._children[(role, model)] = CallMetrics(
-                self.acceptance.labels(**kw),
-                self.tokens_per_step.labels(**kw),
-                self.draft_tokens.labels(**kw),
-                self.accepted.labels(**kw),
-                self.duration.labels(**kw),
-            )
+            found = self._children[key] = getattr(self, name).labels(role=role, model=model)
         return found
 
     def count(self, role: str, model: str, source: str, outcome: str) -> None:
@@ -74,17 +71,6 @@ class AgentMetrics:
         if child is None:
             child = self._children[key] = self.calls.labels(role, model, source, outcome)
         child.inc()
-
-
-@dataclass(frozen=True)
-class CallMetrics:
-    """One (role, model)'s children of the per-call instruments."""
-
-    acceptance: Histogram
-    tokens_per_step: Histogram
-    draft_tokens: Counter
-    accepted: Counter
-    duration: Histogram
 
 
 def build(registry: CollectorRegistry | None = None) -> AgentMetrics:
