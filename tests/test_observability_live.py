@@ -205,18 +205,26 @@ def _values(result: list[dict]) -> list[float]:
     return [round(float(s["value"][1]), 4) for s in result]
 
 
+NEVER = "1970-01-01T00:00:00Z"
+
+
 def _settle(prom, since: float, timeout: float = 60) -> None:
-    """Wait until every target was scraped after ``since`` (wall clock), then every rule group
-    evaluated twice after that (a rule reading a series that another group records sees its
-    final value), so queries from the time this returns see the final figures. Fails at the
-    deadline saying what is behind."""
+    """Wait until every target was scraped without error after ``since`` (wall clock), then
+    every rule group evaluated twice after that (a rule reading a series that another group
+    records sees its final value), so queries from the time this returns see the final
+    figures. Fails at the deadline saying what is behind."""
     waits = ("every target scraped", "every rule group evaluated", "... and evaluated again")
     mark, deadline = since, time.monotonic() + timeout
     for waiting_for in waits:
         while True:
             if waiting_for == waits[0]:
                 data = httpx.get(prom.url + "/api/v1/targets", timeout=10).json()["data"]
-                last = {t["scrapeUrl"]: t["lastScrape"] for t in data["activeTargets"]}
+                # A failed scrape (its 1 s timeout on a loaded host) marks the target's series
+                # stale, and a rule that joins them records nothing: only a healthy one counts.
+                last = {
+                    t["scrapeUrl"]: t["lastScrape"] if t["health"] == "up" else NEVER
+                    for t in data["activeTargets"]
+                }
             else:
                 data = httpx.get(prom.url + "/api/v1/rules", timeout=10).json()["data"]
                 last = {g["name"]: g["lastEvaluation"] for g in data["groups"]}
