@@ -284,24 +284,21 @@ class _Answer:
                 raise _BadAnswer("the connection closed inside an answer")
 
     def _line(self) -> bytes:
-        while (i := self._buf.find(b"\r\n")) < 0:
-            if len(self._buf) > self.MAX_HEAD:
-                raise _BadAnswer("a line longer than 64 KiB")
-            if not self._fill():
-                raise _BadAnswer("the connection closed inside an answer")
-        line = bytes(self._buf[:i])
-        del self._buf[: i + 2]
-        return line
+        return self._until(b"\r\n", "a line", "inside an answer")
 
     def _head(self) -> bytes:
-        while (i := self._buf.find(b"\r\n\r\n")) < 0:
+        return self._until(b"\r\n\r\n", "a header", "before an answer")
+
+    def _until(self, end: bytes, what: str, where: str) -> bytes:
+        """The buffered bytes up to ``end`` (taken from the buffer with it), read as needed."""
+        while (i := self._buf.find(end)) < 0:
             if len(self._buf) > self.MAX_HEAD:
-                raise _BadAnswer("a header longer than 64 KiB")
+                raise _BadAnswer(f"{what} longer than 64 KiB")
             if not self._fill():
-                raise _BadAnswer("the connection closed before an answer")
-        head = bytes(self._buf[:i])
-        del self._buf[: i + 4]
-        return head
+                raise _BadAnswer(f"the connection closed {where}")
+        got = bytes(self._buf[:i])
+        del self._buf[: i + len(end)]
+        return got
 
     def _exactly(self, n: int) -> bytes:
         self._need(n)
