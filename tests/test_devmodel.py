@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
+import multiprocessing as mp
 from pathlib import Path
 
 from plugins.cli import invoke
@@ -101,3 +103,18 @@ def test_partial_drafter_is_the_copy_drafter_plus_a_read_of_the_hidden_state(tmp
     # The token half is the copy drafter's; the hidden half (zero in copy) now reads the state.
     assert (pre[:, :hidden] == copy["pre_projection.weight"][:, :hidden]).all()
     assert not copy["pre_projection.weight"][:, hidden:].any() and pre[:, hidden:].any()
+
+
+def _cached_in(cache_dir: str) -> str:
+    return str(devmodel.cached("copy", 0, cache_dir=Path(cache_dir)).root)
+
+
+def test_builders_racing_for_one_cache_entry_all_get_it(tmp_path):
+    """The prefetch and the first tests of both streams build the same pair at once on a new
+    machine: the builders whose rename came second found the winner's pair where they had seen
+    none, and the soak failed on 'Directory not empty'. Each gets the one pair now."""
+    with concurrent.futures.ProcessPoolExecutor(4, mp_context=mp.get_context("spawn")) as pool:
+        roots = list(pool.map(_cached_in, [str(tmp_path)] * 4))
+    assert len(set(roots)) == 1, roots
+    assert devmodel.load(roots[0]).drafter_kind == "copy"
+    assert [p.name for p in tmp_path.iterdir()] == [Path(roots[0]).name]  # no staging left

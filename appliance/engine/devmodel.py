@@ -19,6 +19,7 @@ controllable from the test side, through the real MTP code path.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -101,9 +102,15 @@ def build(root: Path | str, drafter: str = "copy", seed: int = 0) -> DevModel:
     try:
         _write_pair(staging, drafter, seed)
         _make_readable(staging)
-        if root.exists():
-            root.rmdir()
-        os.replace(staging, root)
+        try:
+            if root.exists():
+                root.rmdir()
+            os.replace(staging, root)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # Another builder's pair landed at root since the check above.
+            raise UsageError(f"{root} is not empty", fix="give a new or empty directory") from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
