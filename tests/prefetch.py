@@ -105,6 +105,12 @@ def _timed(name: str, step: Callable[[], str]) -> str:
 
 def main(stage: str) -> int:
     steps = STAGES[stage]
+    # Imported here, before the threads: dataclasses reads the typing module from sys.modules
+    # without the import lock, and a step that defined a dataclass while another thread was
+    # still importing typing failed ("partially initialized module 'typing' has no attribute
+    # 'ClassVar'": the models step of a brand-new run, 2026-12-06).
+    import typing  # noqa: F401
+
     with concurrent.futures.ThreadPoolExecutor(len(steps)) as pool:
         futures = [pool.submit(_timed, name, step) for name, step in steps.items()]
         for fut in concurrent.futures.as_completed(futures):
