@@ -8,13 +8,15 @@ lookup from whichever distribution is installed, then hands over to vLLM's own C
 One more difference, for speed (ADR 0015): the CPU engine forks its engine core and workers, as
 vLLM does on GPUs, instead of spawning fresh interpreters. And one for a stop on older vLLM
 releases: their SIGTERM reaches vLLM's drain, not uvicorn's exit (``_leave_signals_to_vllm``),
-and a drained engine core sends its last outputs before it exits
-(``_send_the_last_outputs_at_a_drained_stop``).
+the requests in flight end before the engine core is signalled
+(``_finish_requests_before_the_engine_core_stops``), and a drained engine core sends its last
+outputs before it exits (``_send_the_last_outputs_at_a_drained_stop``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -147,6 +149,69 @@ def _send_the_last_outputs_at_a_drained_stop() -> None:
     EngineCoreProc._handle_shutdown = _handle_shutdown
 
 
+# How often a stopping API server looks whether its requests in flight have ended.
+IN_FLIGHT_POLL_S = 0.02
+
+
+def wait_for(in_flight, timeout: float, *, dead=lambda: False, poll_s=IN_FLIGHT_POLL_S) -> float:
+    """Wait while ``in_flight()`` is true and ``dead()`` is not, at most ``timeout`` seconds;
+    the seconds of ``timeout`` left (0 when it ran out with requests still in flight)."""
+    deadline = time.monotonic() + timeout
+    while in_flight() and not dead():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return 0.0
+        time.sleep(min(poll_s, left))
+    return max(0.0, deadline - time.monotonic())
+
+
+def _finish_requests_before_the_engine_core_stops() -> None:
+    """At a stop, let the requests in flight end before the engine core gets its SIGTERM.
+
+    vLLM's drain (``--shutdown-timeout``) lives in the engine core: the API server's
+    ``AsyncLLM.shutdown`` (``vllm/v1/engine/async_llm.py``) signals it at once and the core
+    steps until its requests are done. A core that dies at that SIGTERM takes every request in
+    flight with it: vLLM 0.19's did in glibc (``corrupted size vs. prev_size``) in 1 of 16
+    stops, and all six streams in flight were cut (benchmarks/stop_streams.py). Now the API
+    server waits, within the same timeout, until the requests it had in flight at the stop
+    have ended (its output processor holds each until its last output), and only then hands
+    the rest of the timeout to vLLM's own shutdown. Requests that arrive meanwhile are the stop
+    gate's to turn away, and are not waited for; a dead engine core ends the wait.
+    """
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError:  # a vLLM without the v1 engine
+        return
+    stop = AsyncLLM.shutdown
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        states = getattr(getattr(self, "output_processor", None), "request_states", None)
+        if timeout and states:
+            at_stop = list(states)
+            log = logging.getLogger("vllm.gemma4_appliance")
+            log.info(
+                "[shutdown] API server: %d requests in flight end before the engine core "
+                "is signalled (up to %ss)",
+                len(at_stop),
+                timeout,
+            )
+            began = time.monotonic()
+            timeout = wait_for(
+                lambda: any(r in states for r in at_stop),
+                timeout,
+                dead=lambda: bool(getattr(self, "errored", False)),
+            )
+            left = sum(r in states for r in at_stop)
+            log.info(
+                "[shutdown] API server: after %.1fs, %d of them still in flight",
+                time.monotonic() - began,
+                left,
+            )
+        stop(self, timeout=timeout)
+
+    AsyncLLM.shutdown = shutdown
+
+
 def main() -> None:
     if _is_cpu_build():
         # vLLM infers the CPU platform from a "+cpu" in the version of ``vllm``; once the
@@ -156,6 +221,7 @@ def main() -> None:
     if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
         _fork_engine_processes()
     _leave_signals_to_vllm()
+    _finish_requests_before_the_engine_core_stops()
     _send_the_last_outputs_at_a_drained_stop()
     from vllm.entrypoints.cli.main import main as vllm_cli
 
