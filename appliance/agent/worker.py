@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger("appliance.agent")
@@ -108,30 +109,32 @@ class Worker:
                 log.debug("agent background job failed", exc_info=True)
 
     def _run(self) -> None:
-        quiet = 0.0
+        # Polled only for deferred work: a queued job wakes the thread itself, so the idle
+        # time counts from the last drain, not the last job (with counters-path calls alone
+        # the thread then sleeps and makes no timed wake-ups, issue 56 §2).
+        drained = time.monotonic()
         while True:
             try:
                 fn = self._q.get(timeout=None if self._sleeping else self.DRAIN_S)
             except queue.Empty:
-                if self._deferred:
-                    self._drain()
-                    quiet = 0.0
-                    continue
-                quiet += self.DRAIN_S
-                if quiet >= self.SLEEP_AFTER_S:
-                    # First the flag, then the check: a defer that ran before the flag was set
-                    # is seen here, one after it sees the flag and wakes the thread.
-                    self._sleeping = True
-                    if self._deferred:
-                        self._sleeping = False
-                continue
+                fn = None
+            if self._deferred:  # what was handed over before this job first: calls in order
+                self._drain()
+                drained = time.monotonic()
+            elif not self._sleeping and time.monotonic() - drained >= self.SLEEP_AFTER_S:
+                self._sleep()
+            if fn is not None:
+                try:
+                    fn()
+                except BaseException:
+                    log.debug("agent background job failed", exc_info=True)
+
+    def _sleep(self) -> None:
+        # First the flag, then the check: a defer that ran before the flag was set is seen
+        # here, one after it sees the flag and wakes the thread.
+        self._sleeping = True
+        if self._deferred:
             self._sleeping = False
-            quiet = 0.0
-            self._drain()  # what was handed over before this job first: calls stay in order
-            try:
-                fn()
-            except BaseException:
-                log.debug("agent background job failed", exc_info=True)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until everything queued or deferred so far has run; False if ``timeout``
