@@ -42,16 +42,21 @@ class Reader:
         try:
             self.response_id = getattr(resp, "id", None)
             self.response_model = getattr(resp, "model", None)
-            status = getattr(resp, "status", None)  # a Responses API response: no choices
-            if isinstance(status, str):
-                self.finish_reasons.append(status)
-                if self.settings.config.capture_content:
-                    self.content.append(getattr(resp, "output_text", "") or "")
+            # Each API's own fields only: a field a pydantic model lacks costs an
+            # AttributeError raised and caught inside getattr (issue 56 §2).
+            if self.operation == RESPONSES:  # a Responses API response: no choices
+                status = getattr(resp, "status", None)
+                if isinstance(status, str):
+                    self.finish_reasons.append(status)
+                    if self.settings.config.capture_content:
+                        self.content.append(getattr(resp, "output_text", "") or "")
+                return
             if self.operation == MESSAGES:  # an Anthropic Message: no choices either
                 self._stop_reason(getattr(resp, "stop_reason", None))
                 if self.settings.config.capture_content:
                     blocks = getattr(resp, "content", None) or ()
                     self.content.extend(getattr(b, "text", None) or "" for b in blocks)
+                return
             for choice in getattr(resp, "choices", None) or ():
                 if choice.finish_reason:
                     self.finish_reasons.append(str(choice.finish_reason))

@@ -22,7 +22,6 @@ Where the readings come from, and when they are taken: :mod:`.server` and :mod:`
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from ..engine_api import specdecode
@@ -140,7 +139,9 @@ def from_readings(
     if alone:
         # The proof already accounts for requests running at either read (only_this_call), and
         # the request running at a certified before-reading may be this very call.
-        b, a = dataclasses.replace(b, running=0.0), dataclasses.replace(a, running=0.0)
+        # (Built directly: dataclasses.replace introspects the fields on every call.)
+        b = specdecode.Snapshot(series=b.series, running=0.0)
+        a = specdecode.Snapshot(series=a.series, running=0.0)
     # The one rule (specdecode.attribute), with this agent's stronger proof of being alone.
     att = specdecode.attribute(b, a, model, overlapped=not alone)
     if att.source == "absent":

@@ -201,7 +201,7 @@ class KeptReader:
             try:
                 if self._sock is None:
                     self._sock = self._connect(timeout)
-                else:
+                elif self._sock.gettimeout() != timeout:  # settimeout is a syscall each time
                     self._sock.settimeout(timeout)
                 self._sock.sendall(self._request)
                 answer = _Answer(self._sock, deadline)
