@@ -8,7 +8,7 @@ cutover to a good image, ``appliance rollback``, a cutover to a broken image and
 which print the same counts). Without it, on the local CPU engine: one ``cpu-tiny-mtp`` engine
 with ``max_num_seqs = 1`` (so the queue bound 2, ``--max-num-queued-reqs``: 62 of the shipped
 profiles carry a bound, two of them 2) and the stop the unit gives it (``--shutdown-timeout``,
-SIGTERM to vLLM's API server, as docker-init forwards it):
+the images' stop gate, SIGTERM to vLLM's API server, as docker-init forwards it):
 
 - ``doctor``: ``appliance instance doctor --url URL --profile FILE`` (its test generation and
   MTP check are the cutover's generation and mtp gates);
@@ -47,7 +47,13 @@ from appliance.engine import local
 APPLIANCE = str(Path(sys.executable).parent / "appliance")
 CLIENTS = 6
 DRAIN_S = 50  # the serve program's --shutdown-timeout
-EXTRA = ["--shutdown-timeout", str(DRAIN_S), "--kv-cache-memory-bytes", str(64 << 20)]
+# What the serve program gives an image built by the appliance: the drain and the stop gate
+# (appliance/engine/stop_gate.py, beside the entry point as the images carry it).
+EXTRA = [
+    *("--shutdown-timeout", str(DRAIN_S), "--middleware", "stop_gate.StopGate"),
+    *("--kv-cache-memory-bytes", str(64 << 20)),
+]
+ENV = {"PYTHONPATH": str(REPO / "appliance" / "engine")}
 
 
 def bounded_profile(where: Path) -> Path:
@@ -72,7 +78,7 @@ def restart(engines: contextlib.ExitStack, running: list[local.LocalEngine]) -> 
         old.process.wait(timeout=DRAIN_S + 10)
     old.stop()  # whatever is left
     running[0] = engines.enter_context(
-        local.serve(old.profile, port=old.port, extra_args=EXTRA, timeout=900)
+        local.serve(old.profile, port=old.port, extra_args=EXTRA, env=ENV, timeout=900)
     )
     return 0
 
@@ -92,7 +98,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as engines:
         profile = bounded_profile(Path(tmp))
         prof = profiles.lookup(str(profile))
-        engine = engines.enter_context(local.serve(prof, extra_args=EXTRA, timeout=900))
+        engine = engines.enter_context(local.serve(prof, extra_args=EXTRA, env=ENV, timeout=900))
         running = [engine]  # the same URL across the restarts
         ops: dict[str, Callable[[], int]] = {
             "doctor": lambda: cli(
