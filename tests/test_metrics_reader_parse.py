@@ -1,6 +1,6 @@
-"""The reader's parse of a page whose lines it has seen (each looked up whole, issue 56 §2):
-the same Reading as specdecode.parse_with on every page, read once and again, and the same
-typed error where parse_with refuses one."""
+"""The parse of a page whose lines were seen before (specdecode.parse_seen: each looked up whole,
+issue 56 §2), as the reader uses it: the same Reading as specdecode.parse_with on every page,
+read once and again, and the same typed error where parse_with refuses one."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _reading(text: str) -> tuple:
 
 def _twice(text: str) -> tuple:
     """The page read with its lines unseen, then seen: both must equal parse_with's."""
-    metrics_reader._LINES.clear()
+    sd._SEEN.clear()
     first = _reading(text)
     assert _reading(text) == first
     return first
@@ -29,7 +29,7 @@ def _twice(text: str) -> tuple:
 def test_real_captures_read_as_parse_with_reads_them(path):
     text = path.read_text()
     assert _twice(text) == sd.parse_with(text, TOTALS)
-    assert metrics_reader._known(text) is not None  # read by the lookup, not handed on
+    assert sd.parse_seen(text, TOTALS) is not None  # read by the lookup, not handed on
 
 
 @given(pages())

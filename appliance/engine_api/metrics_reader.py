@@ -67,7 +67,9 @@ def parse(status: int, body: bytes, url: str = "/metrics") -> Reading:
         raise MetricsReadError("status", f"{url} answered {status}", status_code=status)
     text = body.decode("utf-8", errors="replace")
     try:
-        snap, (tokens, finished) = _known(text) or specdecode.parse_with(text, _TOTALS)
+        snap, (tokens, finished) = specdecode.parse_seen(text, _TOTALS) or specdecode.parse_with(
+            text, _TOTALS
+        )
     except specdecode.MetricsParseError as exc:
         raise MetricsReadError("parse", str(exc)) from None
     return Reading(snap, tokens, finished, time.monotonic())
@@ -75,86 +77,6 @@ def parse(status: int, body: bytes, url: str = "/metrics") -> Reading:
 
 # The work counters' samples, summed over every label set in the same pass as the snapshot.
 _TOTALS = (GENERATION_TOKENS + "_total", REQUEST_SUCCESS + "_total")
-
-# A sample line's text before its last "}" (name and labels) -> what its value sets: the page
-# of one engine has the same lines on every read, so each is looked at once. ``None``: a line
-# only :func:`specdecode.parse_with` reads (then it reads the whole page).
-_Line = tuple[str, object, int | None] | None
-_LINES: dict[str, _Line] = {}
-_LINES_KEPT = 4096
-_RUNNING, _TOTAL, _SKIP = "running", "total", ""
-
-
-def _line(head: str) -> _Line:
-    """What a sample line whose text before its last "}" is ``head`` sets: (``running``, None,
-    None), (``total``, its index in ``_TOTALS``, None), a ``Counters`` field with its
-    ``(model_name, engine)`` and position (per-position counts only), or (``""``, ...) for a
-    series the snapshot does not read; raises ValueError where parse_with would refuse it."""
-    brace = head.find("{")
-    if brace < 0:
-        return None  # "}" without "{": parse_with's own reading of such a line
-    name = head[:brace]
-    if name == specdecode.RUNNING:
-        return (_RUNNING, None, None)
-    if name in _TOTALS:
-        return (_TOTAL, _TOTALS.index(name), None)
-    field = specdecode._FIELDS.get(name)
-    if field is None:
-        return (_SKIP, None, None)
-    labels = specdecode._split_labels(head[brace + 1 :])
-    key = (labels.get("model_name", ""), labels.get("engine", "0"))
-    pos = int(labels.get("position", "0")) if field == specdecode.ACCEPTED_PER_POS else None
-    return (field, key, pos)
-
-
-def _known(text: str) -> tuple[specdecode.Snapshot, tuple[float | None, ...]] | None:
-    """:func:`specdecode.parse_with` of the filtered page (the same snapshot and totals) for a
-    page whose sample lines were all seen before, each looked up whole instead of split into
-    name, labels and value (the agent reads the same page once per call on its own thread:
-    issue 56 §2); ``None`` for anything else (an escape, a timestamp, a line it cannot read),
-    which parse_with then reads, or refuses, itself."""
-    if "\\" in text:
-        return None
-    raw: dict[tuple[str, str], dict] = {}
-    running: float | None = None
-    sums: list[float | None] = [None, None]
-    try:
-        for line in text.split("\n"):
-            if not line.startswith("vllm:"):  # every series read starts so (PREFIX, _TOTALS)
-                continue
-            close = line.rfind("}")
-            if close < 0:
-                return None
-            head = line[:close]
-            what = _LINES.get(head)
-            if what is None:
-                what = _line(head)
-                if what is None:
-                    return None
-                if len(_LINES) >= _LINES_KEPT:  # a page of ever new lines: start over
-                    _LINES.clear()
-                _LINES[head] = what
-            kind, key, pos = what
-            if kind is _SKIP:
-                continue
-            value = float(line[close + 1 :])  # a timestamp after it: ValueError, parse_with
-            if kind is _RUNNING:
-                running = (running or 0.0) + value
-            elif kind is _TOTAL:
-                sums[key] = (sums[key] or 0.0) + value
-            else:
-                slot = raw.get(key)
-                if slot is None:
-                    slot = raw[key] = {"pos": {}}
-                if pos is None:
-                    slot[kind] = value
-                else:
-                    slot["pos"][pos] = value
-    except (ValueError, IndexError):
-        return None
-    if running is None and "# TYPE " + specdecode.RUNNING not in text:
-        return None  # not vLLM's page: parse_with says so
-    return specdecode._snapshot(raw, running), tuple(sums)
 
 
 def read_text(

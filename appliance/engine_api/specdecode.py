@@ -343,6 +343,90 @@ def parse_with(
     return _snapshot(raw, running), tuple(sums)
 
 
+# A sample line's text before its last "}" (name and labels) -> what its value sets: the page
+# of one engine has the same lines on every read, so each is looked at once. ``None``: a line
+# only :func:`parse_with` reads (then it reads the whole page).
+_Line = tuple[str, object, int | None] | None
+_SEEN: dict[tuple[str, ...], dict[str, _Line]] = {}  # totals -> head -> what it sets
+_SEEN_KEPT = 4096
+_RUNNING, _TOTAL, _SKIP = "running", "total", ""
+
+
+def _line(head: str, totals: tuple[str, ...]) -> _Line:
+    """What a sample line whose text before its last "}" is ``head`` sets: (``running``, None,
+    None), (``total``, its index in ``totals``, None), a ``Counters`` field with its
+    ``(model_name, engine)`` and position (per-position counts only), or (``""``, ...) for a
+    series the snapshot does not read; raises ValueError where parse_with would refuse it."""
+    brace = head.find("{")
+    if brace < 0:
+        return None  # "}" without "{": parse_with's own reading of such a line
+    name = head[:brace]
+    if name == RUNNING:
+        return (_RUNNING, None, None)
+    if name in totals:
+        return (_TOTAL, totals.index(name), None)
+    field = _FIELDS.get(name)
+    if field is None:
+        return (_SKIP, None, None)
+    labels = _split_labels(head[brace + 1 :])
+    key = (labels.get("model_name", ""), labels.get("engine", "0"))
+    pos = int(labels.get("position", "0")) if field == ACCEPTED_PER_POS else None
+    return (field, key, pos)
+
+
+def parse_seen(
+    text: str, totals: tuple[str, ...] = ()
+) -> tuple[Snapshot, tuple[float | None, ...]] | None:
+    """What :func:`parse_with` reads from ``text``, each sample line looked up whole by its
+    name and labels instead of split (an engine's page has the same lines at every read, and
+    the agent reads it once per call on its own thread: issue 56 §2); ``None`` for a page with
+    anything else (an escape, a timestamp, a line it cannot read), which parse_with then reads,
+    or refuses, itself."""
+    if "\\" in text or not all(name.startswith("vllm:") for name in totals):
+        return None
+    raw: dict[tuple[str, str], dict] = {}
+    running: float | None = None
+    sums: list[float | None] = [None] * len(totals)
+    seen = _SEEN.setdefault(totals, {})
+    try:
+        for line in text.split("\n"):
+            if not line.startswith("vllm:"):  # every series read starts so (PREFIX, totals)
+                continue
+            close = line.rfind("}")
+            if close < 0:
+                return None
+            head = line[:close]
+            what = seen.get(head)
+            if what is None:
+                what = _line(head, totals)
+                if what is None:
+                    return None
+                if len(seen) >= _SEEN_KEPT:  # a page of ever new lines: start over
+                    seen.clear()
+                seen[head] = what
+            kind, key, pos = what
+            if kind is _SKIP:
+                continue
+            value = float(line[close + 1 :])  # a timestamp after it: ValueError, parse_with
+            if kind is _RUNNING:
+                running = (running or 0.0) + value
+            elif kind is _TOTAL:
+                sums[key] = (sums[key] or 0.0) + value
+            else:
+                slot = raw.get(key)
+                if slot is None:
+                    slot = raw[key] = {"pos": {}}
+                if pos is None:
+                    slot[kind] = value
+                else:
+                    slot["pos"][pos] = value
+    except (ValueError, IndexError):
+        return None
+    if running is None and "# TYPE " + RUNNING not in text:
+        return None  # not vLLM's page: parse_with says so
+    return _snapshot(raw, running), tuple(sums)
+
+
 def _sample(line: str, brace: int, with_labels: bool) -> tuple[float, dict[str, str]]:
     """One sample line without escapes (``brace``: where its labels start, or -1): its value
     and, ``with_labels``, its labels (a dict shared by every line with the same label text:
