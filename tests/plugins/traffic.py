@@ -155,6 +155,18 @@ class Report:
             )
         return "\n".join(lines)
 
+    def around_first_refusal(self, seconds: float = 3.0) -> str:
+        """Every request that ran within ``seconds`` of the first refused one, for a failure's
+        message: what was in flight when the instance began to turn traffic away."""
+        first = min((o.start for o in self.of(REFUSED)), default=self.started)
+        near = [o for o in self.outcomes if o.end >= first - seconds and o.start <= first + seconds]
+        rows = [
+            f"client {o.client} {'stream' if o.stream else 'plain'} {o.max_tokens} "
+            f"+{o.start - self.started:.2f}..{o.end - self.started:.2f} s {o.cls} {o.status}"
+            for o in near
+        ]
+        return "in flight around the first refusal:\n    " + "\n    ".join(rows)
+
     def promise(self, *, down: bool = False, back: bool = False) -> str | None:
         """None when the promise held, else what broke, with the summary. The promise: nothing
         cut, nothing errored, some traffic served whole. ``down``: the operation took the
@@ -171,6 +183,7 @@ class Report:
             broke.append("never refused: the traffic did not span the engine's stop")
         if down and c[REFUSED] and not self.drained():
             broke.append("no request running while traffic was refused finished whole")
+            broke.append(self.around_first_refusal())
         if back and not self.whole_after_refusals():
             broke.append("nothing served whole after the last refusal")
         if broke:
