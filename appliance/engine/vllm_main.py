@@ -100,6 +100,22 @@ def _leave_signals_to_vllm() -> None:
     uvicorn.Server.capture_signals = lambda self: contextlib.nullcontext()
 
 
+# How often a stopping API server looks whether its requests in flight have ended.
+IN_FLIGHT_POLL_S = 0.02
+
+
+def wait_for(in_flight, timeout: float, *, dead=lambda: False, poll_s=IN_FLIGHT_POLL_S) -> float:
+    """Wait while ``in_flight()`` is true and ``dead()`` is not, at most ``timeout`` seconds;
+    the seconds of ``timeout`` left (0 when it ran out with requests still in flight)."""
+    deadline = time.monotonic() + timeout
+    while in_flight() and not dead():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return 0.0
+        time.sleep(min(poll_s, left))
+    return max(0.0, deadline - time.monotonic())
+
+
 # How long a drained engine core waits, at most, for its output thread to take the last
 # outputs off its queue before it exits (a send takes microseconds: this bounds a wedged one).
 FLUSH_S = 5.0
@@ -112,11 +128,9 @@ def flush(outputs, sender, *, limit_s: float = FLUSH_S, grace_s: float = SEND_S)
     then ``grace_s`` for its last send; at most ``limit_s``. True when the queue emptied."""
     if sender is None or not sender.is_alive():
         return outputs.empty()
-    deadline = time.monotonic() + limit_s
-    while not outputs.empty():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.002)
+    wait_for(lambda: not outputs.empty(), limit_s, poll_s=0.002)
+    if not outputs.empty():
+        return False
     time.sleep(grace_s)
     return True
 
@@ -147,22 +161,6 @@ def _send_the_last_outputs_at_a_drained_stop() -> None:
         return go_on
 
     EngineCoreProc._handle_shutdown = _handle_shutdown
-
-
-# How often a stopping API server looks whether its requests in flight have ended.
-IN_FLIGHT_POLL_S = 0.02
-
-
-def wait_for(in_flight, timeout: float, *, dead=lambda: False, poll_s=IN_FLIGHT_POLL_S) -> float:
-    """Wait while ``in_flight()`` is true and ``dead()`` is not, at most ``timeout`` seconds;
-    the seconds of ``timeout`` left (0 when it ran out with requests still in flight)."""
-    deadline = time.monotonic() + timeout
-    while in_flight() and not dead():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return 0.0
-        time.sleep(min(poll_s, left))
-    return max(0.0, deadline - time.monotonic())
 
 
 def _finish_requests_before_the_engine_core_stops() -> None:
