@@ -169,6 +169,8 @@ def test_a_stop_that_drained_nothing_or_never_came_back_breaks_the_promise():
     broke = nothing_drained.promise(down=True, back=True)
     assert "no request running while traffic was refused finished whole" in broke
     assert "nothing served whole after the last refusal" in broke
+    # Where the drain is judged elsewhere (the fleet roll: on either host), refused is enough.
+    assert nothing_drained.promise(down=True, drain=False) is None
     # What ran near the first refusal, to say why (a brand-new run's fleet roll, once).
     assert "in flight around the first refusal:\n    client 0 stream 8 +0.00..1.00 s whole" in broke
     cut = Report([_o(WHOLE, 0.0, 1.0), _o(CUT, 0.5, 2.0)], started=0.0, stopped=2.0)

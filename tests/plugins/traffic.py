@@ -167,12 +167,15 @@ class Report:
         ]
         return "in flight around the first refusal:\n    " + "\n    ".join(rows)
 
-    def promise(self, *, down: bool = False, back: bool = False) -> str | None:
+    def promise(
+        self, *, down: bool = False, back: bool = False, drain: bool | None = None
+    ) -> str | None:
         """None when the promise held, else what broke, with the summary. The promise: nothing
         cut, nothing errored, some traffic served whole. ``down``: the operation took the
-        engine down (a stop, a restart), so traffic was turned away at some point and a
-        request running then still finished whole (the drain). ``back``: the engine served
-        again after the last refusal."""
+        engine down (a stop, a restart), so traffic was turned away at some point and (unless
+        ``drain`` is false) a request running then still finished whole (the drain). ``back``:
+        the engine served again after the last refusal."""
+        drain = down if drain is None else drain
         c = self.counts()
         broke = []
         if c[CUT] or c[ERROR]:
@@ -181,7 +184,7 @@ class Report:
             broke.append("nothing was served whole")
         if down and not c[REFUSED]:
             broke.append("never refused: the traffic did not span the engine's stop")
-        if down and c[REFUSED] and not self.drained():
+        if drain and c[REFUSED] and not self.drained():
             broke.append("no request running while traffic was refused finished whole")
             broke.append(self.around_first_refusal())
         if back and not self.whole_after_refusals():
