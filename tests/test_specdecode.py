@@ -173,6 +173,58 @@ def test_attribution_is_shared_exactly_when_something_else_ran(pair, overlapped,
     assert att.exact is not shared and att.shared is shared
 
 
+def _delta_reference(b: sd.Counters, a: sd.Counters) -> sd.Delta:
+    """counters_delta as first written (position by position, padded with zeros)."""
+    if b.created is not None and a.created is not None and a.created != b.created:
+        return sd.Delta("reset")
+    width = max(len(a.accepted_per_pos), len(b.accepted_per_pos))
+    at = sd._at
+    pos = tuple(at(a.accepted_per_pos, i) - at(b.accepted_per_pos, i) for i in range(width))
+    moves = (a.drafts - b.drafts, a.draft_tokens - b.draft_tokens, a.accepted - b.accepted, *pos)
+    if any(m < 0 for m in moves):
+        return sd.Delta("reset")
+    return sd.Delta("ok", *map(round, moves[:3]), tuple(round(p) for p in pos))
+
+
+small = st.integers(0, 50).map(float)
+any_counters = st.builds(
+    sd.Counters,
+    small,
+    small,
+    small,
+    st.lists(small, max_size=3).map(tuple),
+    st.sampled_from([None, 1.0, 2.0]),
+)
+
+
+@given(any_counters, any_counters)
+def test_counters_delta_matches_the_position_by_position_rule(b, a):
+    # Any widths (a restart that changed k pads with zeros), any move backwards: reset.
+    assert sd.counters_delta(b, a) == _delta_reference(b, a)
+
+
+@given(st.dictionaries(st.tuples(st.sampled_from("mn"), st.sampled_from("01")), any_counters))
+def test_total_of_one_series_is_the_sum_over_the_series(series):
+    snap = sd.Snapshot(series)
+    for model in (None, "m", "n", "other"):
+        picked = [c for (m, _), c in sorted(series.items()) if model in (None, m)]
+        want = None
+        for c in picked:
+            want = c if want is None else want + c
+        assert snap.total(model) == want
+
+
+@given(growth(), st.floats(0, 3), st.floats(0, 3))
+def test_attribution_proved_alone_ignores_the_running_gauge(pair, run_b, run_a):
+    # The agent's token-counter proof covers what ran at either read (rules.only_this_call).
+    b, a = pair
+    att = sd.attribute(_snap(b, run_b), _snap(a, run_a), "m", alone=True)
+    assert (att.source, att.delta) == ("counters", sd.counters_delta(b, a))
+    restarted = sd.Counters(0, 0, 0, (0, 0), created=2.0)
+    att = sd.attribute(_snap(b, run_b), _snap(restarted, run_a), "m", alone=True)
+    assert (att.source, att.delta.status) == ("unknown", "reset")
+
+
 def test_attribution_prefers_the_request_block_and_says_absent_and_unknown():
     block = sd.Delta("ok", drafts=3, draft_tokens=6, accepted=5, accepted_per_pos=(3, 2))
     grown = sd.Counters(10, 20, 15, (8, 7), created=1.0)

@@ -135,15 +135,12 @@ def from_readings(
     if before is None or after is None:
         return UNKNOWN_FAILED
     alone = only_this_call(before, after, output_tokens, overlapped)
-    b, a = before.reading.snapshot, after.reading.snapshot
-    if alone:
-        # The proof already accounts for requests running at either read (only_this_call), and
-        # the request running at a certified before-reading may be this very call.
-        # (Built directly: dataclasses.replace introspects the fields on every call.)
-        b = specdecode.Snapshot(series=b.series, running=0.0)
-        a = specdecode.Snapshot(series=a.series, running=0.0)
-    # The one rule (specdecode.attribute), with this agent's stronger proof of being alone.
-    att = specdecode.attribute(b, a, model, overlapped=not alone)
+    # The one rule (specdecode.attribute), with this agent's stronger proof of being alone: it
+    # already accounts for requests running at either read (only_this_call), and the request
+    # running at a certified before-reading may be this very call.
+    att = specdecode.attribute(
+        before.reading.snapshot, after.reading.snapshot, model, overlapped=not alone, alone=alone
+    )
     if att.source == "absent":
         return Figures("absent", "absent")
     if att.source == "unknown":

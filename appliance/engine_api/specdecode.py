@@ -16,6 +16,7 @@ for which figures belong to one request.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -102,6 +103,9 @@ class Snapshot:
 
     def total(self, model_name: str | None = None) -> Counters | None:
         """Counters summed over engines (and over models unless ``model_name`` is given)."""
+        if len(self.series) == 1:  # one engine, one model (the agent's case): no sort, no sum
+            (((m, _), c),) = self.series.items()
+            return c if model_name is None or model_name == m else None
         picked = [c for (m, _), c in sorted(self.series.items()) if model_name in (None, m)]
         if not picked:
             return None
@@ -213,18 +217,19 @@ def counters_delta(b: Counters, a: Counters) -> Delta:
     """Movement between two readings of the same counters; ``reset`` if they went backwards."""
     if b.created is not None and a.created is not None and a.created != b.created:
         return Delta("reset")
-    width = max(len(a.accepted_per_pos), len(b.accepted_per_pos))
-    pos = tuple(_at(a.accepted_per_pos, i) - _at(b.accepted_per_pos, i) for i in range(width))
-    moves = (a.drafts - b.drafts, a.draft_tokens - b.draft_tokens, a.accepted - b.accepted, *pos)
-    if any(m < 0 for m in moves):
-        return Delta("reset")
-    return Delta(
-        "ok",
-        drafts=round(moves[0]),
-        draft_tokens=round(moves[1]),
-        accepted=round(moves[2]),
-        accepted_per_pos=tuple(round(p) for p in pos),
+    ap, bp = a.accepted_per_pos, b.accepted_per_pos
+    if len(ap) == len(bp):  # the same positions at both reads: no padding
+        pos = tuple(map(operator.sub, ap, bp))
+    else:
+        pos = tuple(_at(ap, i) - _at(bp, i) for i in range(max(len(ap), len(bp))))
+    drafts, tokens, accepted = (
+        a.drafts - b.drafts,
+        a.draft_tokens - b.draft_tokens,
+        a.accepted - b.accepted,
     )
+    if drafts < 0 or tokens < 0 or accepted < 0 or any(p < 0 for p in pos):
+        return Delta("reset")
+    return Delta("ok", round(drafts), round(tokens), round(accepted), tuple(map(round, pos)))
 
 
 Source = Literal["request", "counters", "shared", "absent", "unknown"]
@@ -258,6 +263,7 @@ def attribute(
     *,
     request: Delta | None = None,
     overlapped: bool = False,
+    alone: bool = False,
 ) -> Attribution:
     """The one rule for the figures of a request read between ``before`` and ``after``.
 
@@ -266,16 +272,24 @@ def attribute(
     from the label); it is ``shared`` when this process knows of an overlapping request
     (``overlapped``) or the server's running-requests gauge shows one at either read (the first
     read precedes the request and the second follows its end, so any running request seen then
-    is someone else's).
+    is someone else's). ``alone``: the caller proved the window held this request alone by
+    other means (the agent's token-counter proof, :func:`appliance.agent.rules.only_this_call`),
+    which already accounts for requests running at either read: the gauge is not looked at.
     """
     if request is not None:
         return Attribution("request", request)
-    names = {m for (m, _) in (*before.series, *after.series)}
-    d = delta(before, after, model_name if model_name in names else None)
+    if model_name is not None and not (
+        any(m == model_name for m, _ in before.series)
+        or any(m == model_name for m, _ in after.series)
+    ):
+        model_name = None  # no series labelled so: an alias, all models
+    d = delta(before, after, model_name)
     if d.status == "absent":
         return Attribution("absent", d)
     if d.status == "reset":
         return Attribution("unknown", d)
+    if alone:
+        return Attribution("counters", d)
     shared = overlapped or bool(before.running) or bool(after.running)
     return Attribution("shared" if shared else "counters", d)
 
