@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 from opentelemetry import context, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -26,6 +28,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 from prometheus_client import CollectorRegistry
 
 from appliance import agent
+from appliance.agent import spans
 
 # A chat completion as vLLM 0.32 answers it with --per-request-spec-decode-metrics (the shape
 # of tests/test_specdecode.py's block; the model's other fields as the SDK reads them).
@@ -219,3 +222,92 @@ def test_a_provider_shut_down_right_after_the_call_still_exports_its_span(not_fo
     )
     provider.shutdown()
     assert [s.name for s in exporter.get_finished_spans()] == ["chat gemma4-tiny"]
+
+
+def test_a_calls_span_and_meter_points_carry_every_attribute_exactly(not_found):
+    """Every attribute of a finished call's span, by name and value (the request's, the
+    figures' under both names, the response's), and the meter API's points for two roles: the
+    agent builds them off the caller's thread from cached pieces (issue 56 §2), and each must
+    still be this call's own."""
+    url, _ = not_found
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    reader = InMemoryMetricReader()
+    client = agent.instrument(
+        openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0),
+        tracer_provider=provider,
+        registry=CollectorRegistry(),
+        meter_provider=MeterProvider(metric_readers=[reader]),
+    )
+    kw = {"model": "gemma4-tiny", "messages": [{"role": "user", "content": "hi"}]}
+    with agent.role("architect"):
+        client.chat.completions.create(**kw, max_tokens=8, temperature=0.5, top_p=0.9)
+    client.chat.completions.create(**kw, max_tokens=8, stream=False)
+    assert agent.flush(30)
+    first, second = exporter.get_finished_spans()
+    port = int(url.rsplit(":", 1)[1])
+    request = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "vllm",
+        "gen_ai.request.model": "gemma4-tiny",
+        "gen_ai.request.max_tokens": 8,
+        "gen_ai.request.temperature": 0.5,
+        "gen_ai.request.top_p": 0.9,
+        "gen_ai.request.stream": False,
+        "server.address": "127.0.0.1",
+        "server.port": port,
+        "appliance.agent.role": "architect",
+    }
+    figures = {
+        "source": "request",
+        "shared": False,
+        "status": "ok",
+        "num_drafts": 3,
+        "num_draft_tokens": 6,
+        "num_accepted_tokens": 5,
+        "acceptance_rate": 5 / 6,
+        "acceptance_length": 1 + 5 / 3,
+        "per_position_acceptance_rate": (1.0, 2 / 3),
+    }
+    new = {"vllm.spec_decode." + k: v for k, v in figures.items()}
+    old = {spans.MTP_OLD[k]: v for k, v in new.items()}
+    response = {
+        "gen_ai.response.model": "gemma4-tiny",
+        "gen_ai.response.id": "chatcmpl-7",
+        "gen_ai.usage.input_tokens": 9,
+        "gen_ai.usage.output_tokens": 8,
+        "gen_ai.response.finish_reasons": ("length",),
+    }
+    assert dict(first.attributes) == {**request, **new, **old, **response}
+    assert list(first.attributes) == [*request, *new, *old, *response]  # the order too
+    del request["gen_ai.request.temperature"], request["gen_ai.request.top_p"]
+    request["appliance.agent.role"] = "default"
+    assert dict(second.attributes) == {**request, **new, **old, **response}
+    got = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                # A counter's point has its value, a histogram's its sum.
+                value = "value" if m.name.endswith("_tokens") else "sum"
+                got[m.name] = sorted(
+                    (sorted(p.attributes.items()), getattr(p, value)) for p in m.data.data_points
+                )
+    base = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "vllm",
+        "gen_ai.request.model": "gemma4-tiny",
+        "gen_ai.response.model": "gemma4-tiny",
+        "server.address": "127.0.0.1",
+        "server.port": port,
+    }
+    roles = [{**base, "appliance.agent.role": r} for r in ("architect", "default")]
+    assert got["gen_ai.client.token.usage"] == sorted(
+        (sorted({**a, "gen_ai.token.type": kind}.items()), n)
+        for a in roles
+        for kind, n in (("input", 9), ("output", 8))
+    )
+    assert [a for a, _ in got["gen_ai.client.operation.duration"]] == [
+        sorted(a.items()) for a in roles
+    ]
+    assert got["vllm.spec_decode.num_accepted_tokens"] == [(sorted(a.items()), 5) for a in roles]

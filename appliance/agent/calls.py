@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -72,6 +72,9 @@ class Settings:
     role: str
     on_call: Callable[[CallRecord], None] | None = None
     otel: OTelMetrics | None = None  # the meter API's instruments (the global provider's)
+    # The meter API's attribute dicts by (operation, role, model, response model): built once,
+    # never changed after (an SDK aggregation may keep the dict it was given).
+    otel_attrs: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.otel is None:
@@ -287,18 +290,18 @@ class Call(Reader):
         self._later = (ctx, name, op, attrs, time.time_ns())
         return trace.NonRecordingSpan(sc)
 
-    def _started(self, more: dict[str, Any] | None = None) -> trace.Span | None:
+    def _started(self, fig: Figures | None = None) -> trace.Span | None:
         """On the agent's thread: the SDK span of a call whose start was deferred, with the
         ids its placeholder gave out (the tracer's :class:`PresetIds`), started with the
-        request's attributes and ``more`` (the end's: one start with every attribute costs
-        the SDK one attribute set, not a second pass through ``set_attributes``)."""
+        request's attributes and, given ``fig``, the end's (one start with every attribute
+        costs the SDK one attribute set, not a second pass through ``set_attributes``)."""
         if self._later is None:
             return self.span
         ctx, name, op, attrs, start_ns = self._later
         self._later = None
         attributes = attrs if attrs is not None else self._request_attributes(op)
-        if more:
-            attributes.update(more)  # a dict of this call's own either way: no copy
+        if fig is not None:
+            self._end_attributes(fig, attributes)  # into this dict of the call's own: no copy
         placeholder = self.span.get_span_context()
         _preset.ids = (placeholder.trace_id, placeholder.span_id)
         try:
@@ -582,7 +585,7 @@ class Call(Reader):
         duration = self.ended - self.started
         model = self.response_model or self.model
         if self._later is not None:  # the deferred start: with every attribute at once
-            span = self._started(self._end_attributes(fig))
+            span = self._started(fig)
         else:
             span = self.span
             if span is not None:
@@ -628,18 +631,21 @@ class Call(Reader):
             except Exception:  # noqa: BLE001 - telemetry never raises into the call
                 m.error("on_call")
 
-    def _end_attributes(self, fig: Figures) -> dict[str, Any]:
-        """The span's attributes known at the call's end: the figures and the response's."""
-        attrs: dict[str, Any] = spans.figures_attributes(fig)
-        for key, value in (
-            (spans.GEN_AI_RESPONSE_MODEL, self.response_model),
-            (spans.GEN_AI_RESPONSE_ID, self.response_id),
-            (spans.GEN_AI_USAGE_INPUT_TOKENS, self.input_tokens),
-            (spans.GEN_AI_USAGE_OUTPUT_TOKENS, self.output_tokens),
-            (spans.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, self.ttfc),
-        ):
-            if value is not None:
-                attrs[key] = value
+    def _end_attributes(self, fig: Figures, into: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The span's attributes known at the call's end: the figures and the response's (added
+        to ``into`` when given)."""
+        attrs: dict[str, Any] = spans.figures_attributes(fig, into)
+        # Straight-line, as figures_attributes (cold caches on the agent's thread).
+        if self.response_model is not None:
+            attrs[spans.GEN_AI_RESPONSE_MODEL] = self.response_model
+        if self.response_id is not None:
+            attrs[spans.GEN_AI_RESPONSE_ID] = self.response_id
+        if self.input_tokens is not None:
+            attrs[spans.GEN_AI_USAGE_INPUT_TOKENS] = self.input_tokens
+        if self.output_tokens is not None:
+            attrs[spans.GEN_AI_USAGE_OUTPUT_TOKENS] = self.output_tokens
+        if self.ttfc is not None:
+            attrs[spans.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = self.ttfc
         if self.finish_reasons:
             attrs[spans.GEN_AI_RESPONSE_FINISH_REASONS] = list(self.finish_reasons)
         if self.settings.config.capture_content and self.content:
@@ -650,26 +656,15 @@ class Call(Reader):
         """The same figures through the meter API (:class:`.metrics.OTelMetrics`), with the
         GenAI conventions' client metric attributes and the agent's role."""
         o = self.settings.otel
-        attrs: dict[str, Any] = {
-            spans.GEN_AI_OPERATION_NAME: "chat" if self.operation in NO_BLOCK else self.operation,
-            spans.GEN_AI_PROVIDER_NAME: spans.PROVIDER,
-            spans.ROLE: self.role,
-        }
-        for key, value in (
-            (spans.GEN_AI_REQUEST_MODEL, self.model),
-            (spans.GEN_AI_RESPONSE_MODEL, self.response_model),
-            (spans.SERVER_ADDRESS, self.settings.address),
-            (spans.SERVER_PORT, self.settings.port),
-        ):
-            if value is not None:
-                attrs[key] = value
+        attrs, with_input, with_output = self._otel_attributes()
         if error is not None:
             o.duration.record(duration, {**attrs, spans.ERROR_TYPE: spans.error_type(error)})
             return
         o.duration.record(duration, attrs)
-        for kind, tokens in (("input", self.input_tokens), ("output", self.output_tokens)):
-            if tokens is not None:
-                o.token_usage.record(tokens, {**attrs, spans.GEN_AI_TOKEN_TYPE: kind})
+        if self.input_tokens is not None:
+            o.token_usage.record(self.input_tokens, with_input)
+        if self.output_tokens is not None:
+            o.token_usage.record(self.output_tokens, with_output)
         if fig.exact:
             if fig.acceptance is not None:
                 o.acceptance.record(fig.acceptance, attrs)
@@ -680,7 +675,40 @@ class Call(Reader):
             if fig.accepted is not None:
                 o.accepted.add(fig.accepted, attrs)
 
+    def _otel_attributes(self) -> tuple[dict, dict, dict]:
+        """The meter API's attributes of this call, and the same with each token type: the
+        same dicts for every call with the same operation, role and models (issue 56 §2)."""
+        cache = self.settings.otel_attrs
+        key = (self.operation, self.role, self.model, self.response_model)
+        found = cache.get(key)
+        if found is None:
+            attrs: dict[str, Any] = {
+                spans.GEN_AI_OPERATION_NAME: "chat"
+                if self.operation in NO_BLOCK
+                else self.operation,
+                spans.GEN_AI_PROVIDER_NAME: spans.PROVIDER,
+                spans.ROLE: self.role,
+            }
+            for name, value in (
+                (spans.GEN_AI_REQUEST_MODEL, self.model),
+                (spans.GEN_AI_RESPONSE_MODEL, self.response_model),
+                (spans.SERVER_ADDRESS, self.settings.address),
+                (spans.SERVER_PORT, self.settings.port),
+            ):
+                if value is not None:
+                    attrs[name] = value
+            found = (
+                attrs,
+                {**attrs, spans.GEN_AI_TOKEN_TYPE: "input"},
+                {**attrs, spans.GEN_AI_TOKEN_TYPE: "output"},
+            )
+            if len(cache) >= _OTEL_ATTRS_KEPT:  # ever new models: start over
+                cache.clear()
+            cache[key] = found
+        return found
 
+
+_OTEL_ATTRS_KEPT = 256
 UNKNOWN_ERROR = Figures("unknown", "call_failed")
 # The response carries vLLM's per-request block: its figures are parsed off the caller's thread.
 FROM_BLOCK = Figures("request", "ok")
