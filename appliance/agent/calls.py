@@ -174,7 +174,10 @@ class Call(Reader):
         self.model = kwargs.get("model") if isinstance(kwargs.get("model"), str) else None
         self.stream = kwargs.get("stream") is True
         opts = kwargs.get("stream_options")
-        include_usage = isinstance(opts, Mapping) and bool(opts.get("include_usage"))
+        # (None first: an ABC's isinstance is a Python call, on every call.)
+        include_usage = (
+            opts is not None and isinstance(opts, Mapping) and bool(opts.get("include_usage"))
+        )
         # A stream without include_usage carries neither usage nor the per-request block; a
         # Responses stream always ends with a response.completed event that carries usage, an
         # Anthropic Messages stream with a message_delta event that does.
@@ -194,6 +197,7 @@ class Call(Reader):
         # A span started later, on the agent's thread (Settings.deferred_start): its context,
         # name, request attributes (None: from the kwargs then) and start time.
         self._later: tuple | None = None
+        self.parent_ctx: context.Context | None = None  # the caller's context at the start
         self.started = time.perf_counter()
         self.ended = self.started
         self.ended_ns: int | None = None
@@ -211,11 +215,6 @@ class Call(Reader):
         # Responses and Messages APIs carry no block on vLLM 0.32: never skip the counters there.
         per_request = self.settings.server.per_request and self.operation not in NO_BLOCK
         return not (per_request and self.usage_expected)
-
-    def _begin(self) -> dict:
-        """Open the window and the span; the kwargs to send (with ``traceparent`` injected)."""
-        self._open_window()
-        return self._open_span()
 
     def _open_window(self) -> None:
         self.window = self.settings.server.begin()
@@ -237,9 +236,10 @@ class Call(Reader):
             self.span = self.settings.tracer.start_span(
                 name, kind=SpanKind.CLIENT, attributes=attrs
             )
-        headers = _trace_headers(self.span)
+        headers = _trace_headers(self.span, self.parent_ctx)
         user = kwargs.get("extra_headers")
-        if isinstance(user, Mapping):  # dict, httpx.Headers, any Mapping the SDK accepts
+        # dict, httpx.Headers, any Mapping the SDK accepts (None first: see __init__)
+        if user is not None and isinstance(user, Mapping):
             user = dict(user)
             mine = {k.lower() for k in user}
             headers = {k: v for k, v in headers.items() if k.lower() not in mine}  # theirs win
@@ -263,13 +263,13 @@ class Call(Reader):
         what ``traceparent`` and any span started during the send (an HTTP instrumentation's)
         take as the parent."""
         tracer = self.settings.tracer
-        ctx = context.get_current()
+        self.parent_ctx = ctx = context.get_current()
         parent = trace.get_current_span(ctx).get_span_context()
         gen = tracer.id_generator.inner
         if parent.is_valid:
             trace_id, random_id = parent.trace_id, parent.trace_flags & _RANDOM_TRACE_ID
         else:
-            trace_id, random_id = gen.generate_trace_id(), _random_flag(gen)
+            trace_id, random_id = gen.generate_trace_id(), _random_flag(gen)  # cached
         span_id = gen.generate_span_id()
         if self.settings.default_sampler:
             is_sampled = parent.trace_flags.sampled if parent.is_valid else True
@@ -319,7 +319,8 @@ class Call(Reader):
     def start(self) -> dict:
         """Sync start; returns the kwargs to call with (the caller's own on any agent failure)."""
         try:
-            kwargs = self._begin()
+            self._open_window()
+            kwargs = self._open_span()
             if self.window.snapshots:
                 cfg = self.settings.config
                 self.settings.server.prepare(
@@ -336,7 +337,8 @@ class Call(Reader):
 
     async def astart(self) -> dict:
         try:
-            kwargs = self._begin()
+            self._open_window()
+            kwargs = self._open_span()
             if self.window.snapshots:
                 cfg = self.settings.config
                 await self.settings.server.aprepare(
@@ -728,16 +730,17 @@ _propagator: tuple[object, bool] = (None, False)
 _DEFAULT_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
 
 
-def _trace_headers(span: trace.Span) -> dict[str, str]:
-    """The headers the global propagator would inject for ``span``. With the default
-    propagator, no trace state and no baggage, that is ``traceparent`` alone, written here as
-    the W3C propagator writes it; otherwise the propagator's own."""
+def _trace_headers(span: trace.Span, ctx: context.Context | None = None) -> dict[str, str]:
+    """The headers the global propagator would inject for ``span`` (in ``ctx``, the current
+    context when ``None``). With the default propagator, no trace state and no baggage, that
+    is ``traceparent`` alone, written here as the W3C propagator writes it; otherwise the
+    propagator's own."""
     global _propagator
     prop = propagate.get_global_textmap()
     if prop is not _propagator[0]:
         _propagator = (prop, _is_default(prop))
     sc = span.get_span_context()
-    if _propagator[1] and sc.is_valid and not sc.trace_state and not baggage.get_all():
+    if _propagator[1] and sc.is_valid and not sc.trace_state and not baggage.get_all(ctx):
         return {"traceparent": f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"}
     headers: dict[str, str] = {}
     propagate.inject(headers, context=trace.set_span_in_context(span))
@@ -766,5 +769,12 @@ _RANDOM_TRACE_ID = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)
 
 
 def _random_flag(gen) -> int:
-    is_random = getattr(gen, "is_trace_id_random", None)
-    return _RANDOM_TRACE_ID if is_random is not None and is_random() else 0
+    global _random_flags
+    if gen is not _random_flags[0]:  # asked once per id generator, not once per call
+        is_random = getattr(gen, "is_trace_id_random", None)
+        flag = _RANDOM_TRACE_ID if is_random is not None and is_random() else 0
+        _random_flags = (gen, flag)
+    return _random_flags[1]
+
+
+_random_flags: tuple[object, int] = (None, 0)  # the last id generator asked, and its flag

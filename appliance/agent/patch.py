@@ -62,9 +62,11 @@ UPSTREAM_OPENAI = "opentelemetry.instrumentation.openai_v2"
 
 def beneath_upstream(create):
     """``create`` without the upstream OpenAI instrumentation's ``wrapt`` layers on top."""
-    while (getattr(getattr(create, "_self_wrapper", None), "__module__", None) or "").startswith(
-        UPSTREAM_OPENAI
-    ):
+    # Only a wrapt proxy has a _self_wrapper: a bound method's failed getattr raises (and
+    # swallows) an AttributeError on every call.
+    while isinstance(create, wrapt.ObjectProxy) and (
+        getattr(getattr(create, "_self_wrapper", None), "__module__", None) or ""
+    ).startswith(UPSTREAM_OPENAI):
         create = create.__wrapped__
     return create
 
@@ -81,7 +83,8 @@ def _attach(traced: Call):
     token to :func:`_detach` (None when the call has no span)."""
     if traced.span is None:
         return None
-    return context.attach(trace.set_span_in_context(traced.span))
+    # In the context the span was made in (the current one: no second lookup).
+    return context.attach(trace.set_span_in_context(traced.span, traced.parent_ctx))
 
 
 def _detach(token) -> None:
