@@ -660,3 +660,35 @@ def test_deferred_work_runs_in_order_and_wakes_a_sleeping_thread():
     w._deferred.extend([lambda: None] * w.MAX_BACKLOG)
     assert not w.defer(lambda: None)
     assert w.flush(30) and not w._deferred
+
+
+def test_request_attributes_leave_out_unset_values_and_sentinels():
+    import openai
+
+    kwargs = {
+        "model": "",  # no value
+        "max_tokens": openai.NOT_GIVEN,
+        "max_completion_tokens": 16,
+        "temperature": 0,  # a value, though falsy
+        "top_p": None,
+        "stream": True,
+        "extra_body": {"top_k": 5, "temperature": 9},  # the named argument wins
+        "stop_sequences": ["\n\n", "END"],
+    }
+    attrs = spans.request_attributes("chat", kwargs, None, 8000, "", capture_content=False)
+    assert attrs == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "vllm",
+        "gen_ai.request.max_tokens": 16,
+        "gen_ai.request.temperature": 0,
+        "gen_ai.request.top_k": 5,
+        "gen_ai.request.stream": True,
+        "server.port": 8000,
+        "gen_ai.request.stop_sequences": ["\n\n", "END"],
+    }
+    assert list(attrs)[-1] == "gen_ai.request.stop_sequences"
+    attrs = spans.request_attributes(
+        "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "h", 1, "r", True
+    )
+    assert attrs["gen_ai.input.messages"] == '[{"role": "user", "content": "hi"}]'
+    assert (attrs["gen_ai.request.model"], attrs["appliance.agent.role"]) == ("m", "r")

@@ -160,8 +160,12 @@ class PresetIds:
         ids = getattr(_preset, "ids", None)
         return ids[0] if ids else self.inner.generate_trace_id()
 
+    def is_trace_id_random(self) -> bool:
+        # Its own method: through __getattr__, each span's start paid a failed lookup first.
+        return self.inner.is_trace_id_random()
+
     def __getattr__(self, name: str):
-        return getattr(self.inner, name)  # is_trace_id_random and any later addition
+        return getattr(self.inner, name)  # any later addition
 
 
 class Call(Reader):

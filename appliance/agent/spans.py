@@ -114,17 +114,22 @@ def request_attributes(
     if capture_content:
         payload = kwargs.get("messages", kwargs.get("prompt", kwargs.get("input")))
         attrs[GEN_AI_INPUT_MESSAGES] = json.dumps(payload, default=str)
-    out = {k: v for k, v in attrs.items() if _is_set(v)}
-    # Anthropic's stop_sequences: a list of strings, which _is_set leaves out.
+    # Set values only, tested inline: this runs once per call on the agent's thread, with cold
+    # caches (issue 56 §2), where eleven calls and a comprehension's frame cost more.
+    out: dict[str, Any] = {}
+    for k, v in attrs.items():
+        if isinstance(v, _SCALARS) and not (isinstance(v, str) and v == ""):
+            out[k] = v
+    # Anthropic's stop_sequences: a list of strings, which the test above leaves out.
     stops = kwargs.get("stop_sequences")
     if isinstance(stops, (list, tuple)) and stops and all(isinstance(x, str) for x in stops):
         out[GEN_AI_REQUEST_STOP_SEQUENCES] = list(stops)
     return out
 
 
-def _is_set(v: Any) -> bool:
-    # The SDK's NOT_GIVEN / Omit sentinels are falsy-ish objects that are not attribute values.
-    return isinstance(v, (str, bool, int, float)) and not (isinstance(v, str) and v == "")
+# What an attribute value is set to; the SDK's NOT_GIVEN / Omit sentinels are falsy-ish
+# objects that are not attribute values, and "" is no value either.
+_SCALARS = (str, bool, int, float)
 
 
 def figures_attributes(fig, into: dict[str, Any] | None = None) -> dict[str, Any]:
