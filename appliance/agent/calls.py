@@ -7,7 +7,6 @@ caller only ever sees the bare client's result or exception. :meth:`Call.finish`
 from __future__ import annotations
 
 import contextvars
-import functools
 import json
 import sys
 import threading
@@ -221,26 +220,26 @@ class Call(Reader):
         return not (per_request and self.usage_expected)
 
     def _open_window(self) -> None:
-        self.window = self.settings.server.begin()
-        self.window.snapshots = self._wants_snapshots()
-        if self.window.snapshots and (self.operation in NO_BLOCK or not self.usage_expected):
+        self.window = w = self.settings.server.begin()
+        w.snapshots = self._wants_snapshots()
+        if w.snapshots and (self.operation in NO_BLOCK or not self.usage_expected):
             # Not a server's first chat call, which reads only until it learns per_request.
             self.settings.server.counters_seen = True
-        self.window.quiet_before = not self.usage_expected
+        w.quiet_before = not self.usage_expected
 
     def _open_span(self) -> dict:
         kwargs = self._kwargs
         # The GenAI conventions name a Responses API or Anthropic Messages call "chat" too.
         op = "chat" if self.operation in NO_BLOCK else self.operation
-        name = spans.span_name(op, self.model)
+        name = f"{op} {self.model}" if self.model else op  # spans.span_name, inline
         if self.settings.deferred_start:
-            self.span = self._placeholder(name, op)
+            headers = self._placeholder(name, op)
         else:
             attrs = self._request_attributes(op)
             self.span = self.settings.tracer.start_span(
                 name, kind=SpanKind.CLIENT, attributes=attrs
             )
-        headers = _trace_headers(self.span, self.parent_ctx)
+            headers = _trace_headers(self.span, self.span.get_span_context())
         user = kwargs.get("extra_headers")
         # dict, httpx.Headers, any Mapping the SDK accepts (None first: see __init__)
         if user is not None and isinstance(user, Mapping):
@@ -260,39 +259,35 @@ class Call(Reader):
             self.settings.config.capture_content,
         )
 
-    def _placeholder(self, name: str, op: str) -> trace.Span:
+    def _placeholder(self, name: str, op: str) -> dict[str, str]:
         """The call's span context, made on the caller's thread: the ids (the SDK's generator),
         and the sampler's decision (made again, the same, when the span starts). The span
-        itself starts on the agent's thread (:meth:`_started`); this non-recording stand-in is
-        what ``traceparent`` and any span started during the send (an HTTP instrumentation's)
-        take as the parent."""
+        itself starts on the agent's thread (:meth:`_started`); a non-recording stand-in
+        (``self.span``) is what ``traceparent`` and any span started during the send (an HTTP
+        instrumentation's) take as the parent. Returns the trace headers to send."""
         tracer = self.settings.tracer
         self.parent_ctx = ctx = context.get_current()
         parent = trace.get_current_span(ctx).get_span_context()
         gen = tracer.id_generator.inner
-        if parent.is_valid:
+        valid = parent.is_valid
+        if valid:
             trace_id, random_id = parent.trace_id, parent.trace_flags & _RANDOM_TRACE_ID
         else:
             trace_id, random_id = gen.generate_trace_id(), _random_flag(gen)  # cached
         span_id = gen.generate_span_id()
         if self.settings.default_sampler:
-            is_sampled = parent.trace_flags.sampled if parent.is_valid else True
-            trace_state = parent.trace_state if parent.is_valid else None
+            is_sampled = parent.trace_flags.sampled if valid else True
+            trace_state = parent.trace_state if valid else None
         else:
             result = tracer.sampler.should_sample(ctx, trace_id, name, SpanKind.CLIENT)
             is_sampled, trace_state = result.decision.is_sampled(), result.trace_state
         flags = TraceFlags.SAMPLED if is_sampled else TraceFlags.DEFAULT
-        sc = SpanContext(
-            trace_id,
-            span_id,
-            is_remote=False,
-            trace_flags=TraceFlags(flags | random_id),
-            trace_state=trace_state,
-        )
+        sc = SpanContext(trace_id, span_id, False, TraceFlags(flags | random_id), trace_state)
         # Captured text is read now: the caller may change its messages after the call.
         attrs = self._request_attributes(op) if self.settings.config.capture_content else None
         self._later = (ctx, name, op, attrs, time.time_ns())
-        return trace.NonRecordingSpan(sc)
+        self.span = span = trace.NonRecordingSpan(sc)
+        return _trace_headers(span, sc, ctx)
 
     def _started(self, fig: Figures | None = None) -> trace.Span | None:
         """On the agent's thread: the SDK span of a call whose start was deferred, with the
@@ -469,11 +464,16 @@ class Call(Reader):
                 srv.after_done()
                 self.settings.metrics.error("backlog")
                 fig = rules.UNKNOWN_SKIPPED
-            if WORKER.defer(functools.partial(self._close_later, fig, error)):
+            self._fig, self._error = fig, error  # for _close_later (no partial to build)
+            if WORKER.defer(self._close_later):
                 deferred = True
             else:
                 self._close(self._block_figures(fig), error)  # the backlog is full: here
-            if error is None and (fig is FROM_BLOCK or fig.source == "request"):
+            if (
+                error is None
+                and (fig is FROM_BLOCK or fig.source == "request")
+                and self.settings.server.counters_seen  # (checked again there)
+            ):
                 self._read_for_next()  # now: a counters call right after starts from it
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
@@ -481,11 +481,11 @@ class Call(Reader):
             if not deferred:
                 self._end_span_quietly()  # a no-op unless an interrupt cut _close short
 
-    def _close_later(self, fig: Figures, error: BaseException | None) -> None:
+    def _close_later(self) -> None:
         """On the background thread: span end, metrics and record of a call whose figures were
-        known at its end."""
+        known at its end (``_fig``, ``_error``: set by :meth:`finish`)."""
         try:
-            self._close(self._block_figures(fig), error)
+            self._close(self._block_figures(self._fig), self._error)
         except Exception:  # noqa: BLE001 - telemetry never raises
             self._agent_failed()
         finally:
@@ -734,16 +734,17 @@ _propagator: tuple[object, bool] = (None, False)
 _DEFAULT_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
 
 
-def _trace_headers(span: trace.Span, ctx: context.Context | None = None) -> dict[str, str]:
-    """The headers the global propagator would inject for ``span`` (in ``ctx``, the current
-    context when ``None``). With the default propagator, no trace state and no baggage, that
-    is ``traceparent`` alone, written here as the W3C propagator writes it; otherwise the
-    propagator's own."""
+def _trace_headers(
+    span: trace.Span, sc: SpanContext, ctx: context.Context | None = None
+) -> dict[str, str]:
+    """The headers the global propagator would inject for ``span`` (its context ``sc``; in
+    ``ctx``, the current context when ``None``). With the default propagator, no trace state
+    and no baggage, that is ``traceparent`` alone, written here as the W3C propagator writes
+    it; otherwise the propagator's own."""
     global _propagator
     prop = propagate.get_global_textmap()
     if prop is not _propagator[0]:
         _propagator = (prop, _is_default(prop))
-    sc = span.get_span_context()
     if _propagator[1] and sc.is_valid and not sc.trace_state and not baggage.get_all(ctx):
         return {"traceparent": f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"}
     headers: dict[str, str] = {}

@@ -101,7 +101,8 @@ def call(settings: Settings, operation: str, create, args, kwargs, stream_type: 
     traced = None if _inside.get() else _new_call(settings, operation, kwargs)
     if traced is None:
         return create(*args, **kwargs)
-    create = beneath_upstream(create)
+    if isinstance(create, wrapt.ObjectProxy):  # a plain method has no layers to look beneath
+        create = beneath_upstream(create)
     send = traced.start()
     token = _inside.set(True)
     current = _attach(traced)
