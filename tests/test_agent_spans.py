@@ -311,3 +311,42 @@ def test_a_calls_span_and_meter_points_carry_every_attribute_exactly(not_found):
         sorted(a.items()) for a in roles
     ]
     assert got["vllm.spec_decode.num_accepted_tokens"] == [(sorted(a.items()), 5) for a in roles]
+
+
+def test_baggage_and_trace_state_go_out_as_the_propagator_writes_them(not_found):
+    """traceparent alone is written by hand only without baggage and trace state; with
+    either, the global propagator injects all three headers, for the same span."""
+    from opentelemetry import baggage
+    from opentelemetry.trace import TraceState
+
+    url, seen = not_found
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    client = _client(url, provider)
+    _call(client)  # neither: traceparent alone
+    token = context.attach(baggage.set_baggage("tenant", "a"))
+    try:
+        _call(client)
+    finally:
+        context.detach(token)
+    remote = SpanContext(
+        0xABC, 0xDEF, True, TraceFlags(TraceFlags.SAMPLED), TraceState([("vendor", "x")])
+    )
+    token = context.attach(trace.set_span_in_context(trace.NonRecordingSpan(remote)))
+    try:
+        _call(client)
+    finally:
+        context.detach(token)
+    assert agent.flush(30)
+    plain, with_baggage, with_state = seen
+    assert "baggage" not in plain and "tracestate" not in plain
+    assert with_baggage["baggage"] == "tenant=a" and "tracestate" not in with_baggage
+    assert with_state["tracestate"] == "vendor=x" and "baggage" not in with_state
+    spans_by_id = {f"{s.context.span_id:016x}": s for s in exporter.get_finished_spans()}
+    for headers in seen:
+        _version, trace_id, span_id, flags = headers["traceparent"].split("-")
+        span = spans_by_id[span_id]
+        assert trace_id == f"{span.context.trace_id:032x}"
+        assert int(flags, 16) & 1 == 1  # sampled, as the span was
+    assert with_state["traceparent"].split("-")[1] == f"{0xABC:032x}"

@@ -273,7 +273,9 @@ class Call(Reader):
         if valid:
             trace_id, random_id = parent.trace_id, parent.trace_flags & _RANDOM_TRACE_ID
         else:
-            trace_id, random_id = gen.generate_trace_id(), _random_flag(gen)  # cached
+            trace_id = gen.generate_trace_id()
+            flags = _random_flags
+            random_id = flags[1] if gen is flags[0] else _random_flag(gen)  # asked once
         span_id = gen.generate_span_id()
         if self.settings.default_sampler:
             is_sampled = parent.trace_flags.sampled if valid else True
@@ -281,12 +283,15 @@ class Call(Reader):
         else:
             result = tracer.sampler.should_sample(ctx, trace_id, name, SpanKind.CLIENT)
             is_sampled, trace_state = result.decision.is_sampled(), result.trace_state
-        flags = TraceFlags.SAMPLED if is_sampled else TraceFlags.DEFAULT
-        sc = SpanContext(trace_id, span_id, False, TraceFlags(flags | random_id), trace_state)
+        flags = TraceFlags((TraceFlags.SAMPLED if is_sampled else TraceFlags.DEFAULT) | random_id)
+        sc = SpanContext(trace_id, span_id, False, flags, trace_state)
         # Captured text is read now: the caller may change its messages after the call.
         attrs = self._request_attributes(op) if self.settings.config.capture_content else None
         self._later = (ctx, name, op, attrs, time.time_ns())
         self.span = span = trace.NonRecordingSpan(sc)
+        if _default_propagation() and sc.is_valid and not trace_state and not baggage.get_all(ctx):
+            # _trace_headers' own case, from the ids at hand (no SpanContext property calls).
+            return {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"}
         return _trace_headers(span, sc, ctx)
 
     def _started(self, fig: Figures | None = None) -> trace.Span | None:
@@ -741,15 +746,20 @@ def _trace_headers(
     ``ctx``, the current context when ``None``). With the default propagator, no trace state
     and no baggage, that is ``traceparent`` alone, written here as the W3C propagator writes
     it; otherwise the propagator's own."""
-    global _propagator
-    prop = propagate.get_global_textmap()
-    if prop is not _propagator[0]:
-        _propagator = (prop, _is_default(prop))
-    if _propagator[1] and sc.is_valid and not sc.trace_state and not baggage.get_all(ctx):
+    if _default_propagation() and sc.is_valid and not sc.trace_state and not baggage.get_all(ctx):
         return {"traceparent": f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"}
     headers: dict[str, str] = {}
     propagate.inject(headers, context=trace.set_span_in_context(span))
     return headers
+
+
+def _default_propagation() -> bool:
+    """Whether the global propagator is the SDK's default (checked once per propagator)."""
+    global _propagator
+    prop = propagate.get_global_textmap()
+    if prop is not _propagator[0]:
+        _propagator = (prop, _is_default(prop))
+    return _propagator[1]
 
 
 def _is_default(prop) -> bool:
