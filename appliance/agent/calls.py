@@ -582,7 +582,8 @@ class Call(Reader):
 
     def _end_span_quietly(self) -> None:
         try:
-            if self.window is not None:
+            # (ended is set once, under the server's lock: True read without it is final.)
+            if self.window is not None and not self.window.ended:
                 self.settings.server.end(self.window)
             if self._later is not None:  # _close did not get to start it: the last resort
                 self._started()
@@ -610,7 +611,8 @@ class Call(Reader):
         role, model_label = self.role, model or ""
         m.count(role, model_label, fig.source, outcome)
         m.of("duration", role, model_label).observe(duration)
-        if fig.exact and error is None:
+        exact = fig.exact  # once: a property (the meter's figures below ask it too)
+        if exact and error is None:
             if fig.acceptance is not None:
                 m.of("acceptance", role, model_label).observe(fig.acceptance)
             if fig.tokens_per_step is not None:
@@ -619,7 +621,7 @@ class Call(Reader):
                 m.of("draft_tokens", role, model_label).inc(fig.draft_tokens)
             if fig.accepted is not None:
                 m.of("accepted", role, model_label).inc(fig.accepted)
-        self._record_otel(fig, error, duration)
+        self._record_otel(fig, error, duration, exact)
         if self.settings.on_call is not None:
             record = CallRecord(
                 role=self.role,
@@ -663,7 +665,9 @@ class Call(Reader):
             attrs[spans.GEN_AI_OUTPUT_MESSAGES] = json.dumps(["".join(self.content)])
         return attrs
 
-    def _record_otel(self, fig: Figures, error: BaseException | None, duration: float) -> None:
+    def _record_otel(
+        self, fig: Figures, error: BaseException | None, duration: float, exact: bool
+    ) -> None:
         """The same figures through the meter API (:class:`.metrics.OTelMetrics`), with the
         GenAI conventions' client metric attributes and the agent's role."""
         o = self.settings.otel
@@ -676,7 +680,7 @@ class Call(Reader):
             o.token_usage.record(self.input_tokens, with_input)
         if self.output_tokens is not None:
             o.token_usage.record(self.output_tokens, with_output)
-        if fig.exact:
+        if exact:
             if fig.acceptance is not None:
                 o.acceptance.record(fig.acceptance, attrs)
             if fig.tokens_per_step is not None:

@@ -54,16 +54,18 @@ class Figures:
 
     @classmethod
     def from_delta(cls, d: specdecode.Delta, source: str, shared: bool = False) -> Figures:
+        # The ratios by specdecode's functions directly (Delta's properties add a call each).
+        drafts, accepted = d.drafts, d.accepted
         return cls(
             source=source,
             status=d.status,
             shared=shared,
-            drafts=d.drafts,
+            drafts=drafts,
             draft_tokens=d.draft_tokens,
-            accepted=d.accepted,
-            acceptance=d.acceptance,
-            tokens_per_step=d.tokens_per_step,
-            per_position=d.per_position,
+            accepted=accepted,
+            acceptance=specdecode.acceptance(accepted, d.draft_tokens),
+            tokens_per_step=specdecode.tokens_per_step(accepted, drafts),
+            per_position=specdecode.per_position(d.accepted_per_pos, drafts),
         )
 
 

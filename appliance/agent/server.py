@@ -301,11 +301,16 @@ class Server:
                     break
                 if before.clean_from < w.sent and w.finished <= after.sent:
                     own.append(w)
-            if not own or any(w.tokens is None for w in own):
-                return False  # an own call of unknown usage (failed, cancelled) may hold tokens
-            if a - b != sum(w.tokens for w in own):
+            if not own:
                 return False
-            last = max(w.finished for w in own)
+            tokens, last = 0, own[0].finished  # one pass, no generator frames (issue 56 §2)
+            for w in own:
+                if w.tokens is None:
+                    return False  # an own call of unknown usage (failed, cancelled) may hold some
+                tokens += w.tokens
+                last = max(last, w.finished)
+            if a - b != tokens:
+                return False
             after.clean_from = min(after.clean_from, max(before.clean_from, last))
         return True
 

@@ -227,8 +227,11 @@ def counters_delta(b: Counters, a: Counters) -> Delta:
         a.draft_tokens - b.draft_tokens,
         a.accepted - b.accepted,
     )
-    if drafts < 0 or tokens < 0 or accepted < 0 or any(p < 0 for p in pos):
+    if drafts < 0 or tokens < 0 or accepted < 0:
         return Delta("reset")
+    for p in pos:  # a loop, not any(): no generator frame on the agent's thread
+        if p < 0:
+            return Delta("reset")
     return Delta("ok", round(drafts), round(tokens), round(accepted), tuple(map(round, pos)))
 
 
@@ -278,9 +281,10 @@ def attribute(
     """
     if request is not None:
         return Attribution("request", request)
-    if model_name is not None and not (
-        any(m == model_name for m, _ in before.series)
-        or any(m == model_name for m, _ in after.series)
+    if (
+        model_name is not None
+        and not _labelled(before, model_name)
+        and not _labelled(after, model_name)
     ):
         model_name = None  # no series labelled so: an alias, all models
     d = delta(before, after, model_name)
@@ -292,6 +296,14 @@ def attribute(
         return Attribution("counters", d)
     shared = overlapped or bool(before.running) or bool(after.running)
     return Attribution("shared" if shared else "counters", d)
+
+
+def _labelled(snap: Snapshot, model_name: str) -> bool:
+    """Whether a series of ``snap`` carries ``model_name`` (a loop: no generator frame)."""
+    for m, _ in snap.series:
+        if m == model_name:
+            return True
+    return False
 
 
 def parse(text: str) -> Snapshot:
@@ -396,12 +408,16 @@ def parse_seen(
     the agent reads it once per call on its own thread: issue 56 §2); ``None`` for a page with
     anything else (an escape, a timestamp, a line it cannot read), which parse_with then reads,
     or refuses, itself."""
-    if "\\" in text or not all(name.startswith("vllm:") for name in totals):
+    if "\\" in text:
         return None
+    seen = _SEEN.get(totals)
+    if seen is None:  # the totals' names are checked once, when first seen
+        if not all(name.startswith("vllm:") for name in totals):
+            return None
+        seen = _SEEN.setdefault(totals, {})
     raw: dict[tuple[str, str], dict] = {}
     running: float | None = None
     sums: list[float | None] = [None] * len(totals)
-    seen = _SEEN.setdefault(totals, {})
     try:
         for line in text.split("\n"):
             if not line.startswith("vllm:"):  # every series read starts so (PREFIX, totals)
