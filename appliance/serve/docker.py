@@ -8,6 +8,7 @@ client's own words on one line.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 
@@ -17,6 +18,7 @@ STOP_GRACE_S = 60  # docker stop's SIGTERM-to-SIGKILL grace (the unit allows 90 
 # vLLM's --shutdown-timeout: how long in-flight requests may finish after the SIGTERM. The rest
 # of the grace is for vLLM's own teardown (its engine processes) before docker's SIGKILL.
 DRAIN_S = STOP_GRACE_S - 10
+STOP_TRIES = 3  # docker stop clients killed by a stop's SIGTERM sweep before one is let run
 REMOVE_WAIT_S = 30  # how long `remove` waits for Docker to finish an auto-removal
 
 
@@ -72,7 +74,14 @@ def stop(container: str) -> str:
     """Stop ``container``, giving vLLM ``STOP_GRACE_S`` to drain; what happened, as a line. A
     container already gone is fine (the engine exited and ``--rm`` removed it)."""
     start = time.monotonic()
-    proc = _docker("stop", "-t", str(STOP_GRACE_S), container)
+    for _ in range(STOP_TRIES):
+        proc = _docker("stop", "-t", str(STOP_GRACE_S), container)
+        # A stop while the unit is activating: systemd signals the wait, then every process of
+        # the unit's cgroup, reading it again until no new one shows, and the client started
+        # here in answer can be one of them (exit -15, the container left running). The sweep
+        # signals each process once and docker stop is idempotent: ask again.
+        if proc.returncode != -signal.SIGTERM:
+            break
     took = time.monotonic() - start
     if proc.returncode == 0:
         if took >= STOP_GRACE_S:

@@ -335,9 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         ACTIONS[argv[1]](unit)
     except _Stopping:
         unit.log(f"{argv[1]}: the unit is stopping (SIGTERM), no longer waiting for vLLM")
-        # The same SIGTERM reached vLLM through the docker client, and vLLM, still loading,
-        # usually ends at once; a load that does not (seen once in a full run: the unit's 90 s
-        # ran out, Result=timeout) is stopped as ExecStop would, killed after the grace.
+        # The same SIGTERM went to the docker client, whose proxy passes it to vLLM; vLLM was
+        # seen to go on loading all the same (the unit's 90 s ran out, Result=timeout), so the
+        # container is stopped as ExecStop would, killed after the grace.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             unit.log(stop_line(unit))
