@@ -325,12 +325,14 @@ class Call(Reader):
         try:
             self._open_window()
             kwargs = self._open_span()
-            if self.window.snapshots:
+            w = self.window
+            if w.snapshots:
                 cfg = self.settings.config
                 self.settings.server.prepare(
-                    self.window, self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown
+                    w, self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown
                 )
-            self._sent()
+            self.started = time.perf_counter()  # _sent, inline (the sync path)
+            w.sent = time.monotonic()
             return kwargs
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
@@ -399,7 +401,7 @@ class Call(Reader):
             self.finish(error=exc)
             raise
 
-    def _sent(self) -> None:
+    def _sent(self) -> None:  # (written out in start, the sync path)
         self.started = time.perf_counter()
         self.window.sent = time.monotonic()
 
