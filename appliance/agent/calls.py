@@ -274,8 +274,8 @@ class Call(Reader):
             trace_id, random_id = parent.trace_id, parent.trace_flags & _RANDOM_TRACE_ID
         else:
             trace_id = gen.generate_trace_id()
-            flags = _random_flags
-            random_id = flags[1] if gen is flags[0] else _random_flag(gen)  # asked once
+            cached = _random_flags
+            random_id = cached[1] if gen is cached[0] else _random_flag(gen)  # asked once
         span_id = gen.generate_span_id()
         if self.settings.default_sampler:
             is_sampled = parent.trace_flags.sampled if valid else True
