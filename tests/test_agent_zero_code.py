@@ -17,6 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import wrapt
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -25,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from appliance import agent
 from appliance.agent.instrumentor import METHODS, OpenAIInstrumentor
+from appliance.agent.patch import UPSTREAM_OPENAI, beneath_upstream
 from appliance.engine.local import free_port
 from appliance.engine_api import specdecode
 from appliance.engine_api.vllm_client import VLLMClient
@@ -712,3 +714,28 @@ def test_with_the_upstream_openai_instrumentation_a_vllm_call_has_one_span_ours_
     assert wrapper._self_wrapper.__module__ == "opentelemetry.instrumentation.openai_v2.patch"
     theirs.uninstrument()
     assert _creates() == bare
+
+
+def test_the_upstream_instrumentations_wrapt_layers_are_looked_beneath():
+    """The layers ``wrapt.wrap_function_wrapper`` puts on ``create`` (what the upstream OpenAI
+    instrumentation uses), seen bound: under wrapt 2 they are not ``wrapt.ObjectProxy``
+    instances, and a check for that class sent every call through the upstream layer too (two
+    CLIENT spans per call, caught by the README-settings test)."""
+    through: list[str] = []
+
+    class Completions:
+        def create(self, **kwargs):
+            return "sent"
+
+    def upstream(wrapped, instance, args, kwargs):
+        through.append(upstream.__module__)
+        return wrapped(*args, **kwargs)
+
+    upstream.__module__ = f"{UPSTREAM_OPENAI}.patch"
+    wrapt.wrap_function_wrapper(Completions, "create", upstream)
+    assert beneath_upstream(Completions().create)() == "sent"
+    assert through == []
+    # Another instrumentation's layer stays: only the upstream OpenAI one is looked beneath.
+    upstream.__module__ = "opentelemetry.instrumentation.other"
+    assert beneath_upstream(Completions().create)() == "sent"
+    assert through == ["opentelemetry.instrumentation.other"]

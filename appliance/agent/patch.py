@@ -60,11 +60,16 @@ _inside: contextvars.ContextVar[bool] = contextvars.ContextVar(
 UPSTREAM_OPENAI = "opentelemetry.instrumentation.openai_v2"
 
 
+# wrapt 2's function wrappers (what instrumentations wrap with) derive from its base proxy, not
+# from ``wrapt.ObjectProxy``; wrapt 1 has the one class.
+_WRAPT_PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
+
+
 def beneath_upstream(create):
     """``create`` without the upstream OpenAI instrumentation's ``wrapt`` layers on top."""
     # Only a wrapt proxy has a _self_wrapper: a bound method's failed getattr raises (and
     # swallows) an AttributeError on every call.
-    while isinstance(create, wrapt.ObjectProxy) and (
+    while isinstance(create, _WRAPT_PROXY) and (
         getattr(getattr(create, "_self_wrapper", None), "__module__", None) or ""
     ).startswith(UPSTREAM_OPENAI):
         create = create.__wrapped__
@@ -105,7 +110,7 @@ def call(settings: Settings, operation: str, create, args, kwargs, stream_type: 
     except Exception:  # noqa: BLE001 - telemetry never raises into the call
         settings.metrics.error("internal")
         return create(*args, **kwargs)
-    if isinstance(create, wrapt.ObjectProxy):  # a plain method has no layers to look beneath
+    if isinstance(create, _WRAPT_PROXY):  # a plain method has no layers to look beneath
         create = beneath_upstream(create)
     send = traced.start()
     token = _inside.set(True)
