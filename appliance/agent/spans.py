@@ -136,8 +136,8 @@ def figures_attributes(fig, into: dict[str, Any] | None = None) -> dict[str, Any
     """The ``vllm.spec_decode.*`` attributes of a :class:`~.rules.Figures`, each also under its
     old ``gen_ai.vllm.mtp.*`` name (:data:`MTP_OLD`, for this release); added to ``into`` when
     given (the span's other attributes: one dict for the span's one start)."""
-    # Straight-line stores: this runs once per call on the agent's thread, with cold caches
-    # (issue 56 §2); a loop over (name, value) pairs, or comprehensions, cost more there.
+    # Straight-line stores for the new names: this runs once per call on the agent's thread,
+    # with cold caches (issue 56 §2), where a loop over (name, value) pairs cost more.
     attrs: dict[str, Any] = {} if into is None else into
     drafts, tokens, accepted = fig.drafts, fig.draft_tokens, fig.accepted
     rate, length, per = fig.acceptance, fig.tokens_per_step, fig.per_position
@@ -153,30 +153,25 @@ def figures_attributes(fig, into: dict[str, Any] | None = None) -> dict[str, Any
     if length is not None:
         attrs[MTP_TOKENS_PER_STEP] = length
     if per is not None:
-        attrs[MTP_PER_POSITION] = per = list(per)
-    attrs[_OLD_SOURCE], attrs[_OLD_SHARED], attrs[_OLD_STATUS] = fig.source, fig.shared, fig.status
-    if drafts is not None:
-        attrs[_OLD_DRAFTS] = drafts
-    if tokens is not None:
-        attrs[_OLD_DRAFT_TOKENS] = tokens
-    if accepted is not None:
-        attrs[_OLD_ACCEPTED] = accepted
-    if rate is not None:
-        attrs[_OLD_ACCEPTANCE] = rate
-    if length is not None:
-        attrs[_OLD_TOKENS_PER_STEP] = length
-    if per is not None:
-        attrs[_OLD_PER_POSITION] = per
+        attrs[MTP_PER_POSITION] = list(per)
+    for key, old in _RENAMED:  # the old names, in the new ones' order (one list shared)
+        if key in attrs:
+            attrs[old] = attrs[key]
     return attrs
 
 
-_OLD_SOURCE, _OLD_SHARED, _OLD_STATUS = (MTP_OLD[k] for k in (MTP_SOURCE, MTP_SHARED, MTP_STATUS))
-_OLD_DRAFTS, _OLD_DRAFT_TOKENS, _OLD_ACCEPTED = (
-    MTP_OLD[k] for k in (MTP_DRAFTS, MTP_DRAFT_TOKENS, MTP_ACCEPTED)
+_NEW_ORDER = (
+    MTP_SOURCE,
+    MTP_SHARED,
+    MTP_STATUS,
+    MTP_DRAFTS,
+    MTP_DRAFT_TOKENS,
+    MTP_ACCEPTED,
+    MTP_ACCEPTANCE,
+    MTP_TOKENS_PER_STEP,
+    MTP_PER_POSITION,
 )
-_OLD_ACCEPTANCE, _OLD_TOKENS_PER_STEP, _OLD_PER_POSITION = (
-    MTP_OLD[k] for k in (MTP_ACCEPTANCE, MTP_TOKENS_PER_STEP, MTP_PER_POSITION)
-)
+_RENAMED = tuple((key, MTP_OLD[key]) for key in _NEW_ORDER)
 
 
 def http_status(exc: BaseException | None) -> int | None:
