@@ -443,40 +443,26 @@ def test_a_wait_for_the_engine_ends_cleanly_on_the_stops_sigterm(tmp_path):
     """A stop while the unit is still `activating` skips ExecStop and sends SIGTERM to the
     unit's processes, ExecStartPost's wait among them: the wait exits 0 with a line (killed by
     the signal, it failed the stop: Result=signal, seen under systemd)."""
-    import http.server
     import signal
-    import threading
+
+    from plugins.http_servers import loading_health
 
     from appliance.engine.local import free_port
 
     port = free_port()
     units.install("cpu-tiny", "w", root=tmp_path, options=units.Options(port=port))
-    asked = threading.Event()
-
-    class Loading(http.server.BaseHTTPRequestHandler):  # a stand-in: an engine still loading
-        def do_GET(self):  # http.server's naming
-            asked.set()
-            self.send_response(503)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Loading)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     values = envfile.read(Layout(tmp_path).env_file("w")).values
     env = {**values, "PATH": os.environ["PATH"], "APPLIANCE_ROOT": str(tmp_path)}
     argv = [str(Layout(tmp_path).serve_program), "w", "wait-healthy"]
-    wait = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        assert asked.wait(30), "the wait never asked /health"  # its handler is set by then
-        wait.send_signal(signal.SIGTERM)
-        _, err = wait.communicate(timeout=30)
-    finally:
-        server.shutdown()
-        server.server_close()
-        if wait.poll() is None:
-            wait.kill()
+    with loading_health(port) as asked:
+        wait = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            assert asked.wait(30), "the wait never asked /health"  # its handler is set by then
+            wait.send_signal(signal.SIGTERM)
+            _, err = wait.communicate(timeout=30)
+        finally:
+            if wait.poll() is None:
+                wait.kill()
     assert wait.returncode == 0, err
     assert "wait-healthy: the unit is stopping (SIGTERM), no longer waiting for vLLM" in err
 

@@ -8,6 +8,7 @@ labelled imports (tests/plugins/units.py); the real engine under systemd is the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.server
 import os
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from plugins.http_servers import loading_health
 
 from appliance import profiles, units
 from appliance.engine.local import free_port
@@ -241,19 +243,6 @@ def test_a_stop_while_waiting_stops_the_container_though_its_sigterm_reaches_the
     port = free_port()
     units.install("cpu-tiny", INSTANCE, root=tmp_path, options=units.Options(port=port))
     name = units.container_name(INSTANCE)
-    asked = threading.Event()
-
-    class Loading(http.server.BaseHTTPRequestHandler):  # a stand-in: an engine still loading
-        def do_GET(self):  # http.server's naming
-            asked.set()
-            self.send_response(503)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Loading)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     # The container stands in for the loading engine: it ends at the SIGTERM docker stop sends.
     image = appliance_images["cpu-mtp"].image_id
     run = ["docker", "run", "-d", "--init", "--name", name, "--entrypoint", "sleep", image, "600"]
@@ -261,9 +250,12 @@ def test_a_stop_while_waiting_stops_the_container_though_its_sigterm_reaches_the
     values = envfile.read(Layout(tmp_path).env_file(INSTANCE)).values
     env = {**values, "PATH": os.environ["PATH"], "APPLIANCE_ROOT": str(tmp_path)}
     argv = [str(Layout(tmp_path).serve_program), INSTANCE, "wait-healthy"]
-    wait = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
     signalled: list[int] = []
-    try:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(subprocess.run, ["docker", "rm", "-f", name], capture_output=True)
+        asked = cleanup.enter_context(loading_health(port))
+        wait = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+        cleanup.callback(lambda: wait.poll() is None and wait.kill())
         assert asked.wait(30), "the wait never asked /health"  # its handler is set by then
         wait.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
@@ -281,12 +273,6 @@ def test_a_stop_while_waiting_stops_the_container_though_its_sigterm_reaches_the
             text=True,
             check=False,
         ).stdout.strip()
-    finally:
-        server.shutdown()
-        server.server_close()
-        if wait.poll() is None:
-            wait.kill()
-        subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
     assert signalled, f"the wait started no docker client: {err}"
     assert wait.returncode == 0, err
     assert "wait-healthy: the unit is stopping (SIGTERM), no longer waiting for vLLM" in err

@@ -3,6 +3,8 @@
 - ``plain_http_server``: a real HTTP server that is not vLLM (Python's ``http.server``).
 - ``routed_http_server``: a factory for a real HTTP server answering fixed routes; only for
   faults a real vLLM cannot be made to produce (the test using it says which).
+- ``loading_health``: a stand-in for an engine still loading (503 to everything), for the serve
+  program's waits: a real vLLM cannot be held in its load on demand.
 
 ``API_KEY`` guards the session's ``api_key_engine`` (tests/conftest.py), as an installed instance's
 key does.
@@ -10,6 +12,7 @@ key does.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import threading
 from collections.abc import Callable, Iterator
@@ -29,6 +32,29 @@ def _start(handler: type[http.server.BaseHTTPRequestHandler]) -> http.server.Thr
 def _stop(srv: http.server.ThreadingHTTPServer) -> None:
     srv.shutdown()
     srv.server_close()
+
+
+@contextlib.contextmanager
+def loading_health(port: int) -> Iterator[threading.Event]:
+    """503 to every request on 127.0.0.1:``port``, as an engine still loading answers; the event
+    is set at the first request (a wait's first /health poll: its SIGTERM handler is set)."""
+    asked = threading.Event()
+
+    class Loading(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # http.server's naming
+            asked.set()
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), Loading)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield asked
+    finally:
+        _stop(srv)
 
 
 @pytest.fixture()
