@@ -273,9 +273,7 @@ class Call(Reader):
         if valid:
             trace_id, random_id = parent.trace_id, parent.trace_flags & _RANDOM_TRACE_ID
         else:
-            trace_id = gen.generate_trace_id()
-            cached = _random_flags
-            random_id = cached[1] if gen is cached[0] else _random_flag(gen)  # asked once
+            trace_id, random_id = gen.generate_trace_id(), _random_flag(gen)
         span_id = gen.generate_span_id()
         if self.settings.default_sampler:
             is_sampled = parent.trace_flags.sampled if valid else True
@@ -289,9 +287,6 @@ class Call(Reader):
         attrs = self._request_attributes(op) if self.settings.config.capture_content else None
         self._later = (ctx, name, op, attrs, time.time_ns())
         self.span = span = trace.NonRecordingSpan(sc)
-        if _default_propagation() and sc.is_valid and not trace_state and not baggage.get_all(ctx):
-            # _trace_headers' own case, from the ids at hand (no SpanContext property calls).
-            return {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"}
         return _trace_headers(span, sc, ctx)
 
     def _started(self, fig: Figures | None = None) -> trace.Span | None:
@@ -331,8 +326,7 @@ class Call(Reader):
                 self.settings.server.prepare(
                     w, self.settings.metrics, cfg.snapshot_timeout, cfg.failure_cooldown
                 )
-            self.started = time.perf_counter()  # _sent, inline (the sync path)
-            w.sent = time.monotonic()
+            self._sent()
             return kwargs
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
@@ -401,7 +395,7 @@ class Call(Reader):
             self.finish(error=exc)
             raise
 
-    def _sent(self) -> None:  # (written out in start, the sync path)
+    def _sent(self) -> None:
         self.started = time.perf_counter()
         self.window.sent = time.monotonic()
 
@@ -613,8 +607,7 @@ class Call(Reader):
         role, model_label = self.role, model or ""
         m.count(role, model_label, fig.source, outcome)
         m.of("duration", role, model_label).observe(duration)
-        exact = fig.exact  # once: a property (the meter's figures below ask it too)
-        if exact and error is None:
+        if fig.exact and error is None:
             if fig.acceptance is not None:
                 m.of("acceptance", role, model_label).observe(fig.acceptance)
             if fig.tokens_per_step is not None:
@@ -623,7 +616,7 @@ class Call(Reader):
                 m.of("draft_tokens", role, model_label).inc(fig.draft_tokens)
             if fig.accepted is not None:
                 m.of("accepted", role, model_label).inc(fig.accepted)
-        self._record_otel(fig, error, duration, exact)
+        self._record_otel(fig, error, duration)
         if self.settings.on_call is not None:
             record = CallRecord(
                 role=self.role,
@@ -667,9 +660,7 @@ class Call(Reader):
             attrs[spans.GEN_AI_OUTPUT_MESSAGES] = json.dumps(["".join(self.content)])
         return attrs
 
-    def _record_otel(
-        self, fig: Figures, error: BaseException | None, duration: float, exact: bool
-    ) -> None:
+    def _record_otel(self, fig: Figures, error: BaseException | None, duration: float) -> None:
         """The same figures through the meter API (:class:`.metrics.OTelMetrics`), with the
         GenAI conventions' client metric attributes and the agent's role."""
         o = self.settings.otel
@@ -682,7 +673,7 @@ class Call(Reader):
             o.token_usage.record(self.input_tokens, with_input)
         if self.output_tokens is not None:
             o.token_usage.record(self.output_tokens, with_output)
-        if exact:
+        if fig.exact:
             if fig.acceptance is not None:
                 o.acceptance.record(fig.acceptance, attrs)
             if fig.tokens_per_step is not None:

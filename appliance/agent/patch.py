@@ -103,22 +103,13 @@ def call(settings: Settings, operation: str, create, args, kwargs, stream_type: 
 
     ``stream_type``: the SDK's stream class (``openai.Stream``, ``anthropic.Stream``), whose
     instances are returned wrapped in :class:`.streams.SyncStream`."""
-    if _inside.get():
+    traced = None if _inside.get() else _new_call(settings, operation, kwargs)
+    if traced is None:
         return create(*args, **kwargs)
-    try:  # _new_call, inline (the sync path: one call fewer per call)
-        traced = Call(settings, operation, kwargs)
-    except Exception:  # noqa: BLE001 - telemetry never raises into the call
-        settings.metrics.error("internal")
-        return create(*args, **kwargs)
-    if isinstance(create, _WRAPT_PROXY):  # a plain method has no layers to look beneath
-        create = beneath_upstream(create)
+    create = beneath_upstream(create)
     send = traced.start()
     token = _inside.set(True)
-    # _attach and _detach, inline (the sync path: two calls fewer per call).
-    span = traced.span
-    current = (
-        None if span is None else context.attach(trace.set_span_in_context(span, traced.parent_ctx))
-    )
+    current = _attach(traced)
     try:
         result = create(*args, **send)
     except BaseException as exc:
@@ -126,8 +117,7 @@ def call(settings: Settings, operation: str, create, args, kwargs, stream_type: 
         traced.finish(error=exc)
         raise
     finally:
-        if current is not None:
-            context.detach(current)
+        _detach(current)
         _inside.reset(token)
     if isinstance(result, stream_type):
         return SyncStream(result, traced)
@@ -274,8 +264,7 @@ def _done(traced: Call, result, stream_type, wrapper):
     read once, as bare). A raw stream (``ChatOpenAI(include_response_headers=True).stream()``)
     parses to the SDK's stream: the proxy that finishes the call goes in that cache instead, so
     the caller's ``parse()`` iterates through it."""
-    # _is_raw, inline: every call comes through here.
-    if type(result).__name__ != "LegacyAPIResponse" or not callable(getattr(result, "parse", None)):
+    if not _is_raw(result):
         traced.on_response(result)
         traced.finish()
         return result

@@ -140,18 +140,13 @@ class Reader:
             return
         # Chat and completions say prompt/completion_tokens; Responses and Messages input/output.
         # A count left out (an Anthropic message_delta's input_tokens) keeps the earlier one.
-        # (Each name tried inline, not through _first_int: this runs on the caller's thread.)
-        tokens = getattr(usage, "prompt_tokens", None)
-        if not isinstance(tokens, int):
-            tokens = getattr(usage, "input_tokens", None)
-        if isinstance(tokens, int):
-            self.input_tokens = tokens
+        input_tokens = _first_int(usage, "prompt_tokens", "input_tokens")
+        if input_tokens is not None:
+            self.input_tokens = input_tokens
         # Under MTP one chunk carries 1 + accepted tokens: usage is the only true count.
-        tokens = getattr(usage, "completion_tokens", None)
-        if not isinstance(tokens, int):
-            tokens = getattr(usage, "output_tokens", None)
-        if isinstance(tokens, int):
-            self.output_tokens = tokens
+        output_tokens = _first_int(usage, "completion_tokens", "output_tokens")
+        if output_tokens is not None:
+            self.output_tokens = output_tokens
 
 
 def _first_int(obj: Any, *names: str) -> int | None:
