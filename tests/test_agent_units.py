@@ -636,25 +636,43 @@ def test_queued_jobs_alone_let_the_thread_sleep_without_timed_wakeups():
     assert ran.wait(30)
 
 
-def test_deferred_work_runs_in_order_and_wakes_a_sleeping_thread():
-    """Deferred jobs (a per-request call's span end, metrics, record) run on the agent's thread
-    without a wake while it polls, before any queued job, and wake it once it sleeps; a hang
-    here (the 30 s waits) is the failure."""
+def test_deferred_work_runs_in_batches_in_order_and_wakes_a_sleeping_thread():
+    """Deferred jobs (a call's span end, metrics, record) wait for their batch while a queued
+    job (an after-read) runs at once; a batch runs at its tick, when it is full, or at a flush,
+    in the order handed over; a sleeping thread is woken by a deferral. A hang here (the 30 s
+    waits) is the failure."""
     w = Worker()
-    w.SLEEP_AFTER_S = 0.1
+    w.DRAIN_S = 3600.0  # no tick in this test's time: only a full batch or a flush drains
+    w.SLEEP_AFTER_S = 3600.0
     done: list[str] = []
-    ran = threading.Event()
     assert w.defer(lambda: done.append("a"))
-    w.offer(lambda: done.append("b"))
+    ran_b = threading.Event()
+    w.offer(lambda: (done.append("b"), ran_b.set()))
+    assert ran_b.wait(30)
+    assert done == ["b"]  # the after-read did not wait for the batch
+    assert w.defer(lambda: done.append("c"))
     assert w.flush(30)
-    assert done == ["a", "b"]
+    assert done == ["b", "a", "c"]
+    # A full batch drains by itself.
+    full = threading.Event()
+    for i in range(w.DRAIN_BATCH - 1):
+        assert w.defer(lambda i=i: done.append(f"x{i}"))
+    assert w.defer(full.set)
+    assert full.wait(30)
+    assert done[3:] == [f"x{i}" for i in range(w.DRAIN_BATCH - 1)]
+    # The tick drains what is left, then the idle thread sleeps; a deferral wakes it.
+    w.DRAIN_S, w.SLEEP_AFTER_S = 0.05, 0.1
+    ticked = threading.Event()
+    w.offer(lambda: None)  # the thread takes the new tick at its next wake
+    assert w.defer(ticked.set)
+    assert ticked.wait(30)
     deadline = time.monotonic() + 30
     while not w._sleeping and time.monotonic() < deadline:
         time.sleep(0.01)
     assert w._sleeping  # idle: blocked on its queue with no timeout
-    assert w.defer(lambda: (done.append("c"), ran.set()))
-    assert ran.wait(30)
-    assert done == ["a", "b", "c"]
+    woke = threading.Event()
+    assert w.defer(woke.set)
+    assert woke.wait(30)
     # A full deferred backlog refuses (the caller then closes the call itself).
     w._sleeping = False
     w._deferred.extend([lambda: None] * w.MAX_BACKLOG)

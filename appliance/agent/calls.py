@@ -483,8 +483,8 @@ class Call(Reader):
                 self._end_span_quietly()  # a no-op unless an interrupt cut _close short
 
     def _close_later(self) -> None:
-        """On the background thread: span end, metrics and record of a call whose figures were
-        known at its end (``_fig``, ``_error``: set by :meth:`finish`)."""
+        """On the background thread: span end, metrics and record of a call whose figures are
+        known (``_fig``, ``_error``: set by :meth:`finish`, :meth:`_complete`, :meth:`abandon`)."""
         try:
             self._close(self._block_figures(self._fig), self._error)
         except Exception:  # noqa: BLE001 - telemetry never raises
@@ -533,7 +533,9 @@ class Call(Reader):
         self.finish(error)
 
     def _complete(self) -> None:
-        """On the background thread: the after-read, the figures, then span, metrics, record."""
+        """On the background thread: the after-read and the figures now, then span, metrics and
+        record with the next batch of deferred work (:class:`.worker.Worker`)."""
+        deferred = False
         try:
             cfg, srv = self.settings.config, self.settings.server
             try:
@@ -554,11 +556,15 @@ class Call(Reader):
             # even if its request went out while the read was in flight (Server.certify).
             srv.chained(before is not None and after is not None and srv.certify(before, after))
             srv.restarted(w, fig.exact)
-            self._close(fig, None)
+            self._fig, self._error = fig, None
+            deferred = WORKER.defer(self._close_later)
+            if not deferred:  # the deferred backlog is full: now
+                self._close(fig, None)
         except Exception:  # noqa: BLE001 - telemetry never raises
             self._agent_failed()
         finally:
-            self._end_span_quietly()
+            if not deferred:
+                self._end_span_quietly()
 
     def abandon(self) -> None:
         """End the span of a stream dropped unread (on the background thread; no network)."""
@@ -567,14 +573,19 @@ class Call(Reader):
         self._done = True
         self.ended = time.perf_counter()
         self.ended_ns = time.time_ns()
+        deferred = False
         try:
             if self.window is not None:
                 self.settings.server.end(self.window)
-            self._close(Figures("unknown", "abandoned"), None)
+            self._fig, self._error = ABANDONED, None
+            deferred = WORKER.defer(self._close_later)  # in its batch: records in call order
+            if not deferred:
+                self._close(ABANDONED, None)
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
         finally:
-            self._end_span_quietly()
+            if not deferred:
+                self._end_span_quietly()
 
     def _end_span_quietly(self) -> None:
         try:
@@ -718,6 +729,7 @@ class Call(Reader):
 
 _OTEL_ATTRS_KEPT = 256
 UNKNOWN_ERROR = Figures("unknown", "call_failed")
+ABANDONED = Figures("unknown", "abandoned")
 # The response carries vLLM's per-request block: its figures are parsed off the caller's thread.
 FROM_BLOCK = Figures("request", "ok")
 
