@@ -139,6 +139,61 @@ def test_the_exported_span_carries_the_ids_traceparent_sent(not_found):
     assert root.parent is None and root.context.trace_id != nested.context.trace_id
 
 
+def test_root_calls_take_ids_made_ahead_and_their_spans_carry_them(not_found):
+    """After a batch, the next root calls' ids, stand-ins and ``traceparent`` are ready
+    (:mod:`appliance.agent.roots`, made on the agent's thread): each call takes the next one
+    in order, and its exported span carries exactly those ids; no two calls share a trace."""
+    url, seen = not_found
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    client = _client(url, provider)
+    _call(client)
+    assert agent.flush(30)  # the batch filled the pool
+    pool = client.chat.completions._self_settings.roots
+    ready = list(pool._ready)[:3]
+    assert len(ready) == 3
+    for _ in ready:
+        _call(client)
+    assert agent.flush(30)
+    sent = [h["traceparent"] for h in seen[1:]]
+    assert sent == [header for _sc, _span, header in ready]
+    spans_ = [s for s in exporter.get_finished_spans() if s.name == "chat x"][1:]
+    assert [(s.context.trace_id, s.context.span_id) for s in spans_] == [
+        (sc.trace_id, sc.span_id) for sc, _span, _header in ready
+    ]
+    assert all(s.parent is None for s in spans_)
+    assert len({s.context.trace_id for s in exporter.get_finished_spans()}) == 4
+
+
+def test_roots_are_made_ahead_only_where_that_changes_nothing(not_found):
+    """No pool under a sampler other than the default (its decision is the call's) or an id
+    generator other than the SDK's random one (X-Ray's encodes the time); a forked child
+    starts with an empty pool, so it never sends its parent's ids."""
+    import os
+
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class TimeIds(RandomIdGenerator):
+        pass
+
+    url, _ = not_found
+    assert (
+        _client(url, TracerProvider(sampler=ALWAYS_OFF)).chat.completions._self_settings.roots
+        is None
+    )
+    timed = _client(url, TracerProvider(id_generator=TimeIds()))
+    assert timed.chat.completions._self_settings.roots is None
+    pool = _client(url, TracerProvider()).chat.completions._self_settings.roots
+    pool.fill()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of the parent's
+        os._exit(0 if pool.take() is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pool.take() is not None  # the parent keeps its own
+
+
 def test_an_unsampled_call_sends_an_unsampled_traceparent_and_exports_nothing(not_found):
     url, seen = not_found
     exporter = InMemorySpanExporter()

@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from .. import __version__
 from ..engine_api import specdecode
 from ..engine_api.vllm_client import normalise_base_url
-from . import rules, spans
+from . import roots, rules, spans
 from .config import AgentConfig
 from .metrics import AgentMetrics, OTelMetrics, otel_for
 from .responses import NO_BLOCK, Reader
@@ -90,6 +90,11 @@ class Settings:
         self.default_sampler = self.deferred_start and (
             sampling is not None and self.tracer.sampler is getattr(sampling, "DEFAULT_ON", None)
         )
+        self.roots = None
+        if self.default_sampler:  # a root is sampled: its flags are known ahead
+            inner = self.tracer.id_generator.inner
+            flags = TraceFlags.SAMPLED | _random_flag(inner)
+            self.roots = roots.pool_for(inner, self.default_sampler, flags)
 
     @classmethod
     def for_base(
@@ -268,8 +273,18 @@ class Call(Reader):
         tracer = self.settings.tracer
         self.parent_ctx = ctx = context.get_current()
         parent = trace.get_current_span(ctx).get_span_context()
-        gen = tracer.id_generator.inner
         valid = parent.is_valid
+        pool = self.settings.roots
+        ready = None if valid or pool is None else pool.take()
+        if ready is not None:  # made ahead on the agent's thread (.roots)
+            sc, span, traceparent = ready
+            attrs = self._request_attributes(op) if self.settings.config.capture_content else None
+            self._later = (ctx, name, op, attrs, time.time_ns())
+            self.span = span
+            if _default_propagation() and not baggage.get_all(ctx):
+                return {"traceparent": traceparent}
+            return _trace_headers(span, sc, ctx)
+        gen = tracer.id_generator.inner
         if valid:
             trace_id, random_id = parent.trace_id, parent.trace_flags & _RANDOM_TRACE_ID
         else:
@@ -487,6 +502,8 @@ class Call(Reader):
         known (``_fig``, ``_error``: set by :meth:`finish`, :meth:`_complete`, :meth:`abandon`)."""
         try:
             self._close(self._block_figures(self._fig), self._error)
+            if self.settings.roots is not None:
+                self.settings.roots.fill()  # the next calls' roots, in this batch
         except Exception:  # noqa: BLE001 - telemetry never raises
             self._agent_failed()
         finally:
