@@ -616,17 +616,16 @@ def test_a_counters_call_after_calls_that_read_nothing_reads_a_fresh_before_read
 
 
 def test_queued_jobs_alone_let_the_thread_sleep_without_timed_wakeups():
-    """A queued job wakes the thread itself, so with counters-path calls alone (jobs, nothing
-    deferred) the thread goes to sleep after SLEEP_AFTER_S even while jobs keep coming, instead
-    of waking every DRAIN_S to poll a deferred queue that stays empty (issue 56 §2); a deferred
-    job then still wakes it."""
+    """A queued job wakes the thread itself, so with queued jobs alone (nothing deferred) the
+    thread goes to sleep after SLEEP_AFTER_S even while jobs keep coming, instead of waking to
+    poll a deferred queue that stays empty (issue 56 §2); a deferred job then still wakes it."""
     w = Worker()
     w.SLEEP_AFTER_S = 0.1
     done: list[int] = []
     deadline = time.monotonic() + 10
     i = 0
     while not w._sleeping and time.monotonic() < deadline:
-        w.offer(lambda i=i: done.append(i))  # every 20 ms: more often than DRAIN_S
+        w.offer(lambda i=i: done.append(i))  # every 20 ms: more often than SLEEP_AFTER_S
         i += 1
         time.sleep(0.02)
     assert w._sleeping
