@@ -236,6 +236,34 @@ def test_what_is_read_off_the_callers_thread_reaches_span_and_record(not_found):
     assert a["vllm.spec_decode.num_accepted_tokens"] == a["gen_ai.vllm.mtp.accepted"] == 5
 
 
+def test_records_come_in_the_order_the_calls_ended_across_both_paths(not_found):
+    """A per-request call hands its record over at its end, a counters-path call after its
+    after-read: with the records run in batches, each still comes in the order its call ended
+    (the stand-in has no ``/metrics``: the counters path's figures are unknown, its record is
+    still made)."""
+    url, _ = not_found
+    records: list[agent.CallRecord] = []
+
+    def client(attribution: str):
+        return agent.instrument(
+            openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0),
+            config=agent.AgentConfig(attribution=attribution),
+            tracer_provider=TracerProvider(),
+            registry=CollectorRegistry(),
+            on_call=records.append,
+        )
+
+    by_request, by_counters = client("request"), client("counters")
+    for _ in range(3):
+        for c in (by_request, by_counters):
+            c.chat.completions.create(
+                model="gemma4-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+            )
+    assert agent.flush(30)
+    sources = [r.figures.source for r in records]
+    assert sources == ["request", sources[1]] * 3 and sources[1] != "request", sources
+
+
 def test_under_the_default_sampler_an_unsampled_parent_keeps_the_call_unsampled(not_found):
     """The SDK's default sampler follows the parent: the caller takes that decision itself
     (the sampler is not called there), and the span the agent's thread starts agrees."""
