@@ -94,7 +94,7 @@ class Settings:
         if self.default_sampler:  # a root is sampled: its flags are known ahead
             inner = self.tracer.id_generator.inner
             flags = TraceFlags.SAMPLED | _random_flag(inner)
-            self.roots = roots.pool_for(inner, self.default_sampler, flags)
+            self.roots = roots.pool_for(inner, flags)
 
     @classmethod
     def for_base(
@@ -277,32 +277,30 @@ class Call(Reader):
         pool = self.settings.roots
         ready = None if valid or pool is None else pool.take()
         if ready is not None:  # made ahead on the agent's thread (.roots)
-            sc, span, traceparent = ready
-            attrs = self._request_attributes(op) if self.settings.config.capture_content else None
-            self._later = (ctx, name, op, attrs, time.time_ns())
-            self.span = span
-            if _default_propagation() and not baggage.get_all(ctx):
-                return {"traceparent": traceparent}
-            return _trace_headers(span, sc, ctx)
-        gen = tracer.id_generator.inner
-        if valid:
-            trace_id, random_id = parent.trace_id, parent.trace_flags & _RANDOM_TRACE_ID
+            sc, span, header = ready
         else:
-            trace_id, random_id = gen.generate_trace_id(), _random_flag(gen)
-        span_id = gen.generate_span_id()
-        if self.settings.default_sampler:
-            is_sampled = parent.trace_flags.sampled if valid else True
-            trace_state = parent.trace_state if valid else None
-        else:
-            result = tracer.sampler.should_sample(ctx, trace_id, name, SpanKind.CLIENT)
-            is_sampled, trace_state = result.decision.is_sampled(), result.trace_state
-        flags = TraceFlags((TraceFlags.SAMPLED if is_sampled else TraceFlags.DEFAULT) | random_id)
-        sc = SpanContext(trace_id, span_id, False, flags, trace_state)
+            gen = tracer.id_generator.inner
+            if valid:
+                trace_id, random_id = parent.trace_id, parent.trace_flags & _RANDOM_TRACE_ID
+            else:
+                trace_id, random_id = gen.generate_trace_id(), _random_flag(gen)
+            span_id = gen.generate_span_id()
+            if self.settings.default_sampler:
+                is_sampled = parent.trace_flags.sampled if valid else True
+                trace_state = parent.trace_state if valid else None
+            else:
+                result = tracer.sampler.should_sample(ctx, trace_id, name, SpanKind.CLIENT)
+                is_sampled, trace_state = result.decision.is_sampled(), result.trace_state
+            flags = TraceFlags(
+                (TraceFlags.SAMPLED if is_sampled else TraceFlags.DEFAULT) | random_id
+            )
+            sc = SpanContext(trace_id, span_id, False, flags, trace_state)
+            span, header = trace.NonRecordingSpan(sc), None
         # Captured text is read now: the caller may change its messages after the call.
         attrs = self._request_attributes(op) if self.settings.config.capture_content else None
         self._later = (ctx, name, op, attrs, time.time_ns())
-        self.span = span = trace.NonRecordingSpan(sc)
-        return _trace_headers(span, sc, ctx)
+        self.span = span
+        return _trace_headers(span, sc, ctx, header)
 
     def _started(self, fig: Figures | None = None) -> trace.Span | None:
         """On the agent's thread: the SDK span of a call whose start was deferred, with the
@@ -480,11 +478,7 @@ class Call(Reader):
                 srv.after_done()
                 self.settings.metrics.error("backlog")
                 fig = rules.UNKNOWN_SKIPPED
-            self._fig, self._error = fig, error  # for _close_later (no partial to build)
-            if WORKER.defer(self._close_later):
-                deferred = True
-            else:
-                self._close(self._block_figures(fig), error)  # the backlog is full: here
+            deferred = self._close_in_batch(fig, error)
             if (
                 error is None
                 and (fig is FROM_BLOCK or fig.source == "request")
@@ -497,9 +491,18 @@ class Call(Reader):
             if not deferred:
                 self._end_span_quietly()  # a no-op unless an interrupt cut _close short
 
+    def _close_in_batch(self, fig: Figures, error: BaseException | None) -> bool:
+        """Hand span end, metrics and record to the agent's next batch (:meth:`_close_later`);
+        when the deferred backlog is full, close here instead. Whether it was handed over."""
+        self._fig, self._error = fig, error
+        if WORKER.defer(self._close_later):
+            return True
+        self._close(self._block_figures(fig), error)
+        return False
+
     def _close_later(self) -> None:
         """On the background thread: span end, metrics and record of a call whose figures are
-        known (``_fig``, ``_error``: set by :meth:`finish`, :meth:`_complete`, :meth:`abandon`)."""
+        known (``_fig``, ``_error``: set by :meth:`_close_in_batch`)."""
         try:
             self._close(self._block_figures(self._fig), self._error)
             if self.settings.roots is not None:
@@ -573,10 +576,7 @@ class Call(Reader):
             # even if its request went out while the read was in flight (Server.certify).
             srv.chained(before is not None and after is not None and srv.certify(before, after))
             srv.restarted(w, fig.exact)
-            self._fig, self._error = fig, None
-            deferred = WORKER.defer(self._close_later)
-            if not deferred:  # the deferred backlog is full: now
-                self._close(fig, None)
+            deferred = self._close_in_batch(fig, None)
         except Exception:  # noqa: BLE001 - telemetry never raises
             self._agent_failed()
         finally:
@@ -594,10 +594,7 @@ class Call(Reader):
         try:
             if self.window is not None:
                 self.settings.server.end(self.window)
-            self._fig, self._error = ABANDONED, None
-            deferred = WORKER.defer(self._close_later)  # in its batch: records in call order
-            if not deferred:
-                self._close(ABANDONED, None)
+            deferred = self._close_in_batch(ABANDONED, None)  # records in call order
         except Exception:  # noqa: BLE001 - telemetry never raises into the call
             self._agent_failed()
         finally:
@@ -766,14 +763,17 @@ _DEFAULT_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
 
 
 def _trace_headers(
-    span: trace.Span, sc: SpanContext, ctx: context.Context | None = None
+    span: trace.Span,
+    sc: SpanContext,
+    ctx: context.Context | None = None,
+    traceparent: str | None = None,
 ) -> dict[str, str]:
     """The headers the global propagator would inject for ``span`` (its context ``sc``; in
     ``ctx``, the current context when ``None``). With the default propagator, no trace state
-    and no baggage, that is ``traceparent`` alone, written here as the W3C propagator writes
-    it; otherwise the propagator's own."""
+    and no baggage, that is ``traceparent`` alone (``traceparent``: its value written ahead),
+    written as the W3C propagator writes it; otherwise the propagator's own."""
     if _default_propagation() and sc.is_valid and not sc.trace_state and not baggage.get_all(ctx):
-        return {"traceparent": f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"}
+        return {"traceparent": traceparent or roots.traceparent(sc)}
     headers: dict[str, str] = {}
     propagate.inject(headers, context=trace.set_span_in_context(span))
     return headers

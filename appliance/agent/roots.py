@@ -50,11 +50,15 @@ class RootPool:
         ready, gen, flags = self._ready, self._gen, self._flags
         while len(ready) < self.SIZE:
             sc = SpanContext(gen.generate_trace_id(), gen.generate_span_id(), False, flags)
-            header = f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{flags:02x}"
-            ready.append((sc, NonRecordingSpan(sc), header))
+            ready.append((sc, NonRecordingSpan(sc), traceparent(sc)))
 
     def clear(self) -> None:
         self._ready.clear()
+
+
+def traceparent(sc: SpanContext) -> str:
+    """``sc``'s W3C ``traceparent`` value, as the W3C propagator writes it."""
+    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{sc.trace_flags:02x}"
 
 
 _pools: weakref.WeakSet[RootPool] = weakref.WeakSet()
@@ -68,11 +72,12 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def pool_for(gen, sampled_by_default: bool, flags: int) -> RootPool | None:
-    """A pool for a tracer whose id generator is ``gen``, or ``None`` where ids made ahead could
-    differ from ids made at the call (see the module's docstring)."""
+def pool_for(gen, flags: int) -> RootPool | None:
+    """A pool for a tracer under the SDK's default sampler whose id generator is ``gen``, or
+    ``None`` where ids made ahead could differ from ids made at the call (the module's
+    docstring)."""
     # The SDK is the application's to install: a tracer of another kind has no pool.
     sdk_ids = sys.modules.get("opentelemetry.sdk.trace.id_generator")
-    if not sampled_by_default or sdk_ids is None or type(gen) is not sdk_ids.RandomIdGenerator:
+    if sdk_ids is None or type(gen) is not sdk_ids.RandomIdGenerator:
         return None
     return RootPool(gen, flags)
