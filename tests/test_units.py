@@ -445,6 +445,7 @@ def test_a_wait_for_the_engine_ends_cleanly_on_the_stops_sigterm(tmp_path):
     the signal, it failed the stop: Result=signal, seen under systemd)."""
     import signal
 
+    from plugins import processes
     from plugins.http_servers import loading_health
 
     from appliance.engine.local import free_port
@@ -454,10 +455,12 @@ def test_a_wait_for_the_engine_ends_cleanly_on_the_stops_sigterm(tmp_path):
     values = envfile.read(Layout(tmp_path).env_file("w")).values
     env = {**values, "PATH": os.environ["PATH"], "APPLIANCE_ROOT": str(tmp_path)}
     argv = [str(Layout(tmp_path).serve_program), "w", "wait-healthy"]
-    with loading_health(port) as asked:
+    with loading_health(port):
         wait = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
         try:
-            assert asked.wait(30), "the wait never asked /health"  # its handler is set by then
+            # Once its handler is set: the server's first request may be another program's.
+            handler_set = processes.until(lambda: processes.catches(wait.pid, signal.SIGTERM), 30)
+            assert handler_set, f"the wait set no handler: {processes.signal_state(wait.pid)}"
             wait.send_signal(signal.SIGTERM)
             _, err = wait.communicate(timeout=30)
         finally:

@@ -16,10 +16,10 @@ import shlex
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from plugins import processes
 from plugins.http_servers import loading_health
 
 from appliance import profiles, units
@@ -207,65 +207,62 @@ def test_wait_healthy_returns_once_health_answers_200(tmp_path):
     assert f"vLLM healthy on 127.0.0.1:{port}" in proc.stderr
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``, from /proc."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
+# When the docker client the wait starts gets its SIGTERM: as its Go runtime starts (killed by
+# the signal, exit -15), or while it asks the daemon to stop the container (its own handler has
+# cancelled the request, exit 143). A sweep's timing decides which.
+MOMENTS = {
+    "as-its-runtime-starts": lambda pid: processes.catches(pid, signal.SIGTERM),
+    "while-it-asks-the-daemon": lambda pid: (
+        processes.catches(pid, signal.SIGTERM) and processes.holds_socket(pid)
+    ),
+}
 
 
-def _catches_sigterm(pid: int) -> bool:
-    """Whether ``pid`` has its own SIGTERM handler yet (the docker client, once Go set its)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    caught = next(ln for ln in status.splitlines() if ln.startswith("SigCgt:"))
-    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
-
-
+@pytest.mark.parametrize("moment", MOMENTS)
 def test_a_stop_while_waiting_stops_the_container_though_its_sigterm_reaches_the_docker_client(
-    tmp_path, appliance_images
+    tmp_path, appliance_images, moment
 ):
     """A stop while the unit is `activating`: systemd sends SIGTERM to the wait, then to every
     process of the unit's cgroup, reading the cgroup again until no new process shows; the
     docker client the wait starts in answer (`docker stop`) can be one of them. Seen under
     systemd in full runs and then alone: `docker stop ... failed: exit -15`, vLLM left loading,
-    the unit killed at its 90 s (Result=timeout). The sweep's timing cannot be had on demand,
-    so this test signals as it would: the wait, then the first docker client the wait starts
-    (a real SIGTERM to the real client, once Go has set its handler). The container must stop."""
+    the unit killed at its 90 s (Result=timeout); then in a full run `exit 143`, the client
+    signalled once it was talking to the daemon. The sweep's timing cannot be had on demand, so
+    this test signals as it would: the wait once its handler is set, then the docker client the
+    wait starts, at each moment (a real SIGTERM to the real client). The container must stop."""
     port = free_port()
     units.install("cpu-tiny", INSTANCE, root=tmp_path, options=units.Options(port=port))
     name = units.container_name(INSTANCE)
-    # The container stands in for the loading engine: it ends at the SIGTERM docker stop sends.
+    # The container stands in for the loading engine: it ends a second after the SIGTERM docker
+    # stop sends, so that the client is still asking the daemon when it is signalled.
     image = appliance_images["cpu-mtp"].image_id
-    run = ["docker", "run", "-d", "--init", "--name", name, "--entrypoint", "sleep", image, "600"]
-    subprocess.run(run, check=True, capture_output=True)
+    loading = "trap 'sleep 1; exit 0' TERM; sleep 600 & wait"
+    run = ["docker", "run", "-d", "--init", "--name", name, "--entrypoint", "sh", image]
+    subprocess.run([*run, "-c", loading], check=True, capture_output=True)
     values = envfile.read(Layout(tmp_path).env_file(INSTANCE)).values
     env = {**values, "PATH": os.environ["PATH"], "APPLIANCE_ROOT": str(tmp_path)}
     argv = [str(Layout(tmp_path).serve_program), INSTANCE, "wait-healthy"]
-    signalled: list[int] = []
+    ready = MOMENTS[moment]
+    client: list[int] = []
+
+    def client_ready() -> bool:
+        if not client:
+            client.extend(processes.children(wait.pid)[:1])
+        return (bool(client) and ready(client[0])) or wait.poll() is not None
+
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(subprocess.run, ["docker", "rm", "-f", name], capture_output=True)
-        asked = cleanup.enter_context(loading_health(port))
+        cleanup.enter_context(loading_health(port))
         wait = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
         cleanup.callback(lambda: wait.poll() is None and wait.kill())
-        assert asked.wait(30), "the wait never asked /health"  # its handler is set by then
+        handler_set = processes.until(lambda: processes.catches(wait.pid, signal.SIGTERM), 30)
+        assert handler_set, f"the wait set no SIGTERM handler: {processes.signal_state(wait.pid)}"
         wait.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while not signalled and wait.poll() is None and time.monotonic() < deadline:
-            for child in _children(wait.pid):
-                if _catches_sigterm(child):
-                    os.kill(child, signal.SIGTERM)
-                    signalled.append(child)
-                    break
-            time.sleep(0.002)
+        if not processes.until(client_ready, 30) or wait.poll() is not None:
+            state = processes.signal_state(wait.pid)
+            wait.kill()
+            pytest.fail(f"no docker client to signal ({state}): {wait.communicate()[1]}")
+        os.kill(client[0], signal.SIGTERM)
         _, err = wait.communicate(timeout=120)
         running = subprocess.run(
             ["docker", "container", "inspect", "--format", "{{.State.Running}}", name],
@@ -273,7 +270,6 @@ def test_a_stop_while_waiting_stops_the_container_though_its_sigterm_reaches_the
             text=True,
             check=False,
         ).stdout.strip()
-    assert signalled, f"the wait started no docker client: {err}"
     assert wait.returncode == 0, err
     assert "wait-healthy: the unit is stopping (SIGTERM), no longer waiting for vLLM" in err
     assert f"container {name} stopped after" in err, err

@@ -19,6 +19,9 @@ STOP_GRACE_S = 60  # docker stop's SIGTERM-to-SIGKILL grace (the unit allows 90 
 # of the grace is for vLLM's own teardown (its engine processes) before docker's SIGKILL.
 DRAIN_S = STOP_GRACE_S - 10
 STOP_TRIES = 3  # docker stop clients killed by a stop's SIGTERM sweep before one is let run
+# How a docker client ends at a SIGTERM: killed by it while its Go runtime starts (-15), or
+# exiting 128 + 15 once its own handler is set, which cancels the request to the daemon.
+SIGTERMED = (-signal.SIGTERM, 128 + signal.SIGTERM)
 REMOVE_WAIT_S = 30  # how long `remove` waits for Docker to finish an auto-removal
 
 
@@ -78,9 +81,9 @@ def stop(container: str) -> str:
         proc = _docker("stop", "-t", str(STOP_GRACE_S), container)
         # A stop while the unit is activating: systemd signals the wait, then every process of
         # the unit's cgroup, reading it again until no new one shows, and the client started
-        # here in answer can be one of them (exit -15, the container left running). The sweep
-        # signals each process once and docker stop is idempotent: ask again.
-        if proc.returncode != -signal.SIGTERM:
+        # here in answer can be one of them, the container left running. The sweep signals
+        # each process once and docker stop is idempotent: ask again.
+        if proc.returncode not in SIGTERMED:
             break
     took = time.monotonic() - start
     if proc.returncode == 0:
