@@ -439,10 +439,13 @@ def test_a_stop_lets_in_flight_requests_finish_on_an_image_whose_vllm_can(tmp_pa
         ) in cmd.notes
 
 
-def test_a_wait_for_the_engine_ends_cleanly_on_the_stops_sigterm(tmp_path):
+@pytest.mark.parametrize("parent", ["as systemd starts it", "with sigterm blocked"])
+def test_a_wait_for_the_engine_ends_cleanly_on_the_stops_sigterm(tmp_path, parent):
     """A stop while the unit is still `activating` skips ExecStop and sends SIGTERM to the
     unit's processes, ExecStartPost's wait among them: the wait exits 0 with a line (killed by
-    the signal, it failed the stop: Result=signal, seen under systemd)."""
+    the signal, it failed the stop: Result=signal, seen under systemd). A process started with
+    SIGTERM blocked keeps it blocked across exec; the wait then never saw the stop and waited on
+    (how a CI run's wait looked: still waiting 150 s after its SIGTERM). It unblocks it."""
     import signal
 
     from plugins import processes
@@ -455,8 +458,13 @@ def test_a_wait_for_the_engine_ends_cleanly_on_the_stops_sigterm(tmp_path):
     values = envfile.read(Layout(tmp_path).env_file("w")).values
     env = {**values, "PATH": os.environ["PATH"], "APPLIANCE_ROOT": str(tmp_path)}
     argv = [str(Layout(tmp_path).serve_program), "w", "wait-healthy"]
+    blocked = {signal.SIGTERM} if parent == "with sigterm blocked" else set()
     with loading_health(port):
-        wait = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)  # what the child inherits
+        try:
+            wait = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
         try:
             # Once its handler is set: the server's first request may be another program's.
             handler_set = processes.until(lambda: processes.catches(wait.pid, signal.SIGTERM), 30)
@@ -466,6 +474,7 @@ def test_a_wait_for_the_engine_ends_cleanly_on_the_stops_sigterm(tmp_path):
         finally:
             if wait.poll() is None:
                 wait.kill()
+                wait.communicate()
     assert wait.returncode == 0, err
     assert "wait-healthy: the unit is stopping (SIGTERM), no longer waiting for vLLM" in err
 

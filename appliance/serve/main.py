@@ -331,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     unit = Unit(argv[0], dict(os.environ))
     if argv[1] in WAITS:
         signal.signal(signal.SIGTERM, _stopping)
+        # A blocked signal stays blocked across exec: started so, the wait would never see the
+        # stop's SIGTERM and wait on until the unit's timeout.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     try:
         ACTIONS[argv[1]](unit)
     except _Stopping:
