@@ -466,7 +466,7 @@ def test_a_wait_for_the_engine_ends_cleanly_on_the_stops_sigterm(tmp_path, paren
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, before)
         try:
-            # Once its handler is set: the server's first request may be another program's.
+            # Once /proc shows its handler: a request to the stand-in says less.
             handler_set = processes.until(lambda: processes.catches(wait.pid, signal.SIGTERM), 30)
             assert handler_set, f"the wait set no handler: {processes.signal_state(wait.pid)}"
             wait.send_signal(signal.SIGTERM)

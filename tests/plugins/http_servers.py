@@ -36,9 +36,9 @@ def _stop(srv: http.server.ThreadingHTTPServer) -> None:
 
 @contextlib.contextmanager
 def loading_health(port: int) -> Iterator[None]:
-    """503 to every request on 127.0.0.1:``port``, as an engine still loading answers. Whose
-    request comes first is not known (a port is shared with the machines' units): a test reads
-    the wait's own state (:mod:`plugins.processes`) before it signals it."""
+    """503 to every request on 127.0.0.1:``port``, as an engine still loading answers. A test
+    signals the wait once /proc shows its handler set (:mod:`plugins.processes`): a request
+    says only that some program asked."""
 
     class Loading(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # http.server's naming
