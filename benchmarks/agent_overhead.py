@@ -33,11 +33,15 @@ counters path's background CPU under 0.4 ms, every figure exact) times each agen
 the caller's thread (``time.thread_time`` around the call, less the same around the SDK's own
 ``create`` beneath the agent) and the CPU of the agent's own thread over the block, per call.
 Agent calls go back to back with ``--gap-ms`` of sleep between (the engine's time, so the
-caller's thread is cold as under a real engine), then with a bare call between each. It runs on
-the engines above, or with ``--stand-in`` on an in-process server that answers as vLLM 0.32
-does (a chat completion with the per-request block, or without it and ``/metrics/`` counters
-that move by exactly each call's figures): the caller's and the agent's threads do what they do
-against an engine, the server's CPU is on threads of its own, outside both figures.
+caller's thread is cold as under a real engine), then with a bare call between each; first a
+floor row, the same measure around a pass-through in the agent's place (what the caller's
+figure reads when there is nothing to find: a thread just back from its sleep pays for its own
+timing), and above the table the host's speed (``host_speed.py``): cold figures move with the
+host. It runs on the engines above, or with ``--stand-in`` on an in-process server that
+answers as vLLM 0.32 does (a chat completion with the per-request block, or without it and
+``/metrics/`` counters that move by exactly each call's figures): the caller's and the agent's
+threads do what they do against an engine, the server's CPU is on threads of its own, outside
+both figures.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import urllib.parse
 from pathlib import Path
 
 import anthropic
+import host_speed  # beside this script: run as a file, its folder is on the path
 import httpx
 import openai
 from opentelemetry.sdk.trace import TracerProvider
@@ -558,7 +563,7 @@ def cpu_per_call(url: str, calls: int, gap_s: float, max_tokens: int) -> dict:
         on_call=records.append,
     )
     bare = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    out = {}
+    out = {"floor": _floor(url, calls, gap_s, kw)}
     for regime, between in (("back to back", False), ("a bare call between", True)):
         for _ in range(5):  # warm: connections, the agent's learned state
             traced.chat.completions.create(**kw)
@@ -589,15 +594,42 @@ def cpu_per_call(url: str, calls: int, gap_s: float, max_tokens: int) -> dict:
     return out
 
 
+def _floor(url: str, calls: int, gap_s: float, kw: dict) -> list[float]:
+    """The same measure with a pass-through in the agent's place: what the caller's figure
+    reads when there is nothing to find (timing a thread just back from its sleep costs CPU of
+    its own, a cold cache's)."""
+    raw = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    sdk = SDKTime(raw.chat.completions)
+    create = raw.chat.completions.create
+    floor = []
+    for _ in range(5):
+        create(**kw)
+    gc.collect()
+    for _ in range(calls):
+        time.sleep(gap_s)
+        sdk.ns = 0
+        t0 = time.thread_time_ns()
+        create(**kw)
+        floor.append((time.thread_time_ns() - t0 - sdk.ns) / 1e6)
+    return floor
+
+
 def print_cpu(rows: list[tuple[str, dict]]) -> None:
     print()
+    print(f"host speed: {host_speed.reference_seconds():.2f} s for the reference loop")
     print("agent CPU per call, ms: caller's thread (median, p10-p90) and the agent's thread")
     print(
         f"{'path':<20} {'regime':<22} {'caller med':>10} {'p10-p90':>13} {'background':>10} "
         f"{'exact':>6}  sources"
     )
     for path, result in rows:
+        floor = result["floor"]
+        spread = f"{_pct(floor, 0.1):.3f}-{_pct(floor, 0.9):.3f}"
+        label = "floor: pass-through"
+        print(f"{path:<20} {label:<22} {statistics.median(floor):>10.3f} {spread:>13}")
         for regime, r in result.items():
+            if regime == "floor":
+                continue
             c = r["caller"]
             spread = f"{_pct(c, 0.1):.3f}-{_pct(c, 0.9):.3f}"
             print(
