@@ -272,8 +272,11 @@ class Call(Reader):
         instrumentation's) take as the parent. Returns the trace headers to send."""
         tracer = self.settings.tracer
         self.parent_ctx = ctx = context.get_current()
-        parent = trace.get_current_span(ctx).get_span_context()
-        valid = parent.is_valid
+        if ctx:
+            parent = trace.get_current_span(ctx).get_span_context()
+            valid = parent.is_valid
+        else:  # an empty context (a root call's usual one) holds no span: no lookups
+            parent, valid = trace.INVALID_SPAN_CONTEXT, False
         pool = self.settings.roots
         ready = None if valid or pool is None else pool.take()
         if ready is not None:  # made ahead on the agent's thread (.roots)
@@ -772,7 +775,9 @@ def _trace_headers(
     ``ctx``, the current context when ``None``). With the default propagator, no trace state
     and no baggage, that is ``traceparent`` alone (``traceparent``: its value written ahead),
     written as the W3C propagator writes it; otherwise the propagator's own."""
-    if _default_propagation() and sc.is_valid and not sc.trace_state and not baggage.get_all(ctx):
+    # (An empty context holds no baggage: no copy of it made to find none.)
+    no_baggage = (ctx is not None and not ctx) or not baggage.get_all(ctx)
+    if _default_propagation() and sc.is_valid and not sc.trace_state and no_baggage:
         return {"traceparent": traceparent or roots.traceparent(sc)}
     headers: dict[str, str] = {}
     propagate.inject(headers, context=trace.set_span_in_context(span))
