@@ -226,7 +226,7 @@ def test_a_stop_while_waiting_stops_the_container_though_its_sigterm_reaches_the
     process of the unit's cgroup, reading the cgroup again until no new process shows; the
     docker client the wait starts in answer (`docker stop`) can be one of them. Seen under
     systemd in full runs and then alone: `docker stop ... failed: exit -15`, vLLM left loading,
-    the unit killed at its 90 s (Result=timeout); then in a full run `exit 143`, the client
+    the unit killed at its 90 s (Result=timeout); then, alone under load, `exit 143`: the client
     signalled once it was talking to the daemon. The sweep's timing cannot be had on demand, so
     this test signals as it would: the wait once its handler is set, then the docker client the
     wait starts, at each moment (a real SIGTERM to the real client). The container must stop."""
