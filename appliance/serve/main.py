@@ -329,12 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     unit = Unit(argv[0], dict(os.environ))
-    if argv[1] in WAITS:
-        signal.signal(signal.SIGTERM, _stopping)
-        # A blocked signal stays blocked across exec: started so, the wait would never see the
-        # stop's SIGTERM and wait on until the unit's timeout.
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     try:
+        if argv[1] in WAITS:
+            signal.signal(signal.SIGTERM, _stopping)
+            # A blocked signal stays blocked across exec: started so, the wait would never see
+            # the stop's SIGTERM and wait on until the unit's timeout. One already pending is
+            # delivered here, inside the try.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         ACTIONS[argv[1]](unit)
     except _Stopping:
         unit.log(f"{argv[1]}: the unit is stopping (SIGTERM), no longer waiting for vLLM")
