@@ -578,11 +578,7 @@ def cpu_per_call(url: str, calls: int, gap_s: float, max_tokens: int) -> dict:
         for _ in range(calls):
             if between:
                 bare.chat.completions.create(**kw)
-            time.sleep(gap_s)
-            sdk.ns = 0
-            t0 = time.thread_time_ns()
-            traced.chat.completions.create(**kw)
-            caller.append((time.thread_time_ns() - t0 - sdk.ns) / 1e6)
+            caller.append(_own_ms(traced.chat.completions.create, sdk, gap_s, kw))
         agent.flush(30)
         background = (_agent_threads_cpu_ns() - bg0) / 1e6 / calls
         out[regime] = {
@@ -606,12 +602,17 @@ def _floor(url: str, calls: int, gap_s: float, kw: dict) -> list[float]:
         create(**kw)
     gc.collect()
     for _ in range(calls):
-        time.sleep(gap_s)
-        sdk.ns = 0
-        t0 = time.thread_time_ns()
-        create(**kw)
-        floor.append((time.thread_time_ns() - t0 - sdk.ns) / 1e6)
+        floor.append(_own_ms(create, sdk, gap_s, kw))
     return floor
+
+
+def _own_ms(create, sdk: SDKTime, gap_s: float, kw: dict) -> float:
+    """After ``gap_s`` of sleep, one ``create``'s caller-thread CPU less the SDK's own, in ms."""
+    time.sleep(gap_s)
+    sdk.ns = 0
+    t0 = time.thread_time_ns()
+    create(**kw)
+    return (time.thread_time_ns() - t0 - sdk.ns) / 1e6
 
 
 def print_cpu(rows: list[tuple[str, dict]]) -> None:
