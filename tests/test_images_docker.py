@@ -119,6 +119,56 @@ def test_image_holds_the_engine_its_labels_claim(
     assert appliance_images[target].labels[labels.VLLM_VERSION] == vllm
 
 
+# In the image: the entry point's seeding, then vLLM's own questions about each architecture
+# given, counting the Python processes vLLM starts to ask (none when it takes the build's answers:
+# a miss asks in one and writes its own file, a new inode).
+ASK_VLLM = """
+import os, sys
+sys.path.insert(0, "/opt/gemma4-appliance")
+import vllm_main
+vllm_main._seed_model_info_cache()
+import vllm.model_executor.models.registry as registry
+asked = []
+run = registry.subprocess.run
+registry.subprocess.run = lambda *a, **k: asked.append(a) or run(*a, **k)
+folder = "/root/.cache/vllm/modelinfos"
+def inodes():
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    return {n: os.stat(os.path.join(folder, n)).st_ino for n in names}
+before = inodes()
+for arch in sys.argv[1:]:
+    registry.ModelRegistry.models[arch].inspect_model_cls()
+print(sorted(before), len(asked), before == inodes())
+"""
+
+
+@pytest.mark.parametrize(
+    ("target", "archs"),
+    [("cpu-mtp", ["Gemma4ForCausalLM", "Gemma4MTPModel"]), ("cpu-pre-mtp", ["Gemma4ForCausalLM"])],
+)
+def test_vllm_takes_the_images_own_answers_about_its_model_classes(
+    appliance_images, docker_engine, tmp_path, target, archs
+):
+    """gotchas/vllm-model-info-subprocess.md: on an empty cache (the unit's mount), the entry
+    point puts the build's answers where vLLM looks, and vLLM asks no Python process of its own.
+    With the answers hidden the same code asks (3 processes for one architecture, here)."""
+    cache = tmp_path / "vllm"
+    cache.mkdir()
+    out = docker_engine.containers.run(
+        appliance_images[target].image_id,
+        ["-c", ASK_VLLM, *archs],
+        entrypoint="python3",
+        remove=True,
+        network_mode="none",
+        volumes={str(cache): {"bind": "/root/.cache/vllm", "mode": "rw"}},
+    ).decode()
+    seeded, asked, untouched = out.strip().splitlines()[-1].rsplit(" ", 2)
+    assert (asked, untouched) == ("0", "True"), out
+    names = json.loads(seeded.replace("'", '"'))
+    assert "vllm-model_executor-models-gemma4-Gemma4ForCausalLM.json" in names
+    assert sorted(os.listdir(cache / "modelinfos")) == names
+
+
 def test_broken_image_engine_exits_at_start(appliance_images, docker_engine):
     container = docker_engine.containers.run(
         appliance_images["cpu-broken"].image_id,

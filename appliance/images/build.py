@@ -35,6 +35,8 @@ Progress = Callable[[str], None]
 VLLM_MAIN = Path(__file__).resolve().parents[1] / "engine" / "vllm_main.py"
 # The middleware that refuses arrivals once a stop begins (copied into every image beside it).
 STOP_GATE = VLLM_MAIN.with_name("stop_gate.py")
+# vLLM's answers about the Gemma 4 model classes, made at the build (copied into every image).
+MODEL_INFO_CACHE = VLLM_MAIN.with_name("model_info_cache.py")
 
 
 def docker_folder() -> Path:
@@ -125,6 +127,7 @@ def build(
         "entrypoint.sh": (docker_dir / "entrypoint.sh").read_bytes(),
         "vllm_main.py": VLLM_MAIN.read_bytes(),
         "stop_gate.py": STOP_GATE.read_bytes(),
+        "model_info_cache.py": MODEL_INFO_CACHE.read_bytes(),
     }
     identity: list[str] = [target.name, repr(sorted(buildargs.items()))]
     wheel_dir = None
