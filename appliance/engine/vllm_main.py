@@ -222,8 +222,6 @@ def _seed_model_info_cache() -> None:
         import model_info_cache
     except ImportError:  # run from the package, not an image: nothing baked
         return
-    if not model_info_cache.BAKED.is_dir():
-        return
     from vllm import envs
 
     try:
