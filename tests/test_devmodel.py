@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
-import multiprocessing as mp
+import threading
 from pathlib import Path
 
 from plugins.cli import invoke
@@ -105,16 +105,32 @@ def test_partial_drafter_is_the_copy_drafter_plus_a_read_of_the_hidden_state(tmp
     assert not copy["pre_projection.weight"][:, hidden:].any() and pre[:, hidden:].any()
 
 
-def _cached_in(cache_dir: str) -> str:
-    return str(devmodel.cached("copy", 0, cache_dir=Path(cache_dir)).root)
-
-
-def test_builders_racing_for_one_cache_entry_all_get_it(tmp_path):
+def test_builders_racing_for_one_cache_entry_all_get_it(tmp_path, monkeypatch):
     """The prefetch and the first tests of both streams build the same pair at once on a new
     machine: the builders whose rename came second found the winner's pair where they had seen
-    none, and the soak failed on 'Directory not empty'. Each gets the one pair now."""
-    with concurrent.futures.ProcessPoolExecutor(4, mp_context=mp.get_context("spawn")) as pool:
-        roots = list(pool.map(_cached_in, [str(tmp_path)] * 4))
-    assert len(set(roots)) == 1, roots
-    assert devmodel.load(roots[0]).drafter_kind == "copy"
-    assert [p.name for p in tmp_path.iterdir()] == [Path(roots[0]).name]  # no staging left
+    none, and the soak failed on 'Directory not empty'. Each gets the one pair now.
+
+    Four threads race the same renames four processes would (the file system decides), and
+    wait for each other after writing their pairs, so every one of them renames onto a taken
+    place but the first; processes cost each an import of torch and transformers (17-115 s of
+    the suite for the same race)."""
+    # One build first, in this thread: transformers' lazy imports fail when threads race them.
+    devmodel.build(tmp_path / "first")
+    cache = tmp_path / "cache"
+    everyone_built = threading.Barrier(4, timeout=120)
+    write_pair = devmodel._write_pair
+
+    def write_then_wait(*args):
+        try:
+            write_pair(*args)
+        except BaseException:
+            everyone_built.abort()  # the others fail now, not at the timeout
+            raise
+        everyone_built.wait()
+
+    monkeypatch.setattr(devmodel, "_write_pair", write_then_wait)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        pairs = list(pool.map(lambda _: devmodel.cached("copy", 0, cache_dir=cache), range(4)))
+    assert len({p.root for p in pairs}) == 1, pairs
+    assert devmodel.load(pairs[0].root).drafter_kind == "copy"
+    assert [p.name for p in cache.iterdir()] == [pairs[0].root.name]  # no staging left
