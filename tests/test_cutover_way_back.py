@@ -127,7 +127,7 @@ def test_a_failed_move_writes_the_env_bytes_back_restores_the_slot_and_says_so(
     env_before, slot_bytes = tgt.env_path.read_bytes(), _slot_bytes(layout)
 
     with pytest.raises(flow.CutoverFailed) as failed:
-        flow.cutover(ctx, tgt, NEW, canary=False, timeout=5)
+        flow.cutover(ctx, tgt, NEW, canary=False, live_acceptance=None, timeout=5)
 
     detail = "the engine exited before /health answered"
     assert failed.value.message == (
@@ -165,7 +165,7 @@ def test_a_way_back_that_fails_too_still_leaves_the_old_bytes_and_slot(tmp_path)
     env_before, slot_bytes = tgt.env_path.read_bytes(), _slot_bytes(layout)
 
     with pytest.raises(flow.RollbackFailed) as failed:
-        flow.cutover(ctx, tgt, NEW, canary=False, timeout=5)
+        flow.cutover(ctx, tgt, NEW, canary=False, live_acceptance=None, timeout=5)
 
     assert failed.value.exit_code == 4
     assert f"the rollback to {OLD} ALSO failed gate 'health'" in failed.value.message
