@@ -157,10 +157,10 @@ def test_root_calls_take_ids_made_ahead_and_their_spans_carry_them(not_found):
         _call(client)
     assert agent.flush(30)
     sent = [h["traceparent"] for h in seen[1:]]
-    assert sent == [header for _sc, _span, header in ready]
+    assert sent == [header for _sc, _span, header, _ctx in ready]
     spans_ = [s for s in exporter.get_finished_spans() if s.name == "chat x"][1:]
     assert [(s.context.trace_id, s.context.span_id) for s in spans_] == [
-        (sc.trace_id, sc.span_id) for sc, _span, _header in ready
+        (sc.trace_id, sc.span_id) for sc, _span, _header, _ctx in ready
     ]
     assert all(s.parent is None for s in spans_)
     assert len({s.context.trace_id for s in exporter.get_finished_spans()}) == 4
@@ -192,6 +192,48 @@ def test_roots_are_made_ahead_only_where_that_changes_nothing(not_found):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert pool.take() is not None  # the parent keeps its own
+
+
+def test_during_the_send_the_calls_span_is_current_in_the_callers_context(not_found):
+    """What a span started inside the send (an HTTP instrumentation's) sees as current: the
+    call's span, whose ids ``traceparent`` carries, in the caller's context (its baggage kept),
+    whether the root was made at the call (an empty pool), made ahead with the context the
+    send runs in (an empty caller's context), or made ahead under the caller's baggage."""
+    import httpx
+    from opentelemetry import baggage
+
+    url, seen = not_found
+    during: list[tuple[str, dict]] = []
+
+    def hook(request: httpx.Request) -> None:
+        sc = trace.get_current_span().get_span_context()
+        during.append((f"{sc.trace_id:032x}-{sc.span_id:016x}", dict(baggage.get_all())))
+
+    client = agent.instrument(
+        openai.OpenAI(
+            base_url=url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            http_client=httpx.Client(event_hooks={"request": [hook]}),
+        ),
+        config=agent.AgentConfig(attribution="request"),
+        tracer_provider=TracerProvider(),
+        registry=CollectorRegistry(),
+    )
+    _call(client)  # an empty pool: the root made at the call
+    assert agent.flush(30)
+    pool = client.chat.completions._self_settings.roots
+    assert len(pool._ready) >= 2
+    _call(client)  # made ahead, its send's context too
+    token = context.attach(baggage.set_baggage("tenant", "a"))
+    try:
+        _call(client)  # made ahead, sent in the caller's context
+    finally:
+        context.detach(token)
+    assert context.get_current() == {}  # each send's context was left behind
+    ids = [h["traceparent"].split("-", 1)[1].rsplit("-", 1)[0] for h in seen]
+    assert during == [(ids[0], {}), (ids[1], {}), (ids[2], {"tenant": "a"})]
+    assert seen[2]["baggage"] == "tenant=a"
 
 
 def test_an_unsampled_call_sends_an_unsampled_traceparent_and_exports_nothing(not_found):

@@ -206,6 +206,7 @@ class Call(Reader):
         # name, request attributes (None: from the kwargs then) and start time.
         self._later: tuple | None = None
         self.parent_ctx: context.Context | None = None  # the caller's context at the start
+        self.send_ctx: context.Context | None = None  # the send's, when made ahead (.roots)
         self.started = time.perf_counter()
         self.ended = self.started
         self.ended_ns: int | None = None
@@ -280,7 +281,9 @@ class Call(Reader):
         pool = self.settings.roots
         ready = None if valid or pool is None else pool.take()
         if ready is not None:  # made ahead on the agent's thread (.roots)
-            sc, span, header = ready
+            sc, span, header, root_ctx = ready
+            if not ctx:  # a root call's usual empty context: the send's is made ahead too
+                self.send_ctx = root_ctx
         else:
             gen = tracer.id_generator.inner
             if valid:
@@ -775,9 +778,13 @@ def _trace_headers(
     ``ctx``, the current context when ``None``). With the default propagator, no trace state
     and no baggage, that is ``traceparent`` alone (``traceparent``: its value written ahead),
     written as the W3C propagator writes it; otherwise the propagator's own."""
-    # (An empty context holds no baggage: no copy of it made to find none.)
-    no_baggage = (ctx is not None and not ctx) or not baggage.get_all(ctx)
-    if _default_propagation() and sc.is_valid and not sc.trace_state and no_baggage:
+    if traceparent is not None and ctx is not None and not ctx:
+        # A root made ahead (valid, no trace state) in an empty context (no baggage).
+        plain = True
+    else:  # (an empty context holds no baggage: no copy of it made to find none)
+        no_baggage = (ctx is not None and not ctx) or not baggage.get_all(ctx)
+        plain = sc.is_valid and not sc.trace_state and no_baggage
+    if plain and _default_propagation():
         return {"traceparent": traceparent or roots.traceparent(sc)}
     headers: dict[str, str] = {}
     propagate.inject(headers, context=trace.set_span_in_context(span))

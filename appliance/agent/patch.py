@@ -86,6 +86,8 @@ def _attach(traced: Call):
     instrumentation starts inside (the Anthropic SDK 2.x traces its own calls) is its child, in
     the call's trace, not a second root (errors are recorded by the call's finish, once). The
     token to :func:`_detach` (None when the call has no span)."""
+    if traced.send_ctx is not None:  # made ahead with the call's root (.roots)
+        return context.attach(traced.send_ctx)
     if traced.span is None:
         return None
     # In the context the span was made in (the current one: no second lookup).

@@ -1,12 +1,12 @@
 """Root span contexts made ahead, on the agent's thread, for calls that start a trace.
 
 A call with no parent span needs, before its request goes out, fresh ids, a span context, the
-non-recording stand-in that is current while the SDK sends (:meth:`.calls.Call._placeholder`)
-and its ``traceparent``. Made on the caller's thread just after it slept through the last call,
-that is a fifth of the agent's CPU there (issue 56 §2); made a few at a time on the agent's
-thread, with its batch of span ends, it is a small part of that batch. The caller takes one
-ready (a deque's ``popleft``: no lock) and makes its own only when none is left (a process's first
-calls, a burst past the pool).
+non-recording stand-in that is current while the SDK sends (:meth:`.calls.Call._placeholder`),
+the context that holds it and its ``traceparent``. Made on the caller's thread just after it
+slept through the last call, that is a fifth of the agent's CPU there (issue 56 §2); made a few
+at a time on the agent's thread, with its batch of span ends, it is a small part of that batch.
+The caller takes one ready (a deque's ``popleft``: no lock) and makes its own only when none is
+left (a process's first calls, a burst past the pool).
 
 Only where taking one ahead changes nothing: the SDK's own random id generator (an id generator
 of another kind may encode the time, as X-Ray's does) and the SDK's default sampler, whose
@@ -21,10 +21,12 @@ import os
 import sys
 import weakref
 
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from opentelemetry.context import Context
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
-# A ready root: its span context, its stand-in span and its traceparent header value.
-Root = tuple[SpanContext, NonRecordingSpan, str]
+# A ready root: its span context, its stand-in span, its traceparent header value, and the
+# context the send runs in (the stand-in current in an empty context: a root call's).
+Root = tuple[SpanContext, NonRecordingSpan, str, Context]
 
 
 class RootPool:
@@ -50,7 +52,8 @@ class RootPool:
         ready, gen, flags = self._ready, self._gen, self._flags
         while len(ready) < self.SIZE:
             sc = SpanContext(gen.generate_trace_id(), gen.generate_span_id(), False, flags)
-            ready.append((sc, NonRecordingSpan(sc), traceparent(sc)))
+            span = NonRecordingSpan(sc)
+            ready.append((sc, span, traceparent(sc), set_span_in_context(span, Context())))
 
     def clear(self) -> None:
         self._ready.clear()
