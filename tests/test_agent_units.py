@@ -679,6 +679,32 @@ def test_deferred_work_runs_in_batches_in_order_and_wakes_a_sleeping_thread():
     assert w.flush(30) and not w._deferred
 
 
+def test_a_forked_childs_first_hand_overs_start_a_thread_of_its_own():
+    """The hand-overs ask no pid (a system call per call): the at-fork hook empties the
+    child's thread, so its first deferral and its first queued job start the child's own
+    thread and run there, and the parent's thread goes on. A child that hangs on its flush
+    exits 3."""
+    import os
+
+    from appliance.agent.worker import WORKER
+
+    WORKER.start()
+    parent = WORKER._thread
+    pid = os.fork()
+    if pid == 0:  # the child: its own thread, or nothing runs
+        ran: list[str] = []
+        code = 0 if WORKER.defer(lambda: ran.append("deferred")) else 1
+        code = code or (0 if WORKER.offer(lambda: ran.append("queued")) else 1)
+        code = code or (0 if WORKER.flush(30) else 3)
+        code = code or (0 if sorted(ran) == ["deferred", "queued"] else 4)
+        os._exit(code or (0 if WORKER._thread is not parent else 5))
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    ran_here = threading.Event()
+    assert WORKER.defer(ran_here.set) and WORKER.flush(30) and ran_here.is_set()
+    assert WORKER._thread is parent
+
+
 def test_request_attributes_leave_out_unset_values_and_sentinels():
     import openai
 

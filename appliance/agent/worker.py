@@ -76,14 +76,15 @@ class Worker:
                 self._thread.start()
                 register_exit_flush()
 
-    def busy(self) -> bool:
-        return self._q.qsize() >= self.MAX_BACKLOG
-
     def offer(self, fn: Callable[[], None]) -> bool:
         """Queue ``fn`` unless the backlog is full (False: the caller degrades and counts it)."""
-        if self.busy():
+        if self._q.qsize() >= self.MAX_BACKLOG:
             return False
-        if self._thread is None or self._pid != os.getpid():  # a daemon: alive once started
+        # A daemon: alive once started. No os.getpid() here (a system call on every call, as
+        # costly as the rest of a hand-over on the caller's thread, issue 56 §2): a fork
+        # empties _thread in the child (reset_after_fork, an at-fork hook), so the child's
+        # first call starts a thread of its own.
+        if self._thread is None:
             self.start()
         self._q.put(fn)
         return True
@@ -98,7 +99,7 @@ class Worker:
         sleeps (idle ``SLEEP_AFTER_S``) or the batch is full."""
         if len(self._deferred) >= self.MAX_BACKLOG:
             return False
-        if self._thread is None or self._pid != os.getpid():  # a daemon: alive once started
+        if self._thread is None:  # as in offer: a forked child's is emptied
             self.start()
         self._deferred.append(fn)
         if self._sleeping:
