@@ -705,6 +705,38 @@ def test_a_forked_childs_first_hand_overs_start_a_thread_of_its_own():
     assert WORKER._thread is parent
 
 
+def test_the_callers_context_goes_through_the_apis_own_variable_or_its_functions(monkeypatch):
+    """Under the API's own contextvars runtime the agent reads, attaches and detaches the
+    current context through that runtime's variable (what ``context.get_current()`` then
+    sees); under any other runtime (``OTEL_PYTHON_CONTEXT``) it finds none, and the API's
+    functions are used."""
+    from opentelemetry import context
+
+    from appliance.agent import calls
+
+    assert calls.current_context is not context.get_current  # the default runtime: its variable
+    token = calls.attach_context(context.set_value("k", "v"))
+    try:
+        assert context.get_value("k") == "v" and calls.current_context()["k"] == "v"
+    finally:
+        calls.detach_context(token)
+    assert context.get_value("k") is None
+
+    from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
+
+    class Other:  # a runtime of another kind with an attribute of the same name
+        _current_context = calls._VAR
+
+    class Derived(ContextVarsRuntimeContext):  # may attach differently: not its variable either
+        pass
+
+    for runtime in (Other(), Derived()):
+        monkeypatch.setattr(context, "_RUNTIME_CONTEXT", runtime)
+        assert calls._runtime_var() is None
+    monkeypatch.setattr(context, "_RUNTIME_CONTEXT", ContextVarsRuntimeContext())
+    assert calls._runtime_var() is context._RUNTIME_CONTEXT._current_context
+
+
 def test_request_attributes_leave_out_unset_values_and_sentinels():
     import openai
 

@@ -125,6 +125,32 @@ class Settings:
         )
 
 
+def _runtime_var() -> contextvars.ContextVar | None:
+    """The ``ContextVar`` the OpenTelemetry API keeps the current context in, when its runtime
+    context is the API's own contextvars one (the default ``OTEL_PYTHON_CONTEXT``); else None."""
+    from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
+
+    runtime = getattr(context, "_RUNTIME_CONTEXT", None)
+    var = getattr(runtime, "_current_context", None)
+    if type(runtime) is ContextVarsRuntimeContext and isinstance(var, contextvars.ContextVar):
+        return var
+    return None
+
+
+# The caller's context read, attached and detached: through the API's runtime context, each is
+# two Python calls on the caller's thread (four of the six on a call's path: issue 56 §2), so
+# where that runtime is the API's own contextvars one, its ContextVar directly (the same value,
+# the same token); another runtime through the API's functions.
+_VAR = _runtime_var()
+if _VAR is not None:
+    current_context, attach_context, detach_context = _VAR.get, _VAR.set, _VAR.reset
+else:
+    current_context, attach_context, detach_context = (
+        context.get_current,
+        context.attach,
+        context.detach,
+    )
+
 _preset = threading.local()
 
 
@@ -214,23 +240,22 @@ class Call(Reader):
         self._kwargs = kwargs
 
     # -- start ---------------------------------------------------------------------------------
-    def _wants_snapshots(self) -> bool:
-        mode = self.settings.config.attribution
-        if mode == "counters":
-            return True
-        if mode != "auto":
-            return False
-        # What the server taught about per-request figures holds for chat and completions; the
-        # Responses and Messages APIs carry no block on vLLM 0.32: never skip the counters there.
-        per_request = self.settings.server.per_request and self.operation not in NO_BLOCK
-        return not (per_request and self.usage_expected)
-
     def _open_window(self) -> None:
-        self.window = w = self.settings.server.begin()
-        w.snapshots = self._wants_snapshots()
-        if w.snapshots and (self.operation in NO_BLOCK or not self.usage_expected):
+        """Open the call's window, and say whether it takes the counters path (snapshots)."""
+        srv, mode = self.settings.server, self.settings.config.attribution
+        if mode == "auto":
+            # What the server taught about per-request figures holds for chat and completions;
+            # the Responses and Messages APIs carry no block on vLLM 0.32: never skip the
+            # counters there.
+            per_request = srv.per_request and self.operation not in NO_BLOCK
+            snapshots = not (per_request and self.usage_expected)
+        else:
+            snapshots = mode == "counters"
+        self.window = w = srv.begin()
+        w.snapshots = snapshots
+        if snapshots and (self.operation in NO_BLOCK or not self.usage_expected):
             # Not a server's first chat call, which reads only until it learns per_request.
-            self.settings.server.counters_seen = True
+            srv.counters_seen = True
         w.quiet_before = not self.usage_expected
 
     def _open_span(self) -> dict:
@@ -272,7 +297,7 @@ class Call(Reader):
         (``self.span``) is what ``traceparent`` and any span started during the send (an HTTP
         instrumentation's) take as the parent. Returns the trace headers to send."""
         tracer = self.settings.tracer
-        self.parent_ctx = ctx = context.get_current()
+        self.parent_ctx = ctx = current_context()
         if ctx:
             parent = trace.get_current_span(ctx).get_span_context()
             valid = parent.is_valid

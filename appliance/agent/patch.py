@@ -12,9 +12,9 @@ import contextvars
 import weakref
 
 import wrapt
-from opentelemetry import context, trace
+from opentelemetry import trace
 
-from .calls import Call, Settings
+from .calls import Call, Settings, attach_context, detach_context
 from .responses import MESSAGES
 from .streams import AsyncStream, SyncStream
 from .worker import WORKER
@@ -87,17 +87,17 @@ def _attach(traced: Call):
     the call's trace, not a second root (errors are recorded by the call's finish, once). The
     token to :func:`_detach` (None when the call has no span)."""
     if traced.send_ctx is not None:  # made ahead with the call's root (.roots)
-        return context.attach(traced.send_ctx)
+        return attach_context(traced.send_ctx)
     if traced.span is None:
         return None
     # In the context the span was made in (the current one: no second lookup).
-    return context.attach(trace.set_span_in_context(traced.span, traced.parent_ctx))
+    return attach_context(trace.set_span_in_context(traced.span, traced.parent_ctx))
 
 
 def _detach(token) -> None:
     """Undo :func:`_attach` (once: the token is spent, None is returned to forget it)."""
     if token is not None:
-        context.detach(token)
+        detach_context(token)
 
 
 def call(settings: Settings, operation: str, create, args, kwargs, stream_type: type):
