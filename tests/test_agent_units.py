@@ -587,6 +587,23 @@ def test_after_foreign_traffic_a_call_waits_for_the_pending_read_now_and_then():
     assert srv.pending() == 0
 
 
+def test_a_snapshots_window_learns_its_need_at_begin_and_its_end_counts_its_after_read():
+    """begin() answers needs() for a window that takes snapshots under its own lock (a window
+    that takes none needs nothing); end(after_read=True) counts the after-read pending under
+    end's lock, as after_queued() does, before the call hands it to the worker."""
+    srv = Server("http://127.0.0.1:9/metrics/")
+    first, plain = srv.begin(snapshots=True), srv.begin()
+    assert (first.need, plain.need) == ("read", "")  # no reading yet; no snapshots: none
+    srv.end(plain)
+    srv.end(first, after_read=True)
+    assert srv.pending() == 1 and srv.in_flight() == 0
+    srv.record(metrics_reader.parse(200, CAPTURE.encode()), sent=0.0)
+    assert srv.begin(snapshots=True, quiet_before=True).need == "wait"  # no usage: it waits
+    assert srv.begin(snapshots=True, quiet_before=True).need == ""  # overlapped: no help
+    srv.after_done()
+    assert srv.pending() == 0
+
+
 def test_a_counters_call_after_calls_that_read_nothing_reads_a_fresh_before_reading():
     # The zero-code script's case (ADR 0006): the server's first call reads R0 and then brings
     # its own per-request figures, so neither it nor the per-request calls after it read

@@ -251,12 +251,10 @@ class Call(Reader):
             snapshots = not (per_request and self.usage_expected)
         else:
             snapshots = mode == "counters"
-        self.window = w = srv.begin()
-        w.snapshots = snapshots
         if snapshots and (self.operation in NO_BLOCK or not self.usage_expected):
             # Not a server's first chat call, which reads only until it learns per_request.
             srv.counters_seen = True
-        w.quiet_before = not self.usage_expected
+        self.window = srv.begin(snapshots, quiet_before=not self.usage_expected)
 
     def _open_span(self) -> dict:
         kwargs = self._kwargs
@@ -490,14 +488,15 @@ class Call(Reader):
                 self.window.finished = time.monotonic()
                 if error is None:  # a failed call's usage is unknown, its tokens may not be
                     self.window.tokens = self.output_tokens
-                self.settings.server.end(self.window)  # the call is over at the server
             if error is not None:
                 fig, read = UNKNOWN_ERROR, False
             else:
                 fig, read = self._figures_without_after()
+            srv = self.settings.server
+            if self.window is not None:
+                # The call is over at the server; its after-read, when due, counted pending.
+                srv.end(self.window, after_read=read)
             if read:
-                srv = self.settings.server
-                srv.after_queued()
                 try:
                     if WORKER.offer(self._complete):
                         deferred = True

@@ -47,6 +47,7 @@ class Window:
     ended: bool = False
     tokens: int | None = None  # the call's usage.completion_tokens; None: unknown
     closed: float = 0.0  # when Server.end took it (monotonic): the order of Server._ended
+    need: str = ""  # what a snapshots window needs before its request (Server.needs), at begin
 
 
 # After foreign traffic broke the chain, a call waits for the pending after-read (to start from
@@ -91,20 +92,28 @@ class Server:
         self._changed = threading.Condition(self._lock)
 
     # -- overlap -------------------------------------------------------------------------------
-    def begin(self) -> Window:
-        """Open a call's window, marking it and every call in flight as overlapped."""
-        w = Window()
+    def begin(self, snapshots: bool = False, quiet_before: bool = False) -> Window:
+        """Open a call's window, marking it and every call in flight as overlapped. A window
+        that takes ``snapshots`` learns under the same lock what it needs before its request
+        goes out (``need``: :meth:`needs`; one lock a call, not two, issue 56 §2)."""
+        w = Window(snapshots=snapshots, quiet_before=quiet_before)
         with self._lock:
             if self._active:
                 w.overlapped = True
                 for other in self._active:
                     other.overlapped = True
             self._active.add(w)
+            if snapshots:
+                w.need = self._needs(w, None)
         return w
 
-    def end(self, w: Window) -> None:
-        """Close ``w`` (once; later calls are no-ops). Set ``w.tokens`` first when known."""
+    def end(self, w: Window, after_read: bool = False) -> None:
+        """Close ``w`` (once; later calls are no-ops). Set ``w.tokens`` first when known.
+        ``after_read``: its after-read is queued next, counted pending (:meth:`after_queued`)
+        under the same lock."""
         with self._lock:
+            if after_read:
+                self._pending += 1
             if not w.ended:
                 w.ended = True
                 self._active.discard(w)
@@ -129,24 +138,29 @@ class Server:
         chain, see :meth:`chained`), or ``""`` (the before-reading is picked after the call,
         on the worker: see :meth:`before`). ``now``: the monotonic time (default: the clock)."""
         with self._lock:
-            if not self._readings and not self._pending:
-                return "read"
-            if w.overlapped:
-                return ""  # shared whatever it starts from: neither a read nor a wait would help
-            if not self._pending:
-                return "read" if self._newest_sent < self._last_end else ""
-            if w.quiet_before:
-                return "wait"
-            now = time.monotonic() if now is None else now
-            if not self._chain and now >= self._restart_at:
-                self._restart_at = now + self._restart_every
-                self._restart_window = w
-                return "wait"
-            return ""
+            return self._needs(w, now)
+
+    def _needs(self, w: Window, now: float | None) -> str:
+        # (Under the lock: see needs.)
+        if not self._readings and not self._pending:
+            return "read"
+        if w.overlapped:
+            return ""  # shared whatever it starts from: neither a read nor a wait would help
+        if not self._pending:
+            return "read" if self._newest_sent < self._last_end else ""
+        if w.quiet_before:
+            return "wait"
+        now = time.monotonic() if now is None else now
+        if not self._chain and now >= self._restart_at:
+            self._restart_at = now + self._restart_every
+            self._restart_window = w
+            return "wait"
+        return ""
 
     def prepare(self, w: Window, metrics: AgentMetrics, timeout: float, cooldown: float) -> None:
-        """Make sure a reading can precede the call (sync; at most one bounded wait or read)."""
-        need = self.needs(w)
+        """Make sure a reading can precede the call (sync; at most one bounded wait or read):
+        what ``w`` needs, learnt at :meth:`begin`."""
+        need = w.need
         if need == "wait":
             with self._changed:
                 self._changed.wait_for(lambda: not self._pending, timeout)
@@ -159,7 +173,7 @@ class Server:
         """The async twin of :meth:`prepare` (never blocks the event loop)."""
         import asyncio
 
-        need = self.needs(w)
+        need = w.need
         if need == "wait":
             deadline = time.monotonic() + timeout
             while self._pending and time.monotonic() < deadline:
