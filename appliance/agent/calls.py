@@ -201,6 +201,39 @@ class PresetIds:
 class Call(Reader):
     """One call through the agent, from before the request to the span's end."""
 
+    # Made and written on the caller's thread every call: slots, one allocation and no
+    # attribute dict (issue 56 §2).
+    __slots__ = (
+        "_done",
+        "_error",
+        "_fig",
+        "_kwargs",
+        "_later",
+        "_response",
+        "chunks",
+        "content",
+        "ended",
+        "ended_ns",
+        "extra",
+        "finish_reasons",
+        "input_tokens",
+        "model",
+        "operation",
+        "output_tokens",
+        "parent_ctx",
+        "response_id",
+        "response_model",
+        "role",
+        "send_ctx",
+        "settings",
+        "span",
+        "started",
+        "stream",
+        "ttfc",
+        "usage_expected",
+        "window",
+    )
+
     def __init__(self, settings: Settings, operation: str, kwargs: dict) -> None:
         self.settings = settings
         self.operation = operation

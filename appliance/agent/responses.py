@@ -22,6 +22,8 @@ class Reader:
     """The response readers of a call (its ``settings``, ``operation`` and ``started``, and
     ``_agent_failed`` for a reader's own failure, come from :class:`~.calls.Call`)."""
 
+    __slots__ = ()  # the call's own (Call.__slots__)
+
     def on_response(self, resp: Any) -> None:
         """Read a non-streamed response: its usage and extra fields now (the window and the
         figures need them at the call's end), the rest (:meth:`read_rest`) with the span, on
