@@ -9,6 +9,7 @@ the exceptions and the streaming behaviour are the bare client's own. The SDK's
 from __future__ import annotations
 
 import contextvars
+import logging
 import weakref
 
 import wrapt
@@ -18,6 +19,8 @@ from .calls import Call, Settings, attach_context, detach_context
 from .responses import MESSAGES
 from .streams import AsyncStream, SyncStream
 from .worker import WORKER
+
+log = logging.getLogger("appliance.agent")
 
 
 class _Create(wrapt.ObjectProxy):
@@ -97,7 +100,10 @@ def _attach(traced: Call):
 def _detach(token) -> None:
     """Undo :func:`_attach` (once: the token is spent, None is returned to forget it)."""
     if token is not None:
-        detach_context(token)
+        try:
+            detach_context(token)
+        except Exception:  # as the API's detach: logged, never raised
+            log.debug("failed to detach the call's context", exc_info=True)
 
 
 def call(settings: Settings, operation: str, create, args, kwargs, stream_type: type):
