@@ -12,6 +12,7 @@ regression; the other host's sshd gone), each rolling the canary back.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import re
@@ -26,6 +27,7 @@ from plugins.observability import PROMETHEUS
 from plugins.systemd_instance import BROKEN_IMAGE, MTP_IMAGE
 from plugins.traffic import Traffic
 
+from appliance.cutover import history
 from appliance.host.layout import Layout
 
 pytestmark = [pytest.mark.fleet, pytest.mark.systemd]
@@ -92,6 +94,20 @@ def test_install_twice_second_run_changes_nothing(fleet: Fleet):
     assert {h: second.changed(h) for h in second.recap} == {"fleet-a": 0, "fleet-b": 0}
 
 
+def _until(done: Callable[[], bool], timeout: float = 1800) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+def _cutover_ended(h: FleetHost, image: str) -> bool:
+    """Whether the last line of the host's history file ends a cutover to ``image`` (read on
+    the host's tree: `appliance history` in the machine costs a Python start per poll)."""
+    last = history.lines(Layout(h.root).history_file(h.instance), strict=False)[-1:]
+    return bool(last) and last[0].to_image == image and last[0].outcome != "started"
+
+
 def _traffic(h: FleetHost) -> Traffic:
     """Steady traffic on the host's instance, with its key (four clients: two hosts' engines
     share this machine's cores)."""
@@ -105,11 +121,22 @@ def test_rollout_of_the_mtp_image_canary_first(fleet: Fleet):
     idle engine, and no request on either is cut or errored."""
     if not all(Layout(h.root).env_file(h.instance).exists() for h in fleet.hosts):
         _ok(fleet.playbook("install"))  # run alone (pytest -m traffic): the first test's install
-    with contextlib.ExitStack() as stack:
-        traffic = [stack.enter_context(_traffic(h)) for h in fleet.hosts]
-        run = fleet.playbook("rollout", rollout_image=MTP_IMAGE)
-        for t in traffic:
-            t.wait_back()
+    a, b = fleet.host("fleet-a"), fleet.host("fleet-b")
+    # Each host is under traffic from before its own move until the next one begins: fleet-b's
+    # from the end of fleet-a's cutover (through fleet-a's soak, so that fleet-b's live
+    # acceptance has its before-windows), fleet-a's until fleet-b's cutover writes its env file
+    # (fleet-a's soak passed by then). An engine under traffic takes a core; one that is not
+    # moving only slowed the other host's move.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, contextlib.ExitStack() as b_side:
+        with _traffic(a) as ta:
+            play = pool.submit(fleet.playbook, "rollout", rollout_image=MTP_IMAGE)
+            _until(lambda: play.done() or _cutover_ended(a, MTP_IMAGE))
+            tb = b_side.enter_context(_traffic(b))
+            _until(lambda: play.done() or b.env_image() == MTP_IMAGE)
+            ta.wait_back()
+        run = play.result()
+        tb.wait_back()
+    traffic = [ta, tb]
     _ok(run)
     # The drain must be seen on one host at least, not on each: a host whose requests in
     # flight at its stop all ended before its first refusal shows nothing drained (a
