@@ -9,6 +9,7 @@ own, the loop's SIGTERM handler registered beside it) and gets a real SIGTERM.
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import signal
@@ -177,6 +178,42 @@ def test_the_wait_ends_when_nothing_is_in_flight_or_the_engine_is_dead_or_time_r
     assert time.monotonic() >= ends[0] and 29 < left <= 30
     assert vllm_main.wait_for(lambda: True, 0.1, poll_s=0.005) == 0.0  # (unbounded: a hang)
     assert vllm_main.wait_for(lambda: True, 30, dead=lambda: True) > 29  # nothing to wait for
+
+
+# ---- vLLM's modules load with the garbage collector off, and stay frozen ----------------------
+
+
+class _Node:
+    """An object the collector tracks (a plain ``object()`` is not)."""
+
+
+def test_what_loads_at_start_is_frozen_and_the_collector_is_on_again():
+    while_loading = []
+
+    def load() -> list[_Node]:
+        while_loading.append(gc.isenabled())
+        return [_Node() for _ in range(100)]
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    try:
+        built = vllm_main.load_frozen(load)
+        assert while_loading == [False]
+        assert gc.isenabled()
+        # What it built is in the permanent generation: no collection walks it again.
+        assert gc.get_freeze_count() >= frozen + len(built)
+    finally:
+        gc.unfreeze()
+
+
+def test_a_load_that_fails_leaves_the_collector_on():
+    def load() -> None:
+        raise ImportError("no vllm here")
+
+    with pytest.raises(ImportError):
+        vllm_main.load_frozen(load)
+    gc.unfreeze()
+    assert gc.isenabled()
 
 
 # FAKE fault: vLLM 0.19's engine core died in glibc at its SIGTERM in 1 of 16 stops
