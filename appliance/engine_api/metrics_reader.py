@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import struct
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -162,7 +160,6 @@ class KeptReader:
         self._busy = False
         self._idle_since = 0.0
         self._lock = threading.Lock()
-        self._bound: float | None = None  # the timeout the connection's sends and recvs have
 
     def read(self, timeout: float) -> Reading | None:
         """Send and receive at once, on this thread (on a fresh connection when the kept one is
@@ -195,31 +192,10 @@ class KeptReader:
                 import ssl
 
                 sock = ssl.create_default_context().wrap_socket(sock, server_hostname=self._host)
-            elif _KERNEL_TIMEOUTS:
-                sock.settimeout(None)  # blocking: the kernel bounds each send and recv
-            self._bound = None
-            self._bound_by(sock, timeout)
         except BaseException:
             sock.close()
             raise
         return sock
-
-    def _bound_by(self, sock: socket.socket, timeout: float) -> None:
-        """Bound each send and recv on ``sock`` by ``timeout`` (once per value: each is a system
-        call). A plain connection is a blocking socket with ``SO_RCVTIMEO``/``SO_SNDTIMEO``:
-        Python's own socket timeout polls before every send and recv, a system call and a
-        wake-up more each (issue 56 §2); a send or recv that runs out raises BlockingIOError.
-        TLS keeps Python's timeout (its reads would report a kernel timeout as SSL errors)."""
-        if timeout == self._bound:
-            return
-        if self._https or not _KERNEL_TIMEOUTS:
-            sock.settimeout(timeout)
-        else:
-            # (Zero is "no bound" to the kernel: at least a microsecond.)
-            tv = struct.pack("@ll", *divmod(max(1, round(timeout * 1e6)), 1_000_000))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-        self._bound = timeout
 
     def _send_and_answer(self, timeout: float) -> Reading:
         deadline = time.monotonic() + timeout
@@ -227,11 +203,11 @@ class KeptReader:
             try:
                 if self._sock is None:
                     self._sock = self._connect(timeout)
-                else:
-                    self._bound_by(self._sock, timeout)
+                elif self._sock.gettimeout() != timeout:  # settimeout is a syscall each time
+                    self._sock.settimeout(timeout)
                 self._sock.sendall(self._request)
                 answer = _Answer(self._sock, deadline)
-            except (TimeoutError, BlockingIOError) as exc:  # Python's timeout; the kernel's
+            except TimeoutError as exc:
                 raise MetricsReadError(
                     "timeout", f"{self.url} timed out after {timeout} s"
                 ) from exc
@@ -260,11 +236,6 @@ class KeptReader:
             if self._sock is not None:
                 self._sock.close()
             self._sock, self._busy = None, False
-
-
-# A plain connection's sends and recvs bounded by the kernel (KeptReader._bound_by): Linux's
-# struct timeval is two longs.
-_KERNEL_TIMEOUTS = sys.platform.startswith("linux")
 
 
 class _BadAnswer(Exception):
