@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import zlib
 from collections.abc import Callable, Iterator
 
 import hypothesis
@@ -179,20 +178,11 @@ STREAMS = ("machines", "host")
 
 
 def stream(item: pytest.Item) -> str:
-    """The stream of a test: ``machines`` for systemd tests except the fleet's, for the soak tier,
-    for tests with engines of their own only and for a third of the fast tier's files (by a hash
-    of the file's name, so that a file's tests stay together), else ``host``."""
+    """The stream of a test: ``machines`` for systemd tests except the fleet's, for the soak tier
+    and for tests with engines of their own only, else ``host``."""
     kw = item.keywords
     alone = "soak" in kw or "own_engines" in kw
-    if ("systemd" in kw and "fleet" not in kw) or alone:
-        return "machines"
-    # The host stream ran 5 minutes longer (2026-12-07: 31.8 against 26.7 min), its fleet alone
-    # at the end on a machine it could not keep busy; a third of the fast tier (about 2.5 of its
-    # 7.6 min) runs first in the machines stream instead, where on a brand-new machine the
-    # machines' tests wait for the prefetch's images.
-    if tier(kw) == "fast" and zlib.crc32(item.path.name.encode()) % 3 == 0:
-        return "machines"
-    return "host"
+    return "machines" if ("systemd" in kw and "fleet" not in kw) or alone else "host"
 
 
 def stream_ports(name: str, whole: tuple[int, int]) -> tuple[int, int]:
