@@ -1071,8 +1071,12 @@ BAD = [
 
 
 @pytest.fixture
-def installed(tmp_path) -> Path:
-    """A root with one instance installed already (the bad input must not touch it either)."""
+def installed(tmp_path, monkeypatch) -> Path:
+    """A root with one instance installed already (the bad input must not touch it either),
+    whose host has no Docker to ask: with one named (``DOCKER_HOST``, which the tiers with
+    machines set for their trees), a GPU profile's install was refused first for the CPU image
+    the instance's env file keeps (exit 1), and the bad input went unjudged."""
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
     units.install("cpu-tiny-mtp", "x", root=tmp_path)
     return tmp_path
 
