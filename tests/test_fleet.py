@@ -95,6 +95,7 @@ def test_install_twice_second_run_changes_nothing(fleet: Fleet):
 
 
 def _until(done: Callable[[], bool], timeout: float = 1800) -> None:
+    """Poll ``done`` every half second until it holds (a test failure after ``timeout``)."""
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline, "timed out"
