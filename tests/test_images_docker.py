@@ -31,7 +31,9 @@ from appliance.host.layout import Layout
 from appliance.images import scheme
 from appliance.oci import labels
 
-pytestmark = pytest.mark.docker
+# Containers of its own only (the images'), no session engine: the machines stream runs it
+# (tests/conftest.py, stream()), which ended minutes before the host stream.
+pytestmark = [pytest.mark.docker, pytest.mark.own_engines]
 
 OCI = "org.opencontainers.image."
 
