@@ -31,8 +31,7 @@ from appliance.host.layout import Layout
 from appliance.images import scheme
 from appliance.oci import labels
 
-# Containers of its own only (the images'), no session engine: the machines stream runs it
-# (tests/conftest.py, stream()), which ended minutes before the host stream.
+# Containers of its own only, no session engine: either stream may run it (tests/conftest.py).
 pytestmark = [pytest.mark.docker, pytest.mark.own_engines]
 
 OCI = "org.opencontainers.image."

@@ -28,8 +28,7 @@ from appliance.host import envfile
 from appliance.host.layout import Layout
 from appliance.serve.docker import DRAIN_S
 
-# Containers of its own only (the serve program's), no session engine: the machines stream runs it
-# (tests/conftest.py, stream()), which ended minutes before the host stream.
+# Containers of its own only, no session engine: either stream may run it (tests/conftest.py).
 pytestmark = [pytest.mark.docker, pytest.mark.own_engines]
 
 INSTANCE = f"unittest-{os.getpid()}"
