@@ -73,7 +73,13 @@ def test_the_worker_starts_first_and_the_head_serves_with_mtp(multinode_group):
         host = g.docker.containers.get(node_container(GROUP, role)).attrs["HostConfig"]
         assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"], role
         assert (host["Init"], host["IpcMode"]) == (True, "host"), role
+        assert f"{VLLM_CACHE}/torchinductor:/tmp/torchinductor_root" in host["Binds"], role
     _serves_with_mtp(g)
+    # With tensor parallelism torch.compile builds a C++ kernel at the first forward
+    # (vocab_parallel_embedding.py): it is kept in the mounted compile cache, not the
+    # container's /tmp, so the next start loads it instead of compiling for ~10 s a rank.
+    kept = VLLM_CACHE / "torchinductor"
+    assert (kept / "fxgraph").is_dir() and (kept / "precompiled_headers").is_dir()
 
 
 def test_status_and_the_state_metrics_read_the_groups_real_units(

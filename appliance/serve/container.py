@@ -25,6 +25,16 @@ from .docker import DRAIN_S
 from .environment import Settings
 
 CONTAINER_MODEL_DIR = "/models"  # where a CPU profile's tiny model pair is mounted
+CONTAINER_VLLM_CACHE = "/root/.cache/vllm"  # vLLM's cache root in the image (VLLM_CACHE_ROOT)
+# torch.compile's caches, which vLLM leaves in the container's /tmp unless its own model compile
+# runs: with tensor parallelism, vocab_parallel_embedding.py's get_masked_input_and_mask is
+# compiled at the first forward (C++ on CPU, Triton on a GPU), and was rebuilt at every start,
+# about 10 s of CPU a rank on CPU. Inductor's folder is mounted at the path it defaults to for
+# root because its precompiled headers go there whatever TORCHINDUCTOR_CACHE_DIR says
+# (torch/_inductor/codecache.py, _HEADER_DIR). Both caches key entries by source, flags and
+# compiler version: an upgrade adds entries, never reads stale ones.
+CONTAINER_INDUCTOR_CACHE = "/tmp/torchinductor_root"
+CONTAINER_TRITON_CACHE = f"{CONTAINER_VLLM_CACHE}/triton"
 
 
 @dataclass(frozen=True)
@@ -175,7 +185,13 @@ def command(
         # Read-write: the hub's offline lookups may still write lock files into the cache.
         volumes += ["--volume", f"{settings.hf_cache_dir}:/root/.cache/huggingface"]
     if settings.vllm_cache_dir:
-        volumes += ["--volume", f"{settings.vllm_cache_dir}:/root/.cache/vllm"]
+        volumes += ["--volume", f"{settings.vllm_cache_dir}:{CONTAINER_VLLM_CACHE}"]
+        volumes += [
+            "--volume",
+            f"{settings.vllm_cache_dir}/torchinductor:{CONTAINER_INDUCTOR_CACHE}",
+            "--env",
+            f"TRITON_CACHE_DIR={CONTAINER_TRITON_CACHE}",
+        ]
     argv = [
         "run",
         "--rm",
