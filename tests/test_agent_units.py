@@ -561,6 +561,8 @@ def test_after_foreign_traffic_a_call_waits_for_the_pending_read_now_and_then():
     srv.end(second)
     waited = Window()
     assert srv.needs(waited, now=100.0) == "wait"
+    # The call that waited learns from its figures at once (the others' wait for the batch).
+    assert srv.restarting(waited) and not srv.restarting(second)
     assert srv.needs(Window(), now=100.9) == ""  # not again within a second
     assert srv.needs(Window(quiet_before=True), now=100.9) == "wait"  # no usage: always
 
@@ -582,6 +584,9 @@ def test_after_foreign_traffic_a_call_waits_for_the_pending_read_now_and_then():
     for seconds in (8, 16, 32, RESTART_MAX_S, RESTART_MAX_S):  # never slower than RESTART_MAX_S
         w = next_wait(w, exact=False, seconds=seconds)
     w = next_wait(w, exact=True, seconds=RESTART_MIN_S)  # it paid off: back to the shortest
+    assert srv.restarting(w)
+    srv.restarted(w, exact=True)
+    assert not srv.restarting(w)  # learnt from: no longer the call that waited
     srv.chained(True)
     assert srv.needs(Window(), now=w.finished + 1000) == ""  # a certified chain needs no wait
     srv.after_done()

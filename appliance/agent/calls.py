@@ -209,6 +209,7 @@ class Call(Reader):
         "_fig",
         "_kwargs",
         "_later",
+        "_readings",
         "_response",
         "chunks",
         "content",
@@ -576,10 +577,21 @@ class Call(Reader):
             self._end_span_quietly()
 
     def _block_figures(self, fig: Figures) -> Figures:
-        """``fig``, or the figures of the response's per-request block (:data:`FROM_BLOCK`)."""
-        if fig is not FROM_BLOCK:
-            return fig
-        return rules.from_response(self.extra) or Figures("unknown", "missing")
+        """``fig``, or the figures it stands for: of the response's per-request block
+        (:data:`FROM_BLOCK`), or of the readings around the call (:data:`FROM_READINGS`)."""
+        if fig is FROM_BLOCK:
+            return rules.from_response(self.extra) or Figures("unknown", "missing")
+        if fig is FROM_READINGS:
+            before, after = self._readings
+            self.read_rest()  # the response's model names the page's series
+            return rules.from_readings(
+                before,
+                after,
+                self.response_model or self.model,
+                overlapped=self.window.overlapped,
+                output_tokens=self.output_tokens,
+            )
+        return fig
 
     def _read_for_next(self) -> None:
         """After a per-request call to a server that also has counters-path calls: a read on
@@ -627,18 +639,17 @@ class Call(Reader):
                 srv.after_done()
             w = self.window
             before = srv.before(w)
-            self.read_rest()  # the response's model names the page's series
-            fig = rules.from_readings(
-                before,
-                after,
-                self.response_model or self.model,
-                overlapped=w.overlapped,
-                output_tokens=self.output_tokens,
-            )
             # When the token counter proves it, the next call may start from this after-read
             # even if its request went out while the read was in flight (Server.certify).
             srv.chained(before is not None and after is not None and srv.certify(before, after))
-            srv.restarted(w, fig.exact)
+            self._readings = (before, after)
+            if srv.restarting(w):  # its restart wait learns from its figures now
+                fig = self._block_figures(FROM_READINGS)
+                srv.restarted(w, fig.exact)
+            else:
+                # The figures with the batch (FROM_READINGS): the readings are final, and that
+                # arithmetic costs a few times more on this thread just woken (issue 56 §2).
+                fig = FROM_READINGS
             deferred = self._close_in_batch(fig, None)
         except Exception:  # noqa: BLE001 - telemetry never raises
             self._agent_failed()
@@ -809,6 +820,8 @@ UNKNOWN_ERROR = Figures("unknown", "call_failed")
 ABANDONED = Figures("unknown", "abandoned")
 # The response carries vLLM's per-request block: its figures are parsed off the caller's thread.
 FROM_BLOCK = Figures("request", "ok")
+# The readings around the call are taken: its figures are computed with the batch.
+FROM_READINGS = Figures("counters", "ok")
 
 
 def _has_block(extra: Any) -> bool:

@@ -198,6 +198,11 @@ class Server:
                 self._restart_every = min(2 * self._restart_every, RESTART_MAX_S)
             self._restart_at = w.finished + self._restart_every
 
+    def restarting(self, w: Window) -> bool:
+        """Whether ``w``'s call waited for a restart (:meth:`restarted` learns from it; set at
+        its begin, so read without the lock)."""
+        return w is self._restart_window
+
     def chained(self, ok: bool) -> None:
         """Whether the newest reading starts the next window cleanly (see ``_chain``)."""
         self._chain = ok
