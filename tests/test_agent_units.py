@@ -800,3 +800,30 @@ def test_request_attributes_leave_out_unset_values_and_sentinels():
     )
     assert attrs["gen_ai.input.messages"] == '[{"role": "user", "content": "hi"}]'
     assert (attrs["gen_ai.request.model"], attrs["appliance.agent.role"]) == ("m", "r")
+
+
+def test_a_done_after_read_wakes_a_call_that_waits_for_it_and_only_then_notifies():
+    """after_done() notifies only while a call waits in prepare() (most after-reads wake
+    nobody); one that waits is woken at once, not at its timeout."""
+    srv = Server("http://127.0.0.1:9/metrics/")
+    srv.record(metrics_reader.parse(200, CAPTURE.encode()), sent=0.0)
+    srv.after_queued()
+    srv.after_queued()
+    srv.after_done()  # nobody waits: nothing to wake
+    w = Window(need="wait")
+    waited: list[float] = []
+
+    def wait() -> None:
+        t0 = time.monotonic()
+        srv.prepare(w, metrics.build(), timeout=30.0, cooldown=1.0)
+        waited.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not srv._waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert srv._waiting == 1
+    srv.after_done()
+    t.join(10)
+    assert waited and waited[0] < 10 and srv._waiting == 0 and srv.pending() == 0

@@ -82,6 +82,7 @@ class Server:
     # after-read (see needs), so back-to-back calls get a clean window again.
     _chain: bool = False
     _changed: threading.Condition | None = None
+    _waiting: int = 0  # callers waiting on _changed (prepare), counted under the lock
     _restart_at: float = 0.0  # no restart wait before this (monotonic): see restarted()
     _restart_every: float = RESTART_MIN_S
     _restart_window: Window | None = None  # the call that waited last
@@ -165,7 +166,11 @@ class Server:
         need = w.need
         if need == "wait":
             with self._changed:
-                self._changed.wait_for(lambda: not self._pending, timeout)
+                self._waiting += 1
+                try:
+                    self._changed.wait_for(lambda: not self._pending, timeout)
+                finally:
+                    self._waiting -= 1
         elif need == "read":
             self.chained(self.read(metrics, timeout, cooldown) is not None)
 
@@ -213,9 +218,12 @@ class Server:
             self._pending += 1
 
     def after_done(self) -> None:
-        with self._changed:
+        with self._lock:
             self._pending -= 1
-            self._changed.notify_all()
+            # Only a restart or a stream without usage waits (prepare): most after-reads wake
+            # nobody, and notify_all's Python steps are skipped (issue 56 §2).
+            if self._waiting:
+                self._changed.notify_all()
 
     def pending(self) -> int:
         """After-reads queued on the worker and not yet done."""
@@ -339,6 +347,7 @@ class Server:
         """In a forked child: fresh locks, no connections or windows of the parent's."""
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        self._waiting = 0
         self._active = set()
         self._pending = 0
         self._chain = False
