@@ -241,6 +241,7 @@ ABORT_AT_SIGTERM = textwrap.dedent(
 
 
 @pytest.mark.engine
+@pytest.mark.own_engines  # an engine of its own only, no session engine: either stream may run it
 @pytest.mark.traffic
 def test_a_stop_finishes_the_requests_in_flight_even_if_the_engine_core_dies_at_its_sigterm(
     tmp_path,
