@@ -185,11 +185,12 @@ def command(
         # Read-write: the hub's offline lookups may still write lock files into the cache.
         volumes += ["--volume", f"{settings.hf_cache_dir}:/root/.cache/huggingface"]
     if settings.vllm_cache_dir:
-        volumes += ["--volume", f"{settings.vllm_cache_dir}:{CONTAINER_VLLM_CACHE}"]
         volumes += [
             "--volume",
+            f"{settings.vllm_cache_dir}:{CONTAINER_VLLM_CACHE}",
+            "--volume",
             f"{settings.vllm_cache_dir}/torchinductor:{CONTAINER_INDUCTOR_CACHE}",
-            "--env",
+            "--env",  # Triton's folder follows its variable; Inductor's headers do not
             f"TRITON_CACHE_DIR={CONTAINER_TRITON_CACHE}",
         ]
     argv = [

@@ -14,7 +14,8 @@ API (for tests):
   ``appliance.images.base.bootstrap``), cached per machine
   under ``/var/cache/gemma4-appliance/nspawn/`` (first time 20-60 s, ~230 MB; one builder at a
   time, the others wait and reuse it). D-Bus, logind, sshd, node_exporter and the console getty
-  are masked (see ``MASKED_UNITS``): boot to "running" then takes ~10 s, poweroff ~6 s.
+  are masked (see ``MASKED_UNITS``): boot to "running" then takes about a second on an idle host,
+  poweroff as long as its units take to stop.
 - ``boot(name, binds=(), docker=True, docker_stub_unit=True, packages=(), unmask=()) -> Machine``
   (a context manager): mounts an overlay on the rootfs (writes go to a temporary folder), boots
   it, waits until systemd is up, and powers it off (then unmounts and deletes the folder) on
