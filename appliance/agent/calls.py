@@ -561,14 +561,14 @@ class Call(Reader):
         self._fig, self._error = fig, error
         if WORKER.defer(self._close_later):
             return True
-        self._close(self._block_figures(fig), error)
+        self._close(self._resolve_figures(fig), error)
         return False
 
     def _close_later(self) -> None:
         """On the background thread: span end, metrics and record of a call whose figures are
         known (``_fig``, ``_error``: set by :meth:`_close_in_batch`)."""
         try:
-            self._close(self._block_figures(self._fig), self._error)
+            self._close(self._resolve_figures(self._fig), self._error)
             if self.settings.roots is not None:
                 self.settings.roots.fill()  # the next calls' roots, in this batch
         except Exception:  # noqa: BLE001 - telemetry never raises
@@ -576,7 +576,7 @@ class Call(Reader):
         finally:
             self._end_span_quietly()
 
-    def _block_figures(self, fig: Figures) -> Figures:
+    def _resolve_figures(self, fig: Figures) -> Figures:
         """``fig``, or the figures it stands for: of the response's per-request block
         (:data:`FROM_BLOCK`), or of the readings around the call (:data:`FROM_READINGS`)."""
         if fig is FROM_BLOCK:
@@ -644,7 +644,7 @@ class Call(Reader):
             srv.chained(before is not None and after is not None and srv.certify(before, after))
             self._readings = (before, after)
             if srv.restarting(w):  # its restart wait learns from its figures now
-                fig = self._block_figures(FROM_READINGS)
+                fig = self._resolve_figures(FROM_READINGS)
                 srv.restarted(w, fig.exact)
             else:
                 # The figures with the batch (FROM_READINGS): the readings are final, and that
