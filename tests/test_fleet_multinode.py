@@ -4,9 +4,10 @@ deploy/ansible/playbooks/multinode-cutover.yml with real ansible-core over SSH, 
 
 Before, nothing moved such a group: `appliance multinode cutover` on the head refused with
 `worker ranks []`, and no playbook moved workers. The tests run in order on one group: a move to
-the MTP image (worker host first, gates and the output canary on the head), a broken image
-(every node back, on both hosts), a worker host lost during its move (the play stops with the
-head untouched, and a second run once the host is back brings the group together).
+the MTP image (the head stopped, the worker host moved, then the head, gated with the output
+canary), a broken image (every node back, on both hosts), a worker host lost during its move
+(the play stops with the head stopped and unmoved, and a second run once the host is back brings
+the group together), a head host lost during its move. No worker may start while a head runs.
 """
 
 from __future__ import annotations
@@ -55,13 +56,16 @@ def test_the_play_moves_the_worker_host_then_the_head(fleet_group: FleetGroup):
     g = fleet_group
     g.generates()  # the group serves before (MTP off: no speculative counters yet)
     started = {r: g.container(r, "{{.State.StartedAt}}") for r in ("head", "worker")}
+    mark = g.mark()
     run = g.move(MTP_IMAGE)
     _ok(run)
     _on(g, MTP_IMAGE)
     now = {r: g.container(r, "{{.State.StartedAt}}") for r in ("head", "worker")}
-    # Both restarted, the worker's host first (RFC 3339 times of one clock compare as text).
+    # Both restarted (RFC 3339 times of one clock compare as text), the worker's host first
+    # with the head stopped: a worker started beside the old head joined its finished
+    # rendezvous, and hung there once the head restarted (the fleet tier, 2026-12-08).
     assert now["worker"] > started["worker"] and now["head"] > started["head"]
-    assert now["worker"] < now["head"]
+    assert g.starts_beside_a_head(mark) == [], run.output[-4000:]
     assert _last(g, "worker") == ("cutover", "ok", MTP_IMAGE)
     head = g.history("head")[-1]
     assert (head["kind"], head["outcome"], head["to_image"]) == ("cutover", "ok", MTP_IMAGE)
@@ -80,11 +84,14 @@ def test_the_play_moves_the_worker_host_then_the_head(fleet_group: FleetGroup):
 
 def test_a_broken_image_is_rolled_back_on_both_hosts(fleet_group: FleetGroup):
     g = fleet_group
+    mark = g.mark()
     # The output canary is the first test's: here the gates fail before it would run.
     run = g.move(BROKEN_IMAGE, multinode_canary=False)
     assert run.returncode != 0, run.output[-6000:]
     assert f"every node is back on {MTP_IMAGE}, gated" in run.output, run.output[-6000:]
     _on(g, MTP_IMAGE)
+    # The way back stopped the head (on the broken image) before the worker went back too.
+    assert g.starts_beside_a_head(mark) == [], run.output[-4000:]
     # Each host's record ends on its way back, gated (the worker's may be its own, when the
     # broken engine died before its gate; then the play's rollback restarts it once more).
     assert _last(g, "worker") == ("rollback", "ok", MTP_IMAGE)
@@ -96,11 +103,12 @@ def test_a_worker_host_lost_mid_move_stops_the_play_then_a_second_run_rejoins(
     fleet_group: FleetGroup,
 ):
     """fleet-b's sshd goes away once its worker's env file names the new image (its move under
-    way): a host gone from the management network, its engine still up. The play stops without
-    touching the head, whose state it can no longer make whole, and says how to finish; once
-    fleet-b is back, the same play with the image the group left brings both nodes onto it."""
+    way): a host gone from the management network, its engine still up. The play stops with
+    the head as it left it before the worker moved (stopped, its env file and record untouched),
+    since it can no longer make the group whole, and says how to finish; once fleet-b is back,
+    the same play with the image the group left brings both nodes onto it."""
     g = fleet_group
-    head_started = g.container("head", "{{.State.StartedAt}}")
+    mark = g.mark()
     head_history = g.history("head")
     with lost_once(g.fleet, lambda: g.env_image("worker") == OFF_IMAGE, g.worker) as lost:
         # Without the canary's record first: the host is lost at the worker's first step.
@@ -109,8 +117,8 @@ def test_a_worker_host_lost_mid_move_stops_the_play_then_a_second_run_rejoins(
     assert run.returncode != 0, run.output[-4000:]
     assert "stopped: fleet-b became unreachable during its move" in run.output, run.output[-4000:]
     assert f"run this play again with -e multinode_image={MTP_IMAGE}" in run.output
-    # The head: never restarted, its env file and record as they were.
-    assert g.container("head", "{{.State.StartedAt}}") == head_started
+    # The head: stopped, not moved; its env file and record as they were.
+    assert g.head.machine.is_active(g.unit("head")) == "inactive"
     assert g.env_image("head") == MTP_IMAGE
     assert g.history("head") == head_history
     # The worker host's own cutover went on without its SSH session; it ends by itself.
@@ -122,6 +130,7 @@ def test_a_worker_host_lost_mid_move_stops_the_play_then_a_second_run_rejoins(
     again = g.move(MTP_IMAGE)
     _ok(again)
     _on(g, MTP_IMAGE)
+    assert g.starts_beside_a_head(mark) == [], again.output[-4000:]
     assert g.generates() is not None
 
 

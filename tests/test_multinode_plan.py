@@ -67,6 +67,7 @@ def _check(
         "roles": list(roles),
         "ranks": list(ranks),
         "remote_ranks": list(remote),
+        "units": {r: f"gemma4-vllm-{r}@{GROUP}.service" for r in roles},
         "image": "img:new",
         "image_id": image_id,
         "env_image": env,
@@ -83,6 +84,7 @@ def test_workers_move_before_the_head_which_moves_when_any_worker_does():
     }
     got = plan(checks, "img:new")
     assert got["head"] == "h0" and got["workers"] == ["h1", "h2"]
+    assert got["head_unit"] == f"gemma4-vllm-head@{GROUP}.service"  # stopped before h1 moves
     assert got["move_workers"] == ["h1"] and got["move_head"] is True
     assert got["old_image"] == "img:old" and got["split"] == {}
     # Every node on the image already: nothing moves (a re-run of a finished move).
@@ -139,6 +141,10 @@ def test_a_split_left_by_a_stopped_move_is_named_and_the_way_back_is_the_heads()
             "img:old is a different image on different hosts",
         ),
         ({}, "no host of the group answered"),
+        (  # an older appliance's answer: the play could not stop the head before the workers
+            {"a": {**_check(["head"], [], remote=[1]), "units": {}}, "b": _check(["worker"], [1])},
+            "a did not name its head's unit",
+        ),
     ],
 )
 def test_a_group_the_play_cannot_move_is_refused_in_one_line(checks, says):
@@ -217,7 +223,10 @@ def test_each_hosts_check_is_what_the_play_plans_with(
         assert sorted(p for p in root.rglob("*")) == listing
     assert checks["a"]["remote_ranks"] == [1] and checks["b"]["ranks"] == [1]
     assert checks["a"]["image_id"] == checks["b"]["image_id"]
+    assert checks["a"]["units"] == {"head": f"gemma4-vllm-head@{GROUP}.service"}
+    assert checks["b"]["units"] == {"worker": f"gemma4-vllm-worker@{GROUP}.service"}
     got = plan(checks, new)
     assert (got["head"], got["move_workers"], got["move_head"]) == ("a", ["b"], True)
+    assert got["head_unit"] == checks["a"]["units"]["head"]
     assert got["old_image"] == old
     assert (checks["a"]["canary"], checks["b"]["canary"]) == (True, False)

@@ -389,6 +389,9 @@ def check(
         "roles": sorted(node.roles) if node else [],
         "ranks": [node.rank] if node and "worker" in node.roles else [],
         "remote_ranks": list(tgt.remote_ranks),
+        # The units of the nodes this host runs, by role: the group's play stops the head
+        # before any worker moves (gotchas/multinode-cross-host-cutover.md).
+        "units": {role: tgt.unit(role) for role in sorted(node.roles)} if node else {},
         "image": image,
         "image_id": new.id,
         "env_image": current,

@@ -15,7 +15,8 @@ metrics); :class:`GroupTarget` says what differs for a group:
 
 A group whose nodes run on several hosts is moved by the fleet's play
 (``deploy/ansible/playbooks/multinode-cutover.yml``), one host at a time through this same
-target: each worker host first, then the head (gated on generation, which needs every worker).
+target: the head stopped, each worker host, then the head (gated on generation, which needs every
+worker); a worker started while a head runs would join that head's finished rendezvous.
 The head's own way back cannot be gated before those workers are back, so the head moves only
 without one (``--no-rollback``) and the play's rescue moves every node back, workers first
 (gotchas/multinode-cross-host-cutover.md).

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,6 +41,14 @@ GROUP = "xhost"
 START_TIMEOUT = 600
 
 
+@dataclass(frozen=True)
+class Mark:
+    """A moment (epoch seconds) and whether the group's head ran then."""
+
+    at: float
+    head_runs: bool
+
+
 @dataclass
 class FleetGroup:
     """The group on the fleet: its head and worker hosts, the head's port."""
@@ -62,6 +72,47 @@ class FleetGroup:
         """``docker inspect`` of the node's container; raises when it cannot be read (no such
         container included), so two failed reads never compare equal."""
         return inspect_container(node_container(GROUP, role), fmt)
+
+    def mark(self) -> Mark:
+        """Now, and whether the head's container runs now: where :meth:`starts_beside_a_head`
+        begins."""
+        running = subprocess.run(
+            ["docker", "ps", "-q", "--filter", f"name=^{node_container(GROUP, 'head')}$"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return Mark(time.time(), bool(running))
+
+    def starts_beside_a_head(self, mark: Mark) -> list[str]:
+        """The worker's container starts since ``mark`` that came while a head's container ran
+        whose group had formed (a worker had started since that head did; at ``mark``, a head
+        that ran had its group), each as its time, from the Docker engine's events. A worker
+        started so joins that head's finished rendezvous, and hangs once the head restarts; a
+        head started since waits for its workers, and a worker's start then is its join."""
+        head, worker = node_container(GROUP, "head"), node_container(GROUP, "worker")
+        out = subprocess.run(
+            ["docker", "events", "--since", f"{mark.at:.3f}", "--until", f"{time.time():.3f}"]
+            + ["--filter", f"container={head}", "--filter", f"container={worker}"]
+            + ["--filter", "event=start", "--filter", "event=die", "--format", "{{json .}}"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+        events = sorted(
+            (json.loads(line) for line in out.splitlines()), key=lambda e: e["timeNano"]
+        )
+        head_runs = formed = mark.head_runs
+        beside = []
+        for e in events:
+            if e["Actor"]["Attributes"]["name"] == head:
+                head_runs, formed = e["Action"] == "start", False
+            elif e["Action"] == "start" and head_runs:
+                if formed:
+                    beside.append(time.strftime("%H:%M:%S", time.gmtime(e["timeNano"] / 1e9)))
+                formed = True
+        return beside
 
     def history(self, role: str) -> list[dict]:
         """The node's host's record of the group (read inside the machine, not over SSH)."""

@@ -21,7 +21,9 @@ def multinode_plan(
 ) -> dict[str, object]:
     """The move of a group to ``image`` from ``checks`` ({host: its --check answer}).
 
-    Returns ``head`` (the host of the head), ``workers`` (the worker hosts, by rank),
+    Returns ``head`` (the host of the head), ``head_unit`` (its unit: the head stops before
+    any worker moves, since a worker started while a head runs joins that head's finished
+    rendezvous and hangs there once the head restarts), ``workers`` (the worker hosts, by rank),
     ``move_workers`` (those not already running ``image``: they move first, one after the
     other), ``move_head`` (the head moves when it does not run ``image`` or any worker moves:
     a worker's restart leaves the head unable to generate until it restarts too),
@@ -62,8 +64,15 @@ def multinode_plan(
     move_workers = [h for h in workers if not checks[h]["runs_image"]]
     move_head = bool(move_workers) or not checks[head]["runs_image"]
     wanted = checks[head].get("canary", False) if canary in (None, "") else _flag(canary)
+    unit = checks[head].get("units", {}).get("head")
+    if not unit:
+        raise _Refused(
+            f"{head} did not name its head's unit: an appliance older than this play; "
+            "install the same appliance on every host of the group"
+        )
     return {
         "head": head,
+        "head_unit": unit,
         "workers": workers,
         "move_workers": move_workers,
         "move_head": move_head,
