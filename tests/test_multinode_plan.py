@@ -5,14 +5,16 @@ The play itself, over SSH on two real hosts: tests/test_fleet_multinode.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 
-from appliance import units
+from appliance import profiles, units
 from appliance.host.layout import Layout, Node
 from appliance.instance import installer
 from appliance.units.instance import host_node
@@ -187,6 +189,37 @@ def test_a_head_whose_worker_runs_elsewhere_moves_only_without_its_own_way_back(
     assert env.read_bytes() == before
     after = {p: p.read_bytes() for p in (tmp_path / "var").rglob("*") if p.is_file()}
     assert after == state, "nothing written: not even the lock's holder"
+
+
+def test_a_worker_host_moves_only_while_its_head_is_down(tmp_path, cli_run, monkeypatch):
+    """A worker started beside a running head joins that head's finished rendezvous and hangs
+    once the head restarts (seen in the fleet tier): by hand, a worker host's move is refused
+    while the head's rendezvous port answers (a real listener there), untouched; with nothing
+    there, the move goes on to its next check (here the tree's Docker, not named)."""
+    prof = profiles.get(PROFILE)
+    head = socket.create_server(("127.0.0.1", 0))
+    port = head.getsockname()[1]
+    prof = dataclasses.replace(
+        prof, multinode=dataclasses.replace(prof.multinode, master_port=port)
+    )
+    opts = units.Options(image="gemma4-vllm:0.32.0", model_dir="/srv/tiny")
+    installer.install(prof, GROUP, node=Node(("worker",), 1), root=tmp_path, options=opts)
+    # The tree's systemd named: its ports (the head's address among them) are the tree's own.
+    monkeypatch.setenv("APPLIANCE_SYSTEMD_PREFIX", "true")
+    env = Layout(tmp_path).env_file(GROUP)
+    before = env.read_bytes()
+    argv = ["cutover", GROUP, "gemma4-vllm:0.32.0-mtp", "--root", str(tmp_path)]
+    with head:
+        result = cli_run(argv, code=None)
+    assert result.exit_code != 0
+    line = result.output.strip()
+    assert f"its head's rendezvous at 127.0.0.1:{port} answers" in line and "\n" not in line
+    assert "playbooks/multinode-cutover.yml" in line
+    assert env.read_bytes() == before
+    monkeypatch.delenv("DOCKER_HOST", raising=False)
+    result = cli_run(argv, code=None)
+    assert result.exit_code != 0 and "rendezvous" not in result.output
+    assert "Docker" in result.output, result.output
 
 
 def test_a_name_this_host_does_not_run_is_told_so(tmp_path, cli_run):

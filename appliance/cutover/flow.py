@@ -185,6 +185,7 @@ def _refusals(
     layout = ctx.layout
     locks.refuse_if_busy(layout.lock_file(name), name)
     tgt.check_way_back(rollback)
+    tgt.check_peers()
     api_key = tgt.api_key()
     # The canary asks the API: a host that runs only a group's worker has none.
     enabled = canary if tgt.answers else False

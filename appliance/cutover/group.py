@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import EngineError, UsageError
+from ..host import reach
 from ..host.names import Role
 from ..host.systemd import SystemdError
-from ..serve.health import image_waiting_for_head
+from ..serve import argsfile, health
 from ..units.instance import Instance
 from . import gates
 from .context import Context
@@ -70,6 +71,23 @@ class GroupTarget(EnvFileTarget):
                 "first, gates on the head, every node back on failure), or pass --no-rollback "
                 "and move the workers yourself",
             )
+
+    def check_peers(self) -> None:
+        """A host that runs only a worker moves it while its head is down: a worker started
+        beside a running head joins that head's finished rendezvous, and hangs there once the
+        head restarts (gotchas/multinode-cross-host-cutover.md). The fleet's play stops the
+        head first; a move by hand is refused while the head's rendezvous port answers."""
+        if "head" in self.node.roles or not reach.ports(self.root):
+            return
+        head = argsfile.read(self.inst.args_path).rendezvous()
+        if head is None or not health.listening(*head):
+            return
+        raise UsageError(
+            f"group {self.name}: its head's rendezvous at {head[0]}:{head[1]} answers, and a "
+            "worker started beside a running head joins that head's finished rendezvous",
+            fix="move the group with deploy/ansible/playbooks/multinode-cutover.yml (it stops "
+            "the head first), or stop the head's unit on its host first",
+        )
 
     @property
     def own_way_back(self) -> bool:
@@ -200,7 +218,7 @@ def _worker_gate(
         secs = round(time.monotonic() - t0, 2)
         if st.active != "active" or not st.invocation or st.invocation == previous:
             why = f"{unit} is {st.active} ({st.sub}), not a new start"
-        elif not got and image_waiting_for_head(st.status) == image.ref:
+        elif not got and health.image_waiting_for_head(st.status) == image.ref:
             # Its head is down (a way back moves the workers first): the worker checked the
             # image and waits to join; the head's gates, a generation, judge the group.
             detail = f"{unit} active on a new start, {st.status}"

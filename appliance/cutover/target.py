@@ -77,6 +77,11 @@ class Target(Protocol):
         """Refuse a move with a way back it cannot gate (a UsageError naming what to do)."""
         ...
 
+    def check_peers(self) -> None:
+        """Refuse a move that nodes on other hosts would not survive (a UsageError naming what
+        to do)."""
+        ...
+
     def api_key(self) -> str | None: ...
 
     def read(self) -> Snapshot:
@@ -175,6 +180,9 @@ class EnvFileTarget:
         return str(self.env_path)
 
     def check_way_back(self, rollback: bool) -> None:
+        return None
+
+    def check_peers(self) -> None:
         return None
 
     def read(self) -> Snapshot:

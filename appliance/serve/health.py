@@ -117,6 +117,15 @@ def notify_status(text: str) -> None:
         pass
 
 
+def listening(host: str, port: int) -> bool:
+    """Whether something accepts a TCP connection on ``host``:``port`` now."""
+    try:
+        with socket.create_connection((host, port), timeout=REQUEST_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
 def wait_listening(host: str, port: int, note: Callable[[str], None]) -> float:
     """Wait, without end, until something accepts a TCP connection on ``host``:``port``; the
     seconds it took. A worker waits so for its head's rendezvous: started while the head's host
