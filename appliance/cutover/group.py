@@ -80,7 +80,7 @@ class GroupTarget(EnvFileTarget):
         if "head" in self.node.roles or not reach.ports(self.root):
             return
         head = argsfile.read(self.inst.args_path).rendezvous()
-        if head is None or not health.listening(*head):
+        if head is None or health.refused(*head) is not None:
             return
         raise UsageError(
             f"group {self.name}: its head's rendezvous at {head[0]}:{head[1]} answers, and a "

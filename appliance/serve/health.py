@@ -117,13 +117,13 @@ def notify_status(text: str) -> None:
         pass
 
 
-def listening(host: str, port: int) -> bool:
-    """Whether something accepts a TCP connection on ``host``:``port`` now."""
+def refused(host: str, port: int) -> OSError | None:
+    """Why nothing accepts a TCP connection on ``host``:``port`` now; None when something does."""
     try:
         with socket.create_connection((host, port), timeout=REQUEST_TIMEOUT_S):
-            return True
-    except OSError:
-        return False
+            return None
+    except OSError as exc:
+        return exc
 
 
 def wait_listening(host: str, port: int, note: Callable[[str], None]) -> float:
@@ -134,19 +134,16 @@ def wait_listening(host: str, port: int, note: Callable[[str], None]) -> float:
     once, and joins when the head is back."""
     start = time.monotonic()
     noted = None
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=REQUEST_TIMEOUT_S):
-                return time.monotonic() - start
-        except OSError as exc:
-            now = time.monotonic()
-            if noted is None or now - noted >= NOTE_EVERY_S:
-                note(
-                    f"{WAITING_FOR_HEAD} at {host}:{port} ({exc.strerror or exc}):"
-                    " its host is down or its unit not started; the worker joins when it is back"
-                )
-                noted = now
+    while (exc := refused(host, port)) is not None:
+        now = time.monotonic()
+        if noted is None or now - noted >= NOTE_EVERY_S:
+            note(
+                f"{WAITING_FOR_HEAD} at {host}:{port} ({exc.strerror or exc}):"
+                " its host is down or its unit not started; the worker joins when it is back"
+            )
+            noted = now
         time.sleep(POLL_S)
+    return time.monotonic() - start
 
 
 def main_pid_alive() -> bool:

@@ -76,13 +76,11 @@ class FleetGroup:
     def mark(self) -> Mark:
         """Now, and whether the head's container runs now: where :meth:`starts_beside_a_head`
         begins."""
-        running = subprocess.run(
-            ["docker", "ps", "-q", "--filter", f"name=^{node_container(GROUP, 'head')}$"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return Mark(time.time(), bool(running))
+        try:
+            running = self.container("head", "{{.State.Running}}") == "true"
+        except RuntimeError:  # no head container: stopped (--rm)
+            running = False
+        return Mark(time.time(), running)
 
     def starts_beside_a_head(self, mark: Mark) -> list[str]:
         """The worker's container starts since ``mark`` that came while a head's container ran
